@@ -1,0 +1,120 @@
+"""The project's one exception tree. Third-party errors are translated at the boundary.
+
+    PipelineError
+    ├── ConfigError            every problem in a config, listed together
+    ├── PluginError            a `module:function` path that does not resolve or has the wrong shape
+    ├── StoreError             rollout state cannot be read or written
+    │   ├── CorruptRecordError a stored record does not decode (names the key)
+    │   ├── IncompatibleStoreError  the store belongs to another run, dataset or schema
+    │   └── StoreLockedError   another controller holds the store
+    ├── EngineError            an engine answered badly or not at all (names the URL and status)
+    │   ├── EngineUnavailableError  cannot connect, or timed out
+    │   └── VersionMismatchError    an engine reports a weight version the clock did not publish
+    ├── PublishError           a weight publish failed; the old version keeps serving
+    ├── RewardError            a reward function raised or timed out (recorded on the sample)
+    └── StageCrashedError      a pipeline stage died; carries the stage name and the cause
+
+Each error keeps the offending value as an attribute and in its message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "ConfigError",
+    "CorruptRecordError",
+    "EngineError",
+    "EngineUnavailableError",
+    "IncompatibleStoreError",
+    "PipelineError",
+    "PluginError",
+    "PublishError",
+    "RewardError",
+    "StageCrashedError",
+    "StoreError",
+    "StoreLockedError",
+    "VersionMismatchError",
+]
+
+
+class PipelineError(Exception):
+    """Base of every error this library raises on purpose."""
+
+
+class ConfigError(PipelineError):
+    """A config with one or more problems. `problems` lists each, naming the value and the rule."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
+
+
+class PluginError(PipelineError):
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(f"{path!r}: {reason}")
+
+
+class StoreError(PipelineError):
+    """Rollout state cannot be read or written. Nothing already stored is lost by this error."""
+
+
+class CorruptRecordError(StoreError):
+    def __init__(self, key: bytes | str, reason: str) -> None:
+        self.key = key
+        super().__init__(f"record {key!r} does not decode: {reason}")
+
+
+class IncompatibleStoreError(StoreError):
+    def __init__(self, field: str, stored: object, given: object) -> None:
+        self.field, self.stored, self.given = field, stored, given
+        super().__init__(f"the store was written with {field}={stored!r}, this run has {field}={given!r}")
+
+
+class StoreLockedError(StoreError):
+    def __init__(self, path: str, holder: str) -> None:
+        self.path, self.holder = path, holder
+        super().__init__(
+            f"the rollout store {path} is held by {holder}; stop that controller first "
+            "(there is no automatic failover)"
+        )
+
+
+class EngineError(PipelineError):
+    """An engine answered with an error. `url` and `status` say which and how."""
+
+    def __init__(self, url: str, message: str, *, status: int | None = None) -> None:
+        self.url, self.status = url, status
+        where = f"{url} (HTTP {status})" if status is not None else url
+        super().__init__(f"{where}: {message}")
+
+
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached, or did not answer within its deadline."""
+
+
+class VersionMismatchError(EngineError):
+    def __init__(self, url: str, reported: object, expected: object) -> None:
+        self.reported, self.expected = reported, expected
+        super().__init__(url, f"engine reports weight_version {reported!r}, the clock expects {expected!r}")
+
+
+class PublishError(PipelineError):
+    def __init__(self, version: int, reason: str) -> None:
+        self.version = version
+        super().__init__(f"publishing version {version} failed, version {version - 1} keeps serving: {reason}")
+
+
+class RewardError(PipelineError):
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(f"reward {path}: {reason}")
+
+
+class StageCrashedError(PipelineError):
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        self.stage = stage
+        super().__init__(f"stage {stage!r} crashed: {cause!r}")
+        self.__cause__ = cause

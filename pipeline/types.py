@@ -1,0 +1,261 @@
+"""The vocabulary every stage speaks: prompts, samples, groups, version spans, batches.
+
+Everything here is a frozen, slotted dataclass. A stage never mutates a sample; it builds the
+next one with `Sample.extended(...)` or `dataclasses.replace`. Per-token arrays are tuples so a
+sample can be hashed, compared and shared between tasks without copies going stale.
+
+The central invariant: `response_ids`, `logprobs` and `loss_mask` always have the same length,
+and `spans` tile `[0, len(response_ids))` exactly, in order, with no gaps. `Sample.extended` is
+the only way tokens are added, and it keeps that invariant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Batch",
+    "FinishReason",
+    "Group",
+    "PromptTask",
+    "Sample",
+    "SampleStatus",
+    "Segment",
+    "VersionSpan",
+    "group_id_for",
+]
+
+
+class SampleStatus(enum.Enum):
+    """Where one sample stands. `COMPLETED` and `TRUNCATED` are the two finished states."""
+
+    PENDING = "pending"  # never sent to an engine
+    RUNNING = "running"  # a request is in flight
+    PARTIAL = "partial"  # aborted with a prefix (possibly empty) that a later round continues
+    COMPLETED = "completed"  # the engine stopped on EOS or a stop token
+    TRUNCATED = "truncated"  # reached the response length limit
+    FAILED = "failed"  # the engine or the reward failed for good; `Sample.error` says why
+
+    @property
+    def finished(self) -> bool:
+        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+class FinishReason(enum.Enum):
+    """SGLang's `meta_info.finish_reason.type`, plus `error` for a request that failed."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpan:
+    """Response tokens `[start, end)` were produced by policy version `version`."""
+
+    start: int
+    end: int
+    version: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"a version span needs 0 <= start < end, got [{self.start}, {self.end})")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTask:
+    """One dataset row: the prompt already tokenized, plus whatever the reward function needs."""
+
+    index: int  # position in the dataset
+    prompt_ids: tuple[int, ...]
+    label: Any = None  # ground truth for the reward function (a JSON value)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """What one engine call added to a sample: new tokens, their log-probs, and how it ended."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    version: int  # the weight version the engine reported for these tokens
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"a segment needs one log-prob per token, got {len(self.token_ids)} tokens "
+                f"and {len(self.logprobs)} log-probs"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One response to one prompt, possibly built over several engine calls and policy versions."""
+
+    index: int  # position inside its group, 0..G-1
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()  # behaviour log-prob of each response token, as the engine reported it
+    loss_mask: tuple[int, ...] = ()  # 1 = the token trains
+    spans: tuple[VersionSpan, ...] = ()
+    status: SampleStatus = SampleStatus.PENDING
+    finish_reason: FinishReason | None = None
+    reward: float | None = None
+    error: str | None = None
+    # Response length at each continuation: a sample resumed twice, at 5 and 12 tokens, has (5, 12).
+    # The trainer masks `[0, resumed_at[0])` under --mask-offpolicy-in-partial-rollout.
+    resumed_at: tuple[int, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"sample {self.index}: per-token arrays out of step: {n} tokens, "
+                f"{len(self.logprobs)} log-probs, {len(self.loss_mask)} mask entries"
+            )
+        covered = 0
+        for span in self.spans:
+            if span.start != covered:
+                raise ValueError(f"sample {self.index}: version spans leave a gap or overlap at {covered}")
+            covered = span.end
+        if covered != n:
+            raise ValueError(f"sample {self.index}: version spans cover {covered} of {n} tokens")
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The policy version of the oldest token, or None for a sample with no tokens yet."""
+        return min((s.version for s in self.spans), default=None)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Each distinct policy version that produced tokens, in the order they appear."""
+        out: list[int] = []
+        for span in self.spans:
+            if not out or out[-1] != span.version:
+                out.append(span.version)
+        return tuple(out)
+
+    def token_versions(self) -> list[int]:
+        """The behaviour version of every response token, position by position."""
+        out: list[int] = []
+        for span in self.spans:
+            out.extend([span.version] * (span.end - span.start))
+        return out
+
+    def extended(self, segment: Segment, *, max_response_len: int) -> Sample:
+        """This sample with `segment` appended, its status set from the segment's finish reason.
+
+        A continued prefix keeps its own log-probs and versions; the new tokens get a new span,
+        merged into the previous one when the version did not change.
+        """
+        start = len(self.response_ids)
+        spans = list(self.spans)
+        if segment.token_ids:
+            end = start + len(segment.token_ids)
+            if spans and spans[-1].version == segment.version:
+                spans[-1] = VersionSpan(spans[-1].start, end, segment.version)
+            else:
+                spans.append(VersionSpan(start, end, segment.version))
+        response_ids = self.response_ids + segment.token_ids
+        status = _status_after(segment.finish_reason, len(response_ids), max_response_len)
+        return dataclasses.replace(
+            self,
+            response_ids=response_ids,
+            logprobs=self.logprobs + segment.logprobs,
+            loss_mask=self.loss_mask + (1,) * len(segment.token_ids),
+            spans=tuple(spans),
+            status=status,
+            finish_reason=segment.finish_reason,
+            error=segment.error,
+        )
+
+    def resumed(self) -> Sample:
+        """This partial sample marked as continued from its current length (for the off-policy mask)."""
+        if self.response_len == 0 or (self.resumed_at and self.resumed_at[-1] == self.response_len):
+            return self
+        return dataclasses.replace(self, resumed_at=self.resumed_at + (self.response_len,))
+
+
+def _status_after(reason: FinishReason, response_len: int, max_response_len: int) -> SampleStatus:
+    if reason is FinishReason.STOP:
+        return SampleStatus.COMPLETED
+    if reason is FinishReason.LENGTH or response_len >= max_response_len:
+        return SampleStatus.TRUNCATED
+    if reason is FinishReason.ABORT:
+        return SampleStatus.PARTIAL
+    return SampleStatus.FAILED
+
+
+def group_id_for(epoch: int, index: int) -> str:
+    """The stable id of the group for dataset row `index` in pass `epoch` over the dataset.
+
+    Derived, never random: the same prompt in the same epoch is the same group across restarts,
+    so the store can refuse to create it twice.
+    """
+    return f"e{epoch:04d}-p{index:09d}"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One prompt times G samples: the unit of scheduling, acceptance, persistence and requeue."""
+
+    group_id: str
+    task: PromptTask
+    epoch: int
+    samples: tuple[Sample, ...]
+    admitted_version: int  # the clock's version when the group was first admitted
+    seq: int = 0  # FIFO order, assigned once at admission and kept across requeues
+    rejected_reason: str | None = None  # set by the dynamic filter
+
+    @classmethod
+    def fresh(cls, task: PromptTask, *, epoch: int, n_samples: int, version: int, seq: int) -> Group:
+        samples = tuple(Sample(index=i, prompt_ids=task.prompt_ids) for i in range(n_samples))
+        return cls(group_id_for(epoch, task.index), task, epoch, samples, version, seq)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.samples)
+
+    @property
+    def failed(self) -> bool:
+        return any(s.status is SampleStatus.FAILED for s in self.samples)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest token version in the group; the admission version while it has no tokens."""
+        versions = [v for s in self.samples if (v := s.oldest_version) is not None]
+        return min(versions, default=self.admitted_version)
+
+    def staleness(self, current_version: int) -> int:
+        return current_version - self.oldest_version
+
+    @property
+    def multi_version(self) -> bool:
+        return any(len(s.versions) > 1 for s in self.samples)
+
+    def with_samples(self, samples: Sequence[Sample]) -> Group:
+        return dataclasses.replace(self, samples=tuple(samples))
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """`rollout_batch_size` ready groups handed to one training step."""
+
+    step: int
+    groups: tuple[Group, ...]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
