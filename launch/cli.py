@@ -1,0 +1,177 @@
+"""`python -m pipeline.launch`: from flags to a running pipeline, and back to a clean machine.
+
+This is the only module that knows the config tree. It builds plain components from it (store,
+engines, trainer, dataset) and hands them to `run_pipeline`. With no engine URL it starts the
+built-in engine(s) itself, behind the real sglang-router when there is more than one, and stops
+them on exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from pipeline.clock import VersionClock
+from pipeline.config import Config, load_config
+from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.metrics import MetricsSink
+from stages.sglang_client import EngineFleet
+from storage import AsyncStore
+from launch.run_state import open_run_state
+
+__all__ = ["main"]
+
+log = structlog.get_logger("launch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    _configure_logging(config.output.log_level)
+    for warning in config.warnings:
+        log.warning(warning)
+    try:
+        summary = anyio.run(_run, config)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+        return 130
+    _print_summary(summary)
+    return 0
+
+
+async def _run(config: Config) -> list[dict[str, Any]]:
+    out = Path(config.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    async with AsyncExitStack() as stack:
+        state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
+        store = AsyncStore(state.store)
+        stack.push_async_callback(store.aclose)
+        engines = await stack.enter_async_context(_engines(config, state.model_path))
+        clock = VersionClock(state.version)
+        # The engines must report the clock's version before the first request: a fresh engine
+        # says "default" or "0"; a resumed run loads the weights of the last finished step.
+        if state.weights is None:
+            await engines.update_weight_version(str(clock.version))
+        else:
+            await engines.update_weights_from_disk(str(state.weights), weight_version=str(clock.version))
+        trainer = await anyio.to_thread.run_sync(state.make_trainer)
+        sink = MetricsSink(Path(config.output.metrics_file))
+        stack.callback(sink.close)
+        progress = _progress(config, state.start_step)
+        stack.callback(progress.close)
+        log.info(
+            "run starts", output=str(out), mode=config.rollout.mode, partial=config.rollout.partial_rollout,
+            transport=config.storage.transport, engines=engines.worker_urls, start_step=state.start_step,
+        )
+        summary = await run_pipeline(
+            _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
+            reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
+            metrics=sink, clock=clock, on_step=progress.update_step,
+        )
+        return summary.metrics
+
+
+def _plan(config: Config) -> RolloutPlan:
+    r = config.rollout
+    n_engines = max(1, len(config.engine.urls) or config.engine.num_engines)
+    return RolloutPlan(
+        mode=r.mode, batch_size=r.rollout_batch_size, n_samples=r.n_samples_per_prompt, num_steps=r.num_rollout,
+        partial=r.partial_rollout, over_sampling=r.over_sampling_batch_size, prefetch=r.prefetch,
+        max_staleness=r.max_staleness, pause_mode=r.pause_mode,
+        slots=config.engine.sglang_server_concurrency * n_engines, max_response_len=r.max_response_len,
+        sampling_params={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+        reward_timeout=r.reward_timeout, seed=r.seed,
+    )
+
+
+class _engines:
+    """The engines for this run: the user's, or built-in ones this process starts and stops."""
+
+    def __init__(self, config: Config, model_path: Path) -> None:
+        self._config = config
+        self._model_path = model_path
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> EngineFleet:
+        from launch.engine_process import start_engines
+        from launch.router_process import start_router
+
+        e = self._config.engine
+        slots = e.sglang_server_concurrency
+        timeout = self._config.rollout.request_timeout
+        retries = self._config.rollout.max_retries
+        await self._stack.__aenter__()
+        try:
+            if e.router_url:
+                fleet = await EngineFleet.from_router(e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries)
+            elif e.urls:
+                fleet = EngineFleet(list(e.urls), concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
+            else:
+                procs = await self._stack.enter_async_context(
+                    start_engines(e.num_engines, self._model_path, host=e.host, max_running_requests=slots)
+                )
+                urls = [p.url for p in procs]
+                if len(urls) > 1:
+                    router = await self._stack.enter_async_context(start_router(urls, host=e.host))
+                    fleet = EngineFleet(urls, generate_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries)
+                else:
+                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries)
+            return await self._stack.enter_async_context(fleet)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.__aexit__(*exc)
+
+
+class _progress:
+    def __init__(self, config: Config, start_step: int) -> None:
+        self._bar = None
+        if config.output.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=config.rollout.num_rollout, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def update_step(self, record: dict[str, Any]) -> None:
+        if self._bar is None:
+            log.info("step", step=record["step"], reward=round(record["reward/mean"], 3))
+            return
+        self._bar.set_postfix(
+            reward=f"{record['reward/mean']:.3f}", len=f"{record['response_len/mean']:.1f}",
+            stale=record["staleness/max"], refresh=False,
+        )
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _print_summary(records: list[dict[str, Any]]) -> None:
+    if not records:
+        print("nothing to do: every step of this run is already trained")
+        return
+    k = max(1, min(5, len(records) // 4))
+    first = statistics.fmean(r["reward/mean"] for r in records[:k])
+    last = statistics.fmean(r["reward/mean"] for r in records[-k:])
+    print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({len(records)} steps)")
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())))

@@ -1,0 +1,234 @@
+"""The controller: one task group, the stage graph, and the training loop, read top to bottom.
+
+    dataset ─► dispenser ─► generator pool ─► reward ─► filter ─► collector ─► training loop
+                  ▲                                                             │
+                  └──── store (memory | LMDB) ◄── partial, ready, batches ◄─────┘
+
+Components take plain parameters; only `launch/` knows the config tree and builds them.
+The rollout policy is the one thing that differs between modes:
+- sync: grant exactly the groups a batch still lacks, wait for all of them (stragglers included);
+- sync + partial: grant `over_sampling` groups at a time until the batch can fill, then stop the
+  pool: running requests are aborted and their groups stored with their prefixes for next round;
+- async: keep the pool fed across training steps; the collector's bound and the staleness rule
+  are the only brakes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import structlog
+
+from pipeline.clock import VersionClock
+from pipeline.metrics import MetricsSink, batch_metrics
+from pipeline.types import Batch, PromptTask
+from stages.admission import Admission, Outcome
+from stages.collector import Collector
+from stages.dispenser import Dispenser
+from stages.filter import FilterStage
+from stages.generator import GenerateEngine, GeneratorPool
+from stages.publisher import WeightTarget, publish_weights
+from stages.reward import RewardFn, RewardStage
+from storage import AsyncStore, GroupState
+
+__all__ = ["RolloutPlan", "RunSummary", "Trainer", "run_pipeline"]
+
+log = structlog.get_logger("pipeline")
+
+
+class Trainer(Protocol):
+    """A training backend. Both methods block; the controller runs them off the event loop."""
+
+    def train_step(self, batch: Batch) -> Mapping[str, float]: ...
+
+    def save_weights(self, path: Path) -> Path: ...
+
+
+class Engines(GenerateEngine, WeightTarget, Protocol):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutPlan:
+    """The rollout decisions, as plain values."""
+
+    mode: str  # "sync" | "async"
+    batch_size: int  # groups per training step
+    n_samples: int
+    num_steps: int
+    partial: bool = False
+    over_sampling: int | None = None  # refill granularity in groups (partial rollout)
+    prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
+    max_staleness: int | None = None
+    pause_mode: str = "abort"
+    slots: int = 64  # concurrent sample requests over all engines (C x E)
+    max_response_len: int = 64
+    sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    reward_timeout: float = 30.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    steps: int
+    final_version: int
+    metrics: list[dict[str, Any]]
+
+
+async def run_pipeline(
+    plan: RolloutPlan,
+    *,
+    engines: Engines,
+    store: AsyncStore,
+    trainer: Trainer,
+    dataset: Sequence[PromptTask],
+    reward_fn: RewardFn,
+    filter_fn: Callable[..., Any] | None,
+    weights_dir: Path,
+    metrics: MetricsSink,
+    clock: VersionClock | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> RunSummary:
+    clock = clock or VersionClock()
+    admission = Admission()
+    prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
+    # In sync mode admission alone bounds the ready set; the collector's bound matters in async.
+    capacity = plan.batch_size + prefetch if plan.mode == "async" else math.inf
+
+    dispenser = Dispenser(store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission)
+    pool = GeneratorPool(
+        engines, slots=plan.slots, sampling_params=plan.sampling_params, max_response_len=plan.max_response_len,
+        clock=clock, store=store, admission=admission, seed=plan.seed,
+    )
+    reward = RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission)
+    gate = FilterStage(filter_fn, store=store, admission=admission)
+    collector = Collector(store=store, admission=admission, capacity=capacity)
+
+    # Small buffers: each stage hands over as soon as the next one can take, and backpressure
+    # travels upstream. The dispenser hands over with no buffer at all, so groups it has not yet
+    # handed over are still its own to place.
+    to_pool_send, to_pool = anyio.create_memory_object_stream(0)
+    to_reward_send, to_reward = anyio.create_memory_object_stream(plan.batch_size)
+    to_filter_send, to_filter = anyio.create_memory_object_stream(plan.batch_size)
+    to_collect_send, to_collect = anyio.create_memory_object_stream(plan.batch_size)
+
+    start_step = await store.trained_step() + 1
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispenser.run, to_pool_send)
+        await tg.start(pool.run, to_pool, to_reward_send)
+        await tg.start(reward.run, to_reward, to_filter_send)
+        await tg.start(gate.run, to_filter, to_collect_send)
+        await tg.start(collector.run, to_collect)
+        if plan.mode == "async":
+            tg.start_soon(_feed_async, plan, admission, collector)
+
+        for step in range(start_step, plan.num_steps):
+            t_rollout = time.perf_counter()
+            busy_before = pool.statistics().busy_slot_seconds
+            if plan.mode == "sync":
+                await _fill_sync(plan, admission, collector, pool)
+            else:
+                await collector.wait_ready(plan.batch_size)
+            batch = await store.take_batch(step, plan.batch_size)
+            assert batch is not None, "the collector counted more ready groups than the store holds"
+            collector.taken(len(batch.groups))
+            rollout_seconds = time.perf_counter() - t_rollout
+            busy = pool.statistics().busy_slot_seconds - busy_before
+
+            # Training blocks for seconds; it runs on a worker thread so generation (in async
+            # mode) keeps going on the event loop meanwhile.
+            record = {"step": step, "version": clock.version, **batch_metrics(batch, version=clock.version)}
+            t_train = time.perf_counter()
+            train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+            new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
+            train_seconds = time.perf_counter() - t_train
+
+            report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
+            # Progress is committed only after the new weights serve: a crash before this line
+            # trains this batch again from the same checkpoint, never twice past it.
+            await store.finish_batch(step)
+
+            record.update({f"train/{k}": v for k, v in train_metrics.items()})
+            record.update(_step_counters(admission, pool, gate, rollout_seconds, busy, plan.slots))
+            record.update({
+                "time/rollout": rollout_seconds, "time/train": train_seconds,
+                "time/publish_gate_closed": report.gate_closed_seconds,
+                "time/publish_update": report.update_seconds,
+                "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
+                "queue/in_flight": admission.outstanding,
+            })
+            metrics.write(record)
+            if on_step is not None:
+                on_step(record)
+            log.debug("step", **{k: record[k] for k in ("step", "reward/mean", "staleness/max")})
+
+        # Leave nothing behind: running requests are aborted and their groups stored as partial,
+        # so the next run (or the next epoch of this one) continues them.
+        admission.revoke()
+        await pool.stop()
+        await admission.wait_settled()
+        tg.cancel_scope.cancel()
+    return RunSummary(plan.num_steps - start_step, clock.version, metrics.records)
+
+
+async def _fill_sync(plan: RolloutPlan, admission: Admission, collector: Collector, pool: GeneratorPool) -> None:
+    """Run one synchronous rollout round until `batch_size` accepted groups are ready."""
+    target = plan.batch_size
+    if not plan.partial:
+        while collector.ready < target:
+            short = target - collector.ready - admission.outstanding
+            if short > 0:
+                admission.grant(short)
+            await admission.wait_change()
+        return
+    chunk = plan.over_sampling or target
+    while collector.ready < target:
+        while collector.ready + admission.outstanding < target:
+            admission.grant(chunk)
+        await admission.wait_change()
+    # Enough: abort the rest. Groups that finish during the drain still become ready (surplus for
+    # the next batch); the others go to the store with their prefixes, resumed first next round.
+    admission.revoke()
+    await pool.stop()
+    await admission.wait_settled()
+    pool.resume()
+
+
+async def _feed_async(plan: RolloutPlan, admission: Admission, collector: Collector) -> None:
+    """Keep enough groups in flight to fill every slot, across training steps.
+
+    In-flight groups are capped at twice what the slots can run at once, so finished groups held up
+    by a full collector cannot pile up without bound. With `max_staleness = N`, a group is admitted
+    only while fewer than `(N + 1) * batch_size` groups are ready or in flight ahead of it: it then
+    lands in one of the next N + 1 batches, trained at most N versions after it started.
+    """
+    in_flight_cap = 2 * max(1, -(-plan.slots // plan.n_samples))
+    while True:
+        limit = in_flight_cap
+        if plan.max_staleness is not None:
+            limit = min(limit, (plan.max_staleness + 1) * plan.batch_size - collector.ready)
+        if admission.outstanding < limit:
+            admission.grant(limit - admission.outstanding)
+        await admission.wait_change()
+
+
+def _step_counters(
+    admission: Admission, pool: GeneratorPool, gate: FilterStage, rollout_seconds: float, busy: float, slots: int
+) -> dict[str, float]:
+    g = pool.statistics()
+    return {
+        "groups/ready_total": admission.count(Outcome.READY),
+        "groups/rejected_total": admission.count(Outcome.REJECTED),
+        "groups/failed_total": admission.count(Outcome.FAILED),
+        "groups/partial_total": admission.count(Outcome.PARTIAL),
+        "samples/resumed_total": g.resumed_samples,
+        "requests/aborted_total": g.aborted_requests,
+        "tokens/generated_total": g.generated_tokens,
+        "engine/busy_frac": busy / (slots * rollout_seconds) if rollout_seconds > 0 else 0.0,
+    }

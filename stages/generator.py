@@ -1,0 +1,223 @@
+"""The generator pool: runs samples on the engines, at most `slots` requests at a time.
+
+Slots are counted in samples, not groups: when most samples of a group are done, their slots take
+samples of the next group instead of idling behind one straggler.
+
+Continuation is token-exact: a sample with a prefix is resent as `prompt + response_so_far` in
+`input_ids`, with `max_new_tokens = max_response_len - len(response_so_far)`; nothing is ever
+re-tokenized, and a finished sample is never regenerated.
+
+`stop()` is the partial-rollout "enough": no new request starts, every engine aborts what it runs,
+and each group ends somewhere: finished groups go downstream, the rest go to the store as partial
+groups with every prefix they have. Nothing generated is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pipeline.clock import VersionClock
+from pipeline.errors import EngineError, VersionMismatchError
+from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment
+from stages.admission import Admission, Outcome
+from storage import AsyncStore
+
+__all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics"]
+
+# How long a stop waits for aborted requests to come back before it aborts again. A request that
+# was on the wire while the first abort ran reaches the engine after it, and needs a second one.
+REABORT_INTERVAL = 0.25
+
+
+class GenerateEngine(Protocol):
+    """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> Any: ...
+
+    async def abort_all(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorStatistics:
+    slots: int
+    running_requests: int
+    groups_in_flight: int
+    requests: int
+    aborted_requests: int
+    resumed_samples: int
+    generated_tokens: int
+    failed_samples: int
+    busy_slot_seconds: float  # sum over requests of their time in flight
+
+
+class GeneratorPool:
+    def __init__(
+        self,
+        engine: GenerateEngine,
+        *,
+        slots: int,
+        sampling_params: Mapping[str, Any],
+        max_response_len: int,
+        clock: VersionClock,
+        store: AsyncStore,
+        admission: Admission,
+        seed: int = 0,
+    ) -> None:
+        self._engine = engine
+        self._slots = anyio.Semaphore(slots)
+        self._n_slots = slots
+        self._params = dict(sampling_params)
+        self._max_len = max_response_len
+        self._clock = clock
+        self._store = store
+        self._admission = admission
+        self._seed = seed
+        self._stopping = False
+        self._groups_in_flight = 0
+        self._running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0)
+        self._busy = 0.0
+
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[Group],
+        send: MemoryObjectSendStream[Group],
+        *,
+        task_status: TaskStatus[None],
+    ) -> None:
+        async with receive, send, anyio.create_task_group() as tg:
+            task_status.started()
+            while True:
+                # Take the next group only once a slot is free, so queued groups stay with the
+                # dispenser (where a stop can still return them untouched) rather than here.
+                async with self._slots:
+                    pass
+                try:
+                    group = await receive.receive()
+                except anyio.EndOfStream:
+                    return
+                self._groups_in_flight += 1
+                self._idle = anyio.Event() if self._idle.is_set() else self._idle
+                tg.start_soon(self._run_group, group, send.clone())
+
+    # -- stop and resume (partial rollout) ----------------------------------------------------
+    async def stop(self) -> None:
+        """Start no new request, abort every running one, and wait until every group has left."""
+        self._stopping = True
+        while self._groups_in_flight:
+            await self._engine.abort_all()
+            with anyio.move_on_after(REABORT_INTERVAL):
+                await self._idle.wait()
+
+    def resume(self) -> None:
+        self._stopping = False
+
+    # -- one group ----------------------------------------------------------------------------
+    async def _run_group(self, group: Group, send: MemoryObjectSendStream[Group]) -> None:
+        async with send:
+            try:
+                samples = list(group.samples)
+
+                async def run_one(i: int) -> None:
+                    samples[i] = await self._run_sample(group, samples[i])
+
+                async with anyio.create_task_group() as tg:
+                    for i, sample in enumerate(samples):
+                        if not sample.status.finished:
+                            tg.start_soon(run_one, i)
+                group = group.with_samples(samples)
+                await self._dispose(group, send)
+            finally:
+                self._groups_in_flight -= 1
+                if not self._groups_in_flight:
+                    self._idle.set()
+
+    async def _dispose(self, group: Group, send: MemoryObjectSendStream[Group]) -> None:
+        if group.failed:
+            await self._store.put_failed(group)
+            self._admission.settle(Outcome.FAILED)
+        elif group.finished:
+            await send.send(group)
+        else:
+            # Shielded: once a group is out of the engines, it must reach the store even if the
+            # pipeline is being cancelled, or its prefixes would be lost.
+            with anyio.CancelScope(shield=True):
+                await self._store.put_partial(group)
+            self._admission.settle(Outcome.PARTIAL)
+
+    async def _run_sample(self, group: Group, sample: Sample) -> Sample:
+        while not sample.status.finished and sample.status is not SampleStatus.FAILED:
+            left = self._max_len - sample.response_len
+            if left <= 0:
+                return dataclasses.replace(sample, status=SampleStatus.TRUNCATED, finish_reason=FinishReason.LENGTH)
+            async with self._slots:
+                if self._stopping:
+                    return sample
+                if sample.response_len:
+                    sample = sample.resumed()
+                    self._stats["resumed"] += 1
+                segment = await self._request(group, sample, left)
+            sample = sample.extended(segment, max_response_len=self._max_len)
+            if sample.status is SampleStatus.PARTIAL:
+                # Aborted. While stopping, the prefix goes to the store with its group. Otherwise a
+                # publish paused the engines: resume as soon as the new version serves.
+                if self._stopping:
+                    return sample
+                await self._clock.wait_serving()
+        return sample
+
+    async def _request(self, group: Group, sample: Sample, max_new_tokens: int) -> Segment:
+        params = dict(self._params, max_new_tokens=max_new_tokens, sampling_seed=self._sample_seed(group, sample))
+        rid = f"{group.group_id}-s{sample.index}-{sample.response_len}"
+        self._running += 1
+        self._stats["requests"] += 1
+        started = time.perf_counter()
+        try:
+            result = await self._engine.generate(sample.prompt_ids + sample.response_ids, params, rid=rid)
+        except EngineError as exc:
+            # Retries already happened inside the client; this sample has failed for good.
+            self._stats["failed"] += 1
+            return Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+        finally:
+            self._running -= 1
+            self._busy += time.perf_counter() - started
+        segment = result.to_segment(self._check_version(result.weight_version))
+        self._stats["tokens"] += len(segment.token_ids)
+        if segment.finish_reason is FinishReason.ABORT:
+            self._stats["aborted"] += 1
+        return segment
+
+    def _check_version(self, reported: str) -> int:
+        """The engine's version for these tokens; anything the clock did not publish is an error."""
+        now = self._clock.version
+        allowed = {now, now + 1} if self._clock.publishing else {now}
+        try:
+            version = int(reported)
+        except (TypeError, ValueError):
+            version = None
+        if version not in allowed:
+            raise VersionMismatchError("engine", reported, sorted(allowed))
+        return version
+
+    def _sample_seed(self, group: Group, sample: Sample) -> int:
+        # Stable per sample, so a deterministic engine continues a prefix exactly as it would
+        # have generated it uninterrupted.
+        return zlib.crc32(f"{self._seed}:{group.group_id}:{sample.index}".encode())
+
+    def statistics(self) -> GeneratorStatistics:
+        s = self._stats
+        return GeneratorStatistics(
+            self._n_slots, self._running, self._groups_in_flight, s["requests"], s["aborted"],
+            s["resumed"], s["tokens"], s["failed"], self._busy,
+        )

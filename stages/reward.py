@@ -1,0 +1,81 @@
+"""The reward stage: scores every sample of a finished group with the user's function.
+
+The function is `(task: PromptTask, sample: Sample) -> float`, sync or async, resolved once when the
+config loads. An async function runs under a deadline; a sync one runs inline (keep it cheap, or
+make it async). An exception or a timeout is recorded on the sample, which then counts as failed:
+its group is stored as failed and shows in the metrics, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Union
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pipeline.types import Group, PromptTask, Sample, SampleStatus
+from stages.admission import Admission, Outcome
+from storage import AsyncStore
+
+__all__ = ["RewardFn", "RewardStage", "RewardStatistics"]
+
+RewardFn = Callable[[PromptTask, Sample], Union[float, Awaitable[float]]]
+
+
+@dataclass(frozen=True, slots=True)
+class RewardStatistics:
+    scored_samples: int
+    failed_samples: int
+
+
+class RewardStage:
+    def __init__(self, reward_fn: RewardFn, *, timeout: float, store: AsyncStore, admission: Admission) -> None:
+        self._fn = reward_fn
+        self._is_async = inspect.iscoroutinefunction(reward_fn)
+        self._timeout = timeout
+        self._store = store
+        self._admission = admission
+        self._scored = 0
+        self._failed = 0
+
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[Group],
+        send: MemoryObjectSendStream[Group],
+        *,
+        task_status: TaskStatus[None],
+    ) -> None:
+        task_status.started()
+        async with receive, send:
+            async for group in receive:
+                group = group.with_samples([await self._score(group.task, s) for s in group.samples])
+                if group.failed:
+                    await self._store.put_failed(group)
+                    self._admission.settle(Outcome.FAILED)
+                else:
+                    await send.send(group)
+
+    async def _score(self, task: PromptTask, sample: Sample) -> Sample:
+        if sample.reward is not None:  # scored in an earlier round, before its group was requeued
+            return sample
+        try:
+            if self._is_async:
+                with anyio.fail_after(self._timeout):
+                    value = await self._fn(task, sample)
+            else:
+                value = self._fn(task, sample)
+            reward = float(value)
+        except Exception as exc:  # noqa: BLE001 - a user function's failure is data, recorded on the sample
+            self._failed += 1
+            reason = "timed out" if isinstance(exc, TimeoutError) else repr(exc)
+            return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")
+        self._scored += 1
+        return dataclasses.replace(sample, reward=reward)
+
+    def statistics(self) -> RewardStatistics:
+        return RewardStatistics(self._scored, self._failed)
