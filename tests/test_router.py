@@ -1,0 +1,105 @@
+"""The real sglang-router (a subprocess) in front of two fake SGLang engines."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import anyio
+import pytest
+
+from launch.router_process import RouterProcess, start_router
+from pipeline.errors import EngineError, EngineUnavailableError
+from pipeline.types import FinishReason
+from stages.sglang_client import EngineFleet, GenerateResult
+from tests.fakes import FakeSGLang
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[FakeSGLang, FakeSGLang]]:
+    async with FakeSGLang(weight_version="1") as a, FakeSGLang(weight_version="1") as b:
+        yield a, b
+
+
+@pytest.fixture
+async def router(engines) -> AsyncIterator[RouterProcess]:
+    with anyio.fail_after(30):
+        router = await start_router([e.url for e in engines])
+    async with router:
+        yield router
+    assert not router.running
+
+
+def fleet_behind(router: RouterProcess) -> EngineFleet:
+    return EngineFleet(router_url=router.url, concurrency=8, request_timeout=20, control_timeout=5, retry_backoff=0.01)
+
+
+async def test_generation_is_spread_over_both_engines_found_by_discovery(engines, router):
+    a, b = engines
+    async with fleet_behind(router) as fleet:
+        assert fleet.generate_url == router.url
+        assert set(fleet.worker_urls) == {a.url, b.url}  # from GET /workers
+        for i in range(6):
+            result = await fleet.generate(PROMPT, {"max_new_tokens": 3, "sampling_seed": i}, rid=f"spread-{i}")
+            assert result.finish_reason is FinishReason.LENGTH and len(result.logprobs) == 3
+    assert (a.calls["/generate"], b.calls["/generate"]) == (3, 3)  # round robin
+    # The router forwards the request as sent: rid, token ids, sampling params, logprobs on.
+    payload = a.generate_payloads[0]
+    assert payload["input_ids"] == PROMPT and payload["return_logprob"] is True
+    assert payload["rid"].startswith("spread-") and payload["sampling_params"]["max_new_tokens"] == 3
+
+
+async def test_abort_all_through_the_fleet_reaches_every_engine(engines, router):
+    a, b = engines
+    a.hold_at = b.hold_at = 2
+    results: list[GenerateResult] = []
+    async with fleet_behind(router) as fleet, aiohttp.ClientSession() as session:
+        # The router itself has no /abort_request: that is why the fleet fans out.
+        async with session.post(router.url + "/abort_request", json={"abort_all": True}) as resp:
+            assert resp.status == 404
+
+        async def run(i: int) -> None:
+            results.append(await fleet.generate(PROMPT, {"max_new_tokens": 10}, rid=f"held-{i}"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for i in range(2):
+                    tg.start_soon(run, i)
+                await a.wait_until(lambda: a.held == 1)
+                await b.wait_until(lambda: b.held == 1)
+                await fleet.abort_all()
+    assert len(results) == 2
+    for result in results:
+        assert result.finish_reason is FinishReason.ABORT
+        assert len(result.token_ids) == len(result.logprobs) == 2
+    assert a.calls["/abort_request"] == b.calls["/abort_request"] == 1
+
+
+async def test_weight_versions_come_from_both_engines(engines, router):
+    a, b = engines
+    async with fleet_behind(router) as fleet:
+        assert await fleet.weight_versions() == {a.url: "1", b.url: "1"}
+        await fleet.update_weight_version("2")
+        assert await fleet.weight_versions() == {a.url: "2", b.url: "2"}
+        stamped = {
+            (await fleet.generate(PROMPT, {"max_new_tokens": 1}, rid=f"v-{i}")).weight_version for i in range(2)
+        }
+    assert stamped == {"2"}
+    assert a.calls["/generate"] == b.calls["/generate"] == 1
+
+
+async def test_a_router_that_exits_reports_its_log():
+    with anyio.fail_after(30), pytest.raises(EngineError, match="exited with code") as info:
+        await start_router(["http://127.0.0.1:9"], policy="no_such_policy")
+    assert "no_such_policy" in str(info.value)  # argparse's complaint, from the log tail
+
+
+async def test_a_router_whose_workers_never_come_up_times_out_and_is_stopped():
+    with anyio.fail_after(30), pytest.raises(EngineUnavailableError, match="not ready within 1 s") as info:
+        await start_router(["http://127.0.0.1:9"], startup_timeout=1.0)
+    assert "listed [] of ['http://127.0.0.1:9']" in str(info.value)
+    assert "\x1b[" not in str(info.value)  # the log tail comes without colour codes
