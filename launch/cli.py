@@ -117,9 +117,13 @@ class _engines:
         await self._stack.__aenter__()
         try:
             if e.router_url:
-                fleet = await EngineFleet.from_router(e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries)
+                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries)
+            elif len(e.urls) == 1:
+                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries)
             elif e.urls:
-                fleet = EngineFleet(list(e.urls), concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
+                # Several engines need a router in front of them; the pipeline starts one.
+                router = await self._stack.enter_async_context(start_router(list(e.urls), host=e.host))
+                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
             else:
                 procs = await self._stack.enter_async_context(
                     start_engines(e.num_engines, self._model_path, host=e.host, max_running_requests=slots)
@@ -127,7 +131,7 @@ class _engines:
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
                     router = await self._stack.enter_async_context(start_router(urls, host=e.host))
-                    fleet = EngineFleet(urls, generate_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries)
+                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries)
                 else:
                     fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries)
             return await self._stack.enter_async_context(fleet)

@@ -48,9 +48,10 @@ async def publish_weights(
     with clock.publish() as version:
         try:
             await engines.pause(pause_mode)
-            if pause_mode != "in_place":
-                # The engines flush after a disk update anyway; this only frees the KV cache early,
-                # so a busy engine is not a reason to fail the publish.
+            if pause_mode == "abort":
+                # Only abort empties the engines: retract keeps requests waiting and in_place keeps
+                # them running, and SGLang refuses to flush then. The engines flush after a disk
+                # update anyway; this frees the KV cache early, so a busy engine is no failure.
                 try:
                     await engines.flush_cache(flush_deadline)
                 except EngineError:

@@ -203,6 +203,11 @@ class FakeSGLang:
     def held(self) -> int:
         return sum(1 for r in self._requests.values() if r.held)
 
+    def hold(self, k: int | None) -> None:
+        """Park requests before their k-th new token from now on (None: never)."""
+        self.hold_at = k
+        self._notify()
+
     def release(self) -> None:
         """Let held requests run to the end."""
         self.hold_at = None
