@@ -1,0 +1,186 @@
+"""Every LMDB database name, key and index entry the store uses, built in this one module.
+
+One environment holds these named databases:
+
+    meta           b"run" -> RunMeta record, b"cursor" -> Cursor record, b"trained_step" -> i64,
+                   b"counts" -> groups per state, b"layout" -> the layout version of this file
+    groups         group id -> Group record (codec)
+    state          group id -> state entry: state code, oldest version, seq (what the indexes are keyed by)
+    by_state       state code + group id -> b""    (every group of one state, for recover and `groups()`)
+    partial_order  (oldest_version, seq) + group id -> b""    PARTIAL groups in serving order
+    ready_order    (oldest_version, seq) + group id -> b""    READY groups in serving order
+    batches        step -> batch record (the step and its group ids, in batch order)
+
+Integers in keys are big-endian with the sign bit flipped, so LMDB's bytewise key order is numeric
+order (negative values included). Order keys end in the group id, so two groups with the same
+(version, seq) still get distinct keys; UTF-8 byte order equals code-point order, so the memory
+store sorts the same way by comparing `(version, seq, group_id)` tuples.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from pipeline.errors import CorruptRecordError, StoreError
+
+from .protocol import GroupState
+
+__all__ = [
+    "BATCHES",
+    "BY_STATE",
+    "DATABASES",
+    "GROUPS",
+    "META",
+    "META_COUNTS",
+    "META_CURSOR",
+    "META_LAYOUT",
+    "META_RUN",
+    "META_TRAINED_STEP",
+    "PARTIAL_ORDER",
+    "READY_ORDER",
+    "STATE",
+    "STATE_ORDER",
+    "by_state_key",
+    "by_state_prefix",
+    "counts_value",
+    "describe",
+    "group_id_of_by_state_key",
+    "group_id_of_order_key",
+    "group_key",
+    "order_key",
+    "parse_counts",
+    "parse_i64",
+    "parse_state_entry",
+    "parse_step_key",
+    "i64_value",
+    "state_entry",
+    "step_key",
+]
+
+# Database names.
+META = b"meta"
+GROUPS = b"groups"
+STATE = b"state"
+BY_STATE = b"by_state"
+PARTIAL_ORDER = b"partial_order"
+READY_ORDER = b"ready_order"
+BATCHES = b"batches"
+DATABASES = (META, GROUPS, STATE, BY_STATE, PARTIAL_ORDER, READY_ORDER, BATCHES)
+
+# Keys in `meta`.
+META_RUN = b"run"
+META_CURSOR = b"cursor"
+META_TRAINED_STEP = b"trained_step"
+META_COUNTS = b"counts"
+META_LAYOUT = b"layout"
+
+# One byte per state, fixed forever: stored on disk, so never derived from enum order.
+_STATE_CODE = {
+    GroupState.RUNNING: b"r",
+    GroupState.PARTIAL: b"p",
+    GroupState.READY: b"y",
+    GroupState.BATCHED: b"b",
+    GroupState.TRAINED: b"t",
+    GroupState.REJECTED: b"x",
+    GroupState.FAILED: b"f",
+}
+_CODE_STATE = {code[0]: state for state, code in _STATE_CODE.items()}
+# The order of the per-state counters in the `counts` record.
+STATE_ORDER = tuple(_STATE_CODE)
+
+# LMDB refuses keys over 511 bytes; order keys add 16 bytes in front of the id.
+_MAX_ID_BYTES = 400
+_U64 = struct.Struct(">Q")
+_ORDER = struct.Struct(">QQ")
+_STATE_ENTRY = struct.Struct(">cQQ")
+_COUNTS = struct.Struct(f">{len(STATE_ORDER)}Q")
+_SIGN = 1 << 63
+
+
+def _flip(value: int) -> int:
+    """Signed 64-bit -> unsigned with the same order (offset binary)."""
+    if not -_SIGN <= value < _SIGN:
+        raise StoreError(f"integer {value} does not fit a 64-bit store key")
+    return value + _SIGN
+
+
+def group_key(group_id: str) -> bytes:
+    key = group_id.encode()
+    if not key or len(key) > _MAX_ID_BYTES:
+        raise StoreError(f"group id {group_id!r} must be 1..{_MAX_ID_BYTES} UTF-8 bytes to be a store key")
+    return key
+
+
+def order_key(oldest_version: int, seq: int, group_id: str) -> bytes:
+    """Key in `partial_order` / `ready_order`: serving order is oldest version, then FIFO seq."""
+    return _ORDER.pack(_flip(oldest_version), _flip(seq)) + group_key(group_id)
+
+
+def group_id_of_order_key(key: bytes) -> str:
+    return bytes(key[_ORDER.size :]).decode()
+
+
+def by_state_prefix(state: GroupState) -> bytes:
+    return _STATE_CODE[state]
+
+
+def by_state_key(state: GroupState, group_id: str) -> bytes:
+    return _STATE_CODE[state] + group_key(group_id)
+
+
+def group_id_of_by_state_key(key: bytes) -> str:
+    return bytes(key[1:]).decode()
+
+
+def step_key(step: int) -> bytes:
+    return _U64.pack(_flip(step))
+
+
+def parse_step_key(key: bytes) -> int:
+    return _U64.unpack(key)[0] - _SIGN
+
+
+def i64_value(value: int) -> bytes:
+    return _U64.pack(_flip(value))
+
+
+def parse_i64(value: bytes, *, key: str) -> int:
+    if len(value) != _U64.size:
+        raise CorruptRecordError(key, f"expected {_U64.size} bytes, found {len(value)}")
+    return _U64.unpack(value)[0] - _SIGN
+
+
+def state_entry(state: GroupState, oldest_version: int, seq: int) -> bytes:
+    """Value in `state`: enough to find a group's index entries without decoding the group."""
+    return _STATE_ENTRY.pack(_STATE_CODE[state], _flip(oldest_version), _flip(seq))
+
+
+def parse_state_entry(value: bytes, *, key: str) -> tuple[GroupState, int, int]:
+    if len(value) != _STATE_ENTRY.size:
+        raise CorruptRecordError(key, f"state entry of {len(value)} bytes, expected {_STATE_ENTRY.size}")
+    code, version, seq = _STATE_ENTRY.unpack(value)
+    state = _CODE_STATE.get(code[0])
+    if state is None:
+        raise CorruptRecordError(key, f"unknown state code {code!r}")
+    return state, version - _SIGN, seq - _SIGN
+
+
+def counts_value(counts: dict[GroupState, int]) -> bytes:
+    return _COUNTS.pack(*(counts[s] for s in STATE_ORDER))
+
+
+def parse_counts(value: bytes) -> dict[GroupState, int]:
+    if len(value) != _COUNTS.size:
+        raise CorruptRecordError(describe(META, META_COUNTS), f"{len(value)} bytes, expected {_COUNTS.size}")
+    return dict(zip(STATE_ORDER, _COUNTS.unpack(value), strict=True))
+
+
+def describe(db: bytes, key: bytes) -> str:
+    """A key as errors name it: `groups/e0000-p000000007`, `batches/<hex>`."""
+    try:
+        shown = bytes(key).decode()
+        if not shown.isprintable():
+            raise ValueError
+    except ValueError:
+        shown = bytes(key).hex()
+    return f"{db.decode()}/{shown}"

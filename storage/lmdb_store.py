@@ -1,0 +1,550 @@
+"""`LmdbStore`: the `Store` protocol in one LMDB environment, durable across crashes and restarts.
+
+Layout (see `storage.keys`): a record per group, a small state entry per group, a by-state index
+and two ordering indexes, so `claim_partial(k)` and `take_batch(step, k)` read the first k keys of
+an index (O(k log n)) instead of scanning. Each public method is one LMDB transaction: either all
+of it is on disk or none of it is.
+
+One writer. LMDB allows one write transaction at a time per environment, but nothing stops two
+processes from each believing they own the run, so a writer holds an exclusive `flock` on
+`writer.lock` in the store directory (which records who holds it) for as long as it is open. A
+read-only store takes no lock and never writes; it is for replay and inspection.
+
+Where the cost hides: with `sync=True` every transaction ends in an fsync (about a millisecond on a
+local SSD); `sync=False` trades durability of the last transactions on an OS crash for speed (a
+process crash still loses nothing committed). The map is a virtual reservation: it starts at
+`map_size` and doubles whenever a transaction finds it full.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import lmdb
+
+from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
+from pipeline.types import Batch, Group
+
+from . import codec, keys
+from .protocol import SCHEMA_VERSION, Cursor, GroupState, RecoveryReport, RunMeta, StoreStatistics
+
+__all__ = ["LmdbStore"]
+
+T = TypeVar("T")
+
+_RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.BATCHED
+_ORDER_DB = {_PARTIAL: keys.PARTIAL_ORDER, _READY: keys.READY_ORDER}
+_LOCK_FILE = "writer.lock"
+_MAX_MAP_SIZE = 1 << 40  # 1 TiB: past this, a full map is a bug or a disk problem, not growth
+_StateEntry = tuple[GroupState, int, int]
+
+
+class _Write:
+    """One write transaction plus the store's counters as they will be if it commits.
+
+    The counters are copies: a transaction that aborts (an error, or a full map that is retried)
+    leaves the store's own counters untouched.
+    """
+
+    __slots__ = ("counts", "cursor", "dbs", "trained_step", "txn")
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, object], store: LmdbStore) -> None:
+        self.txn, self.dbs = txn, dbs
+        self.counts = dict(store._counts)
+        self.cursor = store._cursor
+        self.trained_step = store._trained_step
+
+    def state_of(self, gid: str) -> _StateEntry | None:
+        raw = self.txn.get(keys.group_key(gid), db=self.dbs[keys.STATE])
+        return None if raw is None else keys.parse_state_entry(raw, key=keys.describe(keys.STATE, gid.encode()))
+
+    def move(self, gid: str, old: _StateEntry | None, new: GroupState, version: int, seq: int) -> None:
+        """Point every index at the group's new state (and, for PARTIAL/READY, its serving place)."""
+        txn, dbs = self.txn, self.dbs
+        if old is not None:
+            old_state, old_version, old_seq = old
+            removed = txn.delete(keys.by_state_key(old_state, gid), db=dbs[keys.BY_STATE])
+            if old_state in _ORDER_DB:
+                key = keys.order_key(old_version, old_seq, gid)
+                removed = txn.delete(key, db=dbs[_ORDER_DB[old_state]]) and removed
+            if not removed:
+                raise StoreError(f"group {gid!r}: the indexes do not agree with its state {old_state.value}")
+            self.counts[old_state] -= 1
+        txn.put(keys.group_key(gid), keys.state_entry(new, version, seq), db=dbs[keys.STATE])
+        txn.put(keys.by_state_key(new, gid), b"", db=dbs[keys.BY_STATE])
+        if new in _ORDER_DB:
+            txn.put(keys.order_key(version, seq, gid), b"", db=dbs[_ORDER_DB[new]])
+        self.counts[new] += 1
+
+    def group(self, gid: str) -> Group:
+        key = keys.group_key(gid)
+        raw = self.txn.get(key, db=self.dbs[keys.GROUPS])
+        if raw is None:
+            raise CorruptRecordError(keys.describe(keys.GROUPS, key), "indexed, but the record is missing")
+        return codec.decode_group(raw, key=keys.describe(keys.GROUPS, key))
+
+    def first_in_order(self, state: GroupState, limit: int) -> list[str]:
+        out: list[str] = []
+        if limit <= 0:
+            return out
+        for key in self.txn.cursor(db=self.dbs[_ORDER_DB[state]]).iternext(keys=True, values=False):
+            out.append(keys.group_id_of_order_key(key))
+            if len(out) == limit:
+                break
+        return out
+
+
+class LmdbStore:
+    """The durable store. Thread-safe: every method holds one lock for its transaction."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, map_size: int = 1 << 30, sync: bool = True, readonly: bool = False
+    ) -> None:
+        self._path = os.fspath(path)
+        self._readonly = readonly
+        self._lock = threading.Lock()
+        self._lock_fd: int | None = None
+        self._transactions = 0
+        self._bytes_used = 0
+        if readonly:
+            if not os.path.exists(os.path.join(self._path, "data.mdb")):
+                raise StoreError(f"there is no rollout store at {self._path}")
+        else:
+            try:
+                os.makedirs(self._path, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the rollout store directory {self._path}: {exc}") from exc
+            self._lock_fd = _take_writer_lock(self._path)
+        self._env: lmdb.Environment | None = None
+        try:
+            self._env = _open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
+            self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
+            self._page_size = self._env.stat()["psize"]
+        except lmdb.Error as exc:
+            self.close()
+            raise StoreError(f"cannot open the rollout store at {self._path}: {exc}") from exc
+        try:
+            self._check_layout()
+            self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
+            self._note_size()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    # --- run metadata and cursor ----------------------------------------------------------------
+
+    def read_meta(self) -> RunMeta | None:
+        def fn(txn: lmdb.Transaction) -> RunMeta | None:
+            raw = txn.get(keys.META_RUN, db=self._dbs[keys.META])
+            return None if raw is None else codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
+
+        return self._read(fn)
+
+    def write_meta(self, meta: RunMeta) -> None:
+        """Records what the store is for. Refuses (IncompatibleStoreError) to change it once written."""
+        data = codec.encode_meta(meta)
+
+        def fn(w: _Write) -> None:
+            raw = w.txn.get(keys.META_RUN, db=self._dbs[keys.META])
+            if raw is not None:
+                stored = codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
+                if (diff := codec.meta_difference(stored, meta)) is not None:
+                    raise IncompatibleStoreError(*diff)
+            w.txn.put(keys.META_RUN, data, db=self._dbs[keys.META])
+
+        self._write(fn)
+
+    def cursor(self) -> Cursor:
+        return self._counters()[1]
+
+    # --- the state machine ----------------------------------------------------------------------
+
+    def admit(self, groups: Sequence[Group], cursor: Cursor) -> None:
+        # Encode before the transaction: the write lock is held only for the writes themselves.
+        records = []
+        seen: set[str] = set()
+        for group in groups:
+            gid = group.group_id
+            if gid in seen:
+                raise StoreError(f"group {gid!r} appears twice in one admit; nothing was stored")
+            seen.add(gid)
+            records.append((gid, keys.group_key(gid), codec.encode_group(group), group.oldest_version, group.seq))
+        cursor_record = codec.encode_cursor(cursor)
+
+        def fn(w: _Write) -> None:
+            for gid, key, data, version, seq in records:
+                if not w.txn.put(key, data, db=self._dbs[keys.GROUPS], overwrite=False):
+                    state = w.state_of(gid)
+                    shown = state[0].value if state is not None else "unindexed"
+                    raise StoreError(f"group {gid!r} already exists ({shown}); nothing was stored")
+                w.move(gid, None, _RUNNING, version, seq)
+            w.txn.put(keys.META_CURSOR, cursor_record, db=self._dbs[keys.META])
+            w.cursor = cursor
+
+        self._write(fn)
+
+    def claim_partial(self, limit: int) -> list[Group]:
+        def fn(w: _Write) -> list[Group]:
+            claimed = []
+            for gid in w.first_in_order(_PARTIAL, limit):
+                old = self._expect(w, gid, _PARTIAL)
+                claimed.append(w.group(gid))
+                w.move(gid, old, _RUNNING, old[1], old[2])
+            return claimed
+
+        return self._write(fn)
+
+    def put_partial(self, group: Group) -> None:
+        self._put(group, _PARTIAL)
+
+    def put_ready(self, group: Group) -> None:
+        self._put(group, _READY)
+
+    def put_rejected(self, group: Group) -> None:
+        self._put(group, GroupState.REJECTED)
+
+    def put_failed(self, group: Group) -> None:
+        self._put(group, GroupState.FAILED)
+
+    def take_batch(self, step: int, size: int) -> Batch | None:
+        if size < 1:
+            raise ValueError(f"a batch needs at least one group, got size={size}")
+        step_key = keys.step_key(step)
+
+        def fn(w: _Write) -> Batch | None:
+            existing = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            if existing is not None:
+                return self._batch_from_ref(w, step_key, existing)
+            if step <= w.trained_step:
+                raise StoreError(f"step {step} is already trained (trained step {w.trained_step}) and has no batch")
+            if w.counts[_READY] < size:
+                return None
+            ids = w.first_in_order(_READY, size)
+            groups = []
+            for gid in ids:
+                old = self._expect(w, gid, _READY)
+                groups.append(w.group(gid))
+                w.move(gid, old, _BATCHED, old[1], old[2])
+            w.txn.put(step_key, codec.encode_batch_ref(step, ids), db=self._dbs[keys.BATCHES])
+            return Batch(step=step, groups=tuple(groups))
+
+        return self._write(fn)
+
+    def finish_batch(self, step: int) -> None:
+        step_key = keys.step_key(step)
+
+        def fn(w: _Write) -> None:
+            raw = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            if raw is None:
+                raise StoreError(f"no batch was taken for step {step}")
+            if step <= w.trained_step:  # finished already: a retry after a crash
+                return
+            earliest = self._first_open_step(w)
+            if earliest is not None and earliest < step:
+                raise StoreError(f"step {step} cannot finish before step {earliest}: steps finish in order")
+            _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+            for gid in ids:
+                old = self._expect(w, gid, _BATCHED)
+                w.move(gid, old, GroupState.TRAINED, old[1], old[2])
+            w.txn.put(keys.META_TRAINED_STEP, keys.i64_value(step), db=self._dbs[keys.META])
+            w.trained_step = step
+
+        self._write(fn)
+
+    def trained_step(self) -> int:
+        return self._counters()[2]
+
+    def recover(self) -> RecoveryReport:
+        def fn(w: _Write) -> RecoveryReport:
+            prefix = keys.by_state_prefix(_RUNNING)
+            running = []
+            cursor = w.txn.cursor(db=self._dbs[keys.BY_STATE])
+            if cursor.set_range(prefix):
+                for key in cursor.iternext(keys=True, values=False):
+                    if not key.startswith(prefix):
+                        break
+                    running.append(keys.group_id_of_by_state_key(key))
+            for gid in running:
+                old = self._expect(w, gid, _RUNNING)
+                w.move(gid, old, _PARTIAL, old[1], old[2])
+            # Batches after the trained step never reached a checkpoint: their groups go back to READY.
+            open_batches = []
+            cursor = w.txn.cursor(db=self._dbs[keys.BATCHES])
+            if cursor.set_range(keys.step_key(w.trained_step + 1)):
+                open_batches = list(cursor.iternext(keys=True, values=True))
+            requeued = 0
+            for step_key, raw in open_batches:
+                _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+                for gid in ids:
+                    old = self._expect(w, gid, _BATCHED)
+                    w.move(gid, old, _READY, old[1], old[2])
+                    requeued += 1
+                w.txn.delete(step_key, db=self._dbs[keys.BATCHES])
+            return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
+
+        return self._write(fn)
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def count(self, state: GroupState) -> int:
+        return self._counters()[0][state]
+
+    def get(self, group_id: str) -> tuple[GroupState, Group] | None:
+        def fn(txn: lmdb.Transaction) -> tuple[GroupState, Group] | None:
+            w = self._reader(txn)
+            entry = w.state_of(group_id)
+            return None if entry is None else (entry[0], w.group(group_id))
+
+        return self._read(fn)
+
+    def groups(self, state: GroupState) -> Iterator[Group]:
+        """A snapshot, read in one transaction (no transaction stays open while the caller iterates)."""
+
+        def fn(txn: lmdb.Transaction) -> list[Group]:
+            w = self._reader(txn)
+            if state in _ORDER_DB:
+                ids = w.first_in_order(state, 1 << 62)
+            else:
+                prefix = keys.by_state_prefix(state)
+                ids = []
+                cursor = txn.cursor(db=self._dbs[keys.BY_STATE])
+                if cursor.set_range(prefix):
+                    for key in cursor.iternext(keys=True, values=False):
+                        if not key.startswith(prefix):
+                            break
+                        ids.append(keys.group_id_of_by_state_key(key))
+            return [w.group(gid) for gid in ids]
+
+        return iter(self._read(fn))
+
+    def batch(self, step: int) -> Batch | None:
+        step_key = keys.step_key(step)
+
+        def fn(txn: lmdb.Transaction) -> Batch | None:
+            raw = txn.get(step_key, db=self._dbs[keys.BATCHES])
+            return None if raw is None else self._batch_from_ref(self._reader(txn), step_key, raw)
+
+        return self._read(fn)
+
+    def statistics(self) -> StoreStatistics:
+        """Cheap for a writer: its counters live in memory, so no transaction (and no lock wait)."""
+        if self._readonly:
+            counts, cursor, trained = self._counters()
+            self._note_size()
+        else:
+            counts, cursor, trained = self._counts, self._cursor, self._trained_step
+        return StoreStatistics(
+            counts=dict(counts),
+            cursor=cursor,
+            trained_step=trained,
+            transactions=self._transactions,
+            bytes_used=self._bytes_used,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            env, self._env = self._env, None
+            if env is not None:
+                env.close()
+            self._release_writer_lock()
+
+    def __enter__(self) -> LmdbStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self._readonly else "writer"
+        return f"LmdbStore({self._path!r}, {mode})"
+
+    # --- transactions ---------------------------------------------------------------------------
+
+    def _write(self, fn: Callable[[_Write], T]) -> T:
+        """Run `fn` in one write transaction; on a full map, double it and run `fn` again."""
+        if self._readonly:
+            raise StoreError(f"the rollout store {self._path} is open read-only")
+        with self._lock:
+            env = self._open_env()
+            while True:
+                try:
+                    with env.begin(write=True) as txn:
+                        w = _Write(txn, self._dbs, self)
+                        result = fn(w)
+                        if w.counts != self._counts:
+                            txn.put(keys.META_COUNTS, keys.counts_value(w.counts), db=self._dbs[keys.META])
+                    break
+                except lmdb.MapFullError:
+                    self._grow(env)  # the transaction was aborted; nothing of it is stored
+                except lmdb.Error as exc:
+                    raise StoreError(f"rollout store {self._path}: {exc}") from exc
+            self._counts, self._cursor, self._trained_step = w.counts, w.cursor, w.trained_step
+            self._transactions += 1
+            self._bytes_used = self._used_bytes(env)
+            return result
+
+    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        with self._lock:
+            env = self._open_env()
+            for _ in range(3):
+                try:
+                    with env.begin() as txn:
+                        return fn(txn)
+                except lmdb.MapResizedError:
+                    env.set_mapsize(0)  # the writer (another process) grew the map: adopt its size
+                except lmdb.Error as exc:
+                    raise StoreError(f"rollout store {self._path}: {exc}") from exc
+            raise StoreError(f"rollout store {self._path}: the map keeps being resized under a reader")
+
+    def _grow(self, env: lmdb.Environment) -> None:
+        size = env.info()["map_size"]
+        if size * 2 > _MAX_MAP_SIZE:
+            raise StoreError(f"rollout store {self._path}: the map is full at {size} bytes and may not grow further")
+        try:
+            env.set_mapsize(size * 2)
+        except lmdb.Error as exc:
+            raise StoreError(f"rollout store {self._path}: cannot grow the map past {size} bytes: {exc}") from exc
+
+    def _reader(self, txn: lmdb.Transaction) -> _Write:
+        # The read helpers of `_Write` work on any transaction; a reader never writes through it.
+        return _Write(txn, self._dbs, self)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _open_env(self) -> lmdb.Environment:
+        if self._env is None:
+            raise StoreError(f"the rollout store {self._path} is closed")
+        return self._env
+
+    def _check_layout(self) -> None:
+        """Stamp a new store with its layout version; refuse a store written by another layout."""
+        meta = self._dbs[keys.META]
+
+        def stamp(w: _Write) -> None:
+            if w.txn.get(keys.META_LAYOUT, db=meta) is None:
+                w.txn.put(keys.META_LAYOUT, keys.i64_value(SCHEMA_VERSION), db=meta)
+
+        if not self._readonly:
+            self._counts = dict.fromkeys(GroupState, 0)
+            self._cursor, self._trained_step = Cursor(), -1
+            self._write(stamp)
+            self._transactions = 0  # stamping the store is not the caller's transaction
+        raw = self._read(lambda txn: txn.get(keys.META_LAYOUT, db=meta))
+        stored = None if raw is None else keys.parse_i64(raw, key=keys.describe(keys.META, keys.META_LAYOUT))
+        if stored != SCHEMA_VERSION:
+            raise IncompatibleStoreError("schema_version", stored, SCHEMA_VERSION)
+
+    def _load_counters(self, txn: lmdb.Transaction) -> tuple[dict[GroupState, int], Cursor, int]:
+        meta = self._dbs[keys.META]
+        raw_counts = txn.get(keys.META_COUNTS, db=meta)
+        counts = dict.fromkeys(GroupState, 0) if raw_counts is None else keys.parse_counts(raw_counts)
+        raw_cursor = txn.get(keys.META_CURSOR, db=meta)
+        cursor = Cursor() if raw_cursor is None else codec.decode_cursor(
+            raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR)
+        )
+        raw_step = txn.get(keys.META_TRAINED_STEP, db=meta)
+        trained = -1 if raw_step is None else keys.parse_i64(
+            raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP)
+        )
+        return counts, cursor, trained
+
+    def _counters(self) -> tuple[dict[GroupState, int], Cursor, int]:
+        # The writer is the only one changing the store, so its copies are the truth. A read-only
+        # store may be watching a live writer in another process: read fresh.
+        if self._readonly:
+            return self._read(self._load_counters)
+        self._open_env()
+        return self._counts, self._cursor, self._trained_step
+
+    def _put(self, group: Group, to: GroupState) -> None:
+        gid = group.group_id
+        key = keys.group_key(gid)
+        data = codec.encode_group(group)
+        version, seq = group.oldest_version, group.seq
+
+        def fn(w: _Write) -> None:
+            old = w.state_of(gid)
+            if old is None:
+                raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
+            if old[0] is not _RUNNING:
+                raise StoreError(f"group {gid!r} is {old[0].value}, not running; it cannot become {to.value}")
+            w.txn.put(key, data, db=self._dbs[keys.GROUPS])
+            w.move(gid, old, to, version, seq)
+
+        self._write(fn)
+
+    def _expect(self, w: _Write, gid: str, state: GroupState) -> _StateEntry:
+        entry = w.state_of(gid)
+        if entry is None or entry[0] is not state:
+            found = "missing" if entry is None else entry[0].value
+            raise StoreError(f"group {gid!r} is indexed as {state.value} but its state is {found}")
+        return entry
+
+    def _first_open_step(self, w: _Write) -> int | None:
+        cursor = w.txn.cursor(db=self._dbs[keys.BATCHES])
+        if not cursor.set_range(keys.step_key(w.trained_step + 1)):
+            return None
+        return keys.parse_step_key(cursor.key())
+
+    def _batch_from_ref(self, w: _Write, step_key: bytes, raw: bytes) -> Batch:
+        step, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+        return Batch(step=step, groups=tuple(w.group(gid) for gid in ids))
+
+    def _note_size(self) -> None:
+        with self._lock:
+            if self._env is not None:
+                self._bytes_used = self._used_bytes(self._env)
+
+    def _used_bytes(self, env: lmdb.Environment) -> int:
+        return (env.info()["last_pgno"] + 1) * self._page_size
+
+    def _release_writer_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            try:
+                os.ftruncate(fd, 0)  # no stale holder shown after a clean close
+            finally:
+                os.close(fd)  # closing the descriptor releases the flock
+
+
+def _open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.Environment:
+    options = dict(map_size=map_size, max_dbs=len(keys.DATABASES), subdir=True, readonly=readonly, sync=sync)
+    try:
+        return lmdb.open(path, create=not readonly, metasync=sync, lock=True, **options)
+    except lmdb.Error:
+        if not readonly:
+            raise
+    # A reader registers itself in lock.mdb, which needs a writable directory. An archived store on
+    # read-only media has no writer to guard against: read it without LMDB's reader table.
+    return lmdb.open(path, create=False, lock=False, **options)
+
+
+def _take_writer_lock(path: str) -> int:
+    """An exclusive, non-blocking flock on `<path>/writer.lock`, which then names its holder."""
+    lock_path = os.path.join(path, _LOCK_FILE)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"cannot create the writer lock {lock_path}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+        holder = holder or "another process (it has not named itself yet)"
+        os.close(fd)
+        raise StoreLockedError(path, holder) from None
+    except OSError as exc:
+        os.close(fd)
+        raise StoreError(f"cannot lock {lock_path}: {exc}") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    return fd

@@ -1,0 +1,234 @@
+"""`MemoryStore`: the `Store` protocol in plain dicts and heaps. Lost on exit, by design.
+
+It keeps Group objects as they are (they are frozen), so nothing is encoded on this path. It obeys
+the same rules and raises the same errors as the LMDB store; the shared test suite holds both to it.
+
+Serving order lives in two heaps of `(oldest_version, seq, group_id)`. A group leaves PARTIAL only
+through `claim_partial` and READY only through `take_batch`, and both pop from the top, so the heaps
+never need deletions from the middle: every take is O(k log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+from pipeline.errors import IncompatibleStoreError, StoreError
+from pipeline.types import Batch, Group
+
+from . import keys
+from .codec import meta_difference
+from .protocol import Cursor, GroupState, RecoveryReport, RunMeta, StoreStatistics
+
+__all__ = ["MemoryStore"]
+
+_RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.BATCHED
+_Order = tuple[int, int, str]
+
+
+class MemoryStore:
+    """Synchronous, one process, not thread-safe on its own (`AsyncStore` calls it from one task at a time)."""
+
+    def __init__(self) -> None:
+        self._meta: RunMeta | None = None
+        self._cursor = Cursor()
+        self._trained_step = -1
+        self._groups: dict[str, tuple[GroupState, Group]] = {}
+        # Members of each state, in arrival order (a dict is an ordered set).
+        self._members: dict[GroupState, dict[str, None]] = {s: {} for s in GroupState}
+        self._partial: list[_Order] = []
+        self._ready: list[_Order] = []
+        self._batches: dict[int, tuple[str, ...]] = {}
+        self._open_steps: set[int] = set()  # batches taken but not finished: steps > trained_step
+        self._transactions = 0
+        self._closed = False
+
+    # --- run metadata and cursor ----------------------------------------------------------------
+
+    def read_meta(self) -> RunMeta | None:
+        self._check_open()
+        return self._meta
+
+    def write_meta(self, meta: RunMeta) -> None:
+        """Records what the store is for. Refuses (IncompatibleStoreError) to change it once written."""
+        self._check_open()
+        if self._meta is not None and (diff := meta_difference(self._meta, meta)) is not None:
+            raise IncompatibleStoreError(*diff)
+        self._meta = meta
+        self._transactions += 1
+
+    def cursor(self) -> Cursor:
+        self._check_open()
+        return self._cursor
+
+    # --- the state machine ----------------------------------------------------------------------
+
+    def admit(self, groups: Sequence[Group], cursor: Cursor) -> None:
+        self._check_open()
+        seen: set[str] = set()
+        for group in groups:
+            gid = group.group_id
+            keys.group_key(gid)  # the same id rules as the LMDB store
+            if gid in seen:
+                raise StoreError(f"group {gid!r} appears twice in one admit; nothing was stored")
+            seen.add(gid)
+            if (entry := self._groups.get(gid)) is not None:
+                raise StoreError(f"group {gid!r} already exists ({entry[0].value}); nothing was stored")
+        for group in groups:
+            self._set(group, _RUNNING)
+        self._cursor = cursor
+        self._transactions += 1
+
+    def claim_partial(self, limit: int) -> list[Group]:
+        self._check_open()
+        claimed: list[Group] = []
+        while self._partial and len(claimed) < limit:
+            _, _, gid = heapq.heappop(self._partial)
+            group = self._groups[gid][1]
+            self._move(gid, _PARTIAL, _RUNNING, group)
+            claimed.append(group)
+        self._transactions += 1
+        return claimed
+
+    def put_partial(self, group: Group) -> None:
+        self._put(group, _PARTIAL)
+
+    def put_ready(self, group: Group) -> None:
+        self._put(group, _READY)
+
+    def put_rejected(self, group: Group) -> None:
+        self._put(group, GroupState.REJECTED)
+
+    def put_failed(self, group: Group) -> None:
+        self._put(group, GroupState.FAILED)
+
+    def take_batch(self, step: int, size: int) -> Batch | None:
+        self._check_open()
+        if size < 1:
+            raise ValueError(f"a batch needs at least one group, got size={size}")
+        if step in self._batches:
+            self._transactions += 1
+            return self._batch_of(step)
+        if step <= self._trained_step:
+            raise StoreError(f"step {step} is already trained (trained step {self._trained_step}) and has no batch")
+        self._transactions += 1
+        if len(self._ready) < size:
+            return None
+        ids = []
+        for _ in range(size):
+            _, _, gid = heapq.heappop(self._ready)
+            self._move(gid, _READY, _BATCHED, self._groups[gid][1])
+            ids.append(gid)
+        self._batches[step] = tuple(ids)
+        self._open_steps.add(step)
+        return self._batch_of(step)
+
+    def finish_batch(self, step: int) -> None:
+        self._check_open()
+        if step not in self._batches:
+            raise StoreError(f"no batch was taken for step {step}")
+        if step <= self._trained_step:  # finished already: a retry after a crash
+            self._transactions += 1
+            return
+        if earlier := [s for s in self._open_steps if s < step]:
+            raise StoreError(f"step {step} cannot finish before step {min(earlier)}: steps finish in order")
+        for gid in self._batches[step]:
+            self._move(gid, _BATCHED, GroupState.TRAINED, self._groups[gid][1])
+        self._open_steps.discard(step)
+        self._trained_step = step
+        self._transactions += 1
+
+    def trained_step(self) -> int:
+        self._check_open()
+        return self._trained_step
+
+    def recover(self) -> RecoveryReport:
+        self._check_open()
+        running = list(self._members[_RUNNING])
+        for gid in running:
+            self._move(gid, _RUNNING, _PARTIAL, self._groups[gid][1])
+        requeued = 0
+        for step in sorted(self._open_steps):
+            for gid in self._batches.pop(step):
+                self._move(gid, _BATCHED, _READY, self._groups[gid][1])
+                requeued += 1
+        self._open_steps.clear()
+        self._transactions += 1
+        return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def count(self, state: GroupState) -> int:
+        self._check_open()
+        return len(self._members[state])
+
+    def get(self, group_id: str) -> tuple[GroupState, Group] | None:
+        self._check_open()
+        return self._groups.get(group_id)
+
+    def groups(self, state: GroupState) -> Iterator[Group]:
+        self._check_open()
+        if state is _PARTIAL or state is _READY:
+            ids = [gid for _, _, gid in sorted(self._partial if state is _PARTIAL else self._ready)]
+        else:
+            ids = list(self._members[state])
+        return iter([self._groups[gid][1] for gid in ids])
+
+    def batch(self, step: int) -> Batch | None:
+        self._check_open()
+        return self._batch_of(step) if step in self._batches else None
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(
+            counts={s: len(m) for s, m in self._members.items()},
+            cursor=self._cursor,
+            trained_step=self._trained_step,
+            transactions=self._transactions,
+            bytes_used=0,
+        )
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._groups.clear()
+            self._batches.clear()
+
+    def __enter__(self) -> MemoryStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the memory store is closed")
+
+    def _put(self, group: Group, to: GroupState) -> None:
+        self._check_open()
+        gid = group.group_id
+        entry = self._groups.get(gid)
+        if entry is None:
+            raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
+        if entry[0] is not _RUNNING:
+            raise StoreError(f"group {gid!r} is {entry[0].value}, not running; it cannot become {to.value}")
+        self._move(gid, _RUNNING, to, group)
+        self._transactions += 1
+
+    def _set(self, group: Group, state: GroupState) -> None:
+        gid = group.group_id
+        self._groups[gid] = (state, group)
+        self._members[state][gid] = None
+        if state is _PARTIAL:
+            heapq.heappush(self._partial, (group.oldest_version, group.seq, gid))
+        elif state is _READY:
+            heapq.heappush(self._ready, (group.oldest_version, group.seq, gid))
+
+    def _move(self, gid: str, old: GroupState, new: GroupState, group: Group) -> None:
+        # The heap entry of `old` (PARTIAL or READY) was already popped by the caller.
+        del self._members[old][gid]
+        self._set(group, new)
+
+    def _batch_of(self, step: int) -> Batch:
+        return Batch(step=step, groups=tuple(self._groups[gid][1] for gid in self._batches[step]))
