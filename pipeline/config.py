@@ -184,7 +184,7 @@ class StorageConfig:
 
 @dataclass(frozen=True, slots=True)
 class TrainerConfig:
-    lr: float = _opt(1e-3, "--lr", "float", gt=0, help="learning rate")
+    lr: float = _opt(5e-3, "--lr", "float", gt=0, help="learning rate")
     eps_clip: float = _opt(0.2, "--eps-clip", "float", gt=0, help="PPO ratio clip (low side)")
     eps_clip_high: float | None = _opt(
         None, "--eps-clip-high", "float", gt=0, default_help="--eps-clip", help="PPO ratio clip, high side")

@@ -57,7 +57,7 @@ def test_defaults():
     assert (e.urls, e.router_url, e.num_engines, e.sglang_server_concurrency) == ((), None, 1, 64)
     assert (e.hf_checkpoint, e.host) == (None, "127.0.0.1")
     assert (s.transport, s.run_id) == ("memory", "default")
-    assert (t.lr, t.eps_clip, t.use_tis, t.tis_clip, t.max_grad_norm) == (1e-3, 0.2, True, 2.0, 1.0)
+    assert (t.lr, t.eps_clip, t.use_tis, t.tis_clip, t.max_grad_norm) == (5e-3, 0.2, True, 2.0, 1.0)
     assert (o.progress, o.log_level) == (True, "info")
     assert config.warnings == ()
     assert not r.resumes_partial_groups

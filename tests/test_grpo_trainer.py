@@ -1,0 +1,283 @@
+"""The built-in GRPO trainer on the real tiny model: advantages, per-token TIS, the off-policy mask,
+weight saving, and that it actually learns the toy task."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import pytest
+import torch
+
+from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
+from stages.grpo_trainer import GRPOTrainer, group_advantages
+from stages.tiny_model import EOS_ID, make_model_folder
+from stages.toy_task import encode, toy_dataset, toy_reward
+
+MAX_LEN = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    """The trainer sets torch's process-wide thread count; give later test modules theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def _sample(index: int, prompt: tuple[int, ...], *segments: Segment) -> Sample:
+    """A sample built the way the generator builds one: segment by segment, resumed after aborts."""
+    sample = Sample(index=index, prompt_ids=prompt)
+    for seg in segments:
+        if sample.status is SampleStatus.PARTIAL:
+            sample = sample.resumed()
+        sample = sample.extended(seg, max_response_len=MAX_LEN)
+    return sample
+
+
+def _group(task: PromptTask, samples: list[Sample], rewards: list[float | None], *, seq: int = 0) -> Group:
+    group = Group.fresh(task, epoch=0, n_samples=len(samples), version=0, seq=seq)
+    return group.with_samples([dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)])
+
+
+def _seg(tokens: str, logprobs: list[float] | float, reason: FinishReason, version: int) -> Segment:
+    ids = encode(tokens)
+    lps = logprobs if isinstance(logprobs, list) else [logprobs] * len(ids)
+    return Segment(ids, tuple(lps), reason, version)
+
+
+PROMPT = encode("say a x2:")
+TASK = PromptTask(index=0, prompt_ids=PROMPT, label={"char": "a", "count": 2})
+
+
+# ---- advantages -------------------------------------------------------------------------------
+
+
+def test_group_advantages_normalise_within_the_group():
+    adv = group_advantages([0.0, 1.0, 1.0, 2.0])
+    std = statistics.stdev([0.0, 1.0, 1.0, 2.0])
+    assert adv == pytest.approx([-1 / (std + 1e-6), 0.0, 0.0, 1 / (std + 1e-6)])
+    # Shifting a group's rewards does not change its advantages: each group has its own baseline.
+    assert group_advantages([10.0, 11.0, 11.0, 12.0]) == pytest.approx(adv)
+    assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]  # no signal, no update
+    # A failed sample (None) is left out of the mean and std and gets 0.
+    half = 0.5 / (math.sqrt(0.5) + 1e-6)  # mean 0.5, unbiased std sqrt(0.5)
+    assert group_advantages([0.0, None, 1.0]) == pytest.approx([-half, 0.0, half])
+    assert group_advantages([1.0, None]) == [0.0, 0.0]
+
+
+def test_train_step_normalises_each_group_separately_and_skips_failed_samples(model_dir):
+    trainer = GRPOTrainer(model_dir)
+    ok = [_sample(i, PROMPT, _seg("ab", -1.0, FinishReason.STOP, 0)) for i in range(3)]
+    failed = _sample(3, PROMPT, _seg("abc", -1.0, FinishReason.ERROR, 0))
+    assert failed.status is SampleStatus.FAILED
+    g0 = _group(TASK, [*ok, failed], [0.0, 1.0, 2.0, None])
+    g1 = _group(TASK, ok, [100.0, 101.0, 102.0], seq=1)
+    metrics = trainer.train_step(Batch(0, (g0, g1)))
+    # Both groups normalise to (-1, 0, 1); the failed sample is not among the trained advantages.
+    assert metrics["advantage_std"] == pytest.approx(statistics.pstdev([-1, 0, 1] * 2), rel=1e-5)
+    assert metrics["reward_mean"] == pytest.approx(statistics.mean([0, 1, 2, 100, 101, 102]))
+    # 6 trained samples x 2 tokens; the failed one's 3 tokens count as masked.
+    assert metrics["tokens"] == 12
+    assert metrics["mask_ratio"] == pytest.approx(12 / 15)
+
+
+def test_train_step_refuses_an_unfinished_sample(model_dir):
+    trainer = GRPOTrainer(model_dir)
+    partial = _sample(0, PROMPT, _seg("ab", -1.0, FinishReason.ABORT, 0))
+    done = _sample(1, PROMPT, _seg("ab", -1.0, FinishReason.STOP, 0))
+    with pytest.raises(ValueError, match="partial"):
+        trainer.train_step(Batch(0, (_group(TASK, [partial, done], [0.0, 1.0]),)))
+
+
+# ---- truncated importance sampling, token by token --------------------------------------------
+
+
+def test_tis_weight_uses_each_tokens_own_behaviour_logprob(model_dir):
+    trainer = GRPOTrainer(model_dir, tis_cap=2.0)
+    # A response of 5 tokens: 3 made by version 0 (then aborted), 2 by version 1 after the resume.
+    head, tail = encode("aaa"), encode("a") + (EOS_ID,)
+    probe = _sample(0, PROMPT, Segment(head + tail, (-1.0,) * 5, FinishReason.STOP, 0))
+    current = trainer.logprobs([probe])[0]
+    # Version 0's sampler gave its tokens 0.3 nats less than the trainer does (w = e^0.3 = 1.35);
+    # version 1's gave 2 nats less (w = e^2 = 7.4, capped at 2).
+    v0 = tuple(lp - 0.3 for lp in current[:3])
+    v1 = tuple(lp - 2.0 for lp in current[3:])
+    mixed = _sample(
+        0, PROMPT, Segment(head, v0, FinishReason.ABORT, 0), Segment(tail, v1, FinishReason.STOP, 1)
+    )
+    assert mixed.token_versions() == [0, 0, 0, 1, 1]
+    assert trainer.importance_weights([mixed])[0] == pytest.approx([math.exp(0.3)] * 3 + [2.0] * 2, rel=1e-5)
+    other = _sample(1, PROMPT, _seg("b", -1.0, FinishReason.STOP, 0))  # one token, behaviour lp -1
+    lp_other = trainer.logprobs([other])[0][0]  # before the step: the proximal policy of the step
+
+    metrics = trainer.train_step(Batch(0, (_group(TASK, [mixed, other], [1.0, 0.0]),)))
+    n = 5 + 1
+    w_other = min(math.exp(lp_other + 1.0), 2.0)
+    weights = [math.exp(0.3)] * 3 + [2.0] * 2 + [w_other]
+    assert metrics["tis_mean"] == pytest.approx(sum(weights) / n, rel=1e-4)
+    assert metrics["tis_clip_ratio"] == pytest.approx((2 + (math.exp(lp_other + 1.0) > 2.0)) / n)
+    diffs = [0.3] * 3 + [2.0] * 2 + [abs(lp_other + 1.0)]
+    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(sum(diffs) / n, rel=1e-4)
+    assert metrics["pg_clipfrac"] == 0.0  # one step per batch: the PPO ratio is exactly 1
+
+
+def test_tis_cap_none_leaves_weights_unclipped(model_dir):
+    trainer = GRPOTrainer(model_dir, tis_cap=None)
+    probe = _sample(0, PROMPT, _seg("aa", -1.0, FinishReason.STOP, 0))
+    behaviour = [lp - 2.0 for lp in trainer.logprobs([probe])[0]]
+    sample = _sample(0, PROMPT, _seg("aa", behaviour, FinishReason.STOP, 0))
+    assert trainer.importance_weights([sample])[0] == pytest.approx([math.exp(2.0)] * 2, rel=1e-5)
+    metrics = trainer.train_step(Batch(0, (_group(TASK, [sample, sample], [1.0, 0.0]),)))
+    assert metrics["tis_mean"] == pytest.approx(math.exp(2.0), rel=1e-4)
+    assert metrics["tis_clip_ratio"] == 0.0
+
+
+# ---- the off-policy mask ----------------------------------------------------------------------
+
+
+def test_offpolicy_mask_covers_only_the_prefix_of_continued_samples(model_dir):
+    trainer = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=True)
+    continued = _sample(
+        0,
+        PROMPT,
+        _seg("aaa", -1.0, FinishReason.ABORT, 0),
+        _seg("aa", -1.0, FinishReason.ABORT, 1),
+        _seg("a", -1.0, FinishReason.STOP, 2),
+    )
+    assert continued.resumed_at == (3, 5)
+    assert trainer.loss_mask(continued) == [0, 0, 0, 1, 1, 1]  # only [0, resumed_at[0])
+    fresh = _sample(1, PROMPT, _seg("aaaaaa", -1.0, FinishReason.STOP, 0))
+    assert trainer.loss_mask(fresh) == [1] * 6
+    # Aborted with nothing generated, then run in one go: nothing was continued, nothing masked.
+    empty_abort = _sample(2, PROMPT, Segment((), (), FinishReason.ABORT, 0), _seg("aa", -1.0, FinishReason.STOP, 1))
+    assert empty_abort.resumed_at == () and trainer.loss_mask(empty_abort) == [1, 1]
+    # A loss mask that already drops tokens (e.g. tool output) keeps them dropped.
+    tooled = dataclasses.replace(continued, loss_mask=(1, 1, 1, 1, 0, 1))
+    assert trainer.loss_mask(tooled) == [0, 0, 0, 1, 0, 1]
+
+    metrics = trainer.train_step(Batch(0, (_group(TASK, [continued, fresh], [1.0, 0.0]),)))
+    assert metrics["tokens"] == 3 + 6
+    assert metrics["mask_ratio"] == pytest.approx(9 / 12)
+
+    unmasked = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=False)
+    assert unmasked.loss_mask(continued) == [1] * 6
+    assert unmasked.train_step(Batch(0, (_group(TASK, [continued, fresh], [1.0, 0.0]),)))["mask_ratio"] == 1.0
+
+
+# ---- no signal, no change -------------------------------------------------------------------
+
+
+def test_zero_advantage_batch_gives_zero_loss_and_leaves_weights(model_dir):
+    trainer = GRPOTrainer(model_dir)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    samples = [_sample(i, PROMPT, _seg("ab"[: i + 1], -2.0, FinishReason.STOP, 0)) for i in range(2)]
+    metrics = trainer.train_step(Batch(0, (_group(TASK, samples, [0.7, 0.7]),)))
+    assert metrics["loss"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["grad_norm"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["advantage_std"] == 0.0
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# ---- publishing weights -----------------------------------------------------------------------
+
+
+def test_save_weights_round_trips_through_from_pretrained(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = GRPOTrainer(model_dir)
+    samples = [_sample(i, PROMPT, _seg("ab"[: i + 1], -2.0, FinishReason.STOP, 0)) for i in range(2)]
+    trainer.train_step(Batch(0, (_group(TASK, samples, [0.0, 1.0]),)))  # weights now differ from the folder
+
+    out = trainer.save_weights(tmp_path / "weights" / "v1")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in out.parent.iterdir()] == ["v1"]  # no temporary folder left behind
+
+    ids = torch.tensor([PROMPT + encode("abc")])
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    original = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        mine = trainer.model(input_ids=ids).logits
+        assert torch.equal(loaded(input_ids=ids).logits, mine)
+        assert not torch.allclose(original(input_ids=ids).logits, mine)
+    assert AutoTokenizer.from_pretrained(out)("say a x2:")["input_ids"] == list(PROMPT)
+
+    # Saving again over the same path replaces the folder whole.
+    trainer.train_step(Batch(1, (_group(TASK, samples, [1.0, 0.0]),)))
+    trainer.save_weights(out)
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
+        assert torch.equal(again, trainer.model(input_ids=ids).logits)
+    assert [p.name for p in out.parent.iterdir()] == ["v1"]
+
+
+# ---- it learns ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _generate(
+    model, prompts: list[tuple[int, ...]], gen: torch.Generator, *, max_len: int = MAX_LEN
+) -> list[tuple[list[int], list[float]]]:
+    """Sample at temperature 1 with a KV cache, as an engine would, recording each token's log-prob.
+
+    The toy prompts all have the same length, so the batch needs no padding.
+    """
+    model.eval()
+    out = model(input_ids=torch.tensor(prompts), use_cache=True)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    for _ in range(max_len):
+        logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+        picked = logp.gather(-1, nxt[:, None]).squeeze(-1)
+        for i in range(len(prompts)):
+            if not done[i]:
+                tokens[i].append(int(nxt[i]))
+                logprobs[i].append(float(picked[i]))
+        done |= nxt == EOS_ID
+        if done.all():
+            break
+        out = model(input_ids=nxt[:, None], cache=out.cache, use_cache=True)
+    return list(zip(tokens, logprobs, strict=True))
+
+
+def test_grpo_learns_the_toy_task(model_dir):
+    """8 prompts x 8 samples per step, 60 steps, sampling with the model being trained.
+
+    Measured: this setup (model seed 0, sampler seed 0) goes from a first-5-step mean reward of
+    0.095 to a last-5 mean of 0.556; over 6 model/sampler seed pairs the rise was +0.29..+0.46.
+    About 4 s with one torch thread on the 2-core box.
+    """
+    n_prompts, n_samples, steps = 8, 8, 60
+    trainer = GRPOTrainer(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    tasks = toy_dataset(n_prompts * steps, seed=0)
+    rewards = []
+    for step in range(steps):
+        step_tasks = tasks[step * n_prompts : (step + 1) * n_prompts]
+        outputs = _generate(trainer.model, [t.prompt_ids for t in step_tasks for _ in range(n_samples)], gen)
+        groups = []
+        for g, task in enumerate(step_tasks):
+            samples = []
+            for i in range(n_samples):
+                tokens, logprobs = outputs[g * n_samples + i]
+                reason = FinishReason.STOP if tokens[-1] == EOS_ID else FinishReason.LENGTH
+                sample = Sample(index=i, prompt_ids=task.prompt_ids).extended(
+                    Segment(tuple(tokens), tuple(logprobs), reason, version=step), max_response_len=MAX_LEN
+                )
+                samples.append(dataclasses.replace(sample, reward=toy_reward(task, sample)))
+            groups.append(Group.fresh(task, epoch=0, n_samples=n_samples, version=step, seq=g).with_samples(samples))
+        metrics = trainer.train_step(Batch(step, tuple(groups)))
+        # The sampler is the trainer's own model at the same weights: behaviour == proximal.
+        assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
+        rewards.append(metrics["reward_mean"])
+    first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+    assert last > first + 0.2, (first, last, rewards)
