@@ -125,9 +125,9 @@ class _engines:
                 router = await self._stack.enter_async_context(start_router(list(e.urls), host=e.host))
                 fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
             else:
-                procs = await self._stack.enter_async_context(
-                    start_engines(e.num_engines, self._model_path, host=e.host, max_running_requests=slots)
-                )
+                procs = await start_engines(e.num_engines, self._model_path, host=e.host, max_running_requests=slots)
+                for proc in procs:
+                    self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
                     router = await self._stack.enter_async_context(start_router(urls, host=e.host))
@@ -177,5 +177,9 @@ def _print_summary(records: list[dict[str, Any]]) -> None:
 
 
 def _configure_logging(level: str) -> None:
+    # transformers draws a progress bar for every tiny save and load; one bar (ours) is enough.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())))
