@@ -122,7 +122,8 @@ class _engines:
                 fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
-                router = await self._stack.enter_async_context(start_router(list(e.urls), host=e.host))
+                router = await start_router(list(e.urls), host=e.host)
+                self._stack.push_async_exit(router)
                 fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
             else:
                 procs = await start_engines(e.num_engines, self._model_path, host=e.host, max_running_requests=slots)
@@ -130,7 +131,8 @@ class _engines:
                     self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
-                    router = await self._stack.enter_async_context(start_router(urls, host=e.host))
+                    router = await start_router(urls, host=e.host)
+                    self._stack.push_async_exit(router)
                     fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries)
                 else:
                     fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries)
