@@ -17,7 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import logging
+
 import anyio
+import structlog
 
 from launch.engine_process import start_engines
 from pipeline.controller import RolloutPlan, run_pipeline
@@ -99,4 +102,5 @@ if __name__ == "__main__":
     parser.add_argument("--group", type=int, default=8, help="samples per group")
     parser.add_argument("--max-len", type=int, default=128)
     parser.add_argument("--slots", type=int, default=64)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     anyio.run(main, parser.parse_args())
