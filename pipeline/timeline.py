@@ -1,0 +1,112 @@
+"""Draw a run's events as a timeline: one lane per engine slot, plus the trainer's lane on top.
+
+    python -m pipeline.timeline RUN_DIR/events.jsonl -o timeline.html
+
+Each request is a bar in its slot's lane, coloured by how it ended (stop, length limit, aborted,
+error); a request that continued a prefix has a dark left edge. The top lanes show training steps,
+weight publishes (the admission gate closed) and partial rollout's stops (abort and drain). White
+space in the slot lanes is the bubble: slots with nothing to run.
+
+The output is one self-contained HTML file with an inline SVG: no plotting library needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.events import read_events
+
+__all__ = ["render_timeline", "slot_busy_fraction"]
+
+FINISH_COLOURS = {"stop": "#4c9a5a", "length": "#e0a030", "abort": "#d04a3a", "error": "#7a2a8a"}
+TOP_LANES = (("train", "#3a6fd0", "training step"), ("publish", "#8a4ad0", "publish (gate closed)"),
+             ("stop", "#d04a3a", "stop: abort + drain"))
+LANE_H, GAP, LEFT, WIDTH = 6, 1, 110, 1400
+
+
+def slot_busy_fraction(events: Sequence[dict[str, Any]]) -> float:
+    """Share of slot-time with a request in flight, over the span the requests cover."""
+    reqs = [e for e in events if e["kind"] == "request"]
+    if not reqs:
+        return 0.0
+    slots = {e["slot"] for e in reqs}
+    t0 = min(e["start"] for e in reqs)
+    t1 = max(e["end"] for e in reqs)
+    busy = sum(e["end"] - e["start"] for e in reqs)
+    return busy / (len(slots) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def render_timeline(events: Iterable[dict[str, Any]], *, title: str = "rollout timeline") -> str:
+    events = list(events)
+    reqs = [e for e in events if e["kind"] == "request"]
+    spans = [e for e in events if "start" in e and "end" in e]
+    if not spans:
+        return _page(title, "<p>no events recorded</p>")
+    t0 = min(e["start"] for e in spans)
+    t1 = max(e["end"] for e in spans)
+    scale = (WIDTH - LEFT - 10) / max(t1 - t0, 1e-9)
+    n_slots = max((e["slot"] for e in reqs), default=-1) + 1
+    top = len(TOP_LANES) * (LANE_H * 2 + GAP) + 20
+    height = top + n_slots * (LANE_H + GAP) + 40
+
+    def x(t: float) -> float:
+        return LEFT + (t - t0) * scale
+
+    parts: list[str] = []
+    for i, (kind, colour, label) in enumerate(TOP_LANES):
+        y = 10 + i * (LANE_H * 2 + GAP)
+        parts.append(f'<text x="4" y="{y + LANE_H * 2 - 2}" class="lbl">{label}</text>')
+        for e in (e for e in events if e["kind"] == kind):
+            tip = html.escape(", ".join(f"{k}={v}" for k, v in e.items()))
+            parts.append(_rect(x(e["start"]), y, (e["end"] - e["start"]) * scale, LANE_H * 2, colour, tip))
+    parts.append(f'<text x="4" y="{top + 8}" class="lbl">engine slots</text>')
+    for e in reqs:
+        y = top + e["slot"] * (LANE_H + GAP)
+        w = (e["end"] - e["start"]) * scale
+        tip = html.escape(f'{e["group"]} #{e["sample"]} +{e["tokens"]} tokens after {e["prefix"]}, '
+                          f'{e["finish"]}, v{e["version"]}')
+        parts.append(_rect(x(e["start"]), y, w, LANE_H, FINISH_COLOURS.get(e["finish"], "#888"), tip))
+        if e.get("prefix"):
+            parts.append(_rect(x(e["start"]), y, min(2.0, w), LANE_H, "#222", tip))
+    axis_y = height - 20
+    for k in range(11):
+        t = t0 + (t1 - t0) * k / 10
+        parts.append(f'<text x="{x(t):.1f}" y="{axis_y + 14}" class="lbl" text-anchor="middle">{t - t0:.2f}s</text>')
+    legend = " ".join(
+        f'<span style="background:{c};color:#fff;padding:1px 6px">{k}</span>' for k, c in FINISH_COLOURS.items()
+    )
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}">'
+           f'<style>.lbl{{font:10px sans-serif;fill:#333}}</style>{"".join(parts)}</svg>')
+    stats = f"{len(reqs)} requests on {n_slots} slots; slot busy fraction {slot_busy_fraction(events):.2f}"
+    return _page(title, f"<p>{stats}. Requests ended by: {legend}; dark left edge = continued a prefix.</p>{svg}")
+
+
+def _rect(x: float, y: float, w: float, h: float, colour: str, tip: str) -> str:
+    return (f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{h}" fill="{colour}">'
+            f"<title>{tip}</title></rect>")
+
+
+def _page(title: str, body: str) -> str:
+    t = html.escape(title)
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title></head><body><h3>{t}</h3>{body}</body></html>"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("events", type=Path, help="events.jsonl of a run")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="HTML file (default: beside the events)")
+    args = parser.parse_args(argv)
+    if not args.events.exists():
+        parser.error(f"{args.events}: no such file")
+    out = args.output or args.events.with_name("timeline.html")
+    out.write_text(render_timeline(read_events(args.events), title=str(args.events)))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+from pipeline.events import EventLog, read_events
+from pipeline.timeline import main, render_timeline, slot_busy_fraction
+
+
+def test_event_log_round_trips_and_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    with log.span("train", step=0):
+        pass
+    log.record("request", slot=0, group="g", sample=0, start=0.0, end=1.0, prefix=0, tokens=3, finish="stop", version=0)
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"kind": "requ')  # a crash mid-write
+    events = list(read_events(path))
+    assert [e["kind"] for e in events] == ["train", "request"]
+    assert events[0]["end"] >= events[0]["start"]
+
+
+def test_busy_fraction_counts_slot_time_in_flight():
+    req = dict(kind="request", group="g", sample=0, prefix=0, tokens=1, finish="stop", version=0)
+    events = [dict(req, slot=0, start=0.0, end=4.0), dict(req, slot=1, start=0.0, end=1.0)]
+    assert slot_busy_fraction(events) == 5 / 8
+
+
+def test_timeline_draws_every_request_and_marks_resumed_ones(tmp_path):
+    req = dict(kind="request", group="e0-p1", sample=0, tokens=5, version=1)
+    events = [
+        dict(req, slot=0, start=0.0, end=1.0, prefix=0, finish="abort"),
+        dict(req, slot=1, start=1.5, end=2.0, prefix=7, finish="stop"),
+        dict(kind="train", step=0, start=1.0, end=1.4),
+        dict(kind="publish", version=1, start=1.4, end=1.5),
+    ]
+    page = render_timeline(events)
+    assert page.count("<rect") == 2 + 1 + 2  # two requests, the resumed edge, train and publish
+    assert "after 7" in page and "#d04a3a" in page
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    for e in events:
+        log.record(**e)
+    log.close()
+    assert main([str(path)]) == 0
+    assert (tmp_path / "timeline.html").read_text().startswith("<!doctype html>")
