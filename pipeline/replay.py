@@ -1,0 +1,209 @@
+"""`python -m pipeline.replay RUN_DIR [summary | group GROUP_ID | train]`: look back at a finished run.
+
+A run launched with `--rollout-data-transport lmdb` leaves its whole rollout history in
+`RUN_DIR/rollout_data`: every group in its final state, the batch of every step, the cursor and the
+run's settings. This tool reads it without an engine:
+
+    summary             groups by state, versions, staleness of trained batches, partial prefixes
+    group GROUP_ID      one group in full, decoded with the run's tokenizer (`--json` for machines)
+    train               the recorded batches fed again to a fresh GRPOTrainer, one JSON line per step
+
+Replay never changes the run: the store is opened with `LmdbStore(readonly=True)`, which takes no
+writer lock and cannot write, so a replay can even watch a run that is still going.
+
+`train` is deterministic: the trainer is built with the run's own settings and seed (from the run
+meta), on one CPU thread, so two replays print identical metrics. Replaying from the base model
+reproduces the run's own `train/*` metrics step for step; replaying from `--weights weights/vN`
+starts with a fresh optimizer, so it matches the run only in what the batches were, not in AdamW state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError, StoreError
+from pipeline.replay_report import format_group, format_summary, group_record, summarize
+from storage import LmdbStore, RunMeta
+
+__all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training"]
+
+STORE_DIR = "rollout_data"  # where `--rollout-data-transport lmdb` puts the store by default
+MODEL_DIR = "model"  # where the launcher writes the base model when no --hf-checkpoint is given
+
+
+class ReplayError(PipelineError):
+    """A run directory, step range or group that replay cannot use; the message names it."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error: argparse has printed why
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.command == "group":
+            return _group(args)
+        if args.command == "train":
+            return _train(args)
+        return _summary(args)
+    except (PipelineError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the --output-dir of an lmdb-transport run (or its store dir)")
+    sub = parser.add_subparsers(dest="command", metavar="{summary,group,train}")
+    sub.add_parser("summary", help="groups by state, versions, staleness, partial prefixes (the default)")
+    group = sub.add_parser("group", help="one group in full")
+    group.add_argument("group_id", help="e.g. e0000-p000000003")
+    group.add_argument("--json", action="store_true", help="print the group as one JSON object")
+    train = sub.add_parser("train", help="feed the recorded batches to a fresh trainer, no engine")
+    train.add_argument("--steps", default=None, help="A:B replays steps A..B-1 (default: every trained step)")
+    train.add_argument("--weights", type=Path, default=None, help="start from this model folder, e.g. RUN_DIR/weights/v3")
+    train.add_argument("--seed", type=int, default=None, help="trainer seed (default: the run's --rollout-seed)")
+    return parser
+
+
+# --- opening a run ------------------------------------------------------------------------------
+
+
+@contextmanager
+def open_run_store(run_dir: str | Path) -> Iterator[tuple[Path, LmdbStore]]:
+    """(run dir, the run's store opened read-only). Accepts the run dir or the store dir itself."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReplayError(f"there is no run directory at {run_dir}")
+    if (run_dir / "data.mdb").exists():
+        store_dir, run_dir = run_dir, run_dir.parent
+    else:
+        store_dir = run_dir / STORE_DIR
+    if not (store_dir / "data.mdb").exists():
+        raise ReplayError(
+            f"{run_dir} has no rollout store ({store_dir / 'data.mdb'} is missing): a run with "
+            "--rollout-data-transport memory keeps nothing to replay; launch it with lmdb"
+        )
+    store = LmdbStore(store_dir, readonly=True)
+    try:
+        yield run_dir, store
+    finally:
+        store.close()
+
+
+def _model_dir(run_dir: Path, meta: RunMeta | None) -> Path | None:
+    """The run's base model: RUN_DIR/model, or the --hf-checkpoint the run was launched with."""
+    if (run_dir / MODEL_DIR / "config.json").exists():
+        return run_dir / MODEL_DIR
+    checkpoint = (meta.extra.get("config", {}).get("engine", {}) if meta else {}).get("hf_checkpoint")
+    if checkpoint and (Path(checkpoint) / "config.json").exists():
+        return Path(checkpoint)
+    return None
+
+
+def _decoder(model_dir: Path | None) -> Callable[[tuple[int, ...]], str] | None:
+    if model_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):  # a model folder without a usable tokenizer: show ids only
+        return None
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+# --- summary and group --------------------------------------------------------------------------
+
+
+def _summary(args: argparse.Namespace) -> int:
+    with open_run_store(args.run_dir) as (_, store):
+        print(format_summary(summarize(store, store_path=store.path)))
+    return 0
+
+
+def _group(args: argparse.Namespace) -> int:
+    with open_run_store(args.run_dir) as (run_dir, store):
+        found = store.get(args.group_id)
+        if found is None:
+            raise ReplayError(f"group {args.group_id!r} is not in the store at {store.path}")
+        state, group = found
+        record = group_record(state, group, _decoder(_model_dir(run_dir, store.read_meta())))
+    print(json.dumps(record) if args.json else format_group(record))
+    return 0
+
+
+# --- train --------------------------------------------------------------------------------------
+
+
+def parse_steps(text: str | None, trained_step: int) -> range:
+    """`A:B` -> steps A..B-1; either end may be left out (0 and trained_step + 1). None: every trained step."""
+    if text is None:
+        return range(0, trained_step + 1)
+    start, sep, stop = text.partition(":")
+    try:
+        a = int(start) if start.strip() else 0
+        b = int(stop) if stop.strip() else trained_step + 1
+    except ValueError:
+        raise ReplayError(f"--steps {text!r}: expected A:B with integers, e.g. 0:3") from None
+    if not sep or a < 0 or b <= a:
+        raise ReplayError(f"--steps {text!r}: expected A:B with 0 <= A < B")
+    return range(a, b)
+
+
+def replay_training(
+    store: LmdbStore, model_dir: Path, steps: range, *, seed: int | None = None
+) -> Iterator[dict[str, Any]]:
+    """Train a fresh GRPOTrainer from `model_dir` on the recorded batches of `steps`, yielding each
+    step's metrics. Every batch is checked to exist before the (slow) trainer is built."""
+    from stages.grpo_trainer import GRPOTrainer
+
+    missing = [s for s in steps if store.batch(s) is None]
+    if missing:
+        raise ReplayError(f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})")
+    config = (meta.extra.get("config", {}) if (meta := store.read_meta()) else {})
+    t, r = config.get("trainer", {}), config.get("rollout", {})
+    trainer = GRPOTrainer(
+        model_dir,
+        lr=t.get("lr", 5e-3), eps_clip=t.get("eps_clip", 0.2), eps_clip_high=t.get("eps_clip_high"),
+        tis_cap=t.get("tis_clip", 2.0) if t.get("use_tis", True) else None,
+        mask_offpolicy_in_partial_rollout=r.get("mask_offpolicy_in_partial_rollout", False),
+        temperature=r.get("temperature", 1.0), max_grad_norm=t.get("max_grad_norm", 1.0),
+        seed=r.get("seed", 42) if seed is None else seed, num_threads=1,
+    )
+    for step in steps:
+        batch = store.batch(step)
+        assert batch is not None  # checked above; a read-only store does not lose batches
+        yield {"step": step, "groups": len(batch.groups), **trainer.train_step(batch)}
+
+
+def _train(args: argparse.Namespace) -> int:
+    with open_run_store(args.run_dir) as (run_dir, store):
+        steps = parse_steps(args.steps, store.trained_step())
+        if args.weights is not None:
+            if not (args.weights / "config.json").exists():
+                raise ReplayError(f"--weights {args.weights} is not a model folder (no config.json)")
+            model_dir = args.weights
+        elif (model_dir := _model_dir(run_dir, store.read_meta())) is None:
+            raise ReplayError(f"{run_dir / MODEL_DIR} holds no model; pass --weights DIR")
+        _quiet_transformers()
+        for record in replay_training(store, model_dir, steps, seed=args.seed):
+            print(json.dumps(record), flush=True)
+    return 0
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""What `python -m pipeline.replay` prints: a run's store summarised, and one group in full.
+
+Pure functions over a `Store` (opened read-only by the caller) and plain data; nothing here
+writes. The summary is computed once into a frozen `RunSummary`, then formatted, so tests can
+check numbers without parsing text.
+
+Versions and staleness follow the store's own definitions: a group's version is its oldest token
+version (`Group.oldest_version`, the admission version while it has no tokens), and the batch of
+step `s` was trained by policy version `s`, so its groups' staleness is `s - oldest_version`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.types import Batch, Group
+from storage import Cursor, GroupState, RunMeta, Store
+
+__all__ = ["RunSummary", "format_group", "format_summary", "group_record", "recorded_batches", "summarize"]
+
+Decode = Callable[[tuple[int, ...]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    store_path: str
+    meta: RunMeta | None
+    cursor: Cursor
+    trained_step: int
+    counts: Mapping[GroupState, int]
+    admitted_versions: Mapping[int, int]  # admission version -> groups
+    token_versions: Mapping[int, int]  # policy version -> response tokens, over every stored sample
+    staleness: Mapping[int, int]  # staleness -> groups, over the batches of trained steps
+    open_batches: tuple[int, ...]  # steps taken but not finished (BATCHED groups)
+    partial_groups: int
+    partial_prefix_lens: Mapping[int, int]  # prefix length -> samples of PARTIAL groups
+    partial_finished_samples: int  # samples of PARTIAL groups that already finished
+    partial_samples: int
+    resumed_samples: int  # samples, in any state, continued at least once after an abort
+
+
+def recorded_batches(store: Store) -> Iterator[Batch]:
+    """Every recorded batch in step order: the trained ones, then any taken but not finished.
+
+    Steps finish in order and batches are taken in order, so the first missing step ends the list.
+    """
+    step = 0
+    while (batch := store.batch(step)) is not None:
+        yield batch
+        step += 1
+
+
+def summarize(store: Store, *, store_path: str) -> RunSummary:
+    stats = store.statistics()
+    admitted: Counter[int] = Counter()
+    tokens: Counter[int] = Counter()
+    prefix_lens: Counter[int] = Counter()
+    partial_groups = partial_samples = partial_finished = resumed = 0
+    for state in GroupState:
+        for group in store.groups(state):
+            admitted[group.admitted_version] += 1
+            for sample in group.samples:
+                for span in sample.spans:
+                    tokens[span.version] += span.end - span.start
+                resumed += bool(sample.resumed_at)
+            if state is GroupState.PARTIAL:
+                partial_groups += 1
+                for sample in group.samples:
+                    partial_samples += 1
+                    prefix_lens[sample.response_len] += 1
+                    partial_finished += sample.status.finished
+    staleness: Counter[int] = Counter()
+    open_batches = []
+    for batch in recorded_batches(store):
+        if batch.step > stats.trained_step:
+            open_batches.append(batch.step)
+            continue
+        for group in batch.groups:
+            staleness[batch.step - group.oldest_version] += 1
+    return RunSummary(
+        store_path=store_path,
+        meta=store.read_meta(),
+        cursor=stats.cursor,
+        trained_step=stats.trained_step,
+        counts=dict(stats.counts),
+        admitted_versions=dict(sorted(admitted.items())),
+        token_versions=dict(sorted(tokens.items())),
+        staleness=dict(sorted(staleness.items())),
+        open_batches=tuple(open_batches),
+        partial_groups=partial_groups,
+        partial_prefix_lens=dict(sorted(prefix_lens.items())),
+        partial_finished_samples=partial_finished,
+        partial_samples=partial_samples,
+        resumed_samples=resumed,
+    )
+
+
+def format_summary(s: RunSummary) -> str:
+    lines = [f"store: {s.store_path}"]
+    if s.meta is None:
+        lines.append("run meta: none recorded")
+    else:
+        m = s.meta
+        lines.append(
+            f"run meta: run_id={m.run_id} dataset={m.dataset_fingerprint} tokenizer={m.tokenizer_fingerprint} "
+            f"n_samples_per_prompt={m.n_samples_per_prompt} schema={m.schema_version}"
+        )
+        rollout = m.extra.get("config", {}).get("rollout", {})
+        if rollout:
+            shown = ("mode", "partial_rollout", "rollout_batch_size", "over_sampling_batch_size", "max_staleness")
+            lines.append("rollout: " + " ".join(f"{k}={rollout[k]}" for k in shown if k in rollout))
+    c = s.cursor
+    lines.append(f"cursor: epoch={c.epoch} index={c.index} next_seq={c.next_seq}")
+    lines.append(f"trained step: {s.trained_step} ({s.trained_step + 1} steps trained)")
+    if s.open_batches:
+        lines.append(f"batches taken, not trained: steps {', '.join(map(str, s.open_batches))}")
+    total = sum(s.counts.values())
+    lines.append(f"groups: {total} in all")
+    lines += [f"  {state.value:<9} {s.counts.get(state, 0)}" for state in GroupState]
+    lines.append("versions:")
+    lines.append(f"  admitted at (version: groups)      {_histogram(s.admitted_versions, 'v')}")
+    lines.append(f"  response tokens (version: tokens)  {_histogram(s.token_versions, 'v')}")
+    lines.append(f"staleness of trained groups (steps behind: groups): {_histogram(s.staleness, '')}")
+    if s.staleness:
+        lines.append(f"  max {max(s.staleness)}, mean {_weighted_mean(s.staleness):.2f}")
+    lines.append(f"partial groups: {s.partial_groups}")
+    if s.partial_groups:
+        lines.append(
+            f"  samples: {s.partial_samples}, already finished: {s.partial_finished_samples}, "
+            f"tokens kept: {sum(n * k for n, k in s.partial_prefix_lens.items())}"
+        )
+        lines.append(f"  prefix lengths (tokens: samples) {_histogram(s.partial_prefix_lens, '')}")
+    lines.append(f"samples continued after an abort: {s.resumed_samples}")
+    return "\n".join(lines)
+
+
+def group_record(state: GroupState, group: Group, decode: Decode | None) -> dict[str, Any]:
+    """One group as JSON-able data; `decode` (the run's tokenizer) adds prompt and response text."""
+    task = group.task
+    record: dict[str, Any] = {
+        "group_id": group.group_id,
+        "state": state.value,
+        "epoch": group.epoch,
+        "seq": group.seq,
+        "admitted_version": group.admitted_version,
+        "oldest_version": group.oldest_version,
+        "rejected_reason": group.rejected_reason,
+        "task": {"index": task.index, "label": task.label, "metadata": dict(task.metadata)},
+        "prompt_ids": list(task.prompt_ids),
+        "prompt_text": decode(task.prompt_ids) if decode else None,
+        "samples": [],
+    }
+    for s in group.samples:
+        record["samples"].append({
+            "index": s.index,
+            "status": s.status.value,
+            "finish_reason": s.finish_reason.value if s.finish_reason else None,
+            "reward": s.reward,
+            "response_len": s.response_len,
+            "spans": [[span.start, span.end, span.version] for span in s.spans],
+            "resumed_at": list(s.resumed_at),
+            "error": s.error,
+            "response_ids": list(s.response_ids),
+            "response_text": decode(s.response_ids) if decode else None,
+        })
+    return record
+
+
+def format_group(r: Mapping[str, Any]) -> str:
+    lines = [
+        f"group {r['group_id']}: {r['state']}",
+        f"  epoch={r['epoch']} seq={r['seq']} admitted_version={r['admitted_version']} "
+        f"oldest_version={r['oldest_version']}",
+        f"  task index={r['task']['index']} label={r['task']['label']!r}",
+    ]
+    if r["rejected_reason"]:
+        lines.append(f"  rejected: {r['rejected_reason']}")
+    # Text is shown quoted (newlines and padding visible); without a tokenizer, the token ids.
+    shown = repr(r["prompt_text"]) if r["prompt_text"] is not None else f"<ids> {r['prompt_ids']}"
+    lines.append(f"  prompt: {shown}")
+    for s in r["samples"]:
+        spans = " ".join(f"[{a},{b})@v{v}" for a, b, v in s["spans"]) or "-"
+        lines.append(
+            f"  sample {s['index']}: {s['status']} finish={s['finish_reason']} reward={s['reward']} "
+            f"len={s['response_len']} spans={spans} resumed_at={s['resumed_at']}"
+        )
+        if s["error"]:
+            lines.append(f"    error: {s['error']}")
+        if s["response_text"] is not None:
+            lines.append(f"    response: {s['response_text']!r}")
+    return "\n".join(lines)
+
+
+def _histogram(counts: Mapping[int, int], prefix: str) -> str:
+    return "  ".join(f"{prefix}{k}: {n}" for k, n in counts.items()) or "-"
+
+
+def _weighted_mean(counts: Mapping[int, int]) -> float:
+    n = sum(counts.values())
+    return sum(k * v for k, v in counts.items()) / n if n else 0.0

@@ -1,0 +1,258 @@
+"""`python -m pipeline.replay`: summary, group and train over a real lmdb run, never changing it.
+
+One real run (built-in engine, real trainer, real LMDB store) is made once for the module; a small
+hand-built store checks the summary's numbers exactly (partial prefixes, staleness, open batches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import json
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from launch.cli import main as launch
+from pipeline.errors import PipelineError
+from pipeline.replay import main, parse_steps
+from pipeline.replay_report import summarize
+from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
+from storage import Cursor, GroupState, LmdbStore
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("replay") / "run"
+    code = launch([
+        "--rollout-data-transport", "lmdb", "--partial-rollout", "--num-rollout", "3",
+        # small enough for seconds on a shared CPU; over-sampling leaves partial groups to resume
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+        "--rollout-max-response-len", "32", "--output-dir", str(out), "--no-progress", "--log-level", "warning",
+    ])
+    assert code == 0
+    return out
+
+
+def _digest(store_dir: Path) -> str:
+    return hashlib.sha256((store_dir / "data.mdb").read_bytes()).hexdigest()
+
+
+@contextmanager
+def unchanged(store_dir: Path):
+    """Asserts that the store's data file has exactly the same bytes after the block."""
+    before = _digest(store_dir)
+    yield
+    assert _digest(store_dir) == before, f"replay changed {store_dir / 'data.mdb'}"
+
+
+def replay(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main([*argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- the real run -------------------------------------------------------------------------------
+
+
+def test_summary_reports_the_store_as_it_is(run_dir, capsys):
+    store_dir = run_dir / "rollout_data"
+    with LmdbStore(store_dir, readonly=True) as store:
+        counts = {s: store.count(s) for s in GroupState}
+        cursor, trained = store.cursor(), store.trained_step()
+        expected = summarize(store, store_path=str(store_dir))
+    with unchanged(store_dir):
+        code, out, _ = replay(capsys, str(run_dir))  # summary is the default
+        assert (code, out) == replay(capsys, str(run_dir), "summary")[:2]
+    assert code == 0
+    assert trained == 2 and f"trained step: {trained}" in out
+    assert f"cursor: epoch={cursor.epoch} index={cursor.index} next_seq={cursor.next_seq}" in out
+    assert f"groups: {sum(counts.values())} in all" in out
+    for state, n in counts.items():
+        assert f"  {state.value:<9} {n}\n" in out + "\n"
+    assert "n_samples_per_prompt=4" in out and "partial_rollout=True" in out
+    # 3 trained steps of 2 groups each; every token of every stored sample has a version
+    assert sum(expected.staleness.values()) == 6
+    assert sum(expected.admitted_versions.values()) == sum(counts.values())
+    assert sum(expected.token_versions.values()) > 0
+    assert f"partial groups: {expected.partial_groups}" in out
+
+
+def test_group_shows_every_sample_with_decoded_text(run_dir, capsys):
+    from transformers import AutoTokenizer
+
+    store_dir = run_dir / "rollout_data"
+    with LmdbStore(store_dir, readonly=True) as store:
+        group = store.batch(1).groups[0]
+        state, _ = store.get(group.group_id)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "model")
+    with unchanged(store_dir):
+        code, text, _ = replay(capsys, str(run_dir), "group", group.group_id)
+        assert code == 0
+        code, raw, _ = replay(capsys, str(run_dir), "group", group.group_id, "--json")
+    assert code == 0
+    assert text.startswith(f"group {group.group_id}: {state.value}")
+    assert repr(tokenizer.decode(list(group.task.prompt_ids))) in text
+    record = json.loads(raw)
+    assert record["state"] == state.value == "trained"
+    assert record["prompt_text"] == tokenizer.decode(list(group.task.prompt_ids))
+    assert len(record["samples"]) == len(group.samples) == 4
+    for shown, sample in zip(record["samples"], group.samples, strict=True):
+        assert shown["status"] == sample.status.value
+        assert shown["finish_reason"] == sample.finish_reason.value
+        assert shown["reward"] == sample.reward
+        assert shown["response_len"] == sample.response_len
+        assert shown["spans"] == [[s.start, s.end, s.version] for s in sample.spans]
+        assert shown["resumed_at"] == list(sample.resumed_at)
+        assert shown["response_text"] == tokenizer.decode(list(sample.response_ids))
+        assert f"sample {sample.index}: {sample.status.value}" in text
+
+
+def test_an_unknown_group_is_named_in_the_error(run_dir, capsys):
+    with unchanged(run_dir / "rollout_data"):
+        code, out, err = replay(capsys, str(run_dir), "group", "e0000-p999999999")
+    assert code == 1 and out == ""
+    assert "'e0000-p999999999'" in err and str(run_dir / "rollout_data") in err
+
+
+def test_train_replay_is_deterministic_and_reproduces_the_run(run_dir, capsys):
+    with unchanged(run_dir / "rollout_data"):
+        code, first, _ = replay(capsys, str(run_dir), "train")
+        assert code == 0
+        code, second, _ = replay(capsys, str(run_dir), "train")
+    assert code == 0
+    assert first == second
+    replayed = [json.loads(line) for line in first.splitlines()]
+    assert [r["step"] for r in replayed] == [0, 1, 2]
+    assert all(r["groups"] == 2 for r in replayed)
+    # Same base model, same batches, same seed and settings: the run's own trainer metrics, exactly.
+    recorded = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r, m in zip(replayed, recorded, strict=True):
+        assert r["step"] == m["step"]
+        for key in ("loss", "grad_norm", "tokens", "reward_mean", "train_rollout_logprob_abs_diff"):
+            assert r[key] == pytest.approx(m[f"train/{key}"], rel=1e-6, abs=1e-9), key
+
+
+def test_train_a_step_range_from_saved_weights(run_dir, capsys):
+    with unchanged(run_dir / "rollout_data"):
+        code, out, _ = replay(capsys, str(run_dir), "train", "--steps", "2:3", "--weights", str(run_dir / "weights" / "v2"))
+    assert code == 0
+    [record] = [json.loads(line) for line in out.splitlines()]
+    assert record["step"] == 2
+    # The loss and gradient come before the optimizer step, so a fresh optimizer does not change them.
+    recorded = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2]
+    assert record["loss"] == pytest.approx(recorded["train/loss"], rel=1e-6)
+    code, _, err = replay(capsys, str(run_dir), "train", "--steps", "2:9")
+    assert code == 1 and "[3, 4, 5, 6, 7, 8]" in err and str(run_dir / "rollout_data") in err
+
+
+def test_missing_and_memory_runs_are_named(tmp_path, capsys):
+    code, _, err = replay(capsys, str(tmp_path / "nowhere"))
+    assert code == 1 and str(tmp_path / "nowhere") in err
+    # What a memory-transport run leaves: outputs, but no store.
+    memory_run = tmp_path / "memory-run"
+    memory_run.mkdir()
+    (memory_run / "metrics.jsonl").write_text("")
+    for command in ([], ["group", "e0000-p000000000"], ["train"]):
+        code, _, err = replay(capsys, str(memory_run), *command)
+        assert code == 1
+        assert str(memory_run / "rollout_data") in err and "memory" in err
+
+
+def test_parse_steps():
+    assert parse_steps(None, 4) == range(0, 5)
+    assert parse_steps("1:3", 4) == range(1, 3)
+    assert parse_steps(":2", 4) == range(0, 2)
+    assert parse_steps("3:", 4) == range(3, 5)
+    for bad in ("3", "2:2", "-1:2", "a:b"):
+        with pytest.raises(PipelineError, match=re.escape(repr(bad))):
+            parse_steps(bad, 4)
+
+
+# --- a hand-built store: exact numbers ----------------------------------------------------------
+
+
+def _sample(i: int, spans: list[tuple[int, int, int]], status: SampleStatus, *, resumed=()) -> Sample:
+    n = spans[-1][1] if spans else 0
+    return Sample(
+        index=i, prompt_ids=(1, 2), response_ids=(5,) * n, logprobs=(-0.5,) * n, loss_mask=(1,) * n,
+        spans=tuple(VersionSpan(*s) for s in spans), status=status, resumed_at=resumed,
+        finish_reason={SampleStatus.COMPLETED: FinishReason.STOP, SampleStatus.PARTIAL: FinishReason.ABORT}.get(status),
+        reward=1.0 if status.finished else None,
+    )
+
+
+def _group(index: int, version: int, samples: list[Sample]) -> Group:
+    task = PromptTask(index=index, prompt_ids=(1, 2))
+    return Group(f"e0000-p{index:09d}", task, 0, tuple(samples), admitted_version=version, seq=index)
+
+
+def _build_store(path: Path) -> None:
+    """Three ready groups (one with a resumed, two-version sample) and one partial group; steps 0
+    and 1 trained, step 2 taken but not finished."""
+    done = SampleStatus.COMPLETED
+    ready = [
+        _group(0, 0, [_sample(0, [(0, 3, 0)], done), _sample(1, [(0, 2, 0), (2, 4, 1)], done, resumed=(2,))]),
+        _group(1, 0, [_sample(0, [(0, 1, 0)], done), _sample(1, [(0, 2, 0)], done)]),
+        _group(2, 1, [_sample(0, [(0, 2, 2)], done), _sample(1, [(0, 2, 2)], done)]),
+    ]
+    partial = _group(3, 2, [_sample(0, [(0, 5, 2)], done), _sample(1, [], SampleStatus.PARTIAL)])
+    with LmdbStore(path, sync=False) as store:
+        store.admit([*ready, partial], Cursor(index=4, next_seq=4))
+        for g in ready:
+            store.put_ready(g)
+        store.put_partial(partial)
+        assert store.take_batch(0, 1).groups[0].group_id == ready[0].group_id
+        store.finish_batch(0)
+        store.take_batch(1, 1)
+        store.finish_batch(1)
+        store.take_batch(2, 1)  # taken, never finished
+
+
+def test_summary_numbers_on_a_hand_built_store(tmp_path, capsys):
+    _build_store(tmp_path / "rollout_data")
+    with unchanged(tmp_path / "rollout_data"):
+        with LmdbStore(tmp_path / "rollout_data", readonly=True) as store:
+            s = summarize(store, store_path=store.path)
+        # py-lmdb opens an environment once per process: replay opens its own after the one above closed
+        code, out, err = replay(capsys, str(tmp_path))
+    assert s.trained_step == 1 and s.open_batches == (2,)
+    assert s.counts[GroupState.TRAINED] == 2 and s.counts[GroupState.BATCHED] == 1
+    assert s.counts[GroupState.PARTIAL] == 1
+    assert s.admitted_versions == {0: 2, 1: 1, 2: 1}
+    assert s.token_versions == {0: 8, 1: 2, 2: 9}
+    # step 0 trained group 0 (oldest v0) -> 0; step 1 trained group 1 (oldest v0) -> 1; step 2 is open
+    assert s.staleness == {0: 1, 1: 1}
+    assert (s.partial_groups, s.partial_samples, s.partial_finished_samples) == (1, 2, 1)
+    assert s.partial_prefix_lens == {0: 1, 5: 1}
+    assert s.resumed_samples == 1
+    assert code == 0, err
+    assert "batches taken, not trained: steps 2" in out
+    assert "prefix lengths (tokens: samples) 0: 1  5: 1" in out
+    assert "response tokens (version: tokens)  v0: 8  v1: 2  v2: 9" in out
+
+
+def test_replay_reads_a_store_while_its_writer_holds_it(tmp_path, capsys):
+    """Read-only means no writer lock: replay works beside a live controller (here, another process
+    holding the store open as its writer), and cannot be mistaken for a second writer."""
+    _build_store(tmp_path / "rollout_data")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from storage import LmdbStore; s = LmdbStore(sys.argv[1]); "
+         "print('open', flush=True); sys.stdin.read(); s.close()", str(tmp_path / "rollout_data")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        code, out, err = replay(capsys, str(tmp_path))
+        assert code == 0, err
+        assert "trained step: 1" in out
+        code, out, err = replay(capsys, str(tmp_path), "group", "e0000-p000000003", "--json")
+        assert code == 0, err
+        assert json.loads(out)["state"] == "partial"
+    finally:
+        holder.communicate(timeout=30)
+    assert holder.returncode == 0
