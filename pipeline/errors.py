@@ -12,6 +12,7 @@
     │   └── VersionMismatchError    an engine reports a weight version the clock did not publish
     ├── PublishError           a weight publish failed; the old version keeps serving
     ├── RewardError            a reward function raised or timed out (recorded on the sample)
+    ├── ReplayError            a run directory, step range or group that replay cannot use
     └── StageCrashedError      a pipeline stage died; carries the stage name and the cause
 
 Each error keeps the offending value as an attribute and in its message.
@@ -30,6 +31,7 @@ __all__ = [
     "PipelineError",
     "PluginError",
     "PublishError",
+    "ReplayError",
     "RewardError",
     "StageCrashedError",
     "StoreError",
@@ -111,6 +113,10 @@ class RewardError(PipelineError):
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         super().__init__(f"reward {path}: {reason}")
+
+
+class ReplayError(PipelineError):
+    """A run directory, step range or group that replay cannot use; the message names it."""
 
 
 class StageCrashedError(PipelineError):

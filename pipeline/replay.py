@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError, StoreError
+from pipeline.errors import PipelineError, ReplayError, StoreError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
 
@@ -35,10 +35,6 @@ __all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_train
 
 STORE_DIR = "rollout_data"  # where `--rollout-data-transport lmdb` puts the store by default
 MODEL_DIR = "model"  # where the launcher writes the base model when no --hf-checkpoint is given
-
-
-class ReplayError(PipelineError):
-    """A run directory, step range or group that replay cannot use; the message names it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
