@@ -109,8 +109,12 @@ async def start_engine(
     startup_timeout: float = 120.0,
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
+    module: str = "launch.engine_server",
 ) -> EngineProcess:
     """Spawn a built-in engine and wait until `/health_generate` answers 200.
+
+    `module` picks the server: the built-in engine, or `launch.sim_engine` (the simulated one,
+    which takes the same flags and only reports `model_path`).
 
     Raises EngineUnavailableError if the process exits first (with its log tail) or the deadline
     passes; the process is stopped in both cases. A port picked here that another process grabbed
@@ -126,7 +130,7 @@ async def start_engine(
         else:
             path = Path(log_path)
         cmd = [
-            sys.executable, "-m", "launch.engine_server",
+            sys.executable, "-m", module,
             "--model-path", str(model_path),
             "--host", host,
             "--port", str(chosen),
