@@ -36,6 +36,7 @@ from typing import Any
 
 from pipeline.errors import ConfigError, PluginError
 from pipeline.plugins import resolve_function
+from storage.declaration import PROFILES, load_declaration
 
 __all__ = [
     "Config",
@@ -180,6 +181,16 @@ class StorageConfig:
         None, "--rollout-data-dir", "path", default_help="<output dir>/rollout_data", help="LMDB folder")
     run_id: str = _opt(
         "default", "--rollout-queue-run-id", "str", metavar="ID", help="names the run and its store")
+    declaration: Path | None = _opt(
+        None, "--rollout-storage-declaration", "path", metavar="FILE.json",
+        help='what the LMDB folder\'s mount is: {"mount_path", "filesystem", "durability": '
+        '{"synced_commits"}}; needed on a network filesystem')
+    profile: str | None = _opt(
+        None, "--rollout-storage-profile", "choice", choices=tuple(PROFILES), default_help="detect; local only",
+        help="a preset declaration for the LMDB folder's filesystem")
+    lease_seconds: float = _opt(
+        300.0, "--rollout-lease-seconds", "float", gt=0,
+        help="how long claimed work stays with a producer that stops renewing it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +479,7 @@ class _Loader:
 
         self._data_rules()
         self._engine_rules()
+        self._storage_rules()
         if self.ok("storage", "run_id") and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s["run_id"]):
             problem(f"{self.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
                     "with a letter or digit (it names folders and store keys)")
@@ -505,6 +517,16 @@ class _Loader:
             if self.ok("data", "label_key") and d["label_key"] not in record:
                 self.warnings.append(f"{self.show('data', 'label_key')}: the first record of {str(path)!r} "
                                      f"has no such key (keys: {keys}); the reward gets no label")
+
+    def _storage_rules(self) -> None:
+        # The file's shape is checked now; whether it matches the mount is checked when the store opens
+        # (`storage.check_storage`), since the data folder may not exist yet.
+        path = self.get("storage", "declaration")
+        if path is not None:
+            try:
+                load_declaration(path)
+            except ConfigError as exc:
+                self.problems.extend(exc.problems)
 
     def _engine_rules(self) -> None:
         e = self.values["engine"]
@@ -582,6 +604,10 @@ class _Loader:
         if s["transport"] == "memory" and self.given("storage", "data_dir"):
             self.warnings.append(f"{self.show('storage', 'data_dir')} with --rollout-data-transport=memory: "
                                  "nothing is stored on disk; add --rollout-data-transport lmdb to use it")
+        for name in ("declaration", "profile"):
+            if s["transport"] == "memory" and self.given("storage", name):
+                self.warnings.append(f"{self.show('storage', name)} with --rollout-data-transport=memory: "
+                                     "there is no store on disk to declare; it is ignored")
         if d["prompt_data"] is not None and self.given("data", "num_prompts"):
             self.warnings.append(f"{self.show('data', 'num_prompts')} with --prompt-data: it sizes only the "
                                  "built-in toy dataset and is ignored")

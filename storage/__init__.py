@@ -1,6 +1,7 @@
 """Where rollout state lives: the `Store` protocol, an in-memory store, and a durable LMDB store.
 
-    store = open_store("lmdb", "/data/run-7/rollout")   # or open_store("memory", None)
+    plan = check_storage("/data/run-7/rollout")          # refuses an undeclared network filesystem
+    store = open_store("lmdb", "/data/run-7/rollout", **plan.store_options())  # or open_store("memory", None)
     async_store = AsyncStore(store)                      # what the stages use
 """
 
@@ -10,20 +11,39 @@ import os
 from typing import Any
 
 from .async_store import AsyncStore
+from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
 from .lmdb_store import LmdbStore
 from .memory import MemoryStore
-from .protocol import Cursor, GroupState, RecoveryReport, RunMeta, Store, StoreStatistics
+from .protocol import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_OWNER,
+    Cursor,
+    GroupState,
+    Lease,
+    RecoveryReport,
+    RunMeta,
+    Store,
+    StoreStatistics,
+)
 
 __all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "DEFAULT_OWNER",
     "AsyncStore",
     "Cursor",
     "GroupState",
+    "Lease",
+    "PROFILES",
     "LmdbStore",
     "MemoryStore",
     "RecoveryReport",
     "RunMeta",
     "Store",
     "StoreStatistics",
+    "StorageDeclaration",
+    "StoragePlan",
+    "check_storage",
+    "load_declaration",
     "open_store",
 ]
 
@@ -33,12 +53,13 @@ TRANSPORTS = ("memory", "lmdb")
 def open_store(transport: str, path: str | os.PathLike[str] | None, **kw: Any) -> Store:
     """The store for `--rollout-data-transport`: "memory" (path unused) or "lmdb" (path required).
 
-    Keyword arguments go to `LmdbStore` (map_size, sync, readonly); the memory store takes none.
+    Keyword arguments go to `LmdbStore` (map_size, sync, readonly, clock); the memory store takes
+    only `clock`.
     """
     if transport == "memory":
-        if kw:
-            raise ValueError(f"the memory store takes no options, got {sorted(kw)}")
-        return MemoryStore()
+        if set(kw) - {"clock"}:
+            raise ValueError(f"the memory store takes no options but clock, got {sorted(kw)}")
+        return MemoryStore(**kw)
     if transport == "lmdb":
         if path is None:
             raise ValueError("the lmdb store needs a directory path, got None")

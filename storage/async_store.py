@@ -8,12 +8,15 @@ Cancellation: a call that has started runs to the end. The worker thread is neve
 transaction half-seen by its caller would lose work, e.g. groups claimed but never received), and
 the cancellation is delivered at the caller's next checkpoint. A call cancelled before it starts
 does nothing.
+
+Lease arguments are passed on only when given, so a store written against the older signatures
+(`admit(groups, cursor)`, `put_ready(group)`) keeps working behind `AsyncStore`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -22,7 +25,7 @@ import anyio.to_thread
 from pipeline.types import Batch, Group
 
 from .memory import MemoryStore
-from .protocol import Cursor, GroupState, RecoveryReport, RunMeta, Store, StoreStatistics
+from .protocol import Cursor, GroupState, Lease, RecoveryReport, RunMeta, Store, StoreStatistics
 
 __all__ = ["AsyncStore"]
 
@@ -42,7 +45,9 @@ class AsyncStore:
         """The synchronous store underneath (for code that already runs off the event loop)."""
         return self._store
 
-    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+    async def _call(self, fn: Callable[..., T], *args: object, **kwargs: Any) -> T:
+        if kwargs:
+            return await self._call(lambda: fn(*args, **kwargs))
         if self._inline:
             # A checkpoint before, never after: a caller cancelled here loses nothing.
             await anyio.lowlevel.checkpoint()
@@ -58,23 +63,39 @@ class AsyncStore:
     async def cursor(self) -> Cursor:
         return await self._call(self._store.cursor)
 
-    async def admit(self, groups: Sequence[Group], cursor: Cursor) -> None:
-        await self._call(self._store.admit, groups, cursor)
+    async def admit(
+        self, groups: Sequence[Group], cursor: Cursor, *, owner: str | None = None, lease_seconds: float | None = None
+    ) -> None:
+        await self._call(self._store.admit, groups, cursor, **_given(owner=owner, lease_seconds=lease_seconds))
 
-    async def claim_partial(self, limit: int) -> list[Group]:
-        return await self._call(self._store.claim_partial, limit)
+    async def claim_partial(
+        self, limit: int, *, owner: str | None = None, lease_seconds: float | None = None
+    ) -> list[Group]:
+        return await self._call(self._store.claim_partial, limit, **_given(owner=owner, lease_seconds=lease_seconds))
 
-    async def put_partial(self, group: Group) -> None:
-        await self._call(self._store.put_partial, group)
+    async def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        await self._call(self._store.put_partial, group, **_given(owner=owner))
 
-    async def put_ready(self, group: Group) -> None:
-        await self._call(self._store.put_ready, group)
+    async def put_ready(self, group: Group, *, owner: str | None = None) -> None:
+        await self._call(self._store.put_ready, group, **_given(owner=owner))
 
-    async def put_rejected(self, group: Group) -> None:
-        await self._call(self._store.put_rejected, group)
+    async def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
+        await self._call(self._store.put_rejected, group, **_given(owner=owner))
 
-    async def put_failed(self, group: Group) -> None:
-        await self._call(self._store.put_failed, group)
+    async def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+        await self._call(self._store.put_failed, group, **_given(owner=owner))
+
+    async def lease(self, group_id: str) -> Lease | None:
+        return await self._call(self._store.lease, group_id)
+
+    async def renew_leases(self, owner: str, lease_seconds: float) -> int:
+        return await self._call(self._store.renew_leases, owner, lease_seconds)
+
+    async def reclaim_expired(self, now: float | None = None) -> int:
+        return await self._call(self._store.reclaim_expired, now)
+
+    async def collect_garbage(self, up_to_step: int) -> int:
+        return await self._call(self._store.collect_garbage, up_to_step)
 
     async def take_batch(self, step: int, size: int) -> Batch | None:
         return await self._call(self._store.take_batch, step, size)
@@ -115,3 +136,7 @@ class AsyncStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}

@@ -10,6 +10,17 @@ One environment holds these named databases:
     partial_order  (oldest_version, seq) + group id -> b""    PARTIAL groups in serving order
     ready_order    (oldest_version, seq) + group id -> b""    READY groups in serving order
     batches        step -> batch record (the step and its group ids, in batch order)
+    leases         group id -> lease: expiry (f64, seconds since the epoch) + owner (UTF-8); RUNNING only
+    tombstones     group id -> i64 step: a TRAINED group `collect_garbage` deleted; `admit` refuses it
+                   (the cursor alone would not do: `admit` takes any id, from a producer, a replay or
+                   an epoch wrap, and the rule "an id exists once" is the store's to keep; a tombstone
+                   is about 40 bytes with its B-tree share, against ~100 KB for the group it replaces)
+
+`meta` also holds b"collected" -> two i64 (groups collected, last step collected).
+
+Leases are not indexed by expiry: only RUNNING groups have one (the in-flight work, thousands at
+most), so `reclaim_expired` and `renew_leases` scan them all, which costs less than keeping a
+second index up to date on every claim and put.
 
 Integers in keys are big-endian with the sign bit flipped, so LMDB's bytewise key order is numeric
 order (negative values included). Order keys end in the group id, so two groups with the same
@@ -29,6 +40,13 @@ __all__ = [
     "BATCHES",
     "BY_STATE",
     "DATABASES",
+    "LEASES",
+    "META_COLLECTED",
+    "TOMBSTONES",
+    "collected_value",
+    "lease_value",
+    "parse_collected",
+    "parse_lease",
     "GROUPS",
     "META",
     "META_COUNTS",
@@ -65,7 +83,9 @@ BY_STATE = b"by_state"
 PARTIAL_ORDER = b"partial_order"
 READY_ORDER = b"ready_order"
 BATCHES = b"batches"
-DATABASES = (META, GROUPS, STATE, BY_STATE, PARTIAL_ORDER, READY_ORDER, BATCHES)
+LEASES = b"leases"
+TOMBSTONES = b"tombstones"
+DATABASES = (META, GROUPS, STATE, BY_STATE, PARTIAL_ORDER, READY_ORDER, BATCHES, LEASES, TOMBSTONES)
 
 # Keys in `meta`.
 META_RUN = b"run"
@@ -73,6 +93,7 @@ META_CURSOR = b"cursor"
 META_TRAINED_STEP = b"trained_step"
 META_COUNTS = b"counts"
 META_LAYOUT = b"layout"
+META_COLLECTED = b"collected"
 
 # One byte per state, fixed forever: stored on disk, so never derived from enum order.
 _STATE_CODE = {
@@ -95,6 +116,8 @@ _ORDER = struct.Struct(">QQ")
 _STATE_ENTRY = struct.Struct(">cQQ")
 _COUNTS = struct.Struct(f">{len(STATE_ORDER)}Q")
 _SIGN = 1 << 63
+_EXPIRY = struct.Struct(">d")
+_COLLECTED = struct.Struct(">QQ")
 
 
 def _flip(value: int) -> int:
@@ -173,6 +196,31 @@ def parse_counts(value: bytes) -> dict[GroupState, int]:
     if len(value) != _COUNTS.size:
         raise CorruptRecordError(describe(META, META_COUNTS), f"{len(value)} bytes, expected {_COUNTS.size}")
     return dict(zip(STATE_ORDER, _COUNTS.unpack(value), strict=True))
+
+
+def lease_value(owner: str, expires_at: float) -> bytes:
+    return _EXPIRY.pack(expires_at) + owner.encode()
+
+
+def parse_lease(value: bytes, *, key: str) -> tuple[str, float]:
+    if len(value) < _EXPIRY.size:
+        raise CorruptRecordError(key, f"lease of {len(value)} bytes, expected at least {_EXPIRY.size}")
+    try:
+        owner = bytes(value[_EXPIRY.size :]).decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptRecordError(key, f"lease owner is not UTF-8: {exc}") from exc
+    return owner, _EXPIRY.unpack_from(value)[0]
+
+
+def collected_value(groups: int, step: int) -> bytes:
+    return _COLLECTED.pack(_flip(groups), _flip(step))
+
+
+def parse_collected(value: bytes) -> tuple[int, int]:
+    if len(value) != _COLLECTED.size:
+        raise CorruptRecordError(describe(META, META_COLLECTED), f"{len(value)} bytes, expected {_COLLECTED.size}")
+    groups, step = _COLLECTED.unpack(value)
+    return groups - _SIGN, step - _SIGN
 
 
 def describe(db: bytes, key: bytes) -> str:

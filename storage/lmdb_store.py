@@ -13,7 +13,11 @@ read-only store takes no lock and never writes; it is for replay and inspection.
 Where the cost hides: with `sync=True` every transaction ends in an fsync (about a millisecond on a
 local SSD); `sync=False` trades durability of the last transactions on an OS crash for speed (a
 process crash still loses nothing committed). The map is a virtual reservation: it starts at
-`map_size` and doubles whenever a transaction finds it full.
+`map_size` and doubles whenever a transaction finds it full (the transaction is aborted, the map
+grown, and the transaction run again from the start, so a full map never loses a write).
+
+Leases live in their own database (see `storage.keys`); `clock` (default `time.time`) is what
+lease expiry is measured against, injectable so tests can stand exactly on an expiry boundary.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import fcntl
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -31,7 +36,19 @@ from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreErr
 from pipeline.types import Batch, Group
 
 from . import codec, keys
-from .protocol import SCHEMA_VERSION, Cursor, GroupState, RecoveryReport, RunMeta, StoreStatistics
+from .protocol import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_OWNER,
+    SCHEMA_VERSION,
+    Cursor,
+    GroupState,
+    Lease,
+    RecoveryReport,
+    RunMeta,
+    StoreStatistics,
+    check_lease,
+    lease_lost,
+)
 
 __all__ = ["LmdbStore"]
 
@@ -51,23 +68,33 @@ class _Write:
     leaves the store's own counters untouched.
     """
 
-    __slots__ = ("counts", "cursor", "dbs", "trained_step", "txn")
+    __slots__ = ("collected", "counts", "cursor", "dbs", "trained_step", "txn")
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, object], store: LmdbStore) -> None:
         self.txn, self.dbs = txn, dbs
         self.counts = dict(store._counts)
         self.cursor = store._cursor
         self.trained_step = store._trained_step
+        self.collected = store._collected  # (groups collected, last step collected)
 
     def state_of(self, gid: str) -> _StateEntry | None:
         raw = self.txn.get(keys.group_key(gid), db=self.dbs[keys.STATE])
         return None if raw is None else keys.parse_state_entry(raw, key=keys.describe(keys.STATE, gid.encode()))
 
-    def move(self, gid: str, old: _StateEntry | None, new: GroupState, version: int, seq: int) -> None:
-        """Point every index at the group's new state (and, for PARTIAL/READY, its serving place)."""
+    def move(
+        self, gid: str, old: _StateEntry | None, new: GroupState, version: int, seq: int, lease: bytes | None = None
+    ) -> None:
+        """Point every index at the group's new state (and, for PARTIAL/READY, its serving place).
+
+        A group entering RUNNING gets `lease`; one leaving RUNNING loses its lease.
+        """
         txn, dbs = self.txn, self.dbs
+        if (new is _RUNNING) != (lease is not None):
+            raise AssertionError(f"group {gid!r}: a lease goes with RUNNING and only with it")
         if old is not None:
             old_state, old_version, old_seq = old
+            if old_state is _RUNNING:
+                txn.delete(keys.group_key(gid), db=dbs[keys.LEASES])
             removed = txn.delete(keys.by_state_key(old_state, gid), db=dbs[keys.BY_STATE])
             if old_state in _ORDER_DB:
                 key = keys.order_key(old_version, old_seq, gid)
@@ -79,7 +106,22 @@ class _Write:
         txn.put(keys.by_state_key(new, gid), b"", db=dbs[keys.BY_STATE])
         if new in _ORDER_DB:
             txn.put(keys.order_key(version, seq, gid), b"", db=dbs[_ORDER_DB[new]])
+        if lease is not None:
+            txn.put(keys.group_key(gid), lease, db=dbs[keys.LEASES])
         self.counts[new] += 1
+
+    def lease_of(self, gid: str) -> tuple[str, float] | None:
+        key = keys.group_key(gid)
+        raw = self.txn.get(key, db=self.dbs[keys.LEASES])
+        return None if raw is None else keys.parse_lease(raw, key=keys.describe(keys.LEASES, key))
+
+    def all_leases(self) -> list[tuple[str, str, float]]:
+        """(group id, owner, expiry) of every RUNNING group."""
+        out = []
+        for key, raw in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
+            owner, expiry = keys.parse_lease(raw, key=keys.describe(keys.LEASES, key))
+            out.append((bytes(key).decode(), owner, expiry))
+        return out
 
     def group(self, gid: str) -> Group:
         key = keys.group_key(gid)
@@ -103,14 +145,23 @@ class LmdbStore:
     """The durable store. Thread-safe: every method holds one lock for its transaction."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, map_size: int = 1 << 30, sync: bool = True, readonly: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = 1 << 30,
+        sync: bool = True,
+        readonly: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._path = os.fspath(path)
         self._readonly = readonly
+        self._clock = clock
+        self._collected = (0, -1)
         self._lock = threading.Lock()
         self._lock_fd: int | None = None
         self._transactions = 0
         self._bytes_used = 0
+        self._map_size = 0
         if readonly:
             if not os.path.exists(os.path.join(self._path, "data.mdb")):
                 raise StoreError(f"there is no rollout store at {self._path}")
@@ -131,6 +182,7 @@ class LmdbStore:
         try:
             self._check_layout()
             self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
+            self._collected = self._read(self._load_collected)
             self._note_size()
         except BaseException:
             self.close()
@@ -168,7 +220,15 @@ class LmdbStore:
 
     # --- the state machine ----------------------------------------------------------------------
 
-    def admit(self, groups: Sequence[Group], cursor: Cursor) -> None:
+    def admit(
+        self,
+        groups: Sequence[Group],
+        cursor: Cursor,
+        *,
+        owner: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> None:
+        check_lease(owner, lease_seconds)
         # Encode before the transaction: the write lock is held only for the writes themselves.
         records = []
         seen: set[str] = set()
@@ -181,39 +241,121 @@ class LmdbStore:
         cursor_record = codec.encode_cursor(cursor)
 
         def fn(w: _Write) -> None:
+            lease = keys.lease_value(owner, self._clock() + lease_seconds)
+            tombstones = self._dbs[keys.TOMBSTONES]
             for gid, key, data, version, seq in records:
+                if (step := w.txn.get(key, db=tombstones)) is not None:
+                    trained = keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key))
+                    raise StoreError(
+                        f"group {gid!r} already exists (trained at step {trained}, then collected); nothing was stored"
+                    )
                 if not w.txn.put(key, data, db=self._dbs[keys.GROUPS], overwrite=False):
                     state = w.state_of(gid)
                     shown = state[0].value if state is not None else "unindexed"
                     raise StoreError(f"group {gid!r} already exists ({shown}); nothing was stored")
-                w.move(gid, None, _RUNNING, version, seq)
+                w.move(gid, None, _RUNNING, version, seq, lease)
             w.txn.put(keys.META_CURSOR, cursor_record, db=self._dbs[keys.META])
             w.cursor = cursor
 
         self._write(fn)
 
-    def claim_partial(self, limit: int) -> list[Group]:
+    def claim_partial(
+        self, limit: int, *, owner: str = DEFAULT_OWNER, lease_seconds: float = DEFAULT_LEASE_SECONDS
+    ) -> list[Group]:
+        check_lease(owner, lease_seconds)
+
         def fn(w: _Write) -> list[Group]:
+            lease = keys.lease_value(owner, self._clock() + lease_seconds)
             claimed = []
             for gid in w.first_in_order(_PARTIAL, limit):
                 old = self._expect(w, gid, _PARTIAL)
                 claimed.append(w.group(gid))
-                w.move(gid, old, _RUNNING, old[1], old[2])
+                w.move(gid, old, _RUNNING, old[1], old[2], lease)
             return claimed
 
         return self._write(fn)
 
-    def put_partial(self, group: Group) -> None:
-        self._put(group, _PARTIAL)
+    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, _PARTIAL, owner)
 
-    def put_ready(self, group: Group) -> None:
-        self._put(group, _READY)
+    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, _READY, owner)
 
-    def put_rejected(self, group: Group) -> None:
-        self._put(group, GroupState.REJECTED)
+    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, GroupState.REJECTED, owner)
 
-    def put_failed(self, group: Group) -> None:
-        self._put(group, GroupState.FAILED)
+    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, GroupState.FAILED, owner)
+
+    # --- leases ---------------------------------------------------------------------------------
+
+    def lease(self, group_id: str) -> Lease | None:
+        def fn(txn: lmdb.Transaction) -> Lease | None:
+            found = self._reader(txn).lease_of(group_id)
+            return None if found is None else Lease(*found)
+
+        return self._read(fn)
+
+    def renew_leases(self, owner: str, lease_seconds: float) -> int:
+        check_lease(owner, lease_seconds)
+
+        def fn(w: _Write) -> int:
+            value = keys.lease_value(owner, self._clock() + lease_seconds)
+            mine = [gid for gid, holder, _ in w.all_leases() if holder == owner]
+            for gid in mine:
+                w.txn.put(keys.group_key(gid), value, db=self._dbs[keys.LEASES])
+            return len(mine)
+
+        return self._write(fn)
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        def fn(w: _Write) -> int:
+            at = self._clock() if now is None else now
+            expired = [gid for gid, _, expiry in w.all_leases() if expiry <= at]
+            for gid in expired:
+                old = self._expect(w, gid, _RUNNING)
+                w.move(gid, old, _PARTIAL, old[1], old[2])
+            return len(expired)
+
+        return self._write(fn)
+
+    # --- housekeeping ---------------------------------------------------------------------------
+
+    def collect_garbage(self, up_to_step: int) -> int:
+        def fn(w: _Write) -> int:
+            if up_to_step > w.trained_step:
+                raise StoreError(
+                    f"cannot collect up to step {up_to_step}: only steps up to {w.trained_step} are trained"
+                )
+            done, last = w.collected
+            if up_to_step <= last:
+                return 0
+            batches, tombstones = self._dbs[keys.BATCHES], self._dbs[keys.TOMBSTONES]
+            cursor = w.txn.cursor(db=batches)
+            steps = []
+            if cursor.set_range(keys.step_key(last + 1)):
+                for step_key, raw in cursor.iternext(keys=True, values=True):
+                    if keys.parse_step_key(step_key) > up_to_step:
+                        break
+                    steps.append((bytes(step_key), bytes(raw)))
+            deleted = 0
+            for step_key, raw in steps:
+                step, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+                for gid in ids:
+                    old = self._expect(w, gid, GroupState.TRAINED)
+                    key = keys.group_key(gid)
+                    w.txn.delete(key, db=self._dbs[keys.GROUPS])
+                    w.txn.delete(key, db=self._dbs[keys.STATE])
+                    w.txn.delete(keys.by_state_key(old[0], gid), db=self._dbs[keys.BY_STATE])
+                    w.txn.put(key, keys.i64_value(step), db=tombstones)
+                    w.counts[GroupState.TRAINED] -= 1
+                    deleted += 1
+                w.txn.delete(step_key, db=batches)
+            w.collected = (done + deleted, up_to_step)
+            w.txn.put(keys.META_COLLECTED, keys.collected_value(*w.collected), db=self._dbs[keys.META])
+            return deleted
+
+        return self._write(fn)
 
     def take_batch(self, step: int, size: int) -> Batch | None:
         if size < 1:
@@ -244,6 +386,8 @@ class LmdbStore:
 
         def fn(w: _Write) -> None:
             raw = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            if raw is None and 0 <= step <= w.collected[1]:  # finished, then collected: a late retry
+                return
             if raw is None:
                 raise StoreError(f"no batch was taken for step {step}")
             if step <= w.trained_step:  # finished already: a retry after a crash
@@ -273,7 +417,7 @@ class LmdbStore:
                     if not key.startswith(prefix):
                         break
                     running.append(keys.group_id_of_by_state_key(key))
-            for gid in running:
+            for gid in running:  # leased or not: after a restart no producer holds anything
                 old = self._expect(w, gid, _RUNNING)
                 w.move(gid, old, _PARTIAL, old[1], old[2])
             # Batches after the trained step never reached a checkpoint: their groups go back to READY.
@@ -339,15 +483,20 @@ class LmdbStore:
         """Cheap for a writer: its counters live in memory, so no transaction (and no lock wait)."""
         if self._readonly:
             counts, cursor, trained = self._counters()
+            collected = self._read(self._load_collected)
             self._note_size()
         else:
-            counts, cursor, trained = self._counts, self._cursor, self._trained_step
+            self._open_env()
+            counts, cursor, trained, collected = self._counts, self._cursor, self._trained_step, self._collected
         return StoreStatistics(
             counts=dict(counts),
             cursor=cursor,
             trained_step=trained,
             transactions=self._transactions,
             bytes_used=self._bytes_used,
+            collected=collected[0],
+            collected_step=collected[1],
+            map_size=self._map_size,
         )
 
     def close(self) -> None:
@@ -388,6 +537,7 @@ class LmdbStore:
                 except lmdb.Error as exc:
                     raise StoreError(f"rollout store {self._path}: {exc}") from exc
             self._counts, self._cursor, self._trained_step = w.counts, w.cursor, w.trained_step
+            self._collected = w.collected
             self._transactions += 1
             self._bytes_used = self._used_bytes(env)
             return result
@@ -457,6 +607,10 @@ class LmdbStore:
         )
         return counts, cursor, trained
 
+    def _load_collected(self, txn: lmdb.Transaction) -> tuple[int, int]:
+        raw = txn.get(keys.META_COLLECTED, db=self._dbs[keys.META])
+        return (0, -1) if raw is None else keys.parse_collected(raw)
+
     def _counters(self) -> tuple[dict[GroupState, int], Cursor, int]:
         # The writer is the only one changing the store, so its copies are the truth. A read-only
         # store may be watching a live writer in another process: read fresh.
@@ -465,7 +619,7 @@ class LmdbStore:
         self._open_env()
         return self._counts, self._cursor, self._trained_step
 
-    def _put(self, group: Group, to: GroupState) -> None:
+    def _put(self, group: Group, to: GroupState, owner: str | None) -> None:
         gid = group.group_id
         key = keys.group_key(gid)
         data = codec.encode_group(group)
@@ -477,6 +631,10 @@ class LmdbStore:
                 raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
             if old[0] is not _RUNNING:
                 raise StoreError(f"group {gid!r} is {old[0].value}, not running; it cannot become {to.value}")
+            if owner is not None:
+                holder = w.lease_of(gid)
+                if holder is None or holder[0] != owner:
+                    raise StoreError(lease_lost(gid, owner, None if holder is None else holder[0], to))
             w.txn.put(key, data, db=self._dbs[keys.GROUPS])
             w.move(gid, old, to, version, seq)
 
@@ -505,7 +663,9 @@ class LmdbStore:
                 self._bytes_used = self._used_bytes(self._env)
 
     def _used_bytes(self, env: lmdb.Environment) -> int:
-        return (env.info()["last_pgno"] + 1) * self._page_size
+        info = env.info()
+        self._map_size = info["map_size"]
+        return (info["last_pgno"] + 1) * self._page_size
 
     def _release_writer_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None

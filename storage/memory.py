@@ -5,20 +5,35 @@ the same rules and raises the same errors as the LMDB store; the shared test sui
 
 Serving order lives in two heaps of `(oldest_version, seq, group_id)`. A group leaves PARTIAL only
 through `claim_partial` and READY only through `take_batch`, and both pop from the top, so the heaps
-never need deletions from the middle: every take is O(k log n).
+never need deletions from the middle: every take is O(k log n). A lease reclaim puts a group back
+into PARTIAL, which is a push, so that holds with leases too.
+
+`clock` (default `time.time`) measures lease expiry, injectable for tests as in the LMDB store.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 from pipeline.errors import IncompatibleStoreError, StoreError
 from pipeline.types import Batch, Group
 
 from . import keys
 from .codec import meta_difference
-from .protocol import Cursor, GroupState, RecoveryReport, RunMeta, StoreStatistics
+from .protocol import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_OWNER,
+    Cursor,
+    GroupState,
+    Lease,
+    RecoveryReport,
+    RunMeta,
+    StoreStatistics,
+    check_lease,
+    lease_lost,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -29,7 +44,12 @@ _Order = tuple[int, int, str]
 class MemoryStore:
     """Synchronous, one process, not thread-safe on its own (`AsyncStore` calls it from one task at a time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._leases: dict[str, Lease] = {}  # exactly the RUNNING groups
+        self._tombstones: dict[str, int] = {}  # collected group id -> the step it trained in
+        self._collected = 0
+        self._collected_step = -1
         self._meta: RunMeta | None = None
         self._cursor = Cursor()
         self._trained_step = -1
@@ -63,8 +83,16 @@ class MemoryStore:
 
     # --- the state machine ----------------------------------------------------------------------
 
-    def admit(self, groups: Sequence[Group], cursor: Cursor) -> None:
+    def admit(
+        self,
+        groups: Sequence[Group],
+        cursor: Cursor,
+        *,
+        owner: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> None:
         self._check_open()
+        check_lease(owner, lease_seconds)
         seen: set[str] = set()
         for group in groups:
             gid = group.group_id
@@ -72,35 +100,93 @@ class MemoryStore:
             if gid in seen:
                 raise StoreError(f"group {gid!r} appears twice in one admit; nothing was stored")
             seen.add(gid)
+            if (step := self._tombstones.get(gid)) is not None:
+                raise StoreError(
+                    f"group {gid!r} already exists (trained at step {step}, then collected); nothing was stored"
+                )
             if (entry := self._groups.get(gid)) is not None:
                 raise StoreError(f"group {gid!r} already exists ({entry[0].value}); nothing was stored")
+        lease = Lease(owner, self._clock() + lease_seconds)
         for group in groups:
             self._set(group, _RUNNING)
+            self._leases[group.group_id] = lease
         self._cursor = cursor
         self._transactions += 1
 
-    def claim_partial(self, limit: int) -> list[Group]:
+    def claim_partial(
+        self, limit: int, *, owner: str = DEFAULT_OWNER, lease_seconds: float = DEFAULT_LEASE_SECONDS
+    ) -> list[Group]:
         self._check_open()
+        check_lease(owner, lease_seconds)
+        lease = Lease(owner, self._clock() + lease_seconds)
         claimed: list[Group] = []
         while self._partial and len(claimed) < limit:
             _, _, gid = heapq.heappop(self._partial)
             group = self._groups[gid][1]
             self._move(gid, _PARTIAL, _RUNNING, group)
+            self._leases[gid] = lease
             claimed.append(group)
         self._transactions += 1
         return claimed
 
-    def put_partial(self, group: Group) -> None:
-        self._put(group, _PARTIAL)
+    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, _PARTIAL, owner)
 
-    def put_ready(self, group: Group) -> None:
-        self._put(group, _READY)
+    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, _READY, owner)
 
-    def put_rejected(self, group: Group) -> None:
-        self._put(group, GroupState.REJECTED)
+    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, GroupState.REJECTED, owner)
 
-    def put_failed(self, group: Group) -> None:
-        self._put(group, GroupState.FAILED)
+    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+        self._put(group, GroupState.FAILED, owner)
+
+    # --- leases ---------------------------------------------------------------------------------
+
+    def lease(self, group_id: str) -> Lease | None:
+        self._check_open()
+        return self._leases.get(group_id)
+
+    def renew_leases(self, owner: str, lease_seconds: float) -> int:
+        self._check_open()
+        check_lease(owner, lease_seconds)
+        lease = Lease(owner, self._clock() + lease_seconds)
+        mine = [gid for gid, held in self._leases.items() if held.owner == owner]
+        for gid in mine:
+            self._leases[gid] = lease
+        self._transactions += 1
+        return len(mine)
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        self._check_open()
+        at = self._clock() if now is None else now
+        expired = [gid for gid, held in self._leases.items() if held.expires_at <= at]
+        for gid in expired:
+            self._move(gid, _RUNNING, _PARTIAL, self._groups[gid][1])
+        self._transactions += 1
+        return len(expired)
+
+    # --- housekeeping ---------------------------------------------------------------------------
+
+    def collect_garbage(self, up_to_step: int) -> int:
+        self._check_open()
+        if up_to_step > self._trained_step:
+            raise StoreError(
+                f"cannot collect up to step {up_to_step}: only steps up to {self._trained_step} are trained"
+            )
+        self._transactions += 1
+        if up_to_step <= self._collected_step:
+            return 0
+        deleted = 0
+        for step in sorted(s for s in self._batches if self._collected_step < s <= up_to_step):
+            for gid in self._batches.pop(step):
+                del self._groups[gid]
+                del self._members[GroupState.TRAINED][gid]
+                self._tombstones[gid] = step
+                deleted += 1
+        self._collected += deleted
+        self._collected_step = up_to_step
+        return deleted
 
     def take_batch(self, step: int, size: int) -> Batch | None:
         self._check_open()
@@ -125,6 +211,9 @@ class MemoryStore:
 
     def finish_batch(self, step: int) -> None:
         self._check_open()
+        if step not in self._batches and 0 <= step <= self._collected_step:  # finished, then collected
+            self._transactions += 1
+            return
         if step not in self._batches:
             raise StoreError(f"no batch was taken for step {step}")
         if step <= self._trained_step:  # finished already: a retry after a crash
@@ -185,6 +274,8 @@ class MemoryStore:
             trained_step=self._trained_step,
             transactions=self._transactions,
             bytes_used=0,
+            collected=self._collected,
+            collected_step=self._collected_step,
         )
 
     def close(self) -> None:
@@ -205,7 +296,7 @@ class MemoryStore:
         if self._closed:
             raise StoreError("the memory store is closed")
 
-    def _put(self, group: Group, to: GroupState) -> None:
+    def _put(self, group: Group, to: GroupState, owner: str | None) -> None:
         self._check_open()
         gid = group.group_id
         entry = self._groups.get(gid)
@@ -213,6 +304,8 @@ class MemoryStore:
             raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
         if entry[0] is not _RUNNING:
             raise StoreError(f"group {gid!r} is {entry[0].value}, not running; it cannot become {to.value}")
+        if owner is not None and (held := self._leases.get(gid)) is not None and held.owner != owner:
+            raise StoreError(lease_lost(gid, owner, held.owner, to))
         self._move(gid, _RUNNING, to, group)
         self._transactions += 1
 
@@ -228,6 +321,8 @@ class MemoryStore:
     def _move(self, gid: str, old: GroupState, new: GroupState, group: Group) -> None:
         # The heap entry of `old` (PARTIAL or READY) was already popped by the caller.
         del self._members[old][gid]
+        if old is _RUNNING:
+            del self._leases[gid]
         self._set(group, new)
 
     def _batch_of(self, step: int) -> Batch:

@@ -3,33 +3,63 @@
 A group moves through these states; every arrow is one store method and one transaction:
 
     admit ──► RUNNING ──put_ready──► READY ──take_batch──► BATCHED ──finish_batch──► TRAINED
-                 │  ▲                                          │
-     put_partial │  │ claim_partial                   recover  │ (crash before the step finished)
-                 ▼  │                                          ▼
+                 │  ▲                                          │                          │
+     put_partial │  │ claim_partial                   recover  │ (crash before    collect_garbage
+ reclaim_expired │  │                                          │  the step finished)      ▼
+                 ▼  │                                          ▼                   (id kept as a tombstone)
                PARTIAL ◄──────── recover (crash while RUNNING)  READY
                  RUNNING ──put_rejected──► REJECTED    RUNNING ──put_failed──► FAILED
+
+RUNNING is leased: `admit` and `claim_partial` give the lease, every move out of RUNNING ends it.
 
 Ordering, the same for both implementations:
 - `claim_partial` and `take_batch` serve the oldest token version first (`Group.oldest_version`),
   then FIFO by `Group.seq`.
 - The dispenser serves partial groups before new prompts (it calls `claim_partial` first).
 
-A group id exists once: `admit` refuses an id the store already holds, in any state. That, plus
-the cursor moving in the same transaction, is why a prompt is never generated twice.
+A group id exists once: `admit` refuses an id the store already holds, in any state, and also an
+id whose TRAINED group `collect_garbage` deleted (a tombstone of the id stays). That, plus the
+cursor moving in the same transaction, is why a prompt is never generated twice.
+
+Leases. A RUNNING group (admitted, or claimed with `claim_partial`) is leased: an owner id and an
+expiry time (seconds since the epoch, from the store's clock). The owner renews its leases
+(`renew_leases`) well inside the lease time; `reclaim_expired(now)` turns RUNNING groups whose
+expiry is <= now back into PARTIAL, prefixes kept, so a lost producer's work is served again.
+A `put_*` that names its `owner` is refused unless that owner still holds the lease (a producer
+that lost its lease must not overwrite the group another owner now runs). The defaults (owner
+"controller", a lease that never expires) are the single-process controller's: nothing expires,
+and `recover()` after a restart requeues everything RUNNING regardless of leases.
+
+Garbage. `collect_garbage(step)` deletes the TRAINED groups and the batch records of steps up to
+`step` (call it once the checkpoint of `step` is durable). Counters keep the truth: `count(TRAINED)`
+falls, `StoreStatistics.collected` rises by the same number.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline.types import Batch, Group
 
-__all__ = ["Cursor", "GroupState", "RecoveryReport", "RunMeta", "Store", "StoreStatistics"]
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "DEFAULT_OWNER",
+    "Cursor",
+    "GroupState",
+    "Lease",
+    "RecoveryReport",
+    "RunMeta",
+    "Store",
+    "StoreStatistics",
+]
 
 SCHEMA_VERSION = 1
+DEFAULT_OWNER = "controller"
+DEFAULT_LEASE_SECONDS = math.inf  # the lone controller's lease: never expires, `recover()` requeues
 
 
 class GroupState(enum.Enum):
@@ -75,12 +105,23 @@ class RecoveryReport:
 
 
 @dataclass(frozen=True, slots=True)
+class Lease:
+    """Who runs a RUNNING group, and until when (seconds since the epoch; inf = never expires)."""
+
+    owner: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStatistics:
-    counts: Mapping[GroupState, int]
+    counts: Mapping[GroupState, int]  # groups held now, per state (collected ones are not held)
     cursor: Cursor
     trained_step: int
     transactions: int
-    bytes_used: int  # 0 for the memory store
+    bytes_used: int  # pages in use x page size; 0 for the memory store
+    collected: int = 0  # TRAINED groups deleted by collect_garbage, over the store's life
+    collected_step: int = -1  # the last step collect_garbage covered
+    map_size: int = 0  # the LMDB map reservation now (it doubles when full); 0 for the memory store
 
 
 @runtime_checkable
@@ -93,31 +134,65 @@ class Store(Protocol):
 
     def cursor(self) -> Cursor: ...
 
-    def admit(self, groups: Sequence[Group], cursor: Cursor) -> None:
-        """New groups enter RUNNING and the cursor moves to `cursor`, together.
+    def admit(
+        self,
+        groups: Sequence[Group],
+        cursor: Cursor,
+        *,
+        owner: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> None:
+        """New groups enter RUNNING, leased to `owner` for `lease_seconds`, and the cursor moves to
+        `cursor`, together.
 
-        Raises StoreError, storing nothing, if any group id already exists.
+        Raises StoreError, storing nothing, if any group id already exists or was collected.
         """
         ...
 
-    def claim_partial(self, limit: int) -> list[Group]:
-        """Up to `limit` PARTIAL groups, oldest version then FIFO, now RUNNING."""
+    def claim_partial(
+        self, limit: int, *, owner: str = DEFAULT_OWNER, lease_seconds: float = DEFAULT_LEASE_SECONDS
+    ) -> list[Group]:
+        """Up to `limit` PARTIAL groups, oldest version then FIFO, now RUNNING and leased to `owner`."""
         ...
 
-    def put_partial(self, group: Group) -> None:
-        """RUNNING -> PARTIAL, keeping every token the group has (its prefixes)."""
+    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        """RUNNING -> PARTIAL, keeping every token the group has (its prefixes); the lease ends.
+
+        With `owner`, refused (StoreError, nothing changes) unless `owner` holds the lease; the
+        same holds for every `put_*`.
+        """
         ...
 
-    def put_ready(self, group: Group) -> None:
+    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
         """RUNNING -> READY: all samples finished, rewarded and accepted."""
         ...
 
-    def put_rejected(self, group: Group) -> None:
+    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
         """RUNNING -> REJECTED by the dynamic filter. Kept for accounting and replay, never trained."""
         ...
 
-    def put_failed(self, group: Group) -> None:
+    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
         """RUNNING -> FAILED: a sample failed for good. Kept, visible, never trained."""
+        ...
+
+    def lease(self, group_id: str) -> Lease | None:
+        """The lease of a RUNNING group; None for any other group or an unknown id."""
+        ...
+
+    def renew_leases(self, owner: str, lease_seconds: float) -> int:
+        """Every lease `owner` holds now expires `lease_seconds` from the store's clock. Returns how
+        many. An expired lease not yet reclaimed is renewed too (it was never taken away)."""
+        ...
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        """RUNNING groups whose lease expires at or before `now` (default: the store's clock) ->
+        PARTIAL, prefixes kept, claimable again. Returns how many."""
+        ...
+
+    def collect_garbage(self, up_to_step: int) -> int:
+        """Deletes the TRAINED groups and the batch records of steps <= `up_to_step` (which must be
+        <= `trained_step()`); their ids stay refused by `admit`. Returns the groups deleted.
+        Repeating it, or a lower step, deletes nothing more."""
         ...
 
     def take_batch(self, step: int, size: int) -> Batch | None:
@@ -129,7 +204,8 @@ class Store(Protocol):
         ...
 
     def finish_batch(self, step: int) -> None:
-        """The step's groups -> TRAINED; trainer progress becomes `step`."""
+        """The step's groups -> TRAINED; trainer progress becomes `step`. Finishing a finished step
+        again (a retry after a crash) changes nothing, even after its groups were collected."""
         ...
 
     def trained_step(self) -> int:
@@ -154,3 +230,19 @@ class Store(Protocol):
     def statistics(self) -> StoreStatistics: ...
 
     def close(self) -> None: ...
+
+
+def check_lease(owner: str, lease_seconds: float) -> None:
+    """Both stores refuse the same bad lease arguments (not exported: a helper of the implementations)."""
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"a lease owner is a non-empty string, got {owner!r}")
+    if not lease_seconds > 0:  # NaN too
+        raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
+
+
+def lease_lost(gid: str, owner: str, holder: str | None, to: GroupState) -> str:
+    held = "nobody" if holder is None else repr(holder)
+    return (
+        f"group {gid!r} is leased to {held}, not {owner!r}; it cannot become {to.value} "
+        "(its lease expired, or was never theirs)"
+    )

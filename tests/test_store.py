@@ -8,6 +8,7 @@ the same observable results from all three.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from storage import (
     AsyncStore,
     Cursor,
     GroupState,
+    Lease,
     LmdbStore,
     MemoryStore,
     RecoveryReport,
@@ -309,6 +311,178 @@ def test_a_closed_store_refuses_calls(store: Store) -> None:
         store.admit([fresh(0)], cursor_after(1))
     with pytest.raises(StoreError, match="closed"):
         store.count(READY)
+
+
+# --- leases -----------------------------------------------------------------------------------
+
+
+class Clock:
+    """The time a store reads its lease expiry against, set by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def timed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Store, Clock]]:
+    clock = Clock(100.0)
+    s = MemoryStore(clock=clock) if request.param == "memory" else LmdbStore(tmp_path / "store", clock=clock)
+    yield s, clock
+    s.close()
+
+
+def test_a_lease_expires_exactly_at_its_expiry(timed: tuple[Store, Clock]) -> None:
+    store, clock = timed
+    g0, g1 = fresh(0), fresh(1)
+    store.admit([g0, g1], cursor_after(2), owner="p1", lease_seconds=10.0)
+    assert store.lease(g0.group_id) == Lease("p1", 110.0)
+    prefix = generated(g0, 0)
+    store.put_partial(prefix, owner="p1")
+    assert store.lease(g0.group_id) is None  # a lease lives only while RUNNING
+    assert store.claim_partial(1, owner="p1", lease_seconds=10.0) == [prefix]
+    clock.now = 103.0
+    store.admit([fresh(2)], cursor_after(3), owner="p1", lease_seconds=10.0)  # expires at 113
+
+    just_before = math.nextafter(110.0, 0.0)
+    assert store.reclaim_expired(just_before) == 0
+    assert store.count(RUNNING) == 3 and store.lease(g1.group_id) == Lease("p1", 110.0)
+    assert store.reclaim_expired(110.0) == 2  # g0 (claimed at 100) and g1 (admitted at 100)
+    assert store.get(g0.group_id) == (PARTIAL, prefix)  # the prefix survived the lost lease
+    assert store.get(g1.group_id) == (PARTIAL, g1)
+    assert store.lease(g0.group_id) is None and store.lease(fresh(2).group_id) == Lease("p1", 113.0)
+    clock.now = math.nextafter(113.0, 0.0)
+    assert store.reclaim_expired() == 0  # now defaults to the store's clock
+    clock.now = 113.0
+    assert store.reclaim_expired() == 1
+    # Claimable again, in serving order (all version 0: FIFO), by another owner.
+    assert ids(store.claim_partial(5, owner="p2", lease_seconds=1.0)) == [g0.group_id, g1.group_id, fresh(2).group_id]
+    assert store.lease(g0.group_id) == Lease("p2", 114.0)
+
+
+def test_a_producer_that_lost_its_lease_cannot_write(timed: tuple[Store, Clock]) -> None:
+    store, clock = timed
+    g0 = fresh(0)
+    store.admit([g0], cursor_after(1), owner="p1", lease_seconds=5.0)
+    clock.now = 105.0
+    assert store.reclaim_expired() == 1
+    with pytest.raises(StoreError, match="is partial, not running"):  # reclaimed, not yet re-claimed
+        store.put_ready(finished(g0, 0), owner="p1")
+    (again,) = store.claim_partial(1, owner="p2", lease_seconds=5.0)
+    before = store.statistics().transactions
+    with pytest.raises(StoreError, match="leased to 'p2', not 'p1'"):
+        store.put_ready(finished(again, 0), owner="p1")
+    assert store.get(g0.group_id) == (RUNNING, g0) and store.statistics().transactions == before
+    store.put_ready(finished(again, 0), owner="p2")
+    assert store.get(g0.group_id)[0] is READY
+
+
+def test_renew_leases_extends_one_owners_leases_only(timed: tuple[Store, Clock]) -> None:
+    store, clock = timed
+    store.admit([fresh(0), fresh(1)], cursor_after(2), owner="p1", lease_seconds=10.0)
+    store.admit([fresh(2)], cursor_after(3), owner="p2", lease_seconds=10.0)
+    clock.now = 105.0
+    assert store.renew_leases("p1", 10.0) == 2
+    assert store.renew_leases("nobody", 10.0) == 0
+    assert store.lease(fresh(0).group_id) == Lease("p1", 115.0)
+    assert store.lease(fresh(2).group_id) == Lease("p2", 110.0)
+    clock.now = 112.0
+    assert store.reclaim_expired() == 1
+    assert ids(store.groups(PARTIAL)) == [fresh(2).group_id]
+    assert store.count(RUNNING) == 2
+
+
+def test_default_leases_never_expire_and_recover_ends_every_lease(timed: tuple[Store, Clock]) -> None:
+    store, _ = timed
+    store.admit([fresh(0)], cursor_after(1))
+    store.admit([fresh(1)], cursor_after(2), owner="p1", lease_seconds=1.0)
+    assert store.lease(fresh(0).group_id) == Lease("controller", math.inf)
+    assert store.reclaim_expired(1e300) == 1  # only p1's
+    store.claim_partial(1)
+    assert store.lease(fresh(1).group_id) == Lease("controller", math.inf)
+    assert store.recover() == RecoveryReport(running_to_partial=2, batched_to_ready=0)
+    assert store.lease(fresh(0).group_id) is None and store.lease(fresh(1).group_id) is None
+    assert store.reclaim_expired(1e300) == 0
+
+
+def test_bad_lease_arguments_are_refused_and_store_nothing(timed: tuple[Store, Clock]) -> None:
+    store, _ = timed
+    for kw, match in (({"lease_seconds": 0.0}, "lease_seconds must be > 0, got 0.0"),
+                      ({"lease_seconds": math.nan}, "got nan"),
+                      ({"owner": ""}, "non-empty string, got ''")):
+        with pytest.raises(ValueError, match=match):
+            store.admit([fresh(0)], cursor_after(1), **kw)
+        with pytest.raises(ValueError, match=match):
+            store.claim_partial(1, **kw)
+    with pytest.raises(ValueError, match="> 0"):
+        store.renew_leases("p1", -1.0)
+    assert store.get(fresh(0).group_id) is None and store.cursor() == Cursor()
+
+
+@pytest.mark.anyio
+async def test_async_store_passes_lease_arguments_only_when_given(timed: tuple[Store, Clock]) -> None:
+    store, clock = timed
+    astore = AsyncStore(store)
+    await astore.admit([fresh(0)], cursor_after(1), owner="p1", lease_seconds=2.0)
+    await astore.put_partial(generated(fresh(0), 0), owner="p1")
+    await astore.claim_partial(1, owner="p2", lease_seconds=3.0)
+    assert await astore.lease(fresh(0).group_id) == Lease("p2", 103.0)
+    clock.now = 102.0
+    assert await astore.renew_leases("p2", 3.0) == 1
+    assert await astore.reclaim_expired(104.0) == 0
+    assert await astore.reclaim_expired(105.0) == 1
+
+    class OldSignatures(MemoryStore):  # a store written before leases: no lease keywords at all
+        def admit(self, groups, cursor):
+            super().admit(groups, cursor)
+
+        def put_ready(self, group):
+            super().put_ready(group)
+
+    old = AsyncStore(OldSignatures())
+    await old.admit([fresh(0)], cursor_after(1))
+    await old.put_ready(finished(fresh(0), 0))
+    assert await old.count(READY) == 1
+
+
+# --- collect_garbage --------------------------------------------------------------------------
+
+
+def _trained_steps(store: Store) -> list[Batch]:
+    """Six groups: steps 0 and 1 trained (2 groups each), step 2 taken, not trained."""
+    _staged(store, "ready")
+    batches = [store.take_batch(step, 2) for step in range(3)]
+    store.finish_batch(0)
+    store.finish_batch(1)
+    return batches
+
+
+def test_collect_garbage_deletes_trained_groups_and_keeps_their_ids_refused(store: Store) -> None:
+    b0, b1, b2 = _trained_steps(store)
+    with pytest.raises(StoreError, match="cannot collect up to step 2: only steps up to 1 are trained"):
+        store.collect_garbage(2)
+    assert store.collect_garbage(0) == 2
+    assert store.count(TRAINED) == 2 and store.batch(0) is None and store.batch(1) == b1
+    for g in b0.groups:
+        assert store.get(g.group_id) is None
+        with pytest.raises(StoreError, match=rf"{g.group_id}' already exists \(trained at step 0, then collected"):
+            store.admit([fresh(99), g], cursor_after(100))
+    assert store.get(fresh(99).group_id) is None  # the refused admit stored nothing
+    assert store.collect_garbage(0) == 0 and store.collect_garbage(-1) == 0  # nothing more
+    assert store.collect_garbage(1) == 2
+    stats = store.statistics()
+    assert (stats.collected, stats.collected_step) == (4, 1)
+    assert stats.counts == {**dict.fromkeys(GroupState, 0), BATCHED: 2}
+    assert list(store.groups(TRAINED)) == []
+    store.finish_batch(1)  # a late retry of a collected step is still harmless
+    with pytest.raises(StoreError, match="already trained"):
+        store.take_batch(1, 2)
+    assert store.batch(2) == b2
+    store.finish_batch(2)
+    assert store.count(TRAINED) == 2 and store.trained_step() == 2
+    assert store.recover() == RecoveryReport(0, 0)
 
 
 # --- open_store -------------------------------------------------------------------------------
@@ -607,39 +781,80 @@ def test_lmdb_errors_become_store_errors(tmp_path: Path) -> None:
 class Model:
     """The contract in its plainest form: dicts, and sorting on every take."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: list[float]) -> None:
         self.state: dict[str, GroupState] = {}
         self.group: dict[str, Group] = {}
         self.batches: dict[int, list[str]] = {}
         self.cursor = Cursor()
         self.trained = -1
         self.transactions = 0
+        self.now = now  # the clock the stores read too
+        self.leases: dict[str, Lease] = {}
+        self.tombstones: set[str] = set()
+        self.collected = 0
+        self.collected_step = -1
 
     def served(self, state: GroupState) -> list[str]:
         members = [gid for gid, s in self.state.items() if s is state]
         return sorted(members, key=lambda gid: (self.group[gid].oldest_version, self.group[gid].seq, gid))
 
-    def admit(self, groups: list[Group], cursor: Cursor) -> None:
+    def admit(self, groups: list[Group], cursor: Cursor, owner: str, secs: float) -> None:
         gids = [g.group_id for g in groups]
-        if len(set(gids)) != len(gids) or any(gid in self.state for gid in gids):
+        if len(set(gids)) != len(gids) or any(gid in self.state or gid in self.tombstones for gid in gids):
             raise StoreError("duplicate")
         for g in groups:
             self.state[g.group_id], self.group[g.group_id] = RUNNING, g
+            self.leases[g.group_id] = Lease(owner, self.now[0] + secs)
         self.cursor = cursor
         self.transactions += 1
 
-    def claim_partial(self, limit: int) -> list[Group]:
+    def claim_partial(self, limit: int, owner: str, secs: float) -> list[Group]:
         out = self.served(PARTIAL)[: max(limit, 0)]
         for gid in out:
             self.state[gid] = RUNNING
+            self.leases[gid] = Lease(owner, self.now[0] + secs)
         self.transactions += 1
         return [self.group[gid] for gid in out]
 
-    def put(self, group: Group, to: GroupState) -> None:
+    def put(self, group: Group, to: GroupState, owner: str | None) -> None:
         if self.state.get(group.group_id) is not RUNNING:
             raise StoreError("not running")
+        if owner is not None and self.leases[group.group_id].owner != owner:
+            raise StoreError("lease lost")
         self.state[group.group_id], self.group[group.group_id] = to, group
+        del self.leases[group.group_id]
         self.transactions += 1
+
+    def renew(self, owner: str, secs: float) -> int:
+        mine = [gid for gid, lease in self.leases.items() if lease.owner == owner]
+        for gid in mine:
+            self.leases[gid] = Lease(owner, self.now[0] + secs)
+        self.transactions += 1
+        return len(mine)
+
+    def reclaim(self) -> int:
+        expired = [gid for gid, lease in self.leases.items() if lease.expires_at <= self.now[0]]
+        for gid in expired:
+            self.state[gid] = PARTIAL
+            del self.leases[gid]
+        self.transactions += 1
+        return len(expired)
+
+    def collect(self, up_to: int) -> int:
+        if up_to > self.trained:
+            raise StoreError("not trained")
+        self.transactions += 1
+        if up_to <= self.collected_step:
+            return 0
+        deleted = 0
+        for step in [s for s in self.batches if s <= up_to]:
+            for gid in self.batches.pop(step):
+                del self.state[gid], self.group[gid]
+                self.tombstones.add(gid)
+                deleted += 1
+        self.collected += deleted
+        self.collected_step = up_to
+        return deleted
 
     def take_batch(self, step: int, size: int) -> Batch | None:
         if step in self.batches:
@@ -657,6 +872,9 @@ class Model:
         return Batch(step, tuple(self.group[g] for g in ready[:size]))
 
     def finish_batch(self, step: int) -> None:
+        if step not in self.batches and 0 <= step <= self.collected_step:
+            self.transactions += 1
+            return
         if step not in self.batches:
             raise StoreError("no batch")
         if step > self.trained:
@@ -671,6 +889,7 @@ class Model:
         running = [gid for gid, s in self.state.items() if s is RUNNING]
         for gid in running:
             self.state[gid] = PARTIAL
+        self.leases.clear()
         requeued = 0
         for step in [s for s in self.batches if s > self.trained]:
             for gid in self.batches.pop(step):
@@ -680,18 +899,30 @@ class Model:
         return RecoveryReport(len(running), requeued)
 
 
-admits = st.tuples(st.just("admit"), st.integers(1, 4), st.booleans())
-claims = st.tuples(st.just("claim"), st.integers(0, 3))
+owners = st.sampled_from(["a", "b"])
+lease_times = st.sampled_from([1.0, 5.0, math.inf])
+admits = st.tuples(st.just("admit"), st.integers(1, 4), st.booleans(), owners, lease_times)
+claims = st.tuples(st.just("claim"), st.integers(0, 3), owners, lease_times)
 puts = st.tuples(
     st.just("put"),
     st.sampled_from([PARTIAL, PARTIAL, READY, READY, READY, REJECTED, FAILED]),
     st.integers(0, 50),
     st.integers(0, 3),
+    st.sampled_from([None, None, "a", "b"]),
 )
 takes = st.tuples(st.just("take"), st.integers(-1, 2), st.integers(1, 2))
 finishes = st.tuples(st.just("finish"), st.integers(0, 3))
+leasing = st.one_of(
+    st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 4.0])),
+    st.tuples(st.just("renew"), owners, lease_times),
+    st.just(("reclaim",)),
+)
+collects = st.tuples(st.just("collect"), st.sampled_from([-1, 0, 0, 1]))
 operations = st.lists(
-    st.one_of(admits, claims, puts, puts, puts, puts, takes, takes, finishes, finishes, st.just(("recover",))),
+    st.one_of(
+        admits, claims, puts, puts, puts, puts, takes, takes, finishes, finishes, leasing, leasing, collects,
+        st.just(("recover",)),
+    ),
     min_size=15,
     max_size=50,
 )
@@ -720,22 +951,38 @@ def _assert_served_oldest_first(model: Model, taken: list[str], rest_state: Grou
 def _run(op: tuple, model: Model, stores: list[Store], next_index: list[int]) -> None:
     kind = op[0]
     if kind == "admit":
-        _, n, dup = op
+        _, n, dup, owner, secs = op
         start = next_index[0]
         new = [fresh(i, version=model.trained + 1) for i in range(start, start + n)]
-        if dup and model.group:
+        if dup and model.tombstones and n % 2:
+            new.append(fresh(int(min(model.tombstones).rsplit("p", 1)[1])))  # a collected id
+        elif dup and model.group:
             new.append(model.group[min(model.group)])
         cursor = cursor_after(start + n)
-        calls = [lambda s=s: s.admit(new, cursor) for s in stores]
-        expected = _outcome(lambda: model.admit(new, cursor))
+        calls = [lambda s=s: s.admit(new, cursor, owner=owner, lease_seconds=secs) for s in stores]
+        expected = _outcome(lambda: model.admit(new, cursor, owner, secs))
         if expected[0] == "ok":
             next_index[0] = start + n
     elif kind == "claim":
-        calls = [lambda s=s: s.claim_partial(op[1]) for s in stores]
-        expected = _outcome(lambda: model.claim_partial(op[1]))
+        _, limit, owner, secs = op
+        calls = [lambda s=s: s.claim_partial(limit, owner=owner, lease_seconds=secs) for s in stores]
+        expected = _outcome(lambda: model.claim_partial(limit, owner, secs))
         _assert_served_oldest_first(model, expected[1], PARTIAL)
+    elif kind == "tick":
+        model.now[0] += op[1]
+        return
+    elif kind == "renew":
+        calls = [lambda s=s: s.renew_leases(op[1], op[2]) for s in stores]
+        expected = _outcome(lambda: model.renew(op[1], op[2]))
+    elif kind == "reclaim":
+        calls = [s.reclaim_expired for s in stores]
+        expected = _outcome(model.reclaim)
+    elif kind == "collect":
+        up_to = model.trained + op[1]
+        calls = [lambda s=s: s.collect_garbage(up_to) for s in stores]
+        expected = _outcome(lambda: model.collect(up_to))
     elif kind == "put":
-        _, to, pick, version = op
+        _, to, pick, version, owner = op
         known = sorted(model.group)
         running = [gid for gid in known if model.state[gid] is RUNNING]
         if pick % 7 == 0 or not known:
@@ -746,8 +993,8 @@ def _run(op: tuple, model: Model, stores: list[Store], next_index: list[int]) ->
             base = model.group[known[pick % len(known)]]
         group = generated(base, version) if to is PARTIAL else finished(base, version)
         method = {PARTIAL: "put_partial", READY: "put_ready", REJECTED: "put_rejected", FAILED: "put_failed"}[to]
-        calls = [lambda s=s: getattr(s, method)(group) for s in stores]
-        expected = _outcome(lambda: model.put(group, to))
+        calls = [lambda s=s: getattr(s, method)(group, owner=owner) for s in stores]
+        expected = _outcome(lambda: model.put(group, to, owner))
     elif kind == "take":
         _, offset, size = op
         step = model.trained + 1 + offset
@@ -767,6 +1014,8 @@ def _run(op: tuple, model: Model, stores: list[Store], next_index: list[int]) ->
         calls = [s.recover for s in stores]
         expected = _outcome(model.recover)
     event(f"{kind}: {expected[0]}")
+    if expected[0] == "ok" and isinstance(expected[1], int) and expected[1] > 0:
+        event(f"{kind}: changed {expected[1] > 0}")
     for s, call in zip(stores, calls, strict=True):
         assert _outcome(call) == expected, (type(s).__name__, op)
 
@@ -779,6 +1028,8 @@ def _observe(store: Store) -> dict:
         "partial": ids(store.groups(PARTIAL)),
         "ready": ids(store.groups(READY)),
         "others": {s: sorted(ids(store.groups(s))) for s in (RUNNING, BATCHED, TRAINED, REJECTED, FAILED)},
+        "leases": {g.group_id: store.lease(g.group_id) for g in store.groups(RUNNING)},
+        "collected": (store.statistics().collected, store.statistics().collected_step),
     }
 
 
@@ -790,7 +1041,24 @@ def _model_view(model: Model) -> dict:
         "partial": model.served(PARTIAL),
         "ready": model.served(READY),
         "others": {s: sorted(model.served(s)) for s in (RUNNING, BATCHED, TRAINED, REJECTED, FAILED)},
+        "leases": {gid: model.leases[gid] for gid in sorted(model.served(RUNNING))},
+        "collected": (model.collected, model.collected_step),
     }
+
+
+def _warm_up(model: Model, stores: list[Store]) -> None:
+    groups = [fresh(i) for i in range(4)]
+    model.admit(groups, cursor_after(4), "a", math.inf)
+    for g in groups:
+        model.put(finished(g, 0), READY, None)
+    for store in stores:
+        store.admit(groups, cursor_after(4), owner="a")
+        for g in groups:
+            store.put_ready(finished(g, 0))
+    for target in (model, *stores):
+        target.take_batch(0, 2)
+        target.finish_batch(0)
+        target.take_batch(1, 1)
 
 
 @settings(
@@ -798,14 +1066,18 @@ def _model_view(model: Model) -> dict:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(ops=operations)
-def test_random_operations_agree_across_stores_and_the_model(ops: list[tuple], tmp_path_factory) -> None:
+@given(ops=operations, warm=st.booleans())
+def test_random_operations_agree_across_stores_and_the_model(ops: list[tuple], warm: bool, tmp_path_factory) -> None:
     path = tmp_path_factory.mktemp("prop")
-    model = Model()
-    memory, durable = MemoryStore(), LmdbStore(path, sync=False)
+    now = [1000.0]
+    model = Model(now)
+    memory, durable = MemoryStore(clock=lambda: now[0]), LmdbStore(path, sync=False, clock=lambda: now[0])
     stores: list[Store] = [memory, durable]
     next_index = [0]
     try:
+        if warm:  # a trained step and an open batch, so that collect, finish and take have work
+            _warm_up(model, stores)
+            next_index[0] = 4
         for op in ops:
             _run(op, model, stores, next_index)
             view = _model_view(model)
@@ -815,6 +1087,9 @@ def test_random_operations_agree_across_stores_and_the_model(ops: list[tuple], t
         for gid, group in model.group.items():
             for s in stores:
                 assert s.get(gid) == (model.state[gid], group)
+        for gid in model.tombstones:
+            for s in stores:
+                assert s.get(gid) is None
         for step in range(-1, model.trained + 4):
             expected = model.batches.get(step)
             for s in stores:

@@ -1,0 +1,152 @@
+"""What the rollout store costs, measured in one run: commits per second and the time to resume.
+
+    python -m benchmarks.store_costs [--commits 300] [--groups 100000] [--dir /path/on/the/disk/to/test]
+
+1. Commits per second for group-sized records (8 samples x 1k response tokens, about 100 KB
+   encoded): one `put_partial` per commit, encoding included, for LMDB with sync=True (an fsync per
+   commit), LMDB with sync=False, and the memory store.
+2. Reopen and resume a store holding `--groups` groups: open + recover + the first
+   `claim_partial(1)` + the first `take_batch`. The fill uses small groups (8 samples x 16 tokens)
+   so it runs in well under two minutes; the resume cost depends on the number of groups and the
+   indexes, not on record size (records are read only when served). The fill's states are those of
+   a long run stopped mid-step: 90% TRAINED (in batches of 1,000), one batch of 1,000 taken but not
+   trained, 3% READY, 4% PARTIAL, the rest (2%) RUNNING at the "crash".
+   Also reported: `collect_garbage` of the trained groups, and the store's size before and after.
+
+`--dir` picks the disk to measure (default: a temporary folder). The page cache is warm for the
+reopen (the fill just wrote it): that is the cost of a process restart, not of a host reboot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.types import FinishReason, Group, PromptTask, Sample, Segment
+from storage import Cursor, LmdbStore, MemoryStore, Store, codec
+
+
+def _task(index: int) -> PromptTask:
+    return PromptTask(index=index, prompt_ids=tuple(range(64)), label="x", metadata={"row": index})
+
+
+def make_group(index: int, *, samples: int, tokens: int, finish: FinishReason = FinishReason.ABORT) -> Group:
+    group = Group.fresh(_task(index), epoch=0, n_samples=samples, version=0, seq=index)
+    out = []
+    for s in group.samples:
+        ids = tuple((index * 31 + s.index * 7 + i) % 50_000 for i in range(tokens))
+        lps = tuple(-0.001 * (i % 97) for i in range(tokens))
+        sample = s.resumed().extended(Segment(ids, lps, finish, 0), max_response_len=tokens * 2)
+        out.append(sample if finish is FinishReason.ABORT else _rewarded(sample))
+    return group.with_samples(out)
+
+
+def _rewarded(sample: Sample) -> Sample:
+    return dataclasses.replace(sample, reward=1.0)
+
+
+def commits_per_second(store: Store, n: int, groups: list[Group]) -> float:
+    store.admit([Group.fresh(g.task, epoch=0, n_samples=len(g.samples), version=0, seq=g.seq) for g in groups],
+                Cursor(index=n, next_seq=n))
+    start = time.perf_counter()
+    for g in groups:
+        store.put_partial(g)
+    return n / (time.perf_counter() - start)
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def fill(path: Path, n: int, batch: int) -> float:
+    """`n` small groups in a long run's states; returns seconds taken."""
+    start = time.perf_counter()
+    trained, ready, partial = int(n * 0.90) // batch * batch, int(n * 0.04), int(n * 0.04)
+    with LmdbStore(path, sync=False) as store:
+        next_index = 0
+        for chunk_start in range(0, n, 1000):
+            chunk = range(chunk_start, min(n, chunk_start + 1000))
+            fresh = [Group.fresh(_task(i), epoch=0, n_samples=8, version=0, seq=i) for i in chunk]
+            store.admit(fresh, Cursor(index=chunk.stop, next_seq=chunk.stop))
+            next_index = chunk.stop
+        for i in range(trained + ready):
+            store.put_ready(make_group(i, samples=8, tokens=16, finish=FinishReason.STOP))
+        for step in range(trained // batch):
+            store.take_batch(step, batch)
+            store.finish_batch(step)
+        store.take_batch(trained // batch, batch)  # the step the crash interrupted
+        for i in range(trained + ready, trained + ready + partial):
+            store.put_partial(make_group(i, samples=8, tokens=16))
+        assert next_index == n
+    return time.perf_counter() - start
+
+
+def main(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="store-costs-", dir=args.dir))
+    rows: list[tuple[str, str]] = []
+    try:
+        big = [make_group(i, samples=8, tokens=1024) for i in range(args.commits)]
+        size = len(codec.encode_group(big[0]))
+        for name, make in (
+            ("lmdb sync=True", lambda: LmdbStore(root / "sync", map_size=1 << 32)),
+            ("lmdb sync=False", lambda: LmdbStore(root / "nosync", map_size=1 << 32, sync=False)),
+            ("memory", MemoryStore),
+        ):
+            with make() as store:
+                rate = commits_per_second(store, args.commits, big)
+            rows.append((f"commits/s, {name}", f"{rate:,.0f}  ({args.commits} x put_partial of {size / 1e3:.0f} KB)"))
+
+        path = root / "resume"
+        fill_s = fill(path, args.groups, 1000)
+        rows.append((f"fill {args.groups:,} small groups (8 x 16 tokens)", f"{fill_s:.1f} s (not part of resume)"))
+        open_s, store = timed(lambda: LmdbStore(path))
+        try:
+            stats = store.statistics()
+            recover_s, report = timed(store.recover)
+            claim_s, claimed = timed(lambda: store.claim_partial(1))
+            take_s, taken = timed(lambda: store.take_batch(stats.trained_step + 1, 8))
+            assert claimed and taken is not None
+            total = open_s + recover_s + claim_s + take_s
+            rows += [
+                ("resume: open", f"{open_s * 1e3:.1f} ms"),
+                ("resume: recover", f"{recover_s * 1e3:.1f} ms  ({report.running_to_partial} running -> partial, "
+                                    f"{report.batched_to_ready} batched -> ready)"),
+                ("resume: first claim_partial(1)", f"{claim_s * 1e3:.2f} ms"),
+                ("resume: first take_batch(8)", f"{take_s * 1e3:.2f} ms"),
+                ("resume: total", f"{total * 1e3:.1f} ms for {sum(stats.counts.values()):,} groups"),
+            ]
+            before = store.statistics().bytes_used
+            gc_s, deleted = timed(lambda: store.collect_garbage(stats.trained_step))
+            store.close()
+            reopen_s, store = timed(lambda: LmdbStore(path))
+            after = store.statistics().bytes_used
+            rows += [
+                ("collect_garbage (trained groups)", f"{gc_s * 1e3:.0f} ms for {deleted:,} groups"),
+                ("store size before / after GC", f"{before / 1e6:.1f} MB / {after / 1e6:.1f} MB "
+                                                 "(freed pages are reused, the file does not shrink)"),
+                ("reopen after GC", f"{reopen_s * 1e3:.1f} ms"),
+            ]
+        finally:
+            store.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    width = max(len(name) for name, _ in rows)
+    print(f"{'measure':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 40}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commits", type=int, default=300, help="group-sized commits per store")
+    parser.add_argument("--groups", type=int, default=100_000, help="groups in the store that is reopened")
+    parser.add_argument("--dir", default=None, help="where to put the stores (default: a temporary folder)")
+    main(parser.parse_args())
