@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import anyio
 import structlog
+from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
 from pipeline.metrics import MetricsSink, batch_metrics
@@ -125,8 +126,8 @@ async def run_pipeline(
         await tg.start(reward.run, to_reward, to_filter_send)
         await tg.start(gate.run, to_filter, to_collect_send)
         await tg.start(collector.run, to_collect)
-        if plan.mode == "async":
-            tg.start_soon(_feed_async, plan, admission, collector)
+        training = _Training()
+        feeding = await tg.start(_feed_async, plan, admission, collector, training) if plan.mode == "async" else None
 
         for step in range(start_step, plan.num_steps):
             t_rollout = time.perf_counter()
@@ -138,6 +139,7 @@ async def run_pipeline(
             batch = await store.take_batch(step, plan.batch_size)
             assert batch is not None, "the collector counted more ready groups than the store holds"
             collector.taken(len(batch.groups))
+            training.start(len(batch.groups))
             rollout_seconds = time.perf_counter() - t_rollout
             busy = pool.statistics().busy_slot_seconds - busy_before
 
@@ -150,6 +152,7 @@ async def run_pipeline(
             train_seconds = time.perf_counter() - t_train
 
             report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
+            training.done()
             # Progress is committed only after the new weights serve: a crash before this line
             # trains this batch again from the same checkpoint, never twice past it.
             await store.finish_batch(step)
@@ -169,7 +172,12 @@ async def run_pipeline(
             log.debug("step", **{k: record[k] for k in ("step", "reward/mean", "staleness/max")})
 
         # Leave nothing behind: running requests are aborted and their groups stored as partial,
-        # so the next run (or the next epoch of this one) continues them.
+        # so the next run (or the next epoch of this one) continues them. The feeder stops first:
+        # it would otherwise re-admit each group the stop returns as partial, round and round.
+        # The collector takes every group that finishes meanwhile, full or not: no batch will make room.
+        if feeding is not None:
+            feeding.cancel()
+        collector.unbound()
         admission.revoke()
         await pool.stop()
         await admission.wait_settled()
@@ -200,22 +208,71 @@ async def _fill_sync(plan: RolloutPlan, admission: Admission, collector: Collect
     pool.resume()
 
 
-async def _feed_async(plan: RolloutPlan, admission: Admission, collector: Collector) -> None:
+class _Training:
+    """The groups of the batch being trained whose weights are not published yet.
+
+    They count as ahead of every group admitted meanwhile: that batch's publish bumps the version
+    before any group admitted now can be trained. `changed` wakes the feeder when a step ends,
+    since taking a batch and publishing move no admission ticket.
+    """
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.changed = anyio.Event()
+
+    def start(self, groups: int) -> None:
+        self.groups = groups
+        self._notify()
+
+    def done(self) -> None:
+        self.groups = 0
+        self._notify()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+async def _feed_async(
+    plan: RolloutPlan,
+    admission: Admission,
+    collector: Collector,
+    training: _Training,
+    *,
+    task_status: TaskStatus[anyio.CancelScope],
+) -> None:
     """Keep enough groups in flight to fill every slot, across training steps.
 
     In-flight groups are capped at twice what the slots can run at once, so finished groups held up
-    by a full collector cannot pile up without bound. With `max_staleness = N`, a group is admitted
-    only while fewer than `(N + 1) * batch_size` groups are ready or in flight ahead of it: it then
-    lands in one of the next N + 1 batches, trained at most N versions after it started.
+    by a full collector cannot pile up without bound. With `max_staleness = N`, a group admitted at
+    version v is only granted while at most `(N + 1) * batch_size` groups, itself included, are in
+    training (taken, not yet published), ready or in flight: it then lands at the latest in the N-th
+    batch after the one in training, trained at version v + N. (This assumes groups finish in the
+    order they were admitted; one that is overtaken by later groups can end up staler.)
     """
     in_flight_cap = 2 * max(1, -(-plan.slots // plan.n_samples))
-    while True:
-        limit = in_flight_cap
-        if plan.max_staleness is not None:
-            limit = min(limit, (plan.max_staleness + 1) * plan.batch_size - collector.ready)
-        if admission.outstanding < limit:
-            admission.grant(limit - admission.outstanding)
-        await admission.wait_change()
+    with anyio.CancelScope() as scope:
+        task_status.started(scope)
+        while True:
+            limit = in_flight_cap
+            if plan.max_staleness is not None:
+                ahead = collector.ready + training.groups
+                limit = min(limit, (plan.max_staleness + 1) * plan.batch_size - ahead)
+            if admission.outstanding < limit:
+                admission.grant(limit - admission.outstanding)
+            await _first_of(admission.wait_change, training.changed.wait)
+
+
+async def _first_of(*waits: Callable[[], Any]) -> None:
+    """Return as soon as one of `waits` returns."""
+    async with anyio.create_task_group() as tg:
+
+        async def one(wait: Callable[[], Any]) -> None:
+            await wait()
+            tg.cancel_scope.cancel()
+
+        for wait in waits:
+            tg.start_soon(one, wait)
 
 
 def _step_counters(

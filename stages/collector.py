@@ -7,6 +7,7 @@ bound is the only brake on producers in async mode.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import anyio
@@ -24,11 +25,11 @@ __all__ = ["Collector", "CollectorStatistics"]
 class CollectorStatistics:
     collected: int
     ready: int
-    capacity: int
+    capacity: float  # math.inf once unbound
 
 
 class Collector:
-    def __init__(self, *, store: AsyncStore, admission: Admission, capacity: int) -> None:
+    def __init__(self, *, store: AsyncStore, admission: Admission, capacity: float) -> None:
         self._store = store
         self._admission = admission
         self._capacity = capacity
@@ -59,6 +60,13 @@ class Collector:
     def taken(self, n: int) -> None:
         """The trainer bridge took `n` ready groups: room for more."""
         self._ready -= n
+        self._taken.set()
+        self._taken = anyio.Event()
+
+    def unbound(self) -> None:
+        """Lift the bound, for the end of a run: nothing takes batches any more, and groups that
+        finish while the pool drains must still land as ready instead of waiting for room forever."""
+        self._capacity = math.inf
         self._taken.set()
         self._taken = anyio.Event()
 

@@ -26,7 +26,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.clock import VersionClock
-from pipeline.errors import EngineError, VersionMismatchError
+from pipeline.errors import EngineError, EngineUnavailableError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment
 from stages.admission import Admission, Outcome
 from storage import AsyncStore
@@ -88,6 +88,8 @@ class GeneratorPool:
         self._idle.set()
         self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0)
         self._busy = 0.0
+        # Requests that failed for want of an engine since the last one that got an answer.
+        self._unavailable_run = 0
 
     async def run(
         self,
@@ -188,15 +190,30 @@ class GeneratorPool:
         except EngineError as exc:
             # Retries already happened inside the client; this sample has failed for good.
             self._stats["failed"] += 1
+            self._engines_gone(exc)
             return Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
         finally:
             self._running -= 1
             self._busy += time.perf_counter() - started
+        self._unavailable_run = 0
         segment = result.to_segment(self._check_version(result.weight_version))
         self._stats["tokens"] += len(segment.token_ids)
         if segment.finish_reason is FinishReason.ABORT:
             self._stats["aborted"] += 1
         return segment
+
+    def _engines_gone(self, exc: EngineError) -> None:
+        """Fail the pool once `slots` requests in a row found no engine (unreachable or 5xx after
+        retries): a full round of the slots failing means no engine serves, and failing group after
+        group would only burn through the dataset while the trainer waits for a batch forever.
+        One bad request (a 4xx) is that sample's problem, and does not count."""
+        if exc.status is not None and exc.status < 500:
+            return
+        self._unavailable_run += 1
+        if self._unavailable_run >= self._n_slots:
+            raise EngineUnavailableError(
+                exc.url, f"the last {self._unavailable_run} requests found no engine to serve them; last: {exc}"
+            ) from exc
 
     def _check_version(self, reported: str) -> int:
         """The engine's version for these tokens; anything the clock did not publish is an error."""
