@@ -34,7 +34,9 @@ import structlog
 
 from launch.engine_process import start_engine
 from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
+from pipeline.timeline import render_timeline
 from pipeline.types import PromptTask
 from stages.sglang_client import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
@@ -80,16 +82,21 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
         store = MemoryStore()
         sink = MetricsSink(None)
+        events = EventLog(None)
         before = await sim_stats(engine.url)
         t0 = time.perf_counter()
         await run_pipeline(
             plan, engines=fleet, store=AsyncStore(store), trainer=SimulatedTrainer(args.train_time * scale, work),
             dataset=workload(4096, args.prompt_len, seed), reward_fn=reward, filter_fn=None,
-            weights_dir=work, metrics=sink,
+            weights_dir=work, metrics=sink, events=events,
         )
         wall = time.perf_counter() - t0
         after = await sim_stats(engine.url)
     engine_seconds = wall / scale
+    if args.timeline_dir and seed == 0:
+        out = Path(args.timeline_dir) / f"timeline-{name.replace(' ', '').replace(',', '-').replace('<=', 'le')}.html"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_timeline(events.events, title=f"{name}: {plan.num_steps} steps (wall seconds, time scale {scale})"))
     batches = [store.batch(s) for s in range(plan.num_steps)]
     trained = sum(s.response_len for b in batches for s in b.samples)
     kept = sum(s.response_len for st in (GroupState.PARTIAL, GroupState.READY) for g in store.groups(st) for s in g.samples)
@@ -154,5 +161,6 @@ if __name__ == "__main__":
     parser.add_argument("--train-time", type=float, default=10.0, help="engine seconds per training step")
     parser.add_argument("--time-scale", type=float, default=0.02, help="wall seconds per engine second")
     parser.add_argument("--work", default="/tmp/bench-modes")
+    parser.add_argument("--timeline-dir", default=None, help="write one timeline HTML per mode (seed 0)")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     anyio.run(main, parser.parse_args())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
+from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink, batch_metrics
 from pipeline.types import Batch, PromptTask
 from stages.admission import Admission, Outcome
@@ -95,6 +97,7 @@ async def run_pipeline(
     metrics: MetricsSink,
     clock: VersionClock | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    events: EventLog | None = None,
 ) -> RunSummary:
     clock = clock or VersionClock()
     admission = Admission()
@@ -105,7 +108,7 @@ async def run_pipeline(
     dispenser = Dispenser(store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission)
     pool = GeneratorPool(
         engines, slots=plan.slots, sampling_params=plan.sampling_params, max_response_len=plan.max_response_len,
-        clock=clock, store=store, admission=admission, seed=plan.seed,
+        clock=clock, store=store, admission=admission, seed=plan.seed, events=events,
     )
     reward = RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission)
     gate = FilterStage(filter_fn, store=store, admission=admission)
@@ -133,7 +136,7 @@ async def run_pipeline(
             t_rollout = time.perf_counter()
             busy_before = pool.statistics().busy_slot_seconds
             if plan.mode == "sync":
-                await _fill_sync(plan, admission, collector, pool)
+                await _fill_sync(plan, admission, collector, pool, _span(events, "stop", step=step))
             else:
                 await collector.wait_ready(plan.batch_size)
             batch = await store.take_batch(step, plan.batch_size)
@@ -147,11 +150,13 @@ async def run_pipeline(
             # mode) keeps going on the event loop meanwhile.
             record = {"step": step, "version": clock.version, **batch_metrics(batch, version=clock.version)}
             t_train = time.perf_counter()
-            train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
-            new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
+            with _span(events, "train", step=step):
+                train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+                new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
             train_seconds = time.perf_counter() - t_train
 
-            report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
+            with _span(events, "publish", version=clock.version + 1):
+                report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
             training.done()
             # Progress is committed only after the new weights serve: a crash before this line
             # trains this batch again from the same checkpoint, never twice past it.
@@ -185,7 +190,14 @@ async def run_pipeline(
     return RunSummary(plan.num_steps - start_step, clock.version, metrics.records)
 
 
-async def _fill_sync(plan: RolloutPlan, admission: Admission, collector: Collector, pool: GeneratorPool) -> None:
+def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:
+    return events.span(kind, **fields) if events is not None else nullcontext()
+
+
+async def _fill_sync(
+    plan: RolloutPlan, admission: Admission, collector: Collector, pool: GeneratorPool,
+    stopping: AbstractContextManager[Any],
+) -> None:
     """Run one synchronous rollout round until `batch_size` accepted groups are ready."""
     target = plan.batch_size
     if not plan.partial:
@@ -202,9 +214,10 @@ async def _fill_sync(plan: RolloutPlan, admission: Admission, collector: Collect
         await admission.wait_change()
     # Enough: abort the rest. Groups that finish during the drain still become ready (surplus for
     # the next batch); the others go to the store with their prefixes, resumed first next round.
-    admission.revoke()
-    await pool.stop()
-    await admission.wait_settled()
+    with stopping:
+        admission.revoke()
+        await pool.stop()
+        await admission.wait_settled()
     pool.resume()
 
 
@@ -243,18 +256,22 @@ async def _feed_async(
 ) -> None:
     """Keep enough groups in flight to fill every slot, across training steps.
 
-    In-flight groups are capped at twice what the slots can run at once, so finished groups held up
-    by a full collector cannot pile up without bound. With `max_staleness = N`, a group admitted at
+    Tickets are granted for the room left in the collector plus twice the groups the slots can run
+    at once: a group only starts generating when the pool has a free slot, so spare tickets cost
+    nothing, while a group that waits for its last straggler no longer holds back new work. When
+    the collector is full the cap is the second term alone, so finished groups held up behind it
+    cannot pile up without bound. With `max_staleness = N`, a group admitted at
     version v is only granted while at most `(N + 1) * batch_size` groups, itself included, are in
     training (taken, not yet published), ready or in flight: it then lands at the latest in the N-th
     batch after the one in training, trained at version v + N. (This assumes groups finish in the
     order they were admitted; one that is overtaken by later groups can end up staler.)
     """
     in_flight_cap = 2 * max(1, -(-plan.slots // plan.n_samples))
+    capacity = plan.batch_size + (plan.prefetch if plan.prefetch is not None else plan.batch_size)
     with anyio.CancelScope() as scope:
         task_status.started(scope)
         while True:
-            limit = in_flight_cap
+            limit = in_flight_cap + max(0, capacity - collector.ready - training.groups)
             if plan.max_staleness is not None:
                 ahead = collector.ready + training.groups
                 limit = min(limit, (plan.max_staleness + 1) * plan.batch_size - ahead)

@@ -39,6 +39,10 @@ class EventLog:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
+    def since(self, perf_counter_time: float) -> float:
+        """A `time.perf_counter()` reading as seconds since the log was opened."""
+        return perf_counter_time - self._t0
+
     def record(self, kind: str, **fields: Any) -> None:
         event = {"kind": kind, **fields}
         if self._keep:

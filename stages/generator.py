@@ -26,6 +26,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.clock import VersionClock
+from pipeline.events import EventLog
 from pipeline.errors import EngineError, EngineUnavailableError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment
 from stages.admission import Admission, Outcome
@@ -71,9 +72,13 @@ class GeneratorPool:
         store: AsyncStore,
         admission: Admission,
         seed: int = 0,
+        events: EventLog | None = None,
     ) -> None:
         self._engine = engine
         self._slots = anyio.Semaphore(slots)
+        # Which slot a request runs in, for the timeline; the semaphore guarantees one is free.
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._events = events
         self._n_slots = slots
         self._params = dict(sampling_params)
         self._max_len = max_response_len
@@ -184,6 +189,7 @@ class GeneratorPool:
         rid = f"{group.group_id}-s{sample.index}-{sample.response_len}"
         self._running += 1
         self._stats["requests"] += 1
+        slot = self._free_slots.pop()
         started = time.perf_counter()
         try:
             result = await self._engine.generate(sample.prompt_ids + sample.response_ids, params, rid=rid)
@@ -191,15 +197,26 @@ class GeneratorPool:
             # Retries already happened inside the client; this sample has failed for good.
             self._stats["failed"] += 1
             self._engines_gone(exc)
-            return Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+            result = None
+            segment = Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
         finally:
             self._running -= 1
-            self._busy += time.perf_counter() - started
-        self._unavailable_run = 0
-        segment = result.to_segment(self._check_version(result.weight_version))
-        self._stats["tokens"] += len(segment.token_ids)
-        if segment.finish_reason is FinishReason.ABORT:
-            self._stats["aborted"] += 1
+            self._free_slots.append(slot)
+            ended = time.perf_counter()
+            self._busy += ended - started
+        if result is not None:
+            self._unavailable_run = 0
+            segment = result.to_segment(self._check_version(result.weight_version))
+            self._stats["tokens"] += len(segment.token_ids)
+            if segment.finish_reason is FinishReason.ABORT:
+                self._stats["aborted"] += 1
+        if self._events is not None:
+            self._events.record(
+                "request", slot=slot, group=group.group_id, sample=sample.index,
+                start=round(self._events.since(started), 6), end=round(self._events.since(ended), 6),
+                prefix=sample.response_len, tokens=len(segment.token_ids),
+                finish=segment.finish_reason.value, version=segment.version,
+            )
         return segment
 
     def _engines_gone(self, exc: EngineError) -> None:
