@@ -8,6 +8,7 @@ them on exit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
 import sys
@@ -46,6 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        # A stage that fails (an engine gone, a publish refused) reaches us wrapped by the task
+        # groups it crossed. The pipeline's own errors are explained, not dumped as a traceback;
+        # anything else is a bug and keeps its traceback.
+        errors = _leaves(group)
+        if not errors or not all(isinstance(e, PipelineError) for e in errors):
+            raise
+        for exc in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
+            print(f"error: {exc}", file=sys.stderr)
+        print("rollout state is in the store; fix the cause and run the same command again to resume", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: rollout state is in the store; run the same command again to resume", file=sys.stderr)
         return 130
@@ -83,6 +95,17 @@ async def _run(config: Config) -> list[dict[str, Any]]:
             metrics=sink, clock=clock, on_step=progress.update_step,
         )
         return summary.metrics
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside nested groups, cancellations left out (they follow the real error)."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            out += _leaves(exc)
+        elif not isinstance(exc, asyncio.CancelledError):  # anyio.run runs asyncio
+            out.append(exc)
+    return out
 
 
 def _plan(config: Config) -> RolloutPlan:

@@ -7,6 +7,7 @@ reopening it for anything else is refused with the difference named, before any 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ def open_run_state(config: Config) -> RunState:
         raise
     trained = store.trained_step()
     version = trained + 1
+    _remove_unfinished_saves(out / "weights")
     weights = out / "weights" / f"v{version}" if version > 0 else None
     if weights is not None and not (weights / "config.json").exists():
         store.close()
@@ -77,6 +79,22 @@ def open_run_state(config: Config) -> RunState:
         )
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
+
+
+def _remove_unfinished_saves(weights_dir: Path) -> None:
+    """Drop the temporary folders of a checkpoint save that a crash interrupted.
+
+    `GRPOTrainer.save_weights` writes `.vN.tmp-*` and renames it into place (`.vN.old-*` holds a
+    folder being replaced), so after a crash these are garbage: never a checkpoint the store counts.
+    A finished `vN` newer than the resume point stays; the step that made it did not count, and
+    saving it again replaces it whole. A counted checkpoint is never replaced (a finished step is
+    never trained again), so an `.old-*` folder never holds the one this run resumes from.
+    """
+    if not weights_dir.is_dir():
+        return
+    for entry in weights_dir.iterdir():
+        if entry.name.startswith(".v") and (".tmp-" in entry.name or ".old-" in entry.name) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn]:

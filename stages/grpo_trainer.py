@@ -13,6 +13,11 @@ the one the engine reported for the version that produced it, so the weight
 `w_t = min(exp(old_lp_t - behaviour_lp_t), tis_cap)` is computed token by token, never with one
 sampler for the whole mixed response.
 
+A checkpoint is the model folder plus the AdamW state in its `optimizer/` subfolder (tensors in
+safetensors, step counts and hyperparameters in JSON; never pickle). A subfolder, because engines
+load every `*.safetensors` at a folder's top level. `GRPOTrainer(folder)` restores the optimizer when
+the folder has one, so a resumed run continues the same optimizer instead of restarting Adam's moments.
+
 Which samples train: a FAILED sample (the engine or the reward gave up on it) has no reward worth
 learning from, so it is left out of its group's mean and std and contributes no loss. The batch
 still counts its response tokens as masked in `mask_ratio`, so failures show up in the metrics.
@@ -26,9 +31,12 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import orjson
 import torch
 
+from pipeline.errors import PipelineError
 from pipeline.types import Batch, Sample, SampleStatus
 
 __all__ = ["GRPOTrainer", "group_advantages"]
@@ -37,6 +45,11 @@ __all__ = ["GRPOTrainer", "group_advantages"]
 # so they are never copied from the original folder (a stale shard would shadow the new weights).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 _REWRITTEN = frozenset({"config.json", "generation_config.json"})
+# The optimizer's part of a checkpoint, inside the model folder.
+OPTIMIZER_DIR = "optimizer"
+_OPTIMIZER_TENSORS = "state.safetensors"
+_OPTIMIZER_META = "state.json"
+_OPTIMIZER_FORMAT = 1
 
 
 def group_advantages(rewards: Sequence[float | None]) -> list[float]:
@@ -124,6 +137,8 @@ class GRPOTrainer:
         # weight_decay defaults to 0 so a batch without signal (all advantages 0) leaves weights alone.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.steps = 0
+        if (self.model_path / OPTIMIZER_DIR / _OPTIMIZER_META).exists():
+            self._load_optimizer(self.model_path / OPTIMIZER_DIR)
 
     # ---- the training step -------------------------------------------------------------------
 
@@ -286,11 +301,12 @@ class GRPOTrainer:
     # ---- publishing weights ------------------------------------------------------------------
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
-        """Write the model as a Hugging Face folder at `path` (replacing one that is there); return it.
+        """Write the checkpoint at `path` (replacing one that is there); return it.
 
-        The folder is written under a temporary name beside `path` and renamed into place, so an
-        engine loading `path` never sees half a folder. Tokenizer files come from the original model
-        folder, so the result loads with `from_pretrained` exactly like the original.
+        The model as a Hugging Face folder, plus the optimizer state in `path/optimizer/`. The
+        folder is written under a temporary name beside `path` and renamed into place, so an engine
+        loading `path`, or a restart after a crash, never sees half a folder. Tokenizer files come
+        from the original model folder, so the result loads with `from_pretrained` exactly like it.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,6 +316,7 @@ class GRPOTrainer:
                 if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES):
                     shutil.copy2(src, tmp / src.name)
             self.model.save_pretrained(tmp)
+            self._save_optimizer(tmp / OPTIMIZER_DIR)
             if path.exists():
                 # Two renames: a reader sees the old folder or (briefly) none, never a mix.
                 old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -312,6 +329,75 @@ class GRPOTrainer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return path
+
+    # ---- the optimizer's checkpoint ----------------------------------------------------------
+
+    def _param_names(self) -> list[str]:
+        """Names of the optimizer's parameters, in its order (tied weights appear once)."""
+        by_id = {id(p): n for n, p in self.model.named_parameters()}
+        return [by_id[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _save_optimizer(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir()
+        state = self.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, entries in state["state"].items():
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{index}.{name}"] = value.detach().to("cpu").contiguous()
+                else:  # a plain number (e.g. `step` on some torch versions)
+                    scalars.setdefault(str(index), {})[name] = value
+        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in state["param_groups"]]
+        save_file(tensors, str(folder / _OPTIMIZER_TENSORS))
+        meta = {
+            "format": _OPTIMIZER_FORMAT, "optimizer": type(self.optimizer).__name__, "trainer_steps": self.steps,
+            "param_names": self._param_names(), "param_groups": groups, "scalars": scalars,
+        }
+        (folder / _OPTIMIZER_META).write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+
+    def _load_optimizer(self, folder: Path) -> None:
+        """Restore the AdamW state saved by `_save_optimizer`.
+
+        The state (moments, step counts) comes from the checkpoint; the learning rate and weight
+        decay stay the constructor's, so a restart may deliberately change them.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            meta = orjson.loads((folder / _OPTIMIZER_META).read_bytes())
+            tensors = load_file(str(folder / _OPTIMIZER_TENSORS), device=str(self.device))
+        except (OSError, orjson.JSONDecodeError, SafetensorError) as exc:
+            raise PipelineError(f"optimizer checkpoint {folder} is unreadable: {exc}") from exc
+        if meta.get("format") != _OPTIMIZER_FORMAT or meta.get("optimizer") != type(self.optimizer).__name__:
+            raise PipelineError(
+                f"optimizer checkpoint {folder} is format {meta.get('format')!r} of {meta.get('optimizer')!r}; "
+                f"expected format {_OPTIMIZER_FORMAT} of {type(self.optimizer).__name__!r}"
+            )
+        if meta["param_names"] != self._param_names():
+            raise PipelineError(f"optimizer checkpoint {folder} was saved for other parameters than {self.model_path}'s")
+        state: dict[int, dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            index, name = key.split(".", 1)
+            state.setdefault(int(index), {})[name] = tensor
+        for index, entries in meta["scalars"].items():
+            state.setdefault(int(index), {}).update(entries)
+        current = self.optimizer.state_dict()["param_groups"]
+        if len(current) != len(meta["param_groups"]):
+            raise PipelineError(f"optimizer checkpoint {folder} has {len(meta['param_groups'])} param groups, expected {len(current)}")
+        groups = []
+        for saved, now in zip(meta["param_groups"], current, strict=True):
+            merged = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
+            merged.update(lr=now["lr"], weight_decay=now["weight_decay"], params=now["params"])
+            groups.append(merged)
+        try:
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise PipelineError(f"optimizer checkpoint {folder} does not fit the model: {exc}") from exc
+        self.steps = int(meta["trainer_steps"])
 
 
 def _mean(xs: Sequence[float]) -> float:

