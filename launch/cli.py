@@ -22,6 +22,7 @@ import structlog
 from pipeline.clock import VersionClock
 from pipeline.config import Config, load_config
 from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline.events import EventLog
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.metrics import MetricsSink
 from stages.sglang_client import EngineFleet
@@ -83,6 +84,9 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
         sink = MetricsSink(Path(config.output.metrics_file))
         stack.callback(sink.close)
+        # Engine slots, training steps and publishes, for `python -m pipeline.timeline`.
+        events = EventLog(out / "events.jsonl")
+        stack.callback(events.close)
         progress = _progress(config, state.start_step)
         stack.callback(progress.close)
         log.info(
@@ -92,7 +96,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         summary = await run_pipeline(
             _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
             reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
-            metrics=sink, clock=clock, on_step=progress.update_step,
+            metrics=sink, clock=clock, on_step=progress.update_step, events=events,
         )
         return summary.metrics
 
@@ -145,16 +149,19 @@ class _engines:
                 fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
-                router = await start_router(list(e.urls), host=e.host)
+                router = await start_router(list(e.urls), host=e.host, log_path=self._router_log())
                 self._stack.push_async_exit(router)
                 fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
             else:
-                procs = await start_engines(e.num_engines, self._model_path, host=e.host, max_running_requests=slots)
+                procs = await start_engines(
+                    e.num_engines, self._model_path, host=e.host, max_running_requests=slots,
+                    log_dir=Path(self._config.output.dir) / "logs",
+                )
                 for proc in procs:
                     self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
-                    router = await start_router(urls, host=e.host)
+                    router = await start_router(urls, host=e.host, log_path=self._router_log())
                     self._stack.push_async_exit(router)
                     fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries)
                 else:
@@ -166,6 +173,11 @@ class _engines:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.__aexit__(*exc)
+
+    def _router_log(self) -> Path:
+        logs = Path(self._config.output.dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        return logs / "router.log"
 
 
 class _progress:

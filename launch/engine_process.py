@@ -25,6 +25,7 @@ import aiohttp
 import anyio
 from anyio.abc import Process
 
+from launch.orphan_guard import guarded
 from pipeline.errors import EngineUnavailableError
 
 __all__ = ["EngineProcess", "free_port", "start_engine", "start_engines"]
@@ -130,7 +131,7 @@ async def start_engine(
         else:
             path = Path(log_path)
         cmd = [
-            sys.executable, "-m", module,
+            *guarded(), sys.executable, "-m", module,
             "--model-path", str(model_path),
             "--host", host,
             "--port", str(chosen),
@@ -187,16 +188,25 @@ async def _wait_ready(engine: EngineProcess, timeout: float) -> None:
             await anyio.sleep(0.2)
 
 
-async def start_engines(n: int, model_path: str | os.PathLike[str], **options: Any) -> list[EngineProcess]:
-    """Start `n` engines concurrently, each on its own free port. If any fails, all are stopped."""
-    if "port" in options:
-        raise ValueError("start_engines picks a port per engine; do not pass port")
+async def start_engines(
+    n: int, model_path: str | os.PathLike[str], *, log_dir: str | os.PathLike[str] | None = None, **options: Any
+) -> list[EngineProcess]:
+    """Start `n` engines concurrently, each on its own free port. If any fails, all are stopped.
+
+    With `log_dir`, engine i writes `log_dir/engine-i.log` (kept); otherwise each logs to a temp
+    file removed after a clean stop.
+    """
+    if "port" in options or "log_path" in options:
+        raise ValueError("start_engines picks a port and a log file per engine; pass neither")
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     engines: list[EngineProcess | None] = [None] * n
     errors: list[Exception] = []
 
     async def one(i: int) -> None:
         try:
-            engines[i] = await start_engine(model_path, **options)
+            log_path = Path(log_dir) / f"engine-{i}.log" if log_dir is not None else None
+            engines[i] = await start_engine(model_path, log_path=log_path, **options)
         except Exception as exc:  # collected so the caller gets the error itself, not a group
             errors.append(exc)
 

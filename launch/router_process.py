@@ -34,6 +34,7 @@ import anyio
 import anyio.abc
 import orjson
 
+from launch.orphan_guard import guarded
 from pipeline.errors import EngineError, EngineUnavailableError
 
 __all__ = ["RouterProcess", "free_port", "start_router"]
@@ -143,7 +144,7 @@ async def start_router(
     prometheus_port = free_port("127.0.0.1") if prometheus_port is None else prometheus_port
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     command = [
-        sys.executable, "-m", "sglang_router.launch_router",
+        *guarded(), sys.executable, "-m", "sglang_router.launch_router",
         "--host", host,
         "--port", str(port),
         "--worker-urls", *workers,

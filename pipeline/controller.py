@@ -155,12 +155,15 @@ async def run_pipeline(
                 new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
             train_seconds = time.perf_counter() - t_train
 
+            # The checkpoint (weights and optimizer) is on disk: commit the step. A crash before
+            # this line trains the batch again from the previous checkpoint; a crash after it
+            # resumes from this one, whose weights the restart loads into the engines. Committing
+            # before the publish matters in async mode: tokens stamped with the new version must
+            # never outlive a restart that falls back to the old one.
+            await store.finish_batch(step)
             with _span(events, "publish", version=clock.version + 1):
                 report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
             training.done()
-            # Progress is committed only after the new weights serve: a crash before this line
-            # trains this batch again from the same checkpoint, never twice past it.
-            await store.finish_batch(step)
 
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
             record.update(_step_counters(admission, pool, gate, rollout_seconds, busy, plan.slots))

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.clock import VersionClock
 from pipeline.events import EventLog
-from pipeline.errors import EngineError, EngineUnavailableError, VersionMismatchError
+from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment
 from stages.admission import Admission, Outcome
 from storage import AsyncStore
@@ -37,6 +38,10 @@ __all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics"]
 # How long a stop waits for aborted requests to come back before it aborts again. A request that
 # was on the wire while the first abort ran reaches the engine after it, and needs a second one.
 REABORT_INTERVAL = 0.25
+# How long a pool going down may spend putting its groups back in the store.
+SAVE_DEADLINE = 10.0
+
+log = structlog.get_logger("generator")
 
 
 class GenerateEngine(Protocol):
@@ -132,23 +137,31 @@ class GeneratorPool:
 
     # -- one group ----------------------------------------------------------------------------
     async def _run_group(self, group: Group, send: MemoryObjectSendStream[Group]) -> None:
+        samples = list(group.samples)
         async with send:
             try:
-                samples = list(group.samples)
-
-                async def run_one(i: int) -> None:
-                    samples[i] = await self._run_sample(group, samples[i])
-
                 async with anyio.create_task_group() as tg:
                     for i, sample in enumerate(samples):
                         if not sample.status.finished:
-                            tg.start_soon(run_one, i)
-                group = group.with_samples(samples)
-                await self._dispose(group, send)
+                            tg.start_soon(self._run_sample, group, samples, i)
+                await self._dispose(group.with_samples(samples), send)
+            except BaseException:
+                # The pipeline is going down (a stage crashed, or no engine is left). What this
+                # group generated so far goes back to the store as a partial group, so the next
+                # run continues it rather than losing it.
+                await self._save_partial_on_the_way_down(group.with_samples(samples))
+                raise
             finally:
                 self._groups_in_flight -= 1
                 if not self._groups_in_flight:
                     self._idle.set()
+
+    async def _save_partial_on_the_way_down(self, group: Group) -> None:
+        with anyio.move_on_after(SAVE_DEADLINE, shield=True):
+            try:
+                await self._store.put_partial(group)
+            except PipelineError as exc:  # e.g. it already reached the ready or failed set
+                log.warning("group not stored as partial while stopping", group=group.group_id, reason=str(exc))
 
     async def _dispose(self, group: Group, send: MemoryObjectSendStream[Group]) -> None:
         if group.failed:
@@ -163,26 +176,31 @@ class GeneratorPool:
                 await self._store.put_partial(group)
             self._admission.settle(Outcome.PARTIAL)
 
-    async def _run_sample(self, group: Group, sample: Sample) -> Sample:
+    async def _run_sample(self, group: Group, samples: list[Sample], i: int) -> None:
+        """Run `samples[i]` until it finishes, fails, or the pool stops; `samples[i]` always holds
+        every token received so far, so a group saved on the way down keeps them."""
+        sample = samples[i]
         while not sample.status.finished and sample.status is not SampleStatus.FAILED:
             left = self._max_len - sample.response_len
             if left <= 0:
-                return dataclasses.replace(sample, status=SampleStatus.TRUNCATED, finish_reason=FinishReason.LENGTH)
+                samples[i] = dataclasses.replace(sample, status=SampleStatus.TRUNCATED, finish_reason=FinishReason.LENGTH)
+                return
             async with self._slots:
                 if self._stopping:
-                    return sample
+                    return
                 if sample.response_len:
                     sample = sample.resumed()
                     self._stats["resumed"] += 1
                 segment = await self._request(group, sample, left)
-            sample = sample.extended(segment, max_response_len=self._max_len)
+            sample = samples[i] = sample.extended(segment, max_response_len=self._max_len)
             if sample.status is SampleStatus.PARTIAL:
-                # Aborted. While stopping, the prefix goes to the store with its group. Otherwise a
-                # publish paused the engines: resume as soon as the new version serves.
+                # Aborted, or no engine answered. While stopping, the prefix goes to the store
+                # with its group. Otherwise a publish paused the engines (resume as soon as the
+                # new version serves) or an engine is away (try again; `_engines_gone` ends the
+                # run once every slot's worth of requests in a row found no engine).
                 if self._stopping:
-                    return sample
+                    return
                 await self._clock.wait_serving()
-        return sample
 
     async def _request(self, group: Group, sample: Sample, max_new_tokens: int) -> Segment:
         params = dict(self._params, max_new_tokens=max_new_tokens, sampling_seed=self._sample_seed(group, sample))
@@ -194,11 +212,16 @@ class GeneratorPool:
         try:
             result = await self._engine.generate(sample.prompt_ids + sample.response_ids, params, rid=rid)
         except EngineError as exc:
-            # Retries already happened inside the client; this sample has failed for good.
-            self._stats["failed"] += 1
+            # Retries already happened inside the client. A request the engine refused (4xx) is
+            # this sample's own problem: it fails, visibly. No engine at all (unreachable, 5xx)
+            # is nobody's sample's fault: it keeps its prefix and goes back like an aborted one.
             self._engines_gone(exc)
             result = None
-            segment = Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+            if exc.status is not None and exc.status < 500:
+                self._stats["failed"] += 1
+                segment = Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+            else:
+                segment = Segment((), (), FinishReason.ABORT, self._clock.version, error=str(exc))
         finally:
             self._running -= 1
             self._free_slots.append(slot)
