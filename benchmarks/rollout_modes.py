@@ -64,7 +64,7 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
         "tokens_per_s": tokens / rollout,
         "rollout_s": rollout,
         "wall_s": wall,
-        "busy": sum(r["engine/busy_frac"] * r["time/rollout"] for r in sink.records) / rollout,
+        "busy": sum(r["engine/busy_frac"] * r["time/step"] for r in sink.records) / sum(r["time/step"] for r in sink.records),
         "off_policy": sum(r["off_policy_token_frac"] for r in sink.records) / len(sink.records),
     }
 

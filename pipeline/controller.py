@@ -29,7 +29,7 @@ from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
 from pipeline.events import EventLog
-from pipeline.metrics import MetricsSink, batch_metrics
+from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.types import Batch, PromptTask
 from stages.admission import Admission, Outcome
 from stages.collector import Collector
@@ -105,14 +105,17 @@ async def run_pipeline(
     # In sync mode admission alone bounds the ready set; the collector's bound matters in async.
     capacity = plan.batch_size + prefetch if plan.mode == "async" else math.inf
 
-    dispenser = Dispenser(store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission)
+    times = GroupTimes()
+    dispenser = Dispenser(
+        store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission, on_admit=times.admitted
+    )
     pool = GeneratorPool(
         engines, slots=plan.slots, sampling_params=plan.sampling_params, max_response_len=plan.max_response_len,
         clock=clock, store=store, admission=admission, seed=plan.seed, events=events,
     )
     reward = RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission)
     gate = FilterStage(filter_fn, store=store, admission=admission)
-    collector = Collector(store=store, admission=admission, capacity=capacity)
+    collector = Collector(store=store, admission=admission, capacity=capacity, on_ready=times.ready)
 
     # Small buffers: each stage hands over as soon as the next one can take, and backpressure
     # travels upstream. The dispenser hands over with no buffer at all, so groups it has not yet
@@ -132,6 +135,7 @@ async def run_pipeline(
         training = _Training()
         feeding = await tg.start(_feed_async, plan, admission, collector, training) if plan.mode == "async" else None
 
+        run_started = time.perf_counter()
         for step in range(start_step, plan.num_steps):
             t_rollout = time.perf_counter()
             busy_before = pool.statistics().busy_slot_seconds
@@ -143,8 +147,9 @@ async def run_pipeline(
             assert batch is not None, "the collector counted more ready groups than the store holds"
             collector.taken(len(batch.groups))
             training.start(len(batch.groups))
+            # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.
             rollout_seconds = time.perf_counter() - t_rollout
-            busy = pool.statistics().busy_slot_seconds - busy_before
+            group_times = times.taken([g.group_id for g in batch.groups])
 
             # Training blocks for seconds; it runs on a worker thread so generation (in async
             # mode) keeps going on the event loop meanwhile.
@@ -166,8 +171,18 @@ async def run_pipeline(
             training.done()
 
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
-            record.update(_step_counters(admission, pool, gate, rollout_seconds, busy, plan.slots))
+            step_seconds = time.perf_counter() - t_rollout
+            busy = pool.statistics().busy_slot_seconds - busy_before
+            record.update(_step_counters(admission, pool, gate))
+            record.update(group_times)
             record.update({
+                # Slot-time in flight over the whole step: in async mode generation goes on while
+                # the trainer trains, and that counts.
+                "engine/busy_frac": busy / (plan.slots * step_seconds) if step_seconds > 0 else 0.0,
+                "trainer/idle_frac": rollout_seconds / step_seconds if step_seconds > 0 else 0.0,
+                "groups/per_second": len(batch.groups) / step_seconds if step_seconds > 0 else 0.0,
+                "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
+                "time/step": step_seconds,
                 "time/rollout": rollout_seconds, "time/train": train_seconds,
                 "time/publish_gate_closed": report.gate_closed_seconds,
                 "time/publish_update": report.update_seconds,
@@ -295,9 +310,7 @@ async def _first_of(*waits: Callable[[], Any]) -> None:
             tg.start_soon(one, wait)
 
 
-def _step_counters(
-    admission: Admission, pool: GeneratorPool, gate: FilterStage, rollout_seconds: float, busy: float, slots: int
-) -> dict[str, float]:
+def _step_counters(admission: Admission, pool: GeneratorPool, gate: FilterStage) -> dict[str, float]:
     g = pool.statistics()
     return {
         "groups/ready_total": admission.count(Outcome.READY),
@@ -307,5 +320,5 @@ def _step_counters(
         "samples/resumed_total": g.resumed_samples,
         "requests/aborted_total": g.aborted_requests,
         "tokens/generated_total": g.generated_tokens,
-        "engine/busy_frac": busy / (slots * rollout_seconds) if rollout_seconds > 0 else 0.0,
+        **{f"filter/rejected/{reason}": n for reason, n in gate.statistics().rejected.items()},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -10,7 +11,7 @@ import orjson
 
 from pipeline.types import Batch, SampleStatus
 
-__all__ = ["MetricsSink", "batch_metrics"]
+__all__ = ["GroupTimes", "MetricsSink", "batch_metrics"]
 
 
 def batch_metrics(batch: Batch, *, version: int) -> dict[str, float]:
@@ -64,3 +65,30 @@ class MetricsSink:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class GroupTimes:
+    """When each group was admitted and when it became ready, to split its age at training into
+    time in flight (generating, rewarding, filtering) and time queued (ready, waiting for a batch).
+
+    Only what this process saw: a group admitted before a restart counts from its first sighting.
+    """
+
+    def __init__(self) -> None:
+        self._admitted: dict[str, float] = {}
+        self._ready: dict[str, float] = {}
+
+    def admitted(self, group_id: str) -> None:
+        self._admitted.setdefault(group_id, time.perf_counter())
+
+    def ready(self, group_id: str) -> None:
+        self._ready[group_id] = time.perf_counter()
+
+    def taken(self, group_ids: list[str]) -> dict[str, float]:
+        now = time.perf_counter()
+        in_flight, queued = [], []
+        for gid in group_ids:
+            ready = self._ready.pop(gid, now)
+            in_flight.append(ready - self._admitted.pop(gid, ready))
+            queued.append(now - ready)
+        return {"time/group_in_flight_mean": _mean(in_flight), "time/group_queued_mean": _mean(queued)}

@@ -8,6 +8,7 @@ bound is the only brake on producers in async mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -29,10 +30,14 @@ class CollectorStatistics:
 
 
 class Collector:
-    def __init__(self, *, store: AsyncStore, admission: Admission, capacity: float) -> None:
+    def __init__(
+        self, *, store: AsyncStore, admission: Admission, capacity: float,
+        on_ready: Callable[[str], None] | None = None,
+    ) -> None:
         self._store = store
         self._admission = admission
         self._capacity = capacity
+        self._on_ready = on_ready
         self._collected = 0
         self._ready = 0
         self._taken = anyio.Event()
@@ -49,6 +54,8 @@ class Collector:
                 self._ready += 1
                 self._collected += 1
                 self._admission.settle(Outcome.READY)
+                if self._on_ready is not None:
+                    self._on_ready(group.group_id)
                 self._added.set()
                 self._added = anyio.Event()
 

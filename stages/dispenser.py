@@ -7,7 +7,7 @@ so a crash can neither skip nor repeat a prompt. Nothing is admitted while the c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from anyio.abc import TaskStatus
@@ -37,6 +37,7 @@ class Dispenser:
         n_samples: int,
         clock: VersionClock,
         admission: Admission,
+        on_admit: Callable[[str], None] | None = None,
     ) -> None:
         if not dataset:
             raise ValueError("the dataset is empty: there is nothing to generate")
@@ -45,6 +46,7 @@ class Dispenser:
         self._n_samples = n_samples
         self._clock = clock
         self._admission = admission
+        self._on_admit = on_admit
         self._cursor: Cursor | None = None
         self._new = 0
         self._resumed = 0
@@ -56,7 +58,10 @@ class Dispenser:
             while True:
                 await self._admission.take_ticket()
                 version = await self._clock.wait_serving()
-                await send.send(await self._next_group(version))
+                group = await self._next_group(version)
+                if self._on_admit is not None:
+                    self._on_admit(group.group_id)
+                await send.send(group)
 
     async def _next_group(self, version: int) -> Group:
         resumed = await self._store.claim_partial(1)

@@ -94,7 +94,7 @@ async def drive_long_tail(fake, step=4):
             fake.hold(fake.hold_at + step)
 
 
-async def run(plan, store, tmp_path, fake):
+async def run(plan, store, tmp_path, fake, sink=None):
     trainer = RecordingTrainer()
     async with EngineFleet([fake.url], concurrency=plan.slots) as fleet, anyio.create_task_group() as tg:
         tg.start_soon(drive_long_tail, fake)
@@ -102,7 +102,7 @@ async def run(plan, store, tmp_path, fake):
         with anyio.fail_after(60):
             summary = await run_pipeline(
                 plan, engines=fleet, store=AsyncStore(store), trainer=trainer, dataset=dataset(64),
-                reward_fn=reward, filter_fn=None, weights_dir=tmp_path / "w", metrics=MetricsSink(None),
+                reward_fn=reward, filter_fn=None, weights_dir=tmp_path / "w", metrics=sink or MetricsSink(None),
             )
         tg.cancel_scope.cancel()
     return trainer, summary
@@ -167,3 +167,16 @@ async def test_surplus_groups_finished_during_the_drain_are_kept(tmp_path):
     accounted = sum(store.count(s) for s in GroupState)
     assert accounted == admitted, "an admitted group is missing from the store"
     assert trained[0] >= 2
+
+
+async def test_step_metrics_split_time_and_count_throughput(tmp_path):
+    sink = MetricsSink(None)
+    async with FakeSGLang(token_fn=lengths_by_prompt, eos_token_id=EOS) as fake:
+        await run(plan(num_steps=3), MemoryStore(), tmp_path, fake, sink)
+    for r in sink.records:
+        assert 0.0 <= r["trainer/idle_frac"] <= 1.0
+        assert 0.0 < r["engine/busy_frac"] <= 1.0
+        assert r["groups/per_second"] > 0 and r["time/step"] >= r["time/rollout"]
+        # sync: every group of a batch was admitted and finished within its own step
+        assert 0.0 < r["time/group_in_flight_mean"] <= r["time/step"]
+        assert r["time/group_queued_mean"] >= 0.0
