@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import sys
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,21 +95,57 @@ async def _run(config: Config) -> list[dict[str, Any]]:
             "run starts", output=str(out), mode=config.rollout.mode, partial=config.rollout.partial_rollout,
             transport=config.storage.transport, engines=engines.worker_urls, start_step=state.start_step,
         )
-        summary = await run_pipeline(
-            _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
-            reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
-            metrics=sink, clock=clock, on_step=progress.update_step, events=events,
-        )
+        async with _garbage_collector(store, config.storage.gc_keep_steps, progress.update_step) as on_step:
+            summary = await run_pipeline(
+                _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
+                reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
+                metrics=sink, clock=clock, on_step=on_step, events=events,
+            )
         return summary.metrics
 
 
+@asynccontextmanager
+async def _garbage_collector(
+    store: AsyncStore, keep_steps: int | None, on_step: Callable[[dict[str, Any]], None]
+) -> AsyncIterator[Callable[[dict[str, Any]], None]]:
+    """`on_step`, plus (with `--rollout-gc-keep-steps N`) collecting the steps older than the last N.
+
+    `on_step` runs after the step is committed (`finish_batch`), so its checkpoint is durable and
+    its groups may go. The callback is synchronous; it hands the step to a task that calls the
+    store through `AsyncStore` (whose one worker thread keeps the store single-writer), in order.
+    Leaving the block waits for the last collection.
+    """
+    if keep_steps is None:
+        yield on_step
+        return
+    send, receive = anyio.create_memory_object_stream[int](math.inf)
+
+    async def collect() -> None:
+        async with receive:
+            async for up_to in receive:
+                deleted = await store.collect_garbage(up_to)
+                log.debug("collected", up_to_step=up_to, groups=deleted)
+
+    def step_done(record: dict[str, Any]) -> None:
+        on_step(record)
+        if (up_to := record["step"] - keep_steps) >= 0:
+            send.send_nowait(up_to)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(collect)
+        with send:
+            yield step_done
+
+
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    """The exceptions inside nested groups, cancellations left out (they follow the real error)."""
+    """The exceptions inside nested groups, consequences (cancellation, broken streams) left out."""
     out: list[BaseException] = []
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             out += _leaves(exc)
-        elif not isinstance(exc, asyncio.CancelledError):  # anyio.run runs asyncio
+        # Cancellations and broken streams follow the real error: a stage that died closed its
+        # streams, and its neighbours found them closed.
+        elif not isinstance(exc, (asyncio.CancelledError, anyio.BrokenResourceError, anyio.ClosedResourceError)):
             out.append(exc)
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
@@ -61,7 +62,12 @@ class Dispenser:
                 group = await self._next_group(version)
                 if self._on_admit is not None:
                     self._on_admit(group.group_id)
-                await send.send(group)
+                try:
+                    await send.send(group)
+                except anyio.BrokenResourceError:
+                    # The pool is gone: the pipeline is going down for another reason. The group
+                    # stays RUNNING in the store, and a restart brings it back as partial.
+                    return
 
     async def _next_group(self, version: int) -> Group:
         resumed = await self._store.claim_partial(1)
