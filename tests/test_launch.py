@@ -78,3 +78,13 @@ def test_config_errors_are_listed_together(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "--rollout-batch-size" in err and "--rollout-temperature" in err and "inline evaluation" in err
+
+
+def test_async_mode_learns_and_reports_staleness(tmp_path):
+    records = run(tmp_path, "--num-rollout", "40", "--rollout-mode", "async")
+    first = sum(r["reward/mean"] for r in records[:5]) / 5
+    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    assert last > first + 0.08, (first, last)
+    # generation ran ahead of training: some groups were trained versions after they started
+    assert max(r["staleness/max"] for r in records) >= 1
+    assert any(r["staleness/multi_version_frac"] > 0 for r in records)
