@@ -191,6 +191,9 @@ class StorageConfig:
     lease_seconds: float = _opt(
         300.0, "--rollout-lease-seconds", "float", gt=0,
         help="how long claimed work stays with a producer that stops renewing it")
+    gc_keep_steps: int | None = _opt(
+        None, "--rollout-gc-keep-steps", "int", ge=0, default_help="keep everything (replay sees the whole run)",
+        help="after each step, delete the trained groups and batches of all but the last N steps")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""`python -m pipeline.replay RUN_DIR [summary | group GROUP_ID | train]`: look back at a finished run.
+"""`python -m pipeline.replay RUN_DIR [summary | group GROUP_ID | train | timeline]`: look back at a run.
 
 A run launched with `--rollout-data-transport lmdb` leaves its whole rollout history in
 `RUN_DIR/rollout_data`: every group in its final state, the batch of every step, the cursor and the
@@ -7,6 +7,7 @@ run's settings. This tool reads it without an engine:
     summary             groups by state, versions, staleness of trained batches, partial prefixes
     group GROUP_ID      one group in full, decoded with the run's tokenizer (`--json` for machines)
     train               the recorded batches fed again to a fresh GRPOTrainer, one JSON line per step
+    timeline [-o FILE]  RUN_DIR/events.jsonl drawn as an HTML timeline (default RUN_DIR/timeline.html)
 
 Replay never changes the run: the store is opened with `LmdbStore(readonly=True)`, which takes no
 writer lock and cannot write, so a replay can even watch a run that is still going.
@@ -15,6 +16,10 @@ writer lock and cannot write, so a replay can even watch a run that is still goi
 meta), on one CPU thread, so two replays print identical metrics. Replaying from the base model
 reproduces the run's own `train/*` metrics step for step; replaying from `--weights weights/vN`
 starts with a fresh optimizer, so it matches the run only in what the batches were, not in AdamW state.
+
+A run launched with `--rollout-gc-keep-steps N` keeps only the last N steps' batches and trained
+groups; summary and train see what is left (train's default range starts after the collected steps).
+`timeline` reads only the event log, so it works for memory-transport runs too.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from pipeline.errors import PipelineError, ReplayError, StoreError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
 
-__all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training"]
+__all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]
 
 STORE_DIR = "rollout_data"  # where `--rollout-data-transport lmdb` puts the store by default
 MODEL_DIR = "model"  # where the launcher writes the base model when no --hf-checkpoint is given
+EVENTS_FILE = "events.jsonl"  # the launcher's event log in the run dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _group(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "timeline":
+            return _timeline(args)
         return _summary(args)
     except (PipelineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -57,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the --output-dir of an lmdb-transport run (or its store dir)")
-    sub = parser.add_subparsers(dest="command", metavar="{summary,group,train}")
+    sub = parser.add_subparsers(dest="command", metavar="{summary,group,train,timeline}")
     sub.add_parser("summary", help="groups by state, versions, staleness, partial prefixes (the default)")
     group = sub.add_parser("group", help="one group in full")
     group.add_argument("group_id", help="e.g. e0000-p000000003")
@@ -66,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", default=None, help="A:B replays steps A..B-1 (default: every trained step)")
     train.add_argument("--weights", type=Path, default=None, help="start from this model folder, e.g. RUN_DIR/weights/v3")
     train.add_argument("--seed", type=int, default=None, help="trainer seed (default: the run's --rollout-seed)")
+    timeline = sub.add_parser("timeline", help="draw RUN_DIR/events.jsonl as an HTML timeline")
+    timeline.add_argument("-o", "--output", type=Path, default=None, help="HTML file (default: RUN_DIR/timeline.html)")
     return parser
 
 
@@ -139,13 +149,14 @@ def _group(args: argparse.Namespace) -> int:
 # --- train --------------------------------------------------------------------------------------
 
 
-def parse_steps(text: str | None, trained_step: int) -> range:
-    """`A:B` -> steps A..B-1; either end may be left out (0 and trained_step + 1). None: every trained step."""
+def parse_steps(text: str | None, trained_step: int, *, first: int = 0) -> range:
+    """`A:B` -> steps A..B-1; either end may be left out (`first` and trained_step + 1). None: every
+    trained step from `first` (the first step whose batch garbage collection kept)."""
     if text is None:
-        return range(0, trained_step + 1)
+        return range(first, trained_step + 1)
     start, sep, stop = text.partition(":")
     try:
-        a = int(start) if start.strip() else 0
+        a = int(start) if start.strip() else first
         b = int(stop) if stop.strip() else trained_step + 1
     except ValueError:
         raise ReplayError(f"--steps {text!r}: expected A:B with integers, e.g. 0:3") from None
@@ -182,7 +193,7 @@ def replay_training(
 
 def _train(args: argparse.Namespace) -> int:
     with open_run_store(args.run_dir) as (run_dir, store):
-        steps = parse_steps(args.steps, store.trained_step())
+        steps = parse_steps(args.steps, store.trained_step(), first=store.statistics().collected_step + 1)
         if args.weights is not None:
             if not (args.weights / "config.json").exists():
                 raise ReplayError(f"--weights {args.weights} is not a model folder (no config.json)")
@@ -192,6 +203,40 @@ def _train(args: argparse.Namespace) -> int:
         _quiet_transformers()
         for record in replay_training(store, model_dir, steps, seed=args.seed):
             print(json.dumps(record), flush=True)
+    return 0
+
+
+# --- timeline -----------------------------------------------------------------------------------
+
+
+def write_timeline(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Render RUN_DIR/events.jsonl to an HTML file (default RUN_DIR/timeline.html); returns its path."""
+    from pipeline.events import read_events
+    from pipeline.timeline import render_timeline
+
+    run_dir = Path(run_dir)
+    if (run_dir / "data.mdb").exists():  # the store dir was given, as the other commands accept
+        run_dir = run_dir.parent
+    events = run_dir / EVENTS_FILE
+    if not run_dir.is_dir():
+        raise ReplayError(f"there is no run directory at {run_dir}")
+    if not events.is_file():
+        raise ReplayError(f"{run_dir} has no event log ({events} is missing): is it the --output-dir of a run?")
+    out = Path(output) if output is not None else run_dir / "timeline.html"
+    try:
+        html = render_timeline(read_events(events), title=str(events))
+    except (ValueError, KeyError, TypeError) as exc:  # a line that is not an event this code writes
+        raise ReplayError(f"{events} is not a readable event log: {exc!r}") from exc
+    try:
+        out.write_text(html, encoding="utf-8")
+    except OSError as exc:
+        raise ReplayError(f"cannot write the timeline to {out}: {exc}") from exc
+    return out
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    out = write_timeline(args.run_dir, args.output)
+    print(f"timeline written to {out}")
     return 0
 
 

@@ -40,14 +40,17 @@ class RunSummary:
     partial_finished_samples: int  # samples of PARTIAL groups that already finished
     partial_samples: int
     resumed_samples: int  # samples, in any state, continued at least once after an abort
+    collected: int = 0  # TRAINED groups deleted by garbage collection (--rollout-gc-keep-steps)
+    collected_step: int = -1  # the last step garbage collection covered; its batches are gone
 
 
 def recorded_batches(store: Store) -> Iterator[Batch]:
     """Every recorded batch in step order: the trained ones, then any taken but not finished.
 
     Steps finish in order and batches are taken in order, so the first missing step ends the list.
+    Garbage collection deletes the batches of the oldest steps, so the list starts after them.
     """
-    step = 0
+    step = store.statistics().collected_step + 1
     while (batch := store.batch(step)) is not None:
         yield batch
         step += 1
@@ -95,6 +98,8 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
         partial_finished_samples=partial_finished,
         partial_samples=partial_samples,
         resumed_samples=resumed,
+        collected=stats.collected,
+        collected_step=stats.collected_step,
     )
 
 
@@ -115,6 +120,9 @@ def format_summary(s: RunSummary) -> str:
     c = s.cursor
     lines.append(f"cursor: epoch={c.epoch} index={c.index} next_seq={c.next_seq}")
     lines.append(f"trained step: {s.trained_step} ({s.trained_step + 1} steps trained)")
+    if s.collected_step >= 0:
+        lines.append(f"garbage collected: {s.collected} trained groups and the batches of steps 0..{s.collected_step}"
+                     " (not in this summary)")
     if s.open_batches:
         lines.append(f"batches taken, not trained: steps {', '.join(map(str, s.open_batches))}")
     total = sum(s.counts.values())

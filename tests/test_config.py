@@ -448,3 +448,10 @@ def test_storage_declaration_with_the_memory_transport_warns():
     warnings = load_config(["--rollout-storage-profile", "local"]).warnings
     assert warnings == ("--rollout-storage-profile='local' with --rollout-data-transport=memory: there is no "
                         "store on disk to declare; it is ignored",)
+
+
+def test_gc_keep_steps_flag():
+    assert load_config([]).storage.gc_keep_steps is None  # keep everything: replay sees the whole run
+    assert load_config(["--rollout-gc-keep-steps", "2"]).storage.gc_keep_steps == 2
+    assert load_config(["--rollout-gc-keep-steps", "0"]).storage.gc_keep_steps == 0
+    assert any("--rollout-gc-keep-steps" in p for p in problems_of(["--rollout-gc-keep-steps", "-1"]))

@@ -256,3 +256,59 @@ def test_replay_reads_a_store_while_its_writer_holds_it(tmp_path, capsys):
     finally:
         holder.communicate(timeout=30)
     assert holder.returncode == 0
+
+
+# --- timeline -----------------------------------------------------------------------------------
+
+
+def test_timeline_draws_the_runs_event_log(run_dir, tmp_path, capsys):
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {e["kind"] for e in events} >= {"request", "train", "publish"}
+    with unchanged(run_dir / "rollout_data"):
+        code, out, err = replay(capsys, str(run_dir), "timeline")
+    assert code == 0, err
+    written = run_dir / "timeline.html"
+    assert out.strip() == f"timeline written to {written}"
+    page = written.read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page
+    requests = sum(e["kind"] == "request" for e in events)
+    assert f"{requests} requests on " in page
+    code, out, _ = replay(capsys, str(run_dir / "rollout_data"), "timeline", "-o", str(tmp_path / "t.html"))
+    assert code == 0 and str(tmp_path / "t.html") in out
+    assert (tmp_path / "t.html").read_text() == page
+
+
+def test_timeline_without_an_event_log_is_named(tmp_path, capsys):
+    code, out, err = replay(capsys, str(tmp_path), "timeline")
+    assert code == 1 and out == ""
+    assert str(tmp_path / "events.jsonl") in err
+    assert not (tmp_path / "timeline.html").exists()
+
+
+# --- garbage collection -------------------------------------------------------------------------
+
+
+def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = launch([
+        "--rollout-data-transport", "lmdb", "--num-rollout", "6", "--rollout-gc-keep-steps", "2",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",
+        "--output-dir", str(out), "--no-progress", "--log-level", "warning",
+    ])
+    assert code == 0
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        stats = store.statistics()
+        assert stats.trained_step == 5
+        assert stats.counts[GroupState.TRAINED] == 2 * 2  # the groups of steps 4 and 5 only
+        assert (stats.collected, stats.collected_step) == (4 * 2, 3)
+        assert [s for s in range(6) if store.batch(s) is not None] == [4, 5]
+        kept = {g.group_id for s in (4, 5) for g in store.batch(s).groups}
+        assert {g.group_id for g in store.groups(GroupState.TRAINED)} == kept
+        expected = summarize(store, store_path=store.path)
+    assert sum(expected.staleness.values()) == 4  # the kept batches
+    code, text, err = replay(capsys, str(out))
+    assert code == 0, err
+    assert "trained step: 5" in text and "garbage collected: 8 trained groups and the batches of steps 0..3" in text
+    code, text, err = replay(capsys, str(out), "train", "--weights", str(out / "weights" / "v4"))
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [4, 5]

@@ -1,0 +1,195 @@
+"""Resume rules and the storage declaration, through `launch.cli.main` on real runs and real LMDB files.
+
+A damaged store (a record that does not decode, a destroyed file header) is moved aside untouched,
+the next run warns naming it, and continues from what was still readable; a store of another run
+still stops the run. One 3-step run is made once for the module; each test damages its own copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from launch.cli import main as launch
+from launch.run_state import salvage_store
+from storage import Cursor, GroupState, LmdbStore, keys
+
+FLAGS = ("--rollout-data-transport", "lmdb", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+         "--rollout-max-response-len", "32", "--no-progress")
+
+
+def run(out: Path, *flags: str, steps: int = 3, level: str = "warning") -> int:
+    return launch(["--output-dir", str(out), "--num-rollout", str(steps), "--log-level", level, *FLAGS, *flags])
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("resume") / "run"
+    assert run(out) == 0
+    return out
+
+
+@pytest.fixture
+def run_copy(base_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    return out
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _put_raw(store_dir: Path, key: bytes, value: bytes) -> None:
+    """Overwrite one record of the `meta` database with bytes no codec wrote."""
+    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES), subdir=True)
+    try:
+        with env.begin(write=True, db=env.open_db(keys.META)) as txn:
+            txn.put(key, value)
+    finally:
+        env.close()
+
+
+def _aside(out: Path) -> Path:
+    [aside] = [p for p in out.iterdir() if p.name.startswith("rollout_data.unreadable-")]
+    return aside
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _resume_and_check(out: Path, capsys, *, reason: str) -> tuple[Path, str]:
+    """Runs 2 more steps after damage; checks the warning, the aside store, and the resumed steps."""
+    store_dir = out / "rollout_data"
+    damaged = {name: _digest(store_dir / name) for name in ("data.mdb",)}
+    capsys.readouterr()
+    assert run(out, steps=5) == 0
+    text = "".join(capsys.readouterr())
+    aside = _aside(out)
+    assert str(aside) in text and "unreadable" in text and reason in text
+    assert {name: _digest(aside / name) for name in damaged} == damaged, "the damaged store was changed"
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["version"] for r in records[3:]] == [3, 4]  # resumed from the saved weights of version 3
+    with LmdbStore(store_dir, readonly=True) as store:
+        assert store.trained_step() == 4
+        assert store.count(GroupState.TRAINED) == 2 * 2  # steps 3 and 4 in the fresh store
+    return aside, text
+
+
+def test_a_corrupt_cursor_is_set_aside_and_the_dataset_starts_again(run_copy, capsys):
+    _put_raw(run_copy / "rollout_data", keys.META_CURSOR, b"\xc1 not a cursor")
+    aside, text = _resume_and_check(run_copy, capsys, reason="meta/cursor")
+    assert "beginning of the dataset" in text
+    salvaged = salvage_store(aside)
+    assert (salvaged.cursor, salvaged.trained_step) == (None, 2)  # the trained step survived the cursor
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        indexes = {g.task.index for step in (3, 4) for g in store.batch(step).groups}
+    assert 0 in indexes  # the first prompt of the dataset again
+
+
+def test_a_corrupt_run_meta_keeps_the_cursor(run_copy, capsys):
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        cursor = store.cursor()
+    assert cursor.index >= 6
+    _put_raw(run_copy / "rollout_data", keys.META_RUN, b"garbage")
+    _resume_and_check(run_copy, capsys, reason="meta/run")
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        indexes = {g.task.index for step in (3, 4) for g in store.batch(step).groups}
+        assert store.read_meta().run_id == "default"  # the fresh store knows which run it is
+    assert min(indexes) >= cursor.index  # continued where the readable cursor pointed
+
+
+def test_a_destroyed_file_header_resumes_from_the_newest_weights(run_copy, capsys):
+    data = run_copy / "rollout_data" / "data.mdb"
+    with data.open("r+b") as fh:
+        fh.write(b"\0" * 8192)  # both LMDB meta pages
+    _, text = _resume_and_check(run_copy, capsys, reason="cannot open the rollout store")
+    assert "newest complete weights folder" in text and "beginning of the dataset" in text
+
+
+def test_a_store_of_another_run_is_refused_and_left_in_place(run_copy, capsys):
+    before = _digest(run_copy / "rollout_data" / "data.mdb")
+    assert run(run_copy, "--rollout-queue-run-id", "other") == 1
+    err = capsys.readouterr().err
+    assert "run_id='default'" in err and "run_id='other'" in err
+    assert not [p for p in run_copy.iterdir() if ".unreadable-" in p.name]
+    assert _digest(run_copy / "rollout_data" / "data.mdb") == before
+
+
+def test_a_store_held_by_a_live_controller_is_refused_and_left_in_place(run_copy, capsys):
+    store_dir = run_copy / "rollout_data"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from storage import LmdbStore; s = LmdbStore(sys.argv[1]); "
+         "print('open', flush=True); sys.stdin.read(); s.close()", str(store_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert run(run_copy, steps=5) == 1
+    finally:
+        holder.communicate(timeout=30)
+    assert f"the rollout store {store_dir} is held by pid {holder.pid}" in capsys.readouterr().err
+    assert not [p for p in run_copy.iterdir() if ".unreadable-" in p.name]
+
+
+def test_missing_weights_of_the_trained_step_name_the_folder(run_copy, capsys):
+    shutil.rmtree(run_copy / "weights" / "v3")
+    assert run(run_copy, steps=5) == 1
+    assert str(run_copy / "weights" / "v3") in capsys.readouterr().err
+
+
+def test_salvage_of_a_store_that_never_admitted_anything(tmp_path):
+    LmdbStore(tmp_path / "s", sync=False).close()
+    salvaged = salvage_store(tmp_path / "s")
+    assert (salvaged.cursor, salvaged.trained_step, salvaged.problems) == (Cursor(), -1, ())
+    missing = salvage_store(tmp_path / "nowhere")
+    assert (missing.cursor, missing.trained_step) == (None, None) and str(tmp_path / "nowhere") in missing.problems[0]
+
+
+# --- the storage declaration --------------------------------------------------------------------
+
+
+def test_a_profile_that_disagrees_with_the_local_disk_names_both(tmp_path, capsys):
+    assert run(tmp_path / "run", "--rollout-storage-profile", "nfs", steps=1) == 1
+    err = capsys.readouterr().err
+    assert "--rollout-storage-profile='nfs' covers nfs, nfs4" in err
+    assert str((tmp_path / "run" / "rollout_data").resolve()) in err and " is on " in err
+    assert not (tmp_path / "run" / "rollout_data").exists()  # refused before the store was created
+
+
+@pytest.fixture
+def nfs_mount(tmp_path, monkeypatch) -> Path:
+    """The kernel's mount table with tmp_path on NFS (the one fake: /proc/self/mountinfo)."""
+    import storage.declaration
+
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"
+                         f"99 22 0:55 / {tmp_path.resolve()} rw - nfs4 server:/export rw\n")
+    monkeypatch.setattr(storage.declaration, "MOUNTINFO", str(mountinfo))
+    return tmp_path
+
+
+def test_an_undeclared_network_filesystem_stops_the_run(nfs_mount, capsys):
+    assert run(nfs_mount / "run", steps=1) == 1
+    err = capsys.readouterr().err
+    assert "network filesystem" in err and "nfs4" in err and "--rollout-storage-declaration" in err
+
+
+def test_a_declared_network_filesystem_runs_and_says_what_declared_it(nfs_mount, capsys):
+    declaration = nfs_mount / "storage.json"
+    declaration.write_text(json.dumps({"mount_path": str(nfs_mount.resolve()), "filesystem": "nfs4",
+                                       "durability": {"synced_commits": False}}))
+    capsys.readouterr()
+    assert run(nfs_mount / "run", "--rollout-storage-declaration", str(declaration), steps=1, level="info") == 0
+    text = "".join(capsys.readouterr())
+    assert f"declaration {declaration}" in text and "nfs4" in text
+    assert "synced_commits=False" in text
