@@ -9,6 +9,7 @@ seconds since the log was opened (`time.perf_counter` based, so they never go ba
     {"kind": "train", "step": 4, "start": 2.00, "end": 2.31}
     {"kind": "publish", "version": 5, "start": 2.31, "end": 2.35}
     {"kind": "stop", "step": 4, "start": 1.96, "end": 1.99}     # partial rollout's "enough": abort + drain
+    {"kind": "run", "started_at": 1796012345.6}                  # first line of each process's events
 
 Recording costs one dict and one buffered write per request; `EventLog(None)` keeps the events in
 memory only (benchmarks draw them without touching disk).
@@ -35,6 +36,9 @@ class EventLog:
             self._file = path.open("ab")
         self._keep = keep or path is None
         self.events: list[dict[str, Any]] = []
+        # Times restart at 0 with every process; a resumed run appends to the same file, so each
+        # run first says when it started (wall clock) and the timeline lays runs end to end.
+        self.record("run", started_at=time.time())
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

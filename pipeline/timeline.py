@@ -24,7 +24,7 @@ __all__ = ["render_timeline", "slot_busy_fraction"]
 
 FINISH_COLOURS = {"stop": "#4c9a5a", "length": "#e0a030", "abort": "#d04a3a", "error": "#7a2a8a"}
 TOP_LANES = (("train", "#3a6fd0", "training step"), ("publish", "#8a4ad0", "publish (gate closed)"),
-             ("stop", "#d04a3a", "stop: abort + drain"))
+             ("stop", "#d04a3a", "stop: abort + drain"), ("restart", "#000000", "controller restarted"))
 LANE_H, GAP, LEFT, WIDTH = 6, 1, 110, 1400
 
 
@@ -40,8 +40,26 @@ def slot_busy_fraction(events: Sequence[dict[str, Any]]) -> float:
     return busy / (len(slots) * (t1 - t0)) if t1 > t0 else 0.0
 
 
+def _on_one_clock(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Shift each resumed run's times by how long after the first run it started."""
+    out: list[dict[str, Any]] = []
+    first: float | None = None
+    offset = 0.0
+    for e in events:
+        if e["kind"] == "run":
+            first = e["started_at"] if first is None else first
+            offset = e["started_at"] - first
+            if out:
+                out.append({"kind": "restart", "start": offset, "end": offset})
+            continue
+        if offset and "start" in e:
+            e = dict(e, start=e["start"] + offset, end=e["end"] + offset)
+        out.append(e)
+    return out
+
+
 def render_timeline(events: Iterable[dict[str, Any]], *, title: str = "rollout timeline") -> str:
-    events = list(events)
+    events = _on_one_clock(events)
     reqs = [e for e in events if e["kind"] == "request"]
     spans = [e for e in events if "start" in e and "end" in e]
     if not spans:

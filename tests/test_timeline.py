@@ -1,5 +1,5 @@
 from pipeline.events import EventLog, read_events
-from pipeline.timeline import main, render_timeline, slot_busy_fraction
+from pipeline.timeline import _on_one_clock, main, render_timeline, slot_busy_fraction
 
 
 def test_event_log_round_trips_and_skips_a_torn_last_line(tmp_path):
@@ -12,8 +12,8 @@ def test_event_log_round_trips_and_skips_a_torn_last_line(tmp_path):
     with path.open("ab") as f:
         f.write(b'{"kind": "requ')  # a crash mid-write
     events = list(read_events(path))
-    assert [e["kind"] for e in events] == ["train", "request"]
-    assert events[0]["end"] >= events[0]["start"]
+    assert [e["kind"] for e in events] == ["run", "train", "request"]
+    assert events[1]["end"] >= events[1]["start"]
 
 
 def test_busy_fraction_counts_slot_time_in_flight():
@@ -40,3 +40,15 @@ def test_timeline_draws_every_request_and_marks_resumed_ones(tmp_path):
     log.close()
     assert main([str(path)]) == 0
     assert (tmp_path / "timeline.html").read_text().startswith("<!doctype html>")
+
+
+def test_a_resumed_run_is_drawn_after_the_first():
+    req = dict(kind="request", group="g", sample=0, prefix=0, tokens=1, finish="stop", version=0, slot=0)
+    events = [
+        {"kind": "run", "started_at": 100.0}, dict(req, start=0.0, end=1.0),
+        {"kind": "run", "started_at": 110.0}, dict(req, start=0.0, end=1.0),
+    ]
+    page = render_timeline(events)
+    assert "controller restarted" in page
+    # the second run's request starts 10 s after the first's, not on top of it
+    assert slot_busy_fraction(_on_one_clock(events)) == 2 / 11
