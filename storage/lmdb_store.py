@@ -15,6 +15,9 @@ local SSD); `sync=False` trades durability of the last transactions on an OS cra
 process crash still loses nothing committed). The map is a virtual reservation: it starts at
 `map_size` and doubles whenever a transaction finds it full (the transaction is aborted, the map
 grown, and the transaction run again from the start, so a full map never loses a write).
+Decoding a group costs about twice encoding it (building 16k Python numbers for 8 x 1k tokens), so
+the writer keeps the groups it put in READY and `take_batch` hands those out instead of decoding
+them again: a group is encoded once on its way in and never decoded in a process that stays up.
 
 Leases live in their own database (see `storage.keys`); `clock` (default `time.time`) is what
 lease expiry is measured against, injectable so tests can stand exactly on an expiry boundary.
@@ -59,6 +62,9 @@ _ORDER_DB = {_PARTIAL: keys.PARTIAL_ORDER, _READY: keys.READY_ORDER}
 _LOCK_FILE = "writer.lock"
 _MAX_MAP_SIZE = 1 << 40  # 1 TiB: past this, a full map is a bug or a disk problem, not growth
 _StateEntry = tuple[GroupState, int, int]
+# Ready groups kept decoded for `take_batch`; past this many the rest are read back from the map.
+_READY_CACHE_MAX = 4096
+_SCALARS = (str, int, float, bool, bytes)
 
 
 class _Write:
@@ -157,6 +163,8 @@ class LmdbStore:
         self._readonly = readonly
         self._clock = clock
         self._collected = (0, -1)
+        # Group id -> the group as put in READY by this writer (see the module docstring).
+        self._ready_cache: dict[str, Group] = {}
         self._lock = threading.Lock()
         self._lock_fd: int | None = None
         self._transactions = 0
@@ -372,14 +380,20 @@ class LmdbStore:
                 return None
             ids = w.first_in_order(_READY, size)
             groups = []
+            cached = self._ready_cache
             for gid in ids:
                 old = self._expect(w, gid, _READY)
-                groups.append(w.group(gid))
+                group = cached.get(gid)
+                groups.append(group if group is not None else w.group(gid))
                 w.move(gid, old, _BATCHED, old[1], old[2])
             w.txn.put(step_key, codec.encode_batch_ref(step, ids), db=self._dbs[keys.BATCHES])
             return Batch(step=step, groups=tuple(groups))
 
-        return self._write(fn)
+        def committed(batch: Batch | None) -> None:  # these groups are BATCHED now, no longer READY
+            for group in batch.groups if batch is not None else ():
+                self._ready_cache.pop(group.group_id, None)
+
+        return self._write(fn, committed)
 
     def finish_batch(self, step: int) -> None:
         step_key = keys.step_key(step)
@@ -501,6 +515,7 @@ class LmdbStore:
 
     def close(self) -> None:
         with self._lock:
+            self._ready_cache.clear()
             env, self._env = self._env, None
             if env is not None:
                 env.close()
@@ -518,8 +533,10 @@ class LmdbStore:
 
     # --- transactions ---------------------------------------------------------------------------
 
-    def _write(self, fn: Callable[[_Write], T]) -> T:
-        """Run `fn` in one write transaction; on a full map, double it and run `fn` again."""
+    def _write(self, fn: Callable[[_Write], T], committed: Callable[[T], None] | None = None) -> T:
+        """Run `fn` in one write transaction; on a full map, double it and run `fn` again.
+
+        `committed` runs once the transaction is on disk, still under the store's lock."""
         if self._readonly:
             raise StoreError(f"the rollout store {self._path} is open read-only")
         with self._lock:
@@ -540,6 +557,8 @@ class LmdbStore:
             self._collected = w.collected
             self._transactions += 1
             self._bytes_used = self._used_bytes(env)
+            if committed is not None:
+                committed(result)
             return result
 
     def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
@@ -638,7 +657,11 @@ class LmdbStore:
             w.txn.put(key, data, db=self._dbs[keys.GROUPS])
             w.move(gid, old, to, version, seq)
 
-        self._write(fn)
+        def committed(_: None) -> None:
+            if to is _READY and len(self._ready_cache) < _READY_CACHE_MAX and _decodes_equal(group):
+                self._ready_cache[gid] = group
+
+        self._write(fn, committed)
 
     def _expect(self, w: _Write, gid: str, state: GroupState) -> _StateEntry:
         entry = w.state_of(gid)
@@ -674,6 +697,17 @@ class LmdbStore:
                 os.ftruncate(fd, 0)  # no stale holder shown after a clean close
             finally:
                 os.close(fd)  # closing the descriptor releases the flock
+
+
+def _decodes_equal(group: Group) -> bool:
+    """Whether decoding this group's record gives back an equal group of the same shapes.
+
+    Free-form values are the exception: tuples inside a label or metadata come back as lists (and
+    mappings as dicts), so a group that has any is read back from its record, never cached."""
+    task = group.task
+    if task.metadata or not (task.label is None or type(task.label) in _SCALARS):
+        return False
+    return not any(s.metadata for s in group.samples)
 
 
 def _open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.Environment:

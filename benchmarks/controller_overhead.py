@@ -1,0 +1,239 @@
+"""Controller overhead: samples per second through the whole stage graph when the engine costs nothing.
+
+    python -m benchmarks.controller_overhead [--steps 20] [--batch 64] [--group 8] [--tokens 1024]
+        [--modes sync,async] [--stores memory,lmdb-sync,lmdb-nosync] [--profile /tmp/overhead.prof]
+
+The engine is `launch.instant_engine` in its own process (pinned to `--engine-cpu`): it answers
+every `/generate` at once with exactly `--tokens` tokens and their log-probs, over real HTTP. The
+trainer does nothing and publishes a placeholder path, which the instant engine accepts. So every
+second measured is the controller's own: HTTP client, JSON parsing, building samples, the stages,
+the store (memory, or LMDB with and without fsync), publishing. The controller is pinned to one
+core (`--cpu`).
+
+Figures, per (mode, store), over the steps after the first (start-up excluded):
+- samples/s and tokens/s in wall time;
+- engine share: the engine process's CPU seconds per wall second (near 1.0: the engine, not the
+  controller, is the bottleneck, and the figures are a lower bound);
+- samples per CPU second of the controller process (all its threads): the same figure measured
+  against the work done rather than the clock, so it holds even when other processes share the
+  core; on an otherwise idle core the two agree.
+
+`--profile FILE` runs one extra (mode, store) under cProfile (`--profile-run`, default async with
+LMDB sync=False): the event loop's thread and, separately, the store's worker thread (FILE.store).
+The top 15 functions by cumulative time are printed; the full text summary goes to FILE.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import logging
+import os
+import pstats
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from launch.engine_process import start_engine
+from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline.metrics import MetricsSink
+from pipeline.types import PromptTask
+from stages.sglang_client import EngineFleet
+from storage import AsyncStore, LmdbStore, MemoryStore
+
+STORES = ("memory", "lmdb-sync", "lmdb-nosync")
+MODES = ("sync", "async")
+
+
+class NullTrainer:
+    """Trains nothing; its weights are a path the instant engine accepts without reading it."""
+
+    def __init__(self, weights: Path) -> None:
+        self._weights = weights
+
+    def train_step(self, batch):
+        return {}
+
+    def save_weights(self, path: Path) -> Path:
+        return self._weights
+
+
+def reward(task, sample) -> float:
+    return float(sample.response_ids[-1] & 1)
+
+
+def workload(n: int, prompt_len: int) -> list[PromptTask]:
+    return [
+        PromptTask(index=i, prompt_ids=tuple(1000 + zlib.crc32(f"{i}:{j}".encode()) % 50000 for j in range(prompt_len)))
+        for i in range(n)
+    ]
+
+
+class _ProfiledStore:
+    """Forwards every call to `store` under one cProfile, in whichever thread makes the call.
+
+    AsyncStore runs an LMDB store's calls one at a time on a worker thread, which the event loop's
+    profiler cannot see; this gives that thread its own profile."""
+
+    def __init__(self, store: Any, profile: cProfile.Profile) -> None:
+        self._store, self._profile = store, profile
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return self._profile.runcall(attr, *args, **kwargs)
+
+        return call
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of another process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def open_store(kind: str, folder: Path) -> Any:
+    if kind == "memory":
+        return MemoryStore()
+    return LmdbStore(folder / "store", sync=(kind == "lmdb-sync"))
+
+
+async def run_one(
+    mode: str, store_kind: str, args: argparse.Namespace, fleet: EngineFleet, work: Path, engine_pid: int,
+    dataset: list[PromptTask], profile: tuple[cProfile.Profile, cProfile.Profile] | None = None,
+) -> dict[str, float]:
+    await fleet.update_weight_version("0")  # each run starts its own clock at version 0
+    folder = Path(tempfile.mkdtemp(prefix=f"overhead-{store_kind}-", dir=args.work))
+    raw = open_store(store_kind, folder)
+    store = AsyncStore(_ProfiledStore(raw, profile[1]) if profile and store_kind != "memory" else raw)
+    plan = RolloutPlan(
+        mode=mode, batch_size=args.batch, n_samples=args.group, num_steps=args.steps, slots=args.slots,
+        max_response_len=args.tokens, sampling_params={"temperature": 1.0}, prefetch=args.batch,
+    )
+    marks: list[tuple[float, float]] = []
+
+    def on_step(record: dict) -> None:
+        marks.append((time.perf_counter(), time.process_time(), process_cpu_seconds(engine_pid)))
+
+    try:
+        if profile:
+            profile[0].enable()
+        t0, c0 = time.perf_counter(), time.process_time()
+        await run_pipeline(
+            plan, engines=fleet, store=store, trainer=NullTrainer(work), dataset=dataset,
+            reward_fn=reward, filter_fn=None, weights_dir=work, metrics=MetricsSink(None), on_step=on_step,
+        )
+        t1, c1 = time.perf_counter(), time.process_time()
+    finally:
+        if profile:
+            profile[0].disable()
+        await store.aclose()
+        shutil.rmtree(folder, ignore_errors=True)
+    # Steady state: from the end of step 0 to the end of the last step.
+    (w0, p0, e0), (w1, p1, e1) = marks[0], marks[-1]
+    samples = (len(marks) - 1) * args.batch * args.group
+    return {
+        "samples/s": samples / (w1 - w0),
+        "tokens/s": samples * args.tokens / (w1 - w0),
+        "samples/cpu-s": samples / max(p1 - p0, 1e-9),
+        "total s": t1 - t0,
+        "cpu share": (p1 - p0) / (w1 - w0),
+        "engine share": (e1 - e0) / (w1 - w0),
+        "startup s": marks[0][0] - t0,
+    }
+
+
+def print_profile(profile: cProfile.Profile, title: str, out: Path, top: int = 15) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    out.write_text(text.getvalue())
+    profile.dump_stats(str(out.with_suffix(".prof")))
+    short = io.StringIO()
+    pstats.Stats(profile, stream=short).sort_stats("cumulative").print_stats(top)
+    body = short.getvalue()
+    print(f"\n--- {title}: top {top} by cumulative time (full: {out}) ---")
+    print(body[body.find("   ncalls"):].rstrip())
+
+
+async def main(args: argparse.Namespace) -> None:
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = workload(args.dataset or (args.steps + 4) * args.batch * 2, args.prompt_len)
+    engine = await start_engine(
+        "instant", module="launch.instant_engine",
+        extra_args=["--tokens", str(args.tokens), "--finish", args.finish]
+        + (["--cpu", str(args.engine_cpu)] if args.engine_cpu >= 0 else []),
+    )  # fmt: skip
+    if args.cpu >= 0:
+        os.sched_setaffinity(0, {args.cpu})
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    if args.gc_freeze:
+        gc.freeze()
+    modes = args.modes.split(",")
+    stores = args.stores.split(",")
+    print(f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
+          f"{args.slots} slots, prompt {args.prompt_len} tokens; controller on CPU {args.cpu}, "
+          f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats, medians")
+    cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s"]
+    print(f"{'mode':8}{'store':14}" + "".join(f"{c:>15}" for c in cols), flush=True)
+    async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
+        for mode in modes:
+            for store_kind in stores:
+                one = (mode, store_kind, args, fleet, work, engine.pid, dataset)
+                runs = [await run_one(*one) for _ in range(args.repeats)]
+                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                print(f"{mode:8}{store_kind:14}" + "".join(f"{med[c]:>15,.2f}" for c in cols), flush=True)
+        print(f"client: {fleet.statistics()}")
+        if args.profile:
+            mode, store_kind = args.profile_run.split(":")
+            loop_prof, store_prof = cProfile.Profile(), cProfile.Profile()
+            one = (mode, store_kind, args, fleet, work, engine.pid, dataset)
+            res = await run_one(*one, profile=(loop_prof, store_prof))
+            print(f"\nprofiled run ({mode}, {store_kind}): {res['samples/s']:,.0f} samples/s under cProfile")
+            out = Path(args.profile)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            print_profile(loop_prof, "event loop thread", out.with_suffix(".txt"))
+            if store_kind != "memory":
+                print_profile(store_prof, "store worker thread", out.with_suffix(".store.txt"), top=10)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64, help="groups per step")
+    parser.add_argument("--group", type=int, default=8, help="samples per group")
+    parser.add_argument("--tokens", type=int, default=1024, help="response tokens per sample")
+    parser.add_argument("--finish", choices=["length", "stop"], default="length")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--slots", type=int, default=128, help="concurrent requests")
+    parser.add_argument("--dataset", type=int, default=0, help="prompts (default: enough for every step)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--cpu", type=int, default=0, help="pin the controller here (-1: no pinning)")
+    parser.add_argument("--engine-cpu", type=int, default=1, help="pin the engine here (-1: no pinning)")
+    parser.add_argument("--profile", default=None, help="write a cProfile summary of one extra run here")
+    parser.add_argument("--profile-run", default="async:lmdb-nosync", help="MODE:STORE to profile")
+    parser.add_argument("--gc-threshold", type=int, default=0, help="CPython gen-0 GC threshold (0: default)")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up")
+    parser.add_argument("--work", default=tempfile.gettempdir() + "/bench-overhead")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    anyio.run(main, parser.parse_args())
