@@ -133,12 +133,12 @@ async def run_one(
     try:
         if profile:
             profile[0].enable()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         await run_pipeline(
             plan, engines=fleet, store=store, trainer=NullTrainer(work), dataset=dataset,
             reward_fn=reward, filter_fn=None, weights_dir=work, metrics=MetricsSink(None), on_step=on_step,
         )
-        t1, c1 = time.perf_counter(), time.process_time()
+        t1 = time.perf_counter()
     finally:
         if profile:
             profile[0].disable()

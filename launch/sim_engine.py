@@ -448,18 +448,6 @@ class SimServer(EngineServer):
             }
         )
 
-    async def models(self, request: web.Request) -> web.Response:
-        name = self.served_model_name
-        card = {
-            "id": name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "sglang",
-            "root": name,
-            "max_model_len": self.core.runner.context_length,
-        }
-        return _json({"object": "list", "data": [card]})
-
 
 # ---- running it ----------------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError, ReplayError, StoreError
+from pipeline.errors import PipelineError, ReplayError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
 

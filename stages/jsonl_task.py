@@ -9,30 +9,23 @@ tokenized as is, without special tokens and without a chat template, unless `app
 asks for one: the model family decides what a prompt should look like, not this loader. A message
 list always goes through the tokenizer's chat template (there is no other way to turn it into text).
 
-The reward function takes `(task: PromptTask, sample: Sample)` and returns a number, sync or async.
-`load_reward_function` resolves it once, when the config loads, so a typo fails at start-up rather
-than an hour into a run, and returns one async callable either way.
+The reward function takes `(task: PromptTask, sample: Sample)` and returns a number, sync or async;
+`--custom-rm-path` names it and `pipeline.plugins` resolves it once, when the config loads, so a
+typo fails at start-up rather than an hour into a run.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import math
-import numbers
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from pipeline.errors import ConfigError, PluginError, RewardError
-from pipeline.types import PromptTask, Sample
+from pipeline.errors import ConfigError
+from pipeline.types import PromptTask
 
-__all__ = ["RewardFunction", "load_jsonl_prompts", "load_reward_function"]
-
-RewardFunction = Callable[[PromptTask, Sample], Awaitable[float]]
+__all__ = ["load_jsonl_prompts"]
 
 _MAX_PROBLEMS = 20  # a broken file lists this many problems, not ten thousand
 
@@ -114,45 +107,3 @@ def _tokenize(prompt: Any, tokenizer: Any, apply_chat_template: bool) -> tuple[i
     if not ids:
         raise ValueError(f"{prompt!r} tokenizes to nothing")
     return tuple(int(i) for i in ids)
-
-
-def load_reward_function(path: str) -> RewardFunction:
-    """Resolve `module:function` to an async reward callable; raise `PluginError` if it is not one.
-
-    A sync function is called directly on the event loop, so it must be quick (string matching,
-    arithmetic); anything that waits (a sandbox, a judge model) should be `async def`. The returned
-    callable raises `RewardError` when the function returns something that is not a finite number.
-    """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise PluginError(path, "expected 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PluginError(path, f"cannot import module {module_name!r}: {exc}") from exc
-    fn = module
-    for part in attr.split("."):
-        try:
-            fn = getattr(fn, part)
-        except AttributeError as exc:
-            raise PluginError(path, f"module {module_name!r} has no attribute {attr!r}") from exc
-    if not callable(fn):
-        raise PluginError(path, f"{attr!r} is a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError as exc:
-        raise PluginError(path, f"must accept (task, sample): {exc}") from exc
-    except ValueError:
-        pass  # a builtin without a signature: trust it
-    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-    async def reward(task: PromptTask, sample: Sample) -> float:
-        value = (await fn(task, sample)) if is_async else fn(task, sample)
-        if inspect.isawaitable(value):  # e.g. a sync function that returns a coroutine
-            value = await value
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RewardError(path, f"returned {value!r} for task {task.index}; expected a finite number")
-        return float(value)
-
-    reward.__qualname__ = reward.__name__ = f"reward[{path}]"
-    return reward

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from launch.cli import main
 from storage import GroupState, LmdbStore
 

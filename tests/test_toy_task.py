@@ -3,7 +3,6 @@ prompts with a `module:function` reward."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
 import orjson
@@ -12,9 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.errors import ConfigError, PluginError, RewardError
+from pipeline.errors import ConfigError
 from pipeline.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
-from stages.jsonl_task import load_jsonl_prompts, load_reward_function
+from stages.jsonl_task import load_jsonl_prompts
 from stages.tiny_model import EOS_ID, build_tokenizer, make_model_folder
 from stages.toy_task import TOY_CHARS, TOY_MAX_COUNT, decode, encode, toy_dataset, toy_prompt, toy_reward
 
@@ -173,44 +172,3 @@ def test_load_jsonl_prompts_applies_a_chat_template_only_when_asked(tmp_path, to
     assert chat.prompt_ids == encode("user: yo.=:")
     templated, _ = load_jsonl_prompts(path, tok, apply_chat_template=True)
     assert templated.prompt_ids == encode("user: hi.=:")
-
-
-# ---- reward functions by path -----------------------------------------------------------------
-
-
-async def async_reward(task: PromptTask, sample: Sample) -> float:
-    return 0.25 if sample.response_ids else 0.0
-
-
-def bad_reward(task: PromptTask, sample: Sample):
-    return "high"
-
-
-def no_args_reward():
-    return 1.0
-
-
-@pytest.mark.anyio
-async def test_load_reward_function_wraps_sync_and_async_functions():
-    sample = dataclasses.replace(_answer(TASK, "bbb"))
-    toy = load_reward_function("stages.toy_task:toy_reward")
-    assert await toy(TASK, sample) == 1.0
-    assert await load_reward_function("tests.test_toy_task:async_reward")(TASK, sample) == 0.25
-    with pytest.raises(RewardError, match="'high'"):
-        await load_reward_function("tests.test_toy_task:bad_reward")(TASK, sample)
-
-
-@pytest.mark.parametrize(
-    ("path", "reason"),
-    [
-        ("stages.toy_task", "module:function"),
-        ("stages.no_such_module:f", "cannot import"),
-        ("stages.toy_task:no_such_function", "no attribute"),
-        ("stages.toy_task:TOY_CHARS", "not a function"),
-        ("tests.test_toy_task:no_args_reward", "must accept"),
-    ],
-)
-def test_load_reward_function_rejects_bad_paths_at_load(path, reason):
-    with pytest.raises(PluginError, match=reason) as info:
-        load_reward_function(path)
-    assert info.value.path == path
