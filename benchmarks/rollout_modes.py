@@ -1,4 +1,4 @@
-"""Sync vs sync + partial rollout, side by side in one process, on the built-in engine.
+"""Sync vs sync + partial vs async rollout, side by side in one process, on the built-in engine.
 
     python -m benchmarks.rollout_modes [--steps 6] [--batch 8] [--group 8] [--max-len 128]
 
@@ -6,7 +6,8 @@ Both modes run the real pipeline over real HTTP against the same built-in engine
 model and the same prompts. The trainer is a stand-in that republishes the base weights: it keeps
 the policy (and so the long-tailed response lengths of the random model) identical across modes,
 so the only difference measured is the rollout policy. Reported per mode: accepted groups per
-second of rollout time, generated tokens per second, and the ratio to sync.
+second (whole steps: rollout and publish), generated tokens per second, the ratio to sync,
+engine slot occupancy, off-policy token share and the largest staleness.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
         weights_dir=work / name, metrics=sink,
     )
     wall = time.perf_counter() - started
-    rollout = sum(r["time/rollout"] for r in sink.records)
+    # End to end per step (the stand-in trainer takes no time, so this is rollout plus publishing).
+    rollout = sum(r["time/step"] for r in sink.records)
     groups = plan.batch_size * len(sink.records)
     tokens = sink.records[-1]["tokens/generated_total"]
     return {
@@ -66,6 +68,7 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
         "wall_s": wall,
         "busy": sum(r["engine/busy_frac"] * r["time/step"] for r in sink.records) / sum(r["time/step"] for r in sink.records),
         "off_policy": sum(r["off_policy_token_frac"] for r in sink.records) / len(sink.records),
+        "stale_max": max(r["staleness/max"] for r in sink.records),
     }
 
 
@@ -82,16 +85,17 @@ async def main(args: argparse.Namespace) -> None:
             plans = {
                 "sync": RolloutPlan(mode="sync", **common),
                 "sync+partial": RolloutPlan(mode="sync", partial=True, over_sampling=args.batch * 2, **common),
+                "async": RolloutPlan(mode="async", **common),
             }
             results = {name: await measure(name, plan, fleet, model, work) for name, plan in plans.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = results["sync"]["groups_per_s"]
-    print(f"{'mode':14} {'groups/s':>9} {'tokens/s':>9} {'ratio':>6} {'engine busy':>11} {'off-policy':>10} {'rollout s':>9}")
+    print(f"{'mode':14} {'groups/s':>9} {'tokens/s':>9} {'ratio':>6} {'engine busy':>11} {'off-policy':>10} {'stale max':>9} {'rollout s':>9}")
     for name, r in results.items():
         print(
             f"{name:14} {r['groups_per_s']:9.2f} {r['tokens_per_s']:9.0f} {r['groups_per_s'] / base:6.2f} "
-            f"{r['busy']:11.2f} {r['off_policy']:10.2f} {r['rollout_s']:9.1f}"
+            f"{r['busy']:11.2f} {r['off_policy']:10.2f} {r['stale_max']:9d} {r['rollout_s']:9.1f}"
         )
 
 
