@@ -122,6 +122,9 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
     return {
         "sync": RolloutPlan(mode="sync", **common),
         "sync+partial": RolloutPlan(mode="sync", partial=True, over_sampling=2 * args.batch, **common),
+        "sync+partial/slime": RolloutPlan(
+            mode="sync", partial=True, over_sampling=2 * args.batch, fill_idle_slots=False, **common
+        ),
         "async": RolloutPlan(mode="async", prefetch=args.batch, **common),
         "async, stale<=1": RolloutPlan(mode="async", prefetch=args.batch, max_staleness=1, **common),
     }

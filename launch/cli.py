@@ -161,6 +161,7 @@ def _plan(config: Config) -> RolloutPlan:
     return RolloutPlan(
         mode=r.mode, batch_size=r.rollout_batch_size, n_samples=r.n_samples_per_prompt, num_steps=r.num_rollout,
         partial=r.partial_rollout, over_sampling=r.over_sampling_batch_size, prefetch=r.prefetch,
+        fill_idle_slots=r.partial_fill_idle_slots,
         max_staleness=r.max_staleness, pause_mode=r.pause_mode,
         slots=config.engine.sglang_server_concurrency * n_engines, max_response_len=r.max_response_len,
         sampling_params={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},

@@ -90,6 +90,10 @@ class RolloutConfig:
     partial_rollout: bool = _opt(
         False, "--partial-rollout", "bool",
         help="sync mode: at the target, abort the rest and resume their prefixes first next round")
+    partial_fill_idle_slots: bool = _opt(
+        True, "--partial-fill-idle-slots", "bool",
+        help="partial rollout: while a round waits for its stragglers, give idle slots one more group "
+        "(more throughput, more off-policy tokens; --no-partial-fill-idle-slots keeps slime's refill rule)")
     mask_offpolicy_in_partial_rollout: bool = _opt(
         False, "--mask-offpolicy-in-partial-rollout", "bool",
         help="zero the loss mask of the prefix that existed before a continuation")

@@ -67,6 +67,7 @@ class RolloutPlan:
     num_steps: int
     partial: bool = False
     over_sampling: int | None = None  # refill granularity in groups (partial rollout)
+    fill_idle_slots: bool = True  # partial rollout: idle slots take one more group while the round waits
     prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
     max_staleness: int | None = None
     pause_mode: str = "abort"
@@ -229,7 +230,13 @@ async def _fill_sync(
     while collector.ready < target:
         while collector.ready + admission.outstanding < target:
             admission.grant(chunk)
-        await admission.wait_change()
+        # Work-conserving: while the round waits for the stragglers of its last groups, a slot
+        # with nothing to run takes one more group. Nothing it generates is wasted (an unfinished
+        # group is stored and resumed first next round), so idle engine time turns into tokens.
+        # The backlog stays bounded: at most two refill chunks are out at once.
+        if plan.fill_idle_slots and pool.idle_slots and not admission.tickets and admission.outstanding < 2 * chunk:
+            admission.grant(1)
+        await _first_of(admission.wait_change, pool.wait_slot_freed)
     # Enough: abort the rest. Groups that finish during the drain still become ready (surplus for
     # the next batch); the others go to the store with their prefixes, resumed first next round.
     with stopping:

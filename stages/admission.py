@@ -59,6 +59,11 @@ class Admission:
     def outstanding(self) -> int:
         return self._outstanding
 
+    @property
+    def tickets(self) -> int:
+        """Granted tickets the dispenser has not used yet."""
+        return self._tickets
+
     def count(self, outcome: Outcome) -> int:
         return self._counts[outcome]
 

@@ -83,6 +83,7 @@ class GeneratorPool:
         self._slots = anyio.Semaphore(slots)
         # Which slot a request runs in, for the timeline; the semaphore guarantees one is free.
         self._free_slots = list(range(slots - 1, -1, -1))
+        self._slot_freed = anyio.Event()
         self._events = events
         self._n_slots = slots
         self._params = dict(sampling_params)
@@ -131,6 +132,14 @@ class GeneratorPool:
             await self._engine.abort_all()
             with anyio.move_on_after(REABORT_INTERVAL):
                 await self._idle.wait()
+
+    @property
+    def idle_slots(self) -> int:
+        """Slots that no request holds and no sample is queued for."""
+        return self._slots.value
+
+    async def wait_slot_freed(self) -> None:
+        await self._slot_freed.wait()
 
     def resume(self) -> None:
         self._stopping = False
@@ -225,6 +234,8 @@ class GeneratorPool:
         finally:
             self._running -= 1
             self._free_slots.append(slot)
+            self._slot_freed.set()
+            self._slot_freed = anyio.Event()
             ended = time.perf_counter()
             self._busy += ended - started
         if result is not None:
