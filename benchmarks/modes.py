@@ -141,12 +141,12 @@ async def main(args: argparse.Namespace) -> None:
     cols = ["groups/s", "tokens/s", "ratio", "busy", "off-pol", "stale mean", "stale max", "wasted"]
     print(f"\nmedians over {args.seeds} seeds; {args.steps} steps of {args.batch} groups x {args.group} samples, "
           f"max {args.max_len} tokens, {args.slots} slots, training {args.train_time}s per step (engine time)")
-    print(f"{'mode':16}" + "".join(f"{c:>11}" for c in cols))
+    print(f"{'mode':20}" + "".join(f"{c:>11}" for c in cols))
     base = statistics.median(r["groups/s"] for r in results["sync"])
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med["ratio"] = med["groups/s"] / base
-        print(f"{name:16}" + "".join(f"{med[c]:>11.3f}" if isinstance(med[c], float) else f"{med[c]:>11}" for c in cols))
+        print(f"{name:20}" + "".join(f"{med[c]:>11.3f}" if isinstance(med[c], float) else f"{med[c]:>11}" for c in cols))
     late = sum(r["late"] for runs in results.values() for r in runs)
     if late:
         print(f"note: the simulated engine ran late on {late} forwards; raise --time-scale for exact timing")
