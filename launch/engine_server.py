@@ -532,19 +532,28 @@ async def open_server(
         health_check_timeout=health_check_timeout,
         random_seed=random_seed,
     )
+    async with running(server, host, port):
+        log.info("built-in engine serving %s at %s", model_path, server.url)
+        yield server
+
+
+@asynccontextmanager
+async def running(server: EngineServer, host: str, port: int) -> AsyncIterator[EngineServer]:
+    """Run `server`'s core and HTTP app on host:port until the block ends, then close both.
+
+    Shared by every engine built on `EngineServer` (the built-in one and the simulated one)."""
     async with anyio.create_task_group() as tg:
-        await tg.start(core.run)
+        await tg.start(server.core.run)
         app_runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await app_runner.setup()
         try:
             site = web.TCPSite(app_runner, host, port)
             await site.start()
             server.port = app_runner.addresses[0][1]
-            log.info("built-in engine serving %s at %s", model_path, server.url)
             yield server
         finally:
             with anyio.move_on_after(10, shield=True):
-                core.close()
+                server.core.close()
                 await app_runner.cleanup()
             tg.cancel_scope.cancel()
 

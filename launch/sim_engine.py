@@ -53,7 +53,7 @@ from anyio.abc import TaskStatus
 
 from launch.engine_core import EngineCore, PauseMode, Request
 from launch.engine_model import Draw, WeightLoadError
-from launch.engine_server import _HTTP2_PROBE_FILTER, EngineServer, _cancel_on_signal, _json, _leaves
+from launch.engine_server import _HTTP2_PROBE_FILTER, EngineServer, _cancel_on_signal, _json, _leaves, running
 from launch.sim_model import EOS_ID, DecodeTimeModel, LengthModel, SimTokenizer, sim_logprob, sim_token
 from launch.sim_model import strip_generated
 from pipeline.errors import ConfigError
@@ -497,21 +497,9 @@ async def open_sim_server(
         health_check_timeout=health_check_timeout,
         random_seed=random_seed,
     )
-    async with anyio.create_task_group() as tg:
-        await tg.start(core.run)
-        app_runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-        await app_runner.setup()
-        try:
-            site = web.TCPSite(app_runner, host, port)
-            await site.start()
-            server.port = app_runner.addresses[0][1]
-            log.info("simulated engine at %s (time scale %g)", server.url, time_scale)
-            yield server
-        finally:
-            with anyio.move_on_after(10, shield=True):
-                core.close()
-                await app_runner.cleanup()
-            tg.cancel_scope.cancel()
+    async with running(server, host, port):
+        log.info("simulated engine at %s (time scale %g)", server.url, time_scale)
+        yield server
 
 
 async def serve(*, task_status: TaskStatus[SimServer] = anyio.TASK_STATUS_IGNORED, **options: Any) -> None:
