@@ -234,7 +234,14 @@ class _progress:
 
     def update_step(self, record: dict[str, Any]) -> None:
         if self._bar is None:
-            log.info("step", step=record["step"], reward=round(record["reward/mean"], 3))
+            log.info(
+                "step", step=record["step"], reward=round(record["reward/mean"], 3),
+                staleness_max=record["staleness/max"],
+                multi_version=round(record["staleness/multi_version_frac"], 3),
+                groups_per_s=round(record["groups/per_second"], 2),
+                engine_busy=round(record["engine/busy_frac"], 2),
+                trainer_idle=round(record["trainer/idle_frac"], 2),
+            )
             return
         self._bar.set_postfix(
             reward=f"{record['reward/mean']:.3f}", len=f"{record['response_len/mean']:.1f}",
