@@ -104,7 +104,7 @@ class RolloutConfig:
         why=" (the trainer's log-prob correction divides the logits by it)")
     top_p: float = _opt(1.0, "--rollout-top-p", "float", help="nucleus sampling, in (0, 1]")
     top_k: int = _opt(-1, "--rollout-top-k", "int", help="top-k sampling; -1 = off")
-    num_rollout: int = _opt(40, "--num-rollout", "int", ge=1, help="training steps")
+    num_rollout: int = _opt(100, "--num-rollout", "int", ge=1, help="training steps")
     prefetch: int | None = _opt(
         None, "--rollout-prefetch", "int", ge=0, default_help="--rollout-batch-size",
         help="ready groups kept ahead of the trainer")

@@ -49,7 +49,7 @@ def test_defaults():
                         config.output)
     assert (r.mode, r.rollout_batch_size, r.n_samples_per_prompt) == ("sync", 8, 8)
     assert (r.partial_rollout, r.mask_offpolicy_in_partial_rollout, r.max_response_len) == (False, False, 64)
-    assert (r.temperature, r.top_p, r.top_k, r.num_rollout) == (1.0, 1.0, -1, 40)
+    assert (r.temperature, r.top_p, r.top_k, r.num_rollout) == (1.0, 1.0, -1, 100)
     assert (r.max_staleness, r.pause_mode, r.seed, r.eval_interval) == (None, "abort", 42, None)
     assert (r.request_timeout, r.max_retries, r.reward_timeout) == (600.0, 3, 30.0)
     assert (d.prompt_data, d.input_key, d.label_key, d.num_prompts) == (None, "prompt", "label", 512)
