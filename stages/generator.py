@@ -38,6 +38,9 @@ __all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics"]
 # How long a stop waits for aborted requests to come back before it aborts again. A request that
 # was on the wire while the first abort ran reaches the engine after it, and needs a second one.
 REABORT_INTERVAL = 0.25
+# Attempts a sample gets when its requests find no engine while others are answered; each attempt
+# is itself retried with backoff by the client.
+SAMPLE_ATTEMPTS = 3
 # How long a pool going down may spend putting its groups back in the store.
 SAVE_DEADLINE = 10.0
 
@@ -189,6 +192,7 @@ class GeneratorPool:
         """Run `samples[i]` until it finishes, fails, or the pool stops; `samples[i]` always holds
         every token received so far, so a group saved on the way down keeps them."""
         sample = samples[i]
+        unanswered = 0  # attempts in a row that found no engine (each already retried by the client)
         while not sample.status.finished and sample.status is not SampleStatus.FAILED:
             left = self._max_len - sample.response_len
             if left <= 0:
@@ -201,6 +205,16 @@ class GeneratorPool:
                     sample = sample.resumed()
                     self._stats["resumed"] += 1
                 segment = await self._request(group, sample, left)
+            unanswered = unanswered + 1 if segment.error is not None else 0
+            if unanswered > SAMPLE_ATTEMPTS:
+                # Other requests get answers but this one never does (e.g. a prompt that crashes
+                # the engine): the sample fails visibly rather than being retried forever.
+                self._stats["failed"] += 1
+                samples[i] = dataclasses.replace(
+                    sample, status=SampleStatus.FAILED, finish_reason=FinishReason.ERROR,
+                    error=f"no answer after {unanswered} attempts: {segment.error}",
+                )
+                return
             sample = samples[i] = sample.extended(segment, max_response_len=self._max_len)
             if sample.status is SampleStatus.PARTIAL:
                 # Aborted, or no engine answered. While stopping, the prefix goes to the store
