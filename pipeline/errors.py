@@ -11,11 +11,15 @@
     │   ├── EngineUnavailableError  cannot connect, or timed out
     │   └── VersionMismatchError    an engine reports a weight version the clock did not publish
     ├── PublishError           a weight publish failed; the old version keeps serving
-    ├── RewardError            a reward function raised or timed out (recorded on the sample)
-    ├── ReplayError            a run directory, step range or group that replay cannot use
-    └── StageCrashedError      a pipeline stage died; carries the stage name and the cause
+    └── ReplayError            a run directory, step range or group that replay cannot use
 
-Each error keeps the offending value as an attribute and in its message.
+A stage that dies takes the pipeline's task group down with it: `run_pipeline` raises the
+original error (inside anyio's ExceptionGroup), and `python -m pipeline.launch` prints it as one
+`error:` line with a hint to resume.
+
+Each error keeps the offending value as an attribute and in its message. A reward function that
+raises or times out is not an error of the pipeline: it is recorded on the sample (`Sample.error`)
+and its group is stored as failed.
 """
 
 from __future__ import annotations
@@ -32,8 +36,6 @@ __all__ = [
     "PluginError",
     "PublishError",
     "ReplayError",
-    "RewardError",
-    "StageCrashedError",
     "StoreError",
     "StoreLockedError",
     "VersionMismatchError",
@@ -109,18 +111,5 @@ class PublishError(PipelineError):
         super().__init__(f"publishing version {version} failed, version {version - 1} keeps serving: {reason}")
 
 
-class RewardError(PipelineError):
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = path
-        super().__init__(f"reward {path}: {reason}")
-
-
 class ReplayError(PipelineError):
     """A run directory, step range or group that replay cannot use; the message names it."""
-
-
-class StageCrashedError(PipelineError):
-    def __init__(self, stage: str, cause: BaseException) -> None:
-        self.stage = stage
-        super().__init__(f"stage {stage!r} crashed: {cause!r}")
-        self.__cause__ = cause
