@@ -460,3 +460,38 @@ def test_a_dead_engine_stops_the_run_with_a_clear_error_and_it_resumes(tmp_path)
     counts = _check_exactly_once(out, watch.stored)
     # Samples whose engine died keep their prefixes and go back as partial: no prompt is lost.
     assert counts[GroupState.FAILED] == 0, f"{counts[GroupState.FAILED]} groups failed because their engine died"
+
+
+ASYNC_KILL_POINTS = (
+    KillPoint("async: first group ready", _first_ready),
+    KillPoint("async: batch taken, training while generation goes on", _batch_taken),
+    KillPoint("async: a step finished", _step_finished),
+)
+
+
+@pytest.mark.slow
+def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_path):
+    """The same guarantees while generation runs across training steps and publishes: the step is
+    committed before its publish, so no token stamped with a new version outlives a restart that
+    falls back to the old one (versions never go down inside a sample). In async mode tokens reach
+    the store only when a group is put aside (a publish's aborts are resumed in process), so the
+    kill points are the ones a running async pipeline passes through."""
+    out = tmp_path / "run"
+    watch = Watch(out)
+    launcher = None
+    try:
+        for life, point in enumerate(ASYNC_KILL_POINTS):
+            watch.close()
+            launcher = Launcher(out, life, "--rollout-mode", "async")
+            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            condition = point.arm(watch, launcher)
+            launcher.wait_until(point.name, condition)
+            launcher.kill()
+            watch.snapshot()
+        launcher = Launcher(out, len(ASYNC_KILL_POINTS), "--rollout-mode", "async")
+        assert launcher.finish(300) == 0, launcher.log_tail()
+    finally:
+        watch.close()
+        if launcher is not None and launcher.proc.poll() is None:
+            launcher.kill()
+    _check_exactly_once(out, watch.stored)
