@@ -192,9 +192,6 @@ class StorageConfig:
     profile: str | None = _opt(
         None, "--rollout-storage-profile", "choice", choices=tuple(PROFILES), default_help="detect; local only",
         help="a preset declaration for the LMDB folder's filesystem")
-    lease_seconds: float = _opt(
-        300.0, "--rollout-lease-seconds", "float", gt=0,
-        help="how long claimed work stays with a producer that stops renewing it")
     gc_keep_steps: int | None = _opt(
         None, "--rollout-gc-keep-steps", "int", ge=0, default_help="keep everything (replay sees the whole run)",
         help="after each step, delete the trained groups and batches of all but the last N steps")

@@ -412,34 +412,32 @@ def test_parser_lists_every_flag_and_boolean_negations():
     assert (config.trainer.use_tis, config.output.progress, config.output.log_level) == (False, False, "debug")
 
 
-# --- storage declaration, profile, leases -------------------------------------------------------
+# --- storage declaration and profile -------------------------------------------------------
 
 
-def test_storage_declaration_profile_and_lease_flags(tmp_path):
+def test_storage_declaration_and_profile_flags(tmp_path):
     declaration = write(tmp_path / "deployment.json", json.dumps(
         {"mount_path": "/shared/juicefs", "filesystem": "fuse.juicefs", "durability": {"synced_commits": True}}))
     config = load_config(["--rollout-data-transport", "lmdb", "--rollout-storage-declaration", str(declaration),
-                          "--rollout-storage-profile", "juicefs", "--rollout-lease-seconds", "90"])
+                          "--rollout-storage-profile", "juicefs"])
     s = config.storage
-    assert (s.declaration, s.profile, s.lease_seconds) == (declaration, "juicefs", 90.0)
+    assert (s.declaration, s.profile) == (declaration, "juicefs")
     assert config.warnings == ()
     defaults = load_config([]).storage
-    assert (defaults.declaration, defaults.profile, defaults.lease_seconds) == (None, None, 300.0)
-    toml = write(tmp_path / "c.toml", f'[storage]\ntransport = "lmdb"\nprofile = "nfs"\nlease_seconds = 30\n'
+    assert (defaults.declaration, defaults.profile) == (None, None)
+    toml = write(tmp_path / "c.toml", f'[storage]\ntransport = "lmdb"\nprofile = "nfs"\n'
                                       f'declaration = "{declaration}"\n')
-    assert load_config(["--config", str(toml)]).storage.lease_seconds == 30.0
+    assert load_config(["--config", str(toml)]).storage.profile == "nfs"
 
 
 def test_storage_flag_problems_are_listed_together(tmp_path):
     bad = write(tmp_path / "bad.json", json.dumps({"mount_path": "relative", "filesystem": "nfs4"}))
-    problems = problems_of(["--rollout-storage-declaration", str(bad), "--rollout-storage-profile", "gluster",
-                            "--rollout-lease-seconds", "0"])
+    problems = problems_of(["--rollout-storage-declaration", str(bad), "--rollout-storage-profile", "gluster"])
     assert f"--rollout-storage-declaration={str(bad)!r}: mount_path must be an absolute path, got 'relative'" \
         in problems
     assert any(p.startswith(f"--rollout-storage-declaration={str(bad)!r}: durability must be") for p in problems)
     assert "--rollout-storage-profile='gluster': must be one of local, local-unsynced, nfs, juicefs, cephfs, " \
         "lustre" in problems
-    assert "--rollout-lease-seconds=0.0: must be > 0" in problems
     assert problems_of(["--rollout-storage-declaration", str(tmp_path / "none.json")]) == [
         f"--rollout-storage-declaration={str(tmp_path / 'none.json')!r}: file not found"]
 
