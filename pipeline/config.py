@@ -619,6 +619,17 @@ class _Loader:
         if external and e["hf_checkpoint"] is None:
             self.warnings.append("external engines without --hf-checkpoint: the trainer builds the tiny "
                                  "model, which must be the model those engines serve")
+        # Accepted so slime scripts load and so the seed's forbidden combinations can be named,
+        # but not run by this pipeline yet: say so instead of ignoring them in silence.
+        if r["mode"] == "sync" and r["eval_interval"] is not None:
+            self.warnings.append(f"{self.show('rollout', 'eval_interval')}: inline evaluation is not built yet; "
+                                 "evaluate the saved weights (weights/vN) separately")
+        for name in ("rollout_all_samples_process_path", "buffer_filter_path"):
+            if d[name] and not (name == "rollout_all_samples_process_path" and r["mode"] == "async") and not (
+                name == "buffer_filter_path" and s["transport"] == "lmdb"
+            ):
+                self.warnings.append(f"{self.show('data', name)}: resolved, but this pipeline does not call it "
+                                     "(partial groups are served oldest version first by the store)")
         if not external and e["host"] not in ("127.0.0.1", "localhost", "::1"):
             self.warnings.append(f"{self.show('engine', 'host')}: built-in engines will accept connections "
                                  "from the network")

@@ -453,3 +453,11 @@ def test_gc_keep_steps_flag():
     assert load_config(["--rollout-gc-keep-steps", "2"]).storage.gc_keep_steps == 2
     assert load_config(["--rollout-gc-keep-steps", "0"]).storage.gc_keep_steps == 0
     assert any("--rollout-gc-keep-steps" in p for p in problems_of(["--rollout-gc-keep-steps", "-1"]))
+
+
+def test_slime_flags_this_pipeline_does_not_run_are_warned_about_not_ignored():
+    config = load_config(["--eval-interval", "5", "--buffer-filter-path", "stages.filter:reward_std_nonzero",
+                          "--rollout-all-samples-process-path", "stages.filter:reward_std_nonzero"])
+    text = "\n".join(config.warnings)
+    assert "--eval-interval=5: inline evaluation is not built yet" in text
+    assert "--buffer-filter-path=" in text and "--rollout-all-samples-process-path=" in text
