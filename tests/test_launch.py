@@ -86,3 +86,17 @@ def test_async_mode_learns_and_reports_staleness(tmp_path):
     # generation ran ahead of training: some groups were trained versions after they started
     assert max(r["staleness/max"] for r in records) >= 1
     assert any(r["staleness/multi_version_frac"] > 0 for r in records)
+
+
+def short_answer_reward(task, sample):
+    """A user reward: 1 for an answer that stops within the label's length."""
+    return float(sample.status.value == "completed" and sample.response_len <= int(task.label))
+
+
+def test_bring_your_own_prompts_and_reward(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"answer in {n} letters:", "label": n}) + "\n" for n in range(1, 9)))
+    records = run(tmp_path, "--num-rollout", "3", "--prompt-data", str(prompts),
+                  "--custom-rm-path", "tests.test_launch:short_answer_reward", "--rollout-batch-size", "4")
+    assert len(records) == 3
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
