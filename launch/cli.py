@@ -26,7 +26,7 @@ from pipeline.clock import VersionClock
 from pipeline.config import Config, load_config
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.metrics import MetricsSink
 from stages.sglang_client import EngineFleet
 from storage import AsyncStore
@@ -81,7 +81,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         # The engines must report the clock's version before the first request: a fresh engine
         # says "default" or "0"; a resumed run loads the weights of the last finished step.
         if state.weights is None:
-            await engines.update_weight_version(str(clock.version))
+            await align_weight_versions(engines, clock.version)
         else:
             await engines.update_weights_from_disk(str(state.weights), weight_version=str(clock.version))
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
@@ -153,6 +153,26 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
         elif not isinstance(exc, (asyncio.CancelledError, anyio.BrokenResourceError, anyio.ClosedResourceError)):
             out.append(exc)
     return out
+
+
+async def align_weight_versions(engines: EngineFleet, version: int) -> None:
+    """Make every engine report `version` before the first request (a fresh SGLang says "default").
+
+    Engines that already do are left alone; an engine too old for `/update_weight_version` is
+    named, with the launch flag that fixes it.
+    """
+    reported = await engines.weight_versions()
+    if all(v == str(version) for v in reported.values()):
+        return
+    try:
+        await engines.update_weight_version(str(version))
+    except EngineError as exc:
+        if exc.status != 404:
+            raise
+        raise EngineError(
+            exc.url, f"reports weight_version {reported} and has no /update_weight_version; "
+            f"start it with --weight-version {version}", status=404,
+        ) from exc
 
 
 def _plan(config: Config) -> RolloutPlan:
