@@ -100,6 +100,7 @@ def open_run_state(config: Config) -> RunState:
             tis_cap=t.tis_clip if t.use_tis else None,
             mask_offpolicy_in_partial_rollout=config.rollout.mask_offpolicy_in_partial_rollout,
             temperature=config.rollout.temperature, max_grad_norm=t.max_grad_norm, seed=config.rollout.seed,
+            device=t.device,
         )
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)

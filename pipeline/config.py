@@ -206,6 +206,9 @@ class TrainerConfig:
     use_tis: bool = _opt(True, "--use-tis", "bool", help="truncated importance sampling")
     tis_clip: float = _opt(2.0, "--tis-clip", "float", gt=0, help="TIS ratio cap")
     max_grad_norm: float = _opt(1.0, "--clip-grad", "float", gt=0, help="gradient norm clip")
+    device: str = _opt(
+        "cpu", "--trainer-device", "str",
+        help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,6 +484,8 @@ class _Loader:
             problem(f"{self.show('data', 'buffer_filter_path')} with --rollout-data-transport=lmdb: the LMDB "
                     "store has its own durable ordering (complete, then partial, then new; oldest first)")
 
+        if self.ok("trainer", "device") and self.values["trainer"]["device"] != "cpu":
+            self._device_rule(self.values["trainer"]["device"])  # imports torch: only when it matters
         self._data_rules()
         self._engine_rules()
         self._storage_rules()
@@ -590,6 +595,24 @@ class _Loader:
             e["num_engines"] = len(e["urls"])
         if t["eps_clip_high"] is None and self.ok("trainer", "eps_clip"):
             t["eps_clip_high"] = t["eps_clip"]
+
+    def _device_rule(self, device: str) -> None:
+        import torch
+
+        shown = self.show("trainer", "device")
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, ValueError) as exc:
+            self.problems.append(f"{shown}: not a torch device ({exc})")
+            return
+        if parsed.type == "cuda":
+            count = torch.cuda.device_count()
+            if count == 0:
+                self.problems.append(f"{shown}: torch sees no GPU here (a CPU build of torch, or no driver)")
+            elif parsed.index is not None and parsed.index >= count:
+                self.problems.append(f"{shown}: torch sees {count} GPU(s), numbered from 0")
+        elif parsed.type != "cpu":
+            self.problems.append(f"{shown}: the built-in trainer runs on cpu or cuda (ROCm included)")
 
     def warn(self) -> None:
         r, d, e, s = (self.values[k] for k in ("rollout", "data", "engine", "storage"))

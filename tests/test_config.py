@@ -461,3 +461,14 @@ def test_slime_flags_this_pipeline_does_not_run_are_warned_about_not_ignored():
     text = "\n".join(config.warnings)
     assert "--eval-interval=5: inline evaluation is not built yet" in text
     assert "--buffer-filter-path=" in text and "--rollout-all-samples-process-path=" in text
+
+
+def test_trainer_device_is_checked_against_what_torch_sees():
+    assert load_config([]).trainer.device == "cpu"
+    problems = problems_of(["--trainer-device", "tpu"])
+    assert len(problems) == 1 and problems[0].startswith("--trainer-device='tpu': not a torch device")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert problems_of(["--trainer-device", "cuda"]) == [
+            "--trainer-device='cuda': torch sees no GPU here (a CPU build of torch, or no driver)"]

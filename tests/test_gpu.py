@@ -1,0 +1,48 @@
+"""Opt-in GPU checks: `pytest -m gpu` on a machine with a CUDA or ROCm build of torch.
+
+The default run skips them (tests/conftest.py); CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeline.types import Batch, FinishReason, Group, Sample, Segment
+from stages.tiny_model import EOS_ID, make_model_folder
+from stages.toy_task import encode, toy_dataset
+
+pytestmark = pytest.mark.gpu
+
+
+def one_step(model, device: str) -> dict[str, float]:
+    """One GRPO step on a fixed batch whose behaviour log-probs are the CPU trainer's own."""
+    from stages.grpo_trainer import GRPOTrainer
+
+    reference, trainer = GRPOTrainer(model, device="cpu"), GRPOTrainer(model, device=device)
+    groups = []
+    for g, task in enumerate(toy_dataset(2, seed=0)):
+        tokens = [encode(a) + (EOS_ID,) for a in ("b", "bb", "xyz", "")]
+        blank = [Sample(index=i, prompt_ids=task.prompt_ids) for i in range(len(tokens))]
+        drafts = [s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
+                  for s, t in zip(blank, tokens)]
+        behaviour = reference.logprobs(drafts)
+        samples = [
+            dataclasses.replace(s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16),
+                                reward=float(i))
+            for i, (s, t, lp) in enumerate(zip(blank, tokens, behaviour))
+        ]
+        groups.append(Group.fresh(task, epoch=0, n_samples=4, version=0, seq=g).with_samples(samples))
+    return dict(trainer.train_step(Batch(0, tuple(groups))))
+
+
+def test_a_training_step_on_the_gpu_matches_the_cpu(tmp_path):
+    import torch
+
+    assert torch.cuda.is_available(), "torch sees no GPU"
+    model = make_model_folder(tmp_path / "m")
+    on_cpu, on_gpu = one_step(model, "cpu"), one_step(model, "cuda")
+    assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], abs=1e-4)
+    assert on_gpu["grad_norm"] == pytest.approx(on_cpu["grad_norm"], rel=1e-3)
+    assert on_gpu["train_rollout_logprob_abs_diff"] < 1e-4
