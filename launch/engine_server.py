@@ -354,7 +354,6 @@ class EngineServer:
         return web.Response(status=503)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        config = self.core.runner.config
         return _json(
             {
                 "model_path": self.core.model_path,
@@ -364,10 +363,17 @@ class EngineServer:
                 "weight_version": self.core.weight_version,
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                "model_type": getattr(config, "model_type", None),
-                "architectures": getattr(config, "architectures", None),
+                **self.model_identity(),
             }
         )
+
+    def model_identity(self) -> dict[str, Any]:
+        """`model_type` and `architectures` as `/model_info` reports them."""
+        config = self.core.runner.config
+        return {
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return _json({"weight_version": self.core.weight_version})
@@ -382,8 +388,6 @@ class EngineServer:
                 "served_model_name": self.served_model_name,
                 "host": self.host,
                 "port": self.port,
-                "device": "cpu",
-                "dtype": str(runner.model.dtype).removeprefix("torch."),
                 "tp_size": 1,
                 "dp_size": 1,
                 "pp_size": 1,
@@ -394,7 +398,6 @@ class EngineServer:
                 "disaggregation_bootstrap_port": None,
                 "encoder_only": False,
                 "skip_tokenizer_init": False,
-                "disable_radix_cache": True,
                 "context_length": runner.context_length,
                 "max_running_requests": c.max_running_requests,
                 "max_total_num_tokens": runner.context_length * c.max_running_requests,
@@ -405,32 +408,51 @@ class EngineServer:
                 "incremental_streaming_output": False,
                 "internal_states": [asdict(c.statistics())],
                 "version": ENGINE_VERSION,
+                **self.server_details(),
             }
         )
 
+    def server_details(self) -> dict[str, Any]:
+        """What this kind of engine adds to, or changes in, `/server_info` (device, dtype, ...)."""
+        return {
+            "device": "cpu",
+            "dtype": str(self.core.runner.model.dtype).removeprefix("torch."),
+            "disable_radix_cache": True,
+        }
+
     async def loads(self, request: web.Request) -> web.Response:
         c = self.core
+        total = c.runner.context_length * c.max_running_requests
+        used = self.used_tokens()
+        accelerator, count = self.accelerator()
         return _json(
             {
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "version": ENGINE_VERSION,
-                "accelerator": "cpu",
-                "num_accelerators": 0,
+                "accelerator": accelerator,
+                "num_accelerators": count,
                 "loads": [
                     {
                         "dp_rank": 0,
                         "timestamp": time.time(),
                         "num_running_reqs": c.num_running,
                         "num_waiting_reqs": c.num_waiting,
-                        "num_used_tokens": 0,
-                        "num_total_tokens": c.runner.context_length * c.max_running_requests,
-                        "max_total_num_tokens": c.runner.context_length * c.max_running_requests,
-                        "token_usage": 0.0,
+                        "num_used_tokens": used,
+                        "num_total_tokens": total,
+                        "max_total_num_tokens": total,
+                        "token_usage": used / total,
                         "gen_throughput": 0.0,
                     }
                 ],
             }
         )
+
+    def accelerator(self) -> tuple[str, int]:
+        return "cpu", 0
+
+    def used_tokens(self) -> int:
+        """KV-cache tokens in use; this engine keeps no KV cache."""
+        return 0
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.served_model_name

@@ -38,7 +38,6 @@ import argparse
 import functools
 import logging
 import sys
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -367,86 +366,23 @@ class SimServer(EngineServer):
         c.flush_cache()
         return web.Response(status=200, text=_FLUSHED)
 
-    async def model_info(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "model_path": self.core.model_path,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.core.weight_version,
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": "simulated",
-                "architectures": ["SimulatedForCausalLM"],
-            }
-        )
+    def model_identity(self) -> dict[str, Any]:
+        return {"model_type": "simulated", "architectures": ["SimulatedForCausalLM"]}
 
-    async def server_info(self, request: web.Request) -> web.Response:
-        c, model = self.core, self.core.runner
-        return _json(
-            {
-                "model_path": c.model_path,
-                "tokenizer_path": self.tokenizer_path,
-                "served_model_name": self.served_model_name,
-                "host": self.host,
-                "port": self.port,
-                "device": "simulated",
-                "dtype": "bfloat16",
-                "tp_size": 1,
-                "dp_size": 1,
-                "pp_size": 1,
-                "ep_size": 1,
-                "nnodes": 1,
-                "node_rank": 0,
-                "disaggregation_mode": "null",
-                "disaggregation_bootstrap_port": None,
-                "encoder_only": False,
-                "skip_tokenizer_init": False,
-                "disable_radix_cache": c._prefix_entries == 0,
-                "context_length": model.context_length,
-                "max_running_requests": c.max_running_requests,
-                "max_total_num_tokens": model.context_length * c.max_running_requests,
-                "max_req_input_len": model.context_length - 1,
-                "random_seed": self.random_seed,
-                "weight_version": c.weight_version,
-                "stream_interval": 1,
-                "incremental_streaming_output": False,
-                "internal_states": [asdict(c.statistics())],
-                "sim": {
-                    "time_model": asdict(c.timing),
-                    "length_model": asdict(c.lengths),
-                    "time_scale": c.clock.time_scale,
-                },
-                "version": ENGINE_VERSION,
-            }
-        )
-
-    async def loads(self, request: web.Request) -> web.Response:
+    def server_details(self) -> dict[str, Any]:
         c = self.core
-        total = c.runner.context_length * c.max_running_requests
-        used = c.context_tokens()
-        return _json(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "version": ENGINE_VERSION,
-                "accelerator": "simulated",
-                "num_accelerators": 1,
-                "loads": [
-                    {
-                        "dp_rank": 0,
-                        "timestamp": time.time(),
-                        "num_running_reqs": c.num_running,
-                        "num_waiting_reqs": c.num_waiting,
-                        "num_used_tokens": used,
-                        "num_total_tokens": total,
-                        "max_total_num_tokens": total,
-                        "token_usage": used / total,
-                        "gen_throughput": 0.0,
-                    }
-                ],
-            }
-        )
+        return {
+            "device": "simulated",
+            "dtype": "bfloat16",
+            "disable_radix_cache": c._prefix_entries == 0,
+            "sim": {"time_model": asdict(c.timing), "length_model": asdict(c.lengths), "time_scale": c.clock.time_scale},
+        }
+
+    def accelerator(self) -> tuple[str, int]:
+        return "simulated", 1
+
+    def used_tokens(self) -> int:
+        return self.core.context_tokens()
 
 
 # ---- running it ----------------------------------------------------------------------------------------
