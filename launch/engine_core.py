@@ -399,8 +399,21 @@ class EngineCore:
         return list(self._running)
 
     async def _step(self, batch: list[Request]) -> None:
-        rows = [self._row(req) for req in batch]
+        """One forward for `batch`, with the bookkeeping every engine shares around it: waiters
+        on `wait_step` wake afterwards, and a retract pause takes effect between forwards."""
         self._stepping = True
+        try:
+            await self._forward(batch)
+        finally:
+            self._stepping = False
+            stepped, self._stepped = self._stepped, anyio.Event()
+            stepped.set()
+        if self._pause is PauseMode.RETRACT:
+            self._retract_running()
+
+    async def _forward(self, batch: list[Request]) -> None:
+        """Decode one token for every request of `batch` (the simulated engine replaces this)."""
+        rows = [self._row(req) for req in batch]
         try:
             draws = await anyio.to_thread.run_sync(self.runner.step, rows, limiter=self._lane)
         except Exception as exc:  # a failed forward ends its batch, not the server
@@ -409,16 +422,10 @@ class EngineCore:
                 if req._state is _State.RUNNING:
                     self._running.remove(req)
                     self._finish(req, Finish(FinishKind.ERROR, message=f"{type(exc).__name__}: {exc}"))
-        else:
-            self._apply(batch, draws)
-            self._steps += 1
-            self._max_batch = max(self._max_batch, len(batch))
-        finally:
-            self._stepping = False
-            stepped, self._stepped = self._stepped, anyio.Event()
-            stepped.set()
-        if self._pause is PauseMode.RETRACT:
-            self._retract_running()
+            return
+        self._apply(batch, draws)
+        self._steps += 1
+        self._max_batch = max(self._max_batch, len(batch))
 
     def _row(self, req: Request) -> Row:
         p = req.params

@@ -50,7 +50,7 @@ import anyio
 from aiohttp import web
 from anyio.abc import TaskStatus
 
-from launch.engine_core import EngineCore, PauseMode, Request
+from launch.engine_core import EngineCore, Request
 from launch.engine_model import Draw, WeightLoadError
 from launch.engine_server import _HTTP2_PROBE_FILTER, EngineServer, _cancel_on_signal, _json, _leaves, running
 from launch.sim_model import EOS_ID, DecodeTimeModel, LengthModel, SimTokenizer, sim_logprob, sim_token
@@ -191,37 +191,31 @@ class SimCore(EngineCore):
 
     # ---- the forward -------------------------------------------------------------------------------
 
-    async def _step(self, batch: list[Request]) -> None:
-        self._stepping = True
-        try:
-            async with self._lane:  # weight updates land between forwards
-                fresh = [r for r in batch if id(r) not in self._kv]
-                if fresh:  # SGLang runs a waiting prefill before the next decode step
-                    work, tokens = fresh, sum(self._prefill(r) for r in fresh)
-                    seconds = self.timing.prefill_time(tokens)
-                    self._prefill_s += seconds
-                    self._prefill_batches += 1
-                    self._prefill_tokens += tokens
-                else:
-                    work = batch
-                    context = sum(len(r.prompt_ids) + len(r.output_ids) for r in batch)
-                    seconds = self.timing.decode_time(len(batch), context)
-                    self._decode_s += seconds
-                    self._decode_steps += 1
-                await self.clock.spend(seconds)
-            self._busy += seconds
-            self._rrs += seconds * len(batch)
-            running = {id(r) for r in self._running}
-            alive = [r for r in work if id(r) in running]  # aborts during the forward drop their token
-            self._apply(alive, [self._draw(r) for r in alive])
-            self._steps += 1
-            self._max_batch = max(self._max_batch, len(batch))
-        finally:
-            self._stepping = False
-            stepped, self._stepped = self._stepped, anyio.Event()
-            stepped.set()
-        if self._pause is PauseMode.RETRACT:
-            self._retract_running()
+    async def _forward(self, batch: list[Request]) -> None:
+        """A prefill if any request lacks its KV cache, else one decode step, each charged the
+        time the model says; then every request still running gets its token."""
+        async with self._lane:  # weight updates land between forwards
+            fresh = [r for r in batch if id(r) not in self._kv]
+            if fresh:  # SGLang runs a waiting prefill before the next decode step
+                work, tokens = fresh, sum(self._prefill(r) for r in fresh)
+                seconds = self.timing.prefill_time(tokens)
+                self._prefill_s += seconds
+                self._prefill_batches += 1
+                self._prefill_tokens += tokens
+            else:
+                work = batch
+                context = sum(len(r.prompt_ids) + len(r.output_ids) for r in batch)
+                seconds = self.timing.decode_time(len(batch), context)
+                self._decode_s += seconds
+                self._decode_steps += 1
+            await self.clock.spend(seconds)
+        self._busy += seconds
+        self._rrs += seconds * len(batch)
+        running = {id(r) for r in self._running}
+        alive = [r for r in work if id(r) in running]  # aborts during the forward drop their token
+        self._apply(alive, [self._draw(r) for r in alive])
+        self._steps += 1
+        self._max_batch = max(self._max_batch, len(batch))
 
     def _prefill(self, req: Request) -> int:
         """Give `req` its KV cache and its plan; return the tokens the prefill computes for it."""
