@@ -35,7 +35,8 @@ _LOG_TAIL_CHARS = 4000
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now (another process could still take it before we do)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

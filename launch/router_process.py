@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import anyio
 import anyio.abc
 import orjson
 
+from launch.engine_process import free_port
 from launch.orphan_guard import guarded
 from pipeline.errors import EngineError, EngineUnavailableError
 
@@ -108,14 +108,6 @@ class RouterProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (another process could still take it first)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 async def start_router(
