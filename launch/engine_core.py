@@ -32,6 +32,7 @@ from anyio.abc import TaskStatus
 
 from launch.engine_model import Draw, ModelRunner, Row, SamplingParams
 from pipeline.errors import PipelineError
+from pipeline.types import PauseMode  # re-exported: engine_server imports it from here
 
 __all__ = [
     "CoreStatistics",
@@ -57,12 +58,6 @@ class InvalidRequestError(PipelineError):
 
 class EngineClosedError(PipelineError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
-
-
-class PauseMode(enum.StrEnum):
-    ABORT = "abort"  # abort everything in flight
-    RETRACT = "retract"  # move running requests back to the waiting queue, keep their tokens
-    IN_PLACE = "in_place"  # keep running requests where they are, just stop stepping
 
 
 class FinishKind(enum.StrEnum):

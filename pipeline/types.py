@@ -21,10 +21,13 @@ __all__ = [
     "Batch",
     "FinishReason",
     "Group",
+    "PauseMode",
     "PromptTask",
+    "RolloutMode",
     "Sample",
     "SampleStatus",
     "Segment",
+    "StoreTransport",
     "VersionSpan",
     "group_id_for",
 ]
@@ -259,3 +262,31 @@ class Batch:
     @property
     def samples(self) -> list[Sample]:
         return [s for g in self.groups for s in g.samples]
+
+
+# --- modes: the run's decisions, one spelling each ------------------------------------------
+# StrEnums, unlike the enums above, because each value is also a flag value, a TOML string and a
+# wire value (SGLang's `/pause_generation` body): `PauseMode.RETRACT == "retract"` holds, so a
+# value read back from JSON (run metadata, an HTTP body) compares equal without conversion.
+
+
+class RolloutMode(enum.StrEnum):
+    """When a batch goes to training (`--rollout-mode`)."""
+
+    SYNC = "sync"  # after the round that made it; generation waits for training
+    ASYNC = "async"  # producers keep generating across training steps
+
+
+class PauseMode(enum.StrEnum):
+    """How engines pause for a weight publish (`--pause-mode`, SGLang's `/pause_generation` mode)."""
+
+    ABORT = "abort"  # abort everything in flight; requests come back partial
+    RETRACT = "retract"  # move running requests back to the waiting queue, keep their tokens
+    IN_PLACE = "in_place"  # keep running requests where they are, just stop stepping
+
+
+class StoreTransport(enum.StrEnum):
+    """Where rollout state lives (`--rollout-data-transport`)."""
+
+    MEMORY = "memory"  # lost on exit
+    LMDB = "lmdb"  # durable: tasks, partial and ready groups, batches, cursor

@@ -27,13 +27,12 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.clock import VersionClock
-from pipeline.events import EventLog
 from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment
 from stages.admission import Admission, Outcome
 from storage import AsyncStore
 
-__all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics"]
+__all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics", "RequestLog"]
 
 # How long a stop waits for aborted requests to come back before it aborts again. A request that
 # was on the wire while the first abort ran reaches the engine after it, and needs a second one.
@@ -53,6 +52,18 @@ class GenerateEngine(Protocol):
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> Any: ...
 
     async def abort_all(self) -> None: ...
+
+
+class RequestLog(Protocol):
+    """Where the pool records each request's span for the timeline (the run's `pipeline.events.EventLog`).
+
+    A Protocol, passed in by the controller, so that this stage does not import `pipeline.events`:
+    imports point down (launch -> pipeline -> stages -> storage), never back up.
+    """
+
+    def since(self, perf_counter_time: float) -> float: ...
+
+    def record(self, kind: str, **fields: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +91,7 @@ class GeneratorPool:
         store: AsyncStore,
         admission: Admission,
         seed: int = 0,
-        events: EventLog | None = None,
+        events: RequestLog | None = None,
     ) -> None:
         self._engine = engine
         self._slots = anyio.Semaphore(slots)

@@ -18,6 +18,7 @@ import anyio
 
 from pipeline.clock import VersionClock
 from pipeline.errors import EngineError, PublishError
+from pipeline.types import PauseMode
 
 __all__ = ["PublishReport", "WeightTarget", "publish_weights"]
 
@@ -27,7 +28,7 @@ CONTINUE_DEADLINE = 30.0
 class WeightTarget(Protocol):
     """The engine-side operations a publish needs (an `EngineFleet`)."""
 
-    async def pause(self, mode: str) -> None: ...
+    async def pause(self, mode: PauseMode) -> None: ...
     async def continue_generation(self) -> None: ...
     async def flush_cache(self, deadline: float) -> None: ...
     async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None: ...
@@ -41,14 +42,14 @@ class PublishReport:
 
 
 async def publish_weights(
-    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: str, flush_deadline: float = 10.0
+    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0
 ) -> PublishReport:
     started = time.perf_counter()
     update_seconds = 0.0
     with clock.publish() as version:
         try:
             await engines.pause(pause_mode)
-            if pause_mode == "abort":
+            if pause_mode == PauseMode.ABORT:
                 # Only abort empties the engines: retract keeps requests waiting and in_place keeps
                 # them running, and SGLang refuses to flush then. The engines flush after a disk
                 # update anyway; this frees the KV cache early, so a busy engine is no failure.

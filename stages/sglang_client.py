@@ -29,7 +29,7 @@ import anyio
 import orjson
 
 from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import FinishReason, Segment
+from pipeline.types import FinishReason, PauseMode, Segment
 
 __all__ = [
     "PAUSE_MODES",
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # What `/pause_generation` accepts (SGLang >= 0.5.6; older servers ignore the body and abort).
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = tuple(PauseMode)
 
 # Connections kept free for control calls on top of the generation concurrency. Without them a
 # pool saturated by `/generate` requests would queue the very `/abort_request` that frees it.
@@ -379,11 +379,11 @@ class EngineClient:
         """Abort every request; each in-flight `/generate` returns its partial output."""
         await self._control("POST", "/abort_request", {"abort_all": True})
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: PauseMode | str) -> None:
         """Stop generation. `abort` returns in-flight requests partial; `retract` and `in_place`
         keep them inside the engine. New requests wait in the engine until `continue_generation`."""
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ValueError(f"pause mode must be one of {[str(m) for m in PAUSE_MODES]}, got {mode!r}")
         await self._control("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
@@ -673,9 +673,9 @@ class EngineFleet:
     async def abort_all(self) -> None:
         await self._fan_out("abort_all", lambda w: w.abort_all())
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: PauseMode | str) -> None:
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ValueError(f"pause mode must be one of {[str(m) for m in PAUSE_MODES]}, got {mode!r}")
         await self._fan_out("pause", lambda w: w.pause(mode))
 
     async def continue_generation(self) -> None:

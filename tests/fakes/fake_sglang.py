@@ -35,12 +35,14 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from pipeline.types import PauseMode
+
 __all__ = ["FakeRequest", "FakeSGLang", "TokenFn", "default_token_fn", "detokenize"]
 
 # (context = prompt + tokens so far, sampling seed) -> next token id
 TokenFn = Callable[[Sequence[int], int], int]
 
-_PAUSE_MODES = ("abort", "retract", "in_place")
+_PAUSE_MODES = tuple(PauseMode)  # the one spelling, pipeline.types
 _CACHE_ENTRIES = 256
 
 
