@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import math
 import statistics
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -119,11 +118,15 @@ async def _garbage_collector(
     its groups may go. The callback is synchronous; it hands the step to a task that calls the
     store through `AsyncStore` (whose one worker thread keeps the store single-writer), in order.
     Leaving the block waits for the last collection.
+
+    The hand-over holds one request. That bound loses nothing: `collect_garbage(up_to)` collects
+    every step up to `up_to`, so a newer request covers a waiting older one, which is dropped
+    instead of blocking the (synchronous) step callback or queueing without bound.
     """
     if keep_steps is None:
         yield on_step
         return
-    send, receive = anyio.create_memory_object_stream[int](math.inf)
+    send, receive = anyio.create_memory_object_stream[int](1)
 
     async def collect() -> None:
         async with receive:
@@ -134,7 +137,11 @@ async def _garbage_collector(
     def step_done(record: dict[str, Any]) -> None:
         on_step(record)
         if (up_to := record["step"] - keep_steps) >= 0:
-            send.send_nowait(up_to)
+            try:
+                send.send_nowait(up_to)
+            except anyio.WouldBlock:
+                receive.receive_nowait()  # the waiting, older request: `up_to` covers it
+                send.send_nowait(up_to)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(collect)

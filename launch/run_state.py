@@ -32,9 +32,9 @@ import lmdb
 import orjson
 import structlog
 
-from pipeline.config import Config, config_to_dict
+from pipeline.config import Config, config_to_dict, trainer_options
 from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
-from pipeline.types import Group, PromptTask
+from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
 from storage import Cursor, RunMeta, Store, check_storage, load_declaration, open_store
 from storage import codec, keys
@@ -80,7 +80,7 @@ def open_run_state(config: Config) -> RunState:
 
     meta = _run_meta(config, dataset, model_path)
     _remove_unfinished_saves(out / "weights")
-    if config.storage.transport == "lmdb":
+    if config.storage.transport is StoreTransport.LMDB:
         store = _open_lmdb(config, meta, out / "weights")
     else:
         store = open_store(config.storage.transport, None)
@@ -91,17 +91,10 @@ def open_run_state(config: Config) -> RunState:
     if weights is not None and not (weights / "config.json").exists():
         store.close()
         raise StoreError(f"the store says step {trained} was trained, but its weights {weights} are missing")
-    t = config.trainer
     start_from = weights or model_path
 
     def make_trainer() -> GRPOTrainer:
-        return GRPOTrainer(
-            start_from, lr=t.lr, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
-            tis_cap=t.tis_clip if t.use_tis else None,
-            mask_offpolicy_in_partial_rollout=config.rollout.mask_offpolicy_in_partial_rollout,
-            temperature=config.rollout.temperature, max_grad_norm=t.max_grad_norm, seed=config.rollout.seed,
-            device=t.device,
-        )
+        return GRPOTrainer(start_from, **trainer_options(config.trainer, config.rollout))
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +30,7 @@ from anyio.abc import TaskStatus
 from pipeline.clock import VersionClock
 from pipeline.events import EventLog
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
-from pipeline.types import Batch, PromptTask
+from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission, Outcome
 from stages.collector import Collector
 from stages.dispenser import Dispenser
@@ -59,9 +59,13 @@ class Engines(GenerateEngine, WeightTarget, Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RolloutPlan:
-    """The rollout decisions, as plain values."""
+    """The rollout decisions, as plain values.
 
-    mode: str  # "sync" | "async"
+    `mode` and `pause_mode` take the enums; their string values ("async", "retract") are accepted
+    and converted, so plans written before the enums keep working, and a misspelling fails here.
+    """
+
+    mode: RolloutMode
     batch_size: int  # groups per training step
     n_samples: int
     num_steps: int
@@ -70,12 +74,21 @@ class RolloutPlan:
     fill_idle_slots: bool = True  # partial rollout: idle slots take one more group while the round waits
     prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
     max_staleness: int | None = None
-    pause_mode: str = "abort"
+    pause_mode: PauseMode = PauseMode.ABORT
     slots: int = 64  # concurrent sample requests over all engines (C x E)
     max_response_len: int = 64
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
     reward_timeout: float = 30.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, kind in (("mode", RolloutMode), ("pause_mode", PauseMode)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                if value not in tuple(kind):
+                    allowed = ", ".join(kind)
+                    raise ValueError(f"RolloutPlan {name}={value!r}: must be one of {allowed}")
+                object.__setattr__(self, name, kind(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,47 +113,25 @@ async def run_pipeline(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     events: EventLog | None = None,
 ) -> RunSummary:
+    """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
+
+    The story: build the stage graph, start it, then per step wait for a batch, train it, commit
+    it, publish the weights; at the end stop generating and store whatever is unfinished.
+    """
     clock = clock or VersionClock()
-    admission = Admission()
-    prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
-    # In sync mode admission alone bounds the ready set; the collector's bound matters in async.
-    capacity = plan.batch_size + prefetch if plan.mode == "async" else math.inf
-
-    times = GroupTimes()
-    dispenser = Dispenser(
-        store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission, on_admit=times.admitted
+    graph = _Graph.build(
+        plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
+        clock=clock, events=events,
     )
-    pool = GeneratorPool(
-        engines, slots=plan.slots, sampling_params=plan.sampling_params, max_response_len=plan.max_response_len,
-        clock=clock, store=store, admission=admission, seed=plan.seed, events=events,
-    )
-    reward = RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission)
-    gate = FilterStage(filter_fn, store=store, admission=admission)
-    collector = Collector(store=store, admission=admission, capacity=capacity, on_ready=times.ready)
-
-    # Small buffers: each stage hands over as soon as the next one can take, and backpressure
-    # travels upstream. The dispenser hands over with no buffer at all, so groups it has not yet
-    # handed over are still its own to place.
-    to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-    to_reward_send, to_reward = anyio.create_memory_object_stream(plan.batch_size)
-    to_filter_send, to_filter = anyio.create_memory_object_stream(plan.batch_size)
-    to_collect_send, to_collect = anyio.create_memory_object_stream(plan.batch_size)
+    admission, times, pool, gate, collector = graph.admission, graph.times, graph.pool, graph.gate, graph.collector
 
     start_step = await store.trained_step() + 1
-    async with anyio.create_task_group() as tg:
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_reward_send)
-        await tg.start(reward.run, to_reward, to_filter_send)
-        await tg.start(gate.run, to_filter, to_collect_send)
-        await tg.start(collector.run, to_collect)
-        training = _Training()
-        feeding = await tg.start(_feed_async, plan, admission, collector, training) if plan.mode == "async" else None
-
+    async with graph.running(plan) as training:
         run_started = time.perf_counter()
         for step in range(start_step, plan.num_steps):
             t_rollout = time.perf_counter()
             busy_before = pool.statistics().busy_slot_seconds
-            if plan.mode == "sync":
+            if plan.mode is RolloutMode.SYNC:
                 await _fill_sync(plan, admission, collector, pool, _span(events, "stop", step=step))
             else:
                 await collector.wait_ready(plan.batch_size)
@@ -195,18 +186,90 @@ async def run_pipeline(
                 on_step(record)
             log.debug("step", **{k: record[k] for k in ("step", "reward/mean", "staleness/max")})
 
-        # Leave nothing behind: running requests are aborted and their groups stored as partial,
-        # so the next run (or the next epoch of this one) continues them. The feeder stops first:
-        # it would otherwise re-admit each group the stop returns as partial, round and round.
-        # The collector takes every group that finishes meanwhile, full or not: no batch will make room.
+    return RunSummary(plan.num_steps - start_step, clock.version, metrics.records)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Graph:
+    """The stages of one run and the bookkeeping they share, wired but not yet started."""
+
+    admission: Admission
+    times: GroupTimes
+    dispenser: Dispenser
+    pool: GeneratorPool
+    reward: RewardStage
+    gate: FilterStage
+    collector: Collector
+
+    @classmethod
+    def build(
+        cls, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
+        reward_fn: RewardFn, filter_fn: Callable[..., Any] | None, clock: VersionClock, events: EventLog | None,
+    ) -> _Graph:
+        admission = Admission()
+        prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
+        # In sync mode admission alone bounds the ready set (a round grants exactly the groups its
+        # batch lacks, plus bounded refills); the collector's own bound matters only in async mode.
+        capacity = plan.batch_size + prefetch if plan.mode is RolloutMode.ASYNC else math.inf
+        times = GroupTimes()
+        return cls(
+            admission=admission,
+            times=times,
+            dispenser=Dispenser(
+                store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission, on_admit=times.admitted
+            ),
+            pool=GeneratorPool(
+                engines, slots=plan.slots, sampling_params=plan.sampling_params,
+                max_response_len=plan.max_response_len, clock=clock, store=store, admission=admission,
+                seed=plan.seed, events=events,
+            ),
+            reward=RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
+            gate=FilterStage(filter_fn, store=store, admission=admission),
+            collector=Collector(store=store, admission=admission, capacity=capacity, on_ready=times.ready),
+        )
+
+    @asynccontextmanager
+    async def running(self, plan: RolloutPlan) -> AsyncIterator[_Training]:
+        """The stages started in one task group; on a normal exit, stopped with nothing left behind.
+
+        Yields the training tracker that the step loop updates. An error in the block or in a
+        stage cancels the task group; what was in flight stays in the store for the next run.
+        """
+        # Small buffers: each stage hands over as soon as the next one can take, and backpressure
+        # travels upstream. The dispenser hands over with no buffer at all, so groups it has not yet
+        # handed over are still its own to place.
+        to_pool_send, to_pool = anyio.create_memory_object_stream[Group](0)
+        to_reward_send, to_reward = anyio.create_memory_object_stream[Group](plan.batch_size)
+        to_filter_send, to_filter = anyio.create_memory_object_stream[Group](plan.batch_size)
+        to_collect_send, to_collect = anyio.create_memory_object_stream[Group](plan.batch_size)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.dispenser.run, to_pool_send)
+            await tg.start(self.pool.run, to_pool, to_reward_send)
+            await tg.start(self.reward.run, to_reward, to_filter_send)
+            await tg.start(self.gate.run, to_filter, to_collect_send)
+            await tg.start(self.collector.run, to_collect)
+            training = _Training()
+            feeding = None
+            if plan.mode is RolloutMode.ASYNC:
+                feeding = await tg.start(_feed_async, plan, self.admission, self.collector, training)
+            yield training
+            await self._leave_nothing_behind(feeding)
+            tg.cancel_scope.cancel()
+
+    async def _leave_nothing_behind(self, feeding: anyio.CancelScope | None) -> None:
+        """Running requests are aborted and their groups stored as partial, so the next run (or the
+        next epoch of this one) continues them.
+
+        The feeder stops first: it would otherwise re-admit each group the stop returns as partial,
+        round and round. The collector takes every group that finishes meanwhile, full or not: no
+        batch will make room.
+        """
         if feeding is not None:
             feeding.cancel()
-        collector.unbound()
-        admission.revoke()
-        await pool.stop()
-        await admission.wait_settled()
-        tg.cancel_scope.cancel()
-    return RunSummary(plan.num_steps - start_step, clock.version, metrics.records)
+        self.collector.unbound()
+        self.admission.revoke()
+        await self.pool.stop()
+        await self.admission.wait_settled()
 
 
 def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import RolloutConfig, TrainerConfig, section_from_dict, trainer_options
 from pipeline.errors import PipelineError, ReplayError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
@@ -175,16 +176,16 @@ def replay_training(
     missing = [s for s in steps if store.batch(s) is None]
     if missing:
         raise ReplayError(f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})")
+    # The run's own settings, as its config recorded them; what an older run did not record takes
+    # the schema's default, the same default the launcher used.
     config = (meta.extra.get("config", {}) if (meta := store.read_meta()) else {})
-    t, r = config.get("trainer", {}), config.get("rollout", {})
-    trainer = GRPOTrainer(
-        model_dir,
-        lr=t.get("lr", 5e-3), eps_clip=t.get("eps_clip", 0.2), eps_clip_high=t.get("eps_clip_high"),
-        tis_cap=t.get("tis_clip", 2.0) if t.get("use_tis", True) else None,
-        mask_offpolicy_in_partial_rollout=r.get("mask_offpolicy_in_partial_rollout", False),
-        temperature=r.get("temperature", 1.0), max_grad_norm=t.get("max_grad_norm", 1.0),
-        seed=r.get("seed", 42) if seed is None else seed, num_threads=1,
+    options = trainer_options(
+        section_from_dict(TrainerConfig, config.get("trainer", {})),
+        section_from_dict(RolloutConfig, config.get("rollout", {})),
     )
+    # Replay checks a run on whatever machine it is read on: the CPU, whatever device trained it.
+    options.update(device="cpu", num_threads=1, **({} if seed is None else {"seed": seed}))
+    trainer = GRPOTrainer(model_dir, **options)
     for step in steps:
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches

@@ -1,0 +1,164 @@
+"""`load_config`: parse, check, then the one step that touches the outside world, then freeze.
+
+    read flags and TOML  ->  bounds and rules  ->  load step  ->  derived defaults  ->  Config
+                               (pure)               (files, torch, plugins, URLs)
+
+The load step (`load_step`) is the only part of loading that reads files (the JSONL prompt file,
+the model folder, the storage declaration), imports heavy or user modules (torch, the
+`module:function` plugins) or rewrites a value (engine URLs lose their trailing slash). Its
+problems join those of the other steps, so the user still gets one `ConfigError` listing them all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+
+from pipeline.config.draft import Draft
+from pipeline.config.parsing import read_argv, read_toml
+from pipeline.config.rules import check_bounds, check_rules, derive_defaults, url_problem, warn_odd_settings
+from pipeline.config.schema import Config, DataConfig
+from pipeline.errors import ConfigError, PluginError
+from pipeline.plugins import resolve_function
+from storage.declaration import load_declaration
+
+__all__ = ["load_config", "load_step"]
+
+
+def load_config(argv: Sequence[str] | None = None, *, toml_path: str | Path | None = None) -> Config:
+    """Read flags (and the TOML file they or `toml_path` name), check everything, return the tree.
+
+    Precedence: defaults < TOML file < flags. `--config` in argv replaces `toml_path`, which is
+    the file a caller (a launcher with a default file) proposes. argv=None reads sys.argv[1:].
+    Raises ConfigError listing every problem; `Config.warnings` lists settings that are legal but
+    probably unintended. `--help` prints the help and exits, as command lines do.
+    """
+    draft = Draft()
+    config_file = read_argv(draft, sys.argv[1:] if argv is None else argv)
+    if config_file is None and toml_path is not None:
+        config_file = Path(toml_path)
+    if config_file is not None:
+        read_toml(draft, config_file)
+    check_bounds(draft)
+    check_rules(draft)
+    load_step(draft)
+    derive_defaults(draft)
+    if draft.problems:
+        raise ConfigError(draft.problems)
+    warn_odd_settings(draft)
+    return draft.build()
+
+
+def load_step(draft: Draft) -> None:
+    """Everything that reads files, imports modules or rewrites values, each problem recorded.
+
+    Values that did not convert are skipped (already reported); each check runs even when others
+    failed, so that one run of the command shows every problem.
+    """
+    _normalize_urls(draft)
+    _check_model_folder(draft)
+    device = draft.get("trainer", "device")
+    if device is not None and device != "cpu":
+        _check_device(draft, device)  # imports torch: only when it matters
+    _check_prompt_file(draft)
+    declaration = draft.get("storage", "declaration")
+    if declaration is not None:
+        # The file's shape is checked now; whether it matches the mount is checked when the store
+        # opens (`storage.check_storage`), since the data folder may not exist yet.
+        try:
+            load_declaration(declaration)
+        except ConfigError as exc:
+            draft.problems.extend(exc.problems)
+    _resolve_plugins(draft)
+
+
+def _normalize_urls(draft: Draft) -> None:
+    e = draft.values["engine"]
+    if draft.ok("engine", "urls"):
+        e["urls"] = tuple(u.rstrip("/") for u in e["urls"])
+    router = draft.get("engine", "router_url")
+    if router and url_problem(router) is None:
+        e["router_url"] = router.rstrip("/")
+
+
+def _check_model_folder(draft: Draft) -> None:
+    ckpt = draft.get("engine", "hf_checkpoint")
+    if not ckpt:
+        return
+    shown = draft.show("engine", "hf_checkpoint")
+    local = Path(ckpt).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            draft.problems.append(f"{shown}: not a model folder (no config.json)")
+    elif ckpt.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", ckpt):
+        draft.problems.append(f"{shown}: folder not found")
+    else:
+        draft.warnings.append(f"{shown}: no such local folder; it will be treated as a Hugging Face Hub id")
+
+
+def _check_device(draft: Draft, device: str) -> None:
+    import torch
+
+    shown = draft.show("trainer", "device")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        draft.problems.append(f"{shown}: not a torch device ({exc})")
+        return
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            draft.problems.append(f"{shown}: torch sees no GPU here (a CPU build of torch, or no driver)")
+        elif parsed.index is not None and parsed.index >= count:
+            draft.problems.append(f"{shown}: torch sees {count} GPU(s), numbered from 0")
+    elif parsed.type != "cpu":
+        draft.problems.append(f"{shown}: the built-in trainer runs on cpu or cuda (ROCm included)")
+
+
+def _check_prompt_file(draft: Draft) -> None:
+    """Read the first record only: enough to catch a wrong --input-key before any engine starts."""
+    path: Path | None = draft.get("data", "prompt_data")
+    if path is None:
+        return
+    shown = draft.show("data", "prompt_data")
+    if not path.is_file():
+        draft.problems.append(f"{shown}: {'is not a file' if path.exists() else 'file not found'}")
+        return
+    try:
+        with path.open("rb") as fh:
+            line = next((ln for ln in fh if ln.strip()), None)
+        record = json.loads(line) if line is not None else None
+    except (OSError, ValueError) as exc:
+        draft.problems.append(f"{shown}: first record is not JSON: {exc}")
+        return
+    if record is None:
+        draft.problems.append(f"{shown}: the file has no records")
+    elif not isinstance(record, dict):
+        draft.problems.append(f"{shown}: records must be JSON objects, the first is a {type(record).__name__}")
+    else:
+        keys = ", ".join(map(repr, record)) or "none"
+        first = f"the first record of {str(path)!r} has no such key (keys: {keys})"
+        if draft.ok("data", "input_key") and draft.values["data"]["input_key"] not in record:
+            draft.problems.append(f"{draft.show('data', 'input_key')}: {first}")
+        if draft.ok("data", "label_key") and draft.values["data"]["label_key"] not in record:
+            draft.warnings.append(f"{draft.show('data', 'label_key')}: {first}; the reward gets no label")
+
+
+def _resolve_plugins(draft: Draft) -> None:
+    """Import every `module:function` path now, so a typo fails before any engine starts."""
+    for f in fields(DataConfig):
+        path_field = f.metadata.get("plugin_of")
+        if path_field is None:
+            continue
+        path = draft.values["data"][path_field]
+        if not path or not draft.ok("data", path_field):
+            continue
+        try:
+            draft.resolved["data", f.name] = resolve_function(path)
+        except PluginError as exc:
+            reason = str(exc).removeprefix(f"{exc.path!r}: ")
+            draft.problems.append(f"{draft.show('data', path_field)}: {reason}")

@@ -1,0 +1,309 @@
+"""The config tree's schema: what each setting is, how it is spelled, its default and bounds.
+
+This module only describes. The frozen dataclasses are the tree `load_config` returns; each
+field's metadata (`_opt(default, flag, kind, help=...)`) says its flag (slime's name where slime
+has the concept), how a flag or TOML value converts, and its simple bounds. Nothing here reads a
+file, imports a heavy module or resolves a plugin: `parsing` reads flags and TOML against this
+schema, `rules` checks the values, and `load` runs the one step that touches the outside world.
+
+To add a setting, add one field line to a section below; the flag, its help, TOML key, bounds
+and `config_to_dict` follow from it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pipeline.types import PauseMode, RolloutMode, StoreTransport
+from storage.declaration import PROFILES
+
+__all__ = [
+    "SECTIONS",
+    "Opt",
+    "Config",
+    "DataConfig",
+    "EngineConfig",
+    "OutputConfig",
+    "RolloutConfig",
+    "StorageConfig",
+    "TrainerConfig",
+    "config_to_dict",
+    "opt_of",
+    "options",
+    "section_from_dict",
+    "trainer_options",
+    "typed",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Opt:
+    """How one config field is spelled on the command line, parsed, and bounded."""
+
+    flag: str
+    kind: str  # int | float | str | path | choice | bool | urls (choice: an enum's values, or plain strings)
+    help: str
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    ge: float | None = None  # value >= ge
+    gt: float | None = None  # value > gt
+    default_help: str | None = None  # for derived defaults: what None becomes
+    why: str = ""  # appended to a bound's message
+    metavar: str | None = None
+
+
+def _opt(default: Any, flag: str, kind: str, *, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"opt": Opt(flag, kind, help, **kw)})
+
+
+def _resolved(path_field: str) -> Any:
+    """A callable filled in by load_config from the `module:function` path in `path_field`."""
+    return field(default=None, metadata={"plugin_of": path_field})
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    mode: RolloutMode = _opt(
+        RolloutMode.SYNC, "--rollout-mode", "choice", choices=tuple(RolloutMode),
+        help="sync: train after each round; async: keep generating across training steps")
+    rollout_batch_size: int = _opt(8, "--rollout-batch-size", "int", ge=1, help="groups per training step")
+    n_samples_per_prompt: int = _opt(8, "--n-samples-per-prompt", "int", ge=1, help="samples per group (G)")
+    over_sampling_batch_size: int | None = _opt(
+        None, "--over-sampling-batch-size", "int", ge=1, default_help="--rollout-batch-size",
+        help="groups admitted per refill; smaller than --rollout-batch-size is allowed")
+    partial_rollout: bool = _opt(
+        False, "--partial-rollout", "bool",
+        help="sync mode: at the target, abort the rest and resume their prefixes first next round")
+    partial_fill_idle_slots: bool = _opt(
+        True, "--partial-fill-idle-slots", "bool",
+        help="partial rollout: while a round waits for its stragglers, give idle slots one more group "
+        "(more throughput, more off-policy tokens; --no-partial-fill-idle-slots keeps slime's refill rule)")
+    mask_offpolicy_in_partial_rollout: bool = _opt(
+        False, "--mask-offpolicy-in-partial-rollout", "bool",
+        help="zero the loss mask of the prefix that existed before a continuation")
+    max_response_len: int = _opt(
+        64, "--rollout-max-response-len", "int", ge=1, help="response tokens per sample")
+    temperature: float = _opt(
+        1.0, "--rollout-temperature", "float", gt=0, help="sampling temperature",
+        why=" (the trainer's log-prob correction divides the logits by it)")
+    top_p: float = _opt(1.0, "--rollout-top-p", "float", help="nucleus sampling, in (0, 1]")
+    top_k: int = _opt(-1, "--rollout-top-k", "int", help="top-k sampling; -1 = off")
+    num_rollout: int = _opt(100, "--num-rollout", "int", ge=1, help="training steps")
+    prefetch: int | None = _opt(
+        None, "--rollout-prefetch", "int", ge=0, default_help="--rollout-batch-size",
+        help="ready groups kept ahead of the trainer")
+    max_staleness: int | None = _opt(
+        None, "--max-staleness", "int", ge=0,
+        help="admit no work that would exceed this staleness (versions); unset = no bound")
+    pause_mode: PauseMode = _opt(
+        PauseMode.ABORT, "--pause-mode", "choice", choices=tuple(PauseMode),
+        help="how engines pause for a weight publish")
+    seed: int = _opt(42, "--rollout-seed", "int", ge=0, help="sampling and data-order seed")
+    request_timeout: float = _opt(
+        600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
+    max_retries: int = _opt(3, "--rollout-max-retries", "int", ge=0, help="retries of a failed engine request")
+    reward_timeout: float = _opt(30.0, "--reward-timeout", "float", gt=0, help="seconds per reward call")
+    eval_interval: int | None = _opt(
+        None, "--eval-interval", "int", ge=1, help="inline evaluation every N steps (sync mode only)")
+
+    @property
+    def resumes_partial_groups(self) -> bool:
+        """Whether aborted groups are kept and resumed: always in async mode, by flag in sync mode."""
+        return self.mode is RolloutMode.ASYNC or self.partial_rollout
+
+
+_FN = "MODULE:FUNCTION"
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    prompt_data: Path | None = _opt(
+        None, "--prompt-data", "path", default_help="the built-in toy task", help="JSONL prompt file")
+    input_key: str = _opt("prompt", "--input-key", "str", metavar="KEY", help="JSONL key of the prompt text")
+    label_key: str = _opt("label", "--label-key", "str", metavar="KEY", help="JSONL key of the label")
+    num_prompts: int = _opt(512, "--num-prompts", "int", ge=1, help="size of the built-in toy dataset")
+    custom_rm_path: str | None = _opt(
+        None, "--custom-rm-path", "str", metavar=_FN, default_help="the toy task's reward",
+        help="reward function")
+    dynamic_sampling_filter_path: str | None = _opt(
+        None, "--dynamic-sampling-filter-path", "str", metavar=_FN, help="group acceptance filter")
+    rollout_all_samples_process_path: str | None = _opt(
+        None, "--rollout-all-samples-process-path", "str", metavar=_FN,
+        help="sees every group, filtered-out ones too (sync mode only)")
+    buffer_filter_path: str | None = _opt(
+        None, "--buffer-filter-path", "str", metavar=_FN,
+        help="picks groups from the memory store's buffer (memory transport only)")
+    # Filled by load_config from the paths above; None when the path is unset.
+    reward_fn: Callable[..., Any] | None = _resolved("custom_rm_path")
+    filter_fn: Callable[..., Any] | None = _resolved("dynamic_sampling_filter_path")
+    all_samples_process_fn: Callable[..., Any] | None = _resolved("rollout_all_samples_process_path")
+    buffer_filter_fn: Callable[..., Any] | None = _resolved("buffer_filter_path")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    urls: tuple[str, ...] = _opt(
+        (), "--sglang-url", "urls", metavar="URL", default_help="start built-in engines",
+        help="an SGLang engine URL (repeatable)")
+    router_url: str | None = _opt(
+        None, "--sglang-router-url", "str", metavar="URL", help="an SGLang router in front of engines")
+    num_engines: int = _opt(
+        1, "--rollout-num-engines", "int", ge=1,
+        help="built-in engines to start (>1: behind sglang-router); "
+        "with --sglang-router-url, the engines behind it")
+    sglang_server_concurrency: int = _opt(
+        64, "--sglang-server-concurrency", "int", ge=1, help="in-flight samples per engine")
+    hf_checkpoint: str | None = _opt(
+        None, "--hf-checkpoint", "str", metavar="PATH", default_help="build the tiny model in the run folder",
+        help="model folder (or Hub id)")
+    host: str = _opt(
+        "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    transport: StoreTransport = _opt(
+        StoreTransport.MEMORY, "--rollout-data-transport", "choice", choices=tuple(StoreTransport),
+        help="where rollout state lives")
+    data_dir: Path | None = _opt(
+        None, "--rollout-data-dir", "path", default_help="<output dir>/rollout_data", help="LMDB folder")
+    run_id: str = _opt(
+        "default", "--rollout-queue-run-id", "str", metavar="ID", help="names the run and its store")
+    declaration: Path | None = _opt(
+        None, "--rollout-storage-declaration", "path", metavar="FILE.json",
+        help='what the LMDB folder\'s mount is: {"mount_path", "filesystem", "durability": '
+        '{"synced_commits"}}; needed on a network filesystem')
+    profile: str | None = _opt(
+        None, "--rollout-storage-profile", "choice", choices=tuple(PROFILES), default_help="detect; local only",
+        help="a preset declaration for the LMDB folder's filesystem")
+    gc_keep_steps: int | None = _opt(
+        None, "--rollout-gc-keep-steps", "int", ge=0, default_help="keep everything (replay sees the whole run)",
+        help="after each step, delete the trained groups and batches of all but the last N steps")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    lr: float = _opt(5e-3, "--lr", "float", gt=0, help="learning rate")
+    eps_clip: float = _opt(0.2, "--eps-clip", "float", gt=0, help="PPO ratio clip (low side)")
+    eps_clip_high: float | None = _opt(
+        None, "--eps-clip-high", "float", gt=0, default_help="--eps-clip", help="PPO ratio clip, high side")
+    use_tis: bool = _opt(True, "--use-tis", "bool", help="truncated importance sampling")
+    tis_clip: float = _opt(2.0, "--tis-clip", "float", gt=0, help="TIS ratio cap")
+    max_grad_norm: float = _opt(1.0, "--clip-grad", "float", gt=0, help="gradient norm clip")
+    device: str = _opt(
+        "cpu", "--trainer-device", "str",
+        help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConfig:
+    dir: Path | None = _opt(
+        None, "--output-dir", "path", aliases=("--save",), default_help="runs/<run id>", help="run folder")
+    metrics_file: Path | None = _opt(
+        None, "--metrics-file", "path", default_help="<output dir>/metrics.jsonl", help="metrics JSONL")
+    progress: bool = _opt(True, "--progress", "bool", help="progress bar")
+    log_level: str = _opt(
+        "info", "--log-level", "choice", choices=("debug", "info", "warning", "error"), help="log level")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole run. From `load_config`, every derived default is filled in and every path resolved."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    # Legal but probably unintended settings, for the launcher to log. Not part of the settings.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+
+SECTIONS: dict[str, type] = {
+    "rollout": RolloutConfig,
+    "data": DataConfig,
+    "engine": EngineConfig,
+    "storage": StorageConfig,
+    "trainer": TrainerConfig,
+    "output": OutputConfig,
+}
+
+def options(cls: type) -> list[tuple[Field[Any], Opt]]:
+    """The fields of a section that are settings (resolved callables are not), with their metadata."""
+    return [(f, f.metadata["opt"]) for f in fields(cls) if "opt" in f.metadata]
+
+
+def opt_of(section: str, name: str) -> Opt:
+    return next(opt for f, opt in options(SECTIONS[section]) if f.name == name)
+
+
+def typed(f: Field[Any], value: Any) -> Any:
+    """A checked choice as its enum, for fields whose default is one (`"async"` -> RolloutMode.ASYNC)."""
+    if isinstance(f.default, enum.Enum) and value is not None and not isinstance(value, type(f.default)):
+        return type(f.default)(value)
+    return value
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    """The settings as JSON-able data (paths as strings, tuples as lists), for run metadata and logs.
+
+    Resolved callables are left out: their `module:function` paths are in the dict already.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        part = getattr(config, section)
+        out[section] = {f.name: _jsonable(getattr(part, f.name)) for f, _ in options(type(part))}
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+_Section = TypeVar("_Section")
+
+
+def section_from_dict(cls: type[_Section], data: Mapping[str, Any]) -> _Section:
+    """A section rebuilt from `config_to_dict`'s output (run metadata): unknown keys are ignored and
+    missing ones take the schema's default, so a run recorded by an older version still reads.
+
+    No rule is checked: the values were checked when that run loaded its config.
+    """
+    kwargs: dict[str, Any] = {}
+    for f, opt in options(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if opt.kind == "path" and value is not None:
+            value = Path(value)
+        elif opt.kind == "urls":
+            value = tuple(value)
+        kwargs[f.name] = typed(f, value)
+    return cls(**kwargs)
+
+
+def trainer_options(trainer: TrainerConfig, rollout: RolloutConfig) -> dict[str, Any]:
+    """The built-in trainer's keyword arguments from the settings: the one place they are mapped,
+    so the launcher and `python -m pipeline.replay` train with the same knobs and defaults."""
+    return {
+        "lr": trainer.lr,
+        "eps_clip": trainer.eps_clip,
+        "eps_clip_high": trainer.eps_clip_high,
+        "tis_cap": trainer.tis_clip if trainer.use_tis else None,
+        "mask_offpolicy_in_partial_rollout": rollout.mask_offpolicy_in_partial_rollout,
+        "temperature": rollout.temperature,
+        "max_grad_norm": trainer.max_grad_norm,
+        "seed": rollout.seed,
+        "device": trainer.device,
+    }
