@@ -204,7 +204,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path) -> Store:
             if trained >= 0 else "the last trained step is unreadable and no weights were saved: starting from "
             "the base model", resume_at_step=trained + 1, weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
-    store = open_store("lmdb", data_dir, **options)
+    store = open_store(StoreTransport.LMDB, data_dir, **options)
     try:
         _check_meta(store, meta)
         _seed(store, salvage.cursor or Cursor(), trained)
@@ -216,7 +216,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path) -> Store:
 
 def _open_checked(data_dir: Path, options: dict[str, object], meta: RunMeta) -> Store:
     """The store, checked against this run and recovered after an unclean stop."""
-    store = open_store("lmdb", data_dir, **options)
+    store = open_store(StoreTransport.LMDB, data_dir, **options)
     try:
         _check_meta(store, meta)
         store.recover()

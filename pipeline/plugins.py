@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from pipeline.errors import PluginError
 
@@ -72,4 +72,4 @@ def resolve_function(path: str) -> Callable[..., Any]:
         owner = f"{owner}.{part}" if owner != module_name else f"{module_name}:{part}"
     if not callable(obj):
         raise PluginError(path, f"{attr_path!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return cast(Callable[..., Any], obj)  # checked just above; mypy cannot narrow Any by callable()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pipeline.types import StoreTransport
+
 from .async_store import AsyncStore
 from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
 from .lmdb_store import LmdbStore
@@ -47,20 +49,20 @@ __all__ = [
     "open_store",
 ]
 
-TRANSPORTS = ("memory", "lmdb")
+TRANSPORTS = tuple(StoreTransport)  # the one spelling is pipeline.types.StoreTransport
 
 
-def open_store(transport: str, path: str | os.PathLike[str] | None, **kw: Any) -> Store:
+def open_store(transport: StoreTransport | str, path: str | os.PathLike[str] | None, **kw: Any) -> Store:
     """The store for `--rollout-data-transport`: "memory" (path unused) or "lmdb" (path required).
 
     Keyword arguments go to `LmdbStore` (map_size, sync, readonly, clock); the memory store takes
     only `clock`.
     """
-    if transport == "memory":
+    if transport == StoreTransport.MEMORY:
         if set(kw) - {"clock"}:
             raise ValueError(f"the memory store takes no options but clock, got {sorted(kw)}")
         return MemoryStore(**kw)
-    if transport == "lmdb":
+    if transport == StoreTransport.LMDB:
         if path is None:
             raise ValueError("the lmdb store needs a directory path, got None")
         return LmdbStore(path, **kw)

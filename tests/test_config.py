@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import Config, build_parser, config_to_dict, load_config
+from pipeline.config import (
+    Config,
+    EngineConfig,
+    OutputConfig,
+    RolloutConfig,
+    StorageConfig,
+    TrainerConfig,
+    build_parser,
+    config_to_dict,
+    load_config,
+    section_from_dict,
+    trainer_options,
+)
+from pipeline.config.draft import Draft
+from pipeline.config.load import load_step
+from pipeline.config.parsing import read_argv
+from pipeline.config.rules import check_bounds, check_rules
+from pipeline.controller import RolloutPlan
 from pipeline.errors import ConfigError, PluginError
 from pipeline.plugins import resolve_function, split_path
+from pipeline.types import PauseMode, RolloutMode, StoreTransport
 
 # Plugins referenced by path from the tests below.
 
@@ -472,3 +493,71 @@ def test_trainer_device_is_checked_against_what_torch_sees():
     if not torch.cuda.is_available():
         assert problems_of(["--trainer-device", "cuda"]) == [
             "--trainer-device='cuda': torch sees no GPU here (a CPU build of torch, or no driver)"]
+
+
+# --- modes as enums, the load step, one home for the trainer's settings -------------------------
+
+
+def test_modes_load_as_enums_and_serialize_as_their_values():
+    config = load_config(["--rollout-mode", "async", "--pause-mode", "retract", "--rollout-data-transport", "lmdb"])
+    assert config.rollout.mode is RolloutMode.ASYNC
+    assert config.rollout.pause_mode is PauseMode.RETRACT
+    assert config.storage.transport is StoreTransport.LMDB
+    assert load_config([]).rollout.pause_mode is PauseMode.ABORT  # the default is the enum too
+    as_dict = config_to_dict(config)
+    assert (as_dict["rollout"]["mode"], as_dict["rollout"]["pause_mode"]) == ("async", "retract")
+    assert type(as_dict["storage"]["transport"]) is str  # plain JSON, not an enum that happens to be a str
+    assert problems_of(["--pause-mode", "drain"]) == ["--pause-mode='drain': must be one of abort, retract, in_place"]
+
+
+def test_rollout_plan_takes_the_enums_and_converts_their_values():
+    plan = RolloutPlan(mode="async", batch_size=2, n_samples=2, num_steps=1, pause_mode="in_place")  # type: ignore[arg-type]
+    assert plan.mode is RolloutMode.ASYNC and plan.pause_mode is PauseMode.IN_PLACE
+    assert RolloutPlan(mode=RolloutMode.SYNC, batch_size=2, n_samples=2, num_steps=1).pause_mode is PauseMode.ABORT
+    with pytest.raises(ValueError, match="RolloutPlan mode='asink': must be one of sync, async"):
+        RolloutPlan(mode="asink", batch_size=2, n_samples=2, num_steps=1)  # type: ignore[arg-type]
+
+
+def test_checking_rules_reads_no_file_the_load_step_does(tmp_path):
+    """The rules are pure: a prompt file that does not exist is found only by the load step."""
+    missing = tmp_path / "missing.jsonl"
+    draft = Draft()
+    read_argv(draft, ["--prompt-data", str(missing), "--custom-rm-path", "tests.test_config:toy_reward",
+                      "--sglang-url", "http://h:1/"])
+    check_bounds(draft)
+    check_rules(draft)
+    assert draft.problems == [] and draft.resolved == {}
+    assert draft.values["engine"]["urls"] == ("http://h:1/",)  # rewritten only by the load step
+    load_step(draft)
+    assert draft.problems == [f"--prompt-data={str(missing)!r}: file not found"]
+    assert draft.values["engine"]["urls"] == ("http://h:1",)
+    assert draft.resolved == {("data", "reward_fn"): toy_reward}
+
+
+def test_loading_the_default_config_imports_neither_torch_nor_plugins():
+    # torch takes seconds to import; only a non-cpu --trainer-device needs it at load.
+    code = ("import sys; from pipeline.config import load_config; load_config([]); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_sections_read_back_from_run_metadata_with_defaults_for_what_is_missing():
+    config = load_config(["--rollout-mode", "async", "--lr", "0.01", "--no-use-tis", "--save", "/tmp/x"])
+    recorded = config_to_dict(config)
+    for name, cls in (("rollout", RolloutConfig), ("engine", EngineConfig), ("storage", StorageConfig),
+                      ("trainer", TrainerConfig), ("output", OutputConfig)):
+        assert section_from_dict(cls, recorded[name]) == getattr(config, name)
+    # A run recorded before a setting existed reads with the schema's default; unknown keys are ignored.
+    old = section_from_dict(TrainerConfig, {"lr": 0.01, "a_setting_since_removed": 1})
+    assert (old.lr, old.eps_clip, old.use_tis) == (0.01, 0.2, True)
+
+
+def test_trainer_options_name_the_trainers_own_parameters():
+    """The launcher and replay build the trainer from one mapping; it must match the trainer's signature."""
+    from stages.grpo_trainer import GRPOTrainer
+
+    config = load_config(["--no-use-tis", "--eps-clip", "0.3", "--rollout-temperature", "0.7"])
+    options = trainer_options(config.trainer, config.rollout)
+    assert set(options) <= set(inspect.signature(GRPOTrainer).parameters)
+    assert (options["tis_cap"], options["eps_clip_high"], options["temperature"]) == (None, 0.3, 0.7)
+    assert trainer_options(TrainerConfig(), RolloutConfig())["tis_cap"] == 2.0

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.schema import SECTIONS, Config, options, opt_of, typed
+from pipeline.config.schema import SECTIONS, Config, opt_of, options, typed
 
 __all__ = ["BAD", "Draft", "close_match", "fmt"]
 
@@ -28,7 +28,9 @@ class Draft:
     """The settings read so far, mutable until `build` freezes them into a `Config`."""
 
     def __init__(self) -> None:
-        self.values = {s: {f.name: f.default for f, _ in options(cls)} for s, cls in SECTIONS.items()}
+        self.values: dict[str, dict[str, Any]] = {
+            s: {f.name: f.default for f, _ in options(cls)} for s, cls in SECTIONS.items()
+        }
         self.source: dict[tuple[str, str], str] = {}  # (section, field) -> "flag" | the TOML location
         self.resolved: dict[tuple[str, str], Callable[..., Any]] = {}
         self.problems: list[str] = []

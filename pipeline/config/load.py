@@ -20,7 +20,13 @@ from pathlib import Path
 
 from pipeline.config.draft import Draft
 from pipeline.config.parsing import read_argv, read_toml
-from pipeline.config.rules import check_bounds, check_rules, derive_defaults, url_problem, warn_odd_settings
+from pipeline.config.rules import (
+    check_bounds,
+    check_rules,
+    derive_defaults,
+    url_problem,
+    warn_odd_settings,
+)
 from pipeline.config.schema import Config, DataConfig
 from pipeline.errors import ConfigError, PluginError
 from pipeline.plugins import resolve_function

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.draft import BAD, Draft, close_match, fmt
-from pipeline.config.schema import SECTIONS, Opt, options, opt_of
+from pipeline.config.schema import SECTIONS, Opt, opt_of, options
 from pipeline.errors import ConfigError
 
 __all__ = ["build_parser", "read_argv", "read_toml"]
