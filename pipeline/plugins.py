@@ -1,8 +1,9 @@
 """Resolve the user functions a config names by path, once, when the config loads.
 
 A typo in `--custom-rm-path` should fail before any engine starts, not an hour into the run when
-the first group reaches the reward stage. So `pipeline.config` calls `resolve_function` for every
-path while loading and stores the callable on the config tree; no stage imports anything later.
+the first group reaches the reward stage. So the config's load step (`pipeline.config.load`) calls
+`resolve_function` for every path and stores the callable on the config tree; no stage imports
+anything later.
 
 Two spellings are accepted:
 
