@@ -35,14 +35,22 @@ from typing import TypeVar
 
 import lmdb
 
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
+from pipeline.errors import (
+    CorruptRecordError,
+    IncompatibleStoreError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+)
 from pipeline.types import Batch, Group
 
 from . import codec, keys
+from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage
+from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
+from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
-    SCHEMA_VERSION,
     Cursor,
     GroupState,
     Lease,
@@ -74,18 +82,29 @@ class _Write:
     leaves the store's own counters untouched.
     """
 
-    __slots__ = ("collected", "counts", "cursor", "dbs", "trained_step", "txn")
+    __slots__ = ("collected", "counts", "cursor", "dbs", "sealed", "trained_step", "txn")
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, object], store: LmdbStore) -> None:
         self.txn, self.dbs = txn, dbs
+        self.sealed = store._sealed
         self.counts = dict(store._counts)
         self.cursor = store._cursor
         self.trained_step = store._trained_step
         self.collected = store._collected  # (groups collected, last step collected)
 
+    def get(self, db: bytes, key: bytes) -> bytes | None:
+        """The payload stored under `key` in `db`, its checksum checked; None if there is none."""
+        raw = self.txn.get(key, db=self.dbs[db])
+        return None if raw is None else unseal(key, raw, where=keys.describe(db, key), sealed=self.sealed)
+
+    def put(self, db: bytes, key: bytes, payload: bytes, *, overwrite: bool = True) -> bool:
+        value = seal(key, payload) if self.sealed else payload
+        return bool(self.txn.put(key, value, db=self.dbs[db], overwrite=overwrite))
+
     def state_of(self, gid: str) -> _StateEntry | None:
-        raw = self.txn.get(keys.group_key(gid), db=self.dbs[keys.STATE])
-        return None if raw is None else keys.parse_state_entry(raw, key=keys.describe(keys.STATE, gid.encode()))
+        key = keys.group_key(gid)
+        raw = self.get(keys.STATE, key)
+        return None if raw is None else keys.parse_state_entry(raw, key=keys.describe(keys.STATE, key))
 
     def move(
         self, gid: str, old: _StateEntry | None, new: GroupState, version: int, seq: int, lease: bytes | None = None
@@ -108,30 +127,34 @@ class _Write:
             if not removed:
                 raise StoreError(f"group {gid!r}: the indexes do not agree with its state {old_state.value}")
             self.counts[old_state] -= 1
-        txn.put(keys.group_key(gid), keys.state_entry(new, version, seq), db=dbs[keys.STATE])
+        self.put(keys.STATE, keys.group_key(gid), keys.state_entry(new, version, seq))
         txn.put(keys.by_state_key(new, gid), b"", db=dbs[keys.BY_STATE])
         if new in _ORDER_DB:
             txn.put(keys.order_key(version, seq, gid), b"", db=dbs[_ORDER_DB[new]])
         if lease is not None:
-            txn.put(keys.group_key(gid), lease, db=dbs[keys.LEASES])
+            self.put(keys.LEASES, keys.group_key(gid), lease)
         self.counts[new] += 1
+
+    def unseal(self, db: bytes, key: bytes, value: bytes) -> bytes:
+        return unseal(bytes(key), value, where=keys.describe(db, key), sealed=self.sealed)
 
     def lease_of(self, gid: str) -> tuple[str, float] | None:
         key = keys.group_key(gid)
-        raw = self.txn.get(key, db=self.dbs[keys.LEASES])
+        raw = self.get(keys.LEASES, key)
         return None if raw is None else keys.parse_lease(raw, key=keys.describe(keys.LEASES, key))
 
     def all_leases(self) -> list[tuple[str, str, float]]:
         """(group id, owner, expiry) of every RUNNING group."""
         out = []
-        for key, raw in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
-            owner, expiry = keys.parse_lease(raw, key=keys.describe(keys.LEASES, key))
+        for key, value in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
+            where = keys.describe(keys.LEASES, key)
+            owner, expiry = keys.parse_lease(unseal(key, value, where=where, sealed=self.sealed), key=where)
             out.append((bytes(key).decode(), owner, expiry))
         return out
 
     def group(self, gid: str) -> Group:
         key = keys.group_key(gid)
-        raw = self.txn.get(key, db=self.dbs[keys.GROUPS])
+        raw = self.get(keys.GROUPS, key)
         if raw is None:
             raise CorruptRecordError(keys.describe(keys.GROUPS, key), "indexed, but the record is missing")
         return codec.decode_group(raw, key=keys.describe(keys.GROUPS, key))
@@ -180,17 +203,27 @@ class LmdbStore:
                 raise StoreError(f"cannot create the rollout store directory {self._path}: {exc}") from exc
             self._lock_fd = _take_writer_lock(self._path)
         self._env: lmdb.Environment | None = None
+        self._sealed = True
+        self._counts: dict[GroupState, int] = dict.fromkeys(GroupState, 0)
+        self._cursor, self._trained_step = Cursor(), -1
+        data_file = os.path.join(self._path, "data.mdb")
+        if problems := check_data_file(data_file):
+            self.close()
+            raise StoreCorruptionError(data_file, "; ".join(problems))
         try:
             self._env = _open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
             self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
             self._page_size = self._env.stat()["psize"]
         except lmdb.Error as exc:
             self.close()
+            if is_damage(exc):
+                raise StoreCorruptionError(data_file, f"LMDB cannot open it: {exc}") from exc
             raise StoreError(f"cannot open the rollout store at {self._path}: {exc}") from exc
         try:
             self._check_layout()
             self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
             self._collected = self._read(self._load_collected)
+            self._read(self._check_counters)
             self._note_size()
         except BaseException:
             self.close()
@@ -204,7 +237,7 @@ class LmdbStore:
 
     def read_meta(self) -> RunMeta | None:
         def fn(txn: lmdb.Transaction) -> RunMeta | None:
-            raw = txn.get(keys.META_RUN, db=self._dbs[keys.META])
+            raw = self._reader(txn).get(keys.META, keys.META_RUN)
             return None if raw is None else codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
 
         return self._read(fn)
@@ -214,12 +247,12 @@ class LmdbStore:
         data = codec.encode_meta(meta)
 
         def fn(w: _Write) -> None:
-            raw = w.txn.get(keys.META_RUN, db=self._dbs[keys.META])
+            raw = w.get(keys.META, keys.META_RUN)
             if raw is not None:
                 stored = codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
                 if (diff := codec.meta_difference(stored, meta)) is not None:
                     raise IncompatibleStoreError(*diff)
-            w.txn.put(keys.META_RUN, data, db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_RUN, data)
 
         self._write(fn)
 
@@ -250,19 +283,18 @@ class LmdbStore:
 
         def fn(w: _Write) -> None:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
-            tombstones = self._dbs[keys.TOMBSTONES]
             for gid, key, data, version, seq in records:
-                if (step := w.txn.get(key, db=tombstones)) is not None:
+                if (step := w.get(keys.TOMBSTONES, key)) is not None:
                     trained = keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key))
                     raise StoreError(
                         f"group {gid!r} already exists (trained at step {trained}, then collected); nothing was stored"
                     )
-                if not w.txn.put(key, data, db=self._dbs[keys.GROUPS], overwrite=False):
+                if not w.put(keys.GROUPS, key, data, overwrite=False):
                     state = w.state_of(gid)
                     shown = state[0].value if state is not None else "unindexed"
                     raise StoreError(f"group {gid!r} already exists ({shown}); nothing was stored")
                 w.move(gid, None, _RUNNING, version, seq, lease)
-            w.txn.put(keys.META_CURSOR, cursor_record, db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_CURSOR, cursor_record)
             w.cursor = cursor
 
         self._write(fn)
@@ -311,7 +343,7 @@ class LmdbStore:
             value = keys.lease_value(owner, self._clock() + lease_seconds)
             mine = [gid for gid, holder, _ in w.all_leases() if holder == owner]
             for gid in mine:
-                w.txn.put(keys.group_key(gid), value, db=self._dbs[keys.LEASES])
+                w.put(keys.LEASES, keys.group_key(gid), value)
             return len(mine)
 
         return self._write(fn)
@@ -338,14 +370,14 @@ class LmdbStore:
             done, last = w.collected
             if up_to_step <= last:
                 return 0
-            batches, tombstones = self._dbs[keys.BATCHES], self._dbs[keys.TOMBSTONES]
+            batches = self._dbs[keys.BATCHES]
             cursor = w.txn.cursor(db=batches)
             steps = []
             if cursor.set_range(keys.step_key(last + 1)):
                 for step_key, raw in cursor.iternext(keys=True, values=True):
                     if keys.parse_step_key(step_key) > up_to_step:
                         break
-                    steps.append((bytes(step_key), bytes(raw)))
+                    steps.append((bytes(step_key), w.unseal(keys.BATCHES, step_key, raw)))
             deleted = 0
             for step_key, raw in steps:
                 step, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
@@ -355,12 +387,12 @@ class LmdbStore:
                     w.txn.delete(key, db=self._dbs[keys.GROUPS])
                     w.txn.delete(key, db=self._dbs[keys.STATE])
                     w.txn.delete(keys.by_state_key(old[0], gid), db=self._dbs[keys.BY_STATE])
-                    w.txn.put(key, keys.i64_value(step), db=tombstones)
+                    w.put(keys.TOMBSTONES, key, keys.i64_value(step))
                     w.counts[GroupState.TRAINED] -= 1
                     deleted += 1
                 w.txn.delete(step_key, db=batches)
             w.collected = (done + deleted, up_to_step)
-            w.txn.put(keys.META_COLLECTED, keys.collected_value(*w.collected), db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
             return deleted
 
         return self._write(fn)
@@ -371,7 +403,7 @@ class LmdbStore:
         step_key = keys.step_key(step)
 
         def fn(w: _Write) -> Batch | None:
-            existing = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            existing = w.get(keys.BATCHES, step_key)
             if existing is not None:
                 return self._batch_from_ref(w, step_key, existing)
             if step <= w.trained_step:
@@ -386,7 +418,7 @@ class LmdbStore:
                 group = cached.get(gid)
                 groups.append(group if group is not None else w.group(gid))
                 w.move(gid, old, _BATCHED, old[1], old[2])
-            w.txn.put(step_key, codec.encode_batch_ref(step, ids), db=self._dbs[keys.BATCHES])
+            w.put(keys.BATCHES, step_key, codec.encode_batch_ref(step, ids))
             return Batch(step=step, groups=tuple(groups))
 
         def committed(batch: Batch | None) -> None:  # these groups are BATCHED now, no longer READY
@@ -399,7 +431,7 @@ class LmdbStore:
         step_key = keys.step_key(step)
 
         def fn(w: _Write) -> None:
-            raw = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            raw = w.get(keys.BATCHES, step_key)
             if raw is None and 0 <= step <= w.collected[1]:  # finished, then collected: a late retry
                 return
             if raw is None:
@@ -413,7 +445,7 @@ class LmdbStore:
             for gid in ids:
                 old = self._expect(w, gid, _BATCHED)
                 w.move(gid, old, GroupState.TRAINED, old[1], old[2])
-            w.txn.put(keys.META_TRAINED_STEP, keys.i64_value(step), db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(step))
             w.trained_step = step
 
         self._write(fn)
@@ -440,7 +472,8 @@ class LmdbStore:
             if cursor.set_range(keys.step_key(w.trained_step + 1)):
                 open_batches = list(cursor.iternext(keys=True, values=True))
             requeued = 0
-            for step_key, raw in open_batches:
+            for step_key, value in open_batches:
+                raw = w.unseal(keys.BATCHES, step_key, value)
                 _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
                 for gid in ids:
                     old = self._expect(w, gid, _BATCHED)
@@ -488,7 +521,7 @@ class LmdbStore:
         step_key = keys.step_key(step)
 
         def fn(txn: lmdb.Transaction) -> Batch | None:
-            raw = txn.get(step_key, db=self._dbs[keys.BATCHES])
+            raw = self._reader(txn).get(keys.BATCHES, step_key)
             return None if raw is None else self._batch_from_ref(self._reader(txn), step_key, raw)
 
         return self._read(fn)
@@ -547,12 +580,12 @@ class LmdbStore:
                         w = _Write(txn, self._dbs, self)
                         result = fn(w)
                         if w.counts != self._counts:
-                            txn.put(keys.META_COUNTS, keys.counts_value(w.counts), db=self._dbs[keys.META])
+                            w.put(keys.META, keys.META_COUNTS, keys.counts_value(w.counts))
                     break
                 except lmdb.MapFullError:
                     self._grow(env)  # the transaction was aborted; nothing of it is stored
                 except lmdb.Error as exc:
-                    raise StoreError(f"rollout store {self._path}: {exc}") from exc
+                    raise self._translate(exc) from exc
             self._counts, self._cursor, self._trained_step = w.counts, w.cursor, w.trained_step
             self._collected = w.collected
             self._transactions += 1
@@ -571,7 +604,7 @@ class LmdbStore:
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)  # the writer (another process) grew the map: adopt its size
                 except lmdb.Error as exc:
-                    raise StoreError(f"rollout store {self._path}: {exc}") from exc
+                    raise self._translate(exc) from exc
             raise StoreError(f"rollout store {self._path}: the map keeps being resized under a reader")
 
     def _grow(self, env: lmdb.Environment) -> None:
@@ -594,40 +627,60 @@ class LmdbStore:
             raise StoreError(f"the rollout store {self._path} is closed")
         return self._env
 
+    def _translate(self, exc: lmdb.Error) -> StoreError:
+        """An lmdb error as this library's: damaged bytes are a StoreCorruptionError, whatever the code."""
+        if isinstance(exc, DAMAGE_ERRORS):
+            return StoreCorruptionError(os.path.join(self._path, "data.mdb"), f"LMDB: {exc}")
+        return StoreError(f"rollout store {self._path}: {exc}")
+
     def _check_layout(self) -> None:
-        """Stamp a new store with its layout version; refuse a store written by another layout."""
+        """Stamp a new store with its layout version, migrate a layout-1 store (writer only), and
+        refuse a store of a newer layout, naming both versions."""
         meta = self._dbs[keys.META]
-
-        def stamp(w: _Write) -> None:
-            if w.txn.get(keys.META_LAYOUT, db=meta) is None:
-                w.txn.put(keys.META_LAYOUT, keys.i64_value(SCHEMA_VERSION), db=meta)
-
-        if not self._readonly:
-            self._counts = dict.fromkeys(GroupState, 0)
-            self._cursor, self._trained_step = Cursor(), -1
-            self._write(stamp)
-            self._transactions = 0  # stamping the store is not the caller's transaction
+        where = keys.describe(keys.META, keys.META_LAYOUT)
         raw = self._read(lambda txn: txn.get(keys.META_LAYOUT, db=meta))
-        stored = None if raw is None else keys.parse_i64(raw, key=keys.describe(keys.META, keys.META_LAYOUT))
-        if stored != SCHEMA_VERSION:
-            raise IncompatibleStoreError("schema_version", stored, SCHEMA_VERSION)
+        stored = None if raw is None else parse_layout(bytes(raw), where=where)
+        if stored is not None and stored > LAYOUT_VERSION:
+            raise IncompatibleStoreError(
+                "layout_version", stored, LAYOUT_VERSION,
+                reason=f"the rollout store {self._path} was written by a newer rollout-pipeline (store layout "
+                f"{stored}); this version reads layouts {LEGACY_LAYOUT} to {LAYOUT_VERSION}: open it with the newer version",
+            )
+        if stored is not None and stored < LEGACY_LAYOUT:
+            raise CorruptRecordError(where, f"layout version {stored} was never written by any version")
+        if self._readonly:
+            if stored is None:
+                raise StoreError(f"{self._path} holds no rollout store layout record: it was never opened by a writer")
+            self._sealed = stored == LAYOUT_VERSION
+            return
+        if stored is None:
+            self._write(lambda w: w.txn.put(keys.META_LAYOUT, layout_value(LAYOUT_VERSION), db=meta))
+        elif stored == LEGACY_LAYOUT:
+            self._write(lambda w: migrate_to_sealed(w.txn, self._dbs))
+        self._transactions = 0  # stamping the store is not the caller's transaction
+
+    def _check_counters(self, txn: lmdb.Transaction) -> None:
+        """The counters against the records, in O(1): LMDB keeps each database's entry count."""
+        entries = {name: txn.stat(self._dbs[name])["entries"] for name in keys.DATABASES}
+        if problems := counter_problems(self._counts, entries):
+            raise StoreCorruptionError(keys.describe(keys.META, keys.META_COUNTS), "; ".join(problems))
 
     def _load_counters(self, txn: lmdb.Transaction) -> tuple[dict[GroupState, int], Cursor, int]:
-        meta = self._dbs[keys.META]
-        raw_counts = txn.get(keys.META_COUNTS, db=meta)
+        r = self._reader(txn)
+        raw_counts = r.get(keys.META, keys.META_COUNTS)
         counts = dict.fromkeys(GroupState, 0) if raw_counts is None else keys.parse_counts(raw_counts)
-        raw_cursor = txn.get(keys.META_CURSOR, db=meta)
+        raw_cursor = r.get(keys.META, keys.META_CURSOR)
         cursor = Cursor() if raw_cursor is None else codec.decode_cursor(
             raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR)
         )
-        raw_step = txn.get(keys.META_TRAINED_STEP, db=meta)
+        raw_step = r.get(keys.META, keys.META_TRAINED_STEP)
         trained = -1 if raw_step is None else keys.parse_i64(
             raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP)
         )
         return counts, cursor, trained
 
     def _load_collected(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        raw = txn.get(keys.META_COLLECTED, db=self._dbs[keys.META])
+        raw = self._reader(txn).get(keys.META, keys.META_COLLECTED)
         return (0, -1) if raw is None else keys.parse_collected(raw)
 
     def _counters(self) -> tuple[dict[GroupState, int], Cursor, int]:
@@ -654,7 +707,7 @@ class LmdbStore:
                 holder = w.lease_of(gid)
                 if holder is None or holder[0] != owner:
                     raise StoreError(lease_lost(gid, owner, None if holder is None else holder[0], to))
-            w.txn.put(key, data, db=self._dbs[keys.GROUPS])
+            w.put(keys.GROUPS, key, data)
             w.move(gid, old, to, version, seq)
 
         def committed(_: None) -> None:

@@ -24,8 +24,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
+from pipeline.errors import (
+    CorruptRecordError,
+    IncompatibleStoreError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+)
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Segment
+from storage.migrate import layout_value
 from storage import (
     AsyncStore,
     Cursor,
@@ -752,11 +759,11 @@ def test_a_store_of_another_layout_is_refused(tmp_path: Path) -> None:
     LmdbStore(path).close()
     env = lmdb.open(str(path), max_dbs=len(keys.DATABASES))
     with env.begin(write=True) as txn:
-        txn.put(keys.META_LAYOUT, keys.i64_value(99), db=env.open_db(keys.META, txn=txn))
+        txn.put(keys.META_LAYOUT, layout_value(99), db=env.open_db(keys.META, txn=txn))
     env.close()
-    with pytest.raises(IncompatibleStoreError, match="schema_version=99"):
+    with pytest.raises(IncompatibleStoreError, match="newer .* layout 99.*reads layouts 1 to 2"):
         LmdbStore(path)
-    with pytest.raises(IncompatibleStoreError, match="schema_version=99"):
+    with pytest.raises(IncompatibleStoreError, match="layout 99"):
         LmdbStore(path, readonly=True)
     with pytest.raises(IncompatibleStoreError):  # not StoreLockedError: the failed opener let go of the lock
         LmdbStore(path)
@@ -768,10 +775,10 @@ def test_lmdb_errors_become_store_errors(tmp_path: Path) -> None:
         LmdbStore(tmp_path / "file")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "data.mdb").write_bytes(b"\0junk" * 4096)
-    with pytest.raises(StoreError, match="cannot open") as info:
+    with pytest.raises(StoreCorruptionError, match="damaged at .*junk/data.mdb: neither meta page") as info:
         LmdbStore(tmp_path / "junk")
-    assert isinstance(info.value.__cause__, lmdb.Error)
-    with pytest.raises(StoreError, match="cannot open"):  # and the failed opener released the lock
+    assert info.value.where == str(tmp_path / "junk" / "data.mdb")
+    with pytest.raises(StoreCorruptionError):  # and the failed opener released the lock
         LmdbStore(tmp_path / "junk")
 
 
