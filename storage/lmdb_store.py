@@ -25,6 +25,7 @@ lease expiry is measured against, injectable so tests can stand exactly on an ex
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import socket
@@ -57,9 +58,9 @@ from .protocol import (
     RecoveryReport,
     RunMeta,
     StoreStatistics,
-    check_lease,
-    lease_lost,
 )
+from . import transitions as tr
+from .transitions import check_lease
 
 __all__ = ["LmdbStore"]
 
@@ -116,6 +117,7 @@ class _Write:
         txn, dbs = self.txn, self.dbs
         if (new is _RUNNING) != (lease is not None):
             raise AssertionError(f"group {gid!r}: a lease goes with RUNNING and only with it")
+        tr.check_move(gid, None if old is None else old[0], new)
         if old is not None:
             old_state, old_version, old_seq = old
             if old_state is _RUNNING:
@@ -276,7 +278,7 @@ class LmdbStore:
         for group in groups:
             gid = group.group_id
             if gid in seen:
-                raise StoreError(f"group {gid!r} appears twice in one admit; nothing was stored")
+                raise tr.duplicate_in_admit(gid)
             seen.add(gid)
             records.append((gid, keys.group_key(gid), codec.encode_group(group), group.oldest_version, group.seq))
         cursor_record = codec.encode_cursor(cursor)
@@ -285,14 +287,10 @@ class LmdbStore:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
             for gid, key, data, version, seq in records:
                 if (step := w.get(keys.TOMBSTONES, key)) is not None:
-                    trained = keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key))
-                    raise StoreError(
-                        f"group {gid!r} already exists (trained at step {trained}, then collected); nothing was stored"
-                    )
+                    raise tr.already_collected(gid, keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key)))
                 if not w.put(keys.GROUPS, key, data, overwrite=False):
                     state = w.state_of(gid)
-                    shown = state[0].value if state is not None else "unindexed"
-                    raise StoreError(f"group {gid!r} already exists ({shown}); nothing was stored")
+                    raise tr.already_exists(gid, None if state is None else state[0])
                 w.move(gid, None, _RUNNING, version, seq, lease)
             w.put(keys.META, keys.META_CURSOR, cursor_record)
             w.cursor = cursor
@@ -307,9 +305,8 @@ class LmdbStore:
         def fn(w: _Write) -> list[Group]:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
             claimed = []
-            for gid in w.first_in_order(_PARTIAL, limit):
-                old = self._expect(w, gid, _PARTIAL)
-                claimed.append(w.group(gid))
+            for gid, old, group in self._serve(w, _PARTIAL, limit):
+                claimed.append(group)
                 w.move(gid, old, _RUNNING, old[1], old[2], lease)
             return claimed
 
@@ -363,10 +360,7 @@ class LmdbStore:
 
     def collect_garbage(self, up_to_step: int) -> int:
         def fn(w: _Write) -> int:
-            if up_to_step > w.trained_step:
-                raise StoreError(
-                    f"cannot collect up to step {up_to_step}: only steps up to {w.trained_step} are trained"
-                )
+            tr.check_collect(up_to_step, w.trained_step)
             done, last = w.collected
             if up_to_step <= last:
                 return 0
@@ -398,8 +392,7 @@ class LmdbStore:
         return self._write(fn)
 
     def take_batch(self, step: int, size: int) -> Batch | None:
-        if size < 1:
-            raise ValueError(f"a batch needs at least one group, got size={size}")
+        tr.check_batch_size(size)
         step_key = keys.step_key(step)
 
         def fn(w: _Write) -> Batch | None:
@@ -407,16 +400,14 @@ class LmdbStore:
             if existing is not None:
                 return self._batch_from_ref(w, step_key, existing)
             if step <= w.trained_step:
-                raise StoreError(f"step {step} is already trained (trained step {w.trained_step}) and has no batch")
+                raise tr.already_trained(step, w.trained_step)
             if w.counts[_READY] < size:
                 return None
-            ids = w.first_in_order(_READY, size)
-            groups = []
-            cached = self._ready_cache
-            for gid in ids:
-                old = self._expect(w, gid, _READY)
-                group = cached.get(gid)
-                groups.append(group if group is not None else w.group(gid))
+            served = self._serve(w, _READY, size)
+            if len(served) < size:  # damaged records were quarantined: too few are left
+                return None
+            ids, groups = [gid for gid, _, _ in served], [group for _, _, group in served]
+            for gid, old, _ in served:
                 w.move(gid, old, _BATCHED, old[1], old[2])
             w.put(keys.BATCHES, step_key, codec.encode_batch_ref(step, ids))
             return Batch(step=step, groups=tuple(groups))
@@ -435,12 +426,12 @@ class LmdbStore:
             if raw is None and 0 <= step <= w.collected[1]:  # finished, then collected: a late retry
                 return
             if raw is None:
-                raise StoreError(f"no batch was taken for step {step}")
+                raise tr.no_batch(step)
             if step <= w.trained_step:  # finished already: a retry after a crash
                 return
             earliest = self._first_open_step(w)
             if earliest is not None and earliest < step:
-                raise StoreError(f"step {step} cannot finish before step {earliest}: steps finish in order")
+                raise tr.out_of_order(step, earliest)
             _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
             for gid in ids:
                 old = self._expect(w, gid, _BATCHED)
@@ -481,6 +472,55 @@ class LmdbStore:
                     requeued += 1
                 w.txn.delete(step_key, db=self._dbs[keys.BATCHES])
             return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
+
+        return self._write(fn)
+
+    def seed(
+        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+    ) -> None:
+        records = [(g, _PARTIAL, codec.encode_group(g)) for g in partial]
+        records += [(g, _READY, codec.encode_group(g)) for g in ready]
+        cursor_record = codec.encode_cursor(cursor)
+
+        def fn(w: _Write) -> None:
+            held = sum(w.counts.values()) + w.txn.stat(self._dbs[keys.TOMBSTONES])["entries"]
+            tr.check_seed(trained_step, held, w.trained_step)
+            for group, state, data in records:
+                gid = group.group_id
+                if not w.put(keys.GROUPS, keys.group_key(gid), data, overwrite=False):
+                    raise tr.duplicate_in_admit(gid)
+                w.move(gid, None, state, group.oldest_version, group.seq)
+            w.put(keys.META, keys.META_CURSOR, cursor_record)
+            w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(trained_step))
+            w.collected = (0, trained_step)  # the seeded steps have no batches here: nothing to collect
+            w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
+            w.cursor, w.trained_step = cursor, trained_step
+
+        self._write(fn)
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        def fn(w: _Write) -> int:
+            prefix = keys.by_state_prefix(GroupState.QUARANTINED)
+            quarantined = []
+            cursor = w.txn.cursor(db=self._dbs[keys.BY_STATE])
+            if cursor.set_range(prefix):
+                for key in cursor.iternext(keys=True, values=False):
+                    if not key.startswith(prefix):
+                        break
+                    quarantined.append(keys.group_id_of_by_state_key(key))
+            requeued = 0
+            for gid in quarantined:
+                new_id = tr.requeue_id(gid)
+                key = keys.group_key(new_id)
+                if w.state_of(new_id) is not None or w.get(keys.TOMBSTONES, key) is not None:
+                    continue
+                if (group := fresh(gid)) is None:
+                    continue
+                group = dataclasses.replace(group, group_id=new_id)
+                w.put(keys.GROUPS, key, codec.encode_group(group))
+                w.move(new_id, None, _PARTIAL, group.oldest_version, group.seq)
+                requeued += 1
+            return requeued
 
         return self._write(fn)
 
@@ -699,14 +739,9 @@ class LmdbStore:
 
         def fn(w: _Write) -> None:
             old = w.state_of(gid)
-            if old is None:
-                raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
-            if old[0] is not _RUNNING:
-                raise StoreError(f"group {gid!r} is {old[0].value}, not running; it cannot become {to.value}")
-            if owner is not None:
-                holder = w.lease_of(gid)
-                if holder is None or holder[0] != owner:
-                    raise StoreError(lease_lost(gid, owner, None if holder is None else holder[0], to))
+            holder = w.lease_of(gid) if owner is not None and old is not None and old[0] is _RUNNING else None
+            tr.check_put(gid, None if old is None else old[0], to, owner, None if holder is None else holder[0])
+            assert old is not None
             w.put(keys.GROUPS, key, data)
             w.move(gid, old, to, version, seq)
 
@@ -715,6 +750,27 @@ class LmdbStore:
                 self._ready_cache[gid] = group
 
         self._write(fn, committed)
+
+    def _serve(self, w: _Write, state: GroupState, limit: int) -> list[tuple[str, _StateEntry, Group]]:
+        """Up to `limit` groups of `state` (PARTIAL or READY) in serving order, read and checked.
+
+        A group whose record fails its checksum is never served: it moves to QUARANTINED in this
+        same transaction (record kept as it is) and the next one in order is served instead."""
+        served: list[tuple[str, _StateEntry, Group]] = []
+        seen: set[str] = set()
+        while len(served) < limit:
+            new = [gid for gid in w.first_in_order(state, limit) if gid not in seen]
+            if not new:
+                break
+            for gid in new[: limit - len(served)]:
+                seen.add(gid)
+                old = self._expect(w, gid, state)
+                try:
+                    group = self._ready_cache.get(gid) if state is _READY else None
+                    served.append((gid, old, group if group is not None else w.group(gid)))
+                except CorruptRecordError:
+                    w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
+        return served
 
     def _expect(self, w: _Write, gid: str, state: GroupState) -> _StateEntry:
         entry = w.state_of(gid)

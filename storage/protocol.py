@@ -9,6 +9,9 @@ A group moves through these states; every arrow is one store method and one tran
                  ▼  │                                          ▼                   (id kept as a tombstone)
                PARTIAL ◄──────── recover (crash while RUNNING)  READY
                  RUNNING ──put_rejected──► REJECTED    RUNNING ──put_failed──► FAILED
+     any state but TRAINED ──(its record fails its checksum)──► QUARANTINED
+
+`storage.transitions` holds this table and every message a refused move gives; both stores use it.
 
 RUNNING is leased: `admit` and `claim_partial` give the lease, every move out of RUNNING ends it.
 
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -70,6 +73,7 @@ class GroupState(enum.Enum):
     TRAINED = "trained"
     REJECTED = "rejected"
     FAILED = "failed"
+    QUARANTINED = "quarantined"  # its stored record is damaged: kept, never served, its prompt requeued
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +221,20 @@ class Store(Protocol):
         batches after `trained_step()` -> READY (their batch records dropped)."""
         ...
 
+    def seed(
+        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+    ) -> None:
+        """Start an empty store where another one left off (a damaged store's salvage): the cursor,
+        the last trained step (steps up to it count as trained and collected), and groups that
+        enter PARTIAL or READY. One transaction. Raises StoreError on a store that is not empty."""
+        ...
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        """For each QUARANTINED group not requeued yet, `fresh(group_id)` (a new group for the same
+        prompt, or None when the prompt is unknown) enters PARTIAL under `transitions.requeue_id`.
+        The quarantined group stays, counted. Returns how many were requeued."""
+        ...
+
     def count(self, state: GroupState) -> int: ...
 
     def get(self, group_id: str) -> tuple[GroupState, Group] | None: ...
@@ -232,17 +250,3 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-def check_lease(owner: str, lease_seconds: float) -> None:
-    """Both stores refuse the same bad lease arguments (not exported: a helper of the implementations)."""
-    if not isinstance(owner, str) or not owner:
-        raise ValueError(f"a lease owner is a non-empty string, got {owner!r}")
-    if not lease_seconds > 0:  # NaN too
-        raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-
-
-def lease_lost(gid: str, owner: str, holder: str | None, to: GroupState) -> str:
-    held = "nobody" if holder is None else repr(holder)
-    return (
-        f"group {gid!r} is leased to {held}, not {owner!r}; it cannot become {to.value} "
-        "(its lease expired, or was never theirs)"
-    )

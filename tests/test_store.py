@@ -748,10 +748,37 @@ def test_a_corrupt_record_names_its_key(tmp_path: Path) -> None:
         assert info.value.key == f"groups/{victim}"
         with pytest.raises(CorruptRecordError, match=victim):
             list(store.groups(READY))
-        with pytest.raises(CorruptRecordError, match=victim):
-            store.take_batch(0, 2)
-        assert store.count(READY) == 2 and store.batch(0) is None  # the failed take stored nothing
+        assert "layout version byte 147" in str(info.value)  # the seal caught it, not a decoder
+        assert store.take_batch(0, 2) is None  # one READY group is damaged: too few are left
+        assert store.count(READY) == 1 and store.count(GroupState.QUARANTINED) == 1 and store.batch(0) is None
         assert store.get(fresh(0).group_id)[0] is READY
+        # the damaged group is never served; its prompt comes back under a new id, once
+        assert store.requeue_quarantined(lambda gid: fresh(1) if gid == victim else None) == 1
+        assert store.requeue_quarantined(lambda gid: fresh(1)) == 0
+        [again] = store.claim_partial(5)
+        assert again.group_id == f"{victim}.requeued" and again.task == fresh(1).task
+        assert store.count(GroupState.QUARANTINED) == 1
+    with LmdbStore(path, readonly=True) as store:  # kept, as it was
+        with pytest.raises(CorruptRecordError, match="layout version byte 147"):
+            store.get(victim)
+
+
+def test_a_damaged_partial_group_is_quarantined_and_the_next_one_served(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with LmdbStore(path) as store:
+        store.admit([fresh(0), fresh(1)], cursor_after(2))
+        store.put_partial(fresh(0))
+        store.put_partial(fresh(1))
+    env = lmdb.open(str(path), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.GROUPS, txn=txn)
+        value = bytearray(txn.get(fresh(0).group_id.encode(), db=db))
+        value[-3] ^= 0x10  # one flipped bit in the payload: it still decodes, but the checksum fails
+        txn.put(fresh(0).group_id.encode(), bytes(value), db=db)
+    env.close()
+    with LmdbStore(path) as store:
+        assert [g.group_id for g in store.claim_partial(2)] == [fresh(1).group_id]
+        assert store.count(GroupState.QUARANTINED) == 1 and store.count(PARTIAL) == 0
 
 
 def test_a_store_of_another_layout_is_refused(tmp_path: Path) -> None:
