@@ -14,6 +14,8 @@ from .async_store import AsyncStore
 from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
 from .lmdb_store import LmdbStore
 from .memory import MemoryStore
+from .salvage import Salvage, salvage_store, unreadable_reason
+from .transitions import requeue_id
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
@@ -38,6 +40,7 @@ __all__ = [
     "MemoryStore",
     "RecoveryReport",
     "RunMeta",
+    "Salvage",
     "Store",
     "StoreStatistics",
     "StorageDeclaration",
@@ -45,6 +48,9 @@ __all__ = [
     "check_storage",
     "load_declaration",
     "open_store",
+    "requeue_id",
+    "salvage_store",
+    "unreadable_reason",
 ]
 
 TRANSPORTS = ("memory", "lmdb")

@@ -22,7 +22,7 @@ import struct
 
 import lmdb
 
-__all__ = ["DAMAGE_ERRORS", "check_data_file", "is_damage"]
+__all__ = ["DAMAGE_ERRORS", "check_data_file", "is_damage", "meta_page_size"]
 
 DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
     lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
@@ -73,6 +73,12 @@ def check_data_file(path: str) -> list[str]:
     for page in (0, 1):
         problems += _check_meta(head[page * psize : (page + 1) * psize], page, psize, size, path)
     return problems
+
+
+def meta_page_size(path: str) -> int | None:
+    """The page size one of the file's meta pages gives; None if neither does."""
+    with open(path, "rb") as fh:
+        return _page_size(fh.read(2 * 65536))
 
 
 def _page_size(head: bytes) -> int | None:
