@@ -26,6 +26,7 @@ from .protocol import (
     RunMeta,
     Store,
     StoreStatistics,
+    VerifyReport,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Store",
     "StoreStatistics",
     "StorageDeclaration",
+    "VerifyReport",
     "StoragePlan",
     "check_storage",
     "load_declaration",

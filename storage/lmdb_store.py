@@ -47,6 +47,7 @@ from pipeline.types import Batch, Group
 
 from . import codec, keys
 from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage
+from .lmdb_verify import verify_records
 from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .protocol import (
@@ -58,6 +59,7 @@ from .protocol import (
     RecoveryReport,
     RunMeta,
     StoreStatistics,
+    VerifyReport,
 )
 from . import transitions as tr
 from .transitions import check_lease
@@ -537,8 +539,19 @@ class LmdbStore:
 
         return self._read(fn)
 
-    def groups(self, state: GroupState) -> Iterator[Group]:
-        """A snapshot, read in one transaction (no transaction stays open while the caller iterates)."""
+    def verify(self) -> VerifyReport:
+        """Every record read and checked, every index checked (see `storage.lmdb_verify`)."""
+        data_file = os.path.join(self._path, "data.mdb")
+        pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
+        counts = self._counters()[0]
+        report = self._read(lambda txn: verify_records(txn, self._dbs, sealed=self._sealed, counts=counts))
+        return VerifyReport(report.records, (*pages, *report.damaged))
+
+    def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:
+        """A snapshot, read in one transaction (no transaction stays open while the caller iterates).
+
+        With `damaged`, a record that fails its checksum is appended there and skipped (replay
+        reports it and goes on); without, it raises CorruptRecordError."""
 
         def fn(txn: lmdb.Transaction) -> list[Group]:
             w = self._reader(txn)
@@ -553,16 +566,21 @@ class LmdbStore:
                         if not key.startswith(prefix):
                             break
                         ids.append(keys.group_id_of_by_state_key(key))
-            return [w.group(gid) for gid in ids]
+            return _readable(w.group, ids, damaged)
 
         return iter(self._read(fn))
 
-    def batch(self, step: int) -> Batch | None:
+    def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
+        """With `damaged`, as in `groups`: damaged groups are listed there and left out of the batch."""
         step_key = keys.step_key(step)
 
         def fn(txn: lmdb.Transaction) -> Batch | None:
-            raw = self._reader(txn).get(keys.BATCHES, step_key)
-            return None if raw is None else self._batch_from_ref(self._reader(txn), step_key, raw)
+            w = self._reader(txn)
+            raw = w.get(keys.BATCHES, step_key)
+            if raw is None:
+                return None
+            step_read, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+            return Batch(step=step_read, groups=tuple(_readable(w.group, ids, damaged)))
 
         return self._read(fn)
 
@@ -806,6 +824,18 @@ class LmdbStore:
                 os.ftruncate(fd, 0)  # no stale holder shown after a clean close
             finally:
                 os.close(fd)  # closing the descriptor releases the flock
+
+
+def _readable(read: Callable[[str], Group], ids: Sequence[str], damaged: list[CorruptRecordError] | None) -> list[Group]:
+    if damaged is None:
+        return [read(gid) for gid in ids]
+    out = []
+    for gid in ids:
+        try:
+            out.append(read(gid))
+        except CorruptRecordError as exc:
+            damaged.append(exc)
+    return out
 
 
 def _decodes_equal(group: Group) -> bool:

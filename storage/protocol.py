@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline.errors import CorruptRecordError
 from pipeline.types import Batch, Group
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "RunMeta",
     "Store",
     "StoreStatistics",
+    "VerifyReport",
 ]
 
 SCHEMA_VERSION = 1
@@ -126,6 +128,18 @@ class StoreStatistics:
     collected: int = 0  # TRAINED groups deleted by collect_garbage, over the store's life
     collected_step: int = -1  # the last step collect_garbage covered
     map_size: int = 0  # the LMDB map reservation now (it doubles when full); 0 for the memory store
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `Store.verify()` read, and every damaged thing it found (empty: the store is sound)."""
+
+    records: int  # values read and checked
+    damaged: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
 
 
 @runtime_checkable
@@ -239,11 +253,17 @@ class Store(Protocol):
 
     def get(self, group_id: str) -> tuple[GroupState, Group] | None: ...
 
-    def groups(self, state: GroupState) -> Iterator[Group]:
-        """The groups in `state`; PARTIAL and READY in serving order, the rest in any order."""
+    def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:
+        """The groups in `state`; PARTIAL and READY in serving order, the rest in any order.
+
+        A damaged record raises CorruptRecordError; with `damaged`, it is appended there and skipped."""
         ...
 
-    def batch(self, step: int) -> Batch | None: ...
+    def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None: ...
+
+    def verify(self) -> VerifyReport:
+        """Every record read and checked, every index checked against the group states."""
+        ...
 
     def statistics(self) -> StoreStatistics: ...
 
