@@ -47,7 +47,7 @@ from pipeline.types import Batch, Group
 
 from . import codec, keys
 from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage
-from .lmdb_verify import verify_records
+from .lmdb_verify import verify_records, walk_trees
 from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .protocol import (
@@ -228,6 +228,8 @@ class LmdbStore:
             self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
             self._collected = self._read(self._load_collected)
             self._read(self._check_counters)
+            if problems := walk_trees(self._open_env(), self._dbs):
+                raise StoreCorruptionError(data_file, "; ".join(problems))
             self._note_size()
         except BaseException:
             self.close()
@@ -544,7 +546,8 @@ class LmdbStore:
         data_file = os.path.join(self._path, "data.mdb")
         pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
         counts = self._counters()[0]
-        report = self._read(lambda txn: verify_records(txn, self._dbs, sealed=self._sealed, counts=counts))
+        with self._lock:
+            report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts)
         return VerifyReport(report.records, (*pages, *report.damaged))
 
     def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:

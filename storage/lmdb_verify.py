@@ -22,7 +22,7 @@ from .migrate import SEALED_DATABASES, counter_problems
 from .protocol import GroupState, VerifyReport
 from .seal import unseal
 
-__all__ = ["VerifyReport", "verify_records"]
+__all__ = ["VerifyReport", "verify_records", "walk_trees"]
 
 _ORDER_DB = {GroupState.PARTIAL: keys.PARTIAL_ORDER, GroupState.READY: keys.READY_ORDER}
 
@@ -48,31 +48,67 @@ def _checker(db: bytes, key: bytes) -> Callable[[bytes, str], object]:
     return meta.get(key, lambda raw, where: raw)
 
 
+def walk_trees(env: lmdb.Environment, dbs: dict[bytes, object]) -> list[str]:
+    """Every branch and leaf page of every database visited once, keys only (values are not read,
+    so the big group records in overflow pages cost nothing): what `LmdbStore` does on open to find
+    a damaged page before a run trips over it. About 0.1 us per entry (BENCHMARKS.md)."""
+    problems = []
+    for name in keys.DATABASES:
+        walked = 0
+        try:
+            with env.begin() as txn:  # a fresh transaction each: an LMDB error poisons its transaction
+                for _ in txn.cursor(db=dbs[name]).iternext(keys=True, values=False):
+                    walked += 1
+                expected = txn.stat(dbs[name])["entries"]
+        except lmdb.Error as exc:
+            problems.append(f"database {name.decode()!r} is damaged after {walked} entries: LMDB: {exc}")
+            continue
+        if walked != expected:
+            problems.append(f"database {name.decode()!r} holds {walked} entries, its header says {expected}")
+    return problems
+
+
 def verify_records(
-    txn: lmdb.Transaction, dbs: dict[bytes, object], *, sealed: bool, counts: dict[GroupState, int]
+    env: lmdb.Environment, dbs: dict[bytes, object], *, sealed: bool, counts: dict[GroupState, int]
 ) -> VerifyReport:
     damaged: list[str] = []
     records = 0
     states: dict[str, tuple[GroupState, int, int]] = {}
     for db in SEALED_DATABASES:
-        try:
-            for key, value in txn.cursor(db=dbs[db]).iternext(keys=True, values=True):
-                key = bytes(key)
-                if db == keys.META and key == keys.META_LAYOUT:
-                    continue  # checked on open, in its own form
-                records += 1
-                where = keys.describe(db, key)
-                try:
-                    decoded = _checker(db, key)(unseal(key, value, where=where, sealed=sealed), where)
-                except StoreError as exc:
-                    damaged.append(str(exc))
-                    continue
-                if db == keys.STATE:
-                    states[key.decode(errors="replace")] = decoded  # type: ignore[assignment]
-        except lmdb.Error as exc:
-            damaged.append(f"database {db.decode()!r} is damaged after {records} records: LMDB: {exc}")
-    damaged += _index_problems(txn, dbs, states, counts)
+        # A fresh transaction each: an LMDB error poisons its transaction, not the next database.
+        with env.begin() as txn:
+            records += _walk_values(txn, dbs, db, sealed=sealed, damaged=damaged, states=states)
+    try:
+        with env.begin() as txn:
+            damaged += _index_problems(txn, dbs, states, counts)
+    except lmdb.Error as exc:
+        damaged.append(f"the indexes cannot be walked: LMDB: {exc}")
     return VerifyReport(records=records, damaged=tuple(damaged))
+
+
+def _walk_values(
+    txn: lmdb.Transaction, dbs: dict[bytes, object], db: bytes, *, sealed: bool, damaged: list[str],
+    states: dict[str, tuple[GroupState, int, int]],
+) -> int:
+    """Every value of `db` unsealed and decoded; damage appended to `damaged`. Returns values read."""
+    records = 0
+    try:
+        for raw_key, value in txn.cursor(db=dbs[db]).iternext(keys=True, values=True):
+            key = bytes(raw_key)
+            if db == keys.META and key == keys.META_LAYOUT:
+                continue  # checked on open, in its own form
+            records += 1
+            where = keys.describe(db, key)
+            try:
+                decoded = _checker(db, key)(unseal(key, value, where=where, sealed=sealed), where)
+            except StoreError as exc:
+                damaged.append(str(exc))
+                continue
+            if db == keys.STATE:
+                states[key.decode(errors="replace")] = decoded  # type: ignore[assignment]
+    except lmdb.Error as exc:
+        damaged.append(f"database {db.decode()!r} is damaged after {records} records: LMDB: {exc}")
+    return records
 
 
 def _index_problems(
