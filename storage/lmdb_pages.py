@@ -11,18 +11,25 @@ The meta page layout (lmdb.h, 64-bit builds, format version 1), after the 16-byt
 two MDB_db records of 48 bytes (free list, main; the free list's `md_pad` holds the page size),
 last page number u64, transaction id u64.
 
+LMDB does not check its branch and leaf pages either: a damaged node size sends it reading past
+its page (past the end of the file, a SIGBUS that kills the process). So `walk_pages` walks every
+tree from the newest meta page in Python, before LMDB does, and checks every page and node it
+reaches against the file: page numbers, flags, node offsets and sizes, child and overflow page
+numbers. Values (the records) are not read; their checksums are the store's business.
+
 `DAMAGE_ERRORS` are the lmdb exceptions that mean damaged bytes or another format. Any other lmdb
 error (disk full, permissions, lock table, limits) is the machine's problem, not the store's.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
 import lmdb
 
-__all__ = ["DAMAGE_ERRORS", "check_data_file", "is_damage", "meta_page_size"]
+__all__ = ["DAMAGE_ERRORS", "check_data_file", "is_damage", "meta_page_size", "walk_pages"]
 
 DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
     lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
@@ -116,3 +123,126 @@ def _check_meta(page: bytes, number: int, psize: int, size: int, path: str) -> l
         checks.append((root == _P_INVALID or 2 <= root <= last_pg, f"{name} root page {root} is outside 2..{last_pg}"))
         checks.append((depth <= _MAX_DEPTH, f"{name} tree depth {depth}"))
     return [f"{where}: {why}" for ok, why in checks if not ok]
+
+
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_NODE = struct.Struct("<HHHH")
+_PTR = struct.Struct("<H")
+_PGNO = struct.Struct("<Q")
+
+
+def walk_pages(path: str) -> dict[str, str]:
+    """Every tree of `path` (a `data.mdb` whose meta pages passed `check_data_file`) walked from the
+    newest meta page: {tree name: what is wrong} for each damaged tree, empty if none is.
+
+    Tree names are "free-list", "main" and the named databases. A damaged main tree hides the
+    named ones (their roots live in it)."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            return {}
+        # Mapped, not read: only the branch and leaf pages are touched, never the records'
+        # overflow pages. Every offset is checked against the file's size first (no SIGBUS).
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return _walk(view)
+            finally:
+                view.release()
+
+
+def _walk(data: memoryview) -> dict[str, str]:
+    psize = _page_size(bytes(data[: 2 * 65536]))
+    assert psize is not None, "check_data_file first"
+    metas = [bytes(data[p * psize : (p + 1) * psize]) for p in (0, 1)]
+    newest = max(metas, key=lambda page: _TAIL.unpack_from(page, _TAIL_AT)[1])
+    last_pg = _TAIL.unpack_from(newest, _TAIL_AT)[0]
+    walker = _Walker(data, psize, last_pg)
+    damaged: dict[str, str] = {}
+    for name, db in (("free-list", _DB.unpack_from(newest, _DB_AT)), ("main", _DB.unpack_from(newest, _DB_AT + _DB.size))):
+        subs: list[tuple[str, int]] = []
+        if (problem := walker.tree(db[7], subs if name == "main" else None)) is not None:
+            damaged[name] = problem
+            continue
+        for sub_name, root in subs:
+            if (problem := walker.tree(root, None)) is not None:
+                damaged[sub_name] = problem
+    return damaged
+
+
+class _Walker:
+    def __init__(self, data: memoryview, psize: int, last_pg: int) -> None:
+        self.data, self.psize, self.last_pg = data, psize, last_pg
+        self.seen: set[int] = set()
+
+    def tree(self, root: int, subs: list[tuple[str, int]] | None) -> str | None:
+        """None if every page under `root` is sound, else what is wrong (the first problem)."""
+        if root == _P_INVALID:
+            return None
+        stack = [(root, 0)]
+        while stack:
+            pgno, depth = stack.pop()
+            if depth > _MAX_DEPTH:
+                return f"the tree is deeper than {_MAX_DEPTH} at page {pgno} (a loop of pages)"
+            problem = self.page(pgno, depth, stack, subs)
+            if problem is not None:
+                return f"page {pgno}: {problem}"
+        return None
+
+    def page(self, pgno: int, depth: int, stack: list[tuple[int, int]], subs: list[tuple[str, int]] | None) -> str | None:
+        if not 2 <= pgno <= self.last_pg:
+            return f"page number outside 2..{self.last_pg}"
+        if (pgno + 1) * self.psize > len(self.data):
+            return "the page is past the end of the file (truncated)"
+        if pgno in self.seen:
+            return "reached twice (pages shared between trees, or a loop)"
+        self.seen.add(pgno)
+        base, psize = pgno * self.psize, self.psize
+        stored, _, flags, lower, upper = _HEADER.unpack_from(self.data, base)
+        kind = flags & (_P_BRANCH | _P_LEAF)
+        if stored != pgno or kind not in (_P_BRANCH, _P_LEAF) or flags & _P_OVERFLOW:
+            return f"header says page {stored} with flags {flags:#x}"
+        if not (_HEADER.size <= lower <= upper <= psize) or (lower - _HEADER.size) % 2:
+            return f"node area {lower}..{upper} does not fit the page"
+        for i in range((lower - _HEADER.size) // 2):
+            offset = _PTR.unpack_from(self.data, base + _HEADER.size + 2 * i)[0]
+            if not upper <= offset <= psize - _NODE.size:
+                return f"node {i} at offset {offset} is outside the node area"
+            lo, hi, nflags, ksize = _NODE.unpack_from(self.data, base + offset)
+            end = offset + _NODE.size + ksize
+            if kind == _P_BRANCH:
+                child = lo | hi << 16 | nflags << 32
+                if end > psize:
+                    return f"branch node {i} has a {ksize}-byte key past the page"
+                stack.append((child, depth + 1))
+                continue
+            problem = self.leaf_node(i, base, offset, end, lo | hi << 16, nflags, ksize, subs)
+            if problem is not None:
+                return problem
+        return None
+
+    def leaf_node(
+        self, i: int, base: int, offset: int, end: int, dsize: int, nflags: int, ksize: int,
+        subs: list[tuple[str, int]] | None,
+    ) -> str | None:
+        if nflags & _F_BIGDATA:
+            if end + 8 > self.psize:
+                return f"leaf node {i} overruns the page"
+            first = _PGNO.unpack_from(self.data, base + end)[0]
+            pages = -(-(dsize + _HEADER.size) // self.psize)
+            if not 2 <= first <= first + pages - 1 <= self.last_pg:
+                return f"leaf node {i} points to overflow pages {first}..{first + pages - 1}, outside 2..{self.last_pg}"
+            if (first + pages) * self.psize > len(self.data):
+                return f"leaf node {i} points to overflow pages past the end of the file (truncated)"
+            over = first * self.psize
+            if _HEADER.unpack_from(self.data, over)[2] & _P_OVERFLOW == 0:
+                return f"leaf node {i} points to page {first}, which is not an overflow page"
+            return None
+        if end + dsize > self.psize:
+            return f"leaf node {i} has {ksize}+{dsize} bytes of key and value, past the page"
+        if nflags & _F_SUBDATA and subs is not None:
+            if dsize != _DB.size:
+                return f"leaf node {i} names a database with a {dsize}-byte record"
+            name = bytes(self.data[base + offset + _NODE.size : base + end]).decode(errors="replace")
+            subs.append((name, _DB.unpack_from(self.data, base + end)[7]))
+        return None

@@ -46,8 +46,8 @@ from pipeline.errors import (
 from pipeline.types import Batch, Group
 
 from . import codec, keys
-from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage
-from .lmdb_verify import verify_records, walk_trees
+from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage, walk_pages
+from .lmdb_verify import verify_records
 from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .protocol import (
@@ -211,7 +211,10 @@ class LmdbStore:
         self._counts: dict[GroupState, int] = dict.fromkeys(GroupState, 0)
         self._cursor, self._trained_step = Cursor(), -1
         data_file = os.path.join(self._path, "data.mdb")
-        if problems := check_data_file(data_file):
+        problems = check_data_file(data_file)
+        if not problems and os.path.exists(data_file):
+            problems = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
+        if problems:
             self.close()
             raise StoreCorruptionError(data_file, "; ".join(problems))
         try:
@@ -228,8 +231,6 @@ class LmdbStore:
             self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
             self._collected = self._read(self._load_collected)
             self._read(self._check_counters)
-            if problems := walk_trees(self._open_env(), self._dbs):
-                raise StoreCorruptionError(data_file, "; ".join(problems))
             self._note_size()
         except BaseException:
             self.close()
@@ -545,6 +546,10 @@ class LmdbStore:
         """Every record read and checked, every index checked (see `storage.lmdb_verify`)."""
         data_file = os.path.join(self._path, "data.mdb")
         pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
+        if not pages:
+            pages = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
+        if pages:  # LMDB must not walk a damaged tree (it reads past pages): report only these
+            return VerifyReport(0, tuple(pages))
         counts = self._counters()[0]
         with self._lock:
             report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts)

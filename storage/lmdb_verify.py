@@ -22,7 +22,7 @@ from .migrate import SEALED_DATABASES, counter_problems
 from .protocol import GroupState, VerifyReport
 from .seal import unseal
 
-__all__ = ["VerifyReport", "verify_records", "walk_trees"]
+__all__ = ["verify_records"]
 
 _ORDER_DB = {GroupState.PARTIAL: keys.PARTIAL_ORDER, GroupState.READY: keys.READY_ORDER}
 
@@ -46,26 +46,6 @@ def _checker(db: bytes, key: bytes) -> Callable[[bytes, str], object]:
         keys.META_COLLECTED: lambda raw, where: keys.parse_collected(raw),
     }
     return meta.get(key, lambda raw, where: raw)
-
-
-def walk_trees(env: lmdb.Environment, dbs: dict[bytes, object]) -> list[str]:
-    """Every branch and leaf page of every database visited once, keys only (values are not read,
-    so the big group records in overflow pages cost nothing): what `LmdbStore` does on open to find
-    a damaged page before a run trips over it. About 0.1 us per entry (BENCHMARKS.md)."""
-    problems = []
-    for name in keys.DATABASES:
-        walked = 0
-        try:
-            with env.begin() as txn:  # a fresh transaction each: an LMDB error poisons its transaction
-                for _ in txn.cursor(db=dbs[name]).iternext(keys=True, values=False):
-                    walked += 1
-                expected = txn.stat(dbs[name])["entries"]
-        except lmdb.Error as exc:
-            problems.append(f"database {name.decode()!r} is damaged after {walked} entries: LMDB: {exc}")
-            continue
-        if walked != expected:
-            problems.append(f"database {name.decode()!r} holds {walked} entries, its header says {expected}")
-    return problems
 
 
 def verify_records(

@@ -27,7 +27,7 @@ from pipeline.errors import IncompatibleStoreError, StoreCorruptionError, StoreE
 from pipeline.types import Group
 
 from . import codec, keys
-from .lmdb_pages import check_data_file, meta_page_size
+from .lmdb_pages import check_data_file, meta_page_size, walk_pages
 from .migrate import parse_layout
 from .protocol import Cursor, GroupState
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, unseal
@@ -111,15 +111,29 @@ def _readable_copy(path: str) -> Iterator[tuple[str, str]]:
 
 
 def _read_env(path: str) -> Salvage:
+    # LMDB must never walk a damaged tree (a damaged node sends it reading past its page): the
+    # trees are walked in Python first, and a damaged one is not read at all.
+    data = os.path.join(path, "data.mdb")
+    problems = check_data_file(data)
+    if any("past the end" not in p for p in problems):  # a truncated file is walked: the rest is not
+        return Salvage(None, None, tuple(f"nothing can be read: {p}" for p in problems))
+    damaged = walk_pages(data)
+    if "main" in damaged or "meta" in damaged:
+        tree = "main" if "main" in damaged else "meta"
+        return Salvage(None, None, (f"the {tree} tree is damaged, so nothing can be found: {damaged[tree]}",))
     env = lmdb.open(path, readonly=True, lock=False, subdir=True, create=False, max_dbs=len(keys.DATABASES))
     try:
         with env.begin() as txn:
-            return _read(txn, {name: env.open_db(name, txn=txn, create=False) for name in keys.DATABASES})
+            dbs = {name: env.open_db(name, txn=txn, create=False) for name in keys.DATABASES}
+            salvage = _read(txn, dbs, lost={name.encode() for name in damaged})
     finally:
         env.close()
+    lost = tuple(f"the {tree} tree is damaged and was not read: {why}" for tree, why in damaged.items())
+    return Salvage(salvage.cursor, salvage.trained_step, (*lost, *salvage.problems), salvage.partial,
+                   salvage.ready, salvage.damaged)
 
 
-def _read(txn: lmdb.Transaction, dbs: dict[bytes, object]) -> Salvage:
+def _read(txn: lmdb.Transaction, dbs: dict[bytes, object], *, lost: set[bytes]) -> Salvage:
     meta = dbs[keys.META]
     raw_layout = txn.get(keys.META_LAYOUT, db=meta)
     layout = LEGACY_LAYOUT if raw_layout is None else parse_layout(
@@ -153,6 +167,9 @@ def _read(txn: lmdb.Transaction, dbs: dict[bytes, object]) -> Salvage:
         problems.append(f"trained step: {exc}")
     if cursor is None:
         problems.append("no group is carried over: with the cursor unknown, the dataset starts again")
+        return Salvage(cursor, trained, tuple(problems))
+    if lost & {keys.STATE, keys.GROUPS}:
+        problems.append("no group is carried over: the groups or their states cannot be read")
         return Salvage(cursor, trained, tuple(problems))
     partial, ready, damaged = _groups(txn, dbs, read, problems)
     return Salvage(cursor, trained, tuple(problems), tuple(partial), tuple(ready), tuple(damaged))
