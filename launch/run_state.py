@@ -207,6 +207,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
     """Groups quarantined in a store that still opens (a record failed its checksum) are never
     trained; their prompts are generated again, once."""
+    store.quarantine_damaged()
     quarantined = store.count(GroupState.QUARANTINED)
     if not quarantined:
         return

@@ -128,7 +128,6 @@ def _check_meta(page: bytes, number: int, psize: int, size: int, path: str) -> l
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
 _NODE = struct.Struct("<HHHH")
-_PTR = struct.Struct("<H")
 _PGNO = struct.Struct("<Q")
 
 
@@ -204,21 +203,22 @@ class _Walker:
             return f"header says page {stored} with flags {flags:#x}"
         if not (_HEADER.size <= lower <= upper <= psize) or (lower - _HEADER.size) % 2:
             return f"node area {lower}..{upper} does not fit the page"
-        for i in range((lower - _HEADER.size) // 2):
-            offset = _PTR.unpack_from(self.data, base + _HEADER.size + 2 * i)[0]
-            if not upper <= offset <= psize - _NODE.size:
-                return f"node {i} at offset {offset} is outside the node area"
-            lo, hi, nflags, ksize = _NODE.unpack_from(self.data, base + offset)
-            end = offset + _NODE.size + ksize
+        n = (lower - _HEADER.size) // 2
+        offsets = struct.unpack_from(f"<{n}H", self.data, base + _HEADER.size)
+        if n and (min(offsets) < upper or max(offsets) > psize - _NODE.size):
+            return f"a node offset ({min(offsets)}..{max(offsets)}) is outside the node area {upper}..{psize}"
+        unpack, data, node_size = _NODE.unpack_from, self.data, _NODE.size
+        for i, offset in enumerate(offsets):
+            lo, hi, nflags, ksize = unpack(data, base + offset)
+            end = offset + node_size + ksize
             if kind == _P_BRANCH:
-                child = lo | hi << 16 | nflags << 32
                 if end > psize:
                     return f"branch node {i} has a {ksize}-byte key past the page"
-                stack.append((child, depth + 1))
-                continue
-            problem = self.leaf_node(i, base, offset, end, lo | hi << 16, nflags, ksize, subs)
-            if problem is not None:
-                return problem
+                stack.append((lo | hi << 16 | nflags << 32, depth + 1))
+            elif nflags or end + (lo | hi << 16) > psize:  # the common leaf node: a value inline
+                problem = self.leaf_node(i, base, offset, end, lo | hi << 16, nflags, ksize, subs)
+                if problem is not None:
+                    return problem
         return None
 
     def leaf_node(

@@ -503,18 +503,40 @@ class LmdbStore:
 
         self._write(fn)
 
+    def quarantine_damaged(self) -> int:
+        """Every group that can still be served (RUNNING, PARTIAL, READY, BATCHED) read and checked;
+        those whose records are damaged move to QUARANTINED. Returns how many moved. A launcher
+        runs it on open, so a damaged prompt is requeued before the run, not found mid-run."""
+
+        def fn(w: _Write) -> int:
+            moved = 0
+            for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
+                for gid in self._ids_in_state(w.txn, state):
+                    try:
+                        w.group(gid)
+                    except CorruptRecordError:
+                        old = self._expect(w, gid, state)
+                        w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
+                        moved += 1
+            return moved
+
+        return self._write(fn)
+
+    def _ids_in_state(self, txn: lmdb.Transaction, state: GroupState) -> list[str]:
+        prefix = keys.by_state_prefix(state)
+        found = []
+        cursor = txn.cursor(db=self._dbs[keys.BY_STATE])
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(keys=True, values=False):
+                if not key.startswith(prefix):
+                    break
+                found.append(keys.group_id_of_by_state_key(key))
+        return found
+
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         def fn(w: _Write) -> int:
-            prefix = keys.by_state_prefix(GroupState.QUARANTINED)
-            quarantined = []
-            cursor = w.txn.cursor(db=self._dbs[keys.BY_STATE])
-            if cursor.set_range(prefix):
-                for key in cursor.iternext(keys=True, values=False):
-                    if not key.startswith(prefix):
-                        break
-                    quarantined.append(keys.group_id_of_by_state_key(key))
             requeued = 0
-            for gid in quarantined:
+            for gid in self._ids_in_state(w.txn, GroupState.QUARANTINED):
                 new_id = tr.requeue_id(gid)
                 key = keys.group_key(new_id)
                 if w.state_of(new_id) is not None or w.get(keys.TOMBSTONES, key) is not None:

@@ -257,6 +257,11 @@ class MemoryStore:
         self._trained_step = self._collected_step = trained_step
         self._transactions += 1
 
+    def quarantine_damaged(self) -> int:
+        """Nothing in memory is ever damaged."""
+        self._check_open()
+        return 0
+
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         """Nothing is ever damaged in memory, but a QUARANTINED group is served the same way."""
         self._check_open()

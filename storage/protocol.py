@@ -243,6 +243,11 @@ class Store(Protocol):
         enter PARTIAL or READY. One transaction. Raises StoreError on a store that is not empty."""
         ...
 
+    def quarantine_damaged(self) -> int:
+        """Groups that can still be served (RUNNING, PARTIAL, READY, BATCHED) whose records fail their
+        checksum -> QUARANTINED, in one transaction. Returns how many."""
+        ...
+
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         """For each QUARANTINED group not requeued yet, `fresh(group_id)` (a new group for the same
         prompt, or None when the prompt is unknown) enters PARTIAL under `transitions.requeue_id`.
