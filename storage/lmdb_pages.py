@@ -95,9 +95,8 @@ def _page_size(head: bytes) -> int | None:
             break
         psize = _DB.unpack_from(head, offset + _DB_AT)[0]
         magic = _META.unpack_from(head, offset + _HEADER.size)[0]
-        if magic == _MAGIC and 512 <= psize <= 65536 and psize & (psize - 1) == 0:
-            if offset in (0, psize):
-                return psize
+        if magic == _MAGIC and 512 <= psize <= 65536 and psize & (psize - 1) == 0 and offset in (0, psize):
+            return int(psize)
     return None
 
 

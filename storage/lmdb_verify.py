@@ -18,7 +18,7 @@ import lmdb
 from pipeline.errors import StoreError
 
 from . import codec, keys
-from .migrate import SEALED_DATABASES, counter_problems
+from .migrate import SEALED_DATABASES, Databases, counter_problems
 from .protocol import GroupState, VerifyReport
 from .seal import unseal
 
@@ -49,7 +49,7 @@ def _checker(db: bytes, key: bytes) -> Callable[[bytes, str], object]:
 
 
 def verify_records(
-    env: lmdb.Environment, dbs: dict[bytes, object], *, sealed: bool, counts: dict[GroupState, int]
+    env: lmdb.Environment, dbs: Databases, *, sealed: bool, counts: dict[GroupState, int]
 ) -> VerifyReport:
     damaged: list[str] = []
     records = 0
@@ -67,7 +67,7 @@ def verify_records(
 
 
 def _walk_values(
-    txn: lmdb.Transaction, dbs: dict[bytes, object], db: bytes, *, sealed: bool, damaged: list[str],
+    txn: lmdb.Transaction, dbs: Databases, db: bytes, *, sealed: bool, damaged: list[str],
     states: dict[str, tuple[GroupState, int, int]],
 ) -> int:
     """Every value of `db` unsealed and decoded; damage appended to `damaged`. Returns values read."""
@@ -92,7 +92,7 @@ def _walk_values(
 
 
 def _index_problems(
-    txn: lmdb.Transaction, dbs: dict[bytes, object], states: dict[str, tuple[GroupState, int, int]],
+    txn: lmdb.Transaction, dbs: Databases, states: dict[str, tuple[GroupState, int, int]],
     counts: dict[GroupState, int],
 ) -> list[str]:
     """Each state entry has its record and index entries, and the counters match the states."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeAlias
 
 import lmdb
 
@@ -24,8 +25,12 @@ from . import keys
 from .protocol import GroupState
 from .seal import LAYOUT_VERSION, seal
 
-__all__ = ["SEALED_DATABASES", "counter_problems", "layout_value", "migrate_to_sealed", "parse_layout"]
+__all__ = ["SEALED_DATABASES", "Databases", "counter_problems", "layout_value", "migrate_to_sealed", "parse_layout"]
 
+if TYPE_CHECKING:
+    from lmdb import _Database
+
+Databases: TypeAlias = "Mapping[bytes, _Database]"  # database name -> handle, as `LmdbStore` opens them
 _LAYOUT = struct.Struct(">qI")
 # Databases whose values are sealed; the others (indexes) hold b"" and are checked by their keys.
 SEALED_DATABASES = (keys.META, keys.GROUPS, keys.STATE, keys.BATCHES, keys.LEASES, keys.TOMBSTONES)
@@ -48,7 +53,7 @@ def parse_layout(raw: bytes, *, where: str) -> int:
     return int(version)
 
 
-def migrate_to_sealed(txn: lmdb.Transaction, dbs: Mapping[bytes, object]) -> None:
+def migrate_to_sealed(txn: lmdb.Transaction, dbs: Databases) -> None:
     """Reseal every value of a layout-1 store and stamp layout 2, in the caller's one transaction."""
     for name in SEALED_DATABASES:
         db = dbs[name]

@@ -17,18 +17,23 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import lmdb
 
-from pipeline.errors import IncompatibleStoreError, StoreCorruptionError, StoreError, StoreLockedError
+from pipeline.errors import (
+    IncompatibleStoreError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+)
 from pipeline.types import Group
 
 from . import codec, keys
 from .lmdb_pages import check_data_file, meta_page_size, walk_pages
-from .migrate import parse_layout
+from .migrate import Databases, parse_layout
 from .protocol import Cursor, GroupState
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, unseal
 
@@ -133,17 +138,18 @@ def _read_env(path: str) -> Salvage:
                    salvage.ready, salvage.damaged)
 
 
-def _read(txn: lmdb.Transaction, dbs: dict[bytes, object], *, lost: set[bytes]) -> Salvage:
+def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage:
     meta = dbs[keys.META]
     raw_layout = txn.get(keys.META_LAYOUT, db=meta)
     layout = LEGACY_LAYOUT if raw_layout is None else parse_layout(
         bytes(raw_layout), where=keys.describe(keys.META, keys.META_LAYOUT)
     )
     if layout > LAYOUT_VERSION:
-        return Salvage(None, None, (
+        newer = (
             f"the store has layout {layout}, written by a newer rollout-pipeline; this version reads layouts "
-            f"{LEGACY_LAYOUT} to {LAYOUT_VERSION} and reads nothing from it",
-        ))
+            f"{LEGACY_LAYOUT} to {LAYOUT_VERSION} and reads nothing from it"
+        )
+        return Salvage(None, None, (newer,))
     sealed = layout == LAYOUT_VERSION
     problems: list[str] = []
 
@@ -171,28 +177,31 @@ def _read(txn: lmdb.Transaction, dbs: dict[bytes, object], *, lost: set[bytes]) 
     if lost & {keys.STATE, keys.GROUPS}:
         problems.append("no group is carried over: the groups or their states cannot be read")
         return Salvage(cursor, trained, tuple(problems))
-    partial, ready, damaged = _groups(txn, dbs, read, problems)
+    partial, ready, damaged = _groups(txn, dbs, read, problems, sealed=sealed)
     return Salvage(cursor, trained, tuple(problems), tuple(partial), tuple(ready), tuple(damaged))
 
 
 def _groups(
-    txn: lmdb.Transaction, dbs: dict[bytes, object], read: object, problems: list[str]
+    txn: lmdb.Transaction, dbs: Databases, read: Callable[[bytes, bytes], bytes | None],
+    problems: list[str], *, sealed: bool,
 ) -> tuple[list[Group], list[Group], list[str]]:
     """The unfinished groups, each read on its own; a damaged one is named in `damaged`."""
-    assert callable(read)
     entries: list[tuple[str, GroupState]] = []
     try:
         for key, value in txn.cursor(db=dbs[keys.STATE]).iternext(keys=True, values=True):
-            where = keys.describe(keys.STATE, key)
+            where = keys.describe(keys.STATE, bytes(key))
             try:
-                state = keys.parse_state_entry(read(keys.STATE, bytes(key)), key=where)[0]
+                payload = unseal(bytes(key), value, where=where, sealed=sealed)
+                state = keys.parse_state_entry(payload, key=where)[0]
             except StoreError as exc:
                 problems.append(f"a group's state: {exc}")
                 continue
             entries.append((bytes(key).decode(errors="replace"), state))
     except lmdb.Error as exc:  # a damaged page ends the walk: keep what came before it
         problems.append(f"the state index is damaged after {len(entries)} groups: {exc}")
-    partial, ready, damaged = [], [], []
+    partial: list[Group] = []
+    ready: list[Group] = []
+    damaged: list[str] = []
     for gid, state in entries:
         if state not in _UNFINISHED_TO_PARTIAL | _UNFINISHED_TO_READY:
             continue  # trained, rejected, failed, quarantined: nothing to serve again

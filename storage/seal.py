@@ -37,7 +37,7 @@ def seal(key: bytes, payload: bytes) -> bytes:
     return _HEAD.pack(LAYOUT_VERSION, zlib.crc32(payload, zlib.crc32(key))) + payload
 
 
-def unseal(key: bytes, value: bytes, *, where: str, sealed: bool = True) -> bytes:
+def unseal(key: bytes | memoryview, value: bytes | memoryview, *, where: str, sealed: bool = True) -> bytes:
     """The payload of a sealed value. CorruptRecordError (naming `where`) if the value is damaged.
 
     `where` is the key as errors show it (`groups/e0000-p000000001`, see `keys.describe`).
@@ -51,7 +51,7 @@ def unseal(key: bytes, value: bytes, *, where: str, sealed: bool = True) -> byte
     payload = bytes(value[_HEAD.size :])
     if version != LAYOUT_VERSION:
         raise CorruptRecordError(where, f"layout version byte {version}, expected {LAYOUT_VERSION}")
-    computed = zlib.crc32(payload, zlib.crc32(key))
+    computed = zlib.crc32(payload, zlib.crc32(bytes(key)))
     if computed != stored:
         raise CorruptRecordError(where, f"checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")
     return payload

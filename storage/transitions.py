@@ -37,8 +37,8 @@ from pipeline.errors import StoreError
 from .protocol import GroupState
 
 __all__ = [
-    "Move",
     "TRANSITIONS",
+    "Move",
     "already_collected",
     "already_exists",
     "already_trained",

@@ -31,7 +31,7 @@ def _fill(path: Path, n: int = 40) -> None:
     """A store mid-run: step 0 trained, READY and PARTIAL groups waiting, some RUNNING."""
     with LmdbStore(path, sync=False) as store:
         store.admit([fresh(i) for i in range(n)], cursor_after(n))
-        for i in range(0, n // 2):
+        for i in range(n // 2):
             store.put_ready(finished(fresh(i), 0))
         for i in range(n // 2, n - 4):
             store.put_partial(generated(fresh(i), 0))
