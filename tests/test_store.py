@@ -1147,3 +1147,35 @@ def test_readonly_opens_a_store_whose_lock_file_it_cannot_use(tmp_path: Path) ->
         assert _snapshot(ro) == before
     with pytest.raises(StoreError, match="cannot open"):  # a writer never runs without LMDB's lock
         LmdbStore(path)
+
+
+# --- the one transition table ------------------------------------------------------------------
+
+
+def test_the_transition_table_refuses_what_the_state_machine_lacks() -> None:
+    from storage import transitions
+
+    transitions.check_move("g", READY, BATCHED)
+    transitions.check_move("g", PARTIAL, GroupState.QUARANTINED)
+    with pytest.raises(StoreError, match="'g' cannot move from trained to ready: no such transition"):
+        transitions.check_move("g", TRAINED, READY)
+    with pytest.raises(StoreError, match="from absent to trained"):
+        transitions.check_move("g", None, TRAINED)
+    with pytest.raises(StoreError, match="from trained to quarantined"):  # trained is final: never taken back
+        transitions.check_move("g", TRAINED, GroupState.QUARANTINED)
+
+
+def test_both_stores_refuse_a_put_with_the_same_words(tmp_path: Path) -> None:
+    messages = []
+    for store in (MemoryStore(), LmdbStore(tmp_path / "s", sync=False)):
+        with store:
+            store.admit([fresh(0)], cursor_after(1), owner="p1", lease_seconds=60.0)
+            store.put_ready(finished(fresh(0), 0))
+            found = []
+            for put in (lambda: store.put_partial(fresh(0), owner="p1"), lambda: store.put_ready(fresh(1))):
+                with pytest.raises(StoreError) as info:
+                    put()
+                found.append(str(info.value))
+            messages.append(found)
+    assert messages[0] == messages[1]
+    assert messages[0][0] == "group 'e0000-p000000000' is ready, not running; it cannot become partial"
