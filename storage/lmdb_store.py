@@ -1,5 +1,16 @@
 """`LmdbStore`: the `Store` protocol in one LMDB environment, durable across crashes and restarts.
 
+(Over 400 lines on purpose: one class, each public method one transaction over the same private
+helpers. What does not need those helpers lives beside it: `transitions` (the rules and their
+messages), `seal` (checksums), `lmdb_pages` (LMDB's own pages), `lmdb_verify`, `migrate`, `salvage`.)
+
+Integrity: every value is sealed (`storage.seal`: layout version + CRC-32 over key and payload)
+and checked on every read. Opening checks LMDB's meta pages and walks every tree's pages in
+Python before LMDB reads them (`storage.lmdb_pages`), checks the counters against LMDB's entry
+counts, and refuses a newer layout naming both versions; a layout-1 store (no checksums) is
+migrated by a writer and read as it is by a reader. A group whose record fails its checksum is
+never served: `claim_partial` and `take_batch` move it to QUARANTINED and serve the next one.
+
 Layout (see `storage.keys`): a record per group, a small state entry per group, a by-state index
 and two ordering indexes, so `claim_partial(k)` and `take_batch(step, k)` read the first k keys of
 an index (O(k log n)) instead of scanning. Each public method is one LMDB transaction: either all
@@ -211,8 +222,10 @@ class LmdbStore:
         self._counts: dict[GroupState, int] = dict.fromkeys(GroupState, 0)
         self._cursor, self._trained_step = Cursor(), -1
         data_file = os.path.join(self._path, "data.mdb")
-        problems = check_data_file(data_file)
-        if not problems and os.path.exists(data_file):
+        # The page checks read the file outside LMDB's reader table, so they run only when no writer
+        # is changing it: a writer (this one holds the lock), or a reader of a store nobody writes.
+        problems = [] if readonly and _writer_alive(self._path) else check_data_file(data_file)
+        if not problems and os.path.exists(data_file) and not (readonly and _writer_alive(self._path)):
             problems = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
         if problems:
             self.close()
@@ -512,8 +525,9 @@ class LmdbStore:
             moved = 0
             for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
                 for gid in self._ids_in_state(w.txn, state):
-                    try:
-                        w.group(gid)
+                    try:  # the checksum only: decoding every group would cost 10x more
+                        if w.get(keys.GROUPS, keys.group_key(gid)) is None:
+                            raise CorruptRecordError(keys.describe(keys.GROUPS, gid.encode()), "missing")
                     except CorruptRecordError:
                         old = self._expect(w, gid, state)
                         w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
@@ -573,7 +587,7 @@ class LmdbStore:
         if pages:  # LMDB must not walk a damaged tree (it reads past pages): report only these
             return VerifyReport(0, tuple(pages))
         counts = self._counters()[0]
-        with self._lock:
+        with self._lock:  # (a live writer may move on between the two reads: verify a stopped run)
             report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts)
         return VerifyReport(report.records, (*pages, *report.damaged))
 
@@ -750,7 +764,8 @@ class LmdbStore:
     def _check_counters(self, txn: lmdb.Transaction) -> None:
         """The counters against the records, in O(1): LMDB keeps each database's entry count."""
         entries = {name: txn.stat(self._dbs[name])["entries"] for name in keys.DATABASES}
-        if problems := counter_problems(self._counts, entries):
+        counts = self._load_counters(txn)[0]  # the same snapshot: a live writer may have moved on
+        if problems := counter_problems(counts, entries):
             raise StoreCorruptionError(keys.describe(keys.META, keys.META_COUNTS), "; ".join(problems))
 
     def _load_counters(self, txn: lmdb.Transaction) -> tuple[dict[GroupState, int], Cursor, int]:
@@ -889,6 +904,23 @@ def _open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.E
     # A reader registers itself in lock.mdb, which needs a writable directory. An archived store on
     # read-only media has no writer to guard against: read it without LMDB's reader table.
     return lmdb.open(path, create=False, lock=False, **options)
+
+
+def _writer_alive(path: str) -> bool:
+    """Whether a writer holds `<path>/writer.lock` now (a shared flock would wait for it)."""
+    try:
+        fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing the descriptor releases a shared lock it got
+    return False
 
 
 def _take_writer_lock(path: str) -> int:
