@@ -12,6 +12,11 @@
    a long run stopped mid-step: 90% TRAINED (in batches of 1,000), one batch of 1,000 taken but not
    trained, 3% READY, 4% PARTIAL, the rest (2%) RUNNING at the "crash".
    Also reported: `collect_garbage` of the trained groups, and the store's size before and after.
+3. What integrity costs: the checks every open runs (LMDB's meta pages; every branch and leaf
+   page of every tree walked in Python, records not read; the counters against LMDB's entry
+   counts), the launcher's `quarantine_damaged` (every servable group's record read and its
+   checksum checked), and `verify` (every record read, checked and decoded: what
+   `python -m pipeline.replay RUN_DIR verify` costs).
 
 `--dir` picks the disk to measure (default: a temporary folder). The page cache is warm for the
 reopen (the fill just wrote it): that is the cost of a process restart, not of a host reboot.
@@ -29,6 +34,7 @@ from pathlib import Path
 
 from pipeline.types import FinishReason, Group, PromptTask, Sample, Segment
 from storage import Cursor, LmdbStore, MemoryStore, Store, codec
+from storage.lmdb_pages import check_data_file, walk_pages
 
 
 def _task(index: int) -> PromptTask:
@@ -106,6 +112,10 @@ def main(args: argparse.Namespace) -> None:
         path = root / "resume"
         fill_s = fill(path, args.groups, 1000)
         rows.append((f"fill {args.groups:,} small groups (8 x 16 tokens)", f"{fill_s:.1f} s (not part of resume)"))
+        data_file = str(path / "data.mdb")
+        meta_s, _ = timed(lambda: check_data_file(data_file))
+        walk_s, damaged = timed(lambda: walk_pages(data_file))
+        assert not damaged
         open_s, store = timed(lambda: LmdbStore(path))
         try:
             stats = store.statistics()
@@ -113,15 +123,23 @@ def main(args: argparse.Namespace) -> None:
             claim_s, claimed = timed(lambda: store.claim_partial(1))
             take_s, taken = timed(lambda: store.take_batch(stats.trained_step + 1, 8))
             assert claimed and taken is not None
+            quarantine_s, _ = timed(store.quarantine_damaged)
             total = open_s + recover_s + claim_s + take_s
             rows += [
-                ("resume: open", f"{open_s * 1e3:.1f} ms"),
+                ("resume: open", f"{open_s * 1e3:.1f} ms (all of the integrity checks below included)"),
+                ("  open check: meta pages", f"{meta_s * 1e3:.2f} ms"),
+                ("  open check: every tree's pages walked", f"{walk_s * 1e3:.1f} ms  ({(path / 'data.mdb').stat().st_size / 1e6:.0f} MB file)"),
                 ("resume: recover", f"{recover_s * 1e3:.1f} ms  ({report.running_to_partial} running -> partial, "
                                     f"{report.batched_to_ready} batched -> ready)"),
                 ("resume: first claim_partial(1)", f"{claim_s * 1e3:.2f} ms"),
                 ("resume: first take_batch(8)", f"{take_s * 1e3:.2f} ms"),
                 ("resume: total", f"{total * 1e3:.1f} ms for {sum(stats.counts.values()):,} groups"),
+                ("launcher: quarantine_damaged", f"{quarantine_s * 1e3:.0f} ms  (every servable group's record "
+                                                 "read and checked)"),
             ]
+            verify_s, verified = timed(store.verify)
+            assert verified.ok, verified.damaged[:3]
+            rows.append(("verify (every record)", f"{verify_s:.1f} s for {verified.records:,} records"))
             before = store.statistics().bytes_used
             gc_s, deleted = timed(lambda: store.collect_garbage(stats.trained_step))
             store.close()

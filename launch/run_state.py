@@ -8,46 +8,58 @@ deployment's declaration or profile (a network filesystem nobody declared stops 
 whether commits are fsynced.
 
 Resume rules. The weights (and optimizer state) of the last finished step are loaded, and the
-rollout state continues from the store. A store that cannot be opened or whose records do not
-decode (a damaged file, another layout) is never deleted: it is moved aside to
-`<data dir>.unreadable-<UTC time>`, a warning names it and the reason, and what is still readable
-in it (the dataset cursor, the last trained step) seeds a fresh store. An unreadable cursor means
-starting from the beginning of the dataset; an unreadable trained step means resuming from the
-newest complete weights folder, or the base model when there is none. A store written for another
-run (a fingerprint differs) is not damaged, and still stops the run with the difference named.
+rollout state continues from the store. Opening the store verifies it (LMDB's meta pages, the
+layout, the counters against the records, the run record; see `storage.LmdbStore`). A store that
+is damaged or of another layout is never deleted: it is moved aside to
+`<data dir>.unreadable-<UTC time>`, a warning names both folders and what is damaged, and what is
+still readable in it (`storage.salvage_store`: the dataset cursor, the last trained step, every
+readable unfinished group) seeds a fresh store (`Store.seed`); the prompts of unfinished groups
+whose records are damaged are generated again. An unreadable cursor means starting from the
+beginning of the dataset (and carrying no group over); an unreadable trained step means resuming
+from the newest complete weights folder, or the base model when there is none. A store that opens
+but holds groups quarantined for a damaged record (`GroupState.QUARANTINED`) keeps them, and
+their prompts are generated again under a new id. A store written for another run (a fingerprint
+differs) is not damaged, and still stops the run with the difference named.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import orjson
 import structlog
 
 from pipeline.config import Config, config_to_dict, trainer_options
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
+import storage
+from pipeline.errors import IncompatibleStoreError, StoreError
 from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
-from storage import Cursor, RunMeta, Store, check_storage, load_declaration, open_store
-from storage import codec, keys
+from storage import (
+    Cursor,
+    GroupState,
+    RunMeta,
+    Store,
+    check_storage,
+    load_declaration,
+    open_store,
+    salvage_store,
+    unreadable_reason,
+)
 
-__all__ = ["RunState", "Salvage", "open_run_state", "salvage_store"]
+__all__ = ["RunState", "open_run_state"]
 
 log = structlog.get_logger("launch")
 
-# lmdb errors that mean the store's bytes are damaged or of another format. Any other lmdb error
-# (disk full, permissions, locks, limits) is the machine's problem: the store stays where it is and
-# the run stops, since moving a sound store aside would hide it.
-_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
-            lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError, lmdb.BadChecksumError)
+_GROUP_ID = re.compile(r"^e(?P<epoch>\d+)-p(?P<index>\d+)(\.requeued)*$")
 
 
 @dataclass(frozen=True)
@@ -81,7 +93,7 @@ def open_run_state(config: Config) -> RunState:
     meta = _run_meta(config, dataset, model_path)
     _remove_unfinished_saves(out / "weights")
     if config.storage.transport is StoreTransport.LMDB:
-        store = _open_lmdb(config, meta, out / "weights")
+        store = _open_lmdb(config, meta, out / "weights", dataset)
     else:
         store = open_store(config.storage.transport, None)
         _check_meta(store, meta)
@@ -156,16 +168,7 @@ def _check_meta(store: Store, meta: RunMeta) -> None:
 # --- the LMDB store: declaration, opening, and what happens when it is unreadable ---------------
 
 
-@dataclass(frozen=True, slots=True)
-class Salvage:
-    """What could still be read from a store moved aside; None where that record is unreadable."""
-
-    cursor: Cursor | None
-    trained_step: int | None
-    problems: tuple[str, ...]  # why each missing piece is missing
-
-
-def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path) -> Store:
+def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[PromptTask]) -> Store:
     s = config.storage
     data_dir = Path(s.data_dir)
     plan = check_storage(
@@ -177,14 +180,42 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path) -> Store:
         declared_by=plan.declared_by or "detected local disk", synced_commits=plan.sync,
     )
     options = plan.store_options()
+    fresh = _fresh_group_for(dataset, config.rollout.n_samples_per_prompt)
     try:
         store = _open_checked(data_dir, options, meta)
     except StoreError as exc:
-        reason = _unreadable_reason(exc)
+        reason = unreadable_reason(exc)
         if reason is None:
             raise
     else:
+        try:
+            _requeue_damaged(store, fresh)
+        except BaseException:
+            store.close()
+            raise
         return store
+    return _continue_from_salvage(data_dir, options, meta, weights_dir, reason, fresh)
+
+
+def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
+    """Groups quarantined in a store that still opens (a record failed its checksum) are never
+    trained; their prompts are generated again, once."""
+    store.quarantine_damaged()
+    quarantined = store.count(GroupState.QUARANTINED)
+    if not quarantined:
+        return
+    requeued = store.requeue_quarantined(fresh)
+    log.warning(
+        "the rollout store holds groups whose records are damaged: they are quarantined (kept, never trained) "
+        "and their prompts are generated again", quarantined=quarantined, requeued_now=requeued,
+    )
+
+
+def _continue_from_salvage(
+    data_dir: Path, options: dict[str, Any], meta: RunMeta, weights_dir: Path, reason: str,
+    fresh: Callable[[str], Group | None],
+) -> Store:
+    """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
     aside = _move_aside(data_dir)
     salvage = salvage_store(aside)
     trained = salvage.trained_step
@@ -192,7 +223,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path) -> Store:
         trained = _newest_weights_step(weights_dir)
     log.warning(
         "the rollout store is unreadable; it was moved aside, untouched, and a fresh store continues the run",
-        moved_to=str(aside), reason=reason,
+        moved_to=str(aside), fresh_store=str(data_dir), reason=reason,
     )
     for problem in salvage.problems:
         log.warning("not recovered from the unreadable store", problem=problem)
@@ -204,17 +235,37 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path) -> Store:
             if trained >= 0 else "the last trained step is unreadable and no weights were saved: starting from "
             "the base model", resume_at_step=trained + 1, weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
+    again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
+    if salvage.partial or salvage.ready or again:
+        log.warning(
+            "groups carried over from the unreadable store", partial=len(salvage.partial), ready=len(salvage.ready),
+            damaged_generated_again=len(again),
+        )
     store = open_store(StoreTransport.LMDB, data_dir, **options)
     try:
         _check_meta(store, meta)
-        _seed(store, salvage.cursor or Cursor(), trained)
+        store.seed(salvage.cursor or Cursor(), trained, partial=(*salvage.partial, *again), ready=salvage.ready)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _open_checked(data_dir: Path, options: dict[str, object], meta: RunMeta) -> Store:
+def _fresh_group_for(dataset: list[PromptTask], n_samples: int) -> Callable[[str], Group | None]:
+    """A new group for the prompt a group id names (`e0003-p000000012`, or a requeued id of it);
+    None when the id names no dataset row (another dataset, a hand-made id)."""
+
+    def fresh(group_id: str) -> Group | None:
+        match = _GROUP_ID.match(group_id)
+        if match is None or int(match["index"]) >= len(dataset):
+            return None
+        task = dataset[int(match["index"])]
+        return Group.fresh(task, epoch=int(match["epoch"]), n_samples=n_samples, version=0, seq=0)
+
+    return fresh
+
+
+def _open_checked(data_dir: Path, options: dict[str, Any], meta: RunMeta) -> Store:
     """The store, checked against this run and recovered after an unclean stop."""
     store = open_store(StoreTransport.LMDB, data_dir, **options)
     try:
@@ -224,25 +275,6 @@ def _open_checked(data_dir: Path, options: dict[str, object], meta: RunMeta) -> 
         store.close()
         raise
     return store
-
-
-def _unreadable_reason(exc: StoreError) -> str | None:
-    """Why a store counts as unreadable (damaged bytes, another layout), or None: stop the run.
-
-    Unreadable: a record that does not decode, another layout version, LMDB finding its file
-    damaged, or the store's own consistency checks failing (a StoreError of its own, no cause). Not
-    unreadable: another controller holds it, it belongs to another run (a fingerprint differs), or
-    the machine failed it (disk full, permissions, lock limits).
-    """
-    if isinstance(exc, StoreLockedError):
-        return None
-    if isinstance(exc, IncompatibleStoreError):
-        return str(exc) if exc.field == "schema_version" else None
-    if isinstance(exc, CorruptRecordError):
-        return str(exc)
-    if exc.__cause__ is None:
-        return str(exc)
-    return str(exc) if isinstance(exc.__cause__, _DAMAGED) else None
 
 
 def _move_aside(data_dir: Path) -> Path:
@@ -259,47 +291,6 @@ def _move_aside(data_dir: Path) -> Path:
     return aside
 
 
-def salvage_store(path: str | os.PathLike[str]) -> Salvage:
-    """The cursor and the last trained step of a damaged store, each read on its own.
-
-    Opened read-only without LMDB's lock file (nothing else uses a store moved aside), so the
-    folder's bytes stay exactly as they were. Each record decodes independently: a damaged cursor
-    does not cost the trained step, and the other way round.
-    """
-    problems: list[str] = []
-    try:
-        env = lmdb.open(os.fspath(path), readonly=True, lock=False, subdir=True, create=False,
-                        max_dbs=len(keys.DATABASES))
-    except lmdb.Error as exc:
-        return Salvage(None, None, (f"{path} does not open: {exc}",))
-    try:
-        try:
-            meta_db = env.open_db(keys.META, create=False)
-            with env.begin(db=meta_db) as txn:
-                raw_cursor, raw_step = txn.get(keys.META_CURSOR), txn.get(keys.META_TRAINED_STEP)
-                raw_cursor = None if raw_cursor is None else bytes(raw_cursor)
-                raw_step = None if raw_step is None else bytes(raw_step)
-        except lmdb.Error as exc:
-            return Salvage(None, None, (f"the meta records of {path} do not read: {exc}",))
-    finally:
-        env.close()
-    cursor: Cursor | None = Cursor()  # a store that never admitted anything has no cursor record
-    if raw_cursor is not None:
-        try:
-            cursor = codec.decode_cursor(raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR))
-        except CorruptRecordError as exc:
-            cursor = None
-            problems.append(f"cursor: {exc}")
-    trained: int | None = -1
-    if raw_step is not None:
-        try:
-            trained = keys.parse_i64(raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP))
-        except CorruptRecordError as exc:
-            trained = None
-            problems.append(f"trained step: {exc}")
-    return Salvage(cursor, trained, tuple(problems))
-
-
 def _newest_weights_step(weights_dir: Path) -> int:
     """The step whose complete weights folder `vN` is newest (N - 1), -1 when there is none."""
     versions = [
@@ -309,22 +300,11 @@ def _newest_weights_step(weights_dir: Path) -> int:
     return max(versions, default=0) - 1
 
 
-def _seed(store: Store, cursor: Cursor, trained: int) -> None:
-    """Give a fresh store the salvaged cursor and trained step.
-
-    The store protocol has no setter for the trained step: it moves only by finishing a batch. So
-    one empty marker group is admitted (moving the cursor in the same transaction), batched for
-    step `trained`, finished, and collected at once; what stays is the trained step, the cursor,
-    and a tombstone of the marker (`collected` counts it). The marker's id cannot clash with a
-    dataset group (`e0000-p000000012`).
-    """
-    if trained < 0:
-        if cursor != Cursor():
-            store.admit([], cursor)
-        return
-    marker = Group(f"resume-marker-step-{trained}", PromptTask(index=-1, prompt_ids=()), 0, (), trained, seq=-1)
-    store.admit([marker], cursor)
-    store.put_ready(marker)
-    store.take_batch(trained, 1)
-    store.finish_batch(trained)
-    store.collect_garbage(trained)
+def __getattr__(name: str) -> Any:
+    # `salvage_store` and `Salvage` moved to `storage` (a store operation, not the launcher's).
+    if name in ("salvage_store", "Salvage"):
+        warnings.warn(
+            f"launch.run_state.{name} moved to storage.{name}; import it from there", DeprecationWarning, stacklevel=2
+        )
+        return getattr(storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -179,6 +179,7 @@ async def run_pipeline(
                 "time/publish_gate_closed": report.gate_closed_seconds,
                 "time/publish_update": report.update_seconds,
                 "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
+                "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
                 "queue/in_flight": admission.outstanding,
             })
             metrics.write(record)

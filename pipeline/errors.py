@@ -4,7 +4,9 @@
     ├── ConfigError            every problem in a config, listed together
     ├── PluginError            a `module:function` path that does not resolve or has the wrong shape
     ├── StoreError             rollout state cannot be read or written
-    │   ├── CorruptRecordError a stored record does not decode (names the key)
+    │   ├── StoreCorruptionError  stored bytes are damaged: a checksum, LMDB's own pages, counters
+    │   │   │                     that disagree with the records (names the key or the file)
+    │   │   └── CorruptRecordError  one record fails its checksum or does not decode (names the key)
     │   ├── IncompatibleStoreError  the store belongs to another run, dataset or schema
     │   └── StoreLockedError   another controller holds the store
     ├── EngineError            an engine answered badly or not at all (names the URL and status)
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 __all__ = [
     "ConfigError",
     "CorruptRecordError",
+    "StoreCorruptionError",
     "EngineError",
     "EngineUnavailableError",
     "IncompatibleStoreError",
@@ -65,16 +68,34 @@ class StoreError(PipelineError):
     """Rollout state cannot be read or written. Nothing already stored is lost by this error."""
 
 
-class CorruptRecordError(StoreError):
+class StoreCorruptionError(StoreError):
+    """Stored bytes are damaged (disk or copy corruption), never a bug of the caller.
+
+    `where` names the damaged thing: a record's key (`groups/e0000-p000000001`), an LMDB page or
+    file (`data.mdb meta page 1`), or a counter. A launcher moves such a store aside; replay reports
+    it and goes on.
+    """
+
+    def __init__(self, where: bytes | str, reason: str) -> None:
+        self.where, self.reason = where, reason
+        super().__init__(f"the rollout store is damaged at {where}: {reason}")
+
+
+class CorruptRecordError(StoreCorruptionError):
+    """One record fails its checksum or does not decode; `key` names it."""
+
     def __init__(self, key: bytes | str, reason: str) -> None:
-        self.key = key
-        super().__init__(f"record {key!r} does not decode: {reason}")
+        StoreError.__init__(self, f"record {key!r} does not decode: {reason}")
+        self.key = self.where = key
+        self.reason = reason
 
 
 class IncompatibleStoreError(StoreError):
-    def __init__(self, field: str, stored: object, given: object) -> None:
+    """`reason`, when given, replaces the generic message (it must name both values too)."""
+
+    def __init__(self, field: str, stored: object, given: object, *, reason: str | None = None) -> None:
         self.field, self.stored, self.given = field, stored, given
-        super().__init__(f"the store was written with {field}={stored!r}, this run has {field}={given!r}")
+        super().__init__(reason or f"the store was written with {field}={stored!r}, this run has {field}={given!r}")
 
 
 class StoreLockedError(StoreError):

@@ -5,6 +5,7 @@ A run launched with `--rollout-data-transport lmdb` leaves its whole rollout his
 run's settings. This tool reads it without an engine:
 
     summary             groups by state, versions, staleness of trained batches, partial prefixes
+    verify              every record read and checked; what is damaged; exit status 1 if anything is
     group GROUP_ID      one group in full, decoded with the run's tokenizer (`--json` for machines)
     train               the recorded batches fed again to a fresh GRPOTrainer, one JSON line per step
     timeline [-o FILE]  RUN_DIR/events.jsonl drawn as an HTML timeline (default RUN_DIR/timeline.html)
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RolloutConfig, TrainerConfig, section_from_dict, trainer_options
-from pipeline.errors import PipelineError, ReplayError
+from pipeline.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
 
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "timeline":
             return _timeline(args)
+        if args.command == "verify":
+            return _verify(args)
         return _summary(args)
     except (PipelineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -66,8 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the --output-dir of an lmdb-transport run (or its store dir)")
-    sub = parser.add_subparsers(dest="command", metavar="{summary,group,train,timeline}")
+    sub = parser.add_subparsers(dest="command", metavar="{summary,verify,group,train,timeline}")
     sub.add_parser("summary", help="groups by state, versions, staleness, partial prefixes (the default)")
+    sub.add_parser("verify", help="check every record; exit status 1 if anything is damaged")
     group = sub.add_parser("group", help="one group in full")
     group.add_argument("group_id", help="e.g. e0000-p000000003")
     group.add_argument("--json", action="store_true", help="print the group as one JSON object")
@@ -136,9 +140,29 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        with open_run_store(args.run_dir) as (_, store):
+            report = store.verify()
+            path = store.path
+    except StoreCorruptionError as exc:  # LMDB's own pages: nothing can be read through LMDB
+        print(f"damaged: {exc}\nthe store does not open; a resume moves it aside and salvages what it can")
+        return 1
+    if report.ok:
+        print(f"store: {path}\nok: {report.records} records checked, nothing damaged")
+        return 0
+    print(f"store: {path}\n{len(report.damaged)} damaged ({report.records} records checked):")
+    print("\n".join(f"  {d}" for d in report.damaged))
+    return 1
+
+
 def _group(args: argparse.Namespace) -> int:
     with open_run_store(args.run_dir) as (run_dir, store):
-        found = store.get(args.group_id)
+        try:
+            found = store.get(args.group_id)
+        except CorruptRecordError as exc:
+            print(f"group {args.group_id}: damaged, never trained (quarantined, its prompt generated again): {exc}")
+            return 1
         if found is None:
             raise ReplayError(f"group {args.group_id!r} is not in the store at {store.path}")
         state, group = found

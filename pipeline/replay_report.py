@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.errors import CorruptRecordError
 from pipeline.types import Batch, Group
 from storage import Cursor, GroupState, RunMeta, Store
 
@@ -42,16 +43,18 @@ class RunSummary:
     resumed_samples: int  # samples, in any state, continued at least once after an abort
     collected: int = 0  # TRAINED groups deleted by garbage collection (--rollout-gc-keep-steps)
     collected_step: int = -1  # the last step garbage collection covered; its batches are gone
+    damaged: tuple[str, ...] = ()  # records that failed their checksum: reported, left out of the numbers
 
 
-def recorded_batches(store: Store) -> Iterator[Batch]:
+def recorded_batches(store: Store, damaged: list[CorruptRecordError] | None = None) -> Iterator[Batch]:
     """Every recorded batch in step order: the trained ones, then any taken but not finished.
 
     Steps finish in order and batches are taken in order, so the first missing step ends the list.
     Garbage collection deletes the batches of the oldest steps, so the list starts after them.
+    With `damaged`, a damaged group is listed there and left out of its batch.
     """
     step = store.statistics().collected_step + 1
-    while (batch := store.batch(step)) is not None:
+    while (batch := store.batch(step, damaged=damaged)) is not None:
         yield batch
         step += 1
 
@@ -62,8 +65,11 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
     tokens: Counter[int] = Counter()
     prefix_lens: Counter[int] = Counter()
     partial_groups = partial_samples = partial_finished = resumed = 0
+    damaged: list[CorruptRecordError] = []
     for state in GroupState:
-        for group in store.groups(state):
+        if state is GroupState.QUARANTINED:
+            continue  # their records are damaged by definition: counted, never decoded
+        for group in store.groups(state, damaged=damaged):
             admitted[group.admitted_version] += 1
             for sample in group.samples:
                 for span in sample.spans:
@@ -77,7 +83,7 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
                     partial_finished += sample.status.finished
     staleness: Counter[int] = Counter()
     open_batches = []
-    for batch in recorded_batches(store):
+    for batch in recorded_batches(store, damaged):
         if batch.step > stats.trained_step:
             open_batches.append(batch.step)
             continue
@@ -100,6 +106,7 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
         resumed_samples=resumed,
         collected=stats.collected,
         collected_step=stats.collected_step,
+        damaged=tuple(dict.fromkeys(str(exc) for exc in damaged)),
     )
 
 
@@ -142,6 +149,13 @@ def format_summary(s: RunSummary) -> str:
         )
         lines.append(f"  prefix lengths (tokens: samples) {_histogram(s.partial_prefix_lens, '')}")
     lines.append(f"samples continued after an abort: {s.resumed_samples}")
+    quarantined = s.counts.get(GroupState.QUARANTINED, 0)
+    if s.damaged or quarantined:
+        lines.append(
+            f"damaged: {len(s.damaged)} records fail their checksum (left out of the numbers above), "
+            f"{quarantined} groups quarantined; `verify` checks every record"
+        )
+        lines += [f"  {d}" for d in s.damaged]
     return "\n".join(lines)
 
 

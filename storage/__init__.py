@@ -16,6 +16,8 @@ from .async_store import AsyncStore
 from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
 from .lmdb_store import LmdbStore
 from .memory import MemoryStore
+from .salvage import Salvage, salvage_store, unreadable_reason
+from .transitions import requeue_id
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
@@ -26,6 +28,7 @@ from .protocol import (
     RunMeta,
     Store,
     StoreStatistics,
+    VerifyReport,
 )
 
 __all__ = [
@@ -40,13 +43,18 @@ __all__ = [
     "MemoryStore",
     "RecoveryReport",
     "RunMeta",
+    "Salvage",
     "Store",
     "StoreStatistics",
     "StorageDeclaration",
+    "VerifyReport",
     "StoragePlan",
     "check_storage",
     "load_declaration",
     "open_store",
+    "requeue_id",
+    "salvage_store",
+    "unreadable_reason",
 ]
 
 TRANSPORTS = tuple(StoreTransport)  # the one spelling is pipeline.types.StoreTransport

@@ -104,6 +104,7 @@ _STATE_CODE = {
     GroupState.TRAINED: b"t",
     GroupState.REJECTED: b"x",
     GroupState.FAILED: b"f",
+    GroupState.QUARANTINED: b"q",
 }
 _CODE_STATE = {code[0]: state for state, code in _STATE_CODE.items()}
 # The order of the per-state counters in the `counts` record.
@@ -115,6 +116,7 @@ _U64 = struct.Struct(">Q")
 _ORDER = struct.Struct(">QQ")
 _STATE_ENTRY = struct.Struct(">cQQ")
 _COUNTS = struct.Struct(f">{len(STATE_ORDER)}Q")
+_LEGACY_COUNTS = struct.Struct(f">{len(STATE_ORDER) - 1}Q")  # before QUARANTINED existed
 _SIGN = 1 << 63
 _EXPIRY = struct.Struct(">d")
 _COLLECTED = struct.Struct(">QQ")
@@ -193,6 +195,8 @@ def counts_value(counts: dict[GroupState, int]) -> bytes:
 
 
 def parse_counts(value: bytes) -> dict[GroupState, int]:
+    if len(value) == _LEGACY_COUNTS.size:
+        return dict(zip(STATE_ORDER, (*_LEGACY_COUNTS.unpack(value), 0), strict=True))
     if len(value) != _COUNTS.size:
         raise CorruptRecordError(describe(META, META_COUNTS), f"{len(value)} bytes, expected {_COUNTS.size}")
     return dict(zip(STATE_ORDER, _COUNTS.unpack(value), strict=True))

@@ -1,5 +1,16 @@
 """`LmdbStore`: the `Store` protocol in one LMDB environment, durable across crashes and restarts.
 
+(Over 400 lines on purpose: one class, each public method one transaction over the same private
+helpers. What does not need those helpers lives beside it: `transitions` (the rules and their
+messages), `seal` (checksums), `lmdb_pages` (LMDB's own pages), `lmdb_verify`, `migrate`, `salvage`.)
+
+Integrity: every value is sealed (`storage.seal`: layout version + CRC-32 over key and payload)
+and checked on every read. Opening checks LMDB's meta pages and walks every tree's pages in
+Python before LMDB reads them (`storage.lmdb_pages`), checks the counters against LMDB's entry
+counts, and refuses a newer layout naming both versions; a layout-1 store (no checksums) is
+migrated by a writer and read as it is by a reader. A group whose record fails its checksum is
+never served: `claim_partial` and `take_batch` move it to QUARANTINED and serve the next one.
+
 Layout (see `storage.keys`): a record per group, a small state entry per group, a by-state index
 and two ordering indexes, so `claim_partial(k)` and `take_batch(step, k)` read the first k keys of
 an index (O(k log n)) instead of scanning. Each public method is one LMDB transaction: either all
@@ -25,6 +36,7 @@ lease expiry is measured against, injectable so tests can stand exactly on an ex
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import socket
@@ -35,23 +47,33 @@ from typing import TypeVar
 
 import lmdb
 
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
+from pipeline.errors import (
+    CorruptRecordError,
+    IncompatibleStoreError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+)
 from pipeline.types import Batch, Group
 
 from . import codec, keys
+from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage, walk_pages
+from .lmdb_verify import verify_records
+from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
+from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
-    SCHEMA_VERSION,
     Cursor,
     GroupState,
     Lease,
     RecoveryReport,
     RunMeta,
     StoreStatistics,
-    check_lease,
-    lease_lost,
+    VerifyReport,
 )
+from . import transitions as tr
+from .transitions import check_lease
 
 __all__ = ["LmdbStore"]
 
@@ -74,18 +96,29 @@ class _Write:
     leaves the store's own counters untouched.
     """
 
-    __slots__ = ("collected", "counts", "cursor", "dbs", "trained_step", "txn")
+    __slots__ = ("collected", "counts", "cursor", "dbs", "sealed", "trained_step", "txn")
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, object], store: LmdbStore) -> None:
         self.txn, self.dbs = txn, dbs
+        self.sealed = store._sealed
         self.counts = dict(store._counts)
         self.cursor = store._cursor
         self.trained_step = store._trained_step
         self.collected = store._collected  # (groups collected, last step collected)
 
+    def get(self, db: bytes, key: bytes) -> bytes | None:
+        """The payload stored under `key` in `db`, its checksum checked; None if there is none."""
+        raw = self.txn.get(key, db=self.dbs[db])
+        return None if raw is None else unseal(key, raw, where=keys.describe(db, key), sealed=self.sealed)
+
+    def put(self, db: bytes, key: bytes, payload: bytes, *, overwrite: bool = True) -> bool:
+        value = seal(key, payload) if self.sealed else payload
+        return bool(self.txn.put(key, value, db=self.dbs[db], overwrite=overwrite))
+
     def state_of(self, gid: str) -> _StateEntry | None:
-        raw = self.txn.get(keys.group_key(gid), db=self.dbs[keys.STATE])
-        return None if raw is None else keys.parse_state_entry(raw, key=keys.describe(keys.STATE, gid.encode()))
+        key = keys.group_key(gid)
+        raw = self.get(keys.STATE, key)
+        return None if raw is None else keys.parse_state_entry(raw, key=keys.describe(keys.STATE, key))
 
     def move(
         self, gid: str, old: _StateEntry | None, new: GroupState, version: int, seq: int, lease: bytes | None = None
@@ -97,6 +130,7 @@ class _Write:
         txn, dbs = self.txn, self.dbs
         if (new is _RUNNING) != (lease is not None):
             raise AssertionError(f"group {gid!r}: a lease goes with RUNNING and only with it")
+        tr.check_move(gid, None if old is None else old[0], new)
         if old is not None:
             old_state, old_version, old_seq = old
             if old_state is _RUNNING:
@@ -108,30 +142,34 @@ class _Write:
             if not removed:
                 raise StoreError(f"group {gid!r}: the indexes do not agree with its state {old_state.value}")
             self.counts[old_state] -= 1
-        txn.put(keys.group_key(gid), keys.state_entry(new, version, seq), db=dbs[keys.STATE])
+        self.put(keys.STATE, keys.group_key(gid), keys.state_entry(new, version, seq))
         txn.put(keys.by_state_key(new, gid), b"", db=dbs[keys.BY_STATE])
         if new in _ORDER_DB:
             txn.put(keys.order_key(version, seq, gid), b"", db=dbs[_ORDER_DB[new]])
         if lease is not None:
-            txn.put(keys.group_key(gid), lease, db=dbs[keys.LEASES])
+            self.put(keys.LEASES, keys.group_key(gid), lease)
         self.counts[new] += 1
+
+    def unseal(self, db: bytes, key: bytes, value: bytes) -> bytes:
+        return unseal(bytes(key), value, where=keys.describe(db, key), sealed=self.sealed)
 
     def lease_of(self, gid: str) -> tuple[str, float] | None:
         key = keys.group_key(gid)
-        raw = self.txn.get(key, db=self.dbs[keys.LEASES])
+        raw = self.get(keys.LEASES, key)
         return None if raw is None else keys.parse_lease(raw, key=keys.describe(keys.LEASES, key))
 
     def all_leases(self) -> list[tuple[str, str, float]]:
         """(group id, owner, expiry) of every RUNNING group."""
         out = []
-        for key, raw in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
-            owner, expiry = keys.parse_lease(raw, key=keys.describe(keys.LEASES, key))
+        for key, value in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
+            where = keys.describe(keys.LEASES, key)
+            owner, expiry = keys.parse_lease(unseal(key, value, where=where, sealed=self.sealed), key=where)
             out.append((bytes(key).decode(), owner, expiry))
         return out
 
     def group(self, gid: str) -> Group:
         key = keys.group_key(gid)
-        raw = self.txn.get(key, db=self.dbs[keys.GROUPS])
+        raw = self.get(keys.GROUPS, key)
         if raw is None:
             raise CorruptRecordError(keys.describe(keys.GROUPS, key), "indexed, but the record is missing")
         return codec.decode_group(raw, key=keys.describe(keys.GROUPS, key))
@@ -180,17 +218,32 @@ class LmdbStore:
                 raise StoreError(f"cannot create the rollout store directory {self._path}: {exc}") from exc
             self._lock_fd = _take_writer_lock(self._path)
         self._env: lmdb.Environment | None = None
+        self._sealed = True
+        self._counts: dict[GroupState, int] = dict.fromkeys(GroupState, 0)
+        self._cursor, self._trained_step = Cursor(), -1
+        data_file = os.path.join(self._path, "data.mdb")
+        # The page checks read the file outside LMDB's reader table, so they run only when no writer
+        # is changing it: a writer (this one holds the lock), or a reader of a store nobody writes.
+        problems = [] if readonly and _writer_alive(self._path) else check_data_file(data_file)
+        if not problems and os.path.exists(data_file) and not (readonly and _writer_alive(self._path)):
+            problems = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
+        if problems:
+            self.close()
+            raise StoreCorruptionError(data_file, "; ".join(problems))
         try:
             self._env = _open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
             self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
             self._page_size = self._env.stat()["psize"]
         except lmdb.Error as exc:
             self.close()
+            if is_damage(exc):
+                raise StoreCorruptionError(data_file, f"LMDB cannot open it: {exc}") from exc
             raise StoreError(f"cannot open the rollout store at {self._path}: {exc}") from exc
         try:
             self._check_layout()
             self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
             self._collected = self._read(self._load_collected)
+            self._read(self._check_counters)
             self._note_size()
         except BaseException:
             self.close()
@@ -204,7 +257,7 @@ class LmdbStore:
 
     def read_meta(self) -> RunMeta | None:
         def fn(txn: lmdb.Transaction) -> RunMeta | None:
-            raw = txn.get(keys.META_RUN, db=self._dbs[keys.META])
+            raw = self._reader(txn).get(keys.META, keys.META_RUN)
             return None if raw is None else codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
 
         return self._read(fn)
@@ -214,12 +267,12 @@ class LmdbStore:
         data = codec.encode_meta(meta)
 
         def fn(w: _Write) -> None:
-            raw = w.txn.get(keys.META_RUN, db=self._dbs[keys.META])
+            raw = w.get(keys.META, keys.META_RUN)
             if raw is not None:
                 stored = codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
                 if (diff := codec.meta_difference(stored, meta)) is not None:
                     raise IncompatibleStoreError(*diff)
-            w.txn.put(keys.META_RUN, data, db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_RUN, data)
 
         self._write(fn)
 
@@ -243,26 +296,21 @@ class LmdbStore:
         for group in groups:
             gid = group.group_id
             if gid in seen:
-                raise StoreError(f"group {gid!r} appears twice in one admit; nothing was stored")
+                raise tr.duplicate_in_admit(gid)
             seen.add(gid)
             records.append((gid, keys.group_key(gid), codec.encode_group(group), group.oldest_version, group.seq))
         cursor_record = codec.encode_cursor(cursor)
 
         def fn(w: _Write) -> None:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
-            tombstones = self._dbs[keys.TOMBSTONES]
             for gid, key, data, version, seq in records:
-                if (step := w.txn.get(key, db=tombstones)) is not None:
-                    trained = keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key))
-                    raise StoreError(
-                        f"group {gid!r} already exists (trained at step {trained}, then collected); nothing was stored"
-                    )
-                if not w.txn.put(key, data, db=self._dbs[keys.GROUPS], overwrite=False):
+                if (step := w.get(keys.TOMBSTONES, key)) is not None:
+                    raise tr.already_collected(gid, keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key)))
+                if not w.put(keys.GROUPS, key, data, overwrite=False):
                     state = w.state_of(gid)
-                    shown = state[0].value if state is not None else "unindexed"
-                    raise StoreError(f"group {gid!r} already exists ({shown}); nothing was stored")
+                    raise tr.already_exists(gid, None if state is None else state[0])
                 w.move(gid, None, _RUNNING, version, seq, lease)
-            w.txn.put(keys.META_CURSOR, cursor_record, db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_CURSOR, cursor_record)
             w.cursor = cursor
 
         self._write(fn)
@@ -275,9 +323,8 @@ class LmdbStore:
         def fn(w: _Write) -> list[Group]:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
             claimed = []
-            for gid in w.first_in_order(_PARTIAL, limit):
-                old = self._expect(w, gid, _PARTIAL)
-                claimed.append(w.group(gid))
+            for gid, old, group in self._serve(w, _PARTIAL, limit):
+                claimed.append(group)
                 w.move(gid, old, _RUNNING, old[1], old[2], lease)
             return claimed
 
@@ -311,7 +358,7 @@ class LmdbStore:
             value = keys.lease_value(owner, self._clock() + lease_seconds)
             mine = [gid for gid, holder, _ in w.all_leases() if holder == owner]
             for gid in mine:
-                w.txn.put(keys.group_key(gid), value, db=self._dbs[keys.LEASES])
+                w.put(keys.LEASES, keys.group_key(gid), value)
             return len(mine)
 
         return self._write(fn)
@@ -331,21 +378,18 @@ class LmdbStore:
 
     def collect_garbage(self, up_to_step: int) -> int:
         def fn(w: _Write) -> int:
-            if up_to_step > w.trained_step:
-                raise StoreError(
-                    f"cannot collect up to step {up_to_step}: only steps up to {w.trained_step} are trained"
-                )
+            tr.check_collect(up_to_step, w.trained_step)
             done, last = w.collected
             if up_to_step <= last:
                 return 0
-            batches, tombstones = self._dbs[keys.BATCHES], self._dbs[keys.TOMBSTONES]
+            batches = self._dbs[keys.BATCHES]
             cursor = w.txn.cursor(db=batches)
             steps = []
             if cursor.set_range(keys.step_key(last + 1)):
                 for step_key, raw in cursor.iternext(keys=True, values=True):
                     if keys.parse_step_key(step_key) > up_to_step:
                         break
-                    steps.append((bytes(step_key), bytes(raw)))
+                    steps.append((bytes(step_key), w.unseal(keys.BATCHES, step_key, raw)))
             deleted = 0
             for step_key, raw in steps:
                 step, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
@@ -355,38 +399,35 @@ class LmdbStore:
                     w.txn.delete(key, db=self._dbs[keys.GROUPS])
                     w.txn.delete(key, db=self._dbs[keys.STATE])
                     w.txn.delete(keys.by_state_key(old[0], gid), db=self._dbs[keys.BY_STATE])
-                    w.txn.put(key, keys.i64_value(step), db=tombstones)
+                    w.put(keys.TOMBSTONES, key, keys.i64_value(step))
                     w.counts[GroupState.TRAINED] -= 1
                     deleted += 1
                 w.txn.delete(step_key, db=batches)
             w.collected = (done + deleted, up_to_step)
-            w.txn.put(keys.META_COLLECTED, keys.collected_value(*w.collected), db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
             return deleted
 
         return self._write(fn)
 
     def take_batch(self, step: int, size: int) -> Batch | None:
-        if size < 1:
-            raise ValueError(f"a batch needs at least one group, got size={size}")
+        tr.check_batch_size(size)
         step_key = keys.step_key(step)
 
         def fn(w: _Write) -> Batch | None:
-            existing = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            existing = w.get(keys.BATCHES, step_key)
             if existing is not None:
                 return self._batch_from_ref(w, step_key, existing)
             if step <= w.trained_step:
-                raise StoreError(f"step {step} is already trained (trained step {w.trained_step}) and has no batch")
+                raise tr.already_trained(step, w.trained_step)
             if w.counts[_READY] < size:
                 return None
-            ids = w.first_in_order(_READY, size)
-            groups = []
-            cached = self._ready_cache
-            for gid in ids:
-                old = self._expect(w, gid, _READY)
-                group = cached.get(gid)
-                groups.append(group if group is not None else w.group(gid))
+            served = self._serve(w, _READY, size)
+            if len(served) < size:  # damaged records were quarantined: too few are left
+                return None
+            ids, groups = [gid for gid, _, _ in served], [group for _, _, group in served]
+            for gid, old, _ in served:
                 w.move(gid, old, _BATCHED, old[1], old[2])
-            w.txn.put(step_key, codec.encode_batch_ref(step, ids), db=self._dbs[keys.BATCHES])
+            w.put(keys.BATCHES, step_key, codec.encode_batch_ref(step, ids))
             return Batch(step=step, groups=tuple(groups))
 
         def committed(batch: Batch | None) -> None:  # these groups are BATCHED now, no longer READY
@@ -399,21 +440,21 @@ class LmdbStore:
         step_key = keys.step_key(step)
 
         def fn(w: _Write) -> None:
-            raw = w.txn.get(step_key, db=self._dbs[keys.BATCHES])
+            raw = w.get(keys.BATCHES, step_key)
             if raw is None and 0 <= step <= w.collected[1]:  # finished, then collected: a late retry
                 return
             if raw is None:
-                raise StoreError(f"no batch was taken for step {step}")
+                raise tr.no_batch(step)
             if step <= w.trained_step:  # finished already: a retry after a crash
                 return
             earliest = self._first_open_step(w)
             if earliest is not None and earliest < step:
-                raise StoreError(f"step {step} cannot finish before step {earliest}: steps finish in order")
+                raise tr.out_of_order(step, earliest)
             _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
             for gid in ids:
                 old = self._expect(w, gid, _BATCHED)
                 w.move(gid, old, GroupState.TRAINED, old[1], old[2])
-            w.txn.put(keys.META_TRAINED_STEP, keys.i64_value(step), db=self._dbs[keys.META])
+            w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(step))
             w.trained_step = step
 
         self._write(fn)
@@ -440,7 +481,8 @@ class LmdbStore:
             if cursor.set_range(keys.step_key(w.trained_step + 1)):
                 open_batches = list(cursor.iternext(keys=True, values=True))
             requeued = 0
-            for step_key, raw in open_batches:
+            for step_key, value in open_batches:
+                raw = w.unseal(keys.BATCHES, step_key, value)
                 _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
                 for gid in ids:
                     old = self._expect(w, gid, _BATCHED)
@@ -448,6 +490,78 @@ class LmdbStore:
                     requeued += 1
                 w.txn.delete(step_key, db=self._dbs[keys.BATCHES])
             return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
+
+        return self._write(fn)
+
+    def seed(
+        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+    ) -> None:
+        records = [(g, _PARTIAL, codec.encode_group(g)) for g in partial]
+        records += [(g, _READY, codec.encode_group(g)) for g in ready]
+        cursor_record = codec.encode_cursor(cursor)
+
+        def fn(w: _Write) -> None:
+            held = sum(w.counts.values()) + w.txn.stat(self._dbs[keys.TOMBSTONES])["entries"]
+            tr.check_seed(trained_step, held, w.trained_step)
+            for group, state, data in records:
+                gid = group.group_id
+                if not w.put(keys.GROUPS, keys.group_key(gid), data, overwrite=False):
+                    raise tr.duplicate_in_admit(gid)
+                w.move(gid, None, state, group.oldest_version, group.seq)
+            w.put(keys.META, keys.META_CURSOR, cursor_record)
+            w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(trained_step))
+            w.collected = (0, trained_step)  # the seeded steps have no batches here: nothing to collect
+            w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
+            w.cursor, w.trained_step = cursor, trained_step
+
+        self._write(fn)
+
+    def quarantine_damaged(self) -> int:
+        """Every group that can still be served (RUNNING, PARTIAL, READY, BATCHED) read and checked;
+        those whose records are damaged move to QUARANTINED. Returns how many moved. A launcher
+        runs it on open, so a damaged prompt is requeued before the run, not found mid-run."""
+
+        def fn(w: _Write) -> int:
+            moved = 0
+            for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
+                for gid in self._ids_in_state(w.txn, state):
+                    try:  # the checksum only: decoding every group would cost 10x more
+                        if w.get(keys.GROUPS, keys.group_key(gid)) is None:
+                            raise CorruptRecordError(keys.describe(keys.GROUPS, gid.encode()), "missing")
+                    except CorruptRecordError:
+                        old = self._expect(w, gid, state)
+                        w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
+                        moved += 1
+            return moved
+
+        return self._write(fn)
+
+    def _ids_in_state(self, txn: lmdb.Transaction, state: GroupState) -> list[str]:
+        prefix = keys.by_state_prefix(state)
+        found = []
+        cursor = txn.cursor(db=self._dbs[keys.BY_STATE])
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(keys=True, values=False):
+                if not key.startswith(prefix):
+                    break
+                found.append(keys.group_id_of_by_state_key(key))
+        return found
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        def fn(w: _Write) -> int:
+            requeued = 0
+            for gid in self._ids_in_state(w.txn, GroupState.QUARANTINED):
+                new_id = tr.requeue_id(gid)
+                key = keys.group_key(new_id)
+                if w.state_of(new_id) is not None or w.get(keys.TOMBSTONES, key) is not None:
+                    continue
+                if (group := fresh(gid)) is None:
+                    continue
+                group = dataclasses.replace(group, group_id=new_id)
+                w.put(keys.GROUPS, key, codec.encode_group(group))
+                w.move(new_id, None, _PARTIAL, group.oldest_version, group.seq)
+                requeued += 1
+            return requeued
 
         return self._write(fn)
 
@@ -464,8 +578,24 @@ class LmdbStore:
 
         return self._read(fn)
 
-    def groups(self, state: GroupState) -> Iterator[Group]:
-        """A snapshot, read in one transaction (no transaction stays open while the caller iterates)."""
+    def verify(self) -> VerifyReport:
+        """Every record read and checked, every index checked (see `storage.lmdb_verify`)."""
+        data_file = os.path.join(self._path, "data.mdb")
+        pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
+        if not pages:
+            pages = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
+        if pages:  # LMDB must not walk a damaged tree (it reads past pages): report only these
+            return VerifyReport(0, tuple(pages))
+        counts = self._counters()[0]
+        with self._lock:  # (a live writer may move on between the two reads: verify a stopped run)
+            report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts)
+        return VerifyReport(report.records, (*pages, *report.damaged))
+
+    def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:
+        """A snapshot, read in one transaction (no transaction stays open while the caller iterates).
+
+        With `damaged`, a record that fails its checksum is appended there and skipped (replay
+        reports it and goes on); without, it raises CorruptRecordError."""
 
         def fn(txn: lmdb.Transaction) -> list[Group]:
             w = self._reader(txn)
@@ -480,16 +610,21 @@ class LmdbStore:
                         if not key.startswith(prefix):
                             break
                         ids.append(keys.group_id_of_by_state_key(key))
-            return [w.group(gid) for gid in ids]
+            return _readable(w.group, ids, damaged)
 
         return iter(self._read(fn))
 
-    def batch(self, step: int) -> Batch | None:
+    def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
+        """With `damaged`, as in `groups`: damaged groups are listed there and left out of the batch."""
         step_key = keys.step_key(step)
 
         def fn(txn: lmdb.Transaction) -> Batch | None:
-            raw = txn.get(step_key, db=self._dbs[keys.BATCHES])
-            return None if raw is None else self._batch_from_ref(self._reader(txn), step_key, raw)
+            w = self._reader(txn)
+            raw = w.get(keys.BATCHES, step_key)
+            if raw is None:
+                return None
+            step_read, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+            return Batch(step=step_read, groups=tuple(_readable(w.group, ids, damaged)))
 
         return self._read(fn)
 
@@ -547,12 +682,12 @@ class LmdbStore:
                         w = _Write(txn, self._dbs, self)
                         result = fn(w)
                         if w.counts != self._counts:
-                            txn.put(keys.META_COUNTS, keys.counts_value(w.counts), db=self._dbs[keys.META])
+                            w.put(keys.META, keys.META_COUNTS, keys.counts_value(w.counts))
                     break
                 except lmdb.MapFullError:
                     self._grow(env)  # the transaction was aborted; nothing of it is stored
                 except lmdb.Error as exc:
-                    raise StoreError(f"rollout store {self._path}: {exc}") from exc
+                    raise self._translate(exc) from exc
             self._counts, self._cursor, self._trained_step = w.counts, w.cursor, w.trained_step
             self._collected = w.collected
             self._transactions += 1
@@ -571,7 +706,7 @@ class LmdbStore:
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)  # the writer (another process) grew the map: adopt its size
                 except lmdb.Error as exc:
-                    raise StoreError(f"rollout store {self._path}: {exc}") from exc
+                    raise self._translate(exc) from exc
             raise StoreError(f"rollout store {self._path}: the map keeps being resized under a reader")
 
     def _grow(self, env: lmdb.Environment) -> None:
@@ -594,40 +729,61 @@ class LmdbStore:
             raise StoreError(f"the rollout store {self._path} is closed")
         return self._env
 
+    def _translate(self, exc: lmdb.Error) -> StoreError:
+        """An lmdb error as this library's: damaged bytes are a StoreCorruptionError, whatever the code."""
+        if isinstance(exc, DAMAGE_ERRORS):
+            return StoreCorruptionError(os.path.join(self._path, "data.mdb"), f"LMDB: {exc}")
+        return StoreError(f"rollout store {self._path}: {exc}")
+
     def _check_layout(self) -> None:
-        """Stamp a new store with its layout version; refuse a store written by another layout."""
+        """Stamp a new store with its layout version, migrate a layout-1 store (writer only), and
+        refuse a store of a newer layout, naming both versions."""
         meta = self._dbs[keys.META]
-
-        def stamp(w: _Write) -> None:
-            if w.txn.get(keys.META_LAYOUT, db=meta) is None:
-                w.txn.put(keys.META_LAYOUT, keys.i64_value(SCHEMA_VERSION), db=meta)
-
-        if not self._readonly:
-            self._counts = dict.fromkeys(GroupState, 0)
-            self._cursor, self._trained_step = Cursor(), -1
-            self._write(stamp)
-            self._transactions = 0  # stamping the store is not the caller's transaction
+        where = keys.describe(keys.META, keys.META_LAYOUT)
         raw = self._read(lambda txn: txn.get(keys.META_LAYOUT, db=meta))
-        stored = None if raw is None else keys.parse_i64(raw, key=keys.describe(keys.META, keys.META_LAYOUT))
-        if stored != SCHEMA_VERSION:
-            raise IncompatibleStoreError("schema_version", stored, SCHEMA_VERSION)
+        stored = None if raw is None else parse_layout(bytes(raw), where=where)
+        if stored is not None and stored > LAYOUT_VERSION:
+            raise IncompatibleStoreError(
+                "layout_version", stored, LAYOUT_VERSION,
+                reason=f"the rollout store {self._path} was written by a newer rollout-pipeline (store layout "
+                f"{stored}); this version reads layouts {LEGACY_LAYOUT} to {LAYOUT_VERSION}: open it with the newer version",
+            )
+        if stored is not None and stored < LEGACY_LAYOUT:
+            raise CorruptRecordError(where, f"layout version {stored} was never written by any version")
+        if self._readonly:
+            if stored is None:
+                raise StoreError(f"{self._path} holds no rollout store layout record: it was never opened by a writer")
+            self._sealed = stored == LAYOUT_VERSION
+            return
+        if stored is None:
+            self._write(lambda w: w.txn.put(keys.META_LAYOUT, layout_value(LAYOUT_VERSION), db=meta))
+        elif stored == LEGACY_LAYOUT:
+            self._write(lambda w: migrate_to_sealed(w.txn, self._dbs))
+        self._transactions = 0  # stamping the store is not the caller's transaction
+
+    def _check_counters(self, txn: lmdb.Transaction) -> None:
+        """The counters against the records, in O(1): LMDB keeps each database's entry count."""
+        entries = {name: txn.stat(self._dbs[name])["entries"] for name in keys.DATABASES}
+        counts = self._load_counters(txn)[0]  # the same snapshot: a live writer may have moved on
+        if problems := counter_problems(counts, entries):
+            raise StoreCorruptionError(keys.describe(keys.META, keys.META_COUNTS), "; ".join(problems))
 
     def _load_counters(self, txn: lmdb.Transaction) -> tuple[dict[GroupState, int], Cursor, int]:
-        meta = self._dbs[keys.META]
-        raw_counts = txn.get(keys.META_COUNTS, db=meta)
+        r = self._reader(txn)
+        raw_counts = r.get(keys.META, keys.META_COUNTS)
         counts = dict.fromkeys(GroupState, 0) if raw_counts is None else keys.parse_counts(raw_counts)
-        raw_cursor = txn.get(keys.META_CURSOR, db=meta)
+        raw_cursor = r.get(keys.META, keys.META_CURSOR)
         cursor = Cursor() if raw_cursor is None else codec.decode_cursor(
             raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR)
         )
-        raw_step = txn.get(keys.META_TRAINED_STEP, db=meta)
+        raw_step = r.get(keys.META, keys.META_TRAINED_STEP)
         trained = -1 if raw_step is None else keys.parse_i64(
             raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP)
         )
         return counts, cursor, trained
 
     def _load_collected(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        raw = txn.get(keys.META_COLLECTED, db=self._dbs[keys.META])
+        raw = self._reader(txn).get(keys.META, keys.META_COLLECTED)
         return (0, -1) if raw is None else keys.parse_collected(raw)
 
     def _counters(self) -> tuple[dict[GroupState, int], Cursor, int]:
@@ -646,15 +802,10 @@ class LmdbStore:
 
         def fn(w: _Write) -> None:
             old = w.state_of(gid)
-            if old is None:
-                raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
-            if old[0] is not _RUNNING:
-                raise StoreError(f"group {gid!r} is {old[0].value}, not running; it cannot become {to.value}")
-            if owner is not None:
-                holder = w.lease_of(gid)
-                if holder is None or holder[0] != owner:
-                    raise StoreError(lease_lost(gid, owner, None if holder is None else holder[0], to))
-            w.txn.put(key, data, db=self._dbs[keys.GROUPS])
+            holder = w.lease_of(gid) if owner is not None and old is not None and old[0] is _RUNNING else None
+            tr.check_put(gid, None if old is None else old[0], to, owner, None if holder is None else holder[0])
+            assert old is not None
+            w.put(keys.GROUPS, key, data)
             w.move(gid, old, to, version, seq)
 
         def committed(_: None) -> None:
@@ -662,6 +813,27 @@ class LmdbStore:
                 self._ready_cache[gid] = group
 
         self._write(fn, committed)
+
+    def _serve(self, w: _Write, state: GroupState, limit: int) -> list[tuple[str, _StateEntry, Group]]:
+        """Up to `limit` groups of `state` (PARTIAL or READY) in serving order, read and checked.
+
+        A group whose record fails its checksum is never served: it moves to QUARANTINED in this
+        same transaction (record kept as it is) and the next one in order is served instead."""
+        served: list[tuple[str, _StateEntry, Group]] = []
+        seen: set[str] = set()
+        while len(served) < limit:
+            new = [gid for gid in w.first_in_order(state, limit) if gid not in seen]
+            if not new:
+                break
+            for gid in new[: limit - len(served)]:
+                seen.add(gid)
+                old = self._expect(w, gid, state)
+                try:
+                    group = self._ready_cache.get(gid) if state is _READY else None
+                    served.append((gid, old, group if group is not None else w.group(gid)))
+                except CorruptRecordError:
+                    w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
+        return served
 
     def _expect(self, w: _Write, gid: str, state: GroupState) -> _StateEntry:
         entry = w.state_of(gid)
@@ -699,6 +871,18 @@ class LmdbStore:
                 os.close(fd)  # closing the descriptor releases the flock
 
 
+def _readable(read: Callable[[str], Group], ids: Sequence[str], damaged: list[CorruptRecordError] | None) -> list[Group]:
+    if damaged is None:
+        return [read(gid) for gid in ids]
+    out = []
+    for gid in ids:
+        try:
+            out.append(read(gid))
+        except CorruptRecordError as exc:
+            damaged.append(exc)
+    return out
+
+
 def _decodes_equal(group: Group) -> bool:
     """Whether decoding this group's record gives back an equal group of the same shapes.
 
@@ -720,6 +904,23 @@ def _open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.E
     # A reader registers itself in lock.mdb, which needs a writable directory. An archived store on
     # read-only media has no writer to guard against: read it without LMDB's reader table.
     return lmdb.open(path, create=False, lock=False, **options)
+
+
+def _writer_alive(path: str) -> bool:
+    """Whether a writer holds `<path>/writer.lock` now (a shared flock would wait for it)."""
+    try:
+        fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing the descriptor releases a shared lock it got
+    return False
 
 
 def _take_writer_lock(path: str) -> int:

@@ -13,11 +13,12 @@ into PARTIAL, which is a push, so that holds with leases too.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from pipeline.errors import IncompatibleStoreError, StoreError
+from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError
 from pipeline.types import Batch, Group
 
 from . import keys
@@ -31,9 +32,10 @@ from .protocol import (
     RecoveryReport,
     RunMeta,
     StoreStatistics,
-    check_lease,
-    lease_lost,
+    VerifyReport,
 )
+from . import transitions as tr
+from .transitions import check_lease
 
 __all__ = ["MemoryStore"]
 
@@ -98,14 +100,12 @@ class MemoryStore:
             gid = group.group_id
             keys.group_key(gid)  # the same id rules as the LMDB store
             if gid in seen:
-                raise StoreError(f"group {gid!r} appears twice in one admit; nothing was stored")
+                raise tr.duplicate_in_admit(gid)
             seen.add(gid)
             if (step := self._tombstones.get(gid)) is not None:
-                raise StoreError(
-                    f"group {gid!r} already exists (trained at step {step}, then collected); nothing was stored"
-                )
+                raise tr.already_collected(gid, step)
             if (entry := self._groups.get(gid)) is not None:
-                raise StoreError(f"group {gid!r} already exists ({entry[0].value}); nothing was stored")
+                raise tr.already_exists(gid, entry[0])
         lease = Lease(owner, self._clock() + lease_seconds)
         for group in groups:
             self._set(group, _RUNNING)
@@ -170,10 +170,7 @@ class MemoryStore:
 
     def collect_garbage(self, up_to_step: int) -> int:
         self._check_open()
-        if up_to_step > self._trained_step:
-            raise StoreError(
-                f"cannot collect up to step {up_to_step}: only steps up to {self._trained_step} are trained"
-            )
+        tr.check_collect(up_to_step, self._trained_step)
         self._transactions += 1
         if up_to_step <= self._collected_step:
             return 0
@@ -190,13 +187,12 @@ class MemoryStore:
 
     def take_batch(self, step: int, size: int) -> Batch | None:
         self._check_open()
-        if size < 1:
-            raise ValueError(f"a batch needs at least one group, got size={size}")
+        tr.check_batch_size(size)
         if step in self._batches:
             self._transactions += 1
             return self._batch_of(step)
         if step <= self._trained_step:
-            raise StoreError(f"step {step} is already trained (trained step {self._trained_step}) and has no batch")
+            raise tr.already_trained(step, self._trained_step)
         self._transactions += 1
         if len(self._ready) < size:
             return None
@@ -215,12 +211,12 @@ class MemoryStore:
             self._transactions += 1
             return
         if step not in self._batches:
-            raise StoreError(f"no batch was taken for step {step}")
+            raise tr.no_batch(step)
         if step <= self._trained_step:  # finished already: a retry after a crash
             self._transactions += 1
             return
         if earlier := [s for s in self._open_steps if s < step]:
-            raise StoreError(f"step {step} cannot finish before step {min(earlier)}: steps finish in order")
+            raise tr.out_of_order(step, min(earlier))
         for gid in self._batches[step]:
             self._move(gid, _BATCHED, GroupState.TRAINED, self._groups[gid][1])
         self._open_steps.discard(step)
@@ -245,6 +241,40 @@ class MemoryStore:
         self._transactions += 1
         return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
 
+    def seed(
+        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+    ) -> None:
+        self._check_open()
+        tr.check_seed(trained_step, len(self._groups) + len(self._tombstones), self._trained_step)
+        ids = [g.group_id for g in (*partial, *ready)]
+        if len(set(ids)) != len(ids):
+            raise tr.duplicate_in_admit(next(i for i in ids if ids.count(i) > 1))
+        for group in partial:
+            self._set(group, _PARTIAL)
+        for group in ready:
+            self._set(group, _READY)
+        self._cursor = cursor
+        self._trained_step = self._collected_step = trained_step
+        self._transactions += 1
+
+    def quarantine_damaged(self) -> int:
+        """Nothing in memory is ever damaged."""
+        self._check_open()
+        return 0
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        """Nothing is ever damaged in memory, but a QUARANTINED group is served the same way."""
+        self._check_open()
+        requeued = 0
+        for gid in list(self._members[GroupState.QUARANTINED]):
+            new_id = tr.requeue_id(gid)
+            if new_id in self._groups or new_id in self._tombstones or (group := fresh(gid)) is None:
+                continue
+            self._set(dataclasses.replace(group, group_id=new_id), _PARTIAL)
+            requeued += 1
+        self._transactions += 1
+        return requeued
+
     # --- reading --------------------------------------------------------------------------------
 
     def count(self, state: GroupState) -> int:
@@ -255,7 +285,11 @@ class MemoryStore:
         self._check_open()
         return self._groups.get(group_id)
 
-    def groups(self, state: GroupState) -> Iterator[Group]:
+    def verify(self) -> VerifyReport:
+        """Nothing in memory is ever damaged: every group is counted as checked."""
+        return VerifyReport(records=len(self._groups), damaged=())
+
+    def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:
         self._check_open()
         if state is _PARTIAL or state is _READY:
             ids = [gid for _, _, gid in sorted(self._partial if state is _PARTIAL else self._ready)]
@@ -263,7 +297,7 @@ class MemoryStore:
             ids = list(self._members[state])
         return iter([self._groups[gid][1] for gid in ids])
 
-    def batch(self, step: int) -> Batch | None:
+    def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
         self._check_open()
         return self._batch_of(step) if step in self._batches else None
 
@@ -300,12 +334,8 @@ class MemoryStore:
         self._check_open()
         gid = group.group_id
         entry = self._groups.get(gid)
-        if entry is None:
-            raise StoreError(f"group {gid!r} is not in the store; only an admitted group can become {to.value}")
-        if entry[0] is not _RUNNING:
-            raise StoreError(f"group {gid!r} is {entry[0].value}, not running; it cannot become {to.value}")
-        if owner is not None and (held := self._leases.get(gid)) is not None and held.owner != owner:
-            raise StoreError(lease_lost(gid, owner, held.owner, to))
+        held = self._leases.get(gid)
+        tr.check_put(gid, None if entry is None else entry[0], to, owner, None if held is None else held.owner)
         self._move(gid, _RUNNING, to, group)
         self._transactions += 1
 
@@ -320,6 +350,7 @@ class MemoryStore:
 
     def _move(self, gid: str, old: GroupState, new: GroupState, group: Group) -> None:
         # The heap entry of `old` (PARTIAL or READY) was already popped by the caller.
+        tr.check_move(gid, old, new)
         del self._members[old][gid]
         if old is _RUNNING:
             del self._leases[gid]

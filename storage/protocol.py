@@ -9,6 +9,9 @@ A group moves through these states; every arrow is one store method and one tran
                  ▼  │                                          ▼                   (id kept as a tombstone)
                PARTIAL ◄──────── recover (crash while RUNNING)  READY
                  RUNNING ──put_rejected──► REJECTED    RUNNING ──put_failed──► FAILED
+     any state but TRAINED ──(its record fails its checksum)──► QUARANTINED
+
+`storage.transitions` holds this table and every message a refused move gives; both stores use it.
 
 RUNNING is leased: `admit` and `claim_partial` give the lease, every move out of RUNNING ends it.
 
@@ -39,10 +42,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline.errors import CorruptRecordError
 from pipeline.types import Batch, Group
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "RunMeta",
     "Store",
     "StoreStatistics",
+    "VerifyReport",
 ]
 
 SCHEMA_VERSION = 1
@@ -70,6 +75,7 @@ class GroupState(enum.Enum):
     TRAINED = "trained"
     REJECTED = "rejected"
     FAILED = "failed"
+    QUARANTINED = "quarantined"  # its stored record is damaged: kept, never served, its prompt requeued
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,18 @@ class StoreStatistics:
     collected: int = 0  # TRAINED groups deleted by collect_garbage, over the store's life
     collected_step: int = -1  # the last step collect_garbage covered
     map_size: int = 0  # the LMDB map reservation now (it doubles when full); 0 for the memory store
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `Store.verify()` read, and every damaged thing it found (empty: the store is sound)."""
+
+    records: int  # values read and checked
+    damaged: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
 
 
 @runtime_checkable
@@ -217,32 +235,43 @@ class Store(Protocol):
         batches after `trained_step()` -> READY (their batch records dropped)."""
         ...
 
+    def seed(
+        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+    ) -> None:
+        """Start an empty store where another one left off (a damaged store's salvage): the cursor,
+        the last trained step (steps up to it count as trained and collected), and groups that
+        enter PARTIAL or READY. One transaction. Raises StoreError on a store that is not empty."""
+        ...
+
+    def quarantine_damaged(self) -> int:
+        """Groups that can still be served (RUNNING, PARTIAL, READY, BATCHED) whose records fail their
+        checksum -> QUARANTINED, in one transaction. Returns how many."""
+        ...
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        """For each QUARANTINED group not requeued yet, `fresh(group_id)` (a new group for the same
+        prompt, or None when the prompt is unknown) enters PARTIAL under `transitions.requeue_id`.
+        The quarantined group stays, counted. Returns how many were requeued."""
+        ...
+
     def count(self, state: GroupState) -> int: ...
 
     def get(self, group_id: str) -> tuple[GroupState, Group] | None: ...
 
-    def groups(self, state: GroupState) -> Iterator[Group]:
-        """The groups in `state`; PARTIAL and READY in serving order, the rest in any order."""
+    def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:
+        """The groups in `state`; PARTIAL and READY in serving order, the rest in any order.
+
+        A damaged record raises CorruptRecordError; with `damaged`, it is appended there and skipped."""
         ...
 
-    def batch(self, step: int) -> Batch | None: ...
+    def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None: ...
+
+    def verify(self) -> VerifyReport:
+        """Every record read and checked, every index checked against the group states."""
+        ...
 
     def statistics(self) -> StoreStatistics: ...
 
     def close(self) -> None: ...
 
 
-def check_lease(owner: str, lease_seconds: float) -> None:
-    """Both stores refuse the same bad lease arguments (not exported: a helper of the implementations)."""
-    if not isinstance(owner, str) or not owner:
-        raise ValueError(f"a lease owner is a non-empty string, got {owner!r}")
-    if not lease_seconds > 0:  # NaN too
-        raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-
-
-def lease_lost(gid: str, owner: str, holder: str | None, to: GroupState) -> str:
-    held = "nobody" if holder is None else repr(holder)
-    return (
-        f"group {gid!r} is leased to {held}, not {owner!r}; it cannot become {to.value} "
-        "(its lease expired, or was never theirs)"
-    )

@@ -18,8 +18,7 @@ import lmdb
 import pytest
 
 from launch.cli import main as launch
-from launch.run_state import salvage_store
-from storage import Cursor, GroupState, LmdbStore, keys
+from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
 
 FLAGS = ("--rollout-data-transport", "lmdb", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
          "--rollout-max-response-len", "32", "--no-progress")
@@ -112,7 +111,7 @@ def test_a_destroyed_file_header_resumes_from_the_newest_weights(run_copy, capsy
     data = run_copy / "rollout_data" / "data.mdb"
     with data.open("r+b") as fh:
         fh.write(b"\0" * 8192)  # both LMDB meta pages
-    _, text = _resume_and_check(run_copy, capsys, reason="cannot open the rollout store")
+    _, text = _resume_and_check(run_copy, capsys, reason="both meta pages are damaged")
     assert "newest complete weights folder" in text and "beginning of the dataset" in text
 
 

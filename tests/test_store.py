@@ -24,8 +24,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
+from pipeline.errors import (
+    CorruptRecordError,
+    IncompatibleStoreError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+)
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Segment
+from storage.migrate import layout_value
 from storage import (
     AsyncStore,
     Cursor,
@@ -741,10 +748,37 @@ def test_a_corrupt_record_names_its_key(tmp_path: Path) -> None:
         assert info.value.key == f"groups/{victim}"
         with pytest.raises(CorruptRecordError, match=victim):
             list(store.groups(READY))
-        with pytest.raises(CorruptRecordError, match=victim):
-            store.take_batch(0, 2)
-        assert store.count(READY) == 2 and store.batch(0) is None  # the failed take stored nothing
+        assert "layout version byte 147" in str(info.value)  # the seal caught it, not a decoder
+        assert store.take_batch(0, 2) is None  # one READY group is damaged: too few are left
+        assert store.count(READY) == 1 and store.count(GroupState.QUARANTINED) == 1 and store.batch(0) is None
         assert store.get(fresh(0).group_id)[0] is READY
+        # the damaged group is never served; its prompt comes back under a new id, once
+        assert store.requeue_quarantined(lambda gid: fresh(1) if gid == victim else None) == 1
+        assert store.requeue_quarantined(lambda gid: fresh(1)) == 0
+        [again] = store.claim_partial(5)
+        assert again.group_id == f"{victim}.requeued" and again.task == fresh(1).task
+        assert store.count(GroupState.QUARANTINED) == 1
+    with LmdbStore(path, readonly=True) as store:  # kept, as it was
+        with pytest.raises(CorruptRecordError, match="layout version byte 147"):
+            store.get(victim)
+
+
+def test_a_damaged_partial_group_is_quarantined_and_the_next_one_served(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with LmdbStore(path) as store:
+        store.admit([fresh(0), fresh(1)], cursor_after(2))
+        store.put_partial(fresh(0))
+        store.put_partial(fresh(1))
+    env = lmdb.open(str(path), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.GROUPS, txn=txn)
+        value = bytearray(txn.get(fresh(0).group_id.encode(), db=db))
+        value[-3] ^= 0x10  # one flipped bit in the payload: it still decodes, but the checksum fails
+        txn.put(fresh(0).group_id.encode(), bytes(value), db=db)
+    env.close()
+    with LmdbStore(path) as store:
+        assert [g.group_id for g in store.claim_partial(2)] == [fresh(1).group_id]
+        assert store.count(GroupState.QUARANTINED) == 1 and store.count(PARTIAL) == 0
 
 
 def test_a_store_of_another_layout_is_refused(tmp_path: Path) -> None:
@@ -752,11 +786,11 @@ def test_a_store_of_another_layout_is_refused(tmp_path: Path) -> None:
     LmdbStore(path).close()
     env = lmdb.open(str(path), max_dbs=len(keys.DATABASES))
     with env.begin(write=True) as txn:
-        txn.put(keys.META_LAYOUT, keys.i64_value(99), db=env.open_db(keys.META, txn=txn))
+        txn.put(keys.META_LAYOUT, layout_value(99), db=env.open_db(keys.META, txn=txn))
     env.close()
-    with pytest.raises(IncompatibleStoreError, match="schema_version=99"):
+    with pytest.raises(IncompatibleStoreError, match="newer .* layout 99.*reads layouts 1 to 2"):
         LmdbStore(path)
-    with pytest.raises(IncompatibleStoreError, match="schema_version=99"):
+    with pytest.raises(IncompatibleStoreError, match="layout 99"):
         LmdbStore(path, readonly=True)
     with pytest.raises(IncompatibleStoreError):  # not StoreLockedError: the failed opener let go of the lock
         LmdbStore(path)
@@ -768,10 +802,10 @@ def test_lmdb_errors_become_store_errors(tmp_path: Path) -> None:
         LmdbStore(tmp_path / "file")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "data.mdb").write_bytes(b"\0junk" * 4096)
-    with pytest.raises(StoreError, match="cannot open") as info:
+    with pytest.raises(StoreCorruptionError, match="damaged at .*junk/data.mdb: neither meta page") as info:
         LmdbStore(tmp_path / "junk")
-    assert isinstance(info.value.__cause__, lmdb.Error)
-    with pytest.raises(StoreError, match="cannot open"):  # and the failed opener released the lock
+    assert info.value.where == str(tmp_path / "junk" / "data.mdb")
+    with pytest.raises(StoreCorruptionError):  # and the failed opener released the lock
         LmdbStore(tmp_path / "junk")
 
 
@@ -1113,3 +1147,35 @@ def test_readonly_opens_a_store_whose_lock_file_it_cannot_use(tmp_path: Path) ->
         assert _snapshot(ro) == before
     with pytest.raises(StoreError, match="cannot open"):  # a writer never runs without LMDB's lock
         LmdbStore(path)
+
+
+# --- the one transition table ------------------------------------------------------------------
+
+
+def test_the_transition_table_refuses_what_the_state_machine_lacks() -> None:
+    from storage import transitions
+
+    transitions.check_move("g", READY, BATCHED)
+    transitions.check_move("g", PARTIAL, GroupState.QUARANTINED)
+    with pytest.raises(StoreError, match="'g' cannot move from trained to ready: no such transition"):
+        transitions.check_move("g", TRAINED, READY)
+    with pytest.raises(StoreError, match="from absent to trained"):
+        transitions.check_move("g", None, TRAINED)
+    with pytest.raises(StoreError, match="from trained to quarantined"):  # trained is final: never taken back
+        transitions.check_move("g", TRAINED, GroupState.QUARANTINED)
+
+
+def test_both_stores_refuse_a_put_with_the_same_words(tmp_path: Path) -> None:
+    messages = []
+    for store in (MemoryStore(), LmdbStore(tmp_path / "s", sync=False)):
+        with store:
+            store.admit([fresh(0)], cursor_after(1), owner="p1", lease_seconds=60.0)
+            store.put_ready(finished(fresh(0), 0))
+            found = []
+            for put in (lambda: store.put_partial(fresh(0), owner="p1"), lambda: store.put_ready(fresh(1))):
+                with pytest.raises(StoreError) as info:
+                    put()
+                found.append(str(info.value))
+            messages.append(found)
+    assert messages[0] == messages[1]
+    assert messages[0][0] == "group 'e0000-p000000000' is ready, not running; it cannot become partial"
