@@ -161,34 +161,28 @@ async def run_pipeline(
                 new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
             train_seconds = time.perf_counter() - t_train
 
-            # The checkpoint (weights and optimizer) is on disk: commit the step. A crash before
-            # this line trains the batch again from the previous checkpoint; a crash after it
-            # resumes from this one, whose weights the restart loads into the engines. Committing
-            # before the publish matters in async mode: tokens stamped with the new version must
-            # never outlive a restart that falls back to the old one.
-            await store.finish_batch(step)
+            record.update({f"train/{k}": v for k, v in train_metrics.items()})
+            record.update(await _step_record(
+                plan, step, start_step, run_started, t_rollout, rollout_seconds, train_seconds, busy_before,
+                admission, pool, gate, collector, store, len(batch.groups),
+            ))
+            record.update(group_times)
+
+            # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record
+            # in the same transaction (so the store counts a step as trained exactly when it holds
+            # its record; a kill before the file append below is repaired on resume from there).
+            # A crash before this line trains the batch again from the previous checkpoint; a crash
+            # after it resumes from this one, whose weights the restart loads into the engines.
+            # Committing before the publish matters in async mode: tokens stamped with the new
+            # version must never outlive a restart that falls back to the old one. So the step's
+            # times run up to the commit; the publish's own times are the record's only later fields.
+            await store.finish_batch(step, record)
             with _span(events, "publish", version=clock.version + 1):
                 report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
             training.done()
-
-            record.update({f"train/{k}": v for k, v in train_metrics.items()})
-            step_seconds = time.perf_counter() - t_rollout
-            busy = pool.statistics().busy_slot_seconds - busy_before
-            record.update(_step_counters(admission, pool, gate))
-            record.update(group_times)
             record.update({
-                # Slot-time in flight over the whole step: in async mode generation goes on while
-                # the trainer trains, and that counts.
-                "engine/busy_frac": busy / (plan.slots * step_seconds) if step_seconds > 0 else 0.0,
-                "trainer/idle_frac": rollout_seconds / step_seconds if step_seconds > 0 else 0.0,
-                "groups/per_second": len(batch.groups) / step_seconds if step_seconds > 0 else 0.0,
-                "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
-                "time/step": step_seconds,
-                "time/rollout": rollout_seconds, "time/train": train_seconds,
                 "time/publish_gate_closed": report.gate_closed_seconds,
                 "time/publish_update": report.update_seconds,
-                "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
-                "queue/in_flight": admission.outstanding,
             })
             metrics.write(record)
             if on_step is not None:
@@ -207,6 +201,30 @@ async def run_pipeline(
         await admission.wait_settled()
         tg.cancel_scope.cancel()
     return RunSummary(plan.num_steps - start_step, clock.version, metrics.records)
+
+
+async def _step_record(
+    plan: RolloutPlan, step: int, start_step: int, run_started: float, t_rollout: float,
+    rollout_seconds: float, train_seconds: float, busy_before: float,
+    admission: Admission, pool: GeneratorPool, gate: FilterStage, collector: Collector, store: AsyncStore,
+    groups: int,
+) -> dict[str, Any]:
+    """The step's counters, rates and times, measured just before its commit."""
+    step_seconds = time.perf_counter() - t_rollout
+    busy = pool.statistics().busy_slot_seconds - busy_before
+    return {
+        **_step_counters(admission, pool, gate),
+        # Slot-time in flight over the whole step: in async mode generation goes on while
+        # the trainer trains, and that counts.
+        "engine/busy_frac": busy / (plan.slots * step_seconds) if step_seconds > 0 else 0.0,
+        "trainer/idle_frac": rollout_seconds / step_seconds if step_seconds > 0 else 0.0,
+        "groups/per_second": groups / step_seconds if step_seconds > 0 else 0.0,
+        "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
+        "time/step": step_seconds,
+        "time/rollout": rollout_seconds, "time/train": train_seconds,
+        "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
+        "queue/in_flight": admission.outstanding,
+    }
 
 
 def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:
