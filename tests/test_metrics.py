@@ -174,6 +174,7 @@ def _tensorboard_scalars(logdir: Path) -> dict[tuple[str, int], float]:
 
 
 def test_tensorboard_gets_every_number_of_the_record_by_name_and_step(tmp_path):
+    pytest.importorskip("tensorboardX", reason="the tensorboard extra is not installed")
     sink = TensorBoardSink(tmp_path / "tb")
     records = [orjson.loads(orjson.dumps(_record(s, **{"train/loss": 1.0 / (s + 1)}))) for s in range(3)]
     for r in records:
@@ -211,6 +212,7 @@ def _wandb_history(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def test_wandb_offline_logs_every_number_of_the_record_by_name_and_step(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.setenv("WANDB_SILENT", "true")
     for var in ("WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
