@@ -273,6 +273,8 @@ class KillPoint:
     name: str
     arm: Callable[[Watch, Launcher], Callable[[], bool]]  # called at the life's start: its baseline
     stop_engine_first: bool = False
+    # Killed after the step's commit and before its metrics line: the file lacks the last record.
+    loses_last_record: bool = False
 
 
 def _after_first_admit(w: Watch, _: Launcher) -> Callable[[], bool]:
@@ -324,6 +326,31 @@ def _step_finished(w: Watch, _: Launcher) -> Callable[[], bool]:
     return lambda: w.store is not None and w.store.trained_step() > before
 
 
+def _committed_before_metrics_line(w: Watch, launcher: Launcher) -> Callable[[], bool]:
+    """The engine is frozen once a batch is taken: training goes on (it needs no engine), the step
+    commits, and the publish that follows waits on the frozen engine, so the launcher is stuck
+    between the commit and the metrics line when it is killed."""
+    armed: dict[str, int] = {}
+
+    def condition() -> bool:
+        if "trained" not in armed:
+            stats = w.store.statistics() if w.store is not None else None
+            if stats is None or stats.counts[GroupState.BATCHED] == 0:
+                return False
+            engines = launcher.engines()
+            assert engines, "the launcher has no engine to freeze"
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
+            if w.store.statistics().trained_step != stats.trained_step:  # the step ended before the stop
+                for pid in engines:
+                    os.kill(pid, signal.SIGCONT)
+                return False
+            armed["trained"] = stats.trained_step
+        return w.store.trained_step() > armed["trained"]
+
+    return condition
+
+
 def _resumed_group_running(w: Watch, _: Launcher) -> Callable[[], bool]:
     return lambda: bool(w.stored_with_tokens(GroupState.RUNNING))
 
@@ -335,6 +362,7 @@ KILL_POINTS = (
     KillPoint("batch taken, training", _batch_taken),
     KillPoint("new weights saved, publish in progress", _publishing),
     KillPoint("a step finished", _step_finished),
+    KillPoint("step committed, its metrics line not yet written", _committed_before_metrics_line, loses_last_record=True),
     KillPoint("continuing a stored partial group", _resumed_group_running),
 )
 
@@ -353,9 +381,11 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             # The launcher starts its engine after it opened and recovered the store: from then on
             # the store holds no leftovers of the last kill, and the kill point's baseline is valid.
             launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            _check_metrics_restored(watch)  # after a `loses_last_record` kill: the line is back
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
             launcher.kill()
+            _check_metrics_after_kill(watch, point)
             tokens = watch.snapshot()
             stats = watch.store.statistics()
             counts = {k.value: v for k, v in stats.counts.items() if v}
@@ -364,8 +394,10 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
         unfinished = out / "weights" / f".v{K}.tmp-killed"
         unfinished.mkdir(parents=True)
         (unfinished / "model.safetensors").write_bytes(b"half a file")
+        damage = _append_damage(out)
         launcher = Launcher(out, len(KILL_POINTS))
         assert launcher.finish(300) == 0, launcher.log_tail()
+        assert (out / "metrics.jsonl.dropped").read_bytes().splitlines() == damage
         assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{v}" for v in range(1, K + 1)]
     finally:
         watch.close()
@@ -374,6 +406,42 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
     elapsed = time.monotonic() - started
     print(f"{len(used)} kills in {elapsed:.0f}s:", *used, sep="\n  ")
     _check_exactly_once(out, watch.stored)
+
+
+def _metric_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _check_metrics_after_kill(w: Watch, point: KillPoint) -> None:
+    """A dead launcher's file: in order, no duplicate, no step the store does not count; at most
+    the last committed step's line missing, and exactly that where the kill point says so."""
+    steps, trained = _metric_steps(w.out), w.store.trained_step()
+    assert steps == list(range(len(steps))), f"{point.name}: metrics steps {steps}"
+    lost = trained + 1 - len(steps)
+    assert lost in (0, 1), f"{point.name}: metrics steps {steps}, trained step {trained}"
+    if point.loses_last_record:  # the kill point is where it says it is
+        assert lost == 1, f"{point.name}: metrics steps {steps}, trained step {trained}"
+
+
+def _check_metrics_restored(w: Watch) -> None:
+    """A resumed launcher restores the file before it starts its engine: from then on the file
+    holds exactly steps 0..trained (the live launcher may append a step meanwhile; the store is
+    read before and after the file, so the bounds hold)."""
+    before = w.store.trained_step()
+    steps = _metric_steps(w.out)
+    after = w.store.trained_step()
+    assert steps == list(range(len(steps))) and before + 1 <= len(steps) <= after + 1, (steps, before, after)
+
+
+def _append_damage(out: Path) -> list[bytes]:
+    """What another crash could leave in the file (a duplicate, a phantom step, a torn line)."""
+    path = out / "metrics.jsonl"
+    last = path.read_bytes().splitlines()[-1]
+    damage = [last, json.dumps({"step": K + 5, "version": K + 5}).encode(), b'{"step": 1, "rewa']
+    with path.open("ab") as f:
+        f.write(b"".join(line + b"\n" for line in damage))
+    return damage
 
 
 def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]) -> dict[GroupState, int]:
@@ -414,7 +482,13 @@ def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]
     assert meta["trainer_steps"] == K
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["version"] == r["step"] for r in records)
-    assert records[-1]["step"] == K - 1
+    # Exactly one record per trained step, 0..K-1, each the one committed with its step.
+    assert [r["step"] for r in records] == list(range(K))
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        stored = store.step_metrics()
+    assert sorted(stored) == list(range(K))
+    for r in records:
+        assert {k: r[k] for k in stored[r["step"]]} == stored[r["step"]], r["step"]
     return counts
 
 
@@ -466,6 +540,8 @@ ASYNC_KILL_POINTS = (
     KillPoint("async: first group ready", _first_ready),
     KillPoint("async: batch taken, training while generation goes on", _batch_taken),
     KillPoint("async: a step finished", _step_finished),
+    KillPoint("async: step committed, its metrics line not yet written", _committed_before_metrics_line,
+              loses_last_record=True),
 )
 
 
@@ -484,9 +560,11 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
             watch.close()
             launcher = Launcher(out, life, "--rollout-mode", "async")
             launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            _check_metrics_restored(watch)
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
             launcher.kill()
+            _check_metrics_after_kill(watch, point)
             watch.snapshot()
         launcher = Launcher(out, len(ASYNC_KILL_POINTS), "--rollout-mode", "async")
         assert launcher.finish(300) == 0, launcher.log_tail()
