@@ -136,10 +136,10 @@ async def run_pipeline(
         training = _Training()
         feeding = await tg.start(_feed_async, plan, admission, collector, training) if plan.mode == "async" else None
 
-        run_started = time.perf_counter()
+        run_started = step_started = time.perf_counter()
+        busy_before = pool.statistics().busy_slot_seconds
         for step in range(start_step, plan.num_steps):
             t_rollout = time.perf_counter()
-            busy_before = pool.statistics().busy_slot_seconds
             if plan.mode == "sync":
                 await _fill_sync(plan, admission, collector, pool, _span(events, "stop", step=step))
             else:
@@ -162,10 +162,14 @@ async def run_pipeline(
             train_seconds = time.perf_counter() - t_train
 
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
+            # A step runs from the previous commit to its own, so its time includes the previous
+            # publish and the steps' times add up to the run's.
+            now, busy_now = time.perf_counter(), pool.statistics().busy_slot_seconds
             record.update(await _step_record(
-                plan, step, start_step, run_started, t_rollout, rollout_seconds, train_seconds, busy_before,
-                admission, pool, gate, collector, store, len(batch.groups),
+                plan, step, start_step, run_started, now - step_started, busy_now - busy_before,
+                rollout_seconds, train_seconds, admission, pool, gate, collector, store, len(batch.groups),
             ))
+            step_started, busy_before = now, busy_now
             record.update(group_times)
 
             # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record
@@ -174,8 +178,8 @@ async def run_pipeline(
             # A crash before this line trains the batch again from the previous checkpoint; a crash
             # after it resumes from this one, whose weights the restart loads into the engines.
             # Committing before the publish matters in async mode: tokens stamped with the new
-            # version must never outlive a restart that falls back to the old one. So the step's
-            # times run up to the commit; the publish's own times are the record's only later fields.
+            # version must never outlive a restart that falls back to the old one. The publish's
+            # times are thus the record's only fields measured after the commit.
             await store.finish_batch(step, record)
             with _span(events, "publish", version=clock.version + 1):
                 report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
@@ -204,14 +208,11 @@ async def run_pipeline(
 
 
 async def _step_record(
-    plan: RolloutPlan, step: int, start_step: int, run_started: float, t_rollout: float,
-    rollout_seconds: float, train_seconds: float, busy_before: float,
-    admission: Admission, pool: GeneratorPool, gate: FilterStage, collector: Collector, store: AsyncStore,
+    plan: RolloutPlan, step: int, start_step: int, run_started: float, step_seconds: float, busy: float,
+    rollout_seconds: float, train_seconds: float, admission: Admission, pool: GeneratorPool, gate: FilterStage, collector: Collector, store: AsyncStore,
     groups: int,
 ) -> dict[str, Any]:
     """The step's counters, rates and times, measured just before its commit."""
-    step_seconds = time.perf_counter() - t_rollout
-    busy = pool.statistics().busy_slot_seconds - busy_before
     return {
         **_step_counters(admission, pool, gate),
         # Slot-time in flight over the whole step: in async mode generation goes on while
