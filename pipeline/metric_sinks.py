@@ -17,11 +17,13 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.metrics import StepSink
 
-__all__ = ["SinkSettings", "TensorBoardSink", "WandbSink", "open_step_sinks", "scalars"]
+__all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars"]
+
+WandbMode = Literal["offline", "online", "disabled"]
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -45,7 +47,7 @@ class TensorBoardSink:
             from tensorboardX import SummaryWriter
         except ImportError:
             # torch's writer needs the `tensorboard` package; tensorboardX needs only protobuf.
-            from torch.utils.tensorboard import SummaryWriter  # type: ignore[import-untyped,no-redef]
+            from torch.utils.tensorboard import SummaryWriter
         logdir.mkdir(parents=True, exist_ok=True)
         self.logdir = logdir
         self._writer = SummaryWriter(str(logdir))
@@ -69,7 +71,7 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, *, project: str, group: str | None, mode: str, dir: Path, run_id: str,
+    def __init__(self, *, project: str, group: str | None, mode: WandbMode, dir: Path, run_id: str,
                  config: Mapping[str, Any] | None = None) -> None:
         import wandb
 
@@ -108,7 +110,7 @@ class SinkSettings:
     use_wandb: bool = False
     wandb_project: str = "rollout-pipeline"
     wandb_group: str | None = None
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = "offline"
     wandb_dir: Path | None = None
     wandb_run_id: str | None = None
 
@@ -138,7 +140,7 @@ def _start(sinks: list[StepSink], name: str, extra: str, warn: Callable[[str], N
     except ImportError as exc:
         warn(f"metrics sink {name!r} is off: its library is not installed ({exc}); "
              f"pip install 'rollout-pipeline[{extra}]'")
-    except Exception as exc:  # a dashboard that cannot start never stops the run
+    except Exception as exc:  # noqa: BLE001 - a dashboard that cannot start never stops the run
         warn(f"metrics sink {name!r} is off: it failed to start ({type(exc).__name__}: {exc})")
 
 

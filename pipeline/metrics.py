@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -117,7 +118,7 @@ class MetricsSink:
     def write_extras(self, record: Mapping[str, Any]) -> None:
         """The extra sinks only: for records the file already has (rebuilt on resume)."""
         for sink in list(self._extras):
-            self._guard(sink, "write", lambda: sink.write(record))
+            self._guard(sink, "write", partial(sink.write, record))
 
     def close(self) -> None:
         if self._file is not None:
@@ -129,7 +130,7 @@ class MetricsSink:
     def _guard(self, sink: StepSink, what: str, call: Callable[[], None]) -> None:
         try:
             call()
-        except Exception as exc:  # any failure of a dashboard: warn once, keep training
+        except Exception as exc:  # noqa: BLE001 - any failure of a dashboard: warn once, keep training
             self._extras.remove(sink)
             reason = f"{type(exc).__name__}: {exc}"
             self.failed[sink.name] = reason
