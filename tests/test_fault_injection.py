@@ -171,6 +171,16 @@ class Launcher:
     def engines(self) -> list[int]:
         return _children(self.proc.pid)
 
+    def serving(self) -> bool:
+        """The launcher has started its engine (not just any child process)."""
+        for pid in self.engines():
+            try:
+                if b"launch.engine_server" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                continue
+        return False
+
     def wait_until(self, what: str, condition: Callable[[], bool], deadline: float = LIFE_DEADLINE) -> None:
         # Polling: see the module docstring. Each look is a fresh read-only transaction.
         end = time.monotonic() + deadline
@@ -380,7 +390,7 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             launcher = Launcher(out, life)
             # The launcher starts its engine after it opened and recovered the store: from then on
             # the store holds no leftovers of the last kill, and the kill point's baseline is valid.
-            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)  # after a `loses_last_record` kill: the line is back
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
@@ -504,6 +514,44 @@ def _check_sample(s: Sample, step: int) -> None:
     assert all(0 < r <= n for r in s.resumed_at) and list(s.resumed_at) == sorted(set(s.resumed_at))
 
 
+SMALL = ("--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+         "--rollout-max-response-len", "32")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tmp_path):
+    """The one kill point the metrics file can lose a record at, on a small run: the record is
+    written back from the store on resume, and the run ends with one record per step."""
+    out = tmp_path / "run"
+    watch = Watch(out)
+    launcher = None
+    point = next(p for p in KILL_POINTS if p.loses_last_record)
+    try:
+        for life in range(2):  # twice: once at step 0, once at step 1 (after a restore)
+            watch.close()
+            launcher = Launcher(out, life, *SMALL)
+            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            _check_metrics_restored(watch)
+            launcher.wait_until(point.name, point.arm(watch, launcher))
+            launcher.kill()
+            _check_metrics_after_kill(watch, point)
+            assert watch.store.trained_step() == life and _metric_steps(out) == list(range(life))
+        watch.close()
+        launcher = Launcher(out, 2, *SMALL)
+        assert launcher.finish(300) == 0, launcher.log_tail()
+    finally:
+        watch.close()
+        if launcher is not None and launcher.proc.poll() is None:
+            launcher.kill()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(K))
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        stored = store.step_metrics()
+    # Steps 0 and 1 were written back from the store (no publish timings); step 2 was appended.
+    assert [r == stored[r["step"]] for r in records] == [True, True, False]
+    assert "time/publish_update" in records[2] and not (out / "metrics.jsonl.dropped").exists()
+
+
 # ---- 3. an engine dies mid-run -------------------------------------------------------------------
 
 
@@ -559,7 +607,7 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
         for life, point in enumerate(ASYNC_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, "--rollout-mode", "async")
-            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
