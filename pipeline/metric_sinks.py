@@ -8,6 +8,10 @@ Both libraries are optional (`pip install 'rollout-pipeline[tensorboard]'`, `[wa
 whose library is missing, or that fails to start, is one warning naming the sink and the reason,
 and the run goes on without it; a sink that fails later is switched off by `MetricsSink` the same
 way. W&B's default mode here is offline: it writes under the run folder and needs no network.
+
+The metrics file and the store are the record; dashboards are copies. A record the store writes back
+on resume is sent to them too, but a kill between the file's append and a dashboard's write can
+leave that one step out of that dashboard.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main as launch
+from pipeline.metric_sinks import scalars
 from pipeline.metrics import AFTER_COMMIT
 from pipeline.replay import main
 from pipeline.replay_metrics import compare_metrics
@@ -24,7 +25,7 @@ def run_dir(tmp_path_factory) -> Path:
     code = launch([
         "--rollout-data-transport", "lmdb", "--num-rollout", "3", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32", "--output-dir", str(out),
-        "--no-progress", "--log-level", "warning",
+        "--no-progress", "--log-level", "warning", "--use-tensorboard", "--use-wandb", "--wandb-mode", "offline",
     ])  # fmt: skip
     assert code == 0
     return out
@@ -61,6 +62,20 @@ def test_a_clean_run_agrees_and_the_csv_has_every_field_of_every_step(run_dir, c
     assert table[1].split()[:3] == ["step", "version", "reward/mean"]
     assert [line.split()[0] for line in table[2:5]] == ["0", "1", "2"]
     assert f"{records[1]['reward/mean']:.4g}" in table[3]
+
+
+def test_the_dashboards_have_every_metric_of_the_file_by_name_and_step(run_dir):
+    """The launcher's --use-tensorboard and --use-wandb (offline: no network) get the file's records."""
+    from tests.test_metrics import _tensorboard_scalars, _wandb_history
+
+    records = _lines(run_dir)
+    expected = {(k, r["step"]): float(v) for r in records for k, v in scalars(r).items()}
+    tensorboard = _tensorboard_scalars(run_dir / "tensorboard")
+    assert tensorboard.keys() == expected.keys()
+    assert all(tensorboard[k] == pytest.approx(v, rel=1e-6, abs=1e-12) for k, v in expected.items())
+    history = _wandb_history(run_dir)
+    wandb = {(k, step): v for step, row in history.items() for k, v in row.items() if not k.startswith("_")}
+    assert wandb == expected
 
 
 def test_every_disagreement_is_named(run_dir, capsys, tmp_path):
