@@ -22,13 +22,14 @@ import anyio
 import structlog
 
 from pipeline.clock import VersionClock
-from pipeline.config import Config, load_config
+from pipeline.config import Config, config_to_dict, load_config
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.errors import ConfigError, EngineError, PipelineError
-from pipeline.metrics import MetricsSink
+from pipeline.metric_sinks import SinkSettings, open_step_sinks
+from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from stages.sglang_client import EngineFleet
-from storage import AsyncStore
+from storage import AsyncStore, Store
 from launch.run_state import open_run_state
 
 __all__ = ["main"]
@@ -73,6 +74,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     async with AsyncExitStack() as stack:
         state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
+        restored = _restore_metrics(config, state.store)
         store = AsyncStore(state.store)
         stack.push_async_callback(store.aclose)
         engines = await stack.enter_async_context(_engines(config, state.model_path))
@@ -88,7 +90,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         # it out of the collector's scans. Each engine answer allocates a thousand small objects,
         # and full scans over the start-up heap were a measurable share of the controller's time.
         gc.freeze()
-        sink = MetricsSink(Path(config.output.metrics_file))
+        sink = _metrics_sink(config, out, restored, state.store)
         stack.callback(sink.close)
         # Engine slots, training steps and publishes, for `python -m pipeline.timeline`.
         events = EventLog(out / "events.jsonl")
@@ -147,6 +149,38 @@ async def _garbage_collector(
         tg.start_soon(collect)
         with send:
             yield step_done
+
+
+def _restore_metrics(config: Config, store: Store) -> RestoredMetrics:
+    """One metrics record per trained step before this run appends any: see `pipeline.metrics`."""
+    path = Path(config.output.metrics_file)
+    restored = restore_metrics_file(path, trained_step=store.trained_step(), stored=store.step_metrics())
+    if restored.rebuilt:
+        log.warning("metrics records written back from the store", file=str(path), steps=list(restored.rebuilt))
+    if restored.dropped:
+        log.warning("metrics records moved aside", file=str(path) + ".dropped", why=list(restored.dropped))
+    if restored.missing:
+        log.warning("trained steps with no metrics record anywhere", steps=list(restored.missing))
+    return restored
+
+
+def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: Store) -> MetricsSink:
+    """The metrics file plus the dashboards asked for; records rebuilt from the store go to them too."""
+    o = config.output
+    settings = SinkSettings(
+        use_tensorboard=o.use_tensorboard, tensorboard_dir=o.tensorboard_dir, use_wandb=o.use_wandb,
+        wandb_project=o.wandb_project, wandb_group=o.wandb_group, wandb_mode=o.wandb_mode,
+        wandb_dir=o.wandb_dir, wandb_run_id=o.wandb_run_id,
+    )
+    warn = log.warning
+    extras = open_step_sinks(settings, output_dir=out, run_id=config.storage.run_id, warn=warn,
+                             config=config_to_dict(config))
+    sink = MetricsSink(Path(o.metrics_file), extras, warn=warn)
+    if extras and restored.rebuilt:
+        stored = store.step_metrics(min(restored.rebuilt))
+        for step in restored.rebuilt:
+            sink.write_extras(stored[step])
+    return sink
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -127,10 +127,10 @@ async def run_pipeline(
 
     start_step = await store.trained_step() + 1
     async with graph.running(plan) as training:
-        run_started = time.perf_counter()
+        run_started = step_started = time.perf_counter()
+        busy_before = pool.statistics().busy_slot_seconds
         for step in range(start_step, plan.num_steps):
             t_rollout = time.perf_counter()
-            busy_before = pool.statistics().busy_slot_seconds
             if plan.mode is RolloutMode.SYNC:
                 await _fill_sync(plan, admission, collector, pool, _span(events, "stop", step=step))
             else:
@@ -152,35 +152,32 @@ async def run_pipeline(
                 new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
             train_seconds = time.perf_counter() - t_train
 
-            # The checkpoint (weights and optimizer) is on disk: commit the step. A crash before
-            # this line trains the batch again from the previous checkpoint; a crash after it
-            # resumes from this one, whose weights the restart loads into the engines. Committing
-            # before the publish matters in async mode: tokens stamped with the new version must
-            # never outlive a restart that falls back to the old one.
-            await store.finish_batch(step)
+            record.update({f"train/{k}": v for k, v in train_metrics.items()})
+            # A step runs from the previous commit to its own, so its time includes the previous
+            # publish and the steps' times add up to the run's.
+            now, busy_now = time.perf_counter(), pool.statistics().busy_slot_seconds
+            record.update(await _step_record(
+                plan, step, start_step, run_started, now - step_started, busy_now - busy_before,
+                rollout_seconds, train_seconds, admission, pool, gate, collector, store, len(batch.groups),
+            ))
+            step_started, busy_before = now, busy_now
+            record.update(group_times)
+
+            # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record
+            # in the same transaction (so the store counts a step as trained exactly when it holds
+            # its record; a kill before the file append below is repaired on resume from there).
+            # A crash before this line trains the batch again from the previous checkpoint; a crash
+            # after it resumes from this one, whose weights the restart loads into the engines.
+            # Committing before the publish matters in async mode: tokens stamped with the new
+            # version must never outlive a restart that falls back to the old one. The publish's
+            # times are thus the record's only fields measured after the commit.
+            await store.finish_batch(step, record)
             with _span(events, "publish", version=clock.version + 1):
                 report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
             training.done()
-
-            record.update({f"train/{k}": v for k, v in train_metrics.items()})
-            step_seconds = time.perf_counter() - t_rollout
-            busy = pool.statistics().busy_slot_seconds - busy_before
-            record.update(_step_counters(admission, pool, gate))
-            record.update(group_times)
             record.update({
-                # Slot-time in flight over the whole step: in async mode generation goes on while
-                # the trainer trains, and that counts.
-                "engine/busy_frac": busy / (plan.slots * step_seconds) if step_seconds > 0 else 0.0,
-                "trainer/idle_frac": rollout_seconds / step_seconds if step_seconds > 0 else 0.0,
-                "groups/per_second": len(batch.groups) / step_seconds if step_seconds > 0 else 0.0,
-                "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
-                "time/step": step_seconds,
-                "time/rollout": rollout_seconds, "time/train": train_seconds,
                 "time/publish_gate_closed": report.gate_closed_seconds,
                 "time/publish_update": report.update_seconds,
-                "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
-                "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
-                "queue/in_flight": admission.outstanding,
             })
             metrics.write(record)
             if on_step is not None:
@@ -271,6 +268,28 @@ class _Graph:
         self.admission.revoke()
         await self.pool.stop()
         await self.admission.wait_settled()
+
+
+async def _step_record(
+    plan: RolloutPlan, step: int, start_step: int, run_started: float, step_seconds: float, busy: float,
+    rollout_seconds: float, train_seconds: float, admission: Admission, pool: GeneratorPool, gate: FilterStage, collector: Collector, store: AsyncStore,
+    groups: int,
+) -> dict[str, Any]:
+    """The step's counters, rates and times, measured just before its commit."""
+    return {
+        **_step_counters(admission, pool, gate),
+        # Slot-time in flight over the whole step: in async mode generation goes on while
+        # the trainer trains, and that counts.
+        "engine/busy_frac": busy / (plan.slots * step_seconds) if step_seconds > 0 else 0.0,
+        "trainer/idle_frac": rollout_seconds / step_seconds if step_seconds > 0 else 0.0,
+        "groups/per_second": groups / step_seconds if step_seconds > 0 else 0.0,
+        "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
+        "time/step": step_seconds,
+        "time/rollout": rollout_seconds, "time/train": train_seconds,
+        "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
+        "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
+        "queue/in_flight": admission.outstanding,
+    }
 
 
 def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:

@@ -1,17 +1,49 @@
-"""Per-step metrics: computed from a batch and the stages' statistics, written as JSON lines."""
+"""Per-step metrics: computed from a batch and the stages' statistics, written as JSON lines.
+
+The guarantee (with a store that survives the process, i.e. LMDB): `metrics.jsonl` holds exactly
+one record per trained step, steps 0..trained_step, in order. The controller stores each step's
+record in the transaction that commits the step (`Store.finish_batch(step, metrics)`), then
+appends it to the file; `restore_metrics_file` runs before a resumed run appends anything and
+makes the file agree with the store: a record the file lacks (a kill between the commit and the
+append) is written back from the store, a torn line, a duplicate, or a record of a step the store
+does not count as trained is moved to `<file>.dropped` (nothing is deleted). The fields known only
+after the commit (`AFTER_COMMIT`: the publish timings) are absent from a record rebuilt this way.
+
+With the memory store nothing survives a crash: a restart is a new run from step 0, so every
+record of the earlier life is moved to `<file>.dropped`, and the file holds this life's steps only.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import orjson
+import structlog
 
 from pipeline.types import Batch, SampleStatus
 
-__all__ = ["GroupTimes", "MetricsSink", "batch_metrics"]
+__all__ = [
+    "AFTER_COMMIT",
+    "GroupTimes",
+    "MetricsSink",
+    "RestoredMetrics",
+    "StepSink",
+    "batch_metrics",
+    "restore_metrics_file",
+]
+
+log = structlog.get_logger("metrics")
+
+# Fields of a step's record measured after its commit (the publish follows the commit), so the
+# record stored with the commit lacks them.
+AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update")
 
 
 def batch_metrics(batch: Batch, *, version: int) -> dict[str, float]:
@@ -45,26 +77,151 @@ def _mean(values: list[Any]) -> float:
     return float(sum(values)) / len(values) if values else math.nan
 
 
-class MetricsSink:
-    """Appends one JSON object per training step to a file (and keeps them for the summary)."""
+class StepSink(Protocol):
+    """Somewhere else a step's record goes (TensorBoard, W&B): `pipeline.metric_sinks`."""
 
-    def __init__(self, path: Path | None) -> None:
+    name: str
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsSink:
+    """Appends one JSON object per training step to a file (and keeps them for the summary), and
+    hands the same record to each extra sink.
+
+    An extra sink that raises (disk full, a library that went missing) is reported once, as a
+    warning naming the sink and the reason, and is not called again: a dashboard never ends a run.
+    """
+
+    def __init__(
+        self, path: Path | None, extras: Sequence[StepSink] = (),
+        *, warn: Callable[[str], None] | None = None,
+    ) -> None:
         self._file: IO[bytes] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("ab")
         self.records: list[dict[str, Any]] = []
+        self._extras = list(extras)
+        self._warn = warn or log.warning
+        self.failed: dict[str, str] = {}  # sink name -> why it stopped
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self._file is not None:
             self._file.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             self._file.flush()
+        self.write_extras(record)
+
+    def write_extras(self, record: Mapping[str, Any]) -> None:
+        """The extra sinks only: for records the file already has (rebuilt on resume)."""
+        for sink in list(self._extras):
+            self._guard(sink, "write", partial(sink.write, record))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in list(self._extras):
+            self._guard(sink, "close", sink.close)
+
+    def _guard(self, sink: StepSink, what: str, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - any failure of a dashboard: warn once, keep training
+            self._extras.remove(sink)
+            reason = f"{type(exc).__name__}: {exc}"
+            self.failed[sink.name] = reason
+            self._warn(f"metrics sink {sink.name!r} failed on {what} and is off for the rest of the run ({reason})")
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredMetrics:
+    """What `restore_metrics_file` did: steps written back from the store, lines moved aside."""
+
+    kept: int
+    rebuilt: tuple[int, ...]
+    dropped: tuple[str, ...]  # one reason per line moved to `<file>.dropped`
+    missing: tuple[int, ...]  # trained steps with no record anywhere (a store from before records)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rebuilt or self.dropped)
+
+
+def restore_metrics_file(
+    path: Path, *, trained_step: int, stored: Mapping[int, Mapping[str, Any]]
+) -> RestoredMetrics:
+    """Make the metrics file hold exactly one record per trained step, 0..`trained_step`.
+
+    `stored` is the store's records (`Store.step_metrics()`). A line of the file is kept if it is
+    the first record of a trained step and agrees with the store's record of that step on every
+    field the store has; a trained step left without a line gets the store's record. Every other
+    line is appended to `<file>.dropped` with nothing lost. The file is replaced atomically (a
+    crash during the restore leaves the old file or the new one, never half of one).
+    """
+    lines = path.read_bytes().splitlines() if path.exists() else []
+    kept: dict[int, bytes] = {}
+    dropped: list[tuple[bytes, str]] = []
+    for number, line in enumerate(lines, 1):
+        step, why = _judge(line, trained_step, stored, kept)
+        if why is None:
+            kept[step] = line
+        elif line.strip():
+            dropped.append((line, f"line {number}: {why}"))
+    rebuilt = []
+    for step in sorted(stored):
+        if step <= trained_step and step not in kept:
+            kept[step] = orjson.dumps(dict(stored[step]))
+            rebuilt.append(step)
+    missing = tuple(s for s in range(trained_step + 1) if s not in kept)
+    order = sorted(kept)
+    result = RestoredMetrics(len(order) - len(rebuilt), tuple(rebuilt), tuple(w for _, w in dropped), missing)
+    if result.changed or order != list(kept):  # kept: file order, then the rebuilt ones
+        if dropped:
+            with path.with_name(path.name + ".dropped").open("ab") as aside:
+                aside.write(b"".join(line + b"\n" for line, _ in dropped))
+                aside.flush()
+                os.fsync(aside.fileno())
+        _replace(path, b"".join(kept[s] + b"\n" for s in order))
+    return result
+
+
+def _judge(
+    line: bytes, trained_step: int, stored: Mapping[int, Mapping[str, Any]], kept: Mapping[int, bytes]
+) -> tuple[int, str | None]:
+    """(step, None) for a line to keep, else (step or -1, why it goes)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return -1, "not JSON (a write cut short)"
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return -1, f"no integer 'step' field, got {step!r}"
+    if step < 0 or step > trained_step:
+        return step, f"step {step} is not trained in the store (trained step {trained_step})"
+    if step in kept:
+        return step, f"a second record of step {step}"
+    ours = stored.get(step)
+    if ours is not None:
+        differing = sorted(k for k, v in ours.items() if record.get(k, _ABSENT) != v)
+        if differing:
+            return step, f"step {step} differs from the store's record in {differing[:5]}"
+    return step, None
+
+
+_ABSENT = object()
+
+
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class GroupTimes:

@@ -9,6 +9,8 @@ run's settings. This tool reads it without an engine:
     group GROUP_ID      one group in full, decoded with the run's tokenizer (`--json` for machines)
     train               the recorded batches fed again to a fresh GRPOTrainer, one JSON line per step
     timeline [-o FILE]  RUN_DIR/events.jsonl drawn as an HTML timeline (default RUN_DIR/timeline.html)
+    metrics [--csv FILE]  the per-step metrics table, from the store and the metrics file, and
+                        where the two disagree (`pipeline.replay_metrics`)
 
 Replay never changes the run: the store is opened with `LmdbStore(readonly=True)`, which takes no
 writer lock and cannot write, so a replay can even watch a run that is still going.
@@ -60,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _timeline(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "metrics":
+            return _metrics(args)
         return _summary(args)
     except (PipelineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -69,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the --output-dir of an lmdb-transport run (or its store dir)")
-    sub = parser.add_subparsers(dest="command", metavar="{summary,verify,group,train,timeline}")
+    sub = parser.add_subparsers(dest="command", metavar="{summary,verify,group,train,timeline,metrics}")
     sub.add_parser("summary", help="groups by state, versions, staleness, partial prefixes (the default)")
     sub.add_parser("verify", help="check every record; exit status 1 if anything is damaged")
     group = sub.add_parser("group", help="one group in full")
@@ -81,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=None, help="trainer seed (default: the run's --rollout-seed)")
     timeline = sub.add_parser("timeline", help="draw RUN_DIR/events.jsonl as an HTML timeline")
     timeline.add_argument("-o", "--output", type=Path, default=None, help="HTML file (default: RUN_DIR/timeline.html)")
+    metrics = sub.add_parser("metrics", help="the per-step metrics table, store against metrics file")
+    metrics.add_argument("--csv", type=Path, default=None, help="also write every field of every step to FILE")
+    metrics.add_argument("--metrics-file", type=Path, default=None,
+                         help="the run's metrics JSONL (default: RUN_DIR/metrics.jsonl, else the run's --metrics-file)")
+    metrics.add_argument("--columns", default=None, help="comma-separated fields to print (default: a few)")
     return parser
 
 
@@ -262,6 +271,34 @@ def write_timeline(run_dir: str | Path, output: str | Path | None = None) -> Pat
 def _timeline(args: argparse.Namespace) -> int:
     out = write_timeline(args.run_dir, args.output)
     print(f"timeline written to {out}")
+    return 0
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from pipeline.replay_metrics import DEFAULT_COLUMNS, compare_metrics, format_metrics, write_csv
+
+    with open_run_store(args.run_dir) as (run_dir, store):
+        stored, trained = store.step_metrics(), store.trained_step()
+        meta = store.read_meta()
+    # The run folder's own file first: a copied or moved run folder still names the old path.
+    configured = (meta.extra.get("config", {}).get("output", {}) if meta else {}).get("metrics_file")
+    path = args.metrics_file or run_dir / "metrics.jsonl"
+    if args.metrics_file is None and not path.exists() and configured:
+        path = Path(configured)
+    try:
+        lines = path.read_bytes().splitlines() if path.exists() else []
+    except OSError as exc:
+        raise ReplayError(f"cannot read the metrics file {path}: {exc}") from exc
+    table = compare_metrics(lines, stored, trained)
+    columns = tuple(c.strip() for c in args.columns.split(",")) if args.columns else DEFAULT_COLUMNS
+    print(f"{path}{'' if path.exists() else ' (missing)'} against the store at {run_dir}:")
+    print(format_metrics(table, columns))
+    if args.csv is not None:
+        write_csv(table, args.csv)
+        print(f"table written to {args.csv}")
     return 0
 
 

@@ -15,7 +15,7 @@ Lease arguments are passed on only when given, so a store written against the ol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -100,8 +100,11 @@ class AsyncStore:
     async def take_batch(self, step: int, size: int) -> Batch | None:
         return await self._call(self._store.take_batch, step, size)
 
-    async def finish_batch(self, step: int) -> None:
-        await self._call(self._store.finish_batch, step)
+    async def finish_batch(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        await self._call(self._store.finish_batch, step, metrics)
+
+    async def step_metrics(self, first: int = 0) -> dict[int, dict[str, Any]]:
+        return await self._call(self._store.step_metrics, first)
 
     async def trained_step(self) -> int:
         return await self._call(self._store.trained_step)

@@ -53,6 +53,7 @@ __all__ = [
     "META_CURSOR",
     "META_LAYOUT",
     "META_RUN",
+    "META_STEP_METRICS",
     "META_TRAINED_STEP",
     "PARTIAL_ORDER",
     "READY_ORDER",
@@ -73,6 +74,7 @@ __all__ = [
     "i64_value",
     "state_entry",
     "step_key",
+    "step_metrics_key",
 ]
 
 # Database names.
@@ -94,6 +96,10 @@ META_TRAINED_STEP = b"trained_step"
 META_COUNTS = b"counts"
 META_LAYOUT = b"layout"
 META_COLLECTED = b"collected"
+# `meta` also holds b"metrics/" + step key -> the step's metrics record (JSON), written by
+# `finish_batch`; under `meta` rather than a database of their own so stores opened read-only by
+# older layouts' readers still open.
+META_STEP_METRICS = b"metrics/"
 
 # One byte per state, fixed forever: stored on disk, so never derived from enum order.
 _STATE_CODE = {
@@ -163,6 +169,10 @@ def step_key(step: int) -> bytes:
 
 def parse_step_key(key: bytes) -> int:
     return _U64.unpack(key)[0] - _SIGN
+
+
+def step_metrics_key(step: int) -> bytes:
+    return META_STEP_METRICS + step_key(step)
 
 
 def i64_value(value: int) -> bytes:

@@ -42,8 +42,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -71,6 +71,8 @@ from .protocol import (
     RunMeta,
     StoreStatistics,
     VerifyReport,
+    decode_step_metrics,
+    encode_step_metrics,
 )
 from . import transitions as tr
 from .transitions import check_lease
@@ -436,8 +438,9 @@ class LmdbStore:
 
         return self._write(fn, committed)
 
-    def finish_batch(self, step: int) -> None:
+    def finish_batch(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         step_key = keys.step_key(step)
+        record = None if metrics is None else encode_step_metrics(step, metrics)
 
         def fn(w: _Write) -> None:
             raw = w.get(keys.BATCHES, step_key)
@@ -455,9 +458,27 @@ class LmdbStore:
                 old = self._expect(w, gid, _BATCHED)
                 w.move(gid, old, GroupState.TRAINED, old[1], old[2])
             w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(step))
+            if record is not None:  # with the commit: a step is trained exactly when its record is stored
+                w.put(keys.META, keys.step_metrics_key(step), record)
             w.trained_step = step
 
         self._write(fn)
+
+    def step_metrics(self, first: int = 0) -> dict[int, dict[str, Any]]:
+        def fn(txn: lmdb.Transaction) -> dict[int, dict[str, Any]]:
+            out: dict[int, dict[str, Any]] = {}
+            cursor = txn.cursor(db=self._dbs[keys.META])
+            if cursor.set_range(keys.step_metrics_key(first)):
+                for key, raw in cursor.iternext(keys=True, values=True):
+                    if not bytes(key).startswith(keys.META_STEP_METRICS):
+                        break
+                    step = keys.parse_step_key(bytes(key)[len(keys.META_STEP_METRICS):])
+                    where = keys.describe(keys.META, bytes(key))
+                    payload = unseal(bytes(key), bytes(raw), where=where, sealed=self._sealed)
+                    out[step] = decode_step_metrics(payload, key=where)
+            return out
+
+        return self._read(fn)
 
     def trained_step(self) -> int:
         return self._counters()[2]

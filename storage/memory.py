@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError
 from pipeline.types import Batch, Group
@@ -33,6 +34,8 @@ from .protocol import (
     RunMeta,
     StoreStatistics,
     VerifyReport,
+    decode_step_metrics,
+    encode_step_metrics,
 )
 from . import transitions as tr
 from .transitions import check_lease
@@ -62,6 +65,7 @@ class MemoryStore:
         self._ready: list[_Order] = []
         self._batches: dict[int, tuple[str, ...]] = {}
         self._open_steps: set[int] = set()  # batches taken but not finished: steps > trained_step
+        self._step_metrics: dict[int, bytes] = {}  # step -> its metrics record, as the LMDB store keeps it
         self._transactions = 0
         self._closed = False
 
@@ -205,8 +209,10 @@ class MemoryStore:
         self._open_steps.add(step)
         return self._batch_of(step)
 
-    def finish_batch(self, step: int) -> None:
+    def finish_batch(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         self._check_open()
+        # Encoded up front: a record that is not JSON is refused before anything changes.
+        record = None if metrics is None else encode_step_metrics(step, metrics)
         if step not in self._batches and 0 <= step <= self._collected_step:  # finished, then collected
             self._transactions += 1
             return
@@ -221,7 +227,16 @@ class MemoryStore:
             self._move(gid, _BATCHED, GroupState.TRAINED, self._groups[gid][1])
         self._open_steps.discard(step)
         self._trained_step = step
+        if record is not None:
+            self._step_metrics[step] = record
         self._transactions += 1
+
+    def step_metrics(self, first: int = 0) -> dict[int, dict[str, Any]]:
+        self._check_open()
+        return {
+            step: decode_step_metrics(raw, key=f"metrics/{step}")
+            for step, raw in sorted(self._step_metrics.items()) if step >= first
+        }
 
     def trained_step(self) -> int:
         self._check_open()

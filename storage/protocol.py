@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import orjson
+
 from pipeline.errors import CorruptRecordError
 from pipeline.types import Batch, Group
 
@@ -221,9 +223,19 @@ class Store(Protocol):
         """
         ...
 
-    def finish_batch(self, step: int) -> None:
+    def finish_batch(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """The step's groups -> TRAINED; trainer progress becomes `step`. Finishing a finished step
-        again (a retry after a crash) changes nothing, even after its groups were collected."""
+        again (a retry after a crash) changes nothing, even after its groups were collected.
+
+        `metrics`, the step's metrics record (str keys; numbers, strings, booleans, None), is stored
+        in the same transaction, so a step counts as trained exactly when its record is stored;
+        `collect_garbage` keeps it. Refused (ValueError, nothing changes) if it is not JSON.
+        """
+        ...
+
+    def step_metrics(self, first: int = 0) -> dict[int, dict[str, Any]]:
+        """The metrics records `finish_batch` stored, by step, for steps >= `first`, in step order.
+        A step finished without a record has none here."""
         ...
 
     def trained_step(self) -> int:
@@ -275,3 +287,24 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+def encode_step_metrics(step: int, metrics: Mapping[str, Any]) -> bytes:
+    """A step's metrics record as JSON (never pickle); both stores keep exactly what this keeps.
+
+    NaN and infinities become null (JSON has no such numbers), as in the metrics file.
+    """
+    if not all(isinstance(k, str) for k in metrics):
+        raise ValueError(f"step {step}: metrics keys must be strings, got {sorted(map(repr, metrics))}")
+    try:
+        return orjson.dumps(dict(metrics), option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:
+        raise ValueError(f"step {step}: the metrics record is not JSON ({exc})") from exc
+
+
+def decode_step_metrics(raw: bytes, *, key: str) -> dict[str, Any]:
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise CorruptRecordError(key, f"metrics record is not JSON: {exc}") from exc
+    if not isinstance(record, dict):
+        raise CorruptRecordError(key, f"metrics record is a {type(record).__name__}, not an object")
+    return record

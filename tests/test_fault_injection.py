@@ -171,6 +171,16 @@ class Launcher:
     def engines(self) -> list[int]:
         return _children(self.proc.pid)
 
+    def serving(self) -> bool:
+        """The launcher has started its engine (not just any child process)."""
+        for pid in self.engines():
+            try:
+                if b"launch.engine_server" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                continue
+        return False
+
     def wait_until(self, what: str, condition: Callable[[], bool], deadline: float = LIFE_DEADLINE) -> None:
         # Polling: see the module docstring. Each look is a fresh read-only transaction.
         end = time.monotonic() + deadline
@@ -273,6 +283,8 @@ class KillPoint:
     name: str
     arm: Callable[[Watch, Launcher], Callable[[], bool]]  # called at the life's start: its baseline
     stop_engine_first: bool = False
+    # Killed after the step's commit and before its metrics line: the file lacks the last record.
+    loses_last_record: bool = False
 
 
 def _after_first_admit(w: Watch, _: Launcher) -> Callable[[], bool]:
@@ -324,6 +336,31 @@ def _step_finished(w: Watch, _: Launcher) -> Callable[[], bool]:
     return lambda: w.store is not None and w.store.trained_step() > before
 
 
+def _committed_before_metrics_line(w: Watch, launcher: Launcher) -> Callable[[], bool]:
+    """The engine is frozen once a batch is taken: training goes on (it needs no engine), the step
+    commits, and the publish that follows waits on the frozen engine, so the launcher is stuck
+    between the commit and the metrics line when it is killed."""
+    armed: dict[str, int] = {}
+
+    def condition() -> bool:
+        if "trained" not in armed:
+            stats = w.store.statistics() if w.store is not None else None
+            if stats is None or stats.counts[GroupState.BATCHED] == 0:
+                return False
+            engines = launcher.engines()
+            assert engines, "the launcher has no engine to freeze"
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
+            if w.store.statistics().trained_step != stats.trained_step:  # the step ended before the stop
+                for pid in engines:
+                    os.kill(pid, signal.SIGCONT)
+                return False
+            armed["trained"] = stats.trained_step
+        return w.store.trained_step() > armed["trained"]
+
+    return condition
+
+
 def _resumed_group_running(w: Watch, _: Launcher) -> Callable[[], bool]:
     return lambda: bool(w.stored_with_tokens(GroupState.RUNNING))
 
@@ -335,6 +372,7 @@ KILL_POINTS = (
     KillPoint("batch taken, training", _batch_taken),
     KillPoint("new weights saved, publish in progress", _publishing),
     KillPoint("a step finished", _step_finished),
+    KillPoint("step committed, its metrics line not yet written", _committed_before_metrics_line, loses_last_record=True),
     KillPoint("continuing a stored partial group", _resumed_group_running),
 )
 
@@ -352,10 +390,12 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             launcher = Launcher(out, life)
             # The launcher starts its engine after it opened and recovered the store: from then on
             # the store holds no leftovers of the last kill, and the kill point's baseline is valid.
-            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            _check_metrics_restored(watch)  # after a `loses_last_record` kill: the line is back
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
             launcher.kill()
+            _check_metrics_after_kill(watch, point)
             tokens = watch.snapshot()
             stats = watch.store.statistics()
             counts = {k.value: v for k, v in stats.counts.items() if v}
@@ -364,8 +404,10 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
         unfinished = out / "weights" / f".v{K}.tmp-killed"
         unfinished.mkdir(parents=True)
         (unfinished / "model.safetensors").write_bytes(b"half a file")
+        damage = _append_damage(out)
         launcher = Launcher(out, len(KILL_POINTS))
         assert launcher.finish(300) == 0, launcher.log_tail()
+        assert (out / "metrics.jsonl.dropped").read_bytes().splitlines() == damage
         assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{v}" for v in range(1, K + 1)]
     finally:
         watch.close()
@@ -374,6 +416,42 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
     elapsed = time.monotonic() - started
     print(f"{len(used)} kills in {elapsed:.0f}s:", *used, sep="\n  ")
     _check_exactly_once(out, watch.stored)
+
+
+def _metric_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _check_metrics_after_kill(w: Watch, point: KillPoint) -> None:
+    """A dead launcher's file: in order, no duplicate, no step the store does not count; at most
+    the last committed step's line missing, and exactly that where the kill point says so."""
+    steps, trained = _metric_steps(w.out), w.store.trained_step()
+    assert steps == list(range(len(steps))), f"{point.name}: metrics steps {steps}"
+    lost = trained + 1 - len(steps)
+    assert lost in (0, 1), f"{point.name}: metrics steps {steps}, trained step {trained}"
+    if point.loses_last_record:  # the kill point is where it says it is
+        assert lost == 1, f"{point.name}: metrics steps {steps}, trained step {trained}"
+
+
+def _check_metrics_restored(w: Watch) -> None:
+    """A resumed launcher restores the file before it starts its engine: from then on the file
+    holds exactly steps 0..trained (the live launcher may append a step meanwhile; the store is
+    read before and after the file, so the bounds hold)."""
+    before = w.store.trained_step()
+    steps = _metric_steps(w.out)
+    after = w.store.trained_step()
+    assert steps == list(range(len(steps))) and before + 1 <= len(steps) <= after + 1, (steps, before, after)
+
+
+def _append_damage(out: Path) -> list[bytes]:
+    """What another crash could leave in the file (a duplicate, a phantom step, a torn line)."""
+    path = out / "metrics.jsonl"
+    last = path.read_bytes().splitlines()[-1]
+    damage = [last, json.dumps({"step": K + 5, "version": K + 5}).encode(), b'{"step": 1, "rewa']
+    with path.open("ab") as f:
+        f.write(b"".join(line + b"\n" for line in damage))
+    return damage
 
 
 def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]) -> dict[GroupState, int]:
@@ -414,7 +492,13 @@ def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]
     assert meta["trainer_steps"] == K
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["version"] == r["step"] for r in records)
-    assert records[-1]["step"] == K - 1
+    # Exactly one record per trained step, 0..K-1, each the one committed with its step.
+    assert [r["step"] for r in records] == list(range(K))
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        stored = store.step_metrics()
+    assert sorted(stored) == list(range(K))
+    for r in records:
+        assert {k: r[k] for k in stored[r["step"]]} == stored[r["step"]], r["step"]
     return counts
 
 
@@ -428,6 +512,44 @@ def _check_sample(s: Sample, step: int) -> None:
     versions = s.token_versions()
     assert versions == sorted(versions) and all(v <= step for v in versions)
     assert all(0 < r <= n for r in s.resumed_at) and list(s.resumed_at) == sorted(set(s.resumed_at))
+
+
+SMALL = ("--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+         "--rollout-max-response-len", "32")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tmp_path):
+    """The one kill point the metrics file can lose a record at, on a small run: the record is
+    written back from the store on resume, and the run ends with one record per step."""
+    out = tmp_path / "run"
+    watch = Watch(out)
+    launcher = None
+    point = next(p for p in KILL_POINTS if p.loses_last_record)
+    try:
+        for life in range(2):  # twice: once at step 0, once at step 1 (after a restore)
+            watch.close()
+            launcher = Launcher(out, life, *SMALL)
+            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            _check_metrics_restored(watch)
+            launcher.wait_until(point.name, point.arm(watch, launcher))
+            launcher.kill()
+            _check_metrics_after_kill(watch, point)
+            assert watch.store.trained_step() == life and _metric_steps(out) == list(range(life))
+        watch.close()
+        launcher = Launcher(out, 2, *SMALL)
+        assert launcher.finish(300) == 0, launcher.log_tail()
+    finally:
+        watch.close()
+        if launcher is not None and launcher.proc.poll() is None:
+            launcher.kill()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(K))
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        stored = store.step_metrics()
+    # Steps 0 and 1 were written back from the store (no publish timings); step 2 was appended.
+    assert [r == stored[r["step"]] for r in records] == [True, True, False]
+    assert "time/publish_update" in records[2] and not (out / "metrics.jsonl.dropped").exists()
 
 
 # ---- 3. an engine dies mid-run -------------------------------------------------------------------
@@ -466,6 +588,8 @@ ASYNC_KILL_POINTS = (
     KillPoint("async: first group ready", _first_ready),
     KillPoint("async: batch taken, training while generation goes on", _batch_taken),
     KillPoint("async: a step finished", _step_finished),
+    KillPoint("async: step committed, its metrics line not yet written", _committed_before_metrics_line,
+              loses_last_record=True),
 )
 
 
@@ -483,10 +607,12 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
         for life, point in enumerate(ASYNC_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, "--rollout-mode", "async")
-            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            _check_metrics_restored(watch)
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
             launcher.kill()
+            _check_metrics_after_kill(watch, point)
             watch.snapshot()
         launcher = Launcher(out, len(ASYNC_KILL_POINTS), "--rollout-mode", "async")
         assert launcher.finish(300) == 0, launcher.log_tail()

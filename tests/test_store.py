@@ -274,6 +274,24 @@ def test_finish_batch_rules(store: Store) -> None:
     assert (store.batch(0), store.batch(1)) == (b0, b1)
 
 
+def test_a_steps_metrics_are_stored_with_its_commit_and_outlive_garbage_collection(store: Store) -> None:
+    _staged(store, "ready")
+    store.take_batch(0, 2), store.take_batch(1, 2), store.take_batch(2, 2)
+    # Refused before anything changes: the step stays untrained and has no record.
+    with pytest.raises(ValueError, match="step 0: the metrics record is not JSON"):
+        store.finish_batch(0, {"loss": object()})
+    assert store.trained_step() == -1 and store.step_metrics() == {}
+    store.finish_batch(0, {"step": 0, "reward/mean": 0.5, "reward/std": math.nan})
+    store.finish_batch(0, {"step": 0, "reward/mean": 9.0})  # a retry changes nothing, the record included
+    store.finish_batch(1)  # no record: the step is trained and has none
+    store.finish_batch(2, {"step": 2, "batch/tokens": 12})
+    # NaN is stored as JSON keeps it (null), the same in both stores.
+    assert store.step_metrics() == {0: {"step": 0, "reward/mean": 0.5, "reward/std": None}, 2: {"step": 2, "batch/tokens": 12}}
+    assert list(store.step_metrics(1)) == [2]
+    store.collect_garbage(2)
+    assert list(store.step_metrics()) == [0, 2]
+
+
 def test_recover_requeues_running_and_untrained_batches(store: Store) -> None:
     g = _staged(store, "ready")  # READY in order g3 g5 g1 g2 g0 g4
     b0 = store.take_batch(0, 2)

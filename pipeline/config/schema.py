@@ -208,6 +208,20 @@ class OutputConfig:
     progress: bool = _opt(True, "--progress", "bool", help="progress bar")
     log_level: str = _opt(
         "info", "--log-level", "choice", choices=("debug", "info", "warning", "error"), help="log level")
+    # Dashboards fed from the same per-step record as the metrics file (extras: see pipeline.metric_sinks).
+    use_tensorboard: bool = _opt(False, "--use-tensorboard", "bool", help="also write each step's metrics to TensorBoard")
+    tensorboard_dir: Path | None = _opt(
+        None, "--tensorboard-dir", "path", default_help="<output dir>/tensorboard", help="TensorBoard event folder")
+    use_wandb: bool = _opt(False, "--use-wandb", "bool", help="also log each step's metrics to Weights & Biases")
+    wandb_project: str = _opt("rollout-pipeline", "--wandb-project", "str", metavar="NAME", help="W&B project")
+    wandb_group: str | None = _opt(None, "--wandb-group", "str", metavar="NAME", help="W&B run group")
+    wandb_mode: str = _opt(
+        "offline", "--wandb-mode", "choice", choices=("offline", "online", "disabled"),
+        help="offline writes under --wandb-dir with no network (upload later with `wandb sync`)")
+    wandb_dir: Path | None = _opt(None, "--wandb-dir", "path", default_help="<output dir>", help="W&B files folder")
+    wandb_run_id: str | None = _opt(
+        None, "--wandb-run-id", "str", metavar="ID", default_help="from the run id and output dir, stable across resumes",
+        help="W&B run id; a resumed run continues the same W&B run")
 
 
 @dataclass(frozen=True, slots=True)
