@@ -28,7 +28,7 @@ from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.metrics import MetricsSink
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from storage import AsyncStore
 from launch.run_state import open_run_state
 

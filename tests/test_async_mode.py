@@ -24,7 +24,7 @@ from stages.collector import Collector
 from stages.dispenser import Dispenser
 from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_sglang import default_token_fn
