@@ -154,7 +154,10 @@ async def run_pipeline(
 
             # Training blocks for seconds; it runs on a worker thread so generation (in async
             # mode) keeps going on the event loop meanwhile.
-            record = {"step": step, "version": clock.version, **batch_metrics(batch, version=clock.version)}
+            record = {
+                "step": step, "version": clock.version,
+                **batch_metrics(batch, version=clock.version, max_staleness=plan.max_staleness),
+            }
             t_train = time.perf_counter()
             with _span(events, "train", step=step):
                 train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
@@ -327,5 +330,7 @@ def _step_counters(admission: Admission, pool: GeneratorPool, gate: FilterStage)
         "samples/resumed_total": g.resumed_samples,
         "requests/aborted_total": g.aborted_requests,
         "tokens/generated_total": g.generated_tokens,
+        # Tokens stamped with the older version because the engine sent no per-token spans.
+        "versions/unknown_boundary_tokens": g.unknown_boundary_tokens,
         **{f"filter/rejected/{reason}": n for reason, n in gate.statistics().rejected.items()},
     }

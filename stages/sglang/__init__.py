@@ -11,7 +11,7 @@ Three rooms, each importing only the one before it:
 
 from stages.sglang.engine import EngineClient, EngineStatistics
 from stages.sglang.fleet import CONTROL_HEADROOM, EngineFleet
-from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
+from stages.sglang.wire import PAUSE_MODES, EngineLoad, EngineSpan, GenerateResult
 
 __all__ = [
     "CONTROL_HEADROOM",
@@ -19,6 +19,7 @@ __all__ = [
     "EngineClient",
     "EngineFleet",
     "EngineLoad",
+    "EngineSpan",
     "EngineStatistics",
     "GenerateResult",
 ]

@@ -9,16 +9,17 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
 from pipeline.errors import EngineError
-from pipeline.types import FinishReason, Segment
+from pipeline.types import FinishReason, Segment, VersionSpan
 
 __all__ = [
     "PAUSE_MODES",
     "EngineLoad",
+    "EngineSpan",
     "GenerateResult",
     "error_text",
     "preview",
@@ -26,6 +27,19 @@ __all__ = [
 
 # What `/pause_generation` accepts (SGLang >= 0.5.6; older servers ignore the body and abort).
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpan:
+    """Output tokens `[start, end)` were decoded under the engine's weight version `version`.
+
+    One entry of `meta_info.weight_versions`. The version is the engine's string; only the
+    generator pool, which holds the clock, can say which published version it means.
+    """
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,9 @@ class GenerateResult:
     prompt_tokens: int | None
     completion_tokens: int
     cached_tokens: int | None
+    # `meta_info.weight_versions`, validated to tile the output; None from engines that send only
+    # `weight_version` (then the version of tokens before a publish is unknown).
+    weight_versions: tuple[EngineSpan, ...] | None = None
 
     @classmethod
     def from_response(cls, payload: object, *, url: str, rid: str) -> GenerateResult:
@@ -62,11 +79,20 @@ class GenerateResult:
             token_ids, logprobs = _parse_logprobs(entries, url)
         else:
             token_ids, logprobs = _int_tuple(payload.get("output_ids", ()), url, "output_ids"), ()
+        completion = meta.get("completion_tokens")
+        completion = len(token_ids) if completion is None else int(completion)
+        spans = _parse_version_spans(meta.get("weight_versions"), completion, len(token_ids), url)
         version = meta.get("weight_version")
+        if version is None and spans:
+            version = spans[-1].version
         if version is None:
             # SGLang before ~0.5.1 does not stamp outputs; guessing a version would be worse.
             raise EngineError(url, "response has no meta_info.weight_version (SGLang older than 0.5.1?)")
-        completion = meta.get("completion_tokens")
+        if spans and str(version) != spans[-1].version:
+            raise EngineError(
+                url, f"meta_info.weight_version {version!r} is not the last span's version in "
+                f"weight_versions {preview(meta.get('weight_versions'))}"
+            )
         return cls(
             rid=str(meta.get("id", rid)),
             token_ids=token_ids,
@@ -76,16 +102,55 @@ class GenerateResult:
             finish_message=message,
             weight_version=str(version),
             prompt_tokens=_opt_int(meta.get("prompt_tokens")),
-            completion_tokens=len(token_ids) if completion is None else int(completion),
+            completion_tokens=completion,
             cached_tokens=_opt_int(meta.get("cached_tokens")),
+            weight_versions=spans,
         )
 
-    def to_segment(self, version: int) -> Segment:
-        """These tokens as a `Segment` stamped with `version`, the clock's integer for
-        `weight_version` (the caller checks the two agree)."""
+    def to_segment(self, version: int, spans: tuple[VersionSpan, ...] = ()) -> Segment:
+        """These tokens as a `Segment` stamped with `version` (the clock's integer for the newest
+        tokens) and, for a request that crossed a publish, `spans` over its tokens. The caller
+        maps the engine's strings to the clock's integers."""
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"request {self.rid} was sent without return_logprob; a segment needs log-probs")
-        return Segment(self.token_ids, self.logprobs, self.finish_reason, version)
+        return Segment(self.token_ids, self.logprobs, self.finish_reason, version, spans=spans)
+
+
+def _parse_version_spans(raw: object, completion: int, n_tokens: int, url: str) -> tuple[EngineSpan, ...] | None:
+    """`meta_info.weight_versions` checked against the rule: a non-empty list of
+    `{"version", "start", "end"}`, contiguous from 0, the last `end` equal to `completion_tokens`
+    (and to the tokens received). Empty spans are legal (a request aborted before its first token,
+    or two publishes with no token between) and kept; the caller skips them."""
+    if raw is None:
+        return None
+    shown = preview(raw)
+    if not isinstance(raw, list) or not raw:
+        raise EngineError(url, f"meta_info.weight_versions must be a non-empty list of spans, got {shown}")
+    spans: list[EngineSpan] = []
+    covered = 0
+    for i, item in enumerate(raw):
+        if not isinstance(item, Mapping):
+            raise EngineError(url, f"meta_info.weight_versions[{i}] is not an object: {item!r}")
+        version, start, end = item.get("version"), item.get("start"), item.get("end")
+        if version is None or not _is_index(start) or not _is_index(end):
+            raise EngineError(url, f"meta_info.weight_versions[{i}] needs a version and int start/end: {item!r}")
+        if start != covered or end < start:
+            raise EngineError(
+                url, f"meta_info.weight_versions must be contiguous from 0: span {i} is [{start}, {end}) "
+                f"after {covered} tokens covered, in {shown}"
+            )
+        spans.append(EngineSpan(str(version), start, end))
+        covered = end
+    if covered != completion or covered != n_tokens:
+        raise EngineError(
+            url, f"meta_info.weight_versions end at {covered}, but the answer has completion_tokens "
+            f"{completion} and {n_tokens} output tokens: {shown}"
+        )
+    return tuple(spans)
+
+
+def _is_index(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _parse_finish_reason(raw: object, url: str) -> tuple[FinishReason, int | str | None, str | None]:
