@@ -36,6 +36,7 @@ from typing import Any
 
 from pipeline.errors import ConfigError, PluginError
 from pipeline.plugins import resolve_function
+from stages.continuation import PENALTY_RULE
 from storage.declaration import PROFILES, load_declaration
 
 __all__ = [
@@ -104,6 +105,16 @@ class RolloutConfig:
         why=" (the trainer's log-prob correction divides the logits by it)")
     top_p: float = _opt(1.0, "--rollout-top-p", "float", help="nucleus sampling, in (0, 1]")
     top_k: int = _opt(-1, "--rollout-top-k", "int", help="top-k sampling; -1 = off")
+    min_new_tokens: int = _opt(
+        0, "--rollout-min-new-tokens", "int", ge=0,
+        help="no stop before this many response tokens (a continuation gets it minus its prefix)")
+    frequency_penalty: float = _opt(
+        0.0, "--rollout-frequency-penalty", "float", help="SGLang's frequency_penalty; not with partial/async")
+    presence_penalty: float = _opt(
+        0.0, "--rollout-presence-penalty", "float", help="SGLang's presence_penalty; not with partial/async")
+    repetition_penalty: float = _opt(
+        1.0, "--rollout-repetition-penalty", "float", gt=0,
+        help="SGLang's repetition_penalty; not with partial/async")
     num_rollout: int = _opt(100, "--num-rollout", "int", ge=1, help="training steps")
     prefetch: int | None = _opt(
         None, "--rollout-prefetch", "int", ge=0, default_help="--rollout-batch-size",
@@ -471,6 +482,11 @@ class _Loader:
             problem(f"{self.show('rollout', 'top_p')}: must be in (0, 1]")
         if self.ok("rollout", "top_k") and r["top_k"] != -1 and r["top_k"] < 1:
             problem(f"{self.show('rollout', 'top_k')}: must be -1 (off) or >= 1")
+        continues = get("rollout", "mode") == "async" or get("rollout", "partial_rollout") is True
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if continues and self.ok("rollout", name) and r[name] != neutral:
+                mode = "--partial-rollout" if get("rollout", "partial_rollout") else "--rollout-mode=async"
+                problem(f"{self.show('rollout', name)} with {mode}: {PENALTY_RULE}")
 
         # The seed's forbidden combinations, each with its rule.
         if get("rollout", "mode") == "async" and get("rollout", "eval_interval") is not None:

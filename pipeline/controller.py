@@ -28,11 +28,13 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
+from pipeline.errors import ConfigError
 from pipeline.events import EventLog
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.types import Batch, PromptTask
 from stages.admission import Admission, Outcome
 from stages.collector import Collector
+from stages.continuation import Detokenize, sampling_problems
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
@@ -99,7 +101,12 @@ async def run_pipeline(
     clock: VersionClock | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     events: EventLog | None = None,
+    detokenize: Detokenize | None = None,
 ) -> RunSummary:
+    # Sampling parameters that a continued request would apply wrongly are refused up front.
+    continues = plan.mode == "async" or plan.partial
+    if problems := sampling_problems(plan.sampling_params, continues=continues, can_detokenize=detokenize is not None):
+        raise ConfigError(problems)
     clock = clock or VersionClock()
     admission = Admission()
     prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
@@ -112,7 +119,7 @@ async def run_pipeline(
     )
     pool = GeneratorPool(
         engines, slots=plan.slots, sampling_params=plan.sampling_params, max_response_len=plan.max_response_len,
-        clock=clock, store=store, admission=admission, seed=plan.seed, events=events,
+        clock=clock, store=store, admission=admission, seed=plan.seed, events=events, detokenize=detokenize,
     )
     reward = RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission)
     gate = FilterStage(filter_fn, store=store, admission=admission)

@@ -38,6 +38,7 @@ from pipeline.events import EventLog
 from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
+from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings
 from stages.sglang.wire import GenerateResult
 from storage import AsyncStore
 
@@ -92,6 +93,7 @@ class GeneratorPool:
         admission: Admission,
         seed: int = 0,
         events: EventLog | None = None,
+        detokenize: Detokenize | None = None,
     ) -> None:
         self._engine = engine
         self._slots = anyio.Semaphore(slots)
@@ -101,6 +103,10 @@ class GeneratorPool:
         self._events = events
         self._n_slots = slots
         self._params = dict(sampling_params)
+        # Stop strings over a prefix/continuation boundary need the tokenizer's decode; without
+        # one they are refused for modes that continue (`continuation.sampling_problems`).
+        self._stops = stop_strings(sampling_params) if detokenize is not None else ()
+        self._detokenize = detokenize
         self._max_len = max_response_len
         self._clock = clock
         self._store = store
@@ -237,7 +243,8 @@ class GeneratorPool:
                 await self._clock.wait_serving()
 
     async def _request(self, group: Group, sample: Sample, max_new_tokens: int) -> Segment:
-        params = dict(self._params, max_new_tokens=max_new_tokens, sampling_seed=self._sample_seed(group, sample))
+        params = continuation_params(self._params, sample.response_len, max_new_tokens)
+        params["sampling_seed"] = self._sample_seed(group, sample)
         rid = f"{group.group_id}-s{sample.index}-{sample.response_len}"
         self._running += 1
         self._stats["requests"] += 1
@@ -267,6 +274,8 @@ class GeneratorPool:
         if result is not None:
             self._unavailable_run = 0
             segment = self._stamped(result, sent_version)
+            if self._stops and sample.response_len:
+                segment = self._stop_at_boundary(sample, segment)
             self._stats["tokens"] += len(segment.token_ids)
             if segment.finish_reason is FinishReason.ABORT:
                 self._stats["aborted"] += 1
@@ -320,6 +329,16 @@ class GeneratorPool:
             self._stats["failed"] += 1
             log.warning("answer from an unpublished version", rid=result.rid, reason=str(exc))
             return Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+
+    def _stop_at_boundary(self, sample: Sample, segment: Segment) -> Segment:
+        """End a continuation where a stop string that started in its prefix ends, as SGLang would
+        have for the uninterrupted request; the tokens after it were never meant to exist."""
+        assert self._detokenize is not None
+        found = stop_across_boundary(
+            sample.response_ids, segment.token_ids, self._stops, self._detokenize,
+            min_new_tokens=int(self._params.get("min_new_tokens") or 0),
+        )
+        return segment if found is None else cut_at(segment, found[0])
 
     def _published(self, reported: str, rid: str) -> int:
         """The clock's integer for an engine's version string, if the clock has published it:
