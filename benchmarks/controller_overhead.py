@@ -48,7 +48,7 @@ from launch.engine_process import start_engine
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from pipeline.types import PromptTask
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from storage import AsyncStore, LmdbStore, MemoryStore
 
 STORES = ("memory", "lmdb-sync", "lmdb-nosync")

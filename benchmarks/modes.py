@@ -38,7 +38,7 @@ from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
 from pipeline.timeline import render_timeline
 from pipeline.types import PromptTask
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
 
 

@@ -22,13 +22,14 @@ import anyio
 import structlog
 
 from pipeline.clock import VersionClock
-from pipeline.config import Config, config_to_dict, load_config
+from pipeline.config import Config, RolloutConfig, config_to_dict, load_config
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.metric_sinks import SinkSettings, open_step_sinks
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
-from stages.sglang_client import EngineFleet
+from stages.continuation import penalties_in
+from stages.sglang import EngineFleet
 from storage import AsyncStore, Store
 from launch.run_state import open_run_state
 
@@ -225,9 +226,23 @@ def _plan(config: Config) -> RolloutPlan:
         fill_idle_slots=r.partial_fill_idle_slots,
         max_staleness=r.max_staleness, pause_mode=r.pause_mode,
         slots=config.engine.sglang_server_concurrency * n_engines, max_response_len=r.max_response_len,
-        sampling_params={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+        sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout, seed=r.seed,
     )
+
+
+def _sampling_params(r: RolloutConfig) -> dict[str, Any]:
+    """The engine's sampling parameters; the optional ones only when set, so engines that do not
+    know them never see them."""
+    params: dict[str, Any] = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}
+    if r.min_new_tokens:
+        params["min_new_tokens"] = r.min_new_tokens
+    params.update(penalties_in({
+        "frequency_penalty": r.frequency_penalty,
+        "presence_penalty": r.presence_penalty,
+        "repetition_penalty": r.repetition_penalty,
+    }))
+    return params
 
 
 class _engines:

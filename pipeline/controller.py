@@ -28,11 +28,13 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
+from pipeline.errors import ConfigError
 from pipeline.events import EventLog
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission, Outcome
 from stages.collector import Collector
+from stages.continuation import Detokenize, sampling_problems
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
@@ -112,16 +114,21 @@ async def run_pipeline(
     clock: VersionClock | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     events: EventLog | None = None,
+    detokenize: Detokenize | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
     The story: build the stage graph, start it, then per step wait for a batch, train it, commit
     it, publish the weights; at the end stop generating and store whatever is unfinished.
     """
+    # Sampling parameters that a continued request would apply wrongly are refused up front.
+    continues = plan.mode is RolloutMode.ASYNC or plan.partial
+    if problems := sampling_problems(plan.sampling_params, continues=continues, can_detokenize=detokenize is not None):
+        raise ConfigError(problems)
     clock = clock or VersionClock()
     graph = _Graph.build(
         plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
-        clock=clock, events=events,
+        clock=clock, events=events, detokenize=detokenize,
     )
     admission, times, pool, gate, collector = graph.admission, graph.times, graph.pool, graph.gate, graph.collector
 
@@ -145,7 +152,10 @@ async def run_pipeline(
 
             # Training blocks for seconds; it runs on a worker thread so generation (in async
             # mode) keeps going on the event loop meanwhile.
-            record = {"step": step, "version": clock.version, **batch_metrics(batch, version=clock.version)}
+            record = {
+                "step": step, "version": clock.version,
+                **batch_metrics(batch, version=clock.version, max_staleness=plan.max_staleness),
+            }
             t_train = time.perf_counter()
             with _span(events, "train", step=step):
                 train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
@@ -203,6 +213,7 @@ class _Graph:
     def build(
         cls, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
         reward_fn: RewardFn, filter_fn: Callable[..., Any] | None, clock: VersionClock, events: EventLog | None,
+        detokenize: Detokenize | None = None,
     ) -> _Graph:
         admission = Admission()
         prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
@@ -219,7 +230,7 @@ class _Graph:
             pool=GeneratorPool(
                 engines, slots=plan.slots, sampling_params=plan.sampling_params,
                 max_response_len=plan.max_response_len, clock=clock, store=store, admission=admission,
-                seed=plan.seed, events=events,
+                seed=plan.seed, events=events, detokenize=detokenize,
             ),
             reward=RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
             gate=FilterStage(filter_fn, store=store, admission=admission),
@@ -410,5 +421,7 @@ def _step_counters(admission: Admission, pool: GeneratorPool, gate: FilterStage)
         "samples/resumed_total": g.resumed_samples,
         "requests/aborted_total": g.aborted_requests,
         "tokens/generated_total": g.generated_tokens,
+        # Tokens stamped with the older version because the engine sent no per-token spans.
+        "versions/unknown_boundary_tokens": g.unknown_boundary_tokens,
         **{f"filter/rejected/{reason}": n for reason, n in gate.statistics().rejected.items()},
     }

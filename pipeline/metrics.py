@@ -46,11 +46,15 @@ log = structlog.get_logger("metrics")
 AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update")
 
 
-def batch_metrics(batch: Batch, *, version: int) -> dict[str, float]:
+def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = None) -> dict[str, float]:
     """What the batch says about rollout: reward, lengths, staleness and off-policy share.
 
     `version` is the policy version the batch is trained at. A group's staleness is that version
-    minus the version of its oldest token.
+    minus the version of its oldest token (read from the per-token spans).
+
+    `--max-staleness` bounds staleness by admission, assuming groups finish in admission order; a
+    straggler overtaken by later groups can still train staler. `staleness/overtaken_groups` counts
+    those groups in this batch (0 when no bound is set), so the bound's leaks are visible.
     """
     samples = batch.samples
     rewards = [s.reward for s in samples if s.reward is not None]
@@ -67,6 +71,9 @@ def batch_metrics(batch: Batch, *, version: int) -> dict[str, float]:
         "staleness/mean": _mean(staleness),
         "staleness/max": max(staleness, default=0),
         "staleness/multi_version_frac": _mean([len(s.versions) > 1 for s in samples]),
+        "staleness/overtaken_groups": (
+            0 if max_staleness is None else sum(1 for st in staleness if st > max_staleness)
+        ),
         "off_policy_token_frac": off_policy / tokens if tokens else 0.0,
         "resumed_sample_frac": _mean([bool(s.resumed_at) for s in samples]),
         "batch/tokens": tokens,

@@ -87,8 +87,11 @@ class Segment:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
-    version: int  # the weight version the engine reported for these tokens
+    version: int  # the weight version of these tokens (of the last ones, when `spans` says more)
     error: str | None = None
+    # Which version produced which of these tokens, over indices into `token_ids`, when a request
+    # crossed a publish (the engine's `meta_info.weight_versions`). Empty: every token is `version`.
+    spans: tuple[VersionSpan, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -96,6 +99,20 @@ class Segment:
                 f"a segment needs one log-prob per token, got {len(self.token_ids)} tokens "
                 f"and {len(self.logprobs)} log-probs"
             )
+        if self.spans:
+            covered = 0
+            for span in self.spans:
+                if span.start != covered:
+                    raise ValueError(f"segment version spans leave a gap or overlap at {covered}: {self.spans}")
+                covered = span.end
+            if covered != len(self.token_ids):
+                raise ValueError(f"segment version spans cover {covered} of {len(self.token_ids)} tokens")
+
+    def version_spans(self) -> tuple[VersionSpan, ...]:
+        """The spans over this segment's tokens: `spans`, or one span of `version` (none for no tokens)."""
+        if self.spans or not self.token_ids:
+            return self.spans
+        return (VersionSpan(0, len(self.token_ids), self.version),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,17 +177,17 @@ class Sample:
     def extended(self, segment: Segment, *, max_response_len: int) -> Sample:
         """This sample with `segment` appended, its status set from the segment's finish reason.
 
-        A continued prefix keeps its own log-probs and versions; the new tokens get a new span,
-        merged into the previous one when the version did not change.
+        A continued prefix keeps its own log-probs and versions; the new tokens get the segment's
+        spans, each merged into the previous one when the version did not change.
         """
         start = len(self.response_ids)
         spans = list(self.spans)
-        if segment.token_ids:
-            end = start + len(segment.token_ids)
-            if spans and spans[-1].version == segment.version:
-                spans[-1] = VersionSpan(spans[-1].start, end, segment.version)
+        for part in segment.version_spans():
+            end = start + part.end
+            if spans and spans[-1].version == part.version:
+                spans[-1] = VersionSpan(spans[-1].start, end, part.version)
             else:
-                spans.append(VersionSpan(start, end, segment.version))
+                spans.append(VersionSpan(start + part.start, end, part.version))
         response_ids = self.response_ids + segment.token_ids
         status = _status_after(segment.finish_reason, len(response_ids), max_response_len)
         return dataclasses.replace(

@@ -7,6 +7,13 @@ Continuation is token-exact: a sample with a prefix is resent as `prompt + respo
 `input_ids`, with `max_new_tokens = max_response_len - len(response_so_far)`; nothing is ever
 re-tokenized, and a finished sample is never regenerated.
 
+Versions are the engine's: each segment is stamped from the spans in `meta_info.weight_versions`.
+An older engine sends one `weight_version` per answer; when it differs from the clock's version at
+send time, the tokens before the publish are of unknown version and the whole segment is stamped
+with the older one (never the newer), counted in `unknown_boundary_tokens`. Any version the clock
+has published is accepted, however late the answer is processed; a version from the future fails
+that one request, visibly, and nothing else.
+
 `stop()` is the partial-rollout "enough": no new request starts, every engine aborts what it runs,
 and each group ends somewhere: finished groups go downstream, the rest go to the store as partial
 groups with every prefix they have. Nothing generated is dropped.
@@ -28,8 +35,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.clock import VersionClock
 from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
-from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment
+from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
+from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings
+from stages.sglang.wire import GenerateResult
 from storage import AsyncStore
 
 __all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics", "RequestLog"]
@@ -77,6 +86,9 @@ class GeneratorStatistics:
     generated_tokens: int
     failed_samples: int
     busy_slot_seconds: float  # sum over requests of their time in flight
+    # Tokens an engine without per-token spans stamped with a version other than the one serving
+    # when the request was sent: stamped with the older version, since the boundary is unknown.
+    unknown_boundary_tokens: int = 0
 
 
 class GeneratorPool:
@@ -92,6 +104,7 @@ class GeneratorPool:
         admission: Admission,
         seed: int = 0,
         events: RequestLog | None = None,
+        detokenize: Detokenize | None = None,
     ) -> None:
         self._engine = engine
         self._slots = anyio.Semaphore(slots)
@@ -101,6 +114,10 @@ class GeneratorPool:
         self._events = events
         self._n_slots = slots
         self._params = dict(sampling_params)
+        # Stop strings over a prefix/continuation boundary need the tokenizer's decode; without
+        # one they are refused for modes that continue (`continuation.sampling_problems`).
+        self._stops = stop_strings(sampling_params) if detokenize is not None else ()
+        self._detokenize = detokenize
         self._max_len = max_response_len
         self._clock = clock
         self._store = store
@@ -111,7 +128,7 @@ class GeneratorPool:
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
-        self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0)
+        self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0, unknown_boundary=0)
         self._busy = 0.0
         # Requests that failed for want of an engine since the last one that got an answer.
         self._unavailable_run = 0
@@ -237,12 +254,14 @@ class GeneratorPool:
                 await self._clock.wait_serving()
 
     async def _request(self, group: Group, sample: Sample, max_new_tokens: int) -> Segment:
-        params = dict(self._params, max_new_tokens=max_new_tokens, sampling_seed=self._sample_seed(group, sample))
+        params = continuation_params(self._params, sample.response_len, max_new_tokens)
+        params["sampling_seed"] = self._sample_seed(group, sample)
         rid = f"{group.group_id}-s{sample.index}-{sample.response_len}"
         self._running += 1
         self._stats["requests"] += 1
         slot = self._free_slots.pop()
         started = time.perf_counter()
+        sent_version = self._clock.version
         try:
             result = await self._engine.generate(sample.prompt_ids + sample.response_ids, params, rid=rid)
         except EngineError as exc:
@@ -265,7 +284,9 @@ class GeneratorPool:
             self._busy += ended - started
         if result is not None:
             self._unavailable_run = 0
-            segment = result.to_segment(self._check_version(result.weight_version))
+            segment = self._stamped(result, sent_version)
+            if self._stops and sample.response_len:
+                segment = self._stop_at_boundary(sample, segment)
             self._stats["tokens"] += len(segment.token_ids)
             if segment.finish_reason is FinishReason.ABORT:
                 self._stats["aborted"] += 1
@@ -291,16 +312,55 @@ class GeneratorPool:
                 exc.url, f"the last {self._unavailable_run} requests found no engine to serve them; last: {exc}"
             ) from exc
 
-    def _check_version(self, reported: str) -> int:
-        """The engine's version for these tokens; anything the clock did not publish is an error."""
-        now = self._clock.version
-        allowed = {now, now + 1} if self._clock.publishing else {now}
+    def _stamped(self, result: GenerateResult, sent_version: int) -> Segment:
+        """The answer as a segment whose spans say which version produced which token.
+
+        A version the clock never published (from the future, or not a version at all) fails this
+        request like an answer the engine refused: the sample fails visibly, the run goes on.
+        """
+        try:
+            if result.weight_versions is not None:
+                spans = tuple(
+                    VersionSpan(s.start, s.end, self._published(s.version, result.rid))
+                    for s in result.weight_versions
+                    if s.end > s.start  # an abort before the first token, or two publishes in a row
+                )
+                newest = self._published(result.weight_version, result.rid)
+                if len(spans) <= 1:
+                    return result.to_segment(spans[0].version if spans else newest)
+                return result.to_segment(spans[-1].version, spans)
+            reported = self._published(result.weight_version, result.rid)
+            if reported != sent_version and result.token_ids:
+                # An older engine: the version changed while the request ran, but not at which
+                # token. The older version is the truthful bound for staleness and the off-policy
+                # share; the newer one would claim prefix tokens for a policy that never made them.
+                self._stats["unknown_boundary"] += len(result.token_ids)
+            return result.to_segment(min(reported, sent_version))
+        except VersionMismatchError as exc:
+            self._stats["failed"] += 1
+            log.warning("answer from an unpublished version", rid=result.rid, reason=str(exc))
+            return Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+
+    def _stop_at_boundary(self, sample: Sample, segment: Segment) -> Segment:
+        """End a continuation where a stop string that started in its prefix ends, as SGLang would
+        have for the uninterrupted request; the tokens after it were never meant to exist."""
+        assert self._detokenize is not None
+        found = stop_across_boundary(
+            sample.response_ids, segment.token_ids, self._stops, self._detokenize,
+            min_new_tokens=int(self._params.get("min_new_tokens") or 0),
+        )
+        return segment if found is None else cut_at(segment, found[0])
+
+    def _published(self, reported: str, rid: str) -> int:
+        """The clock's integer for an engine's version string, if the clock has published it:
+        anything up to the current version, and the next one while it is being published."""
+        newest = self._clock.version + (1 if self._clock.publishing else 0)
         try:
             version = int(reported)
         except (TypeError, ValueError):
-            version = None
-        if version not in allowed:
-            raise VersionMismatchError("engine", reported, sorted(allowed))
+            version = -1
+        if not 0 <= version <= newest:
+            raise VersionMismatchError(f"request {rid}", reported, f"a published version, 0..{newest}")
         return version
 
     def _sample_seed(self, group: Group, sample: Sample) -> int:
@@ -312,5 +372,5 @@ class GeneratorPool:
         s = self._stats
         return GeneratorStatistics(
             self._n_slots, self._running, self._groups_in_flight, s["requests"], s["aborted"],
-            s["resumed"], s["tokens"], s["failed"], self._busy,
+            s["resumed"], s["tokens"], s["failed"], self._busy, s["unknown_boundary"],
         )

@@ -17,7 +17,7 @@ import pytest
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from pipeline.types import Batch, PromptTask, SampleStatus
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 from tests.fakes import FakeSGLang
 

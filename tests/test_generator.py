@@ -10,7 +10,7 @@ from pipeline.errors import EngineError
 from pipeline.types import Group, PromptTask, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.generator import SAMPLE_ATTEMPTS, GeneratorPool
-from stages.sglang_client import GenerateResult
+from stages.sglang import GenerateResult
 from storage import AsyncStore, Cursor, GroupState, MemoryStore
 
 pytestmark = pytest.mark.anyio

@@ -4,7 +4,7 @@ import pytest
 
 from launch.engine_process import start_engine
 from pipeline.types import FinishReason
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ import pytest
 from launch.router_process import RouterProcess, start_router
 from pipeline.errors import EngineError, EngineUnavailableError
 from pipeline.types import FinishReason
-from stages.sglang_client import EngineFleet, GenerateResult
+from stages.sglang import EngineFleet, GenerateResult
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.errors import EngineError, EngineUnavailableError
 from pipeline.types import FinishReason
-from stages.sglang_client import EngineClient, EngineFleet, EngineLoad, GenerateResult
+from stages.sglang import EngineClient, EngineFleet, EngineLoad, GenerateResult
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio
@@ -459,3 +459,17 @@ async def test_fleet_control_calls_fan_out_to_all_engines():
         for f in (a, b):
             assert f.calls["/pause_generation"] == f.calls["/continue_generation"] == 1
             assert f.calls["/flush_cache"] == 1
+
+
+def test_old_module_path_still_imports_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    import stages.sglang as package
+
+    sys.modules.pop("stages.sglang_client", None)
+    with pytest.warns(DeprecationWarning, match="stages.sglang"):
+        old = importlib.import_module("stages.sglang_client")
+    assert old.EngineFleet is package.EngineFleet
+    assert old.GenerateResult is package.GenerateResult
+    assert set(old.__all__) <= set(package.__all__)

@@ -24,7 +24,7 @@ from launch.sim_engine import SimServer, _parse_args, open_sim_server, options_f
 from launch.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
 from pipeline.errors import ConfigError
 from pipeline.types import FinishReason
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 
 PROMPT = [11, 12, 13, 14, 15]
 LIMIT = 400

@@ -5,7 +5,7 @@ from aiohttp import web
 
 from launch.cli import align_weight_versions
 from pipeline.errors import EngineError
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio

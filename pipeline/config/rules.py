@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.config.draft import Draft
 from pipeline.config.schema import SECTIONS, options
+from stages.continuation import PENALTY_RULE
 from pipeline.types import RolloutMode, StoreTransport
 
 __all__ = ["check_bounds", "check_rules", "derive_defaults", "url_problem", "warn_odd_settings"]
@@ -46,6 +47,11 @@ def check_rules(draft: Draft) -> None:
         problem(f"{draft.show('rollout', 'top_p')}: must be in (0, 1]")
     if draft.ok("rollout", "top_k") and r["top_k"] != -1 and r["top_k"] < 1:
         problem(f"{draft.show('rollout', 'top_k')}: must be -1 (off) or >= 1")
+    continues = get("rollout", "mode") == RolloutMode.ASYNC or get("rollout", "partial_rollout") is True
+    for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if continues and draft.ok("rollout", name) and r[name] != neutral:
+            mode = "--partial-rollout" if get("rollout", "partial_rollout") else "--rollout-mode=async"
+            problem(f"{draft.show('rollout', name)} with {mode}: {PENALTY_RULE}")
 
     # The seed's forbidden combinations, each with its rule.
     if get("rollout", "mode") == RolloutMode.ASYNC and get("rollout", "eval_interval") is not None:

@@ -92,6 +92,16 @@ class RolloutConfig:
         why=" (the trainer's log-prob correction divides the logits by it)")
     top_p: float = _opt(1.0, "--rollout-top-p", "float", help="nucleus sampling, in (0, 1]")
     top_k: int = _opt(-1, "--rollout-top-k", "int", help="top-k sampling; -1 = off")
+    min_new_tokens: int = _opt(
+        0, "--rollout-min-new-tokens", "int", ge=0,
+        help="no stop before this many response tokens (a continuation gets it minus its prefix)")
+    frequency_penalty: float = _opt(
+        0.0, "--rollout-frequency-penalty", "float", help="SGLang's frequency_penalty; not with partial/async")
+    presence_penalty: float = _opt(
+        0.0, "--rollout-presence-penalty", "float", help="SGLang's presence_penalty; not with partial/async")
+    repetition_penalty: float = _opt(
+        1.0, "--rollout-repetition-penalty", "float", gt=0,
+        help="SGLang's repetition_penalty; not with partial/async")
     num_rollout: int = _opt(100, "--num-rollout", "int", ge=1, help="training steps")
     prefetch: int | None = _opt(
         None, "--rollout-prefetch", "int", ge=0, default_help="--rollout-batch-size",

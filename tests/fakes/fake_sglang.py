@@ -4,7 +4,9 @@ It follows `reference/sglang-protocol.md` where a client can tell: 3-element log
 four finish-reason shapes (including the waiting-queue abort, which has no `status_code`,
 `prompt_tokens` or `cached_tokens`), aborts that return the partial output with HTTP 200, pause
 modes, `/flush_cache` answering 400 while requests are held, weight versions stamped when the
-output is assembled, `/v1/loads`, and the info routes the real sglang-router reads when it
+output is assembled with per-token spans in `meta_info.weight_versions` (a boundary wherever the
+version changed while the request was tracked; `legacy_versions=True` sends only `weight_version`,
+like servers before the spans), `min_new_tokens` holding off stops, `/v1/loads`, and the info routes the real sglang-router reads when it
 registers a worker (`/health`, `/server_info`, `/model_info`).
 
 It is scriptable without sleeps:
@@ -96,6 +98,24 @@ class FakeRequest:
     aborted: bool = False
     held: bool = False  # parked at the hold gate or by an in-place/retract pause right now
     started: float = field(default_factory=time.perf_counter)
+    # (first output index, weight version) for each run of tokens decoded under one version.
+    version_marks: list[tuple[int, str]] = field(default_factory=list)
+
+    def mark_version(self, version: str) -> None:
+        """Tokens from here on come from `version`, as SGLang records a boundary on a publish."""
+        at = len(self.output_ids)
+        if self.version_marks and self.version_marks[-1][0] == at:
+            self.version_marks.pop()  # no token came from the version it replaces
+        if not self.version_marks or self.version_marks[-1][1] != version:
+            self.version_marks.append((at, version))
+
+    def version_spans(self) -> list[dict[str, Any]]:
+        """`meta_info.weight_versions`: contiguous from 0, the last end is the output length."""
+        ends = [start for start, _ in self.version_marks[1:]] + [len(self.output_ids)]
+        return [
+            {"version": version, "start": start, "end": end}
+            for (start, version), end in zip(self.version_marks, ends, strict=True)
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +139,12 @@ class FakeSGLang:
         max_running: int | None = None,
         model_path: str = "fake-sglang-model",
         legacy_model_info: bool = False,
+        legacy_versions: bool = False,
     ) -> None:
-        self.weight_version = weight_version
+        self._requests: dict[str, FakeRequest] = {}
+        self._weight_version = weight_version
+        # Older servers (before the late-2026 spans) send only `meta_info.weight_version`.
+        self.legacy_versions = legacy_versions
         self.token_fn = token_fn or default_token_fn(eos_token_id=eos_token_id)
         self.eos_token_id = eos_token_id
         self.max_running = max_running
@@ -142,13 +166,24 @@ class FakeSGLang:
         self.finished: list[FakeRequest] = []
 
         self.paused: str | None = None
-        self._requests: dict[str, FakeRequest] = {}
         self._faults: dict[str, deque[_Fault]] = {}
         self._cache: deque[tuple[int, ...]] = deque(maxlen=_CACHE_ENTRIES)
         self._changed = anyio.Event()
         self._closing = False
         self._runner: web.AppRunner | None = None
         self.url = ""
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        """A new version serves from the next token on: every tracked request (running, waiting,
+        held in place or retracted) records the boundary at its current length, as SGLang does."""
+        self._weight_version = version
+        for req in self._requests.values():
+            req.mark_version(version)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -302,6 +337,7 @@ class FakeSGLang:
             return_logprob=bool(body.get("return_logprob")),
             seed=int(params.get("sampling_seed") or 0),
         )
+        req.mark_version(self.weight_version)
         self._requests[rid] = req
         self._notify()
         try:
@@ -322,6 +358,8 @@ class FakeSGLang:
             stop_ids.add(self.eos_token_id)
         stop = params.get("stop") or []
         stop_strs = [stop] if isinstance(stop, str) else list(stop)
+        # SGLang checks nothing but the length before `min_new_tokens` output tokens.
+        min_new = int(params.get("min_new_tokens") or 0)
 
         def admitted() -> bool:
             return req.aborted or self.max_running is None or self.running < self.max_running
@@ -351,8 +389,12 @@ class FakeSGLang:
             req.output_ids.append(token)
             req.logprobs.append(_logprob(context, token, req.seed))
             self._notify()
+            if len(req.output_ids) < min_new:
+                await anyio.lowlevel.checkpoint()
+                continue
             if token in stop_ids:
                 return self._output(req, {"type": "stop", "matched": token}, cached=cached)
+            # Like SGLang, stop strings are looked for in the output alone, never the prompt.
             text = detokenize(req.output_ids)
             for s in stop_strs:
                 if s and text.endswith(s):
@@ -373,6 +415,8 @@ class FakeSGLang:
         if not waiting:  # _handle_abort_req leaves these out
             meta["prompt_tokens"] = len(req.input_ids)
         meta["weight_version"] = self.weight_version  # read now: the version when the output is assembled
+        if not self.legacy_versions:
+            meta["weight_versions"] = req.version_spans()
         meta["completion_tokens"] = len(req.output_ids)
         if not waiting:
             meta["cached_tokens"] = cached

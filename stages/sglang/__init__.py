@@ -1,0 +1,25 @@
+"""The pipeline's HTTP client for SGLang engines (real SGLang, the built-in engine, the simulator).
+
+Three rooms, each importing only the one before it:
+
+- `wire`: the wire format, pure parsing of `/generate` answers (`GenerateResult`, finish reasons,
+  log-probs, per-token version spans) and the shapes of control answers (`EngineLoad`).
+- `engine`: `EngineClient`, the HTTP calls to one URL (an engine, or the router for `/generate`).
+- `fleet`: `EngineFleet`, what the pipeline holds: `/generate` to one URL, control calls fanned out
+  to every engine.
+"""
+
+from stages.sglang.engine import EngineClient, EngineStatistics
+from stages.sglang.fleet import CONTROL_HEADROOM, EngineFleet
+from stages.sglang.wire import PAUSE_MODES, EngineLoad, EngineSpan, GenerateResult
+
+__all__ = [
+    "CONTROL_HEADROOM",
+    "PAUSE_MODES",
+    "EngineClient",
+    "EngineFleet",
+    "EngineLoad",
+    "EngineSpan",
+    "EngineStatistics",
+    "GenerateResult",
+]

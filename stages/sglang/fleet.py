@@ -1,0 +1,219 @@
+"""`EngineFleet`: every engine the pipeline uses, behind one aiohttp session.
+
+`/generate` goes to one URL (the router, or the only engine), and every control call fans out to
+every engine concurrently, because the router does not forward `/abort_request`,
+`/pause_generation` or the weight endpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import aiohttp
+import anyio
+
+from pipeline.errors import EngineError, EngineUnavailableError
+from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
+from pipeline.types import PauseMode
+from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
+
+__all__ = ["CONTROL_HEADROOM", "EngineFleet"]
+
+# Connections kept free for control calls on top of the generation concurrency. Without them a
+# pool saturated by `/generate` requests would queue the very `/abort_request` that frees it.
+CONTROL_HEADROOM = 32
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _FleetState:
+    session: aiohttp.ClientSession
+    generator: EngineClient
+    workers: tuple[EngineClient, ...] = field(default=())
+
+
+class EngineFleet:
+    """Every engine the pipeline uses, behind one aiohttp session.
+
+    Build it with the engines' URLs (one engine, or several plus `router_url`), or with only
+    `router_url`, in which case the workers are discovered from the router on entry
+    (`GET /workers`, or `GET /list_workers` on routers up to 0.2.1). Use it as an async context
+    manager: the session lives between enter and exit.
+
+    `concurrency` is the most `/generate` requests the caller keeps in flight; the connection pool
+    is that plus `CONTROL_HEADROOM`, so control calls never queue behind generation.
+    """
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str] | None = None,
+        *,
+        router_url: str | None = None,
+        concurrency: int = 64,
+        request_timeout: float = 3600.0,
+        control_timeout: float = 30.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.5,
+    ) -> None:
+        if not worker_urls and router_url is None:
+            raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
+        if worker_urls is not None and len(worker_urls) > 1 and router_url is None:
+            raise ValueError(f"{len(worker_urls)} engines need a router in front of them: {list(worker_urls)}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self._given_workers = tuple(u.rstrip("/") for u in worker_urls) if worker_urls else None
+        self._router_url = router_url.rstrip("/") if router_url else None
+        self._concurrency = concurrency
+        self._client_kw: dict[str, Any] = {
+            "request_timeout": request_timeout,
+            "control_timeout": control_timeout,
+            "max_retries": max_retries,
+            "retry_backoff": retry_backoff,
+        }
+        self._counters = RequestCounters()
+        self._state: _FleetState | None = None
+
+    async def __aenter__(self) -> Self:
+        if self._state is not None:
+            raise RuntimeError("this EngineFleet is already open")
+        connector = aiohttp.TCPConnector(limit=self._concurrency + CONTROL_HEADROOM)
+        session = aiohttp.ClientSession(connector=connector)
+        try:
+            generate_url = self._router_url or self._given_workers[0]  # type: ignore[index]
+            self._state = _FleetState(session, self._client(session, generate_url))
+            if self._given_workers is not None:
+                self._state.workers = tuple(self._client(session, u) for u in self._given_workers)
+            else:
+                await self.discover_workers()
+        except BaseException:
+            self._state = None
+            with anyio.move_on_after(5, shield=True):
+                await session.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        state, self._state = self._state, None
+        if state is not None:
+            with anyio.move_on_after(5, shield=True):
+                await state.session.close()
+
+    def _client(self, session: aiohttp.ClientSession, url: str) -> EngineClient:
+        return EngineClient(url, session, counters=self._counters, **self._client_kw)
+
+    @property
+    def _open(self) -> _FleetState:
+        if self._state is None:
+            raise RuntimeError("use the EngineFleet inside `async with` first")
+        return self._state
+
+    @property
+    def generate_url(self) -> str:
+        return self._open.generator.url
+
+    @property
+    def worker_urls(self) -> tuple[str, ...]:
+        return tuple(w.url for w in self._open.workers)
+
+    @property
+    def workers(self) -> tuple[EngineClient, ...]:
+        return self._open.workers
+
+    def statistics(self) -> EngineStatistics:
+        return self._counters.snapshot()
+
+    async def discover_workers(self) -> tuple[str, ...]:
+        """Ask the router which engines it routes to, and fan control calls out to those from now on."""
+        state = self._open
+        if self._router_url is None:
+            raise RuntimeError("worker discovery needs a router_url")
+        urls = await state.generator.router_workers()
+        state.workers = tuple(self._client(state.session, u) for u in urls)
+        return self.worker_urls
+
+    # -- generation goes to one URL -----------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        return await self._open.generator.generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)
+
+    # -- control calls reach every engine -----------------------------------------------------
+
+    async def abort(self, rid: str) -> None:
+        # The router does not forward aborts and does not say where it sent a request.
+        await self._fan_out("abort", lambda w: w.abort(rid))
+
+    async def abort_all(self) -> None:
+        await self._fan_out("abort_all", lambda w: w.abort_all())
+
+    async def pause(self, mode: PauseMode | str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {[str(m) for m in PAUSE_MODES]}, got {mode!r}")
+        await self._fan_out("pause", lambda w: w.pause(mode))
+
+    async def continue_generation(self) -> None:
+        await self._fan_out("continue_generation", lambda w: w.continue_generation())
+
+    async def flush_cache(self, deadline: float) -> None:
+        await self._fan_out("flush_cache", lambda w: w.flush_cache(deadline))
+
+    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+        await self._fan_out(
+            "update_weights_from_disk", lambda w: w.update_weights_from_disk(path, weight_version=weight_version)
+        )
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self._fan_out("update_weight_version", lambda w: w.update_weight_version(weight_version))
+
+    async def weight_versions(self) -> dict[str, str]:
+        return await self._fan_out("weight_version", lambda w: w.weight_version())
+
+    async def loads(self) -> dict[str, EngineLoad]:
+        return await self._fan_out("loads", lambda w: w.loads())
+
+    async def wait_healthy(self, deadline: float) -> None:
+        await self._fan_out("wait_healthy", lambda w: w.wait_healthy(deadline))
+
+    async def _fan_out(self, what: str, call: Callable[[EngineClient], Awaitable[T]]) -> dict[str, T]:
+        """Run `call` on every worker at once. Every worker gets the call even if another fails;
+        then any failure is raised, naming each worker that failed."""
+        workers = self._open.workers
+        results: dict[str, T] = {}
+        failures: dict[str, EngineError] = {}
+
+        async def one(worker: EngineClient) -> None:
+            try:
+                results[worker.url] = await call(worker)
+            except EngineError as exc:
+                failures[worker.url] = exc
+
+        async with anyio.create_task_group() as tg:
+            for worker in workers:
+                tg.start_soon(one, worker)
+        if failures:
+            raise _fan_out_error(what, failures, len(workers))
+        return {w.url: results[w.url] for w in workers}
+
+
+def _fan_out_error(what: str, failures: Mapping[str, EngineError], total: int) -> EngineError:
+    first = next(iter(failures.values()))
+    unreachable = all(isinstance(e, EngineUnavailableError) for e in failures.values())
+    kind = EngineUnavailableError if unreachable else EngineError
+    status = first.status if len(failures) == 1 else None
+    detail = "; ".join(str(e) for e in failures.values())
+    error = kind(", ".join(failures), f"{what} failed on {len(failures)} of {total} engines: {detail}", status=status)
+    error.__cause__ = first
+    return error
+
