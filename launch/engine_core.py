@@ -123,6 +123,9 @@ class Request:
     finish: Finish | None = None
     finished_at: float | None = None
     updates: int = 0  # bumped on every change a client could see
+    # (first output index, weight version) for each run of tokens decoded under one version;
+    # the scheduler adds a mark whenever the serving version changes while it tracks the request.
+    version_marks: list[tuple[int, str]] = field(default_factory=list)
     _state: _State = _State.NEW
     _changed: anyio.Event = field(default_factory=anyio.Event)
 
@@ -144,6 +147,24 @@ class Request:
                 if self.finish is not None:
                     return
             await self._changed.wait()
+
+    def mark_version(self, version: str) -> None:
+        """Tokens from here on are decoded under `version` (SGLang's per-token version spans)."""
+        at = len(self.output_ids)
+        if self.version_marks and self.version_marks[-1][1] == version:
+            return
+        if self.version_marks and self.version_marks[-1][0] == at:
+            self.version_marks.pop()  # no token was decoded under the version it replaces
+            if self.version_marks and self.version_marks[-1][1] == version:
+                return
+        self.version_marks.append((at, version))
+
+    def version_spans(self) -> list[tuple[str, int, int]]:
+        """(version, start, end) over output-token indices: contiguous from 0, the last end is the
+        number of output tokens. A request with no tokens has one empty span."""
+        marks = self.version_marks or [(0, "")]
+        ends = [start for start, _ in marks[1:]] + [len(self.output_ids)]
+        return [(version, start, end) for (start, version), end in zip(marks, ends, strict=True)]
 
     def _notify(self) -> None:
         self.updates += 1
@@ -216,6 +237,7 @@ class EngineCore:
         self.validate(req)  # a rid may have been taken while we were held
         req.seed = req.params.sampling_seed if req.params.sampling_seed is not None else self._seeds.getrandbits(62)
         req._state = _State.WAITING
+        req.mark_version(self.weight_version)
         self._tracked[req.rid] = req
         self._waiting.append(req)
         self._work.set()
@@ -311,6 +333,13 @@ class EngineCore:
 
     # ---- weights -----------------------------------------------------------------------------------
 
+    def set_weight_version(self, version: str) -> None:
+        """Serve `version` from the next decode step on; every request in flight (running, waiting,
+        retracted or held in place) records the boundary at its current output length."""
+        self.weight_version = version
+        for req in self._tracked.values():
+            req.mark_version(version)
+
     async def update_weights(self, folder: str | Path, *, weight_version: str | None = None) -> None:
         """Load new weights from `folder` between decode steps; set the weight version only on success.
 
@@ -324,7 +353,7 @@ class EngineCore:
                 await anyio.to_thread.run_sync(self.runner.apply_weights, tensors, limiter=self._lane)
                 self.model_path = folder
                 if weight_version is not None:
-                    self.weight_version = weight_version
+                    self.set_weight_version(weight_version)
                 self._updates += 1
         log.info("loaded weights from %s (weight_version %s)", folder, self.weight_version)
 

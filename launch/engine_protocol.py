@@ -259,13 +259,13 @@ def render_output(
     req: Request,
     *,
     tokenizer: Any,
-    weight_version: str,
     final: bool,
     stream: bool = False,
     text_in_logprobs: bool = False,
 ) -> dict[str, Any]:
     """One SGLang /generate output (sglang-protocol.md 1.3), assembled now: cumulative tokens,
-    logprobs aligned with output_ids, and `weight_version` as it serves at this moment."""
+    logprobs aligned with output_ids, and the weight version of its tokens: `weight_version` is the
+    last span's, and the final answer carries every span in `weight_versions` (section 7, late-2026)."""
     p, finish = req.params, req.finish
     ids = list(req.output_ids)
     text_ids = ids
@@ -275,11 +275,12 @@ def render_output(
     if finish is not None and finish.kind is FinishKind.STOP_STR and not p.no_stop_trim:
         cut = text.find(str(finish.matched))
         text = text[:cut] if cut != -1 else text
+    spans = req.version_spans()
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": finish.to_json() if finish is not None else None,
         "prompt_tokens": len(req.prompt_ids),
-        "weight_version": weight_version,
+        "weight_version": spans[-1][0],
         "completion_tokens": len(ids),
         "cached_tokens": 0,
     }
@@ -289,7 +290,8 @@ def render_output(
         del meta["prompt_tokens"], meta["cached_tokens"]
         if stream:
             ids = ids[-1:]
-    if final:
+    if final:  # streams carry the spans on the final chunk only
+        meta["weight_versions"] = [{"version": v, "start": s, "end": e} for v, s, e in spans]
         meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created
     if req.return_logprob:
         pairs = zip(req.output_logprobs, req.output_ids, strict=True)

@@ -223,7 +223,6 @@ class EngineServer:
         return render_output(
             req,
             tokenizer=self.core.runner.tokenizer,
-            weight_version=self.core.weight_version,
             final=final,
             stream=stream,
             text_in_logprobs=call.text_in_logprobs,
@@ -306,7 +305,7 @@ class EngineServer:
             return _json({"success": False, "message": f"new_version must be a string, got {version!r}"}, 400)
         if body.get("abort_all_requests"):
             self.core.abort(abort_all=True)
-        self.core.weight_version = str(version)
+        self.core.set_weight_version(str(version))
         return _json(
             {"success": True, "message": f"Weight version updated to {version}.", "new_version": str(version)}
         )

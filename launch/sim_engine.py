@@ -298,7 +298,7 @@ class SimCore(EngineCore):
                 self._update_s += self.timing.weight_update
                 self.model_path = folder
                 if weight_version is not None:
-                    self.weight_version = weight_version
+                    self.set_weight_version(weight_version)
                 self._updates += 1
                 self._prefix.clear()  # new weights: every cached KV is stale
         log.info("simulated weight update from %s (weight_version %s)", folder, self.weight_version)

@@ -604,6 +604,48 @@ async def test_update_weights_between_decode_steps_stamps_the_new_version(
     assert result["meta_info"]["weight_version"] == "7"  # the version when the output was assembled
 
 
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_publish_during_a_pause_splits_the_version_spans(
+    server: EngineServer, http: aiohttp.ClientSession, model_dir_v1: Path, mode: str
+) -> None:
+    params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 3}
+    result: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            result.update(await ok(http, server.url, input_ids=PROMPT, return_logprob=True, sampling_params=params))
+
+        tg.start_soon(run)
+        await wait_loads(http, server.url, running=1)
+        await server.core.wait_step()
+        status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
+        assert status == 200
+        held = server.core.statistics().generated_tokens  # tokens decoded under version 0
+        assert 0 < held < 30
+        status, raw = await post(
+            http, server.url + "/update_weights_from_disk", {"model_path": str(model_dir_v1), "weight_version": "1"}
+        )
+        assert status == 200 and orjson.loads(raw)["success"] is True
+        status, _ = await post(http, server.url + "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+        assert status == 200  # the same version again: no empty span
+        await post(http, server.url + "/continue_generation", {})
+    meta = result["meta_info"]
+    assert meta["weight_versions"] == [
+        {"version": "0", "start": 0, "end": held},
+        {"version": "1", "start": held, "end": 30},
+    ]
+    assert meta["weight_version"] == "1" and meta["completion_tokens"] == 30
+
+
+async def test_version_spans_of_whole_and_unstarted_requests(server: EngineServer, http: aiohttp.ClientSession) -> None:
+    out = await ok(http, server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 4}]
+    await post(http, server.url + "/update_weight_version", {"new_version": "5"})
+    out = await ok(http, server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 0})
+    assert out["meta_info"]["weight_versions"] == [{"version": "5", "start": 0, "end": 0}]
+    assert out["meta_info"]["weight_version"] == "5"
+
+
 async def test_update_weight_version_and_unsupported_weight_paths(
     server: EngineServer, http: aiohttp.ClientSession
 ) -> None:

@@ -400,6 +400,34 @@ async def test_update_weights_sets_version_and_takes_its_time(http: aiohttp.Clie
         assert (await get_json(http, server.url + "/model_info"))["weight_version"] == "7"
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_version_spans_mark_a_publish_during_a_pause(
+    http: aiohttp.ClientSession, tmp_path: Path, mode: str
+) -> None:
+    async with open_sim_server(time_scale=SCALE, lengths=HALF) as server:
+        seen: dict[str, Any] = {}
+
+        async def publish_while_held() -> None:
+            status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
+            assert status == 200
+            seen["k"] = (await stats(http, server))["generated_tokens"]
+            status, _ = await post(
+                http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "2"}
+            )
+            assert status == 200
+            await post(http, server.url + "/continue_generation")
+
+        last = await interrupted(http, server, "v", 5, publish_while_held)
+        k, n = seen["k"], LIMIT // 2
+        assert 0 < k < n and last["meta_info"]["completion_tokens"] == n
+        assert last["meta_info"]["weight_versions"] == [
+            {"version": "0", "start": 0, "end": k},
+            {"version": "2", "start": k, "end": n},
+        ]
+        assert last["meta_info"]["weight_version"] == "2"
+
+
 # ---- the pipeline's client -------------------------------------------------------------------------------
 
 
