@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from launch.engine_process import EngineProcess, free_port, start_engine
-from launch.engine_server import EngineServer, open_server
+from launch.engines.builtin import EngineServer, open_server
 from pipeline.errors import EngineUnavailableError
 from stages.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
 

@@ -20,8 +20,8 @@ import anyio
 import orjson
 import pytest
 
-from launch.sim_engine import SimServer, _parse_args, open_sim_server, options_from_args
-from launch.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
+from launch.engines.sim import SimServer, _parse_args, open_sim_server, options_from_args
+from launch.engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
 from pipeline.errors import ConfigError
 from pipeline.types import FinishReason
 from stages.sglang_client import EngineFleet
@@ -237,7 +237,7 @@ async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohtt
         assert ids_and_logprobs(again) == (full_ids[k:], full_lps[k:])
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT) + k
         assert after["prefill_time"] - before["prefill_time"] == pytest.approx(
-            server.core.timing.prefill_time(len(PROMPT) + k)
+            server.core.model.timing.prefill_time(len(PROMPT) + k)
         )
 
 
@@ -488,7 +488,7 @@ async def test_command_line_engine_behind_the_real_router(tmp_path: Path) -> Non
 
     port = free_port()
     command = [
-        sys.executable, "-m", "launch.sim_engine", "--port", str(port), "--time-scale", "0.001",
+        sys.executable, "-m", "launch.engines.sim", "--port", str(port), "--time-scale", "0.001",
         "--length-dist", "fixed:0.5", "--truncate-frac", "0", "--log-level", "warning",
     ]  # fmt: skip
     log_path = tmp_path / "sim.log"

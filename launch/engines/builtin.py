@@ -1,0 +1,104 @@
+"""The built-in engine: an SGLang-compatible HTTP server running a real torch causal LM.
+
+    python -m launch.engines.builtin --model-path DIR [--host 127.0.0.1] [--port 30000]
+        [--max-running-requests 64] [--weight-version 0] [--dtype float32] [--log-level info]
+
+The HTTP surface (`http.py`) and scheduler (`scheduler.py`) are every engine's; this module picks
+the forward (`torch_model.TorchForward`) and loads the model folder. No prefix cache
+(`cached_tokens` is always 0); weights change through `/update_weights_from_disk`.
+
+In-process use (tests): `async with open_server(model_dir, port=0) as server: server.url`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from launch.engines.http import EngineServer
+from launch.engines.serving import open_engine, run_main
+from launch.engines.torch_model import ModelRunner, TorchForward, WeightLoadError
+
+__all__ = ["EngineServer", "main", "open_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def open_server(
+    model_path: str | Path,
+    *,
+    dtype: str = "float32",
+    **options: Any,
+) -> AsyncIterator[EngineServer]:
+    """Load the model, start the decode loop and listen; yield the server (port 0 picks a free port).
+
+    `options` are `serving.open_engine`'s (host, port, max_running_requests, weight_version,
+    random_seed, served_model_name, health_check_timeout). On exit every request in flight is
+    aborted (clients get their partial output), then the listener and the loop stop.
+    """
+    import torch
+
+    runner = await anyio.to_thread.run_sync(functools.partial(ModelRunner, model_path, dtype=getattr(torch, dtype)))
+    async with open_engine(TorchForward(runner), **options) as server:
+        log.info("built-in engine serving %s at %s", model_path, server.url)
+        yield server
+
+
+async def serve(
+    model_path: str | Path,
+    *,
+    task_status: TaskStatus[EngineServer] = anyio.TASK_STATUS_IGNORED,
+    **options: Any,
+) -> None:
+    """Run the server until cancelled; `await tg.start(serve, path)` returns the running EngineServer."""
+    async with open_server(model_path, **options) as server:
+        task_status.started(server)
+        await anyio.sleep_forever()
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m launch.engines.builtin", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", "--model", required=True, help="a Hugging Face model folder")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--random-seed", type=int, default=None)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    ap.add_argument("--health-check-timeout", type=float, default=20.0)
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    run = functools.partial(
+        serve,
+        args.model_path,
+        host=args.host,
+        port=args.port,
+        max_running_requests=args.max_running_requests,
+        weight_version=args.weight_version,
+        random_seed=args.random_seed,
+        served_model_name=args.served_model_name,
+        health_check_timeout=args.health_check_timeout,
+        dtype=args.dtype,
+    )
+    # An unusable model folder or a port taken: say why in a line.
+    return run_main(run, log_level=args.log_level, startup_errors=(WeightLoadError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
