@@ -39,6 +39,7 @@ import anyio
 import torch
 
 from launch.engines.seam import Draw, Row, SamplingParams, WeightLoadError
+from pipeline.errors import ConfigError
 
 __all__ = [
     "ENGINE_VERSION",
@@ -48,6 +49,7 @@ __all__ = [
     "SamplingParams",
     "TorchForward",
     "WeightLoadError",
+    "draw_tokens",
     "uniform_draw",
 ]
 
@@ -70,9 +72,16 @@ class _Weights:
 
 
 class ModelRunner:
-    """A Hugging Face causal LM on the CPU, stepped one batched forward at a time."""
+    """A Hugging Face causal LM on one device, stepped one batched forward at a time."""
 
-    def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        context_length: int | None = None,
+    ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -86,10 +95,17 @@ class ModelRunner:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError) as exc:
             raise WeightLoadError(str(model_path), str(exc)) from exc
+        try:
+            self.device = torch.device(device)
+            self.model.to(self.device)
+        except (RuntimeError, AssertionError) as exc:  # a bad string, or a build without that backend
+            raise ConfigError([f"device {device!r} is not usable here: {exc}"]) from exc
         self.model.eval()
         self.config = config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        if context_length is not None:  # a smaller window bounds a KV cache's memory
+            self.context_length = min(self.context_length, context_length)
         self.eos_token_ids = frozenset(_eos_ids(model_path, config))
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         self._weights = _live_weights(self.model)
@@ -98,13 +114,7 @@ class ModelRunner:
 
     def step(self, rows: Sequence[Row]) -> list[Draw]:
         """Run one forward pass over all rows and draw one token for each."""
-        logits = self._last_logits(rows)
-        for i, row in enumerate(rows):
-            if row.banned:
-                logits[i, list(row.banned)] = -math.inf
-            for token_id, bias in row.params.logit_bias:
-                logits[i, token_id] += bias
-        return _sample(logits, rows)
+        return draw_tokens(self._last_logits(rows), rows)
 
     def _last_logits(self, rows: Sequence[Row]) -> torch.Tensor:
         width = max(len(r.token_ids) for r in rows)
@@ -117,9 +127,9 @@ class ModelRunner:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
                 use_cache=False,
                 logits_to_keep=1,
             )
@@ -166,6 +176,17 @@ class ModelRunner:
                 live[name].copy_(t)
 
 
+def draw_tokens(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
+    """Draw one token per row from its last-position logits [B, V] (float64), after masking the
+    row's banned tokens and adding its logit bias."""
+    for i, row in enumerate(rows):
+        if row.banned:
+            logits[i, list(row.banned)] = -math.inf
+        for token_id, bias in row.params.logit_bias:
+            logits[i, token_id] += bias
+    return _sample(logits, rows)
+
+
 def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
     """Draw one token per row from `logits` [B, V] (float64); see the module docstring."""
     batch, vocab = logits.shape
@@ -180,15 +201,16 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         params = [rows[i].params for i in sampled]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+        dev = logits.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)
 
         scaled = logits[sampled] / temperature[:, None]
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        rank = torch.arange(vocab)
+        rank = torch.arange(vocab, device=dev)
         keep = rank[None, :] < top_k[:, None]
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         keep &= mass_before < top_p[:, None]  # the smallest prefix holding top_p; rank 0 always kept
@@ -199,7 +221,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
 
         cdf = logprobs.exp().cumsum(dim=-1)
         u = torch.tensor(
-            [uniform_draw(rows[i].seed, rows[i].position) for i in sampled], dtype=torch.float64
+            [uniform_draw(rows[i].seed, rows[i].position) for i in sampled], dtype=torch.float64, device=dev
         )
         # First index whose CDF exceeds u * total: zero-probability tokens (flat CDF) are never chosen.
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
@@ -296,10 +318,10 @@ class TorchForward:
         return model_identity(self.runner.config)
 
     def server_details(self) -> dict[str, Any]:
-        return {"device": "cpu", "dtype": dtype_name(self.runner.model.dtype), "disable_radix_cache": True}
+        return runner_details(self.runner)
 
     def accelerator(self) -> tuple[str, int]:
-        return "cpu", 0
+        return runner_accelerator(self.runner)
 
 
 def model_identity(config: object) -> dict[str, Any]:
@@ -310,5 +332,11 @@ def model_identity(config: object) -> dict[str, Any]:
     }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def runner_details(runner: ModelRunner) -> dict[str, Any]:
+    """/server_info's device fields for a forward over `runner` (no engine here has a prefix cache)."""
+    dtype = str(runner.model.dtype).removeprefix("torch.")
+    return {"device": str(runner.device), "dtype": dtype, "disable_radix_cache": True}
+
+
+def runner_accelerator(runner: ModelRunner) -> tuple[str, int]:
+    return ("cpu", 0) if runner.device.type == "cpu" else (runner.device.type, 1)
