@@ -490,12 +490,11 @@ async def test_pause_abort_aborts_and_holds_new_requests(
     assert results["held"]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
-async def test_pause_keeps_requests_and_resumes_them_exactly(
-    server: EngineServer, http: aiohttp.ClientSession, mode: str
-) -> None:
-    params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 7}
-    reference = await ok(http, server.url, input_ids=PROMPT, return_logprob=True, sampling_params=params)
+async def paused_request(
+    server: EngineServer, http: aiohttp.ClientSession, params: dict[str, Any], mode: str, while_paused: Any
+) -> dict[str, Any]:
+    """Run a request, pause the engine in `mode` once it decoded, `await while_paused()`, continue;
+    return the request's answer."""
     result: dict[str, Any] = {}
     async with anyio.create_task_group() as tg:
 
@@ -507,6 +506,20 @@ async def test_pause_keeps_requests_and_resumes_them_exactly(
         await server.core.wait_step()
         status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
         assert status == 200
+        await while_paused()
+        assert not result
+        await post(http, server.url + "/continue_generation", {})
+    return result
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_keeps_requests_and_resumes_them_exactly(
+    server: EngineServer, http: aiohttp.ClientSession, mode: str
+) -> None:
+    params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 7}
+    reference = await ok(http, server.url, input_ids=PROMPT, return_logprob=True, sampling_params=params)
+
+    async def check_held() -> None:
         steps = server.core.statistics().steps
         async with http.get(server.url + "/health_generate") as resp:
             assert resp.status == 503  # waited its whole deadline without a decode step
@@ -519,8 +532,8 @@ async def test_pause_keeps_requests_and_resumes_them_exactly(
             assert await loads(http, server.url) == (0, 1)
             async with http.post(server.url + "/flush_cache") as resp:
                 assert resp.status == 200  # retracted requests hold no cache
-        assert not result
-        await post(http, server.url + "/continue_generation", {})
+
+    result = await paused_request(server, http, params, mode, check_held)
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
     assert result["output_ids"] == reference["output_ids"]
 
@@ -609,26 +622,21 @@ async def test_publish_during_a_pause_splits_the_version_spans(
     server: EngineServer, http: aiohttp.ClientSession, model_dir_v1: Path, mode: str
 ) -> None:
     params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 3}
-    result: dict[str, Any] = {}
-    async with anyio.create_task_group() as tg:
+    held = 0
 
-        async def run() -> None:
-            result.update(await ok(http, server.url, input_ids=PROMPT, return_logprob=True, sampling_params=params))
-
-        tg.start_soon(run)
-        await wait_loads(http, server.url, running=1)
-        await server.core.wait_step()
-        status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
-        assert status == 200
+    async def publish() -> None:
+        nonlocal held
         held = server.core.statistics().generated_tokens  # tokens decoded under version 0
         assert 0 < held < 30
         status, raw = await post(
             http, server.url + "/update_weights_from_disk", {"model_path": str(model_dir_v1), "weight_version": "1"}
         )
         assert status == 200 and orjson.loads(raw)["success"] is True
-        status, _ = await post(http, server.url + "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+        body = {"new_version": "1", "abort_all_requests": False}
+        status, _ = await post(http, server.url + "/update_weight_version", body)
         assert status == 200  # the same version again: no empty span
-        await post(http, server.url + "/continue_generation", {})
+
+    result = await paused_request(server, http, params, mode, publish)
     meta = result["meta_info"]
     assert meta["weight_versions"] == [
         {"version": "0", "start": 0, "end": held},

@@ -1,0 +1,106 @@
+"""Decode speed of the built-in engine's two forwards: recompute (old) vs KV cache (new), in one run.
+
+    python -m benchmarks.engine [--device cpu] [--dtype float32] [--batches 1,16,64,256]
+        [--contexts 256] [--sweep-batch 64] [--sweep-contexts 64,448] [--steps 6] [--model-path DIR]
+
+For each (running requests B, context T): B requests whose sequences are T tokens long decode
+`--steps` tokens each; the table gives decode tokens/s (B x steps / time) and the mean step time.
+The KV forward's prefill of the B prompts is done first and not timed (it is what a request pays
+once; decode is what it pays every token). Both forwards run the same model object, the same rows,
+the same sampling (temperature 1, per-request seeds): the only difference is the cache.
+
+The model is the quick start's tiny Qwen3 (built here, random weights) unless `--model-path` names a
+Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or scheduler is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from launch.engines.kv_forward import KVCacheForward
+from launch.engines.seam import Row, SamplingParams
+from launch.engines.torch_model import ModelRunner
+from stages.tiny_model import make_model_folder
+
+
+_PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0)
+
+
+def _prompts(batch: int, context: int, vocab: int) -> list[tuple[int, ...]]:
+    return [tuple(random.Random(i).randrange(3, vocab) for _ in range(context)) for i in range(batch)]
+
+
+def _rows(prompts: Sequence[tuple[int, ...]], outputs: Sequence[tuple[int, ...]]) -> list[Row]:
+    """What the scheduler hands a forward each step (it builds these rows every step too)."""
+    return [
+        Row(prompt_ids=p, output_ids=o, params=_PARAMS, seed=i, rid=f"b{i}")
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+    ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(runner: ModelRunner, forward: object, batch: int, context: int, steps: int) -> float:
+    """Seconds per decode step of `forward` (a ModelRunner or a KVCacheForward) for B rows of length T."""
+    step = forward.step  # type: ignore[attr-defined]
+    outputs: list[tuple[int, ...]] = [() for _ in range(batch)]
+    # The sequences reach `context` tokens over the timed steps.
+    prompts = _prompts(batch, context - steps - 1, min(runner.vocab_size, 60))
+    draws = step(_rows(prompts, outputs))  # KV: the prefill; recompute: a warm-up step
+    outputs = [o + (d.token_id,) for o, d in zip(outputs, draws, strict=True)]
+    _sync(runner.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        draws = step(_rows(prompts, outputs))
+        outputs = [o + (d.token_id,) for o, d in zip(outputs, draws, strict=True)]
+    _sync(runner.device)
+    return (time.perf_counter() - start) / steps
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads) if args.threads else None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model_path or make_model_folder(Path(tmp) / "model", seed=0, max_positions=args.max_positions)
+        runner = ModelRunner(path, dtype=getattr(torch, args.dtype), device=args.device)
+        cases = [(b, t) for t in _ints(args.contexts) for b in _ints(args.batches)]
+        cases += [(args.sweep_batch, t) for t in _ints(args.sweep_contexts) if (args.sweep_batch, t) not in cases]
+        print(f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
+              f"{args.dtype} on {runner.device}, {torch.get_num_threads()} threads, {args.steps} timed steps")
+        print(f"{'running':>8} {'context':>8} {'old tok/s':>11} {'old step ms':>12} "
+              f"{'new tok/s':>11} {'new step ms':>12} {'speed-up':>9}")
+        for batch, context in cases:
+            old = measure(runner, runner, batch, context, args.steps)
+            kv = KVCacheForward(runner, max_running_requests=batch)
+            new = measure(runner, kv, batch, context, args.steps)
+            del kv
+            print(f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
+                  f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x", flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model-path", default=None, help="a Hugging Face folder; default: the tiny quick-start model")
+    parser.add_argument("--max-positions", type=int, default=512, help="context window of the built tiny model")
+    parser.add_argument("--batches", default="1,16,64,256", help="running requests, at each of --contexts")
+    parser.add_argument("--contexts", default="256", help="tokens per sequence")
+    parser.add_argument("--sweep-batch", type=int, default=64, help="running requests for the context sweep")
+    parser.add_argument("--sweep-contexts", default="64,448")
+    parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    main(parser.parse_args())
