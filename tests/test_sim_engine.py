@@ -428,6 +428,34 @@ async def test_version_spans_mark_a_publish_during_a_pause(
         assert last["meta_info"]["weight_version"] == "2"
 
 
+@pytest.mark.anyio
+async def test_staged_weight_update_keeps_decoding_and_marks_the_swap(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    timing = DecodeTimeModel(weight_update=2.0)  # 100 decode steps' worth of transfer
+    async with open_sim_server(time_scale=SCALE, timing=timing, lengths=HALF, staged_weight_updates=True) as server:
+        seen: dict[str, Any] = {}
+
+        async def publish_while_running() -> None:
+            before = await stats(http, server)
+            status, _ = await post(
+                http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "3"}
+            )
+            assert status == 200
+            after = await stats(http, server)
+            seen["k"] = after["generated_tokens"]
+            seen["steps"] = after["decode_steps"] - before["decode_steps"]
+            seen["stopped"] = after["weight_update_time"]
+
+        last = await interrupted(http, server, "s", 9, publish_while_running)
+        n, k = LIMIT // 2, seen["k"]
+        assert seen["steps"] > 10  # the engine kept decoding through the 2 s transfer
+        assert seen["stopped"] == 0.0  # and stopped for nothing but a zero-cost swap
+        spans = last["meta_info"]["weight_versions"]
+        assert spans[0]["version"] == "0" and spans[-1] == {"version": "3", "start": spans[0]["end"], "end": n}
+        assert 0 < spans[0]["end"] <= k + 1
+
+
 # ---- the pipeline's client -------------------------------------------------------------------------------
 
 

@@ -11,6 +11,11 @@ the model folder and picks the forward: `kv_forward.KVCacheForward` (the default
 path is tested against). No prefix cache (`cached_tokens` is always 0); weights change through
 `/update_weights_from_disk`.
 
+Publishing without stopping the engine: an update sent without a pause is read from disk into a
+staging copy while decoding goes on, then copied into the live weights between two decode steps;
+the version spans of running requests mark that step exactly. (With the KV forward, running
+requests keep the K/V their earlier tokens got from the old weights, as SGLang's do.)
+
 In-process use (tests): `async with open_server(model_dir, port=0) as server: server.url`.
 """
 

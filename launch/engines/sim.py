@@ -20,7 +20,9 @@ What is modelled (`sim_model.py`):
 - lengths and tokens: deterministic per sample (`sampling_seed` + original prompt), so a resumed
   prefix continues toward the same target with the same tokens.
 - weights: `/update_weights_from_disk` accepts any existing path, reads nothing, and takes
-  `weight_update` engine seconds between forwards.
+  `weight_update` engine seconds between forwards; with `--staged-weight-updates` the transfer
+  runs into a staging copy while decoding goes on, and only the swap (`weight_swap`, default 0)
+  happens between two forwards (publishing without stopping the engine).
 
 Engine time runs on a schedule against the monotonic clock: while the engine is busy, each forward
 starts where the previous one was due to end, so event-loop overhead is absorbed instead of
@@ -82,6 +84,11 @@ class SimClock:
     def now(self) -> float:
         """Engine seconds since the clock started."""
         return (anyio.current_time() - self._origin) / self.time_scale
+
+    async def overlap(self, seconds: float) -> None:
+        """Let `seconds` of engine time pass for work that runs beside the forwards (a staged weight
+        transfer); the forward schedule is not touched."""
+        await anyio.sleep(seconds * self.time_scale)
 
     def rest(self) -> None:
         """The engine waits for work: the next forward starts from the moment it is asked for."""
@@ -153,6 +160,7 @@ class SimModel:
         vocab_size: int = 151936,
         context_length: int = 32768,
         prefix_cache_entries: int = 4096,
+        staged_weight_updates: bool = False,
     ) -> None:
         problems = []
         if vocab_size < 16:
@@ -171,6 +179,7 @@ class SimModel:
         self._kv: dict[str, _Held] = {}  # rid -> its KV, for running requests that have one
         self._prefix: OrderedDict[int, None] = OrderedDict()  # hashes of cached sequences, LRU
         self.prefix_cache_entries = prefix_cache_entries
+        self.staged_weight_updates = staged_weight_updates
         self._busy = self._decode_s = self._prefill_s = self._update_s = self._rrs = 0.0
         self._decode_steps = self._prefill_batches = self._prefill_tokens = self._cached_tokens = 0
 
@@ -260,15 +269,19 @@ class SimModel:
         self.clock.rest()  # idle time is not owed to the schedule
 
     async def read_weights(self, folder: str) -> object:
-        """Read nothing; any existing path works."""
+        """Read nothing; any existing path works. A staged update spends its transfer time here,
+        while forwards go on."""
         if not Path(folder).exists():
             raise WeightLoadError(folder, "the path does not exist")
+        if self.staged_weight_updates:
+            await self.clock.overlap(self.timing.weight_update)
         return folder
 
     async def apply_weights(self, staged: object) -> None:
-        """Take `weight_update` engine seconds between forwards."""
-        await self.clock.spend(self.timing.weight_update, continuous=False)
-        self._update_s += self.timing.weight_update
+        """Between forwards: the whole `weight_update` time, or only the swap of a staged copy."""
+        seconds = self.timing.weight_swap if self.staged_weight_updates else self.timing.weight_update
+        await self.clock.spend(seconds, continuous=False)
+        self._update_s += seconds
         self._prefix.clear()  # new weights: every cached KV is stale
         log.info("simulated weight update from %s", staged)
 
@@ -282,6 +295,7 @@ class SimModel:
             "device": "simulated",
             "dtype": "bfloat16",
             "disable_radix_cache": self.prefix_cache_entries == 0,
+            "staged_weight_updates": self.staged_weight_updates,
             "sim": {
                 "time_model": asdict(self.timing),
                 "length_model": asdict(self.lengths),
@@ -351,6 +365,7 @@ async def open_sim_server(
     context_length: int = 32768,
     prefix_cache_entries: int = 4096,
     health_check_timeout: float = 20.0,
+    staged_weight_updates: bool = False,
 ) -> AsyncIterator[EngineServer]:
     """Start the decode loop and listen; yield the server (port 0 picks a free port).
 
@@ -367,6 +382,7 @@ async def open_sim_server(
         vocab_size=vocab_size,
         context_length=context_length,
         prefix_cache_entries=prefix_cache_entries,
+        staged_weight_updates=staged_weight_updates,
     )
     async with open_engine(
         model,
@@ -415,6 +431,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-base", type=float, default=d.prefill_base)
     ap.add_argument("--prefill-per-token", type=float, default=d.prefill_per_token)
     ap.add_argument("--weight-update-time", type=float, default=d.weight_update)
+    ap.add_argument("--weight-swap-time", type=float, default=d.weight_swap)
+    ap.add_argument(
+        "--staged-weight-updates",
+        action="store_true",
+        help="receive weights beside decoding; stop only for the swap between two forwards",
+    )
     ap.add_argument("--prefix-cache-entries", type=int, default=4096, help="0 disables the prefix cache")
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -434,6 +456,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             prefill_base=args.prefill_base,
             prefill_per_token=args.prefill_per_token,
             weight_update=args.weight_update_time,
+            weight_swap=args.weight_swap_time,
         )
     except ConfigError as exc:
         problems += exc.problems
@@ -461,6 +484,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         vocab_size=args.vocab_size,
         context_length=args.context_length,
         prefix_cache_entries=args.prefix_cache_entries,
+        staged_weight_updates=args.staged_weight_updates,
         health_check_timeout=args.health_check_timeout,
     )
 

@@ -62,6 +62,8 @@ class DecodeTimeModel:
     - `prefill_per_token` 30 us: ~16 GFLOP per token at ~500 TFLOP/s effective; `prefill_base` 5 ms
       for launching a prefill batch.
     - `weight_update` 2 s: moving a new 16 GB checkpoint into the engine (NCCL broadcast or disk).
+    - `weight_swap` 0 s: with staged updates, making the staged copy live between two forwards
+      (a pointer swap; the copy itself overlaps decoding).
     """
 
     step_base: float = 0.020
@@ -70,6 +72,7 @@ class DecodeTimeModel:
     prefill_base: float = 0.005
     prefill_per_token: float = 3e-5
     weight_update: float = 2.0
+    weight_swap: float = 0.0
 
     def __post_init__(self) -> None:
         bad = [f"{k}={v!r}" for k, v in _fields(self).items() if not (isinstance(v, (int, float)) and v >= 0)]
