@@ -614,7 +614,10 @@ async def test_update_weights_between_decode_steps_stamps_the_new_version(
         await server.core.wait_step()
         await post(http, server.url + "/abort_request", {"rid": "spanning"})
     assert result["meta_info"]["finish_reason"] == ABORTED
-    assert result["meta_info"]["weight_version"] == "7"  # the version when the output was assembled
+    assert result["meta_info"]["weight_version"] == "7"  # the version of its last tokens
+    first, second = result["meta_info"]["weight_versions"]  # published without a pause: one swap
+    assert first["version"] == "0" and first["start"] == 0 and 0 < first["end"]
+    assert second == {"version": "7", "start": first["end"], "end": len(result["output_ids"])}
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
