@@ -16,6 +16,7 @@ Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or sc
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import tempfile
 import time
@@ -28,7 +29,6 @@ from launch.engines.kv_forward import KVCacheForward
 from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
 from stages.tiny_model import make_model_folder
-
 
 _PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0)
 
@@ -67,11 +67,36 @@ def measure(runner: ModelRunner, forward: object, batch: int, context: int, step
     return (time.perf_counter() - start) / steps
 
 
+def qwen3_06b_folder(path: Path) -> Path:
+    """A random-init Qwen3 with the 0.6B model's shape (596M parameters), with the tiny tokenizer
+    (the benchmark feeds token ids; no text is decoded)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from stages.tiny_model import build_tokenizer
+
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=True, rope_theta=1_000_000, torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
 def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model_path or make_model_folder(Path(tmp) / "model", seed=0, max_positions=args.max_positions)
-        runner = ModelRunner(path, dtype=getattr(torch, args.dtype), device=args.device)
+        if args.model_path:
+            path = Path(args.model_path)
+        elif args.qwen3_06b:
+            path = qwen3_06b_folder(Path(tmp) / "qwen3-0.6b")
+        else:
+            path = make_model_folder(Path(tmp) / "model", seed=0, max_positions=args.max_positions)
+        context_cap = max(_ints(args.contexts) + _ints(args.sweep_contexts)) + 1
+        runner = ModelRunner(path, dtype=getattr(torch, args.dtype), device=args.device, context_length=context_cap)
         cases = [(b, t) for t in _ints(args.contexts) for b in _ints(args.batches)]
         cases += [(args.sweep_batch, t) for t in _ints(args.sweep_contexts) if (args.sweep_batch, t) not in cases]
         print(f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
@@ -79,10 +104,12 @@ def main(args: argparse.Namespace) -> None:
         print(f"{'running':>8} {'context':>8} {'old tok/s':>11} {'old step ms':>12} "
               f"{'new tok/s':>11} {'new step ms':>12} {'speed-up':>9}")
         for batch, context in cases:
-            old = measure(runner, runner, batch, context, args.steps)
+            old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)
             kv = KVCacheForward(runner, max_running_requests=batch)
             new = measure(runner, kv, batch, context, args.steps)
             del kv
+            if runner.device.type == "cuda":
+                torch.cuda.empty_cache()
             print(f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
                   f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x", flush=True)
 
@@ -96,11 +123,13 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--model-path", default=None, help="a Hugging Face folder; default: the tiny quick-start model")
+    parser.add_argument("--qwen3-06b", action="store_true", help="a random-init Qwen3 of the 0.6B shape")
     parser.add_argument("--max-positions", type=int, default=512, help="context window of the built tiny model")
     parser.add_argument("--batches", default="1,16,64,256", help="running requests, at each of --contexts")
     parser.add_argument("--contexts", default="256", help="tokens per sequence")
     parser.add_argument("--sweep-batch", type=int, default=64, help="running requests for the context sweep")
     parser.add_argument("--sweep-contexts", default="64,448")
+    parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     main(parser.parse_args())

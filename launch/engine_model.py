@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import warnings
 
-from launch.engines.torch_model import Draw, ModelRunner, Row, SamplingParams, WeightLoadError, uniform_draw
+from launch.engines.torch_model import (
+    Draw,
+    ModelRunner,
+    Row,
+    SamplingParams,
+    WeightLoadError,
+    uniform_draw,
+)
 
 __all__ = ["Draw", "ModelRunner", "Row", "SamplingParams", "WeightLoadError", "uniform_draw"]
 

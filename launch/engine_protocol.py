@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-from launch.engines.protocol import GenerateCall, parse_generate, parse_sampling_params, render_output
+from launch.engines.protocol import (
+    GenerateCall,
+    parse_generate,
+    parse_sampling_params,
+    render_output,
+)
 
 __all__ = ["GenerateCall", "parse_generate", "parse_sampling_params", "render_output"]
 

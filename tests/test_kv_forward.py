@@ -121,7 +121,7 @@ async def test_engines_with_and_without_cache_answer_alike_under_load(
             async with anyio.create_task_group() as tg:
                 for i, body in enumerate(bodies):
 
-                    async def one(i: int = i, body: dict[str, Any] = body) -> None:
+                    async def one(i: int = i, body: dict[str, Any] = body, results: list[Any] = results) -> None:
                         status, out = await _generate(http, server, **body)
                         assert status == 200, out
                         results[i] = out

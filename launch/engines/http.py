@@ -32,7 +32,13 @@ import orjson
 from aiohttp import web
 
 from launch.engines.protocol import GenerateCall, parse_generate, render_output
-from launch.engines.request import EngineClosedError, FinishKind, InvalidRequestError, PauseMode, Request
+from launch.engines.request import (
+    EngineClosedError,
+    FinishKind,
+    InvalidRequestError,
+    PauseMode,
+    Request,
+)
 from launch.engines.scheduler import EngineCore
 from launch.engines.seam import SamplingParams, WeightLoadError
 

@@ -34,6 +34,7 @@ place (SGLang does the same): their later tokens attend to K/V computed by the o
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,6 +118,9 @@ class KVCacheForward(TorchForward):
             dtype=runner.model.dtype,
             device=runner.device,
         )
+        # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
+        params = inspect.signature(runner.model.base_model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._free = list(range(max_running_requests - 1, -1, -1))
         self._slot: dict[str, int] = {}  # rid -> slot, for requests whose K/V the cache holds
         self._cached: dict[str, int] = {}  # rid -> positions of K/V held (all of its tokens but the last)
@@ -181,9 +185,9 @@ class KVCacheForward(TorchForward):
         """The decoder over `ids` at `positions`, K/V read and written in the rows' slots; hidden states."""
         slots = torch.tensor([self._slot[r.rid] for r in rows], device=self.runner.device)
         self.cache.plan(slots, positions, kv_len)
-        out = self.runner.model.base_model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
-        )
+        decoder = self.runner.model.base_model
+        cache = {self._cache_kwarg: self.cache}
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
         return out.last_hidden_state
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 from aiohttp import web
@@ -92,7 +93,7 @@ async def running(server: EngineServer, host: str, port: int) -> AsyncIterator[E
 
 
 def run_main(
-    serve: Callable[..., Awaitable[None]],
+    serve: Callable[..., Any],
     *,
     log_level: str,
     startup_errors: tuple[type[Exception], ...],
@@ -118,7 +119,7 @@ def run_main(
     return 1 if failed else 0
 
 
-async def _run(serve: Callable[..., Awaitable[None]]) -> None:
+async def _run(serve: Callable[..., Any]) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_signal, tg.cancel_scope)
         server = await tg.start(serve)

@@ -56,8 +56,15 @@ from launch.engines.http import EngineServer, json_response
 from launch.engines.scheduler import CoreStatistics
 from launch.engines.seam import Draw, Row, WeightLoadError
 from launch.engines.serving import open_engine, run_main
-from launch.engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, SimTokenizer, sim_logprob, sim_token
-from launch.engines.sim_model import strip_generated
+from launch.engines.sim_model import (
+    EOS_ID,
+    DecodeTimeModel,
+    LengthModel,
+    SimTokenizer,
+    sim_logprob,
+    sim_token,
+    strip_generated,
+)
 from pipeline.errors import ConfigError
 
 __all__ = ["SimClock", "SimModel", "SimServer", "SimStatistics", "main", "open_sim_server", "serve"]

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
 import torch
 
 from launch.engines.seam import Draw, Row, SamplingParams, WeightLoadError
