@@ -97,6 +97,9 @@ def main(args: argparse.Namespace) -> None:
             path = make_model_folder(Path(tmp) / "model", seed=0, max_positions=args.max_positions)
         context_cap = max(_ints(args.contexts) + _ints(args.sweep_contexts)) + 1
         runner = ModelRunner(path, dtype=getattr(torch, args.dtype), device=args.device, context_length=context_cap)
+        if runner.device.type == "cuda":
+            # cuDNN's SDPA builds a graph for every new KV length: a decode step pays it each time.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         cases = [(b, t) for t in _ints(args.contexts) for b in _ints(args.batches)]
         cases += [(args.sweep_batch, t) for t in _ints(args.sweep_contexts) if (args.sweep_batch, t) not in cases]
         print(f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
