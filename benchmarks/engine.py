@@ -40,7 +40,7 @@ def _prompts(batch: int, context: int, vocab: int) -> list[tuple[int, ...]]:
 def _rows(prompts: Sequence[tuple[int, ...]], outputs: Sequence[tuple[int, ...]]) -> list[Row]:
     """What the scheduler hands a forward each step (it builds these rows every step too)."""
     return [
-        Row(prompt_ids=p, output_ids=o, params=_PARAMS, seed=i, rid=f"b{i}")
+        Row(prompt_ids=p, output_ids=o, params=_PARAMS, seed=i, rid=f"b{i}", key=i + 1)
         for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
     ]
 

@@ -54,6 +54,7 @@ def _run_batched(forward: Any, prompts: list[tuple[int, ...]], slots: int) -> li
                 seed=1000 + i,
                 banned=(7,) if len(outs[i]) < SAMPLINGS[i % len(SAMPLINGS)].min_new_tokens else (),
                 rid=f"r{i}",
+                key=i + 1,
             )
             for i in running
         ]
@@ -146,3 +147,16 @@ async def test_a_request_that_cannot_fit_gets_400(model_dir: Path, http: aiohttp
         assert status == 200 and out["meta_info"]["completion_tokens"] == 12  # the last position fits
         info = await (await http.get(server.url + "/server_info")).json()
         assert info["context_length"] == 32 and info["kv_cache"] == "static-slots"
+
+
+def test_a_request_released_after_its_batch_was_built_takes_no_slot(model_dir: Path) -> None:
+    """The scheduler builds rows, then an abort releases one before the compute thread runs them:
+    that row must not take a slot, or the slot leaks and a later request finds none."""
+    kv = KVCacheForward(ModelRunner(model_dir), max_running_requests=1)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    aborted = Row(prompt_ids=(5, 6, 7), output_ids=(), params=params, seed=1, rid="same", key=1)
+    kv.release(aborted)  # lands between building the batch and running it
+    assert kv.step([aborted]) == [None]
+    again = Row(prompt_ids=(5, 6, 7), output_ids=(), params=params, seed=1, rid="same", key=2)  # rid reused
+    (draw,) = kv.step([again])
+    assert draw is not None and kv.statistics().slots_in_use == 1

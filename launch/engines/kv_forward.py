@@ -122,9 +122,9 @@ class KVCacheForward(TorchForward):
         params = inspect.signature(runner.model.base_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._free = list(range(max_running_requests - 1, -1, -1))
-        self._slot: dict[str, int] = {}  # rid -> slot, for requests whose K/V the cache holds
-        self._cached: dict[str, int] = {}  # rid -> positions of K/V held (all of its tokens but the last)
-        self._released: list[str] = []  # rids freed on the event loop, applied at the next forward
+        self._slot: dict[int, int] = {}  # request key -> slot, for requests whose K/V the cache holds
+        self._cached: dict[int, int] = {}  # request key -> positions of K/V held (all tokens but the last)
+        self._released: list[int] = []  # keys freed on the event loop, applied at the next forward
         self._released_lock = threading.Lock()
         self._max_in_use = self._prefills = self._prefill_tokens = self._decode_steps = 0
 
@@ -133,11 +133,19 @@ class KVCacheForward(TorchForward):
     async def forward(self, rows: Sequence[Row]) -> Sequence[Draw | None]:
         return await anyio.to_thread.run_sync(self.step, rows)
 
-    def step(self, rows: Sequence[Row]) -> list[Draw]:
-        """Prefill the rows without cache, decode the others; one token for every row."""
-        self._apply_releases()
-        fresh = [i for i, r in enumerate(rows) if self._cached.get(r.rid) != r.position - 1]
-        held = [i for i, r in enumerate(rows) if self._cached.get(r.rid) == r.position - 1]
+    def step(self, rows: Sequence[Row]) -> list[Draw | None]:
+        """Prefill the rows without cache, decode the others; one token for every row still running."""
+        # A row released after the scheduler built this batch left it: it gets no slot and no token.
+        gone = self._apply_releases()
+        live = [r for r in rows if r.key not in gone]
+        if not live:
+            return [None] * len(rows)
+        draws = iter(self._step(live))
+        return [None if r.key in gone else next(draws) for r in rows]
+
+    def _step(self, rows: Sequence[Row]) -> list[Draw]:
+        fresh = [i for i, r in enumerate(rows) if self._cached.get(r.key) != r.position - 1]
+        held = [i for i, r in enumerate(rows) if self._cached.get(r.key) == r.position - 1]
         logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float64, device=self.runner.device)
         with torch.inference_mode():
             if fresh:
@@ -149,8 +157,10 @@ class KVCacheForward(TorchForward):
 
     def _prefill(self, rows: Sequence[Row]) -> torch.Tensor:
         for row in rows:
-            self._free_slot(row.rid)  # a stale slot (same rid resent): start over
-            self._slot[row.rid] = self._free.pop()
+            self._free_slot(row.key)  # a stale slot: start over
+            if not self._free:  # the scheduler admits at most one request per slot: a bug, not load
+                raise RuntimeError(f"no free KV slot for {row.rid!r}: {len(self._slot)} slots held")
+            self._slot[row.key] = self._free.pop()
         lengths = [len(r.prompt_ids) + len(r.output_ids) for r in rows]
         width = max(lengths)
         dev = self.runner.device
@@ -163,27 +173,27 @@ class KVCacheForward(TorchForward):
         mask = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] < n[:, None, None])
         hidden = self._run(ids.to(dev), positions, mask[:, None], rows, kv_len=width)
         for row, length in zip(rows, lengths, strict=True):
-            self._cached[row.rid] = length
+            self._cached[row.key] = length
         self._prefills += 1
         self._prefill_tokens += sum(lengths)
         return self._logits(hidden[torch.arange(len(rows), device=dev), n - 1])
 
     def _decode(self, rows: Sequence[Row]) -> torch.Tensor:
         dev = self.runner.device
-        cached = torch.tensor([self._cached[r.rid] for r in rows], device=dev)
+        cached = torch.tensor([self._cached[r.key] for r in rows], device=dev)
         ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]] for r in rows], device=dev)
         kv_len = int(cached.max()) + 1
         mask = torch.arange(kv_len, device=dev)[None, :] <= cached[:, None]
         hidden = self._run(ids, cached[:, None], mask[:, None, None, :], rows, kv_len=kv_len)
         for row in rows:
-            self._cached[row.rid] += 1
+            self._cached[row.key] += 1
         self._decode_steps += 1
         return self._logits(hidden[:, -1])
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[Row],
              *, kv_len: int) -> torch.Tensor:
         """The decoder over `ids` at `positions`, K/V read and written in the rows' slots; hidden states."""
-        slots = torch.tensor([self._slot[r.rid] for r in rows], device=self.runner.device)
+        slots = torch.tensor([self._slot[r.key] for r in rows], device=self.runner.device)
         self.cache.plan(slots, positions, kv_len)
         decoder = self.runner.model.base_model
         cache = {self._cache_kwarg: self.cache}
@@ -199,17 +209,18 @@ class KVCacheForward(TorchForward):
     def release(self, row: Row) -> None:
         """Called on the event loop, perhaps while a forward runs: the slot is freed at the next one."""
         with self._released_lock:
-            self._released.append(row.rid)
+            self._released.append(row.key)
 
-    def _apply_releases(self) -> None:
+    def _apply_releases(self) -> set[int]:
         with self._released_lock:
             released, self._released = self._released, []
-        for rid in released:
-            self._free_slot(rid)
+        for key in released:
+            self._free_slot(key)
+        return set(released)
 
-    def _free_slot(self, rid: str) -> None:
-        slot = self._slot.pop(rid, None)
-        self._cached.pop(rid, None)
+    def _free_slot(self, key: int) -> None:
+        slot = self._slot.pop(key, None)
+        self._cached.pop(key, None)
         if slot is not None:
             self._free.append(slot)
 

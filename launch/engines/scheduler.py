@@ -93,6 +93,7 @@ class EngineCore:
         self._held = 0  # requests waiting at the pause gate (not yet queued)
         self._steps = self._generated = self._max_batch = 0
         self._finished = self._aborted = self._updates = 0
+        self._serials = 0
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -109,6 +110,8 @@ class EngineCore:
             raise EngineClosedError("the engine is shutting down")
         self.validate(req)  # a rid may have been taken while we were held
         req.seed = req.params.sampling_seed if req.params.sampling_seed is not None else self._seeds.getrandbits(62)
+        self._serials += 1
+        req.serial = self._serials
         req.state = RequestState.WAITING
         req.mark_version(self.weight_version)
         self._tracked[req.rid] = req
@@ -329,10 +332,13 @@ class EngineCore:
 
     async def _forward(self, batch: list[Request]) -> None:
         """One forward over `batch`; every request still running gets the token drawn for it."""
-        rows = [self._row(req) for req in batch]
         try:
             async with self._lane:
-                draws = await self.model.forward(rows)
+                # Rows are built once the lane is ours: a request aborted while we waited is not sent.
+                batch = [req for req in batch if req.state is RequestState.RUNNING]
+                if not batch:
+                    return
+                draws = await self.model.forward([self._row(req) for req in batch])
         except Exception as exc:  # a failed forward ends its batch, not the server
             log.exception("decode step failed for %d requests", len(batch))
             for req in batch:
@@ -356,6 +362,7 @@ class EngineCore:
             seed=req.seed,
             banned=banned,
             rid=req.rid,
+            key=req.serial,
         )
 
     def _stop_ids(self, p: SamplingParams) -> frozenset[int]:

@@ -71,7 +71,8 @@ class SamplingParams:
 class Row:
     """One running request's input to a forward: its sequence so far and how to draw the next token.
 
-    `rid` names the request while it runs (a cache keys its slot by it)."""
+    `rid` names the request; `key` is unique to this request for the engine's life (a rid can be
+    reused as soon as its request finished), so a cache keys its slots by `key`."""
 
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
@@ -79,6 +80,7 @@ class Row:
     seed: int
     banned: tuple[int, ...] = ()  # stop tokens masked out while min_new_tokens is not reached
     rid: str = ""
+    key: int = 0
 
     @property
     def token_ids(self) -> tuple[int, ...]:
