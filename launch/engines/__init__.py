@@ -1,6 +1,7 @@
 """The engines: SGLang-compatible servers the pipeline reaches only over HTTP.
 
-- `builtin`: a real torch causal LM (`python -m launch.engines.builtin --model-path DIR`);
+- `builtin`: a real torch causal LM with a KV cache and continuous batching
+  (`python -m launch.engines.builtin --model-path DIR`);
 - `sim`: a time model instead of a network, for benchmarks (`python -m launch.engines.sim`);
 - `instant`: answers at once, to measure the controller alone (`python -m launch.engines.instant`).
 
