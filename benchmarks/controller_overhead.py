@@ -3,7 +3,7 @@
     python -m benchmarks.controller_overhead [--steps 20] [--batch 64] [--group 8] [--tokens 1024]
         [--modes sync,async] [--stores memory,lmdb-sync,lmdb-nosync] [--profile /tmp/overhead.prof]
 
-The engine is `launch.instant_engine` in its own process (pinned to `--engine-cpu`): it answers
+The engine is `launch.engines.instant` in its own process (pinned to `--engine-cpu`): it answers
 every `/generate` at once with exactly `--tokens` tokens and their log-probs, over real HTTP. The
 trainer does nothing and publishes a placeholder path, which the instant engine accepts. So every
 second measured is the controller's own: HTTP client, JSON parsing, building samples, the stages,
@@ -177,7 +177,7 @@ async def main(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     dataset = workload(args.dataset or (args.steps + 4) * args.batch * 2, args.prompt_len)
     engine = await start_engine(
-        "instant", module="launch.instant_engine",
+        "instant", module="launch.engines.instant",
         extra_args=["--tokens", str(args.tokens), "--finish", args.finish]
         + (["--cpu", str(args.engine_cpu)] if args.engine_cpu >= 0 else []),
     )  # fmt: skip

@@ -76,7 +76,7 @@ async def sim_stats(url: str) -> dict:
 async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed: int, work: Path) -> dict:
     scale = args.time_scale
     engine = await start_engine(
-        "simulated", module="launch.sim_engine", max_running_requests=args.slots,
+        "simulated", module="launch.engines.sim", max_running_requests=args.slots,
         extra_args=["--time-scale", str(scale), "--random-seed", str(seed)],
     )
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from launch.engine_process import EngineProcess, free_port, start_engine
-from launch.engine_server import EngineServer, open_server
+from launch.engines.builtin import EngineServer, open_server
 from pipeline.errors import EngineUnavailableError
 from stages.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
 
@@ -490,12 +490,11 @@ async def test_pause_abort_aborts_and_holds_new_requests(
     assert results["held"]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
-async def test_pause_keeps_requests_and_resumes_them_exactly(
-    server: EngineServer, http: aiohttp.ClientSession, mode: str
-) -> None:
-    params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 7}
-    reference = await ok(http, server.url, input_ids=PROMPT, return_logprob=True, sampling_params=params)
+async def paused_request(
+    server: EngineServer, http: aiohttp.ClientSession, params: dict[str, Any], mode: str, while_paused: Any
+) -> dict[str, Any]:
+    """Run a request, pause the engine in `mode` once it decoded, `await while_paused()`, continue;
+    return the request's answer."""
     result: dict[str, Any] = {}
     async with anyio.create_task_group() as tg:
 
@@ -507,6 +506,20 @@ async def test_pause_keeps_requests_and_resumes_them_exactly(
         await server.core.wait_step()
         status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
         assert status == 200
+        await while_paused()
+        assert not result
+        await post(http, server.url + "/continue_generation", {})
+    return result
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_keeps_requests_and_resumes_them_exactly(
+    server: EngineServer, http: aiohttp.ClientSession, mode: str
+) -> None:
+    params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 7}
+    reference = await ok(http, server.url, input_ids=PROMPT, return_logprob=True, sampling_params=params)
+
+    async def check_held() -> None:
         steps = server.core.statistics().steps
         async with http.get(server.url + "/health_generate") as resp:
             assert resp.status == 503  # waited its whole deadline without a decode step
@@ -519,8 +532,8 @@ async def test_pause_keeps_requests_and_resumes_them_exactly(
             assert await loads(http, server.url) == (0, 1)
             async with http.post(server.url + "/flush_cache") as resp:
                 assert resp.status == 200  # retracted requests hold no cache
-        assert not result
-        await post(http, server.url + "/continue_generation", {})
+
+    result = await paused_request(server, http, params, mode, check_held)
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
     assert result["output_ids"] == reference["output_ids"]
 
@@ -601,7 +614,47 @@ async def test_update_weights_between_decode_steps_stamps_the_new_version(
         await server.core.wait_step()
         await post(http, server.url + "/abort_request", {"rid": "spanning"})
     assert result["meta_info"]["finish_reason"] == ABORTED
-    assert result["meta_info"]["weight_version"] == "7"  # the version when the output was assembled
+    assert result["meta_info"]["weight_version"] == "7"  # the version of its last tokens
+    first, second = result["meta_info"]["weight_versions"]  # published without a pause: one swap
+    assert first["version"] == "0" and first["start"] == 0 and 0 < first["end"]
+    assert second == {"version": "7", "start": first["end"], "end": len(result["output_ids"])}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_publish_during_a_pause_splits_the_version_spans(
+    server: EngineServer, http: aiohttp.ClientSession, model_dir_v1: Path, mode: str
+) -> None:
+    params = {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 3}
+    held = 0
+
+    async def publish() -> None:
+        nonlocal held
+        held = server.core.statistics().generated_tokens  # tokens decoded under version 0
+        assert 0 < held < 30
+        status, raw = await post(
+            http, server.url + "/update_weights_from_disk", {"model_path": str(model_dir_v1), "weight_version": "1"}
+        )
+        assert status == 200 and orjson.loads(raw)["success"] is True
+        body = {"new_version": "1", "abort_all_requests": False}
+        status, _ = await post(http, server.url + "/update_weight_version", body)
+        assert status == 200  # the same version again: no empty span
+
+    result = await paused_request(server, http, params, mode, publish)
+    meta = result["meta_info"]
+    assert meta["weight_versions"] == [
+        {"version": "0", "start": 0, "end": held},
+        {"version": "1", "start": held, "end": 30},
+    ]
+    assert meta["weight_version"] == "1" and meta["completion_tokens"] == 30
+
+
+async def test_version_spans_of_whole_and_unstarted_requests(server: EngineServer, http: aiohttp.ClientSession) -> None:
+    out = await ok(http, server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 4}]
+    await post(http, server.url + "/update_weight_version", {"new_version": "5"})
+    out = await ok(http, server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 0})
+    assert out["meta_info"]["weight_versions"] == [{"version": "5", "start": 0, "end": 0}]
+    assert out["meta_info"]["weight_version"] == "5"
 
 
 async def test_update_weight_version_and_unsupported_weight_paths(

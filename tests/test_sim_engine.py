@@ -20,8 +20,8 @@ import anyio
 import orjson
 import pytest
 
-from launch.sim_engine import SimServer, _parse_args, open_sim_server, options_from_args
-from launch.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
+from launch.engines.sim import SimServer, _parse_args, open_sim_server, options_from_args
+from launch.engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
 from pipeline.errors import ConfigError
 from pipeline.types import FinishReason
 from stages.sglang import EngineFleet
@@ -237,7 +237,7 @@ async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohtt
         assert ids_and_logprobs(again) == (full_ids[k:], full_lps[k:])
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT) + k
         assert after["prefill_time"] - before["prefill_time"] == pytest.approx(
-            server.core.timing.prefill_time(len(PROMPT) + k)
+            server.core.model.timing.prefill_time(len(PROMPT) + k)
         )
 
 
@@ -400,6 +400,62 @@ async def test_update_weights_sets_version_and_takes_its_time(http: aiohttp.Clie
         assert (await get_json(http, server.url + "/model_info"))["weight_version"] == "7"
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_version_spans_mark_a_publish_during_a_pause(
+    http: aiohttp.ClientSession, tmp_path: Path, mode: str
+) -> None:
+    async with open_sim_server(time_scale=SCALE, lengths=HALF) as server:
+        seen: dict[str, Any] = {}
+
+        async def publish_while_held() -> None:
+            status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
+            assert status == 200
+            seen["k"] = (await stats(http, server))["generated_tokens"]
+            status, _ = await post(
+                http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "2"}
+            )
+            assert status == 200
+            await post(http, server.url + "/continue_generation")
+
+        last = await interrupted(http, server, "v", 5, publish_while_held)
+        k, n = seen["k"], LIMIT // 2
+        assert 0 < k < n and last["meta_info"]["completion_tokens"] == n
+        assert last["meta_info"]["weight_versions"] == [
+            {"version": "0", "start": 0, "end": k},
+            {"version": "2", "start": k, "end": n},
+        ]
+        assert last["meta_info"]["weight_version"] == "2"
+
+
+@pytest.mark.anyio
+async def test_staged_weight_update_keeps_decoding_and_marks_the_swap(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    timing = DecodeTimeModel(weight_update=2.0)  # 100 decode steps' worth of transfer
+    async with open_sim_server(time_scale=SCALE, timing=timing, lengths=HALF, staged_weight_updates=True) as server:
+        seen: dict[str, Any] = {}
+
+        async def publish_while_running() -> None:
+            before = await stats(http, server)
+            status, _ = await post(
+                http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "3"}
+            )
+            assert status == 200
+            after = await stats(http, server)
+            seen["k"] = after["generated_tokens"]
+            seen["steps"] = after["decode_steps"] - before["decode_steps"]
+            seen["stopped"] = after["weight_update_time"]
+
+        last = await interrupted(http, server, "s", 9, publish_while_running)
+        n, k = LIMIT // 2, seen["k"]
+        assert seen["steps"] > 10  # the engine kept decoding through the 2 s transfer
+        assert seen["stopped"] == 0.0  # and stopped for nothing but a zero-cost swap
+        spans = last["meta_info"]["weight_versions"]
+        assert spans[0]["version"] == "0" and spans[-1] == {"version": "3", "start": spans[0]["end"], "end": n}
+        assert 0 < spans[0]["end"] <= k + 1
+
+
 # ---- the pipeline's client -------------------------------------------------------------------------------
 
 
@@ -460,7 +516,7 @@ async def test_command_line_engine_behind_the_real_router(tmp_path: Path) -> Non
 
     port = free_port()
     command = [
-        sys.executable, "-m", "launch.sim_engine", "--port", str(port), "--time-scale", "0.001",
+        sys.executable, "-m", "launch.engines.sim", "--port", str(port), "--time-scale", "0.001",
         "--length-dist", "fixed:0.5", "--truncate-frac", "0", "--log-level", "warning",
     ]  # fmt: skip
     log_path = tmp_path / "sim.log"

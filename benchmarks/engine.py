@@ -1,0 +1,138 @@
+"""Decode speed of the built-in engine's two forwards: recompute (old) vs KV cache (new), in one run.
+
+    python -m benchmarks.engine [--device cpu] [--dtype float32] [--batches 1,16,64,256]
+        [--contexts 256] [--sweep-batch 64] [--sweep-contexts 64,448] [--steps 6] [--model-path DIR]
+
+For each (running requests B, context T): B requests whose sequences are T tokens long decode
+`--steps` tokens each; the table gives decode tokens/s (B x steps / time) and the mean step time.
+The KV forward's prefill of the B prompts is done first and not timed (it is what a request pays
+once; decode is what it pays every token). Both forwards run the same model object, the same rows,
+the same sampling (temperature 1, per-request seeds): the only difference is the cache.
+
+The model is the quick start's tiny Qwen3 (built here, random weights) unless `--model-path` names a
+Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or scheduler is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from launch.engines.kv_forward import KVCacheForward
+from launch.engines.seam import Row, SamplingParams
+from launch.engines.torch_model import ModelRunner
+from stages.tiny_model import make_model_folder
+
+_PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0)
+
+
+def _prompts(batch: int, context: int, vocab: int) -> list[tuple[int, ...]]:
+    return [tuple(random.Random(i).randrange(3, vocab) for _ in range(context)) for i in range(batch)]
+
+
+def _rows(prompts: Sequence[tuple[int, ...]], outputs: Sequence[tuple[int, ...]]) -> list[Row]:
+    """What the scheduler hands a forward each step (it builds these rows every step too)."""
+    return [
+        Row(prompt_ids=p, output_ids=o, params=_PARAMS, seed=i, rid=f"b{i}", key=i + 1)
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+    ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(runner: ModelRunner, forward: object, batch: int, context: int, steps: int) -> float:
+    """Seconds per decode step of `forward` (a ModelRunner or a KVCacheForward) for B rows of length T."""
+    step = forward.step  # type: ignore[attr-defined]
+    outputs: list[tuple[int, ...]] = [() for _ in range(batch)]
+    # The sequences reach `context` tokens over the timed steps.
+    prompts = _prompts(batch, context - steps - 1, min(runner.vocab_size, 60))
+    draws = step(_rows(prompts, outputs))  # KV: the prefill; recompute: a warm-up step
+    outputs = [o + (d.token_id,) for o, d in zip(outputs, draws, strict=True)]
+    _sync(runner.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        draws = step(_rows(prompts, outputs))
+        outputs = [o + (d.token_id,) for o, d in zip(outputs, draws, strict=True)]
+    _sync(runner.device)
+    return (time.perf_counter() - start) / steps
+
+
+def qwen3_06b_folder(path: Path) -> Path:
+    """A random-init Qwen3 with the 0.6B model's shape (596M parameters), with the tiny tokenizer
+    (the benchmark feeds token ids; no text is decoded)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from stages.tiny_model import build_tokenizer
+
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=True, rope_theta=1_000_000, torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model_path:
+            path = Path(args.model_path)
+        elif args.qwen3_06b:
+            path = qwen3_06b_folder(Path(tmp) / "qwen3-0.6b")
+        else:
+            path = make_model_folder(Path(tmp) / "model", seed=0, max_positions=args.max_positions)
+        context_cap = max(_ints(args.contexts) + _ints(args.sweep_contexts)) + 1
+        runner = ModelRunner(path, dtype=getattr(torch, args.dtype), device=args.device, context_length=context_cap)
+        if runner.device.type == "cuda":
+            # cuDNN's SDPA builds a graph for every new KV length: a decode step pays it each time.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        cases = [(b, t) for t in _ints(args.contexts) for b in _ints(args.batches)]
+        cases += [(args.sweep_batch, t) for t in _ints(args.sweep_contexts) if (args.sweep_batch, t) not in cases]
+        print(f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
+              f"{args.dtype} on {runner.device}, {torch.get_num_threads()} threads, {args.steps} timed steps")
+        print(f"{'running':>8} {'context':>8} {'old tok/s':>11} {'old step ms':>12} "
+              f"{'new tok/s':>11} {'new step ms':>12} {'speed-up':>9}")
+        for batch, context in cases:
+            old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)
+            kv = KVCacheForward(runner, max_running_requests=batch)
+            new = measure(runner, kv, batch, context, args.steps)
+            del kv
+            if runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
+                  f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x", flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model-path", default=None, help="a Hugging Face folder; default: the tiny quick-start model")
+    parser.add_argument("--qwen3-06b", action="store_true", help="a random-init Qwen3 of the 0.6B shape")
+    parser.add_argument("--max-positions", type=int, default=512, help="context window of the built tiny model")
+    parser.add_argument("--batches", default="1,16,64,256", help="running requests, at each of --contexts")
+    parser.add_argument("--contexts", default="256", help="tokens per sequence")
+    parser.add_argument("--sweep-batch", type=int, default=64, help="running requests for the context sweep")
+    parser.add_argument("--sweep-contexts", default="64,448")
+    parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
+    parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    main(parser.parse_args())

@@ -1,0 +1,162 @@
+"""The KV-cache forward against the recompute forward it replaces, on a real tiny Qwen3 at fp32.
+
+Continuous batching is exercised for real: more requests than slots, joining and leaving at
+different steps, with mixed sampling parameters; every token must match the recompute path.
+(Abort/resume exactness over HTTP is `test_engine_server.py::test_abort_then_continue_is_token_exact`,
+which runs on the default engine, this one.)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+import pytest
+
+from launch.engines.builtin import EngineServer, open_server
+from launch.engines.kv_forward import KVCacheForward
+from launch.engines.seam import Row, SamplingParams
+from launch.engines.torch_model import ModelRunner
+from stages.tiny_model import make_model_folder
+
+SAMPLINGS = [
+    SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0),
+    SamplingParams(max_new_tokens=17, ignore_eos=True, temperature=0.0),
+    SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, top_p=0.9),
+    SamplingParams(max_new_tokens=9, ignore_eos=True, temperature=1.2, top_k=5),
+    SamplingParams(max_new_tokens=21, temperature=1.0, min_p=0.05, min_new_tokens=4, stop_token_ids=frozenset({7})),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_folder(tmp_path_factory.mktemp("kv") / "m", hidden_size=32, num_layers=2, seed=0)
+
+
+def _run_batched(forward: Any, prompts: list[tuple[int, ...]], slots: int) -> list[list[tuple[int, float]]]:
+    """A minimal continuous-batching loop: admit into free slots, step, retire finished requests."""
+    outs: list[list[tuple[int, float]]] = [[] for _ in prompts]
+    waiting, running = list(range(len(prompts))), []
+    while waiting or running:
+        while waiting and len(running) < slots:
+            running.append(waiting.pop(0))
+        rows = [
+            Row(
+                prompt_ids=prompts[i],
+                output_ids=tuple(t for t, _ in outs[i]),
+                params=SAMPLINGS[i % len(SAMPLINGS)],
+                seed=1000 + i,
+                banned=(7,) if len(outs[i]) < SAMPLINGS[i % len(SAMPLINGS)].min_new_tokens else (),
+                rid=f"r{i}",
+                key=i + 1,
+            )
+            for i in running
+        ]
+        for i, row, draw in zip(list(running), rows, forward.step(rows), strict=True):
+            outs[i].append((draw.token_id, draw.logprob))
+            p = row.params
+            if len(outs[i]) >= p.max_new_tokens or draw.token_id in p.stop_token_ids:
+                running.remove(i)
+                if hasattr(forward, "release"):
+                    forward.release(row)
+    return outs
+
+
+def test_cached_decode_equals_recompute_token_for_token(model_dir: Path) -> None:
+    runner = ModelRunner(model_dir)
+    rng = random.Random(0)
+    prompts = [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 40))) for _ in range(13)]
+    reference = _run_batched(runner, prompts, slots=len(prompts))  # recompute, everything at once
+    kv = KVCacheForward(runner, max_running_requests=4)
+    cached = _run_batched(kv, prompts, slots=4)  # four slots, refilled as requests finish
+    for ref, got in zip(reference, cached, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        assert all(math.isclose(a, b, abs_tol=1e-5) for (_, a), (_, b) in zip(got, ref, strict=True))
+    stats = kv.statistics()
+    assert stats.max_slots_in_use == 4 and stats.prefills >= 4 and stats.decode_steps > 0
+
+
+def test_cache_memory_is_slots_times_context(model_dir: Path) -> None:
+    runner = ModelRunner(model_dir, context_length=48)
+    kv = KVCacheForward(runner, max_running_requests=3)
+    text = runner.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_layer = 2 * 3 * text.num_key_value_heads * 48 * head_dim * 4  # K and V, fp32
+    assert kv.context_length == 48
+    assert kv.statistics().cache_bytes == text.num_hidden_layers * per_layer
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+async def _generate(http: aiohttp.ClientSession, server: EngineServer, **body: Any) -> tuple[int, Any]:
+    async with http.post(server.url + "/generate", json=body) as resp:
+        return resp.status, orjson.loads(await resp.read())
+
+
+@pytest.mark.anyio
+async def test_engines_with_and_without_cache_answer_alike_under_load(
+    model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    bodies = [
+        {
+            "input_ids": [3 + (i * 7 + j) % 50 for j in range(3 + i)],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12 + i, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True},
+        }
+        for i in range(10)
+    ]
+    answers: dict[str, list[Any]] = {}
+    for kind in ("slots", "none"):
+        results: list[Any] = [None] * len(bodies)
+        async with open_server(model_dir, kv_cache=kind, max_running_requests=3) as server:
+            async with anyio.create_task_group() as tg:
+                for i, body in enumerate(bodies):
+
+                    async def one(i: int = i, body: dict[str, Any] = body, results: list[Any] = results) -> None:
+                        status, out = await _generate(http, server, **body)
+                        assert status == 200, out
+                        results[i] = out
+
+                    tg.start_soon(one)
+            assert server.core.statistics().max_batch_size == 3
+        answers[kind] = results
+    for kv, ref in zip(answers["slots"], answers["none"], strict=True):
+        assert kv["output_ids"] == ref["output_ids"]
+
+
+@pytest.mark.anyio
+async def test_a_request_that_cannot_fit_gets_400(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    async with open_server(model_dir, context_length=32, max_running_requests=2) as server:
+        status, out = await _generate(http, server, input_ids=[5] * 20, sampling_params={"max_new_tokens": 13})
+        assert status == 400
+        assert "maximum context length of 32 tokens" in out["error"]["message"]
+        assert "a total of 33 tokens" in out["error"]["message"]
+        status, out = await _generate(
+            http, server, input_ids=[5] * 20, sampling_params={"max_new_tokens": 12, "ignore_eos": True}
+        )
+        assert status == 200 and out["meta_info"]["completion_tokens"] == 12  # the last position fits
+        info = await (await http.get(server.url + "/server_info")).json()
+        assert info["context_length"] == 32 and info["kv_cache"] == "static-slots"
+
+
+def test_a_request_released_after_its_batch_was_built_takes_no_slot(model_dir: Path) -> None:
+    """The scheduler builds rows, then an abort releases one before the compute thread runs them:
+    that row must not take a slot, or the slot leaks and a later request finds none."""
+    kv = KVCacheForward(ModelRunner(model_dir), max_running_requests=1)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    aborted = Row(prompt_ids=(5, 6, 7), output_ids=(), params=params, seed=1, rid="same", key=1)
+    kv.release(aborted)  # lands between building the batch and running it
+    assert kv.step([aborted]) == [None]
+    again = Row(prompt_ids=(5, 6, 7), output_ids=(), params=params, seed=1, rid="same", key=2)  # rid reused
+    (draw,) = kv.step([again])
+    assert draw is not None and kv.statistics().slots_in_use == 1
