@@ -22,6 +22,7 @@ from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreErr
 from pipeline.types import Batch, Group
 
 from . import keys
+from . import transitions as tr
 from .codec import meta_difference
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
@@ -34,7 +35,6 @@ from .protocol import (
     StoreStatistics,
     VerifyReport,
 )
-from . import transitions as tr
 from .transitions import check_lease
 
 __all__ = ["MemoryStore"]
