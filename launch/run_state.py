@@ -38,8 +38,8 @@ from typing import Any
 import orjson
 import structlog
 
-from pipeline.config import Config, config_to_dict, trainer_options
 import storage
+from pipeline.config import Config, config_to_dict, trainer_options
 from pipeline.errors import IncompatibleStoreError, StoreError
 from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
@@ -51,7 +51,6 @@ from storage import (
     check_storage,
     load_declaration,
     open_store,
-    salvage_store,
     unreadable_reason,
 )
 
@@ -217,7 +216,7 @@ def _continue_from_salvage(
 ) -> Store:
     """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
     aside = _move_aside(data_dir)
-    salvage = salvage_store(aside)
+    salvage = storage.salvage_store(aside)
     trained = salvage.trained_step
     if trained is None:
         trained = _newest_weights_step(weights_dir)

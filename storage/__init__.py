@@ -16,8 +16,6 @@ from .async_store import AsyncStore
 from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
 from .lmdb_store import LmdbStore
 from .memory import MemoryStore
-from .salvage import Salvage, salvage_store, unreadable_reason
-from .transitions import requeue_id
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
@@ -30,6 +28,8 @@ from .protocol import (
     StoreStatistics,
     VerifyReport,
 )
+from .salvage import Salvage, salvage_store, unreadable_reason
+from .transitions import requeue_id
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",

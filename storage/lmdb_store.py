@@ -57,10 +57,10 @@ from pipeline.errors import (
 from pipeline.types import Batch, Group
 
 from . import codec, keys
+from . import transitions as tr
 from .lmdb_pages import DAMAGE_ERRORS, check_data_file, is_damage, walk_pages
 from .lmdb_verify import verify_records
 from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
-from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
@@ -74,7 +74,7 @@ from .protocol import (
     decode_step_metrics,
     encode_step_metrics,
 )
-from . import transitions as tr
+from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
 from .transitions import check_lease
 
 __all__ = ["LmdbStore"]

@@ -23,6 +23,7 @@ from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreErr
 from pipeline.types import Batch, Group
 
 from . import keys
+from . import transitions as tr
 from .codec import meta_difference
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
@@ -37,7 +38,6 @@ from .protocol import (
     decode_step_metrics,
     encode_step_metrics,
 )
-from . import transitions as tr
 from .transitions import check_lease
 
 __all__ = ["MemoryStore"]

@@ -32,7 +32,6 @@ from pipeline.errors import (
     StoreLockedError,
 )
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Segment
-from storage.migrate import layout_value
 from storage import (
     AsyncStore,
     Cursor,
@@ -43,9 +42,10 @@ from storage import (
     RecoveryReport,
     RunMeta,
     Store,
+    keys,
     open_store,
 )
-from storage import keys
+from storage.migrate import layout_value
 
 RUNNING, PARTIAL, READY, BATCHED, TRAINED, REJECTED, FAILED = (
     GroupState.RUNNING,

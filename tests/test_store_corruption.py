@@ -131,6 +131,8 @@ def test_a_damaged_record_in_a_leaf_page_is_quarantined_and_named_by_verify(tmp_
     assert replay([str(path), "summary"]) == 0  # reports it and goes on
     out = capsys.readouterr().out
     assert f"groups/{victim}" in out and "groups: 40 in all" in out
+    assert replay([str(path), "group", victim]) == 1
+    assert f"group {victim}: damaged" in capsys.readouterr().out
 
     with LmdbStore(path) as store:  # the store still opens: the damage is one record
         served = store.claim_partial(100)
@@ -230,3 +232,10 @@ def test_seed_starts_only_an_empty_store_in_both_stores(tmp_path: Path) -> None:
                 store.seed(Cursor(), -1)
             with pytest.raises(Exception, match="already exists"):
                 store.admit([fresh(7)], cursor_after(10))
+
+
+def test_the_old_import_path_of_salvage_still_works_and_says_where_it_moved() -> None:
+    import launch.run_state as run_state
+
+    with pytest.warns(DeprecationWarning, match="moved to storage.salvage_store"):
+        assert run_state.salvage_store is salvage_store

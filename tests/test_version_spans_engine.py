@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from launch.engine_server import open_server
+from launch.engines.builtin import open_server
 from pipeline.clock import VersionClock
 from pipeline.types import PromptTask, SampleStatus, VersionSpan
 from stages.admission import Admission
