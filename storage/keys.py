@@ -97,8 +97,8 @@ META_COUNTS = b"counts"
 META_LAYOUT = b"layout"
 META_COLLECTED = b"collected"
 # `meta` also holds b"metrics/" + step key -> the step's metrics record (JSON), written by
-# `finish_batch`; under `meta` rather than a database of their own so stores opened read-only by
-# older layouts' readers still open.
+# `finish_batch`; under `meta` rather than in a database of their own, so a store written before
+# these records existed still opens read-only (a new named database would be missing there).
 META_STEP_METRICS = b"metrics/"
 
 # One byte per state, fixed forever: stored on disk, so never derived from enum order.
