@@ -67,6 +67,30 @@ def measure(runner: ModelRunner, forward: object, batch: int, context: int, step
     return (time.perf_counter() - start) / steps
 
 
+def reference_generate(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+    """Seconds per decode step of transformers' own `generate` with a static cache on the same
+    prompts (sampling at temperature 1, no stop), the reference the built-in engine is held to.
+
+    transformers compiles the static-cache decode step on first use (tens of seconds on a GPU), so
+    a warm-up call with the same shapes comes first; the prefill is taken out by timing
+    `steps + 1` new tokens against 1.
+    """
+    prompts = torch.tensor(_prompts(batch, context, runner.config.vocab_size), device=runner.device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static",
+                  eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompts))
+
+    def timed(new_tokens: int) -> float:
+        _sync(runner.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            runner.model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        _sync(runner.device)
+        return time.perf_counter() - start
+
+    timed(steps + 1)  # compile and warm up at these shapes
+    return max(timed(steps + 1) - timed(1), 0.0) / steps
+
+
 def qwen3_06b_folder(path: Path) -> Path:
     """A random-init Qwen3 with the 0.6B model's shape (596M parameters), with the tiny tokenizer
     (the benchmark feeds token ids; no text is decoded)."""
@@ -115,6 +139,13 @@ def main(args: argparse.Namespace) -> None:
                 torch.cuda.empty_cache()
             print(f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
                   f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x", flush=True)
+        for batch in _ints(args.reference_batches):
+            context = _ints(args.contexts)[0]
+            ref = reference_generate(runner, batch, context, args.steps)
+            new = measure(runner, KVCacheForward(runner, max_running_requests=batch), batch, context, args.steps)
+            print(f"reference: transformers generate (static cache) B={batch} T={context}: {batch / ref:.0f} tok/s, "
+                  f"{ref * 1e3:.1f} ms/step; built-in KV engine {batch / new:.0f} tok/s, {new * 1e3:.1f} ms/step "
+                  f"({new / ref:.2f}x the reference's step time)", flush=True)
 
 
 def _ints(text: str) -> list[int]:
@@ -135,4 +166,6 @@ if __name__ == "__main__":
     parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--reference-batches", default="",
+                        help="also time transformers' static-cache generate at these batch sizes (e.g. 128)")
     main(parser.parse_args())
