@@ -78,7 +78,8 @@ class StoreCorruptionError(StoreError):
 
     def __init__(self, where: bytes | str, reason: str) -> None:
         self.where, self.reason = where, reason
-        super().__init__(f"the rollout store is damaged at {where}: {reason}")
+        shown = where.decode(errors="backslashreplace") if isinstance(where, bytes) else where
+        super().__init__(f"the rollout store is damaged at {shown}: {reason}")
 
 
 class CorruptRecordError(StoreCorruptionError):

@@ -137,7 +137,10 @@ def _decoder(model_dir: Path | None) -> Callable[[tuple[int, ...]], str] | None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):  # a model folder without a usable tokenizer: show ids only
         return None
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+    def decode(ids: tuple[int, ...]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    return decode
 
 
 # --- summary and group --------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def render_timeline(events: Iterable[dict[str, Any]], *, title: str = "rollout t
     height = top + n_slots * (LANE_H + GAP) + 40
 
     def x(t: float) -> float:
-        return LEFT + (t - t0) * scale
+        return float(LEFT + (t - t0) * scale)
 
     parts: list[str] = []
     for i, (kind, colour, label) in enumerate(TOP_LANES):

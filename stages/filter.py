@@ -33,8 +33,8 @@ class FilterStatistics:
 
 def reward_std_nonzero(group: Group) -> bool:
     """Keep groups whose rewards differ: a group with equal rewards has zero advantage everywhere."""
-    rewards = [s.reward for s in group.samples]
-    return max(rewards) - min(rewards) > 1e-6
+    rewards = [s.reward for s in group.samples if s.reward is not None]
+    return bool(rewards) and max(rewards) - min(rewards) > 1e-6
 
 
 class FilterStage:

@@ -36,7 +36,6 @@ class RewardStatistics:
 class RewardStage:
     def __init__(self, reward_fn: RewardFn, *, timeout: float, store: AsyncStore, admission: Admission) -> None:
         self._fn = reward_fn
-        self._is_async = inspect.iscoroutinefunction(reward_fn)
         self._timeout = timeout
         self._store = store
         self._admission = admission
@@ -64,11 +63,10 @@ class RewardStage:
         if sample.reward is not None:  # scored in an earlier round, before its group was requeued
             return sample
         try:
-            if self._is_async:
+            value = self._fn(task, sample)
+            if inspect.isawaitable(value):  # an `async def` reward: awaited under its deadline
                 with anyio.fail_after(self._timeout):
-                    value = await self._fn(task, sample)
-            else:
-                value = self._fn(task, sample)
+                    value = await value
             reward = float(value)
         except Exception as exc:  # noqa: BLE001 - a user function's failure is data, recorded on the sample
             self._failed += 1

@@ -22,8 +22,8 @@ float, str, bytes, lists and str-keyed dicts. Tuples inside them come back as li
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -62,6 +62,15 @@ class _Malformed(Exception):
 _STRUCT_CACHE: dict[str, dict[int, struct.Struct]] = {"i": {}, "d": {}}
 
 
+
+_T = TypeVar("_T")
+
+
+def _packb(obj: object, **options: Any) -> bytes:
+    """msgpack's `packb`, typed: it returns bytes whenever it is not given a stream."""
+    data: bytes = msgpack.packb(obj, **options)
+    return data
+
 def _struct(code: str, n: int) -> struct.Struct:
     cache = _STRUCT_CACHE[code]
     compiled = cache.get(n)
@@ -80,7 +89,7 @@ def _pack_f64(values: Sequence[float]) -> bytes:
     return _struct("d", len(values)).pack(*values)
 
 
-def _unpack(code: str, width: int, data: bytes) -> tuple:
+def _unpack(code: str, width: int, data: bytes) -> tuple[Any, ...]:
     n, rest = divmod(len(data), width)
     if rest:
         raise _Malformed(f"an array of {len(data)} bytes is not a whole number of {width}-byte items")
@@ -132,7 +141,7 @@ def encode_group(group: Group) -> bytes:
     try:
         task = group.task
         prompt = task.prompt_ids
-        return msgpack.packb(
+        return _packb(
             [
                 SCHEMA_VERSION,
                 _GROUP,
@@ -212,7 +221,7 @@ def _group_from(rec: Any) -> Group:
     )
 
 
-def _decoding(key: bytes | str, data: bytes, build: Any) -> Any:
+def _decoding(key: bytes | str, data: bytes, build: Callable[[Any], _T]) -> _T:
     try:
         return build(_unpackb(data))
     except Exception as exc:  # anything at all that fails to decode is a corrupt record
@@ -229,7 +238,7 @@ def decode_group(data: bytes, *, key: bytes | str = "<group>") -> Group:
 def encode_batch(batch: Batch) -> bytes:
     """A whole batch, groups included (for handing a batch over or saving it outside a store)."""
     groups = [encode_group(g) for g in batch.groups]
-    return msgpack.packb([SCHEMA_VERSION, _BATCH, batch.step, groups], use_bin_type=True)
+    return _packb([SCHEMA_VERSION, _BATCH, batch.step, groups], use_bin_type=True)
 
 
 def decode_batch(data: bytes, *, key: bytes | str = "<batch>") -> Batch:
@@ -242,7 +251,7 @@ def decode_batch(data: bytes, *, key: bytes | str = "<batch>") -> Batch:
 
 def encode_batch_ref(step: int, group_ids: Sequence[str]) -> bytes:
     """A batch as the store keeps it: its step and its group ids in order (the groups live once)."""
-    return msgpack.packb([SCHEMA_VERSION, _BATCH_REF, step, list(group_ids)], use_bin_type=True)
+    return _packb([SCHEMA_VERSION, _BATCH_REF, step, list(group_ids)], use_bin_type=True)
 
 
 def decode_batch_ref(data: bytes, *, key: bytes | str = "<batch_ref>") -> tuple[int, tuple[str, ...]]:
@@ -259,7 +268,7 @@ def decode_batch_ref(data: bytes, *, key: bytes | str = "<batch_ref>") -> tuple[
 
 
 def encode_cursor(cursor: Cursor) -> bytes:
-    return msgpack.packb([SCHEMA_VERSION, _CURSOR, cursor.epoch, cursor.index, cursor.next_seq])
+    return _packb([SCHEMA_VERSION, _CURSOR, cursor.epoch, cursor.index, cursor.next_seq])
 
 
 def decode_cursor(data: bytes, *, key: bytes | str = "<cursor>") -> Cursor:
@@ -274,7 +283,7 @@ def decode_cursor(data: bytes, *, key: bytes | str = "<cursor>") -> Cursor:
 
 def encode_meta(meta: RunMeta) -> bytes:
     try:
-        return msgpack.packb(
+        return _packb(
             [
                 SCHEMA_VERSION,
                 _META,

@@ -217,10 +217,10 @@ def parse_declaration(data: Any, *, source: str = "<declaration>") -> StorageDec
     synced = durability.get("synced_commits") if isinstance(durability, dict) else None
     if not isinstance(synced, bool):
         problems.append(f"{where}: durability must be {{\"synced_commits\": true|false}}, got {durability!r}")
-    elif set(durability) - {"synced_commits"}:
+    elif isinstance(durability, dict) and set(durability) - {"synced_commits"}:
         extra = ", ".join(map(repr, sorted(set(durability) - {"synced_commits"})))
         problems.append(f"{where}: unknown durability key(s) {extra} (keys: synced_commits)")
-    if problems:
+    if problems or not (isinstance(mount_path, str) and isinstance(filesystem, str) and isinstance(synced, bool)):
         raise ConfigError(problems)
     return StorageDeclaration(os.path.normpath(mount_path), filesystem, synced, source)
 

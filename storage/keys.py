@@ -168,7 +168,8 @@ def step_key(step: int) -> bytes:
 
 
 def parse_step_key(key: bytes) -> int:
-    return _U64.unpack(key)[0] - _SIGN
+    value: int = _U64.unpack(key)[0]
+    return value - _SIGN
 
 
 def step_metrics_key(step: int) -> bytes:
@@ -182,7 +183,8 @@ def i64_value(value: int) -> bytes:
 def parse_i64(value: bytes, *, key: str) -> int:
     if len(value) != _U64.size:
         raise CorruptRecordError(key, f"expected {_U64.size} bytes, found {len(value)}")
-    return _U64.unpack(value)[0] - _SIGN
+    number: int = _U64.unpack(value)[0]
+    return number - _SIGN
 
 
 def state_entry(state: GroupState, oldest_version: int, seq: int) -> bytes:

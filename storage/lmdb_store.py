@@ -100,7 +100,7 @@ class _Write:
 
     __slots__ = ("collected", "counts", "cursor", "dbs", "sealed", "trained_step", "txn")
 
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, object], store: LmdbStore) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], store: LmdbStore) -> None:
         self.txn, self.dbs = txn, dbs
         self.sealed = store._sealed
         self.counts = dict(store._counts)
@@ -163,10 +163,11 @@ class _Write:
     def all_leases(self) -> list[tuple[str, str, float]]:
         """(group id, owner, expiry) of every RUNNING group."""
         out = []
-        for key, value in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
+        for raw_key, value in self.txn.cursor(db=self.dbs[keys.LEASES]).iternext(keys=True, values=True):
+            key = bytes(raw_key)
             where = keys.describe(keys.LEASES, key)
-            owner, expiry = keys.parse_lease(unseal(key, value, where=where, sealed=self.sealed), key=where)
-            out.append((bytes(key).decode(), owner, expiry))
+            owner, expiry = keys.parse_lease(unseal(key, bytes(value), where=where, sealed=self.sealed), key=where)
+            out.append((key.decode(), owner, expiry))
         return out
 
     def group(self, gid: str) -> Group:
@@ -181,7 +182,7 @@ class _Write:
         if limit <= 0:
             return out
         for key in self.txn.cursor(db=self.dbs[_ORDER_DB[state]]).iternext(keys=True, values=False):
-            out.append(keys.group_id_of_order_key(key))
+            out.append(keys.group_id_of_order_key(bytes(key)))
             if len(out) == limit:
                 break
         return out
@@ -389,9 +390,9 @@ class LmdbStore:
             steps = []
             if cursor.set_range(keys.step_key(last + 1)):
                 for step_key, raw in cursor.iternext(keys=True, values=True):
-                    if keys.parse_step_key(step_key) > up_to_step:
+                    if keys.parse_step_key(bytes(step_key)) > up_to_step:
                         break
-                    steps.append((bytes(step_key), w.unseal(keys.BATCHES, step_key, raw)))
+                    steps.append((bytes(step_key), w.unseal(keys.BATCHES, bytes(step_key), bytes(raw))))
             deleted = 0
             for step_key, raw in steps:
                 step, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
@@ -485,14 +486,7 @@ class LmdbStore:
 
     def recover(self) -> RecoveryReport:
         def fn(w: _Write) -> RecoveryReport:
-            prefix = keys.by_state_prefix(_RUNNING)
-            running = []
-            cursor = w.txn.cursor(db=self._dbs[keys.BY_STATE])
-            if cursor.set_range(prefix):
-                for key in cursor.iternext(keys=True, values=False):
-                    if not key.startswith(prefix):
-                        break
-                    running.append(keys.group_id_of_by_state_key(key))
+            running = self._ids_in_state(w.txn, _RUNNING)
             for gid in running:  # leased or not: after a restart no producer holds anything
                 old = self._expect(w, gid, _RUNNING)
                 w.move(gid, old, _PARTIAL, old[1], old[2])
@@ -500,7 +494,7 @@ class LmdbStore:
             open_batches = []
             cursor = w.txn.cursor(db=self._dbs[keys.BATCHES])
             if cursor.set_range(keys.step_key(w.trained_step + 1)):
-                open_batches = list(cursor.iternext(keys=True, values=True))
+                open_batches = [(bytes(k), bytes(v)) for k, v in cursor.iternext(keys=True, values=True)]
             requeued = 0
             for step_key, value in open_batches:
                 raw = w.unseal(keys.BATCHES, step_key, value)
@@ -563,9 +557,9 @@ class LmdbStore:
         cursor = txn.cursor(db=self._dbs[keys.BY_STATE])
         if cursor.set_range(prefix):
             for key in cursor.iternext(keys=True, values=False):
-                if not key.startswith(prefix):
+                if not bytes(key).startswith(prefix):
                     break
-                found.append(keys.group_id_of_by_state_key(key))
+                found.append(keys.group_id_of_by_state_key(bytes(key)))
         return found
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
@@ -623,14 +617,7 @@ class LmdbStore:
             if state in _ORDER_DB:
                 ids = w.first_in_order(state, 1 << 62)
             else:
-                prefix = keys.by_state_prefix(state)
-                ids = []
-                cursor = txn.cursor(db=self._dbs[keys.BY_STATE])
-                if cursor.set_range(prefix):
-                    for key in cursor.iternext(keys=True, values=False):
-                        if not key.startswith(prefix):
-                            break
-                        ids.append(keys.group_id_of_by_state_key(key))
+                ids = self._ids_in_state(txn, state)
             return _readable(w.group, ids, damaged)
 
         return iter(self._read(fn))
@@ -867,7 +854,7 @@ class LmdbStore:
         cursor = w.txn.cursor(db=self._dbs[keys.BATCHES])
         if not cursor.set_range(keys.step_key(w.trained_step + 1)):
             return None
-        return keys.parse_step_key(cursor.key())
+        return keys.parse_step_key(bytes(cursor.key()))
 
     def _batch_from_ref(self, w: _Write, step_key: bytes, raw: bytes) -> Batch:
         step, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
@@ -916,7 +903,9 @@ def _decodes_equal(group: Group) -> bool:
 
 
 def _open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.Environment:
-    options = dict(map_size=map_size, max_dbs=len(keys.DATABASES), subdir=True, readonly=readonly, sync=sync)
+    options: dict[str, Any] = dict(
+        map_size=map_size, max_dbs=len(keys.DATABASES), subdir=True, readonly=readonly, sync=sync
+    )
     try:
         return lmdb.open(path, create=not readonly, metasync=sync, lock=True, **options)
     except lmdb.Error:
