@@ -65,8 +65,8 @@ class RunState:
 def open_run_state(config: Config) -> RunState:
     from transformers import AutoTokenizer
 
-    from stages.grpo_trainer import GRPOTrainer
-    from stages.tiny_model import make_model_folder
+    from stages.trainer import GRPOTrainer
+    from stages.tasks.tiny_model import make_model_folder
 
     out = Path(config.output.dir)
     if config.engine.hf_checkpoint:
@@ -125,11 +125,11 @@ def _remove_unfinished_saves(weights_dir: Path) -> None:
 def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn]:
     d = config.data
     if d.prompt_data:
-        from stages.jsonl_task import load_jsonl_prompts
+        from stages.tasks.jsonl import load_jsonl_prompts
 
         tasks = load_jsonl_prompts(d.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key)
         return tasks, d.reward_fn
-    from stages.toy_task import toy_dataset, toy_reward
+    from stages.tasks.toy import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward
 

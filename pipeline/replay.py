@@ -170,7 +170,7 @@ def replay_training(
 ) -> Iterator[dict[str, Any]]:
     """Train a fresh GRPOTrainer from `model_dir` on the recorded batches of `steps`, yielding each
     step's metrics. Every batch is checked to exist before the (slow) trainer is built."""
-    from stages.grpo_trainer import GRPOTrainer
+    from stages.trainer import GRPOTrainer
 
     missing = [s for s in steps if store.batch(s) is None]
     if missing:

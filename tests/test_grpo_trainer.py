@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
-from stages.grpo_trainer import GRPOTrainer, group_advantages
-from stages.tiny_model import EOS_ID, make_model_folder
-from stages.toy_task import encode, toy_dataset, toy_reward
+from stages.trainer import GRPOTrainer, group_advantages
+from stages.tasks.tiny_model import EOS_ID, make_model_folder
+from stages.tasks.toy import encode, toy_dataset, toy_reward
 
 MAX_LEN = 64
 
