@@ -33,6 +33,7 @@ import orjson
 import structlog
 
 from pipeline.config import Config, config_to_dict
+from pipeline.trainer_settings import build_trainer
 from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
 from pipeline.types import Group, PromptTask
 from stages.reward import RewardFn
@@ -91,17 +92,12 @@ def open_run_state(config: Config) -> RunState:
     if weights is not None and not (weights / "config.json").exists():
         store.close()
         raise StoreError(f"the store says step {trained} was trained, but its weights {weights} are missing")
-    t = config.trainer
     start_from = weights or model_path
 
+    settings = config_to_dict(config)
+
     def make_trainer() -> GRPOTrainer:
-        return GRPOTrainer(
-            start_from, lr=t.lr, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
-            tis_cap=t.tis_clip if t.use_tis else None,
-            mask_offpolicy_in_partial_rollout=config.rollout.mask_offpolicy_in_partial_rollout,
-            temperature=config.rollout.temperature, max_grad_norm=t.max_grad_norm, seed=config.rollout.seed,
-            device=t.device,
-        )
+        return build_trainer(start_from, settings)  # type: ignore[no-any-return]
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
 

@@ -9,7 +9,7 @@ Why this task suits a rollout-pipeline demo:
   stragglers are what partial rollout exists for.
 - GRPO learns it within a few dozen small steps on CPU: first "stop early" (the length credit),
   then "write the asked character" (the character credit). The rise is measured in
-  tests/test_grpo_trainer.py::test_grpo_learns_the_toy_task.
+  tests/test_trainer_grpo.py::test_grpo_learns_the_toy_task.
 
 Reward, in [0, 1], for a prompt asking for `count` copies of `char`:
 - 0 if the response did not stop on EOS (truncated, aborted, failed): no credit for rambling.

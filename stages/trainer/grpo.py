@@ -1,22 +1,22 @@
-"""The built-in GRPO trainer: one PPO-clip step per batch on a Hugging Face causal LM, in torch.
+"""The built-in GRPO trainer: decoupled PPO on a Hugging Face causal LM, in torch.
 
 It is the trainer for laptops, CI and the quick start (the tiny model on CPU); on GPU clusters the
-Megatron trainer takes its place behind the same bridge. One `train_step` reads top to bottom:
+Megatron trainer takes its place behind the same bridge. The math lives in `stages.trainer.loss`
+(shared by every backend); this module feeds it tensors. One `train_step` reads top to bottom:
 
-    group-normalised advantages  ->  one forward over prompt+response  ->  PPO-clip ratio against
-    the recomputed old log-probs  ->  per-token TIS weight against the behaviour log-probs  ->
-    masked token-mean loss  ->  clip gradients  ->  one AdamW step
+    rewards (+ overlong penalty)  ->  group advantages  ->  token masks (loss mask, off-policy,
+    stale, truncated)  ->  proximal log-probs, once  ->  for each minibatch of --global-batch-size
+    samples: forward, PPO clip against the proximal policy, importance weight proximal/behaviour,
+    OPSM, aggregation, one AdamW step (skipped when the minibatch carries no signal)
 
-Off-policy correctness lives in the TIS weight. A partial-rollout sample may carry tokens from
-several policy versions (`Sample.spans`); each token's behaviour log-prob (`Sample.logprobs`) is
-the one the engine reported for the version that produced it, so the weight
-`w_t = min(exp(old_lp_t - behaviour_lp_t), tis_cap)` is computed token by token, never with one
-sampler for the whole mixed response.
+A partial-rollout sample may carry tokens from several policy versions (`Sample.spans`); each
+token's behaviour log-prob (`Sample.logprobs`) is the one the engine reported for the version that
+produced it, so the importance weight is computed token by token, never with one sampler for the
+whole mixed response.
 
-A checkpoint is the model folder plus the AdamW state in its `optimizer/` subfolder (tensors in
-safetensors, step counts and hyperparameters in JSON; never pickle). A subfolder, because engines
-load every `*.safetensors` at a folder's top level. `GRPOTrainer(folder)` restores the optimizer when
-the folder has one, so a resumed run continues the same optimizer instead of restarting Adam's moments.
+A checkpoint is the model folder plus the AdamW state in its `optimizer/` subfolder
+(`stages.trainer.checkpoint`). `GRPOTrainer(folder)` restores the optimizer when the folder has
+one, so a resumed run continues the same optimizer instead of restarting Adam's moments.
 
 Which samples train: a FAILED sample (the engine or the reward gave up on it) has no reward worth
 learning from, so it is left out of its group's mean and std and contributes no loss. The batch
@@ -25,14 +25,18 @@ still counts its response tokens as masked in `mask_ratio`, so failures show up 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.types import Batch, Sample, SampleStatus
+from stages.trainer import loss as L
 from stages.trainer.checkpoint import (
     OPTIMIZER_DIR,
     has_optimizer,
@@ -41,22 +45,11 @@ from stages.trainer.checkpoint import (
     save_optimizer,
     write_folder_atomically,
 )
+from stages.trainer.loss import ImportanceCorrection, LossSettings, group_advantages
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
-def group_advantages(rewards: Sequence[float | None]) -> list[float]:
-    """GRPO advantages of one group: `(r - mean) / (std + 1e-6)` over the rewards that are not None.
-
-    None marks a sample that does not train (failed); it gets advantage 0 and is left out of the
-    statistics. The std is the unbiased one (as slime computes it); with fewer than two rewards
-    there is nothing to compare against, so every advantage is 0.
-    """
-    present = [float(r) for r in rewards if r is not None]
-    if len(present) < 2:
-        return [0.0] * len(rewards)
-    mean = sum(present) / len(present)
-    std = math.sqrt(sum((r - mean) ** 2 for r in present) / (len(present) - 1))
-    return [0.0 if r is None else (float(r) - mean) / (std + 1e-6) for r in rewards]
+_UNSET = object()  # a keyword left out, as opposed to one given as None
 
 
 def _trains(sample: Sample) -> bool:
@@ -72,14 +65,26 @@ def _trains(sample: Sample) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class _Tensors:
+    """The batch laid out [sample, response position], on the trainer's device."""
+
+    behaviour: torch.Tensor  # float, the engine's log-probs
+    versions: torch.Tensor  # long, each token's policy version
+    valid: torch.Tensor  # bool, a real response token (not padding)
+    mask: torch.Tensor  # bool, the token trains (every mask applied)
+    advantages: torch.Tensor  # float [B], one per sample
+
+
 class GRPOTrainer:
-    """Trains the causal LM in `model_path` with GRPO, one optimizer step per `Batch`.
+    """Trains the causal LM in `model_path` with GRPO; one `train_step` per rollout `Batch`.
 
     `temperature` must be the rollout temperature: the engine samples from softmax(logits / T) and
-    reports those log-probs, so the trainer scores tokens the same way or every TIS weight is off.
-    `eps_clip_high` defaults to `eps_clip` (set it higher for DAPO's clip-higher). `tis_cap=None`
-    turns truncated importance sampling off (every weight 1). `mask_offpolicy_in_partial_rollout`
-    drops the loss of the prefix that existed before a sample's first continuation.
+    reports those log-probs, so the trainer scores tokens the same way or every importance weight
+    is off. `loss` holds every knob of the objective (`stages.trainer.loss.LossSettings`); the
+    keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
+    `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
+    number of samples per optimizer step (None = the whole batch, one step).
 
     CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
     leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
@@ -92,11 +97,13 @@ class GRPOTrainer:
         self,
         model_path: str | os.PathLike[str],
         *,
+        loss: LossSettings | None = None,
+        global_batch_size: int | None = None,
         lr: float = 5e-3,  # toy task, measured: 1e-3 learns slowly, 1e-2 collapses groups to one answer
-        eps_clip: float = 0.2,
-        eps_clip_high: float | None = None,
-        tis_cap: float | None = 2.0,
-        mask_offpolicy_in_partial_rollout: bool = False,
+        eps_clip: object = _UNSET,
+        eps_clip_high: object = _UNSET,
+        tis_cap: object = _UNSET,
+        mask_offpolicy_in_partial_rollout: object = _UNSET,
         temperature: float = 1.0,
         max_grad_norm: float = 1.0,
         weight_decay: float = 0.0,
@@ -108,17 +115,17 @@ class GRPOTrainer:
 
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
-        if tis_cap is not None and tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap}")
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        self.loss = _with_legacy_keywords(
+            loss or LossSettings(), eps_clip, eps_clip_high, tis_cap, mask_offpolicy_in_partial_rollout
+        )
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)  # only matters if the model config enables dropout
 
         self.model_path = Path(model_path)
-        self.eps_clip = eps_clip
-        self.eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
-        self.tis_cap = tis_cap
-        self.mask_offpolicy_in_partial_rollout = mask_offpolicy_in_partial_rollout
+        self.global_batch_size = global_batch_size
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.device = torch.device(device)
@@ -126,9 +133,8 @@ class GRPOTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
         self.pad_id = self.model.config.pad_token_id or 0
-        # weight_decay defaults to 0 so a batch without signal (all advantages 0) leaves weights alone.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.steps = 0
+        self.steps = 0  # train_step calls, across restarts
         if has_optimizer(self.model_path):
             names = optimizer_param_names(self.model, self.optimizer)
             self.steps = load_optimizer(
@@ -142,69 +148,147 @@ class GRPOTrainer:
         samples = batch.samples
         if not samples:
             raise ValueError(f"batch {batch.step} has no samples")
+        trains, advantages = self._advantages(batch)
+        t = self._tensors(samples, trains, advantages, self._train_version(batch))
+        self.model.train()
 
-        # 1. Advantages per group, from raw rewards; one scalar per sample, broadcast to its tokens.
-        #    None stands for a sample that does not train (failed).
+        # The proximal policy: the weights before this batch's first optimizer step. With a single
+        # step it equals the step's own (detached) log-probs, so the extra forward is skipped.
+        minibatches = self._minibatches(len(samples))
+        proximal: torch.Tensor | None = None
+        if len(minibatches) > 1:
+            with torch.no_grad():
+                proximal = torch.cat([self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])[0]
+                                      for mb in minibatches])
+        totals: Counter[str] = Counter()
+        for mb in minibatches:
+            self._minibatch_step(samples, mb, t, proximal, totals)
+        self.steps += 1
+        return self._metrics(samples, trains, advantages, t, totals, len(minibatches))
+
+    def _minibatch_step(
+        self, samples: list[Sample], mb: list[int], t: _Tensors, proximal: torch.Tensor | None,
+        totals: Counter[str],
+    ) -> None:
+        """Forward, loss and (when there is signal) one optimizer step on the samples `mb`."""
+        s = self.loss
+        index = torch.tensor(mb, device=self.device)
+        behaviour, valid, mask, adv = t.behaviour[index], t.valid[index], t.mask[index], t.advantages[index]
+        logp, entropy = self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])
+        prox = logp.detach() if proximal is None else proximal[index]
+
+        iw = L.importance_weights(prox, behaviour, mask, s)
+        train = mask & ~iw.dropped  # icepop / seq-mask drop tokens; truncation only bounds them
+        if s.use_opsm:
+            kept = L.opsm_mask(logp, behaviour, train, adv, s.opsm_delta)
+            totals["opsm_dropped"] += float((train & ~kept[:, None]).sum())
+            train = train & kept[:, None]
+        pg, clipped = L.ppo_clip_loss(logp, prox, adv[:, None], eps_clip=s.eps_clip, eps_clip_high=s.clip_high)
+        weight = iw.weight.masked_fill(~train, 0.0)
+        per_token = pg * weight
+        train_f = train.float()
+        loss = L.aggregate(per_token, train_f, s.aggregation, max_response_len=s.max_response_len)
+
+        # A minibatch without signal (no token trains, or every advantage is 0) takes no optimizer
+        # step: AdamW's momentum from earlier steps would otherwise move the weights anyway.
+        has_signal = bool((train & (adv[:, None] != 0)).any())
+        grad_norm = 0.0
+        if has_signal:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            self.optimizer.step()
+            totals["optimizer_steps"] += 1
+        with torch.no_grad():
+            kl = L.approx_kl_k3(prox, behaviour, mask)
+            totals["loss"] += float(loss)
+            totals["grad_norm"] += grad_norm
+            totals["trained_tokens"] += float(train.sum())
+            totals["masked_tokens"] += float(mask.sum())
+            totals["clipped"] += float((clipped & train).sum())
+            totals["entropy"] += float((entropy * mask).sum())
+            totals["kl_k3"] += float((kl * mask).sum())
+            totals["abs_diff"] += float((prox - behaviour).abs().masked_fill(~mask, 0.0).sum())
+            totals["weight_sum"] += float((iw.raw * mask).sum())
+            totals["weight_max"] = max(totals["weight_max"], float(iw.raw.masked_fill(~mask, 0.0).max()))
+            totals["tis_clipped"] += float((iw.clipped & mask).sum())
+            totals["is_dropped"] += float((iw.dropped & mask).sum())
+            totals["applied_weight"] += float((weight * train_f).sum())
+
+    # ---- what trains, and with which advantage ------------------------------------------------
+
+    def _advantages(self, batch: Batch) -> tuple[list[bool], list[float]]:
+        """Per sample: whether it trains, and its group-normalised advantage (0 if it does not)."""
+        s = self.loss
         trains: list[bool] = []
         advantages: list[float] = []
         for group in batch.groups:
-            rewards = [s.reward if _trains(s) else None for s in group.samples]
+            rewards: list[float | None] = []
+            for sample in group.samples:
+                if not _trains(sample):
+                    rewards.append(None)
+                    continue
+                assert sample.reward is not None  # _trains checked it
+                penalty = 0.0
+                if s.overlong_buffer_len and s.max_response_len is not None:
+                    penalty = L.overlong_penalty(sample.response_len, max_response_len=s.max_response_len,
+                                                 buffer_len=s.overlong_buffer_len, factor=s.overlong_penalty_factor)
+                rewards.append(float(sample.reward) + penalty)
             trains += [r is not None for r in rewards]
-            advantages += group_advantages(rewards)
+            advantages += group_advantages(rewards, std_normalization=s.std_normalization)
+        return trains, advantages
 
-        # 2. Per-token tensors, laid out [sample, response position]: behaviour log-probs and the mask.
-        behaviour, mask, valid = self._response_tensors(samples, trains)
-        adv = torch.tensor(advantages, dtype=torch.float32, device=self.device)[:, None]
+    def _train_version(self, batch: Batch) -> int:
+        """The version being trained: the batch's, else the newest token version in it."""
+        if batch.train_version is not None:
+            return batch.train_version
+        return max((sp.version for s in batch.samples for sp in s.spans), default=0)
 
-        # 3. Current log-probs (with grad). Old = the same, detached: with one optimizer step per
-        #    batch, the proximal policy is the current one, so the PPO ratio starts at exactly 1 and
-        #    the clip only matters if someone adds more steps per batch. It still gives PPO's gradient.
-        self.model.train()
-        logp = self._response_logprobs(samples)
-        old_logp = logp.detach()
+    def _tensors(
+        self, samples: Sequence[Sample], trains: Sequence[bool], advantages: Sequence[float], train_version: int
+    ) -> _Tensors:
+        n_resp = max((s.response_len for s in samples), default=0)
+        behaviour = torch.zeros((len(samples), n_resp), dtype=torch.float32)
+        versions = torch.zeros((len(samples), n_resp), dtype=torch.long)
+        loss_mask = torch.zeros((len(samples), n_resp), dtype=torch.bool)
+        valid = torch.zeros((len(samples), n_resp), dtype=torch.bool)
+        for i, (s, t) in enumerate(zip(samples, trains, strict=True)):
+            r = s.response_len
+            valid[i, :r] = True
+            behaviour[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+            versions[i, :r] = torch.tensor(s.token_versions(), dtype=torch.long)
+            truncated_out = self.loss.mask_truncated_samples and s.status is SampleStatus.TRUNCATED
+            if t and not truncated_out:
+                loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        mask = self.token_mask(versions, valid, loss_mask, train_version)
+        adv = torch.tensor(advantages, dtype=torch.float32)
+        return _Tensors(*(x.to(self.device) for x in (behaviour, versions, valid, mask, adv)))
 
-        ratio = torch.exp(logp - old_logp)
-        pg_unclipped = -adv * ratio
-        pg_clipped = -adv * ratio.clamp(1.0 - self.eps_clip, 1.0 + self.eps_clip_high)
-        pg_loss = torch.maximum(pg_unclipped, pg_clipped)
+    def token_mask(
+        self, versions: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor, train_version: int
+    ) -> torch.Tensor:
+        """The loss mask with the version masks applied (see `stages.trainer.loss`)."""
+        mask = valid & loss_mask
+        if self.loss.mask_offpolicy_in_partial_rollout:
+            mask &= L.newest_version_mask(versions, valid)
+        if self.loss.mask_stale_tokens is not None:
+            mask &= L.stale_token_mask(versions, valid, train_version=train_version,
+                                       max_lag=self.loss.mask_stale_tokens)
+        return mask
 
-        # 4. Truncated importance sampling: proximal (old) over behaviour, token by token. A token's
-        #    behaviour log-prob belongs to the version that produced it (see the module docstring).
-        tis, tis_raw = self._tis_weights(old_logp, behaviour, valid)
-        pg_loss = pg_loss * tis
+    def loss_mask(self, sample: Sample, *, train_version: int | None = None) -> list[int]:
+        """One sample's effective loss mask (the loss mask and the version masks), for inspection."""
+        r = sample.response_len
+        versions = torch.tensor([sample.token_versions()], dtype=torch.long).reshape(1, r)
+        valid = torch.ones((1, r), dtype=torch.bool)
+        loss_mask = torch.tensor([sample.loss_mask], dtype=torch.bool).reshape(1, r)
+        newest = max((sp.version for sp in sample.spans), default=0)
+        mask = self.token_mask(versions, valid, loss_mask, newest if train_version is None else train_version)
+        return [int(x) for x in mask[0].tolist()]
 
-        # 5. Token mean over the tokens that train. No trainable token (all failed, all masked): a
-        #    zero loss that still has a graph, so the step below runs the same code and changes nothing.
-        n_tokens = mask.sum()
-        loss = (pg_loss * mask).sum() / n_tokens.clamp(min=1.0)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.steps += 1
-
-        # 6. Metrics, over the tokens that trained unless said otherwise.
-        with torch.no_grad():
-            denom = max(float(n_tokens), 1.0)
-            clipped = (pg_clipped > pg_unclipped).float()
-            tis_over = (tis_raw > self.tis_cap).float() if self.tis_cap is not None else torch.zeros_like(mask)
-            trained = [s for s, t in zip(samples, trains, strict=True) if t]
-            trained_adv = [a for a, t in zip(advantages, trains, strict=True) if t]
-            total_response = float(valid.sum())
-            return {
-                "loss": float(loss),
-                "pg_clipfrac": float((clipped * mask).sum()) / denom,
-                "tis_clip_ratio": float((tis_over * mask).sum()) / denom,
-                "tis_mean": float((tis * mask).sum()) / denom,
-                "train_rollout_logprob_abs_diff": float(((old_logp - behaviour).abs() * mask).sum()) / denom,
-                "reward_mean": _mean([float(s.reward) for s in trained]),  # type: ignore[arg-type]
-                "response_len_mean": _mean([float(s.response_len) for s in trained]),
-                "mask_ratio": float(n_tokens) / total_response if total_response else 0.0,
-                "advantage_std": _std(trained_adv),
-                "grad_norm": float(grad_norm),
-                "tokens": float(n_tokens),  # response tokens that trained this step
-            }
+    def _minibatches(self, n: int) -> list[list[int]]:
+        size = self.global_batch_size or n
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
     # ---- the trainer's view of log-probs -----------------------------------------------------
 
@@ -213,34 +297,29 @@ class GRPOTrainer:
         """Log-prob of every response token under the current weights, at the trainer's temperature."""
         if not samples:
             return []
-        logp = self._response_logprobs(samples)
+        logp, _ = self._response_logprobs(samples)
         return [logp[i, : s.response_len].tolist() for i, s in enumerate(samples)]
 
     @torch.no_grad()
     def importance_weights(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """The TIS weight of every response token against the current weights (capped, as trained)."""
+        """The importance weight of every response token against the current weights, as trained."""
         if not samples:
             return []
-        behaviour, _, valid = self._response_tensors(samples, [False] * len(samples))
-        tis, _ = self._tis_weights(self._response_logprobs(samples), behaviour, valid)
-        return [tis[i, : s.response_len].tolist() for i, s in enumerate(samples)]
+        t = self._tensors(samples, [True] * len(samples), [0.0] * len(samples), 0)
+        logp, _ = self._response_logprobs(samples)
+        every = dataclasses.replace(self.loss, mask_offpolicy_in_partial_rollout=False, mask_stale_tokens=None)
+        iw = L.importance_weights(logp, t.behaviour, t.valid, every)
+        return [iw.weight[i, : s.response_len].tolist() for i, s in enumerate(samples)]
 
-    def _tis_weights(
-        self, old_logp: torch.Tensor, behaviour: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(capped, raw) per-token weights `exp(old - behaviour)`; 1 at padding. Without a cap, equal."""
-        tis_raw = torch.exp((old_logp - behaviour).masked_fill(~valid, 0.0))
-        tis = tis_raw if self.tis_cap is None else tis_raw.clamp(max=self.tis_cap)
-        return tis, tis_raw
-
-    def _response_logprobs(self, samples: Sequence[Sample]) -> torch.Tensor:
-        """[B, R] log-probs of each response token (R = longest response); 0 past a response's end.
+    def _response_logprobs(self, samples: Sequence[Sample], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
 
         One right-padded forward over prompt+response. Causal attention means right padding never
         changes a real token's logits. Only the R rows that predict response tokens go through the
         softmax: with a real vocabulary (150k), the full [B, L, V] log-softmax is where memory goes.
+        `width` pads R to the whole batch's, so minibatches line up with the batch's tensors.
         """
-        n_resp = max(s.response_len for s in samples)
+        n_resp = max(s.response_len for s in samples) if width is None else width
         n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
         ids = torch.full((len(samples), n_seq), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(samples), n_seq), dtype=torch.long)
@@ -254,44 +333,56 @@ class GRPOTrainer:
             attention[i, : p + r] = 1
             rows[i, :r] = torch.arange(p - 1, p - 1 + r)
             targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        ids, attention, rows, targets = (t.to(self.device) for t in (ids, attention, rows, targets))
+        ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
 
         logits = self.model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        logp = logp.gather(-1, targets[..., None]).squeeze(-1)
+        full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        logp = full.gather(-1, targets[..., None]).squeeze(-1)
         valid = torch.arange(n_resp, device=self.device)[None, :] < torch.tensor(
             [s.response_len for s in samples], device=self.device
         )[:, None]
-        return logp.masked_fill(~valid, 0.0)
+        with torch.no_grad():
+            entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
+        return logp.masked_fill(~valid, 0.0), entropy
 
-    def _response_tensors(
-        self, samples: Sequence[Sample], trains: Sequence[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, R] behaviour log-probs, loss mask (float) and validity (bool) for the response tokens."""
-        n_resp = max((s.response_len for s in samples), default=0)
-        behaviour = torch.zeros((len(samples), n_resp), dtype=torch.float32)
-        mask = torch.zeros((len(samples), n_resp), dtype=torch.float32)
-        valid = torch.zeros((len(samples), n_resp), dtype=torch.bool)
-        for i, (s, t) in enumerate(zip(samples, trains, strict=True)):
-            r = s.response_len
-            valid[i, :r] = True
-            behaviour[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
-            if t:
-                mask[i, :r] = torch.tensor(self.loss_mask(s), dtype=torch.float32)
-        return behaviour.to(self.device), mask.to(self.device), valid.to(self.device)
+    # ---- metrics ------------------------------------------------------------------------------
 
-    def loss_mask(self, sample: Sample) -> list[int]:
-        """The sample's loss mask, with the pre-continuation prefix zeroed when the flag asks for it.
-
-        Only samples that were actually continued (`resumed_at` non-empty) lose a prefix, and only
-        `[0, resumed_at[0])`: the tokens generated before the first abort, under an older policy.
-        """
-        mask = list(sample.loss_mask)
-        if self.mask_offpolicy_in_partial_rollout and sample.resumed_at:
-            cut = min(sample.resumed_at[0], len(mask))
-            mask[:cut] = [0] * cut
-        return mask
+    def _metrics(
+        self, samples: Sequence[Sample], trains: Sequence[bool], advantages: Sequence[float], t: _Tensors,
+        totals: Counter[str], n_minibatches: int,
+    ) -> dict[str, float]:
+        """The step's metrics; token averages are over the tokens the masks let train."""
+        masked = max(totals["masked_tokens"], 1.0)
+        trained_tokens = totals["trained_tokens"]
+        trained = [s for s, tr in zip(samples, trains, strict=True) if tr]
+        trained_adv = [a for a, tr in zip(advantages, trains, strict=True) if tr]
+        total_response = float(t.valid.sum())
+        out = {
+            "loss": totals["loss"] / n_minibatches,
+            "pg_clipfrac": totals["clipped"] / max(trained_tokens, 1.0),
+            "entropy": totals["entropy"] / masked,
+            "approx_kl_k3": totals["kl_k3"] / masked,
+            "is_weight_mean": totals["weight_sum"] / masked,
+            "is_weight_max": totals["weight_max"],
+            "tis_clip_ratio": totals["tis_clipped"] / masked,
+            "tis_mean": totals["applied_weight"] / max(trained_tokens, 1.0),
+            "is_mask_frac": totals["is_dropped"] / masked,
+            "opsm_mask_frac": totals["opsm_dropped"] / masked,
+            "train_rollout_logprob_abs_diff": totals["abs_diff"] / masked,
+            "reward_mean": _mean([float(s.reward) for s in trained if s.reward is not None]),
+            "response_len_mean": _mean([float(s.response_len) for s in trained]),
+            "truncated_ratio": _mean([float(s.status is SampleStatus.TRUNCATED) for s in samples]),
+            "mask_ratio": trained_tokens / total_response if total_response else 0.0,
+            "advantage_std": _std(trained_adv),
+            "grad_norm": totals["grad_norm"] / max(totals["optimizer_steps"], 1.0),
+            "optimizer_steps": totals["optimizer_steps"],
+            "tokens": trained_tokens,  # response tokens that trained this step
+        }
+        versions = t.versions[t.mask].tolist()
+        for version, count in sorted(Counter(versions).items()):
+            out[f"versions/tokens_v{version}"] = float(count)
+        return out
 
     # ---- publishing weights ------------------------------------------------------------------
 
@@ -308,6 +399,27 @@ class GRPOTrainer:
                            folder / OPTIMIZER_DIR)
 
         return write_folder_atomically(Path(path), self.model_path, fill)
+
+
+def _with_legacy_keywords(
+    loss: LossSettings, eps_clip: object, eps_clip_high: object, tis_cap: object, mask_offpolicy: object
+) -> LossSettings:
+    """`loss` with the keywords the trainer took before `LossSettings` existed applied over it."""
+    changes: dict[str, object] = {}
+    if eps_clip is not _UNSET:
+        changes["eps_clip"] = eps_clip
+    if eps_clip_high is not _UNSET:
+        changes["eps_clip_high"] = eps_clip_high
+    if tis_cap is not _UNSET:
+        if tis_cap is None:
+            changes["correction"] = ImportanceCorrection.NONE
+        elif not isinstance(tis_cap, int | float) or tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap}")
+        else:
+            changes["tis_clip"] = float(tis_cap)
+    if mask_offpolicy is not _UNSET:
+        changes["mask_offpolicy_in_partial_rollout"] = bool(mask_offpolicy)
+    return dataclasses.replace(loss, **changes) if changes else loss  # type: ignore[arg-type]
 
 
 def _mean(xs: Sequence[float]) -> float:
