@@ -39,8 +39,9 @@ import orjson
 import structlog
 
 import storage
-from pipeline.config import Config, config_to_dict, trainer_options
+from pipeline.config import Config, config_to_dict
 from pipeline.errors import IncompatibleStoreError, StoreError
+from pipeline.trainer_settings import build_trainer
 from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
 from storage import (
@@ -76,8 +77,8 @@ class RunState:
 def open_run_state(config: Config) -> RunState:
     from transformers import AutoTokenizer
 
-    from stages.grpo_trainer import GRPOTrainer
-    from stages.tiny_model import make_model_folder
+    from stages.trainer import GRPOTrainer
+    from stages.tasks.tiny_model import make_model_folder
 
     out = Path(config.output.dir)
     if config.engine.hf_checkpoint:
@@ -104,8 +105,10 @@ def open_run_state(config: Config) -> RunState:
         raise StoreError(f"the store says step {trained} was trained, but its weights {weights} are missing")
     start_from = weights or model_path
 
+    settings = config_to_dict(config)
+
     def make_trainer() -> GRPOTrainer:
-        return GRPOTrainer(start_from, **trainer_options(config.trainer, config.rollout))
+        return build_trainer(start_from, settings)
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
 
@@ -129,11 +132,11 @@ def _remove_unfinished_saves(weights_dir: Path) -> None:
 def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn]:
     d = config.data
     if d.prompt_data:
-        from stages.jsonl_task import load_jsonl_prompts
+        from stages.tasks.jsonl import load_jsonl_prompts
 
         tasks = load_jsonl_prompts(d.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key)
         return tasks, d.reward_fn
-    from stages.toy_task import toy_dataset, toy_reward
+    from stages.tasks.toy import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward
 

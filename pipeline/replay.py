@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RolloutConfig, TrainerConfig, section_from_dict, trainer_options
 from pipeline.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
+from pipeline.trainer_settings import build_trainer
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
 
@@ -207,21 +207,13 @@ def replay_training(
 ) -> Iterator[dict[str, Any]]:
     """Train a fresh GRPOTrainer from `model_dir` on the recorded batches of `steps`, yielding each
     step's metrics. Every batch is checked to exist before the (slow) trainer is built."""
-    from stages.grpo_trainer import GRPOTrainer
-
     missing = [s for s in steps if store.batch(s) is None]
     if missing:
         raise ReplayError(f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})")
     # The run's own settings, as its config recorded them; what an older run did not record takes
     # the schema's default, the same default the launcher used.
     config = (meta.extra.get("config", {}) if (meta := store.read_meta()) else {})
-    options = trainer_options(
-        section_from_dict(TrainerConfig, config.get("trainer", {})),
-        section_from_dict(RolloutConfig, config.get("rollout", {})),
-    )
-    # Replay checks a run on whatever machine it is read on: the CPU, whatever device trained it.
-    options.update(device="cpu", num_threads=1, **({} if seed is None else {"seed": seed}))
-    trainer = GRPOTrainer(model_dir, **options)
+    trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
     for step in steps:
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches

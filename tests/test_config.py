@@ -22,7 +22,6 @@ from pipeline.config import (
     config_to_dict,
     load_config,
     section_from_dict,
-    trainer_options,
 )
 from pipeline.config.draft import Draft
 from pipeline.config.load import load_step
@@ -551,13 +550,3 @@ def test_sections_read_back_from_run_metadata_with_defaults_for_what_is_missing(
     old = section_from_dict(TrainerConfig, {"lr": 0.01, "a_setting_since_removed": 1})
     assert (old.lr, old.eps_clip, old.use_tis) == (0.01, 0.2, True)
 
-
-def test_trainer_options_name_the_trainers_own_parameters():
-    """The launcher and replay build the trainer from one mapping; it must match the trainer's signature."""
-    from stages.grpo_trainer import GRPOTrainer
-
-    config = load_config(["--no-use-tis", "--eps-clip", "0.3", "--rollout-temperature", "0.7"])
-    options = trainer_options(config.trainer, config.rollout)
-    assert set(options) <= set(inspect.signature(GRPOTrainer).parameters)
-    assert (options["tis_cap"], options["eps_clip_high"], options["temperature"]) == (None, 0.3, 0.7)
-    assert trainer_options(TrainerConfig(), RolloutConfig())["tis_cap"] == 2.0

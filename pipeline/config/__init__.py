@@ -37,7 +37,6 @@ from pipeline.config.schema import (
     TrainerConfig,
     config_to_dict,
     section_from_dict,
-    trainer_options,
 )
 
 __all__ = [
@@ -52,5 +51,4 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "section_from_dict",
-    "trainer_options",
 ]

@@ -68,10 +68,29 @@ def check_rules(draft: Draft) -> None:
         problem(f"{draft.show('data', 'prompt_data')}: a JSONL prompt file needs "
                 "--custom-rm-path (the built-in reward only scores the toy task)")
     _engine_rules(draft)
+    _trainer_rules(draft)
     run_id = get("storage", "run_id")
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id):
         problem(f"{draft.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
                 "with a letter or digit (it names folders and store keys)")
+
+
+def _trainer_rules(draft: Draft) -> None:
+    t, r, ok, problem = draft.values["trainer"], draft.values["rollout"], draft.ok, draft.problems.append
+    if ok("trainer", "tis_clip_low") and ok("trainer", "tis_clip") and not t["tis_clip_low"] < t["tis_clip"]:
+        problem(f"{draft.show('trainer', 'tis_clip_low')}: must be below "
+                f"{draft.show('trainer', 'tis_clip')} (the weight's bounds)")
+    if ok("trainer", "overlong_buffer_len") and ok("rollout", "max_response_len") and (
+        t["overlong_buffer_len"] > r["max_response_len"]
+    ):
+        problem(f"{draft.show('trainer', 'overlong_buffer_len')}: must be <= "
+                f"{draft.show('rollout', 'max_response_len')} (the buffer ends at the cap)")
+    batch_ok = ok("rollout", "rollout_batch_size") and ok("rollout", "n_samples_per_prompt")
+    if batch_ok and ok("trainer", "global_batch_size") and t["global_batch_size"] is not None:
+        samples = r["rollout_batch_size"] * r["n_samples_per_prompt"]
+        if t["global_batch_size"] > samples:
+            problem(f"{draft.show('trainer', 'global_batch_size')}: must be <= the samples of one "
+                    f"rollout batch ({samples} = --rollout-batch-size x --n-samples-per-prompt)")
 
 
 def _engine_rules(draft: Draft) -> None:

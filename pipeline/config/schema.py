@@ -35,7 +35,6 @@ __all__ = [
     "opt_of",
     "options",
     "section_from_dict",
-    "trainer_options",
     "typed",
 ]
 
@@ -204,6 +203,38 @@ class TrainerConfig:
     use_tis: bool = _opt(True, "--use-tis", "bool", help="truncated importance sampling")
     tis_clip: float = _opt(2.0, "--tis-clip", "float", gt=0, help="TIS ratio cap")
     max_grad_norm: float = _opt(1.0, "--clip-grad", "float", gt=0, help="gradient norm clip")
+    global_batch_size: int | None = _opt(
+        None, "--global-batch-size", "int", ge=1, default_help="the whole rollout batch (one optimizer step)",
+        help="samples per optimizer step; a smaller value splits each rollout batch into several steps, "
+        "with the PPO clip acting against the log-probs recomputed before the first")
+    tis_mode: str = _opt(
+        "truncate", "--tis-mode", "choice", choices=("truncate", "icepop", "seq-mask"),
+        help="with --use-tis: truncate = clamp the weight to [--tis-clip-low, --tis-clip]; icepop = drop tokens "
+        "whose weight leaves it; seq-mask = drop samples whose geometric-mean weight leaves it")
+    tis_clip_low: float = _opt(0.0, "--tis-clip-low", "float", ge=0, help="importance weight lower bound")
+    use_opsm: bool = _opt(
+        False, "--use-opsm", "bool",
+        help="off-policy sequence masking: drop negative-advantage samples whose mean log(mu/pi) > --opsm-delta")
+    opsm_delta: float = _opt(1e-4, "--opsm-delta", "float", ge=0, help="OPSM threshold")
+    loss_agg_mode: str = _opt(
+        "token-mean", "--loss-agg-mode", "choice",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        help="token-mean (slime --calculate-per-token-loss), seq-mean-token-mean (slime's default), "
+        "seq-mean-token-sum-norm (Dr.GRPO: divide by samples x --rollout-max-response-len)")
+    disable_grpo_std_normalization: bool = _opt(
+        False, "--disable-grpo-std-normalization", "bool", help="advantages are reward - group mean (Dr.GRPO)")
+    overlong_buffer_len: int = _opt(
+        0, "--overlong-buffer-len", "int", ge=0,
+        help="DAPO overlong shaping: the last N tokens before --rollout-max-response-len cost reward; 0 = off")
+    overlong_penalty_factor: float = _opt(
+        1.0, "--overlong-penalty-factor", "float", ge=0, help="DAPO overlong penalty at the length cap")
+    mask_truncated_samples: bool = _opt(
+        False, "--mask-truncated-samples", "bool",
+        help="truncated samples train no token (their reward still counts in the group's statistics)")
+    mask_stale_tokens: int | None = _opt(
+        None, "--mask-stale-tokens", "int", ge=0, metavar="K",
+        help="tokens older than the trained version - K get loss 0; the group and its other tokens train "
+        "(--max-staleness instead refuses to admit work)")
     device: str = _opt(
         "cpu", "--trainer-device", "str",
         help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
@@ -316,18 +347,3 @@ def section_from_dict(cls: type[_Section], data: Mapping[str, Any]) -> _Section:
         kwargs[f.name] = typed(f, value)
     return cls(**kwargs)
 
-
-def trainer_options(trainer: TrainerConfig, rollout: RolloutConfig) -> dict[str, Any]:
-    """The built-in trainer's keyword arguments from the settings: the one place they are mapped,
-    so the launcher and `python -m pipeline.replay` train with the same knobs and defaults."""
-    return {
-        "lr": trainer.lr,
-        "eps_clip": trainer.eps_clip,
-        "eps_clip_high": trainer.eps_clip_high,
-        "tis_cap": trainer.tis_clip if trainer.use_tis else None,
-        "mask_offpolicy_in_partial_rollout": rollout.mask_offpolicy_in_partial_rollout,
-        "temperature": rollout.temperature,
-        "max_grad_norm": trainer.max_grad_norm,
-        "seed": rollout.seed,
-        "device": trainer.device,
-    }
