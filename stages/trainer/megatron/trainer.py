@@ -1,0 +1,410 @@
+"""The megatron-core GRPO trainer: the torch trainer's step, on megatron ranks.
+
+Same protocol as `stages.grpo_trainer.GRPOTrainer` (`train_step(batch) -> metrics`,
+`save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
+that engines load with `update_weights_from_disk`, written whole or not at all, plus the
+optimizer state, saved before the controller commits the step.
+
+Ranks. Every rank is one process with this object in it. Rank 0 lives in the controller's
+process; the others run `follow()` (started by `launch.megatron_ranks`). Rank 0 turns each
+request into a command and broadcasts it over the world group (a header tensor `[command,
+length]`, then the payload as bytes: orjson, never pickle); then every rank runs the same code,
+so their collectives meet. Rank 0 alone does what needs the Batch (advantages, masks, reward
+metrics), so followers receive plain rows of numbers.
+
+Parallelism: tensor parallel from megatron-core's `parallel_state`, data parallel = world / TP.
+Each DP rank takes every DP-th row; the loss is normalised by the whole batch's token count, and
+gradients are summed over the DP group, so the step equals the single-process step. Pipeline
+parallel is refused at config load. Micro-batches of `micro_batch_size` rows are packed into one
+sequence (no padding to the longest) with a block-diagonal causal mask; RoPE only sees position
+differences, so packing leaves every token's log-prob unchanged. Optimizer: torch AdamW on each
+rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see the README).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import PipelineError
+from pipeline.types import Batch, Sample
+from stages.trainer.megatron.loss import PackedTokens, RowTokens, TokenLoss, grpo_rows, token_loss
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, hf_to_megatron, is_sharded, megatron_to_hf, shard, unshard
+
+__all__ = ["MegatronTrainer", "OPTIMIZER_DIR"]
+
+OPTIMIZER_DIR = "optimizer"
+_FORMAT = 1
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+class _Command(IntEnum):
+    STOP = 0
+    TRAIN = 1
+    SAVE = 2
+    LOGPROBS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    rank: int
+    world: int
+    tp: int
+    tp_rank: int
+    dp: int
+    dp_rank: int
+
+
+class MegatronTrainer:
+    """GRPO on a megatron-core GPTModel built from the Qwen3 folder `model_path`.
+
+    torch.distributed must be initialised (gloo on CPU, NCCL on GPU) and megatron's model
+    parallel state set up (`launch.megatron_ranks.init_rank` does both) before construction, on
+    every rank, with the same arguments.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        lr: float = 5e-3,
+        eps_clip: float = 0.2,
+        eps_clip_high: float | None = None,
+        tis_cap: float | None = 2.0,
+        mask_offpolicy_in_partial_rollout: bool = False,
+        temperature: float = 1.0,
+        max_grad_norm: float = 1.0,
+        weight_decay: float = 0.0,
+        micro_batch_size: int = 8,
+        device: str = "cpu",
+        num_threads: int | None = 1,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if num_threads is not None and device == "cpu":
+            torch.set_num_threads(num_threads)
+        self.model_path = Path(model_path)
+        self.loss = TokenLoss(eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, tis_cap, temperature)
+        self.mask_offpolicy = mask_offpolicy_in_partial_rollout
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device)
+        self.layout = _Layout(
+            rank=dist.get_rank(), world=dist.get_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+            dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        )
+        self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
+        self.shape.check_tensor_parallel(self.layout.tp)
+        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu")
+        self._load_hf_weights(self.model_path)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.steps = 0
+        if (self.model_path / OPTIMIZER_DIR).is_dir():
+            self._load_optimizer(self.model_path / OPTIMIZER_DIR)
+
+    # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0)."""
+        rows, summary = grpo_rows(batch, mask_offpolicy=self.mask_offpolicy)
+        self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
+        return {**self._train(rows), **summary}
+
+    def save_weights(self, path: str | os.PathLike[str]) -> Path:
+        """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            self._broadcast(_Command.SAVE, str(tmp))
+            self._save(tmp)
+            if path.exists():  # two renames: a reader sees the old folder or none, never a mix
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                os.replace(path, old / "folder")
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
+        rows = [RowTokens.from_sample(s) for s in samples]
+        self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
+        return self._logprobs(rows)
+
+    def close(self) -> None:
+        """Release the followers (rank 0); they leave `follow()`."""
+        if self.layout.rank == 0 and self.layout.world > 1:
+            self._broadcast(_Command.STOP, None)
+
+    # ---- the followers' loop ------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Run rank 0's commands until it says stop (ranks > 0)."""
+        while True:
+            command, payload = self._receive()
+            if command is _Command.STOP:
+                return
+            if command is _Command.TRAIN:
+                self._train([RowTokens.from_json(r) for r in payload])
+            elif command is _Command.SAVE:
+                self._save(Path(payload))
+            elif command is _Command.LOGPROBS:
+                self._logprobs([RowTokens.from_json(r) for r in payload])
+
+    def _broadcast(self, command: _Command, payload: Any) -> None:
+        if self.layout.world == 1:
+            return
+        data = orjson.dumps(payload)
+        header = torch.tensor([int(command), len(data)], dtype=torch.int64, device=self._comm_device)
+        dist.broadcast(header, src=0)
+        if data:
+            body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
+            dist.broadcast(body, src=0)
+
+    def _receive(self) -> tuple[_Command, Any]:
+        header = torch.zeros(2, dtype=torch.int64, device=self._comm_device)
+        dist.broadcast(header, src=0)
+        command, length = _Command(int(header[0])), int(header[1])
+        body = torch.empty(length, dtype=torch.uint8, device=self._comm_device)
+        dist.broadcast(body, src=0)
+        return command, orjson.loads(body.cpu().numpy().tobytes())
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+
+    # ---- the step, on every rank --------------------------------------------------------------
+
+    def _train(self, rows: list[RowTokens]) -> dict[str, float]:
+        n_tokens = float(sum(sum(r.mask) for r in rows))  # the whole batch's: the loss's denominator
+        mine = rows[self.layout.dp_rank :: self.layout.dp]
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        sums = torch.zeros(5, dtype=torch.float64)
+        for start in range(0, len(mine), self.micro_batch_size):
+            chunk = mine[start : start + self.micro_batch_size]
+            logp, targets = self._packed_logprobs(chunk)
+            part = token_loss(self.loss, logp, targets, n_tokens=max(n_tokens, 1.0))
+            part.loss.backward()
+            sums += part.sums
+        if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
+            sum(p.sum() * 0.0 for p in self.model.parameters()).backward()
+        self._reduce_gradients()
+        if self.layout.dp > 1:
+            dist.all_reduce(sums, group=self._dp_group())
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.steps += 1
+        denom = max(n_tokens, 1.0)
+        return {
+            "loss": float(sums[0]),
+            "pg_clipfrac": float(sums[1]) / denom,
+            "tis_clip_ratio": float(sums[2]) / denom,
+            "tis_mean": float(sums[3]) / denom,
+            "train_rollout_logprob_abs_diff": float(sums[4]) / denom,
+            "grad_norm": grad_norm,
+            "tokens": n_tokens,
+        }
+
+    @torch.no_grad()
+    def _logprobs(self, rows: list[RowTokens]) -> list[list[float]]:
+        out: list[list[float]] = []
+        for start in range(0, len(rows), self.micro_batch_size):
+            chunk = rows[start : start + self.micro_batch_size]
+            logp, _ = self._packed_logprobs(chunk)
+            at = 0
+            for r in chunk:
+                out.append(logp[at : at + len(r.response_ids)].tolist())
+                at += len(r.response_ids)
+        return out
+
+    def _packed_logprobs(self, rows: Sequence[RowTokens]) -> tuple[torch.Tensor, PackedTokens]:
+        """Log-probs of the response tokens of `rows`, packed into one sequence: [sum of responses].
+
+        The sequence is every row's prompt+response back to back; a block-diagonal causal mask keeps
+        each row to itself. Only the positions that predict a response token go through the
+        vocab-parallel softmax. Also returns the rows' per-token fields, concatenated.
+        """
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        ids: list[int] = []
+        predict: list[int] = []
+        blocks: list[int] = []
+        for r in rows:
+            if not r.prompt_ids:
+                raise ValueError("a sample has an empty prompt: nothing predicts its first token")
+            p = len(r.prompt_ids)
+            predict += range(len(ids) + p - 1, len(ids) + p - 1 + len(r.response_ids))
+            ids += r.prompt_ids + r.response_ids
+            blocks.append(p + len(r.response_ids))
+        n = len(ids)
+        owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
+        position = torch.arange(n)
+        masked = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = hidden
+        tokens = torch.tensor(ids, device=self.device)[None]
+        logits = self.model(tokens, position.to(self.device)[None], attention_mask=masked.to(self.device)[None, None])
+        picked = logits[0, torch.tensor(predict, device=self.device)]  # [R, V / tp]
+        joined = PackedTokens.of(rows)
+        target = torch.tensor(joined.response_ids, device=self.device)
+        # The vocab-parallel cross entropy is -log softmax(logits)[target], summed over TP ranks' shards.
+        logp = -vocab_parallel_cross_entropy((picked.float() / self.loss.temperature)[:, None], target[:, None])
+        return logp[:, 0], joined
+
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients over data-parallel replicas (each loss was already divided by the global count).
+
+        Also over the TP group for the q/k norms: they are replicated, but each TP rank applies
+        them to its own heads only, so each rank holds a part of their gradient (megatron's
+        finalize_model_grads does the same for such parameters).
+        """
+        from megatron.core import parallel_state as ps
+
+        if self.layout.tp > 1:
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.layout.dp == 1:
+            return
+        group = self._dp_group()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+
+    def _clip_gradients(self) -> float:
+        """Clip to `max_grad_norm` by the norm over the whole model; return that norm (before clipping).
+
+        A tensor-parallel shard counts on its rank; a replicated parameter (norms) counts once, on TP
+        rank 0, so the sum over the TP group is the full model's.
+        """
+        from megatron.core import parallel_state as ps
+
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            # By name, not megatron's `tensor_model_parallel` attribute: it is not set on CPU-initialised
+            # parameters when `perform_initialization` is off.
+            if is_sharded(name) or self.layout.tp_rank == 0:
+                square += p.grad.double().pow(2).sum()
+        if self.layout.tp > 1:
+            dist.all_reduce(square, group=ps.get_tensor_model_parallel_group())
+        norm = float(square.sqrt())
+        coef = self.max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    # ---- weights and optimizer ----------------------------------------------------------------
+
+    def _load_hf_weights(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise PipelineError(f"{folder} has no *.safetensors weights for the megatron backend to convert")
+        hf: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                hf.update({k: fh.get_tensor(k) for k in fh.keys()})
+        full = hf_to_megatron(hf, self.shape)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name not in full:
+                    raise PipelineError(f"{folder}: no weight converts to megatron parameter {name!r}")
+                param.copy_(shard(name, full[name], self.layout.tp_rank, self.layout.tp).to(param.dtype))
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter joined over the TP group (on every TP rank), on CPU."""
+        from megatron.core import parallel_state as ps
+
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            local = param.detach().contiguous()
+            if self.layout.tp > 1:
+                parts = [torch.empty_like(local) for _ in range(self.layout.tp)]
+                dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+            else:
+                parts = [local]
+            out[name] = unshard(name, [p.cpu() for p in parts])
+        return out
+
+    def _save(self, folder: Path) -> None:
+        """Rank 0 writes the HF folder; every rank writes its optimizer shard; all meet at the end."""
+        from safetensors.torch import save_file
+
+        full = self._full_state()
+        if self.layout.rank == 0:
+            for src in self.model_path.iterdir():
+                if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
+                    shutil.copy2(src, folder / src.name)  # config, tokenizer: the model's shape is unchanged
+            hf = megatron_to_hf(full, self.shape)
+            save_file({k: v.float().contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"),
+                      metadata={"format": "pt"})
+            (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
+        if self.layout.world > 1:
+            dist.barrier()  # the optimizer folder exists
+        self._save_optimizer(folder / OPTIMIZER_DIR)
+        if self.layout.world > 1:
+            dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
+
+    def _save_optimizer(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        tensors: dict[str, torch.Tensor] = {}
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                tensors[f"{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+        save_file(tensors, str(folder / f"rank{self.layout.rank}.safetensors"))
+        meta = {"format": _FORMAT, "backend": "megatron", "world": self.layout.world, "tp": self.layout.tp,
+                "trainer_steps": self.steps}
+        (folder / f"rank{self.layout.rank}.json").write_bytes(orjson.dumps(meta))
+
+    def _load_optimizer(self, folder: Path) -> None:
+        """Restore this rank's AdamW shard; refuse a checkpoint of another backend or layout."""
+        from safetensors.torch import load_file
+
+        meta_path = folder / f"rank{self.layout.rank}.json"
+        if not meta_path.exists():
+            raise PipelineError(f"optimizer checkpoint {folder} has no shard for megatron rank {self.layout.rank}: "
+                                "it was saved by the torch backend or with fewer ranks")
+        meta = orjson.loads(meta_path.read_bytes())
+        expected = {"format": _FORMAT, "backend": "megatron", "world": self.layout.world, "tp": self.layout.tp}
+        if {k: meta.get(k) for k in expected} != expected:
+            raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
+        tensors = load_file(str(folder / f"rank{self.layout.rank}.safetensors"))
+        for name, param in self.model.named_parameters():
+            # AdamW keeps `step` on the CPU (non-capturable); the moments live beside the parameter.
+            state = {key.rsplit(".", 1)[1]: t if key.endswith(".step") else t.to(param.device)
+                     for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+            if state:
+                self.optimizer.state[param] = state
+        self.steps = int(meta["trainer_steps"])
