@@ -94,7 +94,20 @@ def open_run_state(config: Config) -> RunState:
     t = config.trainer
     start_from = weights or model_path
 
-    def make_trainer() -> GRPOTrainer:
+    def make_trainer() -> Any:
+        if t.backend == "megatron":
+            from launch.megatron_ranks import start_megatron_trainer
+
+            # Rank 0 is this process; ranks 1.. are started here and stopped by the trainer's close().
+            return start_megatron_trainer(
+                start_from, world_size=t.num_ranks, tp=t.tensor_model_parallel_size,
+                pp=t.pipeline_model_parallel_size, device=t.device, seed=config.rollout.seed, log_dir=out / "logs",
+                lr=t.lr, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
+                tis_cap=t.tis_clip if t.use_tis else None,
+                mask_offpolicy_in_partial_rollout=config.rollout.mask_offpolicy_in_partial_rollout,
+                temperature=config.rollout.temperature, max_grad_norm=t.max_grad_norm,
+                micro_batch_size=t.micro_batch_size,
+            )
         return GRPOTrainer(
             start_from, lr=t.lr, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
             tis_cap=t.tis_clip if t.use_tis else None,

@@ -174,6 +174,26 @@ class EngineConfig:
         help="model folder (or Hub id)")
     host: str = _opt(
         "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
+    # Real SGLang servers started by the pipeline (launch/sglang_server.py).
+    launcher: str = _opt(
+        "builtin", "--rollout-engine", "choice", choices=("builtin", "sglang"),
+        help="engines the pipeline starts when no URL is given: the built-in engine, or real SGLang "
+        "(python -m sglang.launch_server, which must be importable here)")
+    sglang_devices: str | None = _opt(
+        None, "--sglang-devices", "str", metavar="0,1,...", default_help="0 .. engines x GPUs per engine - 1",
+        help="--rollout-engine sglang: GPU ids for the engines, in order; each engine takes "
+        "--rollout-num-gpus-per-engine of them (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+    gpus_per_engine: int = _opt(
+        1, "--rollout-num-gpus-per-engine", "int", ge=1, help="--rollout-engine sglang: GPUs per engine (its --tp-size)")
+    sglang_mem_fraction_static: float | None = _opt(
+        None, "--sglang-mem-fraction-static", "float", gt=0, default_help="SGLang's default",
+        help="--rollout-engine sglang: GPU memory fraction for weights and KV cache")
+    sglang_startup_timeout: float = _opt(
+        900.0, "--sglang-startup-timeout", "float", gt=0, help="seconds for a started SGLang server to become healthy")
+    api_key: str | None = _opt(
+        None, "--api-key", "str", metavar="KEY",
+        help="sent to engines and the router as 'Authorization: Bearer KEY', and given to the SGLang servers and "
+        "router the pipeline starts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +229,20 @@ class TrainerConfig:
     device: str = _opt(
         "cpu", "--trainer-device", "str",
         help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
+    backend: str = _opt(
+        "torch", "--train-backend", "choice", choices=("torch", "megatron"),
+        help="torch: the single-process GRPO trainer; megatron: megatron-core ranks (pip install .[megatron])")
+    num_ranks: int = _opt(
+        1, "--actor-num-gpus-per-node", "int", ge=1,
+        help="--train-backend megatron: trainer ranks on this host, one process per device (gloo processes on CPU)")
+    tensor_model_parallel_size: int = _opt(
+        1, "--tensor-model-parallel-size", "int", ge=1, help="--train-backend megatron: tensor parallel size")
+    pipeline_model_parallel_size: int = _opt(
+        1, "--pipeline-model-parallel-size", "int", ge=1,
+        help="--train-backend megatron: pipeline parallel size (only 1 is supported yet)")
+    micro_batch_size: int = _opt(
+        8, "--micro-batch-size", "int", ge=1,
+        help="--train-backend megatron: samples per micro-batch, packed into one sequence")
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,6 +521,8 @@ class _Loader:
         if self.ok("trainer", "device") and self.values["trainer"]["device"] != "cpu":
             self._device_rule(self.values["trainer"]["device"])  # imports torch: only when it matters
         self._data_rules()
+        self._megatron_rules()
+        self._sglang_rules()
         self._engine_rules()
         self._storage_rules()
         if self.ok("storage", "run_id") and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s["run_id"]):
@@ -526,6 +562,62 @@ class _Loader:
             if self.ok("data", "label_key") and d["label_key"] not in record:
                 self.warnings.append(f"{self.show('data', 'label_key')}: the first record of {str(path)!r} "
                                      f"has no such key (keys: {keys}); the reward gets no label")
+
+    def _megatron_rules(self) -> None:
+        get, show = self.get, self.show
+        parallel = ("num_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        if get("trainer", "backend") != "megatron":
+            for name in parallel:
+                if (get("trainer", name) or 1) > 1:
+                    self.problems.append(f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
+                                         "one process; add --train-backend megatron")
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            self.problems.append("--train-backend=megatron: megatron-core is not installed "
+                                 "(pip install 'rollout-pipeline[megatron]')")
+        if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
+            self.problems.append(f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
+                                 "supported by the megatron backend yet; use 1 (tensor and data parallel work)")
+        ranks, tp = get("trainer", "num_ranks"), get("trainer", "tensor_model_parallel_size")
+        if ranks and tp and ranks % tp:
+            self.problems.append(f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
+                                 f"{show('trainer', 'num_ranks')} (data parallel = ranks / TP)")
+
+    def _sglang_rules(self) -> None:
+        e, get, show = self.values["engine"], self.get, self.show
+        if get("engine", "launcher") != "sglang":
+            for name in ("sglang_devices", "sglang_mem_fraction_static"):
+                if self.given("engine", name):
+                    self.warnings.append(f"{show('engine', name)} without --rollout-engine sglang: ignored")
+            return
+        if e["urls"] or get("engine", "router_url"):
+            self.problems.append("--rollout-engine=sglang with --sglang-url/--sglang-router-url: the pipeline starts "
+                                 "engines only when it is given none")
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            self.problems.append("--rollout-engine=sglang: SGLang is not installed for this Python "
+                                 f"({sys.executable}: python -m sglang.launch_server cannot run); install it "
+                                 "(pip install sglang) or use --rollout-engine builtin")
+        fraction = get("engine", "sglang_mem_fraction_static")
+        if fraction is not None and fraction >= 1:
+            self.problems.append(f"{show('engine', 'sglang_mem_fraction_static')}: must be in (0, 1)")
+        devices = get("engine", "sglang_devices")
+        per = get("engine", "gpus_per_engine") or 1
+        if devices is not None:
+            ids = [d.strip() for d in devices.split(",")]
+            if not all(d.isdigit() for d in ids) or len(set(ids)) != len(ids):
+                self.problems.append(f"{show('engine', 'sglang_devices')}: must be distinct GPU ids separated by commas")
+            elif len(ids) % per:
+                self.problems.append(f"{show('engine', 'sglang_devices')}: {len(ids)} GPUs do not split into engines "
+                                     f"of {show('engine', 'gpus_per_engine')}")
+            elif self.given("engine", "num_engines") and get("engine", "num_engines") != len(ids) // per:
+                self.problems.append(f"{show('engine', 'num_engines')}: --sglang-devices makes {len(ids) // per} "
+                                     "engines; leave --rollout-num-engines out")
+            else:
+                e["num_engines"] = len(ids) // per
 
     def _storage_rules(self) -> None:
         # The file's shape is checked now; whether it matches the mount is checked when the store opens
