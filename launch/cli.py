@@ -208,7 +208,6 @@ class _engines:
         timeout = self._config.rollout.request_timeout
         retries = self._config.rollout.max_retries
         key = {"api_key": e.api_key} if e.api_key else {}  # sent as 'Authorization: Bearer KEY'
-        router_args = ["--api-key", e.api_key] if e.api_key else []
         await self._stack.__aenter__()
         try:
             if e.router_url:
@@ -217,7 +216,7 @@ class _engines:
                 fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
-                router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), extra_args=router_args)
+                router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
                 self._stack.push_async_exit(router)
                 fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries, **key)
             else:
@@ -237,7 +236,7 @@ class _engines:
                     self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
-                    router = await start_router(urls, host=e.host, log_path=self._router_log(), extra_args=router_args)
+                    router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
                     fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries, **key)
                 else:
