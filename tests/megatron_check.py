@@ -1,6 +1,6 @@
 """Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
 
-`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH]` writes OUT_DIR/result.json with both
+`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE]]` writes OUT_DIR/result.json with both
 trainers' metrics, log-probs before the step, and the largest difference between their published
 weights. A process of its own, because megatron's parallel state and the process group are global.
 """
@@ -37,7 +37,7 @@ def fixed_batch(reference):
     return Batch(0, tuple(groups))
 
 
-def main(out: Path, world: int, tp: int, micro: int) -> None:
+def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu") -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
@@ -51,7 +51,8 @@ def main(out: Path, world: int, tp: int, micro: int) -> None:
     torch_metrics = torch_trainer.train_step(batch)
     torch_trainer.save_weights(out / "torch")
 
-    mg = start_megatron_trainer(model, world_size=world, tp=tp, log_dir=out / "logs", lr=1e-2, micro_batch_size=micro)
+    mg = start_megatron_trainer(model, world_size=world, tp=tp, log_dir=out / "logs", device=device,
+                                lr=1e-2, micro_batch_size=micro)
     try:
         mg_lp = mg.logprobs(batch.samples)
         mg_metrics = mg.train_step(batch)
@@ -72,4 +73,5 @@ def main(out: Path, world: int, tp: int, micro: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 8)
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 8,
+         sys.argv[5] if len(sys.argv) > 5 else "cpu")

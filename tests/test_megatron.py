@@ -70,10 +70,10 @@ def test_uneven_tensor_parallel_split_is_refused_with_the_numbers(tmp_path):
         shape.check_tensor_parallel(3)
 
 
-def _check(tmp_path: Path, world: int, tp: int, micro: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _check(tmp_path: Path, world: int, tp: int, micro: int, device: str = "cpu") -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "megatron_check.py"), str(tmp_path), str(world),
-                           str(tp), str(micro)], env=env, capture_output=True, text=True, timeout=300)
+                           str(tp), str(micro), device], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return orjson.loads((tmp_path / "result.json").read_bytes())
 
@@ -115,7 +115,7 @@ def test_parallel_flags_are_checked_at_config_load():
 
 def _launch(tmp_path: Path, *flags: str) -> list[dict]:
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), "--no-progress", "--log-level", "warning",
          "--num-rollout", "12", "--train-backend", "megatron", *flags],

@@ -211,8 +211,10 @@ class MegatronTrainer:
         if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             sum(p.sum() * 0.0 for p in self.model.parameters()).backward()
         self._reduce_gradients()
-        if self.layout.dp > 1:
+        if self.layout.dp > 1:  # NCCL reduces only GPU tensors
+            sums = sums.to(self._comm_device)
             dist.all_reduce(sums, group=self._dp_group())
+            sums = sums.cpu()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.steps += 1
