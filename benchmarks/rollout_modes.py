@@ -27,8 +27,8 @@ from launch.engine_process import start_engines
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang_client import EngineFleet
-from stages.tiny_model import make_model_folder
-from stages.toy_task import toy_dataset, toy_reward
+from stages.tasks.tiny_model import make_model_folder
+from stages.tasks.toy import toy_dataset, toy_reward
 from storage import AsyncStore, MemoryStore
 
 

@@ -32,7 +32,7 @@ from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segme
 def _model(folder: Path, tiny: bool) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stages.tiny_model import build_tokenizer, make_model_folder
+    from stages.tasks.tiny_model import build_tokenizer, make_model_folder
 
     if tiny:
         return make_model_folder(folder)
@@ -86,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.grpo_trainer import GRPOTrainer
+    from stages.trainer import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         model = _model(Path(tmp) / "model", args.tiny)

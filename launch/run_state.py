@@ -33,6 +33,7 @@ import orjson
 import structlog
 
 from pipeline.config import Config, config_to_dict
+from pipeline.trainer_settings import build_trainer, loss_settings
 from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError, StoreLockedError
 from pipeline.types import Group, PromptTask
 from stages.reward import RewardFn
@@ -65,8 +66,7 @@ class RunState:
 def open_run_state(config: Config) -> RunState:
     from transformers import AutoTokenizer
 
-    from stages.grpo_trainer import GRPOTrainer
-    from stages.tiny_model import make_model_folder
+    from stages.tasks.tiny_model import make_model_folder
 
     out = Path(config.output.dir)
     if config.engine.hf_checkpoint:
@@ -91,8 +91,10 @@ def open_run_state(config: Config) -> RunState:
     if weights is not None and not (weights / "config.json").exists():
         store.close()
         raise StoreError(f"the store says step {trained} was trained, but its weights {weights} are missing")
-    t = config.trainer
     start_from = weights or model_path
+
+    settings = config_to_dict(config)
+    t = config.trainer
 
     def make_trainer() -> Any:
         if t.backend == "megatron":
@@ -102,19 +104,10 @@ def open_run_state(config: Config) -> RunState:
             return start_megatron_trainer(
                 start_from, world_size=t.num_ranks, tp=t.tensor_model_parallel_size,
                 pp=t.pipeline_model_parallel_size, device=t.device, seed=config.rollout.seed, log_dir=out / "logs",
-                lr=t.lr, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
-                tis_cap=t.tis_clip if t.use_tis else None,
-                mask_offpolicy_in_partial_rollout=config.rollout.mask_offpolicy_in_partial_rollout,
-                temperature=config.rollout.temperature, max_grad_norm=t.max_grad_norm,
-                micro_batch_size=t.micro_batch_size,
+                loss=loss_settings(settings), lr=t.lr, temperature=config.rollout.temperature,
+                max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size,
             )
-        return GRPOTrainer(
-            start_from, lr=t.lr, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
-            tis_cap=t.tis_clip if t.use_tis else None,
-            mask_offpolicy_in_partial_rollout=config.rollout.mask_offpolicy_in_partial_rollout,
-            temperature=config.rollout.temperature, max_grad_norm=t.max_grad_norm, seed=config.rollout.seed,
-            device=t.device,
-        )
+        return build_trainer(start_from, settings)
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
 
@@ -138,11 +131,11 @@ def _remove_unfinished_saves(weights_dir: Path) -> None:
 def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn]:
     d = config.data
     if d.prompt_data:
-        from stages.jsonl_task import load_jsonl_prompts
+        from stages.tasks.jsonl import load_jsonl_prompts
 
         tasks = load_jsonl_prompts(d.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key)
         return tasks, d.reward_fn
-    from stages.toy_task import toy_dataset, toy_reward
+    from stages.tasks.toy import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward
 

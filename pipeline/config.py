@@ -226,6 +226,38 @@ class TrainerConfig:
     use_tis: bool = _opt(True, "--use-tis", "bool", help="truncated importance sampling")
     tis_clip: float = _opt(2.0, "--tis-clip", "float", gt=0, help="TIS ratio cap")
     max_grad_norm: float = _opt(1.0, "--clip-grad", "float", gt=0, help="gradient norm clip")
+    global_batch_size: int | None = _opt(
+        None, "--global-batch-size", "int", ge=1, default_help="the whole rollout batch (one optimizer step)",
+        help="samples per optimizer step; a smaller value splits each rollout batch into several steps, "
+        "with the PPO clip acting against the log-probs recomputed before the first")
+    tis_mode: str = _opt(
+        "truncate", "--tis-mode", "choice", choices=("truncate", "icepop", "seq-mask"),
+        help="with --use-tis: truncate = clamp the weight to [--tis-clip-low, --tis-clip]; icepop = drop tokens "
+        "whose weight leaves it; seq-mask = drop samples whose geometric-mean weight leaves it")
+    tis_clip_low: float = _opt(0.0, "--tis-clip-low", "float", ge=0, help="importance weight lower bound")
+    use_opsm: bool = _opt(
+        False, "--use-opsm", "bool",
+        help="off-policy sequence masking: drop negative-advantage samples whose mean log(mu/pi) > --opsm-delta")
+    opsm_delta: float = _opt(1e-4, "--opsm-delta", "float", ge=0, help="OPSM threshold")
+    loss_agg_mode: str = _opt(
+        "token-mean", "--loss-agg-mode", "choice",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        help="token-mean (slime --calculate-per-token-loss), seq-mean-token-mean (slime's default), "
+        "seq-mean-token-sum-norm (Dr.GRPO: divide by samples x --rollout-max-response-len)")
+    disable_grpo_std_normalization: bool = _opt(
+        False, "--disable-grpo-std-normalization", "bool", help="advantages are reward - group mean (Dr.GRPO)")
+    overlong_buffer_len: int = _opt(
+        0, "--overlong-buffer-len", "int", ge=0,
+        help="DAPO overlong shaping: the last N tokens before --rollout-max-response-len cost reward; 0 = off")
+    overlong_penalty_factor: float = _opt(
+        1.0, "--overlong-penalty-factor", "float", ge=0, help="DAPO overlong penalty at the length cap")
+    mask_truncated_samples: bool = _opt(
+        False, "--mask-truncated-samples", "bool",
+        help="truncated samples train no token (their reward still counts in the group's statistics)")
+    mask_stale_tokens: int | None = _opt(
+        None, "--mask-stale-tokens", "int", ge=0, metavar="K",
+        help="tokens older than the trained version - K get loss 0; the group and its other tokens train "
+        "(--max-staleness instead refuses to admit work)")
     device: str = _opt(
         "cpu", "--trainer-device", "str",
         help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
@@ -518,6 +550,7 @@ class _Loader:
             problem(f"{self.show('data', 'buffer_filter_path')} with --rollout-data-transport=lmdb: the LMDB "
                     "store has its own durable ordering (complete, then partial, then new; oldest first)")
 
+        self._trainer_rules()
         if self.ok("trainer", "device") and self.values["trainer"]["device"] != "cpu":
             self._device_rule(self.values["trainer"]["device"])  # imports torch: only when it matters
         self._data_rules()
@@ -528,6 +561,23 @@ class _Loader:
         if self.ok("storage", "run_id") and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s["run_id"]):
             problem(f"{self.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
                     "with a letter or digit (it names folders and store keys)")
+
+    def _trainer_rules(self) -> None:
+        t, r, ok = self.values["trainer"], self.values["rollout"], self.ok
+        if ok("trainer", "tis_clip_low") and ok("trainer", "tis_clip") and not t["tis_clip_low"] < t["tis_clip"]:
+            self.problems.append(f"{self.show('trainer', 'tis_clip_low')}: must be below "
+                                 f"{self.show('trainer', 'tis_clip')} (the weight's bounds)")
+        if ok("trainer", "overlong_buffer_len") and ok("rollout", "max_response_len") and (
+            t["overlong_buffer_len"] > r["max_response_len"]
+        ):
+            self.problems.append(f"{self.show('trainer', 'overlong_buffer_len')}: must be <= "
+                                 f"{self.show('rollout', 'max_response_len')} (the buffer ends at the cap)")
+        batch_ok = ok("rollout", "rollout_batch_size") and ok("rollout", "n_samples_per_prompt")
+        if batch_ok and ok("trainer", "global_batch_size") and t["global_batch_size"] is not None:
+            samples = r["rollout_batch_size"] * r["n_samples_per_prompt"]
+            if t["global_batch_size"] > samples:
+                self.problems.append(f"{self.show('trainer', 'global_batch_size')}: must be <= the samples of one "
+                                     f"rollout batch ({samples} = --rollout-batch-size x --n-samples-per-prompt)")
 
     def _data_rules(self) -> None:
         d = self.values["data"]
@@ -577,6 +627,9 @@ class _Loader:
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             self.problems.append("--train-backend=megatron: megatron-core is not installed "
                                  "(pip install 'rollout-pipeline[megatron]')")
+        if get("trainer", "global_batch_size") is not None:
+            self.problems.append(f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
+                                 "backend takes one optimizer step per rollout batch (leave --global-batch-size out)")
         if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
             self.problems.append(f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
                                  "supported by the megatron backend yet; use 1 (tensor and data parallel work)")

@@ -15,6 +15,7 @@ The rollout policy is the one thing that differs between modes:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -146,6 +147,7 @@ async def run_pipeline(
                 await collector.wait_ready(plan.batch_size)
             batch = await store.take_batch(step, plan.batch_size)
             assert batch is not None, "the collector counted more ready groups than the store holds"
+            batch = dataclasses.replace(batch, train_version=clock.version)  # for --mask-stale-tokens
             collector.taken(len(batch.groups))
             training.start(len(batch.groups))
             # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.

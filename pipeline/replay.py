@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError, ReplayError
+from pipeline.trainer_settings import build_trainer
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from storage import LmdbStore, RunMeta
 
@@ -170,21 +171,11 @@ def replay_training(
 ) -> Iterator[dict[str, Any]]:
     """Train a fresh GRPOTrainer from `model_dir` on the recorded batches of `steps`, yielding each
     step's metrics. Every batch is checked to exist before the (slow) trainer is built."""
-    from stages.grpo_trainer import GRPOTrainer
-
     missing = [s for s in steps if store.batch(s) is None]
     if missing:
         raise ReplayError(f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})")
     config = (meta.extra.get("config", {}) if (meta := store.read_meta()) else {})
-    t, r = config.get("trainer", {}), config.get("rollout", {})
-    trainer = GRPOTrainer(
-        model_dir,
-        lr=t.get("lr", 5e-3), eps_clip=t.get("eps_clip", 0.2), eps_clip_high=t.get("eps_clip_high"),
-        tis_cap=t.get("tis_clip", 2.0) if t.get("use_tis", True) else None,
-        mask_offpolicy_in_partial_rollout=r.get("mask_offpolicy_in_partial_rollout", False),
-        temperature=r.get("temperature", 1.0), max_grad_norm=t.get("max_grad_norm", 1.0),
-        seed=r.get("seed", 42) if seed is None else seed, num_threads=1,
-    )
+    trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
     for step in steps:
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches

@@ -255,6 +255,10 @@ class Batch:
 
     step: int
     groups: tuple[Group, ...]
+    # The policy version this batch trains against (the clock's version when it is trained); the
+    # controller sets it. None (a batch read back from a store) lets the trainer use the newest
+    # token version in the batch.
+    train_version: int | None = None
 
     @property
     def samples(self) -> list[Sample]:

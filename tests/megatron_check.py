@@ -1,6 +1,6 @@
 """Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
 
-`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE]]` writes OUT_DIR/result.json with both
+`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS]]]` writes OUT_DIR/result.json with both
 trainers' metrics, log-probs before the step, and the largest difference between their published
 weights. A process of its own, because megatron's parallel state and the process group are global.
 """
@@ -17,8 +17,8 @@ import torch
 
 def fixed_batch(reference):
     from pipeline.types import Batch, FinishReason, Group, Sample, Segment
-    from stages.tiny_model import EOS_ID
-    from stages.toy_task import encode, toy_dataset
+    from stages.tasks.tiny_model import EOS_ID
+    from stages.tasks.toy import encode, toy_dataset
 
     groups = []
     for g, task in enumerate(toy_dataset(2, seed=0)):
@@ -37,22 +37,42 @@ def fixed_batch(reference):
     return Batch(0, tuple(groups))
 
 
-def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu") -> None:
+VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on both trainers
+    "default": {},
+    "icepop-seqmean-opsm": {"correction": "icepop", "tis_clip_low": 0.5, "aggregation": "seq-mean-token-mean",
+                            "use_opsm": True, "opsm_delta": 0.0},
+    "seqmask-tokenmean": {"correction": "seq-mask", "tis_clip_low": 0.3, "tis_clip": 1.5},
+}
+
+
+def _settings(variant: str):
+    from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+
+    raw = dict(VARIANTS[variant])
+    if "correction" in raw:
+        raw["correction"] = ImportanceCorrection(raw["correction"])
+    if "aggregation" in raw:
+        raw["aggregation"] = LossAggregation(raw["aggregation"])
+    return LossSettings(**raw)
+
+
+def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.grpo_trainer import GRPOTrainer
-    from stages.tiny_model import make_model_folder
+    from stages.trainer import GRPOTrainer
+    from stages.tasks.tiny_model import make_model_folder
 
     model = make_model_folder(out / "model")
-    torch_trainer = GRPOTrainer(model, lr=1e-2)
+    settings = _settings(variant)
+    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings)
     batch = fixed_batch(torch_trainer)
     torch_lp = torch_trainer.logprobs(batch.samples)
     torch_metrics = torch_trainer.train_step(batch)
     torch_trainer.save_weights(out / "torch")
 
     mg = start_megatron_trainer(model, world_size=world, tp=tp, log_dir=out / "logs", device=device,
-                                lr=1e-2, micro_batch_size=micro)
+                                loss=settings, lr=1e-2, micro_batch_size=micro)
     try:
         mg_lp = mg.logprobs(batch.samples)
         mg_metrics = mg.train_step(batch)
@@ -74,4 +94,4 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu") -> Non
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 8,
-         sys.argv[5] if len(sys.argv) > 5 else "cpu")
+         sys.argv[5] if len(sys.argv) > 5 else "cpu", sys.argv[6] if len(sys.argv) > 6 else "default")

@@ -22,7 +22,7 @@ import pytest
 from launch.engine_process import EngineProcess, free_port, start_engine
 from launch.engine_server import EngineServer, open_server
 from pipeline.errors import EngineUnavailableError
-from stages.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
+from stages.tasks.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
 
 pytestmark = pytest.mark.anyio
 

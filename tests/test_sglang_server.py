@@ -20,8 +20,8 @@ from launch.sglang_server import engine_devices, sglang_command_args, start_sgla
 from pipeline.config import EngineConfig, load_config
 from pipeline.errors import ConfigError
 from stages.sglang_client import EngineFleet
-from stages.tiny_model import make_model_folder
-from stages.toy_task import encode
+from stages.tasks.tiny_model import make_model_folder
+from stages.tasks.toy import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "tests" / "fakes" / "sglang_standin"

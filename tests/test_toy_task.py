@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from pipeline.errors import ConfigError
 from pipeline.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
-from stages.jsonl_task import load_jsonl_prompts
-from stages.tiny_model import EOS_ID, build_tokenizer, make_model_folder
-from stages.toy_task import TOY_CHARS, TOY_MAX_COUNT, decode, encode, toy_dataset, toy_prompt, toy_reward
+from stages.tasks.jsonl import load_jsonl_prompts
+from stages.tasks.tiny_model import EOS_ID, build_tokenizer, make_model_folder
+from stages.tasks.toy import TOY_CHARS, TOY_MAX_COUNT, decode, encode, toy_dataset, toy_prompt, toy_reward
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_random_init_lengths_are_long_tailed(tmp_path):
     Measured (512 responses, limit 128, model seeds 0 and 1): p25 24, median 52, p75 ~100 tokens,
     18% truncated at 128; p10 is 11.
     """
-    from tests.test_grpo_trainer import _generate  # the same engine-like sampler the learning test uses
+    from tests.test_trainer_grpo import _generate  # the same engine-like sampler the learning test uses
     from transformers import AutoModelForCausalLM
 
     limit = 128

@@ -1,6 +1,6 @@
 """The megatron-core GRPO trainer: the torch trainer's step, on megatron ranks.
 
-Same protocol as `stages.grpo_trainer.GRPOTrainer` (`train_step(batch) -> metrics`,
+Same protocol as `stages.trainer.GRPOTrainer` (`train_step(batch) -> metrics`,
 `save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
 that engines load with `update_weights_from_disk`, written whole or not at all, plus the
 optimizer state, saved before the controller commits the step.
@@ -11,6 +11,10 @@ request into a command and broadcasts it over the world group (a header tensor `
 length]`, then the payload as bytes: orjson, never pickle); then every rank runs the same code,
 so their collectives meet. Rank 0 alone does what needs the Batch (advantages, masks, reward
 metrics), so followers receive plain rows of numbers.
+
+The loss is `stages.trainer.loss`, run on each micro-batch by `rows.micro_batch_loss` exactly as
+the torch trainer runs it on a minibatch. One optimizer step per rollout batch
+(`--global-batch-size` is refused at config load for this backend).
 
 Parallelism: tensor parallel from megatron-core's `parallel_state`, data parallel = world / TP.
 Each DP rank takes every DP-th row; the loss is normalised by the whole batch's token count, and
@@ -26,6 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -38,7 +43,8 @@ import torch.distributed as dist
 
 from pipeline.errors import PipelineError
 from pipeline.types import Batch, Sample
-from stages.trainer.megatron.loss import PackedTokens, RowTokens, TokenLoss, grpo_rows, token_loss
+from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
 from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, hf_to_megatron, is_sharded, megatron_to_hf, shard, unshard
 
 __all__ = ["MegatronTrainer", "OPTIMIZER_DIR"]
@@ -77,11 +83,8 @@ class MegatronTrainer:
         self,
         model_path: str | os.PathLike[str],
         *,
+        loss: LossSettings | None = None,
         lr: float = 5e-3,
-        eps_clip: float = 0.2,
-        eps_clip_high: float | None = None,
-        tis_cap: float | None = 2.0,
-        mask_offpolicy_in_partial_rollout: bool = False,
         temperature: float = 1.0,
         max_grad_norm: float = 1.0,
         weight_decay: float = 0.0,
@@ -99,8 +102,8 @@ class MegatronTrainer:
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
-        self.loss = TokenLoss(eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, tis_cap, temperature)
-        self.mask_offpolicy = mask_offpolicy_in_partial_rollout
+        self.loss = loss or LossSettings()
+        self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device)
@@ -122,9 +125,12 @@ class MegatronTrainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0)."""
-        rows, summary = grpo_rows(batch, mask_offpolicy=self.mask_offpolicy)
+        if not batch.samples:
+            raise ValueError(f"batch {batch.step} has no samples")
+        rows, trains, versions = batch_rows(batch, self.loss)
         self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
-        return {**self._train(rows), **summary}
+        totals, grad_norm, stepped = self._train(rows)
+        return step_metrics(batch, rows, trains, versions, totals, grad_norm, stepped)
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
@@ -148,7 +154,7 @@ class MegatronTrainer:
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
-        rows = [RowTokens.from_sample(s) for s in samples]
+        rows = [Row.of(s) for s in samples]
         self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
         return self._logprobs(rows)
 
@@ -166,11 +172,11 @@ class MegatronTrainer:
             if command is _Command.STOP:
                 return
             if command is _Command.TRAIN:
-                self._train([RowTokens.from_json(r) for r in payload])
+                self._train([Row.from_json(r) for r in payload])
             elif command is _Command.SAVE:
                 self._save(Path(payload))
             elif command is _Command.LOGPROBS:
-                self._logprobs([RowTokens.from_json(r) for r in payload])
+                self._logprobs([Row.from_json(r) for r in payload])
 
     def _broadcast(self, command: _Command, payload: Any) -> None:
         if self.layout.world == 1:
@@ -196,41 +202,62 @@ class MegatronTrainer:
 
     # ---- the step, on every rank --------------------------------------------------------------
 
-    def _train(self, rows: list[RowTokens]) -> dict[str, float]:
-        n_tokens = float(sum(sum(r.mask) for r in rows))  # the whole batch's: the loss's denominator
+    def _train(self, rows: list[Row]) -> tuple[Counter[str], float, bool]:
+        """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
+
+        Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
+        a batch with no signal (no token trains, or every advantage is 0) takes none, as in the
+        torch trainer, since AdamW's momentum would move the weights anyway.
+        """
         mine = rows[self.layout.dp_rank :: self.layout.dp]
+        chunks = [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+        batch_tokens = self._batch_tokens(rows, chunks)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        sums = torch.zeros(5, dtype=torch.float64)
-        for start in range(0, len(mine), self.micro_batch_size):
-            chunk = mine[start : start + self.micro_batch_size]
-            logp, targets = self._packed_logprobs(chunk)
-            part = token_loss(self.loss, logp, targets, n_tokens=max(n_tokens, 1.0))
-            part.loss.backward()
-            sums += part.sums
+        totals: Counter[str] = Counter()
+        for chunk in chunks:
+            logp, entropy = self._packed_logprobs(chunk)
+            micro_batch_loss(self.loss, chunk, logp, entropy, batch_tokens=batch_tokens,
+                             batch_samples=len(rows), totals=totals).backward()
         if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             sum(p.sum() * 0.0 for p in self.model.parameters()).backward()
+        totals = self._sum_over_dp(totals)
         self._reduce_gradients()
-        if self.layout.dp > 1:  # NCCL reduces only GPU tensors
-            sums = sums.to(self._comm_device)
-            dist.all_reduce(sums, group=self._dp_group())
-            sums = sums.cpu()
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        stepped = totals["signal"] > 0
+        if stepped:
+            self.optimizer.step()
         self.steps += 1
-        denom = max(n_tokens, 1.0)
-        return {
-            "loss": float(sums[0]),
-            "pg_clipfrac": float(sums[1]) / denom,
-            "tis_clip_ratio": float(sums[2]) / denom,
-            "tis_mean": float(sums[3]) / denom,
-            "train_rollout_logprob_abs_diff": float(sums[4]) / denom,
-            "grad_norm": grad_norm,
-            "tokens": n_tokens,
-        }
+        return totals, grad_norm, stepped
+
+    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]]) -> float:
+        """The token-mean denominator: the batch's trainable tokens, after log-prob-dependent drops."""
+        s = self.loss
+        drops = s.use_opsm or s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
+        if s.aggregation is not LossAggregation.TOKEN_MEAN or not drops:
+            return float(sum(sum(r.mask) for r in rows))
+        with torch.no_grad():
+            count = sum(trained_token_count(s, c, self._packed_logprobs(c)[0]) for c in chunks)
+        total = torch.tensor([float(count)], dtype=torch.float64, device=self._comm_device)
+        if self.layout.dp > 1:
+            dist.all_reduce(total, group=self._dp_group())
+        return float(total[0])
+
+    def _sum_over_dp(self, totals: Counter[str]) -> Counter[str]:
+        if self.layout.dp == 1:
+            return totals
+        from stages.trainer.megatron.rows import TOTALS
+
+        sums = torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(sums, group=self._dp_group())
+        peak = torch.tensor([totals["weight_max"]], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group())
+        out: Counter[str] = Counter({k: float(v) for k, v in zip(TOTALS, sums.tolist(), strict=True)})
+        out["weight_max"] = float(peak[0])
+        return out
 
     @torch.no_grad()
-    def _logprobs(self, rows: list[RowTokens]) -> list[list[float]]:
+    def _logprobs(self, rows: list[Row]) -> list[list[float]]:
         out: list[list[float]] = []
         for start in range(0, len(rows), self.micro_batch_size):
             chunk = rows[start : start + self.micro_batch_size]
@@ -241,37 +268,50 @@ class MegatronTrainer:
                 at += len(r.response_ids)
         return out
 
-    def _packed_logprobs(self, rows: Sequence[RowTokens]) -> tuple[torch.Tensor, PackedTokens]:
-        """Log-probs of the response tokens of `rows`, packed into one sequence: [sum of responses].
+    def _packed_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens of `rows` and the entropy at each, packed: [sum of responses].
 
         The sequence is every row's prompt+response back to back; a block-diagonal causal mask keeps
         each row to itself. Only the positions that predict a response token go through the
-        vocab-parallel softmax. Also returns the rows' per-token fields, concatenated.
+        vocab-parallel softmax.
         """
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         ids: list[int] = []
         predict: list[int] = []
         blocks: list[int] = []
+        targets: list[int] = []
         for r in rows:
-            if not r.prompt_ids:
-                raise ValueError("a sample has an empty prompt: nothing predicts its first token")
             p = len(r.prompt_ids)
             predict += range(len(ids) + p - 1, len(ids) + p - 1 + len(r.response_ids))
             ids += r.prompt_ids + r.response_ids
+            targets += r.response_ids
             blocks.append(p + len(r.response_ids))
-        n = len(ids)
         owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
-        position = torch.arange(n)
-        masked = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = hidden
+        position = torch.arange(len(ids))
+        hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = masked
         tokens = torch.tensor(ids, device=self.device)[None]
-        logits = self.model(tokens, position.to(self.device)[None], attention_mask=masked.to(self.device)[None, None])
-        picked = logits[0, torch.tensor(predict, device=self.device)]  # [R, V / tp]
-        joined = PackedTokens.of(rows)
-        target = torch.tensor(joined.response_ids, device=self.device)
-        # The vocab-parallel cross entropy is -log softmax(logits)[target], summed over TP ranks' shards.
-        logp = -vocab_parallel_cross_entropy((picked.float() / self.loss.temperature)[:, None], target[:, None])
-        return logp[:, 0], joined
+        logits = self.model(tokens, position.to(self.device)[None], attention_mask=hidden.to(self.device)[None, None])
+        picked = logits[0, torch.tensor(predict, device=self.device)].float() / self.temperature  # [R, V / tp]
+        target = torch.tensor(targets, device=self.device)
+        # -log softmax(logits)[target] over the whole vocabulary, each TP rank holding a slice of it.
+        logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), target[:, None])[:, 0]
+        return logp, self._entropy(picked.detach())
+
+    @torch.no_grad()
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy of softmax(logits) per row, the vocabulary split over the TP group: [R]."""
+        from megatron.core import parallel_state as ps
+
+        peak = logits.max(dim=-1, keepdim=True).values
+        if self.layout.tp > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        shifted = logits - peak
+        weights = shifted.exp()
+        parts = torch.stack([weights.sum(-1), (weights * shifted).sum(-1)])
+        if self.layout.tp > 1:
+            dist.all_reduce(parts, group=ps.get_tensor_model_parallel_group())
+        return parts[0].log() - parts[1] / parts[0]  # log Z - E[shifted]
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps

@@ -1,5 +1,6 @@
-"""The built-in GRPO trainer on the real tiny model: advantages, per-token TIS, the off-policy mask,
-weight saving, and that it actually learns the toy task."""
+"""The built-in GRPO trainer on the real tiny model: advantages, per-token importance weights, the
+version masks, minibatches with a trust region, no step without signal, weight saving, and that it
+actually learns the toy task. The loss formulas on hand-computed tensors: tests/test_trainer_loss.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import statistics
 import pytest
 import torch
 
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
-from stages.grpo_trainer import GRPOTrainer, group_advantages
-from stages.tiny_model import EOS_ID, make_model_folder
-from stages.toy_task import encode, toy_dataset, toy_reward
+from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
+from stages.trainer import GRPOTrainer, group_advantages
+from stages.trainer.loss import LossSettings
+from stages.tasks.tiny_model import EOS_ID, make_model_folder
+from stages.tasks.toy import encode, toy_dataset, toy_reward
 
 MAX_LEN = 64
 
@@ -128,47 +130,134 @@ def test_tis_weight_uses_each_tokens_own_behaviour_logprob(model_dir):
     assert metrics["pg_clipfrac"] == 0.0  # one step per batch: the PPO ratio is exactly 1
 
 
-def test_tis_cap_none_leaves_weights_unclipped(model_dir):
+def test_no_tis_means_weight_one_and_no_nan_at_masked_positions(model_dir):
+    """Issue 8 defect 4: `tis_cap=None` (--no-use-tis) used to give uncapped weights e^2."""
     trainer = GRPOTrainer(model_dir, tis_cap=None)
     probe = _sample(0, PROMPT, _seg("aa", -1.0, FinishReason.STOP, 0))
     behaviour = [lp - 2.0 for lp in trainer.logprobs([probe])[0]]
     sample = _sample(0, PROMPT, _seg("aa", behaviour, FinishReason.STOP, 0))
-    assert trainer.importance_weights([sample])[0] == pytest.approx([math.exp(2.0)] * 2, rel=1e-5)
-    metrics = trainer.train_step(Batch(0, (_group(TASK, [sample, sample], [1.0, 0.0]),)))
-    assert metrics["tis_mean"] == pytest.approx(math.exp(2.0), rel=1e-4)
-    assert metrics["tis_clip_ratio"] == 0.0
-
-
-# ---- the off-policy mask ----------------------------------------------------------------------
-
-
-def test_offpolicy_mask_covers_only_the_prefix_of_continued_samples(model_dir):
-    trainer = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=True)
-    continued = _sample(
-        0,
-        PROMPT,
-        _seg("aaa", -1.0, FinishReason.ABORT, 0),
-        _seg("aa", -1.0, FinishReason.ABORT, 1),
-        _seg("a", -1.0, FinishReason.STOP, 2),
+    assert trainer.importance_weights([sample])[0] == [1.0, 1.0]
+    # A masked token whose behaviour log-prob is -inf (the engine gave it no mass) must not turn
+    # the loss into NaN through inf * 0.
+    odd = dataclasses.replace(
+        _sample(1, PROMPT, _seg("ab", [-float("inf"), -1.0], FinishReason.STOP, 0)), loss_mask=(0, 1)
     )
-    assert continued.resumed_at == (3, 5)
-    assert trainer.loss_mask(continued) == [0, 0, 0, 1, 1, 1]  # only [0, resumed_at[0])
-    fresh = _sample(1, PROMPT, _seg("aaaaaa", -1.0, FinishReason.STOP, 0))
-    assert trainer.loss_mask(fresh) == [1] * 6
-    # Aborted with nothing generated, then run in one go: nothing was continued, nothing masked.
-    empty_abort = _sample(2, PROMPT, Segment((), (), FinishReason.ABORT, 0), _seg("aa", -1.0, FinishReason.STOP, 1))
-    assert empty_abort.resumed_at == () and trainer.loss_mask(empty_abort) == [1, 1]
+    for t in (trainer, GRPOTrainer(model_dir)):
+        metrics = t.train_step(Batch(0, (_group(TASK, [sample, odd], [1.0, 0.0]),)))
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert metrics["tokens"] == 3
+
+
+# ---- the version masks ------------------------------------------------------------------------
+
+
+def _versions_sample(*parts: tuple[str, int, FinishReason]) -> Sample:
+    return _sample(0, PROMPT, *(_seg(text, -1.0, reason, version) for text, version, reason in parts))
+
+
+A, S = FinishReason.ABORT, FinishReason.STOP
+
+
+@pytest.mark.parametrize(
+    ("parts", "expected"),
+    [
+        ([("aaa", 0, S)], [1, 1, 1]),  # 0 continuations: one version, everything trains
+        ([("aaa", 0, A), ("aa", 1, S)], [0, 0, 0, 1, 1]),  # 1 continuation at a newer version
+        # 2 continuations: only the newest version's tokens train (the old rule kept the middle)
+        ([("aaa", 0, A), ("aa", 1, A), ("a", 2, S)], [0, 0, 0, 0, 0, 1]),
+        # continued at the same version (failed publish, restart at the checkpoint): nothing masked
+        ([("aaa", 3, A), ("aa", 3, S)], [1, 1, 1, 1, 1]),
+        ([("aa", 1, A), ("a", 1, A), ("a", 2, S)], [0, 0, 0, 1]),
+    ],
+)
+def test_offpolicy_mask_follows_the_version_spans(model_dir, parts, expected):
+    """Issue 8 defect 3: the mask comes from the spans, not from `resumed_at[0]`."""
+    trainer = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=True)
+    assert trainer.loss_mask(_versions_sample(*parts)) == expected
+    assert GRPOTrainer(model_dir).loss_mask(_versions_sample(*parts)) == [1] * len(expected)
+
+
+def test_offpolicy_mask_covers_a_request_that_crossed_a_publish(model_dir):
+    """retract / in_place: one request, two spans, never resumed; the old span is masked."""
+    trainer = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=True)
+    crossed = dataclasses.replace(
+        _sample(0, PROMPT, _seg("aaaaa", -1.0, FinishReason.STOP, 1)),
+        spans=(VersionSpan(0, 2, 0), VersionSpan(2, 5, 1)),
+    )
+    assert crossed.resumed_at == ()
+    assert trainer.loss_mask(crossed) == [0, 0, 1, 1, 1]
     # A loss mask that already drops tokens (e.g. tool output) keeps them dropped.
-    tooled = dataclasses.replace(continued, loss_mask=(1, 1, 1, 1, 0, 1))
-    assert trainer.loss_mask(tooled) == [0, 0, 0, 1, 0, 1]
-
-    metrics = trainer.train_step(Batch(0, (_group(TASK, [continued, fresh], [1.0, 0.0]),)))
+    assert trainer.loss_mask(dataclasses.replace(crossed, loss_mask=(1, 1, 1, 0, 1))) == [0, 0, 1, 0, 1]
+    fresh = _sample(1, PROMPT, _seg("aaaaaa", -1.0, FinishReason.STOP, 1))
+    metrics = trainer.train_step(Batch(0, (_group(TASK, [crossed, fresh], [1.0, 0.0]),)))
     assert metrics["tokens"] == 3 + 6
-    assert metrics["mask_ratio"] == pytest.approx(9 / 12)
+    assert metrics["mask_ratio"] == pytest.approx(9 / 11)
+    assert metrics["versions/tokens_v1"] == 9 and "versions/tokens_v0" not in metrics
 
-    unmasked = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=False)
-    assert unmasked.loss_mask(continued) == [1] * 6
-    assert unmasked.train_step(Batch(0, (_group(TASK, [continued, fresh], [1.0, 0.0]),)))["mask_ratio"] == 1.0
+
+def test_stale_tokens_are_masked_against_the_trained_version(model_dir):
+    trainer = GRPOTrainer(model_dir, loss=LossSettings(mask_stale_tokens=1))
+    mixed = _versions_sample(("aa", 3, A), ("aa", 4, A), ("a", 5, S))
+    fresh = _sample(1, PROMPT, _seg("aa", -1.0, FinishReason.STOP, 5))
+    batch = Batch(0, (_group(TASK, [mixed, fresh], [1.0, 0.0]),), train_version=5)
+    assert trainer.loss_mask(mixed, train_version=5) == [0, 0, 1, 1, 1]
+    metrics = trainer.train_step(batch)
+    assert metrics["tokens"] == 3 + 2  # the group and the other tokens still train
+    assert (metrics["versions/tokens_v4"], metrics["versions/tokens_v5"]) == (2, 3)
+    # Without a train version the newest token version stands in.
+    assert trainer.loss_mask(mixed) == [0, 0, 1, 1, 1]
+
+
+def test_truncated_samples_can_be_masked_but_keep_their_reward(model_dir):
+    trainer = GRPOTrainer(model_dir, loss=LossSettings(mask_truncated_samples=True))
+    cut = _sample(0, PROMPT, _seg("aaaa", -1.0, FinishReason.LENGTH, 0))
+    done = [_sample(i, PROMPT, _seg("a", -1.0, FinishReason.STOP, 0)) for i in (1, 2)]
+    metrics = trainer.train_step(Batch(0, (_group(TASK, [cut, *done], [0.0, 1.0, 0.5]),)))
+    assert metrics["tokens"] == 2
+    assert metrics["truncated_ratio"] == pytest.approx(1 / 3)
+    assert metrics["reward_mean"] == pytest.approx(0.5)  # the truncated sample still counts
+
+
+# ---- minibatches: a trust region --------------------------------------------------------------
+
+
+def _batch_of(n: int, rewards: list[float]) -> Batch:
+    samples = [_sample(i, PROMPT, _seg("ab"[: 1 + i % 2] + "a", -2.0, FinishReason.STOP, 0)) for i in range(n)]
+    return Batch(0, (_group(TASK, samples, rewards),))
+
+
+def test_one_step_per_batch_never_clips_but_minibatches_do(model_dir):
+    """Issue 8 defect 5: with one step per batch the ratio is 1; with --global-batch-size the later
+    minibatches see a ratio against the proximal policy, and a big step is clipped."""
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    one = GRPOTrainer(model_dir, lr=0.5)
+    metrics = one.train_step(_batch_of(8, rewards))
+    assert metrics["optimizer_steps"] == 1 and metrics["pg_clipfrac"] == 0.0
+    mini = GRPOTrainer(model_dir, lr=0.5, global_batch_size=2)
+    metrics = mini.train_step(_batch_of(8, rewards))
+    assert metrics["optimizer_steps"] == 4
+    assert metrics["pg_clipfrac"] > 0.0
+
+
+# ---- no signal, no change -------------------------------------------------------------------
+
+
+def test_a_step_without_signal_leaves_the_weights_bitwise_equal_after_real_steps(model_dir):
+    """Issue 8 defect 6: after a real step AdamW's momentum moved the weights on a no-signal step."""
+    trainer = GRPOTrainer(model_dir)
+    trainer.train_step(_batch_of(2, [0.0, 1.0]))  # builds momentum
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.train_step(_batch_of(2, [0.5, 0.5]))  # every advantage 0
+    assert metrics["optimizer_steps"] == 0
+    masked = GRPOTrainer(model_dir, loss=LossSettings(mask_stale_tokens=0))
+    masked.train_step(_batch_of(2, [0.0, 1.0]))
+    stale = Batch(1, _batch_of(2, [0.0, 1.0]).groups, train_version=5)  # every token too old
+    masked_before = {k: v.clone() for k, v in masked.model.state_dict().items()}
+    assert masked.train_step(stale)["optimizer_steps"] == 0
+    for model, snapshot in ((trainer.model, before), (masked.model, masked_before)):
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, snapshot[k]), k
 
 
 # ---- no signal, no change -------------------------------------------------------------------

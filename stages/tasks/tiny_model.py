@@ -1,0 +1,78 @@
+"""A tiny Qwen3-architecture causal LM and a character-level tokenizer, built in code, offline.
+
+The built-in engine serves it and the built-in trainer trains it; nothing is downloaded. The model
+folder is an ordinary Hugging Face folder (config.json, model.safetensors, tokenizer.json), so
+`AutoModelForCausalLM.from_pretrained` and a real SGLang server could load it too.
+
+Each character is one token, so a response's length in tokens is its length in characters, and
+the toy task's reward can read token ids without any re-tokenization ambiguity.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["BOS_ID", "CHARS", "EOS_ID", "PAD_ID", "build_tokenizer", "make_model_folder"]
+
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+SPECIALS = ("<pad>", "<eos>", "<bos>")
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 =+-*:?,.!"
+VOCAB_SIZE = 64  # room for SPECIALS + CHARS, rounded up
+
+
+def build_tokenizer():
+    """A `PreTrainedTokenizerFast` with one token per character of `CHARS`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in CHARS:
+        vocab[ch] = len(vocab)
+    assert len(vocab) <= VOCAB_SIZE
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
+def make_model_folder(
+    path: str | os.PathLike[str],
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised tiny Qwen3 model plus its tokenizer to `path`; return the path.
+
+    Deterministic for a given seed, so two processes that build it get the same weights.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
