@@ -130,10 +130,19 @@ def _rank_env(world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def _loss_settings(raw: dict[str, Any]) -> Any:
+    from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+
+    raw = {**raw, "correction": ImportanceCorrection(raw["correction"]), "aggregation": LossAggregation(raw["aggregation"])}
+    return LossSettings(**raw)
+
+
 def _follower_main(raw_spec: str) -> None:
     from stages.trainer.megatron.trainer import MegatronTrainer
 
     spec = orjson.loads(raw_spec)
+    if spec["trainer"].get("loss") is not None:  # a LossSettings, sent as JSON (enums by value)
+        spec["trainer"]["loss"] = _loss_settings(spec["trainer"]["loss"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = init_rank(rank=rank, world_size=world, tp=spec["tp"], pp=spec["pp"], device=spec["device"], seed=spec["seed"])
     trainer = MegatronTrainer(Path(spec["model_path"]), device=device, **spec["trainer"])
