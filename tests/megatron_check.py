@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import orjson
-import torch
 
 
 def fixed_batch(reference):

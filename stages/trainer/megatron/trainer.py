@@ -28,8 +28,6 @@ rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,17 +39,20 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from pipeline.errors import PipelineError
 from pipeline.types import Batch, Sample
+from stages.trainer.checkpoint import OPTIMIZER_DIR, write_folder_atomically
 from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+from stages.trainer.megatron.checkpoint import (
+    gather_full_state,
+    load_hf_weights,
+    load_optimizer_shard,
+    save_optimizer_shard,
+    write_hf_weights,
+)
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, is_sharded
 from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
-from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, hf_to_megatron, is_sharded, megatron_to_hf, shard, unshard
 
-__all__ = ["MegatronTrainer", "OPTIMIZER_DIR"]
-
-OPTIMIZER_DIR = "optimizer"
-_FORMAT = 1
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+__all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
 
 
 class _Command(IntEnum):
@@ -115,11 +116,12 @@ class MegatronTrainer:
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
         self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu")
-        self._load_hf_weights(self.model_path)
+        load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.steps = 0
         if (self.model_path / OPTIMIZER_DIR).is_dir():
-            self._load_optimizer(self.model_path / OPTIMIZER_DIR)
+            self.steps = load_optimizer_shard(self.optimizer, self.model, self.model_path / OPTIMIZER_DIR,
+                                              layout=self._layout_dict)
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -134,23 +136,12 @@ class MegatronTrainer:
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        try:
-            self._broadcast(_Command.SAVE, str(tmp))
-            self._save(tmp)
-            if path.exists():  # two renames: a reader sees the old folder or none, never a mix
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-                os.replace(path, old / "folder")
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
+
+        def fill(folder: Path) -> None:
+            self._broadcast(_Command.SAVE, str(folder))
+            self._save(folder)
+
+        return write_folder_atomically(Path(path), self.model_path, fill)
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
@@ -364,89 +355,23 @@ class MegatronTrainer:
                     p.grad.mul_(coef)
         return norm
 
-    # ---- weights and optimizer ----------------------------------------------------------------
-
-    def _load_hf_weights(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise PipelineError(f"{folder} has no *.safetensors weights for the megatron backend to convert")
-        hf: dict[str, torch.Tensor] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                hf.update({k: fh.get_tensor(k) for k in fh.keys()})
-        full = hf_to_megatron(hf, self.shape)
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                if name not in full:
-                    raise PipelineError(f"{folder}: no weight converts to megatron parameter {name!r}")
-                param.copy_(shard(name, full[name], self.layout.tp_rank, self.layout.tp).to(param.dtype))
-
-    def _full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter joined over the TP group (on every TP rank), on CPU."""
-        from megatron.core import parallel_state as ps
-
-        out: dict[str, torch.Tensor] = {}
-        for name, param in self.model.named_parameters():
-            local = param.detach().contiguous()
-            if self.layout.tp > 1:
-                parts = [torch.empty_like(local) for _ in range(self.layout.tp)]
-                dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
-            else:
-                parts = [local]
-            out[name] = unshard(name, [p.cpu() for p in parts])
-        return out
+    # ---- weights and optimizer (stages.trainer.megatron.checkpoint) ---------------------------
 
     def _save(self, folder: Path) -> None:
-        """Rank 0 writes the HF folder; every rank writes its optimizer shard; all meet at the end."""
-        from safetensors.torch import save_file
+        """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
+        from megatron.core import parallel_state as ps
 
-        full = self._full_state()
+        full = gather_full_state(self.model, tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
         if self.layout.rank == 0:
-            for src in self.model_path.iterdir():
-                if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
-                    shutil.copy2(src, folder / src.name)  # config, tokenizer: the model's shape is unchanged
-            hf = megatron_to_hf(full, self.shape)
-            save_file({k: v.float().contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"),
-                      metadata={"format": "pt"})
+            write_hf_weights(folder, full, self.shape, self.model_path)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
-        self._save_optimizer(folder / OPTIMIZER_DIR)
+        save_optimizer_shard(self.optimizer, self.model, folder / OPTIMIZER_DIR, layout=self._layout_dict,
+                             steps=self.steps)
         if self.layout.world > 1:
             dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
 
-    def _save_optimizer(self, folder: Path) -> None:
-        from safetensors.torch import save_file
-
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        tensors: dict[str, torch.Tensor] = {}
-        for param, state in self.optimizer.state.items():
-            for key, value in state.items():
-                tensors[f"{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-        save_file(tensors, str(folder / f"rank{self.layout.rank}.safetensors"))
-        meta = {"format": _FORMAT, "backend": "megatron", "world": self.layout.world, "tp": self.layout.tp,
-                "trainer_steps": self.steps}
-        (folder / f"rank{self.layout.rank}.json").write_bytes(orjson.dumps(meta))
-
-    def _load_optimizer(self, folder: Path) -> None:
-        """Restore this rank's AdamW shard; refuse a checkpoint of another backend or layout."""
-        from safetensors.torch import load_file
-
-        meta_path = folder / f"rank{self.layout.rank}.json"
-        if not meta_path.exists():
-            raise PipelineError(f"optimizer checkpoint {folder} has no shard for megatron rank {self.layout.rank}: "
-                                "it was saved by the torch backend or with fewer ranks")
-        meta = orjson.loads(meta_path.read_bytes())
-        expected = {"format": _FORMAT, "backend": "megatron", "world": self.layout.world, "tp": self.layout.tp}
-        if {k: meta.get(k) for k in expected} != expected:
-            raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
-        tensors = load_file(str(folder / f"rank{self.layout.rank}.safetensors"))
-        for name, param in self.model.named_parameters():
-            # AdamW keeps `step` on the CPU (non-capturable); the moments live beside the parameter.
-            state = {key.rsplit(".", 1)[1]: t if key.endswith(".step") else t.to(param.device)
-                     for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
-            if state:
-                self.optimizer.state[param] = state
-        self.steps = int(meta["trainer_steps"])
+    @property
+    def _layout_dict(self) -> dict[str, int]:
+        return {"rank": self.layout.rank, "world": self.layout.world, "tp": self.layout.tp}
