@@ -150,3 +150,25 @@ def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     optimizer = tmp_path / "run" / "weights" / "v12" / "optimizer"
     assert sorted(p.name for p in optimizer.iterdir()) == sorted(
         f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
+
+
+def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path):
+    from pipeline.errors import PipelineError
+    from stages.trainer.megatron.checkpoint import load_optimizer_shard, save_optimizer_shard
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    layout = {"rank": 0, "world": 1, "tp": 1}
+    save_optimizer_shard(optimizer, model, tmp_path, layout=layout, steps=7)
+
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert load_optimizer_shard(fresh, model, tmp_path, layout=layout) == 7
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.state[p][key], optimizer.state[p][key])
+    with pytest.raises(PipelineError, match=r"this run is \{'format': 1, 'backend': 'megatron', 'world': 2, 'tp': 2\}"):
+        load_optimizer_shard(fresh, model, tmp_path, layout={"rank": 0, "world": 2, "tp": 2})
+    with pytest.raises(PipelineError, match="no shard for megatron rank 1: it was saved by the torch backend"):
+        load_optimizer_shard(fresh, model, tmp_path, layout={"rank": 1, "world": 2, "tp": 2})
