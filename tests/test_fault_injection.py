@@ -522,7 +522,8 @@ def test_sigkill_with_megatron_ranks_then_restart_trains_every_group_exactly_onc
             launcher = Launcher(out, life, *MEGATRON)
             launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
             condition = point.arm(watch, launcher)
-            launcher.wait_until(point.name, condition)
+            # Starting rank 1 and building the model on both ranks comes first: more time than a torch life.
+            launcher.wait_until(point.name, condition, deadline=2 * LIFE_DEADLINE)
             launcher.kill()
             watch.snapshot()
         launcher = Launcher(out, len(MEGATRON_KILL_POINTS), *MEGATRON)
