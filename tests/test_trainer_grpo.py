@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
-from stages.trainer import GRPOTrainer, group_advantages
-from stages.trainer.loss import LossSettings
 from stages.tasks.tiny_model import EOS_ID, make_model_folder
 from stages.tasks.toy import encode, toy_dataset, toy_reward
+from stages.trainer import GRPOTrainer, group_advantages
+from stages.trainer.loss import LossSettings
 
 MAX_LEN = 64
 

@@ -26,9 +26,8 @@ still counts its response tokens as masked in `mask_ratio`, so failures show up 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from stages.trainer.checkpoint import (
     write_folder_atomically,
 )
 from stages.trainer.loss import ImportanceCorrection, LossSettings, group_advantages
+from stages.trainer.metrics import step_metrics
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -160,20 +160,20 @@ class GRPOTrainer:
             with torch.no_grad():
                 proximal = torch.cat([self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])[0]
                                       for mb in minibatches])
-        totals: Counter[str] = Counter()
+        totals: defaultdict[str, float] = defaultdict(float)
         for mb in minibatches:
             self._minibatch_step(samples, mb, t, proximal, totals)
         self.steps += 1
-        return self._metrics(samples, trains, advantages, t, totals, len(minibatches))
+        return step_metrics(samples, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
 
     def _minibatch_step(
         self, samples: list[Sample], mb: list[int], t: _Tensors, proximal: torch.Tensor | None,
-        totals: Counter[str],
+        totals: defaultdict[str, float],
     ) -> None:
         """Forward, loss and (when there is signal) one optimizer step on the samples `mb`."""
         s = self.loss
         index = torch.tensor(mb, device=self.device)
-        behaviour, valid, mask, adv = t.behaviour[index], t.valid[index], t.mask[index], t.advantages[index]
+        behaviour, mask, adv = t.behaviour[index], t.mask[index], t.advantages[index]
         logp, entropy = self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])
         prox = logp.detach() if proximal is None else proximal[index]
 
@@ -346,44 +346,6 @@ class GRPOTrainer:
             entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
         return logp.masked_fill(~valid, 0.0), entropy
 
-    # ---- metrics ------------------------------------------------------------------------------
-
-    def _metrics(
-        self, samples: Sequence[Sample], trains: Sequence[bool], advantages: Sequence[float], t: _Tensors,
-        totals: Counter[str], n_minibatches: int,
-    ) -> dict[str, float]:
-        """The step's metrics; token averages are over the tokens the masks let train."""
-        masked = max(totals["masked_tokens"], 1.0)
-        trained_tokens = totals["trained_tokens"]
-        trained = [s for s, tr in zip(samples, trains, strict=True) if tr]
-        trained_adv = [a for a, tr in zip(advantages, trains, strict=True) if tr]
-        total_response = float(t.valid.sum())
-        out = {
-            "loss": totals["loss"] / n_minibatches,
-            "pg_clipfrac": totals["clipped"] / max(trained_tokens, 1.0),
-            "entropy": totals["entropy"] / masked,
-            "approx_kl_k3": totals["kl_k3"] / masked,
-            "is_weight_mean": totals["weight_sum"] / masked,
-            "is_weight_max": totals["weight_max"],
-            "tis_clip_ratio": totals["tis_clipped"] / masked,
-            "tis_mean": totals["applied_weight"] / max(trained_tokens, 1.0),
-            "is_mask_frac": totals["is_dropped"] / masked,
-            "opsm_mask_frac": totals["opsm_dropped"] / masked,
-            "train_rollout_logprob_abs_diff": totals["abs_diff"] / masked,
-            "reward_mean": _mean([float(s.reward) for s in trained if s.reward is not None]),
-            "response_len_mean": _mean([float(s.response_len) for s in trained]),
-            "truncated_ratio": _mean([float(s.status is SampleStatus.TRUNCATED) for s in samples]),
-            "mask_ratio": trained_tokens / total_response if total_response else 0.0,
-            "advantage_std": _std(trained_adv),
-            "grad_norm": totals["grad_norm"] / max(totals["optimizer_steps"], 1.0),
-            "optimizer_steps": totals["optimizer_steps"],
-            "tokens": trained_tokens,  # response tokens that trained this step
-        }
-        versions = t.versions[t.mask].tolist()
-        for version, count in sorted(Counter(versions).items()):
-            out[f"versions/tokens_v{version}"] = float(count)
-        return out
-
     # ---- publishing weights ------------------------------------------------------------------
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
@@ -420,14 +382,3 @@ def _with_legacy_keywords(
     if mask_offpolicy is not _UNSET:
         changes["mask_offpolicy_in_partial_rollout"] = bool(mask_offpolicy)
     return dataclasses.replace(loss, **changes) if changes else loss  # type: ignore[arg-type]
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
-def _std(xs: Sequence[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
