@@ -12,7 +12,7 @@ or samples (the two per-sequence modes).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,51 +151,22 @@ def micro_batch_loss(
 
 def step_metrics(batch: Batch, rows: Sequence[Row], trains: Sequence[bool], versions: Sequence[Sequence[int]],
                  totals: Counter[str], grad_norm: float, stepped: bool) -> dict[str, float]:
-    """The torch trainer's metrics (same names, same meaning) from the ranks' summed totals."""
-    samples = batch.samples
-    masked = max(totals["masked_tokens"], 1.0)
-    trained_tokens = totals["trained_tokens"]
-    trained = [x for x, t in zip(samples, trains, strict=True) if t]
-    trained_adv = [r.advantage for r, t in zip(rows, trains, strict=True) if t]
-    total_response = float(sum(x.response_len for x in samples))
-    out = {
-        "loss": totals["loss"],
-        "pg_clipfrac": totals["clipped"] / max(trained_tokens, 1.0),
-        "entropy": totals["entropy"] / masked,
-        "approx_kl_k3": totals["kl_k3"] / masked,
-        "is_weight_mean": totals["weight_sum"] / masked,
-        "is_weight_max": totals["weight_max"],
-        "tis_clip_ratio": totals["tis_clipped"] / masked,
-        "tis_mean": totals["applied_weight"] / max(trained_tokens, 1.0),
-        "is_mask_frac": totals["is_dropped"] / masked,
-        "opsm_mask_frac": totals["opsm_dropped"] / masked,
-        "train_rollout_logprob_abs_diff": totals["abs_diff"] / masked,
-        "reward_mean": _mean([float(x.reward) for x in trained if x.reward is not None]),
-        "response_len_mean": _mean([float(x.response_len) for x in trained]),
-        "truncated_ratio": _mean([float(x.status is SampleStatus.TRUNCATED) for x in samples]),
-        "mask_ratio": trained_tokens / total_response if total_response else 0.0,
-        "advantage_std": _std(trained_adv),
-        "grad_norm": grad_norm if stepped else 0.0,
-        "optimizer_steps": float(stepped),
-        "tokens": trained_tokens,
-    }
-    counts: Counter[int] = Counter()
-    for r, v in zip(rows, versions, strict=True):
-        counts.update(ver for ver, m in zip(v, r.mask, strict=True) if m)
-    for version, count in sorted(counts.items()):
-        out[f"versions/tokens_v{version}"] = float(count)
-    return out
+    """The torch trainer's metrics (`stages.trainer.metrics`) from the ranks' summed totals."""
+    from stages.trainer.metrics import step_metrics as shared
 
-
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
-def _std(xs: Sequence[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    return float((sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5)
+    width = max((len(r.response_ids) for r in rows), default=0)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    token_versions = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, v) in enumerate(zip(rows, versions, strict=True)):
+        n = len(r.response_ids)
+        valid[i, :n] = True
+        mask[i, :n] = torch.tensor(r.mask, dtype=torch.bool)
+        token_versions[i, :n] = torch.tensor(list(v), dtype=torch.long)
+    summed: defaultdict[str, float] = defaultdict(float, totals)
+    summed["grad_norm"] = grad_norm if stepped else 0.0
+    summed["optimizer_steps"] = float(stepped)
+    return shared(batch.samples, trains, [r.advantage for r in rows], valid, mask, token_versions, summed, 1)
 
 
 def trained_token_count(settings: LossSettings, rows: Sequence[Row], logp_flat: torch.Tensor) -> float:
