@@ -87,6 +87,8 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         else:
             await engines.update_weights_from_disk(str(state.weights), weight_version=str(clock.version))
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
+        if callable(close := getattr(trainer, "close", None)):
+            stack.callback(close)  # the megatron backend: releases and waits for ranks 1..N-1
         # Everything built so far (torch, transformers, the model) lives for the whole run: keep
         # it out of the collector's scans. Each engine answer allocates a thousand small objects,
         # and full scans over the start-up heap were a measurable share of the controller's time.
@@ -261,31 +263,40 @@ class _engines:
         slots = e.sglang_server_concurrency
         timeout = self._config.rollout.request_timeout
         retries = self._config.rollout.max_retries
+        key = {"api_key": e.api_key} if e.api_key else {}  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
         try:
             if e.router_url:
-                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries)
+                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
             elif len(e.urls) == 1:
-                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries)
+                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
-                router = await start_router(list(e.urls), host=e.host, log_path=self._router_log())
+                router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
                 self._stack.push_async_exit(router)
-                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries)
+                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries, **key)
             else:
-                procs = await start_engines(
-                    e.num_engines, self._model_path, host=e.host, max_running_requests=slots,
-                    log_dir=Path(self._config.output.dir) / "logs",
-                )
+                if e.launcher == "sglang":
+                    from launch.sglang_server import start_sglang_servers
+
+                    procs = await start_sglang_servers(
+                        self._model_path, engine=e, log_dir=Path(self._config.output.dir) / "logs",
+                        seed=self._config.rollout.seed,
+                    )
+                else:
+                    procs = await start_engines(
+                        e.num_engines, self._model_path, host=e.host, max_running_requests=slots,
+                        log_dir=Path(self._config.output.dir) / "logs",
+                    )
                 for proc in procs:
                     self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
-                    router = await start_router(urls, host=e.host, log_path=self._router_log())
+                    router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
-                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries)
+                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries, **key)
                 else:
-                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries)
+                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
             return await self._stack.enter_async_context(fleet)
         except BaseException:
             await self._stack.aclose()

@@ -122,6 +122,7 @@ async def start_router(
     health_checks: bool = False,
     log_path: Path | None = None,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> RouterProcess:
     """Start `python -m sglang_router.launch_router` for `worker_urls` and wait until it routes to all.
 
@@ -151,6 +152,8 @@ async def start_router(
     ]  # fmt: skip
     if not health_checks:
         command += ["--disable-health-check", "--disable-circuit-breaker"]
+    if api_key:  # the router then wants it on every request, and passes it on to the workers
+        command += ["--api-key", api_key]
     command += list(extra_args)
 
     owns_log = log_path is None
@@ -162,20 +165,20 @@ async def start_router(
         process = await anyio.open_process(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     router = RouterProcess(url, workers, process, log_path, owns_log=owns_log)
     try:
-        await _wait_ready(router, startup_timeout)
+        await _wait_ready(router, startup_timeout, api_key)
     except BaseException:
         await router.stop(grace=2.0)  # the error already carries the log's tail
         raise
     return router
 
 
-async def _wait_ready(router: RouterProcess, deadline: float) -> None:
+async def _wait_ready(router: RouterProcess, deadline: float, api_key: str | None = None) -> None:
     """Poll `GET /workers` until it lists every worker: waiting for another process to start."""
     end = anyio.current_time() + deadline
     delay = _POLL_FIRST
     listed: set[str] = set()
     last = "no answer yet"
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"} if api_key else None) as session:
         while True:
             if router.process.returncode is not None:
                 raise EngineError(

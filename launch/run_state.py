@@ -40,8 +40,9 @@ import structlog
 
 import storage
 from pipeline.config import Config, config_to_dict
+from pipeline.controller import Trainer
 from pipeline.errors import IncompatibleStoreError, StoreError
-from pipeline.trainer_settings import build_trainer
+from pipeline.trainer_settings import build_trainer, loss_settings
 from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
 from storage import (
@@ -71,13 +72,12 @@ class RunState:
     start_step: int
     version: int  # the policy version serving at the start
     weights: Path | None  # weights of `version` to load, None for the base model
-    make_trainer: Callable[[], Any]
+    make_trainer: Callable[[], Trainer]
 
 
 def open_run_state(config: Config) -> RunState:
     from transformers import AutoTokenizer
 
-    from stages.trainer import GRPOTrainer
     from stages.tasks.tiny_model import make_model_folder
 
     out = Path(config.output.dir)
@@ -106,8 +106,19 @@ def open_run_state(config: Config) -> RunState:
     start_from = weights or model_path
 
     settings = config_to_dict(config)
+    t = config.trainer
 
-    def make_trainer() -> GRPOTrainer:
+    def make_trainer() -> Trainer:
+        if t.backend == "megatron":
+            from launch.megatron_ranks import start_megatron_trainer
+
+            # Rank 0 is this process; ranks 1.. are started here and stopped by the trainer's close().
+            return start_megatron_trainer(
+                start_from, world_size=t.num_ranks, tp=t.tensor_model_parallel_size,
+                pp=t.pipeline_model_parallel_size, device=t.device, seed=config.rollout.seed, log_dir=out / "logs",
+                loss=loss_settings(settings), lr=t.lr, temperature=config.rollout.temperature,
+                max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size,
+            )
         return build_trainer(start_from, settings)
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)

@@ -489,7 +489,9 @@ def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]
             _assert_prefixes(gid, before, _per_token(found[1]))
     # The final checkpoint's optimizer took exactly K steps: no batch was trained twice into the
     # weights that survived, however often a step was trained and then killed before it counted.
-    meta = json.loads((out / "weights" / f"v{K}" / OPTIMIZER_DIR / "state.json").read_text())
+    optimizer = out / "weights" / f"v{K}" / OPTIMIZER_DIR
+    meta_file = optimizer / "state.json" if (optimizer / "state.json").exists() else optimizer / "rank0.json"  # megatron
+    meta = json.loads(meta_file.read_text())
     assert meta["trainer_steps"] == K
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["version"] == r["step"] for r in records)
@@ -617,6 +619,43 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
             watch.snapshot()
         launcher = Launcher(out, len(ASYNC_KILL_POINTS), "--rollout-mode", "async")
         assert launcher.finish(300) == 0, launcher.log_tail()
+    finally:
+        watch.close()
+        if launcher is not None and launcher.proc.poll() is None:
+            launcher.kill()
+    _check_exactly_once(out, watch.stored)
+
+
+MEGATRON_KILL_POINTS = (
+    KillPoint("megatron: batch taken, ranks training", _batch_taken),
+    KillPoint("megatron: a step finished", _step_finished),
+)
+MEGATRON = ("--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2")
+
+
+@pytest.mark.slow
+def test_sigkill_with_megatron_ranks_then_restart_trains_every_group_exactly_once(tmp_path):
+    """The megatron backend (TP=2: rank 0 in the launcher, rank 1 its child) keeps the same promise:
+    its checkpoint (HF weights + one optimizer shard per rank) is complete before the step commits,
+    and a restart resumes every rank from it. The kill takes rank 1 with the launcher's session."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "run"
+    watch = Watch(out)
+    launcher = None
+    try:
+        for life, point in enumerate(MEGATRON_KILL_POINTS):
+            watch.close()
+            launcher = Launcher(out, life, *MEGATRON)
+            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            condition = point.arm(watch, launcher)
+            # Starting rank 1 and building the model on both ranks comes first: more time than a torch life.
+            launcher.wait_until(point.name, condition, deadline=2 * LIFE_DEADLINE)
+            launcher.kill()
+            watch.snapshot()
+        launcher = Launcher(out, len(MEGATRON_KILL_POINTS), *MEGATRON)
+        assert launcher.finish(300) == 0, launcher.log_tail()
+        shards = sorted(p.name for p in (out / "weights" / f"v{K}" / OPTIMIZER_DIR).iterdir())
+        assert shards == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
     finally:
         watch.close()
         if launcher is not None and launcher.proc.poll() is None:

@@ -71,6 +71,7 @@ def load_step(draft: Draft) -> None:
     if device is not None and device != "cpu":
         _check_device(draft, device)  # imports torch: only when it matters
     _check_prompt_file(draft)
+    _check_installed_backends(draft)
     declaration = draft.get("storage", "declaration")
     if declaration is not None:
         # The file's shape is checked now; whether it matches the mount is checked when the store
@@ -80,6 +81,21 @@ def load_step(draft: Draft) -> None:
         except ConfigError as exc:
             draft.problems.extend(exc.problems)
     _resolve_plugins(draft)
+
+
+def _check_installed_backends(draft: Draft) -> None:
+    """megatron-core and SGLang, when asked for, must be importable here (found, not imported)."""
+    import importlib.util
+
+    if draft.get("trainer", "backend") == "megatron" and (
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
+    ):
+        draft.problems.append("--train-backend=megatron: megatron-core is not installed "
+                              "(pip install 'rollout-pipeline[megatron]')")
+    if draft.get("engine", "launcher") == "sglang" and importlib.util.find_spec("sglang") is None:
+        draft.problems.append("--rollout-engine=sglang: SGLang is not installed for this Python "
+                              f"({sys.executable}: python -m sglang.launch_server cannot run); install it "
+                              "(pip install sglang) or use --rollout-engine builtin")
 
 
 def _normalize_urls(draft: Draft) -> None:

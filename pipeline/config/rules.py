@@ -69,6 +69,8 @@ def check_rules(draft: Draft) -> None:
                 "--custom-rm-path (the built-in reward only scores the toy task)")
     _engine_rules(draft)
     _trainer_rules(draft)
+    _megatron_rules(draft)
+    _sglang_rules(draft)
     run_id = get("storage", "run_id")
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id):
         problem(f"{draft.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
@@ -91,6 +93,54 @@ def _trainer_rules(draft: Draft) -> None:
         if t["global_batch_size"] > samples:
             problem(f"{draft.show('trainer', 'global_batch_size')}: must be <= the samples of one "
                     f"rollout batch ({samples} = --rollout-batch-size x --n-samples-per-prompt)")
+
+
+def _megatron_rules(draft: Draft) -> None:
+    get, show, problem = draft.get, draft.show, draft.problems.append
+    parallel = ("num_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    if get("trainer", "backend") != "megatron":
+        for name in parallel:
+            if (get("trainer", name) or 1) > 1:
+                problem(f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
+                        "one process; add --train-backend megatron")
+        return
+    if get("trainer", "global_batch_size") is not None:
+        problem(f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
+                "backend takes one optimizer step per rollout batch (leave --global-batch-size out)")
+    if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
+        problem(f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
+                "supported by the megatron backend yet; use 1 (tensor and data parallel work)")
+    ranks, tp = get("trainer", "num_ranks"), get("trainer", "tensor_model_parallel_size")
+    if ranks and tp and ranks % tp:
+        problem(f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
+                f"{show('trainer', 'num_ranks')} (data parallel = ranks / TP)")
+
+
+def _sglang_rules(draft: Draft) -> None:
+    get, show, problem = draft.get, draft.show, draft.problems.append
+    if get("engine", "launcher") != "sglang":
+        for name in ("sglang_devices", "sglang_mem_fraction_static"):
+            if draft.given("engine", name):
+                draft.warnings.append(f"{show('engine', name)} without --rollout-engine sglang: ignored")
+        return
+    if draft.values["engine"]["urls"] or get("engine", "router_url"):
+        problem("--rollout-engine=sglang with --sglang-url/--sglang-router-url: the pipeline starts "
+                "engines only when it is given none")
+    fraction = get("engine", "sglang_mem_fraction_static")
+    if fraction is not None and fraction >= 1:
+        problem(f"{show('engine', 'sglang_mem_fraction_static')}: must be in (0, 1)")
+    devices = get("engine", "sglang_devices")
+    per = get("engine", "gpus_per_engine") or 1
+    if devices is not None:
+        ids = [d.strip() for d in devices.split(",")]
+        if not all(d.isdigit() for d in ids) or len(set(ids)) != len(ids):
+            problem(f"{show('engine', 'sglang_devices')}: must be distinct GPU ids separated by commas")
+        elif len(ids) % per:
+            problem(f"{show('engine', 'sglang_devices')}: {len(ids)} GPUs do not split into engines "
+                    f"of {show('engine', 'gpus_per_engine')}")
+        elif draft.given("engine", "num_engines") and get("engine", "num_engines") != len(ids) // per:
+            problem(f"{show('engine', 'num_engines')}: --sglang-devices makes {len(ids) // per} "
+                    "engines; leave --rollout-num-engines out")
 
 
 def _engine_rules(draft: Draft) -> None:
@@ -141,6 +191,10 @@ def derive_defaults(draft: Draft) -> None:
                 r[name] = r["rollout_batch_size"]
     if draft.ok("engine", "urls") and e["urls"]:
         e["num_engines"] = len(e["urls"])
+    devices = draft.get("engine", "sglang_devices") if e.get("launcher") == "sglang" else None
+    if devices is not None and not draft.given("engine", "num_engines"):
+        # Each engine takes --rollout-num-gpus-per-engine of the listed GPUs (checked in the rules).
+        e["num_engines"] = max(1, len(devices.split(",")) // (e["gpus_per_engine"] or 1))
     if t["eps_clip_high"] is None and draft.ok("trainer", "eps_clip"):
         t["eps_clip_high"] = t["eps_clip"]
 

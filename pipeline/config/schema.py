@@ -171,6 +171,26 @@ class EngineConfig:
         help="model folder (or Hub id)")
     host: str = _opt(
         "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
+    # Real SGLang servers started by the pipeline (launch/sglang_server.py).
+    launcher: str = _opt(
+        "builtin", "--rollout-engine", "choice", choices=("builtin", "sglang"),
+        help="engines the pipeline starts when no URL is given: the built-in engine, or real SGLang "
+        "(python -m sglang.launch_server, which must be importable here)")
+    sglang_devices: str | None = _opt(
+        None, "--sglang-devices", "str", metavar="0,1,...", default_help="0 .. engines x GPUs per engine - 1",
+        help="--rollout-engine sglang: GPU ids for the engines, in order; each engine takes "
+        "--rollout-num-gpus-per-engine of them (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+    gpus_per_engine: int = _opt(
+        1, "--rollout-num-gpus-per-engine", "int", ge=1, help="--rollout-engine sglang: GPUs per engine (its --tp-size)")
+    sglang_mem_fraction_static: float | None = _opt(
+        None, "--sglang-mem-fraction-static", "float", gt=0, default_help="SGLang's default",
+        help="--rollout-engine sglang: GPU memory fraction for weights and KV cache")
+    sglang_startup_timeout: float = _opt(
+        900.0, "--sglang-startup-timeout", "float", gt=0, help="seconds for a started SGLang server to become healthy")
+    api_key: str | None = _opt(
+        None, "--api-key", "str", metavar="KEY",
+        help="sent to engines and the router as 'Authorization: Bearer KEY', and given to the SGLang servers and "
+        "router the pipeline starts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +258,20 @@ class TrainerConfig:
     device: str = _opt(
         "cpu", "--trainer-device", "str",
         help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
+    backend: str = _opt(
+        "torch", "--train-backend", "choice", choices=("torch", "megatron"),
+        help="torch: the single-process GRPO trainer; megatron: megatron-core ranks (pip install .[megatron])")
+    num_ranks: int = _opt(
+        1, "--actor-num-gpus-per-node", "int", ge=1,
+        help="--train-backend megatron: trainer ranks on this host, one process per device (gloo processes on CPU)")
+    tensor_model_parallel_size: int = _opt(
+        1, "--tensor-model-parallel-size", "int", ge=1, help="--train-backend megatron: tensor parallel size")
+    pipeline_model_parallel_size: int = _opt(
+        1, "--pipeline-model-parallel-size", "int", ge=1,
+        help="--train-backend megatron: pipeline parallel size (only 1 is supported yet)")
+    micro_batch_size: int = _opt(
+        8, "--micro-batch-size", "int", ge=1,
+        help="--train-backend megatron: samples per micro-batch, packed into one sequence")
 
 
 @dataclass(frozen=True, slots=True)

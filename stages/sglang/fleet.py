@@ -58,6 +58,7 @@ class EngineFleet:
         control_timeout: float = 30.0,
         max_retries: int = 3,
         retry_backoff: float = 0.5,
+        api_key: str | None = None,
     ) -> None:
         if not worker_urls and router_url is None:
             raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
@@ -75,13 +76,15 @@ class EngineFleet:
             "retry_backoff": retry_backoff,
         }
         self._counters = RequestCounters()
+        # SGLang's --api-key: every request (engines and router alike) carries it.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._state: _FleetState | None = None
 
     async def __aenter__(self) -> Self:
         if self._state is not None:
             raise RuntimeError("this EngineFleet is already open")
         connector = aiohttp.TCPConnector(limit=self._concurrency + CONTROL_HEADROOM)
-        session = aiohttp.ClientSession(connector=connector)
+        session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         try:
             generate_url = self._router_url or self._given_workers[0]  # type: ignore[index]
             self._state = _FleetState(session, self._client(session, generate_url))

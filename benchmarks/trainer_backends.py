@@ -1,0 +1,114 @@
+"""One GRPO step, torch backend vs megatron backend, same model and batch: seconds per step.
+
+    python -m benchmarks.trainer_backends --device cuda            # a Qwen3-0.6B-shaped model (random init)
+    python -m benchmarks.trainer_backends --device cpu --tiny      # the tiny model: a smoke run
+
+The model is built from a Qwen3 config of the 0.6B shape (28 layers, hidden 1024, 16 heads / 8
+key-value heads of 128, FFN 3072, vocab 151,936, tied embeddings), randomly initialised and saved
+once; both trainers load the same folder in fp32 (master weights; no bf16 path yet). The batch is
+`--groups` x `--samples` samples of `--prompt-len` + `--response-len` random tokens, with
+behaviour log-probs and rewards that give every token a gradient. The megatron backend runs one
+rank (TP=1) in this process with `--micro-batch-size` samples packed per micro-batch. The first
+step of each backend is a warm-up and is reported apart. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
+
+
+def _model(folder: Path, tiny: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from stages.tasks.tiny_model import build_tokenizer, make_model_folder
+
+    if tiny:
+        return make_model_folder(folder)
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         rope_theta=1_000_000.0, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _batch(vocab: int, groups: int, samples: int, prompt_len: int, response_len: int) -> Batch:
+    rng = random.Random(0)
+    out = []
+    for g in range(groups):
+        task = PromptTask(index=g, prompt_ids=tuple(rng.randrange(3, vocab) for _ in range(prompt_len)))
+        group = []
+        for i in range(samples):
+            ids = tuple(rng.randrange(3, vocab) for _ in range(response_len))
+            seg = Segment(ids, tuple(-rng.uniform(4.0, 12.0) for _ in ids), FinishReason.LENGTH, 0)
+            sample = Sample(index=i, prompt_ids=task.prompt_ids).extended(seg, max_response_len=response_len)
+            group.append(dataclasses.replace(sample, reward=float(i % 2)))
+        out.append(Group.fresh(task, epoch=0, n_samples=samples, version=0, seq=g).with_samples(group))
+    return Batch(0, tuple(out))
+
+
+def _time(trainer: Any, batch: Batch, steps: int, device: str) -> dict[str, float]:
+    times = []
+    for _ in range(steps + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        trainer.train_step(batch)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return {"first_s": times[0], "median_s": statistics.median(times[1:]), "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    args = ap.parse_args()
+
+    from launch.megatron_ranks import start_megatron_trainer
+    from stages.trainer import GRPOTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _model(Path(tmp) / "model", args.tiny)
+        vocab = 64 if args.tiny else 151936
+        batch = _batch(vocab, args.groups, args.samples, args.prompt_len, args.response_len)
+        result: dict[str, Any] = {"model": "tiny" if args.tiny else "qwen3-0.6b-shape", "device": args.device,
+                                  "batch": f"{args.groups}x{args.samples} x ({args.prompt_len}+{args.response_len})"}
+        trainer = GRPOTrainer(model, device=args.device, num_threads=None)
+        result["torch"] = _time(trainer, batch, args.steps, args.device)
+        del trainer
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        mg = start_megatron_trainer(model, world_size=1, tp=1, device=args.device, log_dir=Path(tmp) / "logs",
+                                    micro_batch_size=args.micro_batch_size, num_threads=None)
+        try:
+            result["megatron"] = _time(mg, batch, args.steps, args.device)
+        finally:
+            mg.close()
+        if args.device.startswith("cuda"):
+            result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(orjson.dumps(result).decode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The megatron backend's checkpoint: HF weights in, HF weights out, one AdamW shard per rank.
+
+A checkpoint folder is what the torch backend writes (`stages.trainer.checkpoint`: a Hugging Face
+folder, written whole or not at all), except that `optimizer/` holds `rank<r>.safetensors` (the
+AdamW state of rank r's parameter shards, keyed `<megatron name>.<state>`) and `rank<r>.json`
+(format, layout, trainer steps). A shard is only loaded into the same layout (world size, TP);
+anything else is refused with both layouts named. Never pickle.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import PipelineError
+from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
+
+__all__ = ["gather_full_state", "load_hf_weights", "load_optimizer_shard", "save_optimizer_shard", "write_hf_weights"]
+
+FORMAT = 1
+
+
+def load_hf_weights(model: torch.nn.Module, folder: Path, shape: Qwen3Shape, *, tp_rank: int, tp: int) -> None:
+    """Copy this rank's shard of the HF weights in `folder` (every top-level *.safetensors) into `model`."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"{folder} has no *.safetensors weights for the megatron backend to convert")
+    hf: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            hf.update({k: fh.get_tensor(k) for k in fh.keys()})
+    full = hf_to_megatron(hf, shape)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in full:
+                raise PipelineError(f"{folder}: no weight converts to megatron parameter {name!r}")
+            param.copy_(shard(name, full[name], tp_rank, tp).to(param.dtype))
+
+
+def gather_full_state(model: torch.nn.Module, *, tp: int, group: object) -> dict[str, torch.Tensor]:
+    """Every parameter joined over the TP `group` (a collective: every TP rank calls it), on CPU."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        local = param.detach().contiguous()
+        parts = [local]
+        if tp > 1:
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=group)  # type: ignore[arg-type]
+        out[name] = unshard(name, [p.cpu() for p in parts])
+    return out
+
+
+def write_hf_weights(folder: Path, full: dict[str, torch.Tensor], shape: Qwen3Shape, original: Path) -> None:
+    """The HF weights (fp32 safetensors) and the original config files, into the folder being written."""
+    from safetensors.torch import save_file
+
+    for name in ("config.json", "generation_config.json"):  # the architecture does not change
+        if (original / name).exists():
+            shutil.copy2(original / name, folder / name)
+    hf = megatron_to_hf(full, shape)
+    save_file({k: v.float().contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *,
+                         layout: dict[str, int], steps: int) -> None:
+    from safetensors.torch import save_file
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            tensors[f"{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    rank = layout["rank"]
+    save_file(tensors, str(folder / f"rank{rank}.safetensors"))
+    meta = {"format": FORMAT, "backend": "megatron", "world": layout["world"], "tp": layout["tp"],
+            "trainer_steps": steps}
+    (folder / f"rank{rank}.json").write_bytes(orjson.dumps(meta))
+
+
+def load_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *,
+                         layout: dict[str, int]) -> int:
+    """Restore this rank's AdamW shard; return the trainer steps it had taken."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    rank = layout["rank"]
+    meta_path = folder / f"rank{rank}.json"
+    if not meta_path.exists():
+        raise PipelineError(f"optimizer checkpoint {folder} has no shard for megatron rank {rank}: it was "
+                            "saved by the torch backend or with fewer ranks")
+    try:
+        meta = orjson.loads(meta_path.read_bytes())
+        tensors = load_file(str(folder / f"rank{rank}.safetensors"))
+    except (OSError, orjson.JSONDecodeError, SafetensorError) as exc:
+        raise PipelineError(f"optimizer checkpoint {folder} is unreadable for rank {rank}: {exc}") from exc
+    expected = {"format": FORMAT, "backend": "megatron", "world": layout["world"], "tp": layout["tp"]}
+    if {k: meta.get(k) for k in expected} != expected:
+        raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
+    for name, param in model.named_parameters():
+        # AdamW keeps `step` on the CPU (non-capturable); the moments live beside the parameter.
+        state = {key.rsplit(".", 1)[1]: t if key.endswith(".step") else t.to(param.device)
+                 for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+        if state:
+            optimizer.state[param] = state
+    return int(meta["trainer_steps"])

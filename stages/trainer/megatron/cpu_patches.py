@@ -1,0 +1,67 @@
+"""The runtime patches megatron-core 0.16.1 needs to run a forward pass on CPU.
+
+megatron-core assumes CUDA in places that the local (non-TransformerEngine) path reaches. The
+first two are in environment.md section 1b; the third appears only with RoPE, which that probe
+did not use (it ran learned absolute positions):
+
+1. `GlobalMemoryBuffer.get_tensor` allocates the attention score scratch buffer on
+   `torch.cuda.current_device()`, which raises on a CPU build of torch. The patch allocates it on CPU.
+2. Attention dropout forks the CUDA RNG tracker, which is empty on CPU (`model_parallel_cuda_manual_seed`
+   itself needs CUDA). The patch installs the inference RNG tracker, whose `fork()` is a no-op context;
+   dropout is 0 in the Qwen3 spec, so no random numbers are drawn there anyway.
+3. `RotaryEmbedding.get_emb` moves its `inv_freq` to `torch.cuda.current_device()` on first use.
+   The patch computes the same embedding where `inv_freq` already is.
+
+`apply_cpu_patches()` is called only when the trainer runs on CPU; on a GPU megatron-core runs
+unpatched (0.19.x on the H200 machine). Both patches are idempotent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["apply_cpu_patches", "cpu_patches_applied"]
+
+_applied = False
+
+
+def cpu_patches_applied() -> bool:
+    return _applied
+
+
+def _get_tensor_on_cpu(self: Any, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+    """`GlobalMemoryBuffer.get_tensor`, allocating on CPU instead of the current CUDA device."""
+    n = math.prod(shape)
+    key = (name, dtype)
+    if self.buffer.get(key) is None or self.buffer[key].numel() < n:
+        self.buffer[key] = torch.empty(n, dtype=dtype)
+    return self.buffer[key][:n].view(*shape)
+
+
+def _rope_emb_in_place(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    """`RotaryEmbedding.get_emb` without the move to CUDA: [seq, 1, 1, dim] angles."""
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if not self.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
+def apply_cpu_patches(seed: int) -> None:
+    """Patch megatron-core for CPU and seed torch. Call after `initialize_model_parallel`."""
+    global _applied
+    import megatron.core.utils as mcu
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    if torch.cuda.is_available():
+        raise RuntimeError("the megatron CPU patches are for CPU-only hosts; on a GPU megatron-core runs unpatched")
+    mcu.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu  # type: ignore[method-assign]
+    RotaryEmbedding.get_emb = _rope_emb_in_place  # type: ignore[method-assign]
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(seed)
+    _applied = True

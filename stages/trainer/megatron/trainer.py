@@ -1,0 +1,377 @@
+"""The megatron-core GRPO trainer: the torch trainer's step, on megatron ranks.
+
+Same protocol as `stages.trainer.GRPOTrainer` (`train_step(batch) -> metrics`,
+`save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
+that engines load with `update_weights_from_disk`, written whole or not at all, plus the
+optimizer state, saved before the controller commits the step.
+
+Ranks. Every rank is one process with this object in it. Rank 0 lives in the controller's
+process; the others run `follow()` (started by `launch.megatron_ranks`). Rank 0 turns each
+request into a command and broadcasts it over the world group (a header tensor `[command,
+length]`, then the payload as bytes: orjson, never pickle); then every rank runs the same code,
+so their collectives meet. Rank 0 alone does what needs the Batch (advantages, masks, reward
+metrics), so followers receive plain rows of numbers.
+
+The loss is `stages.trainer.loss`, run on each micro-batch by `rows.micro_batch_loss` exactly as
+the torch trainer runs it on a minibatch. One optimizer step per rollout batch
+(`--global-batch-size` is refused at config load for this backend).
+
+Parallelism: tensor parallel from megatron-core's `parallel_state`, data parallel = world / TP.
+Each DP rank takes every DP-th row; the loss is normalised by the whole batch's token count, and
+gradients are summed over the DP group, so the step equals the single-process step. Pipeline
+parallel is refused at config load. Micro-batches of `micro_batch_size` rows are packed into one
+sequence (no padding to the longest) with a block-diagonal causal mask; RoPE only sees position
+differences, so packing leaves every token's log-prob unchanged. Optimizer: torch AdamW on each
+rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see the README).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from pipeline.types import Batch, Sample
+from stages.trainer.checkpoint import OPTIMIZER_DIR, write_folder_atomically
+from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+from stages.trainer.megatron.checkpoint import (
+    gather_full_state,
+    load_hf_weights,
+    load_optimizer_shard,
+    save_optimizer_shard,
+    write_hf_weights,
+)
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, is_sharded
+from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
+
+__all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
+
+
+class _Command(IntEnum):
+    STOP = 0
+    TRAIN = 1
+    SAVE = 2
+    LOGPROBS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    rank: int
+    world: int
+    tp: int
+    tp_rank: int
+    dp: int
+    dp_rank: int
+
+
+class MegatronTrainer:
+    """GRPO on a megatron-core GPTModel built from the Qwen3 folder `model_path`.
+
+    torch.distributed must be initialised (gloo on CPU, NCCL on GPU) and megatron's model
+    parallel state set up (`launch.megatron_ranks.init_rank` does both) before construction, on
+    every rank, with the same arguments.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        loss: LossSettings | None = None,
+        lr: float = 5e-3,
+        temperature: float = 1.0,
+        max_grad_norm: float = 1.0,
+        weight_decay: float = 0.0,
+        micro_batch_size: int = 8,
+        device: str = "cpu",
+        num_threads: int | None = 1,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if num_threads is not None and device == "cpu":
+            torch.set_num_threads(num_threads)
+        self.model_path = Path(model_path)
+        self.loss = loss or LossSettings()
+        self.temperature = temperature
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device)
+        self.layout = _Layout(
+            rank=dist.get_rank(), world=dist.get_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+            dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        )
+        self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
+        self.shape.check_tensor_parallel(self.layout.tp)
+        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu")
+        load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.steps = 0
+        if (self.model_path / OPTIMIZER_DIR).is_dir():
+            self.steps = load_optimizer_shard(self.optimizer, self.model, self.model_path / OPTIMIZER_DIR,
+                                              layout=self._layout_dict)
+
+    # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0)."""
+        if not batch.samples:
+            raise ValueError(f"batch {batch.step} has no samples")
+        rows, trains, versions = batch_rows(batch, self.loss)
+        self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
+        totals, grad_norm, stepped = self._train(rows)
+        return step_metrics(batch, rows, trains, versions, totals, grad_norm, stepped)
+
+    def save_weights(self, path: str | os.PathLike[str]) -> Path:
+        """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
+
+        def fill(folder: Path) -> None:
+            self._broadcast(_Command.SAVE, str(folder))
+            self._save(folder)
+
+        return write_folder_atomically(Path(path), self.model_path, fill)
+
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
+        rows = [Row.of(s) for s in samples]
+        self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
+        return self._logprobs(rows)
+
+    def close(self) -> None:
+        """Release the followers (rank 0); they leave `follow()`."""
+        if self.layout.rank == 0 and self.layout.world > 1:
+            self._broadcast(_Command.STOP, None)
+
+    # ---- the followers' loop ------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Run rank 0's commands until it says stop (ranks > 0)."""
+        while True:
+            command, payload = self._receive()
+            if command is _Command.STOP:
+                return
+            if command is _Command.TRAIN:
+                self._train([Row.from_json(r) for r in payload])
+            elif command is _Command.SAVE:
+                self._save(Path(payload))
+            elif command is _Command.LOGPROBS:
+                self._logprobs([Row.from_json(r) for r in payload])
+
+    def _broadcast(self, command: _Command, payload: Any) -> None:
+        if self.layout.world == 1:
+            return
+        data = orjson.dumps(payload)
+        header = torch.tensor([int(command), len(data)], dtype=torch.int64, device=self._comm_device)
+        dist.broadcast(header, src=0)
+        if data:
+            body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
+            dist.broadcast(body, src=0)
+
+    def _receive(self) -> tuple[_Command, Any]:
+        header = torch.zeros(2, dtype=torch.int64, device=self._comm_device)
+        dist.broadcast(header, src=0)
+        command, length = _Command(int(header[0])), int(header[1])
+        body = torch.empty(length, dtype=torch.uint8, device=self._comm_device)
+        dist.broadcast(body, src=0)
+        return command, orjson.loads(body.cpu().numpy().tobytes())
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+
+    # ---- the step, on every rank --------------------------------------------------------------
+
+    def _train(self, rows: list[Row]) -> tuple[Counter[str], float, bool]:
+        """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
+
+        Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
+        a batch with no signal (no token trains, or every advantage is 0) takes none, as in the
+        torch trainer, since AdamW's momentum would move the weights anyway.
+        """
+        mine = rows[self.layout.dp_rank :: self.layout.dp]
+        chunks = [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+        batch_tokens = self._batch_tokens(rows, chunks)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        totals: Counter[str] = Counter()
+        for chunk in chunks:
+            logp, entropy = self._packed_logprobs(chunk)
+            micro_batch_loss(self.loss, chunk, logp, entropy, batch_tokens=batch_tokens,
+                             batch_samples=len(rows), totals=totals).backward()
+        if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
+            sum(p.sum() * 0.0 for p in self.model.parameters()).backward()
+        totals = self._sum_over_dp(totals)
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        stepped = totals["signal"] > 0
+        if stepped:
+            self.optimizer.step()
+        self.steps += 1
+        return totals, grad_norm, stepped
+
+    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]]) -> float:
+        """The token-mean denominator: the batch's trainable tokens, after log-prob-dependent drops."""
+        s = self.loss
+        drops = s.use_opsm or s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
+        if s.aggregation is not LossAggregation.TOKEN_MEAN or not drops:
+            return float(sum(sum(r.mask) for r in rows))
+        with torch.no_grad():
+            count = sum(trained_token_count(s, c, self._packed_logprobs(c)[0]) for c in chunks)
+        total = torch.tensor([float(count)], dtype=torch.float64, device=self._comm_device)
+        if self.layout.dp > 1:
+            dist.all_reduce(total, group=self._dp_group())
+        return float(total[0])
+
+    def _sum_over_dp(self, totals: Counter[str]) -> Counter[str]:
+        if self.layout.dp == 1:
+            return totals
+        from stages.trainer.megatron.rows import TOTALS
+
+        sums = torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(sums, group=self._dp_group())
+        peak = torch.tensor([totals["weight_max"]], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group())
+        out: Counter[str] = Counter({k: float(v) for k, v in zip(TOTALS, sums.tolist(), strict=True)})
+        out["weight_max"] = float(peak[0])
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, rows: list[Row]) -> list[list[float]]:
+        out: list[list[float]] = []
+        for start in range(0, len(rows), self.micro_batch_size):
+            chunk = rows[start : start + self.micro_batch_size]
+            logp, _ = self._packed_logprobs(chunk)
+            at = 0
+            for r in chunk:
+                out.append(logp[at : at + len(r.response_ids)].tolist())
+                at += len(r.response_ids)
+        return out
+
+    def _packed_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens of `rows` and the entropy at each, packed: [sum of responses].
+
+        The sequence is every row's prompt+response back to back; a block-diagonal causal mask keeps
+        each row to itself. Only the positions that predict a response token go through the
+        vocab-parallel softmax.
+        """
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        ids: list[int] = []
+        predict: list[int] = []
+        blocks: list[int] = []
+        targets: list[int] = []
+        for r in rows:
+            p = len(r.prompt_ids)
+            predict += range(len(ids) + p - 1, len(ids) + p - 1 + len(r.response_ids))
+            ids += r.prompt_ids + r.response_ids
+            targets += r.response_ids
+            blocks.append(p + len(r.response_ids))
+        owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
+        position = torch.arange(len(ids))
+        hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = masked
+        tokens = torch.tensor(ids, device=self.device)[None]
+        logits = self.model(tokens, position.to(self.device)[None], attention_mask=hidden.to(self.device)[None, None])
+        picked = logits[0, torch.tensor(predict, device=self.device)].float() / self.temperature  # [R, V / tp]
+        target = torch.tensor(targets, device=self.device)
+        # -log softmax(logits)[target] over the whole vocabulary, each TP rank holding a slice of it.
+        logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), target[:, None])[:, 0]
+        return logp, self._entropy(picked.detach())
+
+    @torch.no_grad()
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy of softmax(logits) per row, the vocabulary split over the TP group: [R]."""
+        from megatron.core import parallel_state as ps
+
+        peak = logits.max(dim=-1, keepdim=True).values
+        if self.layout.tp > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        shifted = logits - peak
+        weights = shifted.exp()
+        parts = torch.stack([weights.sum(-1), (weights * shifted).sum(-1)])
+        if self.layout.tp > 1:
+            dist.all_reduce(parts, group=ps.get_tensor_model_parallel_group())
+        return parts[0].log() - parts[1] / parts[0]  # log Z - E[shifted]
+
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients over data-parallel replicas (each loss was already divided by the global count).
+
+        Also over the TP group for the q/k norms: they are replicated, but each TP rank applies
+        them to its own heads only, so each rank holds a part of their gradient (megatron's
+        finalize_model_grads does the same for such parameters).
+        """
+        from megatron.core import parallel_state as ps
+
+        if self.layout.tp > 1:
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.layout.dp == 1:
+            return
+        group = self._dp_group()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+
+    def _clip_gradients(self) -> float:
+        """Clip to `max_grad_norm` by the norm over the whole model; return that norm (before clipping).
+
+        A tensor-parallel shard counts on its rank; a replicated parameter (norms) counts once, on TP
+        rank 0, so the sum over the TP group is the full model's.
+        """
+        from megatron.core import parallel_state as ps
+
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            # By name, not megatron's `tensor_model_parallel` attribute: it is not set on CPU-initialised
+            # parameters when `perform_initialization` is off.
+            if is_sharded(name) or self.layout.tp_rank == 0:
+                square += p.grad.double().pow(2).sum()
+        if self.layout.tp > 1:
+            dist.all_reduce(square, group=ps.get_tensor_model_parallel_group())
+        norm = float(square.sqrt())
+        coef = self.max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    # ---- weights and optimizer (stages.trainer.megatron.checkpoint) ---------------------------
+
+    def _save(self, folder: Path) -> None:
+        """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
+        from megatron.core import parallel_state as ps
+
+        full = gather_full_state(self.model, tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        if self.layout.rank == 0:
+            write_hf_weights(folder, full, self.shape, self.model_path)
+            (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
+        if self.layout.world > 1:
+            dist.barrier()  # the optimizer folder exists
+        save_optimizer_shard(self.optimizer, self.model, folder / OPTIMIZER_DIR, layout=self._layout_dict,
+                             steps=self.steps)
+        if self.layout.world > 1:
+            dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
+
+    @property
+    def _layout_dict(self) -> dict[str, int]:
+        return {"rank": self.layout.rank, "world": self.layout.world, "tp": self.layout.tp}

@@ -1,0 +1,50 @@
+"""`python -m sglang.launch_server` with SGLang's flags, served by the built-in engine.
+
+Flags the built-in engine has are passed through; the GPU ones (`--tp-size`,
+`--mem-fraction-static`) are accepted and echoed to the log with the visible devices, so tests can
+check what the launcher asked for. `--api-key` is enforced as SGLang does: every request except the
+health probes needs `Authorization: Bearer KEY`, or it gets 401.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from aiohttp import web
+
+import launch.engine_server as engine_server
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang.launch_server (stand-in)")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--mem-fraction-static", type=float, default=None)
+    ap.add_argument("--api-key", default=None)
+    known, rest = ap.parse_known_args()
+    print(f"standin: tp_size={known.tp_size} mem_fraction_static={known.mem_fraction_static} "
+          f"api_key={'set' if known.api_key else 'none'} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
+          f"HIP_VISIBLE_DEVICES={os.environ.get('HIP_VISIBLE_DEVICES')}", file=sys.stderr, flush=True)
+    if known.api_key:
+        expected = f"Bearer {known.api_key}"
+
+        @web.middleware
+        async def require_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
+            if not request.path.startswith("/health") and request.headers.get("Authorization") != expected:
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+
+        build = engine_server.EngineServer._build_app
+
+        def build_with_key(self):  # type: ignore[no-untyped-def]
+            app = build(self)
+            app.middlewares.append(require_key)
+            return app
+
+        engine_server.EngineServer._build_app = build_with_key  # type: ignore[method-assign]
+    return engine_server.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
+
+`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS]]]` writes OUT_DIR/result.json with both
+trainers' metrics, log-probs before the step, and the largest difference between their published
+weights. A process of its own, because megatron's parallel state and the process group are global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import orjson
+
+
+def fixed_batch(reference):
+    from pipeline.types import Batch, FinishReason, Group, Sample, Segment
+    from stages.tasks.tiny_model import EOS_ID
+    from stages.tasks.toy import encode, toy_dataset
+
+    groups = []
+    for g, task in enumerate(toy_dataset(2, seed=0)):
+        tokens = [encode(a) + (EOS_ID,) for a in ("b", "bb", "xyz", "7 = 3+4")]
+        blank = [Sample(index=i, prompt_ids=task.prompt_ids) for i in range(len(tokens))]
+        drafts = [s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
+                  for s, t in zip(blank, tokens)]
+        # Behaviour log-probs a little off the trainer's, so TIS weights are not all 1 (some hit the cap).
+        behaviour = [[x - 0.9 * ((j + g) % 3 - 1) for j, x in enumerate(lp)] for lp in reference.logprobs(drafts)]
+        samples = [
+            dataclasses.replace(s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16),
+                                reward=float(i % 3))
+            for i, (s, t, lp) in enumerate(zip(blank, tokens, behaviour))
+        ]
+        groups.append(Group.fresh(task, epoch=0, n_samples=4, version=0, seq=g).with_samples(samples))
+    return Batch(0, tuple(groups))
+
+
+VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on both trainers
+    "default": {},
+    "icepop-seqmean-opsm": {"correction": "icepop", "tis_clip_low": 0.5, "aggregation": "seq-mean-token-mean",
+                            "use_opsm": True, "opsm_delta": 0.0},
+    "seqmask-tokenmean": {"correction": "seq-mask", "tis_clip_low": 0.3, "tis_clip": 1.5},
+}
+
+
+def _settings(variant: str):
+    from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+
+    raw = dict(VARIANTS[variant])
+    if "correction" in raw:
+        raw["correction"] = ImportanceCorrection(raw["correction"])
+    if "aggregation" in raw:
+        raw["aggregation"] = LossAggregation(raw["aggregation"])
+    return LossSettings(**raw)
+
+
+def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> None:
+    from safetensors.torch import load_file
+
+    from launch.megatron_ranks import start_megatron_trainer
+    from stages.trainer import GRPOTrainer
+    from stages.tasks.tiny_model import make_model_folder
+
+    model = make_model_folder(out / "model")
+    settings = _settings(variant)
+    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings)
+    batch = fixed_batch(torch_trainer)
+    torch_lp = torch_trainer.logprobs(batch.samples)
+    torch_metrics = torch_trainer.train_step(batch)
+    torch_trainer.save_weights(out / "torch")
+
+    mg = start_megatron_trainer(model, world_size=world, tp=tp, log_dir=out / "logs", device=device,
+                                loss=settings, lr=1e-2, micro_batch_size=micro)
+    try:
+        mg_lp = mg.logprobs(batch.samples)
+        mg_metrics = mg.train_step(batch)
+        mg.save_weights(out / "megatron")
+    finally:
+        mg.close()
+    a, b = load_file(str(out / "torch" / "model.safetensors")), load_file(str(out / "megatron" / "model.safetensors"))
+    base = load_file(str(model / "model.safetensors"))
+    result = {
+        "torch": torch_metrics, "megatron": mg_metrics,
+        "logprob_diff": max(abs(x - y) for p, q in zip(torch_lp, mg_lp) for x, y in zip(p, q)),
+        "weights_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+        "weights_moved": max(float((a[k] - base[k]).abs().max()) for k in a),
+        "names": [sorted(a), sorted(b)],
+        "optimizer_files": sorted(p.name for p in (out / "megatron" / "optimizer").iterdir()),
+    }
+    (out / "result.json").write_bytes(orjson.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 8,
+         sys.argv[5] if len(sys.argv) > 5 else "cpu", sys.argv[6] if len(sys.argv) > 6 else "default")

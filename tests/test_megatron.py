@@ -1,0 +1,174 @@
+"""The megatron-core trainer backend on CPU (gloo): conversions, parity with the torch trainer, ranks.
+
+Skipped when megatron-core is not installed (`pip install -e .[megatron]`). Trainer runs happen in
+a fresh process (tests/megatron_check.py): megatron's parallel state and the process group are
+process-wide, and a TP=2 run needs rank 0 in a process of its own anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hf_state(tmp_path: Path, *, tied: bool) -> tuple[dict[str, torch.Tensor], Qwen3Shape]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
+                         rope_theta=1_000_000.0)
+    model = Qwen3ForCausalLM(config)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight")  # what save_pretrained writes for tied embeddings
+    return state, Qwen3Shape.from_hf(config)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_megatron_round_trip_is_exact_through_tensor_parallel_shards(tmp_path, tied, tp):
+    hf, shape = _hf_state(tmp_path, tied=tied)
+    assert shape.rope_theta == 1_000_000.0 and shape.tied is tied
+    full = hf_to_megatron(hf, shape)
+    assert ("output_layer.weight" in full) is not tied
+    rejoined = {name: unshard(name, [shard(name, t, r, tp) for r in range(tp)]) for name, t in full.items()}
+    back = megatron_to_hf(rejoined, shape)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_qkv_layout_puts_each_query_group_with_its_key_and_value(tmp_path):
+    hf, shape = _hf_state(tmp_path, tied=True)
+    qkv = hf_to_megatron(hf, shape)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d, per_group = shape.head_dim, shape.num_heads // shape.num_kv_heads
+    block = (per_group + 2) * d
+    k_of_group1 = qkv[block + per_group * d : block + (per_group + 1) * d]
+    assert torch.equal(k_of_group1, hf["model.layers.0.self_attn.k_proj.weight"][d : 2 * d])
+    # Under TP=2 each rank holds whole groups: rank 1's shard starts with group 1's queries.
+    assert torch.equal(shard("decoder.layers.0.self_attention.linear_qkv.weight", qkv, 1, 2)[:d],
+                       hf["model.layers.0.self_attn.q_proj.weight"][per_group * d : per_group * d + d])
+
+
+def test_uneven_tensor_parallel_split_is_refused_with_the_numbers(tmp_path):
+    from pipeline.errors import ConfigError
+
+    _, shape = _hf_state(tmp_path, tied=True)
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size=3: attention heads \(4\)"):
+        shape.check_tensor_parallel(3)
+
+
+def _check(tmp_path: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "megatron_check.py"), str(tmp_path), str(world),
+                           str(tp), str(micro), device, variant], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return orjson.loads((tmp_path / "result.json").read_bytes())
+
+
+@pytest.mark.parametrize(("world", "tp", "micro", "variant"), [
+    (1, 1, 3, "default"), (2, 2, 3, "default"), (2, 1, 8, "default"),
+    (2, 1, 3, "icepop-seqmean-opsm"), (1, 1, 5, "seqmask-tokenmean"),
+], ids=["tp1-microbatched", "tp2", "dp2", "dp2-icepop-seqmean-opsm", "seqmask"])
+def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant):
+    """Same batch, same start, same shared loss: every metric, log-probs and the published weights agree."""
+    r = _check(tmp_path, world, tp, micro, variant=variant)
+    torch_m, mg = r["torch"], r["megatron"]
+    assert set(mg) == set(torch_m)
+    for key, value in torch_m.items():
+        assert mg[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert torch_m["grad_norm"] > 1.0  # the gradient clip is active
+    if variant == "default":
+        assert torch_m["tis_clip_ratio"] > 0  # the TIS cap is active
+    else:
+        assert torch_m["is_mask_frac"] > 0 or torch_m["opsm_mask_frac"] > 0  # tokens were dropped
+    assert r["logprob_diff"] < 1e-5
+    # Adam's first step moves every weight by ~lr; the two backends land within 1% of that step.
+    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+    assert r["names"][0] == r["names"][1]
+    assert r["optimizer_files"] == sorted(f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
+
+
+def test_parallel_flags_are_checked_at_config_load():
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    config = load_config(["--train-backend", "megatron", "--actor-num-gpus-per-node", "4",
+                          "--tensor-model-parallel-size", "2", "--micro-batch-size", "4"])
+    t = config.trainer
+    assert (t.backend, t.num_ranks, t.tensor_model_parallel_size, t.micro_batch_size) == ("megatron", 4, 2, 4)
+    with pytest.raises(ConfigError) as err:
+        load_config(["--train-backend", "megatron", "--actor-num-gpus-per-node", "3",
+                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    text = str(err.value)
+    assert "--pipeline-model-parallel-size=2: pipeline parallelism is not supported" in text
+    assert "--tensor-model-parallel-size=2: must divide --actor-num-gpus-per-node=3" in text
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size=2 with --train-backend=torch"):
+        load_config(["--tensor-model-parallel-size", "2"])
+
+
+def _launch(tmp_path: Path, *flags: str) -> list[dict]:
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), "--no-progress", "--log-level", "warning",
+         "--num-rollout", "12", "--train-backend", "megatron", *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [(), ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+                                        "--micro-batch-size", "16")], ids=["tp1", "tp2"])
+def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
+    """End to end: built-in engine, megatron ranks, a publish per step; reward rises in 12 steps.
+
+    The engine's log-probs for tokens it sampled with the published weights match what the trainer
+    computes for them (`train_rollout_logprob_abs_diff`): the HF folder it loads is the trainer's model.
+    """
+    records = _launch(tmp_path, *flags)
+    assert [r["version"] for r in records] == list(range(12))
+    first = sum(r["reward/mean"] for r in records[:3]) / 3
+    last = sum(r["reward/mean"] for r in records[-3:]) / 3
+    assert last > first + 0.05, (first, last)
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-4
+    world = 2 if flags else 1
+    optimizer = tmp_path / "run" / "weights" / "v12" / "optimizer"
+    assert sorted(p.name for p in optimizer.iterdir()) == sorted(
+        f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
+
+
+def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path):
+    from pipeline.errors import PipelineError
+    from stages.trainer.megatron.checkpoint import load_optimizer_shard, save_optimizer_shard
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    layout = {"rank": 0, "world": 1, "tp": 1}
+    save_optimizer_shard(optimizer, model, tmp_path, layout=layout, steps=7)
+
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert load_optimizer_shard(fresh, model, tmp_path, layout=layout) == 7
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.state[p][key], optimizer.state[p][key])
+    with pytest.raises(PipelineError, match=r"this run is \{'format': 1, 'backend': 'megatron', 'world': 2, 'tp': 2\}"):
+        load_optimizer_shard(fresh, model, tmp_path, layout={"rank": 0, "world": 2, "tp": 2})
+    with pytest.raises(PipelineError, match="no shard for megatron rank 1: it was saved by the torch backend"):
+        load_optimizer_shard(fresh, model, tmp_path, layout={"rank": 1, "world": 2, "tp": 2})
