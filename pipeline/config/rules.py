@@ -104,7 +104,7 @@ def _megatron_rules(draft: Draft) -> None:
                 problem(f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
                         "one process; add --train-backend megatron")
         return
-    if get("trainer", "global_batch_size") is not None:
+    if draft.given("trainer", "global_batch_size"):
         problem(f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
                 "backend takes one optimizer step per rollout batch (leave --global-batch-size out)")
     if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
@@ -195,6 +195,12 @@ def derive_defaults(draft: Draft) -> None:
     if devices is not None and not draft.given("engine", "num_engines"):
         # Each engine takes --rollout-num-gpus-per-engine of the listed GPUs (checked in the rules).
         e["num_engines"] = max(1, len(devices.split(",")) // (e["gpus_per_engine"] or 1))
+    batch_ok = draft.ok("rollout", "rollout_batch_size") and draft.ok("rollout", "n_samples_per_prompt")
+    if t["global_batch_size"] is None and t.get("backend") != "megatron" and batch_ok:
+        # Two optimizer steps per rollout batch: the second is clipped against the proximal log-probs,
+        # which is what keeps off-policy modes from dipping (BENCHMARKS.md section 8).
+        samples = r["rollout_batch_size"] * r["n_samples_per_prompt"]
+        t["global_batch_size"] = max(1, samples // 2)
     if t["eps_clip_high"] is None and draft.ok("trainer", "eps_clip"):
         t["eps_clip_high"] = t["eps_clip"]
 

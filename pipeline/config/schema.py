@@ -224,9 +224,11 @@ class TrainerConfig:
     tis_clip: float = _opt(2.0, "--tis-clip", "float", gt=0, help="TIS ratio cap")
     max_grad_norm: float = _opt(1.0, "--clip-grad", "float", gt=0, help="gradient norm clip")
     global_batch_size: int | None = _opt(
-        None, "--global-batch-size", "int", ge=1, default_help="the whole rollout batch (one optimizer step)",
+        None, "--global-batch-size", "int", ge=1,
+        default_help="half a rollout batch's samples (two optimizer steps; the megatron backend takes one)",
         help="samples per optimizer step; a smaller value splits each rollout batch into several steps, "
-        "with the PPO clip acting against the log-probs recomputed before the first")
+        "with the PPO clip acting against the log-probs recomputed before the first (the trust region that "
+        "keeps partial and async rollout stable: BENCHMARKS.md section 8)")
     tis_mode: str = _opt(
         "truncate", "--tis-mode", "choice", choices=("truncate", "icepop", "seq-mask"),
         help="with --use-tis: truncate = clamp the weight to [--tis-clip-low, --tis-clip]; icepop = drop tokens "
