@@ -28,7 +28,7 @@ import torch
 from launch.engines.kv_forward import KVCacheForward
 from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
-from stages.tiny_model import make_model_folder
+from stages.tasks.tiny_model import make_model_folder
 
 _PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0)
 
@@ -96,7 +96,7 @@ def qwen3_06b_folder(path: Path) -> Path:
     (the benchmark feeds token ids; no text is decoded)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stages.tiny_model import build_tokenizer
+    from stages.tasks.tiny_model import build_tokenizer
 
     config = Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

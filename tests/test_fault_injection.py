@@ -176,7 +176,7 @@ class Launcher:
         """The launcher has started its engine (not just any child process)."""
         for pid in self.engines():
             try:
-                if b"launch.engine_server" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                if b"launch.engines.builtin" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
                     return True
             except OSError:
                 continue

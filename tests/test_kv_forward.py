@@ -23,7 +23,7 @@ from launch.engines.builtin import EngineServer, open_server
 from launch.engines.kv_forward import KVCacheForward
 from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
-from stages.tiny_model import make_model_folder
+from stages.tasks.tiny_model import make_model_folder
 
 SAMPLINGS = [
     SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0),

@@ -19,7 +19,7 @@ import pytest
 from launch.sglang_server import engine_devices, sglang_command_args, start_sglang_servers
 from pipeline.config import EngineConfig, load_config
 from pipeline.errors import ConfigError
-from stages.sglang_client import EngineFleet
+from stages.sglang import EngineFleet
 from stages.tasks.tiny_model import make_model_folder
 from stages.tasks.toy import encode
 

@@ -25,7 +25,7 @@ from stages.dispenser import Dispenser
 from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet, GenerateResult
-from stages.tiny_model import CHARS, make_model_folder
+from stages.tasks.tiny_model import CHARS, make_model_folder
 from storage import AsyncStore, GroupState, MemoryStore
 
 pytestmark = pytest.mark.anyio
