@@ -253,19 +253,26 @@ class _Graph:
         to_reward_send, to_reward = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_filter_send, to_filter = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_collect_send, to_collect = anyio.create_memory_object_stream[Group](plan.batch_size)
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.dispenser.run, to_pool_send)
-            await tg.start(self.pool.run, to_pool, to_reward_send)
-            await tg.start(self.reward.run, to_reward, to_filter_send)
-            await tg.start(self.gate.run, to_filter, to_collect_send)
-            await tg.start(self.collector.run, to_collect)
-            training = _Training()
-            feeding = None
-            if plan.mode is RolloutMode.ASYNC:
-                feeding = await tg.start(_feed_async, plan, self.admission, self.collector, training)
-            yield training
-            await self._leave_nothing_behind(feeding)
-            tg.cancel_scope.cancel()
+        ends = (to_pool_send, to_pool, to_reward_send, to_reward, to_filter_send, to_filter, to_collect_send, to_collect)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.dispenser.run, to_pool_send)
+                await tg.start(self.pool.run, to_pool, to_reward_send)
+                await tg.start(self.reward.run, to_reward, to_filter_send)
+                await tg.start(self.gate.run, to_filter, to_collect_send)
+                await tg.start(self.collector.run, to_collect)
+                training = _Training()
+                feeding = None
+                if plan.mode is RolloutMode.ASYNC:
+                    feeding = await tg.start(_feed_async, plan, self.admission, self.collector, training)
+                yield training
+                await self._leave_nothing_behind(feeding)
+                tg.cancel_scope.cancel()
+        finally:
+            # A stage cancelled before it entered its `async with` never closed its ends; closing
+            # twice is harmless, and a stream left open is a leak the garbage collector reports.
+            for end in ends:
+                end.close()
 
     async def _leave_nothing_behind(self, feeding: anyio.CancelScope | None) -> None:
         """Running requests are aborted and their groups stored as partial, so the next run (or the

@@ -286,6 +286,10 @@ class GatedTrainer:
     def save_weights(self, path: Path) -> Path:
         return path
 
+    def close(self):
+        for end in (self.started_send, self.started, self.go, self.go_recv):
+            end.close()
+
 
 async def quiesce(store: WatchedStore):
     """Return once no admitted group is generating and nothing more can be admitted without I/O:
@@ -326,6 +330,7 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
                     reward_fn=lambda task, sample: 1.0, filter_fn=None, weights_dir=tmp_path / "w",
                     metrics=MetricsSink(None), clock=clock,
                 )
+    trainer.close()
 
     assert summary.final_version == steps and len(trainer.trained) == steps
     # With the trainer busy on one batch, exactly N more batches are admitted ahead of it:
