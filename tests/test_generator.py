@@ -49,7 +49,7 @@ async def test_a_request_that_never_gets_an_answer_fails_its_sample_visibly():
     admission.grant(2)
     to_pool_send, to_pool = anyio.create_memory_object_stream(0)
     out_send, out = anyio.create_memory_object_stream(4)
-    with anyio.fail_after(10):
+    with anyio.fail_after(10), to_pool_send, out:
         async with anyio.create_task_group() as tg:
             await tg.start(pool.run, to_pool, out_send)
             for g in (poison, healthy):
