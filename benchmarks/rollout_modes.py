@@ -13,12 +13,11 @@ engine slot occupancy, off-policy token share and the largest staleness.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import tempfile
 import time
 from pathlib import Path
-
-import logging
 
 import anyio
 import structlog

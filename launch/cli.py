@@ -21,17 +21,17 @@ from typing import Any
 import anyio
 import structlog
 
+from launch.run_state import open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, RolloutConfig, config_to_dict, load_config
 from pipeline.controller import RolloutPlan, run_pipeline
-from pipeline.events import EventLog
 from pipeline.errors import ConfigError, EngineError, PipelineError
+from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from stages.continuation import penalties_in
 from stages.sglang import EngineFleet
 from storage import AsyncStore, Store
-from launch.run_state import open_run_state
 
 __all__ = ["main"]
 

@@ -144,7 +144,7 @@ def _start(sinks: list[StepSink], name: str, extra: str, warn: Callable[[str], N
     except ImportError as exc:
         warn(f"metrics sink {name!r} is off: its library is not installed ({exc}); "
              f"pip install 'rollout-pipeline[{extra}]'")
-    except Exception as exc:  # noqa: BLE001 - a dashboard that cannot start never stops the run
+    except Exception as exc:  # a dashboard that cannot start never stops the run
         warn(f"metrics sink {name!r} is off: it failed to start ({type(exc).__name__}: {exc})")
 
 

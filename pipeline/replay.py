@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
-from pipeline.trainer_settings import build_trainer
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
+from pipeline.trainer_settings import build_trainer
 from storage import LmdbStore, RunMeta
 
 __all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]

@@ -59,8 +59,8 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.trainer import GRPOTrainer
     from stages.tasks.tiny_model import make_model_folder
+    from stages.trainer import GRPOTrainer
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)

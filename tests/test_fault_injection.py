@@ -28,10 +28,10 @@ import torch
 
 from pipeline.errors import PipelineError, StoreError
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
-from stages.trainer.checkpoint import OPTIMIZER_DIR
-from stages.trainer import GRPOTrainer
 from stages.tasks.tiny_model import make_model_folder
 from stages.tasks.toy import encode
+from stages.trainer import GRPOTrainer
+from stages.trainer.checkpoint import OPTIMIZER_DIR
 from storage import GroupState, LmdbStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ hand-built store checks the summary's numbers exactly (partial prefixes, stalene
 from __future__ import annotations
 
 import hashlib
-import re
 import json
+import re
 import subprocess
 import sys
 from contextlib import contextmanager

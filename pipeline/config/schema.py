@@ -23,10 +23,10 @@ from storage.declaration import PROFILES
 
 __all__ = [
     "SECTIONS",
-    "Opt",
     "Config",
     "DataConfig",
     "EngineConfig",
+    "Opt",
     "OutputConfig",
     "RolloutConfig",
     "StorageConfig",
