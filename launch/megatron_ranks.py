@@ -19,13 +19,16 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from launch.engine_process import free_port
 from launch.orphan_guard import guarded
 from pipeline.errors import ConfigError, PipelineError
+
+if TYPE_CHECKING:  # the trainer imports megatron-core and torch: only when a rank starts
+    from stages.trainer.megatron.trainer import MegatronTrainer
 
 __all__ = ["MegatronRanks", "init_rank", "start_megatron_trainer"]
 
@@ -85,7 +88,7 @@ class MegatronRanks:
 def start_megatron_trainer(
     model_path: Path, *, world_size: int, tp: int, pp: int = 1, device: str = "cpu", seed: int = 0,
     log_dir: Path, **trainer_kwargs: Any,
-) -> Any:
+) -> MegatronTrainer:
     """Start ranks 1..N-1, become rank 0, and return rank 0's `MegatronTrainer` (its `close()` stops them)."""
     from stages.trainer.megatron.trainer import MegatronTrainer
 

@@ -23,11 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pipeline.errors import ConfigError
 from pipeline.metrics import StepSink
 
-__all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars"]
+__all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars", "wandb_mode"]
 
 WandbMode = Literal["offline", "online", "disabled"]
+
+
+_WANDB_MODES: dict[str, WandbMode] = {"offline": "offline", "online": "online", "disabled": "disabled"}
+
+
+def wandb_mode(value: str) -> WandbMode:
+    """`value` (the config's `--wandb-mode` string) as a `WandbMode`, or a `ConfigError` naming it."""
+    mode = _WANDB_MODES.get(value)
+    if mode is None:
+        raise ConfigError([f"output.wandb_mode={value!r}: must be one of {list(_WANDB_MODES)}"])
+    return mode
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:

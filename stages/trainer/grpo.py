@@ -130,7 +130,12 @@ class GRPOTrainer:
         self.max_grad_norm = max_grad_norm
         self.device = torch.device(device)
         # fp32 master weights: the tiny model trains on CPU, where bf16 buys nothing.
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        # `PreTrainedModel.to` is a `functools.wraps` wrapper that mypy cannot bind to its instance;
+        # typed as a Module the same method runs, moving the parameters in place.
+        module: torch.nn.Module = model
+        module.to(self.device)
+        self.model = model
         self.model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)

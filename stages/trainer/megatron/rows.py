@@ -12,7 +12,7 @@ or samples (the two per-sequence modes).
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +107,7 @@ def _padded(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
 
 def micro_batch_loss(
     settings: LossSettings, rows: Sequence[Row], logp_flat: torch.Tensor, entropy_flat: torch.Tensor, *,
-    batch_tokens: float, batch_samples: int, totals: Counter[str],
+    batch_tokens: float, batch_samples: int, totals: defaultdict[str, float],
 ) -> torch.Tensor:
     """This micro-batch's part of the batch loss (backward it), adding its sums to `totals`."""
     s, device = settings, logp_flat.device
@@ -150,7 +150,7 @@ def micro_batch_loss(
 
 
 def step_metrics(batch: Batch, rows: Sequence[Row], trains: Sequence[bool], versions: Sequence[Sequence[int]],
-                 totals: Counter[str], grad_norm: float, stepped: bool) -> dict[str, float]:
+                 totals: defaultdict[str, float], grad_norm: float, stepped: bool) -> dict[str, float]:
     """The torch trainer's metrics (`stages.trainer.metrics`) from the ranks' summed totals."""
     from stages.trainer.metrics import step_metrics as shared
 
