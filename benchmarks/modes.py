@@ -132,7 +132,7 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
 
 async def main(args: argparse.Namespace) -> None:
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(work).mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     for seed in range(args.seeds):
         for name, plan in plans(args).items():

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(config: Config) -> list[dict[str, Any]]:
     out = Path(derived(config.output.dir, "output.dir"))
-    out.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     async with AsyncExitStack() as stack:
         state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
         restored = _restore_metrics(config, state.store)

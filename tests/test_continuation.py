@@ -40,7 +40,7 @@ from tests.fakes.fake_sglang import detokenize
 pytestmark = pytest.mark.anyio
 
 # The fake spells token t as chr(ord("a") + t % 26).
-H, E, L, O, B = 7, 4, 11, 14, 1
+H, E, L, O, B = 7, 4, 11, 14, 1  # noqa: E741 - token ids named by their letters: H E L L O
 PROMPT = (2, 3)
 MAX_LEN = 8
 

@@ -13,6 +13,7 @@ polling is the only signal a separate process gives; it orders nothing inside th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -391,7 +392,7 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             launcher = Launcher(out, life)
             # The launcher starts its engine after it opened and recovered the store: from then on
             # the store holds no leftovers of the last kill, and the kill point's baseline is valid.
-            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)  # after a `loses_last_record` kill: the line is back
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
@@ -511,7 +512,7 @@ def _check_sample(s: Sample, step: int) -> None:
     assert len(s.logprobs) == len(s.loss_mask) == n
     # The spans tile the response, versions never go down, and none is newer than the step's policy.
     assert [(a.start, a.end) for a in s.spans[:1]] == [(0, s.spans[0].end)] if n else s.spans == ()
-    assert all(a.end == b.start for a, b in zip(s.spans, s.spans[1:])) and (not n or s.spans[-1].end == n)
+    assert all(a.end == b.start for a, b in itertools.pairwise(s.spans)) and (not n or s.spans[-1].end == n)
     versions = s.token_versions()
     assert versions == sorted(versions) and all(v <= step for v in versions)
     assert all(0 < r <= n for r in s.resumed_at) and list(s.resumed_at) == sorted(set(s.resumed_at))
@@ -533,7 +534,7 @@ def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tm
         for life in range(2):  # twice: once at step 0, once at step 1 (after a restore)
             watch.close()
             launcher = Launcher(out, life, *SMALL)
-            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)
             launcher.wait_until(point.name, point.arm(watch, launcher))
             launcher.kill()
@@ -610,7 +611,7 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
         for life, point in enumerate(ASYNC_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, "--rollout-mode", "async")
-            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
@@ -646,7 +647,7 @@ def test_sigkill_with_megatron_ranks_then_restart_trains_every_group_exactly_onc
         for life, point in enumerate(MEGATRON_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, *MEGATRON)
-            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: bool(launcher.engines()) and watch.store is not None)
             condition = point.arm(watch, launcher)
             # Starting rank 1 and building the model on both ranks comes first: more time than a torch life.
             launcher.wait_until(point.name, condition, deadline=2 * LIFE_DEADLINE)

@@ -1190,7 +1190,7 @@ def test_both_stores_refuse_a_put_with_the_same_words(tmp_path: Path) -> None:
             store.admit([fresh(0)], cursor_after(1), owner="p1", lease_seconds=60.0)
             store.put_ready(finished(fresh(0), 0))
             found = []
-            for put in (lambda: store.put_partial(fresh(0), owner="p1"), lambda: store.put_ready(fresh(1))):
+            for put in (lambda store=store: store.put_partial(fresh(0), owner="p1"), lambda store=store: store.put_ready(fresh(1))):
                 with pytest.raises(StoreError) as info:
                     put()
                 found.append(str(info.value))

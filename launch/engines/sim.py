@@ -48,7 +48,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -281,7 +280,7 @@ class SimModel:
     async def read_weights(self, folder: str) -> object:
         """Read nothing; any existing path works. A staged update spends its transfer time here,
         while forwards go on."""
-        if not Path(folder).exists():
+        if not await anyio.Path(folder).exists():
             raise WeightLoadError(folder, "the path does not exist")
         if self.staged_weight_updates:
             await self.clock.overlap(self.timing.weight_update)

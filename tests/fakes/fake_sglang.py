@@ -422,7 +422,7 @@ class FakeSGLang:
             meta["cached_tokens"] = cached
         meta["e2e_latency"] = time.perf_counter() - req.started
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
         return {"text": detokenize(req.output_ids), "output_ids": list(req.output_ids), "meta_info": meta}
 
@@ -430,7 +430,7 @@ class FakeSGLang:
         best = 0
         for seen in self._cache:
             n = 0
-            for a, b in zip(seen, input_ids):
+            for a, b in zip(seen, input_ids, strict=False):  # a prefix check: lengths differ
                 if a != b:
                     break
                 n += 1
