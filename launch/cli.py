@@ -269,20 +269,24 @@ class _engines:
         await self._stack.__aenter__()
         try:
             if e.router_url:
-                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key)
+                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout,
+                                    max_retries=retries, api_key=key)
             elif len(e.urls) == 1:
-                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key)
+                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries,
+                                    api_key=key)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
                 router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
                 self._stack.push_async_exit(router)
-                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries, api_key=key)
+                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls),
+                                    request_timeout=timeout, max_retries=retries, api_key=key)
             else:
                 if e.launcher == "sglang":
                     from launch.sglang_server import start_sglang_servers
 
                     procs = await start_sglang_servers(
-                        self._model_path, engine=e, log_dir=Path(derived(self._config.output.dir, "output.dir")) / "logs",
+                        self._model_path, engine=e,
+                        log_dir=Path(derived(self._config.output.dir, "output.dir")) / "logs",
                         seed=self._config.rollout.seed,
                     )
                 else:
@@ -296,9 +300,11 @@ class _engines:
                 if len(urls) > 1:
                     router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
-                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries, api_key=key)
+                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls),
+                                        request_timeout=timeout, max_retries=retries, api_key=key)
                 else:
-                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key)
+                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries,
+                                        api_key=key)
             return await self._stack.enter_async_context(fleet)
         except BaseException:
             await self._stack.aclose()

@@ -94,7 +94,9 @@ def start_megatron_trainer(
 
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"model_path": str(model_path), "tp": tp, "pp": pp, "device": device, "seed": seed, "trainer": trainer_kwargs}
+    spec = {
+        "model_path": str(model_path), "tp": tp, "pp": pp, "device": device, "seed": seed, "trainer": trainer_kwargs,
+    }
     env = _rank_env(world_size, port)
     processes, logs = [], []
     for rank in range(1, world_size):
@@ -136,7 +138,11 @@ def _rank_env(world_size: int, port: int) -> dict[str, str]:
 def _loss_settings(raw: dict[str, Any]) -> Any:
     from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
 
-    raw = {**raw, "correction": ImportanceCorrection(raw["correction"]), "aggregation": LossAggregation(raw["aggregation"])}
+    raw = {
+        **raw,
+        "correction": ImportanceCorrection(raw["correction"]),
+        "aggregation": LossAggregation(raw["aggregation"]),
+    }
     return LossSettings(**raw)
 
 
@@ -147,7 +153,9 @@ def _follower_main(raw_spec: str) -> None:
     if spec["trainer"].get("loss") is not None:  # a LossSettings, sent as JSON (enums by value)
         spec["trainer"]["loss"] = _loss_settings(spec["trainer"]["loss"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = init_rank(rank=rank, world_size=world, tp=spec["tp"], pp=spec["pp"], device=spec["device"], seed=spec["seed"])
+    device = init_rank(
+        rank=rank, world_size=world, tp=spec["tp"], pp=spec["pp"], device=spec["device"], seed=spec["seed"]
+    )
     trainer = MegatronTrainer(Path(spec["model_path"]), device=device, **spec["trainer"])
     trainer.follow()
 

@@ -248,7 +248,8 @@ def _continue_from_salvage(
         log.warning(
             "the last trained step is unreadable: resuming from the newest complete weights folder"
             if trained >= 0 else "the last trained step is unreadable and no weights were saved: starting from "
-            "the base model", resume_at_step=trained + 1, weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
+            "the base model", resume_at_step=trained + 1,
+            weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
     again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
     if salvage.partial or salvage.ready or again:
@@ -302,7 +303,9 @@ def _move_aside(data_dir: Path) -> Path:
     try:
         os.rename(data_dir, aside)
     except OSError as exc:
-        raise StoreError(f"the rollout store {data_dir} is unreadable and cannot be moved aside to {aside}: {exc}") from exc
+        raise StoreError(
+            f"the rollout store {data_dir} is unreadable and cannot be moved aside to {aside}: {exc}"
+        ) from exc
     return aside
 
 

@@ -95,7 +95,8 @@ class WandbSink:
         self._wandb = wandb
         self._run = wandb.init(
             project=project, group=group, mode=mode, dir=str(dir), id=run_id, resume="allow",
-            config=dict(config or {}), settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
+            config=dict(config or {}),
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
             reinit="create_new",
         )
         self._last_step = -1

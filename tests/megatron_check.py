@@ -82,7 +82,9 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
     base = load_file(str(model / "model.safetensors"))
     result = {
         "torch": torch_metrics, "megatron": mg_metrics,
-        "logprob_diff": max(abs(x - y) for p, q in zip(torch_lp, mg_lp, strict=True) for x, y in zip(p, q, strict=True)),
+        "logprob_diff": max(
+            abs(x - y) for p, q in zip(torch_lp, mg_lp, strict=True) for x, y in zip(p, q, strict=True)
+        ),
         "weights_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
         "weights_moved": max(float((a[k] - base[k]).abs().max()) for k in a),
         "names": [sorted(a), sorted(b)],

@@ -57,7 +57,8 @@ def _batch(step: int, rewards: list[float]) -> Batch:
     for i, r in enumerate(rewards):
         ids = encode("ab"[: i % 2 + 1] + "a" * i)
         seg = Segment(ids, tuple(-1.5 for _ in ids), FinishReason.STOP, 0)
-        samples.append(dataclasses.replace(Sample(index=i, prompt_ids=PROMPT).extended(seg, max_response_len=64), reward=r))
+        sample = Sample(index=i, prompt_ids=PROMPT).extended(seg, max_response_len=64)
+        samples.append(dataclasses.replace(sample, reward=r))
     group = Group.fresh(TASK, epoch=0, n_samples=len(samples), version=0, seq=0).with_samples(samples)
     return Batch(step, (group,))
 
@@ -374,7 +375,9 @@ KILL_POINTS = (
     KillPoint("batch taken, training", _batch_taken),
     KillPoint("new weights saved, publish in progress", _publishing),
     KillPoint("a step finished", _step_finished),
-    KillPoint("step committed, its metrics line not yet written", _committed_before_metrics_line, loses_last_record=True),
+    KillPoint(
+        "step committed, its metrics line not yet written", _committed_before_metrics_line, loses_last_record=True
+    ),
     KillPoint("continuing a stored partial group", _resumed_group_running),
 )
 
@@ -401,7 +404,10 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             tokens = watch.snapshot()
             stats = watch.store.statistics()
             counts = {k.value: v for k, v in stats.counts.items() if v}
-            used.append((point.name, f"trained {stats.trained_step}", f"cursor {stats.cursor.index}", counts, f"{tokens} tokens"))
+            used.append(
+                (point.name, f"trained {stats.trained_step}", f"cursor {stats.cursor.index}", counts,
+                 f"{tokens} tokens")
+            )
         # What a kill inside `save_weights` leaves behind (a kill point too narrow to hit by polling).
         unfinished = out / "weights" / f".v{K}.tmp-killed"
         unfinished.mkdir(parents=True)
@@ -491,7 +497,8 @@ def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]
     # The final checkpoint's optimizer took exactly K steps: no batch was trained twice into the
     # weights that survived, however often a step was trained and then killed before it counted.
     optimizer = out / "weights" / f"v{K}" / OPTIMIZER_DIR
-    meta_file = optimizer / "state.json" if (optimizer / "state.json").exists() else optimizer / "rank0.json"  # megatron
+    # torch writes state.json; megatron writes rank0.json
+    meta_file = optimizer / "state.json" if (optimizer / "state.json").exists() else optimizer / "rank0.json"
     meta = json.loads(meta_file.read_text())
     assert meta["trainer_steps"] == K
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -647,7 +654,9 @@ def test_sigkill_with_megatron_ranks_then_restart_trains_every_group_exactly_onc
         for life, point in enumerate(MEGATRON_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, *MEGATRON)
-            launcher.wait_until("the engine", lambda launcher=launcher: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until(
+                "the engine", lambda launcher=launcher: bool(launcher.engines()) and watch.store is not None
+            )
             condition = point.arm(watch, launcher)
             # Starting rank 1 and building the model on both ranks comes first: more time than a torch life.
             launcher.wait_until(point.name, condition, deadline=2 * LIFE_DEADLINE)

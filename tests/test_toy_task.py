@@ -167,7 +167,10 @@ def test_load_jsonl_prompts_applies_a_chat_template_only_when_asked(tmp_path, to
         load_jsonl_prompts(path, tokenizer)
 
     tok = build_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}=:{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+        "{% if add_generation_prompt %}=:{% endif %}"
+    )
     plain, chat = load_jsonl_prompts(path, tok)
     assert plain.prompt_ids == encode("hi")  # not templated unless asked
     assert chat.prompt_ids == encode("user: yo.=:")

@@ -62,7 +62,8 @@ def test_reaching_the_length_limit_truncates_even_on_abort():
     "kwargs, message",
     [
         (dict(response_ids=(1, 2), logprobs=(0.0,), loss_mask=(1, 1), spans=(VersionSpan(0, 2, 0),)), "out of step"),
-        (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1), spans=(VersionSpan(0, 1, 0),)), "cover 1 of 2"),
+        (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1), spans=(VersionSpan(0, 1, 0),)),
+         "cover 1 of 2"),
         (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1),
               spans=(VersionSpan(0, 1, 0), VersionSpan(0, 2, 1))), "gap or overlap"),
     ],

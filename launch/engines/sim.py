@@ -507,7 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     # A port taken: say why in a line.
-    return run_main(functools.partial(serve, **options), log_level=args.log_level, startup_errors=(ConfigError, OSError))
+    return run_main(
+        functools.partial(serve, **options), log_level=args.log_level, startup_errors=(ConfigError, OSError)
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ four finish-reason shapes (including the waiting-queue abort, which has no `stat
 modes, `/flush_cache` answering 400 while requests are held, weight versions stamped when the
 output is assembled with per-token spans in `meta_info.weight_versions` (a boundary wherever the
 version changed while the request was tracked; `legacy_versions=True` sends only `weight_version`,
-like servers before the spans), `min_new_tokens` holding off stops, `/v1/loads`, and the info routes the real sglang-router reads when it
-registers a worker (`/health`, `/server_info`, `/model_info`).
+like servers before the spans), `min_new_tokens` holding off stops, `/v1/loads`, and the info routes
+the real sglang-router reads when it registers a worker (`/health`, `/server_info`, `/model_info`).
 
 It is scriptable without sleeps:
 

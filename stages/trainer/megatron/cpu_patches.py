@@ -32,7 +32,9 @@ def cpu_patches_applied() -> bool:
     return _applied
 
 
-def _get_tensor_on_cpu(self: Any, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+def _get_tensor_on_cpu(
+    self: Any, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+) -> torch.Tensor:
     """`GlobalMemoryBuffer.get_tensor`, allocating on CPU instead of the current CUDA device."""
     n = math.prod(shape)
     key = (name, dtype)

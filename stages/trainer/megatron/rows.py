@@ -77,7 +77,8 @@ def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bo
                 penalty = L.overlong_penalty(x.response_len, max_response_len=s.max_response_len,
                                              buffer_len=s.overlong_buffer_len, factor=s.overlong_penalty_factor)
             rewards.append(float(x.reward) + penalty if _trains(x) else None)  # type: ignore[arg-type]
-        for x, reward, adv in zip(group.samples, rewards, L.group_advantages(rewards, std_normalization=s.std_normalization), strict=True):
+        advantages = L.group_advantages(rewards, std_normalization=s.std_normalization)
+        for x, reward, adv in zip(group.samples, rewards, advantages, strict=True):
             v = torch.tensor([x.token_versions()], dtype=torch.long).reshape(1, x.response_len)
             valid = torch.ones_like(v, dtype=torch.bool)
             mask = torch.tensor([x.loss_mask], dtype=torch.bool).reshape(1, x.response_len) & valid

@@ -115,7 +115,9 @@ class MegatronTrainer:
         )
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
-        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu")
+        self.model = build_gpt_model(
+            self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu"
+        )
         load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.steps = 0
