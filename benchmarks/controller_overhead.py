@@ -174,7 +174,7 @@ def print_profile(profile: cProfile.Profile, title: str, out: Path, top: int = 1
 
 async def main(args: argparse.Namespace) -> None:
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(work).mkdir(parents=True, exist_ok=True)
     dataset = workload(args.dataset or (args.steps + 4) * args.batch * 2, args.prompt_len)
     engine = await start_engine(
         "instant", module="launch.engines.instant",

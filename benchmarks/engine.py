@@ -57,12 +57,12 @@ def measure(runner: ModelRunner, forward: object, batch: int, context: int, step
     # The sequences reach `context` tokens over the timed steps.
     prompts = _prompts(batch, context - steps - 1, min(runner.vocab_size, 60))
     draws = step(_rows(prompts, outputs))  # KV: the prefill; recompute: a warm-up step
-    outputs = [o + (d.token_id,) for o, d in zip(outputs, draws, strict=True)]
+    outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]
     _sync(runner.device)
     start = time.perf_counter()
     for _ in range(steps):
         draws = step(_rows(prompts, outputs))
-        outputs = [o + (d.token_id,) for o, d in zip(outputs, draws, strict=True)]
+        outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]
     _sync(runner.device)
     return (time.perf_counter() - start) / steps
 

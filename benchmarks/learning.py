@@ -121,7 +121,8 @@ def summarize(runs: list[dict[str, Any]], cap: int) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| task | mode | last-quarter reward (± seed std) | vs sync | steps to half sync | longest at cap | max staleness |",
+        "| task | mode | last-quarter reward (± seed std) | vs sync | steps to half sync | longest at cap "
+        "| max staleness |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -63,7 +63,10 @@ def reward(task, sample) -> float:
 
 def workload(n: int, prompt_len: int, seed: int) -> list[PromptTask]:
     return [
-        PromptTask(index=i, prompt_ids=tuple(1000 + (zlib.crc32(f"{seed}:{i}:{j}".encode()) % 50000) for j in range(prompt_len)))
+        PromptTask(
+            index=i,
+            prompt_ids=tuple(1000 + (zlib.crc32(f"{seed}:{i}:{j}".encode()) % 50000) for j in range(prompt_len)),
+        )
         for i in range(n)
     ]
 
@@ -96,10 +99,13 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
     if args.timeline_dir and seed == 0:
         out = Path(args.timeline_dir) / f"timeline-{name.replace(' ', '').replace(',', '-').replace('<=', 'le')}.html"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_timeline(events.events, title=f"{name}: {plan.num_steps} steps (wall seconds, time scale {scale})"))
+        title = f"{name}: {plan.num_steps} steps (wall seconds, time scale {scale})"
+        out.write_text(render_timeline(events.events, title=title))
     batches = [store.batch(s) for s in range(plan.num_steps)]
     trained = sum(s.response_len for b in batches for s in b.samples)
-    kept = sum(s.response_len for st in (GroupState.PARTIAL, GroupState.READY) for g in store.groups(st) for s in g.samples)
+    kept = sum(
+        s.response_len for st in (GroupState.PARTIAL, GroupState.READY) for g in store.groups(st) for s in g.samples
+    )
     generated = after["generated_tokens"] - before["generated_tokens"]
     off = sum(r["off_policy_token_frac"] * r["batch/tokens"] for r in sink.records)
     return {
@@ -132,7 +138,7 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
 
 async def main(args: argparse.Namespace) -> None:
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(work).mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     for seed in range(args.seeds):
         for name, plan in plans(args).items():
@@ -146,7 +152,8 @@ async def main(args: argparse.Namespace) -> None:
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med["ratio"] = med["groups/s"] / base
-        print(f"{name:20}" + "".join(f"{med[c]:>11.3f}" if isinstance(med[c], float) else f"{med[c]:>11}" for c in cols))
+        cells = (f"{med[c]:>11.3f}" if isinstance(med[c], float) else f"{med[c]:>11}" for c in cols)
+        print(f"{name:20}" + "".join(cells))
     late = sum(r["late"] for runs in results.values() for r in runs)
     if late:
         print(f"note: the simulated engine ran late on {late} forwards; raise --time-scale for exact timing")

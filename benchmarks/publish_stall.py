@@ -99,7 +99,7 @@ async def run_mode(pause_mode: str, args: argparse.Namespace, work: Path) -> dic
 
 async def main(args: argparse.Namespace) -> None:
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(work).mkdir(parents=True, exist_ok=True)
     scale = args.time_scale
     print(f"async, {args.steps} steps of {args.batch} groups x {args.group} samples, {args.slots} slots; "
           f"weight update {args.weight_update_time} engine s, time scale {scale} (1 engine ms = {scale:g} wall ms)")

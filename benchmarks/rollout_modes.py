@@ -13,12 +13,11 @@ engine slot occupancy, off-policy token share and the largest staleness.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import tempfile
 import time
 from pathlib import Path
-
-import logging
 
 import anyio
 import structlog
@@ -66,7 +65,8 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
         "tokens_per_s": tokens / rollout,
         "rollout_s": rollout,
         "wall_s": wall,
-        "busy": sum(r["engine/busy_frac"] * r["time/step"] for r in sink.records) / sum(r["time/step"] for r in sink.records),
+        "busy": sum(r["engine/busy_frac"] * r["time/step"] for r in sink.records)
+        / sum(r["time/step"] for r in sink.records),
         "off_policy": sum(r["off_policy_token_frac"] for r in sink.records) / len(sink.records),
         "stale_max": max(r["staleness/max"] for r in sink.records),
     }
@@ -91,7 +91,8 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = results["sync"]["groups_per_s"]
-    print(f"{'mode':14} {'groups/s':>9} {'tokens/s':>9} {'ratio':>6} {'engine busy':>11} {'off-policy':>10} {'stale max':>9} {'rollout s':>9}")
+    print(f"{'mode':14} {'groups/s':>9} {'tokens/s':>9} {'ratio':>6} {'engine busy':>11} {'off-policy':>10} "
+          f"{'stale max':>9} {'rollout s':>9}")
     for name, r in results.items():
         print(
             f"{name:14} {r['groups_per_s']:9.2f} {r['tokens_per_s']:9.0f} {r['groups_per_s'] / base:6.2f} "

@@ -128,7 +128,8 @@ def main(args: argparse.Namespace) -> None:
             rows += [
                 ("resume: open", f"{open_s * 1e3:.1f} ms (all of the integrity checks below included)"),
                 ("  open check: meta pages", f"{meta_s * 1e3:.2f} ms"),
-                ("  open check: every tree's pages walked", f"{walk_s * 1e3:.1f} ms  ({(path / 'data.mdb').stat().st_size / 1e6:.0f} MB file)"),
+                ("  open check: every tree's pages walked",
+                 f"{walk_s * 1e3:.1f} ms  ({(path / 'data.mdb').stat().st_size / 1e6:.0f} MB file)"),
                 ("resume: recover", f"{recover_s * 1e3:.1f} ms  ({report.running_to_partial} running -> partial, "
                                     f"{report.batched_to_ready} batched -> ready)"),
                 ("resume: first claim_partial(1)", f"{claim_s * 1e3:.2f} ms"),

@@ -16,22 +16,24 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import anyio
 import structlog
 
+from launch.run_state import open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, RolloutConfig, config_to_dict, load_config
+from pipeline.config.derived import derived
 from pipeline.controller import RolloutPlan, run_pipeline
-from pipeline.events import EventLog
 from pipeline.errors import ConfigError, EngineError, PipelineError
-from pipeline.metric_sinks import SinkSettings, open_step_sinks
+from pipeline.events import EventLog
+from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from stages.continuation import penalties_in
 from stages.sglang import EngineFleet
 from storage import AsyncStore, Store
-from launch.run_state import open_run_state
 
 __all__ = ["main"]
 
@@ -59,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         errors = _leaves(group)
         if not errors or not all(isinstance(e, PipelineError) for e in errors):
             raise
-        for exc in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
-            print(f"error: {exc}", file=sys.stderr)
+        for message in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
+            print(f"error: {message}", file=sys.stderr)
         print("rollout state is in the store; fix the cause and run the same command again to resume", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -71,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(config: Config) -> list[dict[str, Any]]:
-    out = Path(config.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(derived(config.output.dir, "output.dir"))
+    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     async with AsyncExitStack() as stack:
         state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
         restored = _restore_metrics(config, state.store)
@@ -156,7 +158,7 @@ async def _garbage_collector(
 
 def _restore_metrics(config: Config, store: Store) -> RestoredMetrics:
     """One metrics record per trained step before this run appends any: see `pipeline.metrics`."""
-    path = Path(config.output.metrics_file)
+    path = Path(derived(config.output.metrics_file, "output.metrics_file"))
     restored = restore_metrics_file(path, trained_step=store.trained_step(), stored=store.step_metrics())
     if restored.rebuilt:
         log.warning("metrics records written back from the store", file=str(path), steps=list(restored.rebuilt))
@@ -172,13 +174,13 @@ def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: S
     o = config.output
     settings = SinkSettings(
         use_tensorboard=o.use_tensorboard, tensorboard_dir=o.tensorboard_dir, use_wandb=o.use_wandb,
-        wandb_project=o.wandb_project, wandb_group=o.wandb_group, wandb_mode=o.wandb_mode,
+        wandb_project=o.wandb_project, wandb_group=o.wandb_group, wandb_mode=wandb_mode(o.wandb_mode),
         wandb_dir=o.wandb_dir, wandb_run_id=o.wandb_run_id,
     )
     warn = log.warning
     extras = open_step_sinks(settings, output_dir=out, run_id=config.storage.run_id, warn=warn,
                              config=config_to_dict(config))
-    sink = MetricsSink(Path(o.metrics_file), extras, warn=warn)
+    sink = MetricsSink(Path(derived(o.metrics_file, "output.metrics_file")), extras, warn=warn)
     if extras and restored.rebuilt:
         stored = store.step_metrics(min(restored.rebuilt))
         for step in restored.rebuilt:
@@ -263,30 +265,34 @@ class _engines:
         slots = e.sglang_server_concurrency
         timeout = self._config.rollout.request_timeout
         retries = self._config.rollout.max_retries
-        key = {"api_key": e.api_key} if e.api_key else {}  # sent as 'Authorization: Bearer KEY'
+        key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
         try:
             if e.router_url:
-                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
+                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout,
+                                    max_retries=retries, api_key=key)
             elif len(e.urls) == 1:
-                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
+                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries,
+                                    api_key=key)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
                 router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
                 self._stack.push_async_exit(router)
-                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls), request_timeout=timeout, max_retries=retries, **key)
+                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls),
+                                    request_timeout=timeout, max_retries=retries, api_key=key)
             else:
                 if e.launcher == "sglang":
                     from launch.sglang_server import start_sglang_servers
 
                     procs = await start_sglang_servers(
-                        self._model_path, engine=e, log_dir=Path(self._config.output.dir) / "logs",
+                        self._model_path, engine=e,
+                        log_dir=Path(derived(self._config.output.dir, "output.dir")) / "logs",
                         seed=self._config.rollout.seed,
                     )
                 else:
                     procs = await start_engines(
                         e.num_engines, self._model_path, host=e.host, max_running_requests=slots,
-                        log_dir=Path(self._config.output.dir) / "logs",
+                        log_dir=Path(derived(self._config.output.dir, "output.dir")) / "logs",
                     )
                 for proc in procs:
                     self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
@@ -294,19 +300,23 @@ class _engines:
                 if len(urls) > 1:
                     router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
-                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls), request_timeout=timeout, max_retries=retries, **key)
+                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls),
+                                        request_timeout=timeout, max_retries=retries, api_key=key)
                 else:
-                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries, **key)
+                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries,
+                                        api_key=key)
             return await self._stack.enter_async_context(fleet)
         except BaseException:
             await self._stack.aclose()
             raise
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stack.__aexit__(*exc)
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        await self._stack.__aexit__(exc_type, exc, tb)
 
     def _router_log(self) -> Path:
-        logs = Path(self._config.output.dir) / "logs"
+        logs = Path(derived(self._config.output.dir, "output.dir")) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         return logs / "router.log"
 

@@ -1,4 +1,7 @@
-"""Deprecated: moved to `launch.engines.scheduler and launch.engines.request`; this module re-exports its public names."""
+"""Deprecated: moved to `launch.engines.scheduler and launch.engines.request`.
+
+This module re-exports its public names.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ from launch.engines.request import (
 )
 from launch.engines.scheduler import CoreStatistics, EngineCore
 
-__all__ = ["CoreStatistics", "EngineClosedError", "EngineCore", "Finish", "FinishKind", "InvalidRequestError", "PauseMode", "Request"]
+__all__ = [
+    "CoreStatistics", "EngineClosedError", "EngineCore", "Finish", "FinishKind", "InvalidRequestError", "PauseMode",
+    "Request",
+]
 
 warnings.warn(
     "launch.engine_core is deprecated; import launch.engines.scheduler and launch.engines.request instead",

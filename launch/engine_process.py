@@ -31,6 +31,8 @@ from pipeline.errors import EngineUnavailableError
 __all__ = ["EngineProcess", "free_port", "start_engine", "start_engines"]
 
 _LOG_TAIL_CHARS = 4000
+# Engine children import `launch` from this checkout: see `start_engine`.
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,9 +144,8 @@ async def start_engine(
         ]  # fmt: skip
         child_env = {**os.environ, **(env or {})}
         # The child imports `launch` from wherever this module lives, even if cwd is elsewhere.
-        root = str(Path(__file__).resolve().parent.parent)
-        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-        with open(path, "ab") as log_file:
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, child_env.get("PYTHONPATH")) if p)
+        with open(path, "ab") as log_file:  # noqa: ASYNC230 - the child needs a real fd; a local log opens at once
             process = await anyio.open_process(cmd, stdin=None, stdout=log_file, stderr=log_file, env=child_env)
         engine = EngineProcess(process, host=host, port=chosen, log_path=path, own_log=own_log)
         try:
@@ -200,7 +201,7 @@ async def start_engines(
     if "port" in options or "log_path" in options:
         raise ValueError("start_engines picks a port and a log file per engine; pass neither")
     if log_dir is not None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     engines: list[EngineProcess | None] = [None] * n
     errors: list[Exception] = []
 

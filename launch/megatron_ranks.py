@@ -19,13 +19,16 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from launch.engine_process import free_port
 from launch.orphan_guard import guarded
 from pipeline.errors import ConfigError, PipelineError
+
+if TYPE_CHECKING:  # the trainer imports megatron-core and torch: only when a rank starts
+    from stages.trainer.megatron.trainer import MegatronTrainer
 
 __all__ = ["MegatronRanks", "init_rank", "start_megatron_trainer"]
 
@@ -85,13 +88,15 @@ class MegatronRanks:
 def start_megatron_trainer(
     model_path: Path, *, world_size: int, tp: int, pp: int = 1, device: str = "cpu", seed: int = 0,
     log_dir: Path, **trainer_kwargs: Any,
-) -> Any:
+) -> MegatronTrainer:
     """Start ranks 1..N-1, become rank 0, and return rank 0's `MegatronTrainer` (its `close()` stops them)."""
     from stages.trainer.megatron.trainer import MegatronTrainer
 
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"model_path": str(model_path), "tp": tp, "pp": pp, "device": device, "seed": seed, "trainer": trainer_kwargs}
+    spec = {
+        "model_path": str(model_path), "tp": tp, "pp": pp, "device": device, "seed": seed, "trainer": trainer_kwargs,
+    }
     env = _rank_env(world_size, port)
     processes, logs = [], []
     for rank in range(1, world_size):
@@ -133,7 +138,11 @@ def _rank_env(world_size: int, port: int) -> dict[str, str]:
 def _loss_settings(raw: dict[str, Any]) -> Any:
     from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
 
-    raw = {**raw, "correction": ImportanceCorrection(raw["correction"]), "aggregation": LossAggregation(raw["aggregation"])}
+    raw = {
+        **raw,
+        "correction": ImportanceCorrection(raw["correction"]),
+        "aggregation": LossAggregation(raw["aggregation"]),
+    }
     return LossSettings(**raw)
 
 
@@ -144,7 +153,9 @@ def _follower_main(raw_spec: str) -> None:
     if spec["trainer"].get("loss") is not None:  # a LossSettings, sent as JSON (enums by value)
         spec["trainer"]["loss"] = _loss_settings(spec["trainer"]["loss"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = init_rank(rank=rank, world_size=world, tp=spec["tp"], pp=spec["pp"], device=spec["device"], seed=spec["seed"])
+    device = init_rank(
+        rank=rank, world_size=world, tp=spec["tp"], pp=spec["pp"], device=spec["device"], seed=spec["seed"]
+    )
     trainer = MegatronTrainer(Path(spec["model_path"]), device=device, **spec["trainer"])
     trainer.follow()
 

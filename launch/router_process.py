@@ -161,7 +161,7 @@ async def start_router(
         fd, name = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+    with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local log opens at once; the child keeps its own copy of the fd
         process = await anyio.open_process(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     router = RouterProcess(url, workers, process, log_path, owns_log=owns_log)
     try:

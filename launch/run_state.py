@@ -40,6 +40,7 @@ import structlog
 
 import storage
 from pipeline.config import Config, config_to_dict
+from pipeline.config.derived import derived
 from pipeline.controller import Trainer
 from pipeline.errors import IncompatibleStoreError, StoreError
 from pipeline.trainer_settings import build_trainer, loss_settings
@@ -80,7 +81,7 @@ def open_run_state(config: Config) -> RunState:
 
     from stages.tasks.tiny_model import make_model_folder
 
-    out = Path(config.output.dir)
+    out = Path(derived(config.output.dir, "output.dir"))
     if config.engine.hf_checkpoint:
         model_path = Path(config.engine.hf_checkpoint)
     else:
@@ -146,7 +147,8 @@ def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn
         from stages.tasks.jsonl import load_jsonl_prompts
 
         tasks = load_jsonl_prompts(d.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key)
-        return tasks, d.reward_fn
+        # The rules ask for --custom-rm-path with --prompt-data, so a reward function is set here.
+        return tasks, derived(d.reward_fn, "data.reward_fn")
     from stages.tasks.toy import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward
@@ -183,7 +185,7 @@ def _check_meta(store: Store, meta: RunMeta) -> None:
 
 def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[PromptTask]) -> Store:
     s = config.storage
-    data_dir = Path(s.data_dir)
+    data_dir = Path(derived(s.data_dir, "storage.data_dir"))
     plan = check_storage(
         data_dir, declaration=load_declaration(s.declaration) if s.declaration is not None else None,
         profile=s.profile,
@@ -246,7 +248,8 @@ def _continue_from_salvage(
         log.warning(
             "the last trained step is unreadable: resuming from the newest complete weights folder"
             if trained >= 0 else "the last trained step is unreadable and no weights were saved: starting from "
-            "the base model", resume_at_step=trained + 1, weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
+            "the base model", resume_at_step=trained + 1,
+            weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
     again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
     if salvage.partial or salvage.ready or again:
@@ -300,7 +303,9 @@ def _move_aside(data_dir: Path) -> Path:
     try:
         os.rename(data_dir, aside)
     except OSError as exc:
-        raise StoreError(f"the rollout store {data_dir} is unreadable and cannot be moved aside to {aside}: {exc}") from exc
+        raise StoreError(
+            f"the rollout store {data_dir} is unreadable and cannot be moved aside to {aside}: {exc}"
+        ) from exc
     return aside
 
 

@@ -58,7 +58,7 @@ async def start_sglang_servers(model_path: Path, *, engine: Any, log_dir: Path, 
     groups = engine_devices(engine.sglang_devices, engines=engine.num_engines, per_engine=engine.gpus_per_engine)
     extra = sglang_command_args(per_engine=engine.gpus_per_engine, mem_fraction=engine.sglang_mem_fraction_static,
                                 api_key=engine.api_key, seed=seed)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     started: list[EngineProcess | None] = [None] * len(groups)
     errors: list[Exception] = []
 

@@ -16,7 +16,9 @@ from launch.engines.sim import (
     serve,
 )
 
-__all__ = ["SimClock", "SimModel", "SimServer", "SimStatistics", "main", "open_sim_server", "options_from_args", "serve"]
+__all__ = [
+    "SimClock", "SimModel", "SimServer", "SimStatistics", "main", "open_sim_server", "options_from_args", "serve",
+]
 
 warnings.warn(
     "launch.sim_engine is deprecated; import launch.engines.sim instead",

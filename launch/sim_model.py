@@ -15,7 +15,10 @@ from launch.engines.sim_model import (
     strip_generated,
 )
 
-__all__ = ["EOS_ID", "FIRST_TEXT_ID", "DecodeTimeModel", "LengthModel", "SimTokenizer", "sim_logprob", "sim_token", "strip_generated"]
+__all__ = [
+    "EOS_ID", "FIRST_TEXT_ID", "DecodeTimeModel", "LengthModel", "SimTokenizer", "sim_logprob", "sim_token",
+    "strip_generated",
+]
 
 warnings.warn(
     "launch.sim_model is deprecated; import launch.engines.sim_model instead",

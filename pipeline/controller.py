@@ -161,7 +161,9 @@ async def run_pipeline(
             t_train = time.perf_counter()
             with _span(events, "train", step=step):
                 train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
-                new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
+                new_weights = await anyio.to_thread.run_sync(
+                    trainer.save_weights, weights_dir / f"v{clock.version + 1}"
+                )
             train_seconds = time.perf_counter() - t_train
 
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -292,7 +294,8 @@ class _Graph:
 
 async def _step_record(
     plan: RolloutPlan, step: int, start_step: int, run_started: float, step_seconds: float, busy: float,
-    rollout_seconds: float, train_seconds: float, admission: Admission, pool: GeneratorPool, gate: FilterStage, collector: Collector, store: AsyncStore,
+    rollout_seconds: float, train_seconds: float, admission: Admission, pool: GeneratorPool, gate: FilterStage,
+    collector: Collector, store: AsyncStore,
     groups: int,
 ) -> dict[str, Any]:
     """The step's counters, rates and times, measured just before its commit."""

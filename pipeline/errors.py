@@ -31,7 +31,6 @@ from collections.abc import Sequence
 __all__ = [
     "ConfigError",
     "CorruptRecordError",
-    "StoreCorruptionError",
     "EngineError",
     "EngineUnavailableError",
     "IncompatibleStoreError",
@@ -39,6 +38,7 @@ __all__ = [
     "PluginError",
     "PublishError",
     "ReplayError",
+    "StoreCorruptionError",
     "StoreError",
     "StoreLockedError",
     "VersionMismatchError",

@@ -23,11 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pipeline.errors import ConfigError
 from pipeline.metrics import StepSink
 
-__all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars"]
+__all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars", "wandb_mode"]
 
 WandbMode = Literal["offline", "online", "disabled"]
+
+
+_WANDB_MODES: dict[str, WandbMode] = {"offline": "offline", "online": "online", "disabled": "disabled"}
+
+
+def wandb_mode(value: str) -> WandbMode:
+    """`value` (the config's `--wandb-mode` string) as a `WandbMode`, or a `ConfigError` naming it."""
+    mode = _WANDB_MODES.get(value)
+    if mode is None:
+        raise ConfigError([f"output.wandb_mode={value!r}: must be one of {list(_WANDB_MODES)}"])
+    return mode
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -83,7 +95,8 @@ class WandbSink:
         self._wandb = wandb
         self._run = wandb.init(
             project=project, group=group, mode=mode, dir=str(dir), id=run_id, resume="allow",
-            config=dict(config or {}), settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
+            config=dict(config or {}),
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
             reinit="create_new",
         )
         self._last_step = -1
@@ -144,7 +157,7 @@ def _start(sinks: list[StepSink], name: str, extra: str, warn: Callable[[str], N
     except ImportError as exc:
         warn(f"metrics sink {name!r} is off: its library is not installed ({exc}); "
              f"pip install 'rollout-pipeline[{extra}]'")
-    except Exception as exc:  # noqa: BLE001 - a dashboard that cannot start never stops the run
+    except Exception as exc:  # a dashboard that cannot start never stops the run
         warn(f"metrics sink {name!r} is off: it failed to start ({type(exc).__name__}: {exc})")
 
 

@@ -137,7 +137,7 @@ class MetricsSink:
     def _guard(self, sink: StepSink, what: str, call: Callable[[], None]) -> None:
         try:
             call()
-        except Exception as exc:  # noqa: BLE001 - any failure of a dashboard: warn once, keep training
+        except Exception as exc:  # any failure of a dashboard: warn once, keep training
             self._extras.remove(sink)
             reason = f"{type(exc).__name__}: {exc}"
             self.failed[sink.name] = reason

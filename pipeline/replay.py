@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
-from pipeline.trainer_settings import build_trainer
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
+from pipeline.trainer_settings import build_trainer
 from storage import LmdbStore, RunMeta
 
 __all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]
@@ -81,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--json", action="store_true", help="print the group as one JSON object")
     train = sub.add_parser("train", help="feed the recorded batches to a fresh trainer, no engine")
     train.add_argument("--steps", default=None, help="A:B replays steps A..B-1 (default: every trained step)")
-    train.add_argument("--weights", type=Path, default=None, help="start from this model folder, e.g. RUN_DIR/weights/v3")
+    train.add_argument(
+        "--weights", type=Path, default=None, help="start from this model folder, e.g. RUN_DIR/weights/v3"
+    )
     train.add_argument("--seed", type=int, default=None, help="trainer seed (default: the run's --rollout-seed)")
     timeline = sub.add_parser("timeline", help="draw RUN_DIR/events.jsonl as an HTML timeline")
     timeline.add_argument("-o", "--output", type=Path, default=None, help="HTML file (default: RUN_DIR/timeline.html)")
@@ -209,7 +211,9 @@ def replay_training(
     step's metrics. Every batch is checked to exist before the (slow) trainer is built."""
     missing = [s for s in steps if store.batch(s) is None]
     if missing:
-        raise ReplayError(f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})")
+        raise ReplayError(
+            f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})"
+        )
     # The run's own settings, as its config recorded them; what an older run did not record takes
     # the schema's default, the same default the launcher used.
     config = (meta.extra.get("config", {}) if (meta := store.read_meta()) else {})

@@ -97,7 +97,9 @@ def format_metrics(table: MetricsTable, columns: Sequence[str] = DEFAULT_COLUMNS
         lines.append(f"\nthe metrics file and the store disagree in {len(table.disagreements)} place(s):")
         lines += [f"  {p}" for p in table.disagreements]
     else:
-        lines.append(f"\nthe metrics file and the store agree: {len(table.rows)} steps, trained step {table.trained_step}")
+        lines.append(
+            f"\nthe metrics file and the store agree: {len(table.rows)} steps, trained step {table.trained_step}"
+        )
     return "\n".join(lines)
 
 

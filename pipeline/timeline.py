@@ -110,7 +110,10 @@ def _rect(x: float, y: float, w: float, h: float, colour: str, tip: str) -> str:
 
 def _page(title: str, body: str) -> str:
     t = html.escape(title)
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title></head><body><h3>{t}</h3>{body}</body></html>"
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title></head>"
+        f"<body><h3>{t}</h3>{body}</body></html>"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -205,7 +205,7 @@ class Sample:
         """This partial sample marked as continued from its current length (for the off-policy mask)."""
         if self.response_len == 0 or (self.resumed_at and self.resumed_at[-1] == self.response_len):
             return self
-        return dataclasses.replace(self, resumed_at=self.resumed_at + (self.response_len,))
+        return dataclasses.replace(self, resumed_at=(*self.resumed_at, self.response_len))
 
 
 def _status_after(reason: FinishReason, response_len: int, max_response_len: int) -> SampleStatus:

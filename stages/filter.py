@@ -70,7 +70,7 @@ class FilterStage:
         out = self._fn(group)
         if isinstance(out, bool):
             return out, "" if out else "rejected"
-        keep = bool(getattr(out, "keep"))
+        keep = bool(out.keep)
         return keep, str(getattr(out, "reason", "") or ("" if keep else "rejected"))
 
     def statistics(self) -> FilterStatistics:

@@ -224,7 +224,9 @@ class GeneratorPool:
         while not sample.status.finished and sample.status is not SampleStatus.FAILED:
             left = self._max_len - sample.response_len
             if left <= 0:
-                samples[i] = dataclasses.replace(sample, status=SampleStatus.TRUNCATED, finish_reason=FinishReason.LENGTH)
+                samples[i] = dataclasses.replace(
+                    sample, status=SampleStatus.TRUNCATED, finish_reason=FinishReason.LENGTH
+                )
                 return
             async with self._slots:
                 if self._stopping:

@@ -12,7 +12,6 @@ import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Union
 
 import anyio
 from anyio.abc import TaskStatus
@@ -24,7 +23,7 @@ from storage import AsyncStore
 
 __all__ = ["RewardFn", "RewardStage", "RewardStatistics"]
 
-RewardFn = Callable[[PromptTask, Sample], Union[float, Awaitable[float]]]
+RewardFn = Callable[[PromptTask, Sample], float | Awaitable[float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +67,7 @@ class RewardStage:
                 with anyio.fail_after(self._timeout):
                     value = await value
             reward = float(value)
-        except Exception as exc:  # noqa: BLE001 - a user function's failure is data, recorded on the sample
+        except Exception as exc:  # a user function's failure is data, recorded on the sample
             self._failed += 1
             reason = "timed out" if isinstance(exc, TimeoutError) else repr(exc)
             return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")

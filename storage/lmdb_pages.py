@@ -114,7 +114,8 @@ def _check_meta(page: bytes, number: int, psize: int, size: int, path: str) -> l
         (free_db[0] == psize, f"page size {free_db[0]}, the other meta page says {psize}"),
         (last_pg >= 1 and (last_pg + 1) * psize <= size,
          f"last page {last_pg} is past the end of the {size}-byte file (truncated, or a damaged field)"),
-        (mapsize >= (last_pg + 1) * psize and mapsize <= 1 << 48, f"map size {mapsize} does not fit its last page {last_pg}"),
+        (mapsize >= (last_pg + 1) * psize and mapsize <= 1 << 48,
+         f"map size {mapsize} does not fit its last page {last_pg}"),
         (txnid < 1 << 62, f"transaction id {txnid}"),
     ]
     for name, db in (("free-list", free_db), ("main", main_db)):
@@ -157,7 +158,8 @@ def _walk(data: memoryview) -> dict[str, str]:
     last_pg = _TAIL.unpack_from(newest, _TAIL_AT)[0]
     walker = _Walker(data, psize, last_pg)
     damaged: dict[str, str] = {}
-    for name, db in (("free-list", _DB.unpack_from(newest, _DB_AT)), ("main", _DB.unpack_from(newest, _DB_AT + _DB.size))):
+    roots = (("free-list", _DB.unpack_from(newest, _DB_AT)), ("main", _DB.unpack_from(newest, _DB_AT + _DB.size)))
+    for name, db in roots:
         subs: list[tuple[str, int]] = []
         if (problem := walker.tree(db[7], subs if name == "main" else None)) is not None:
             damaged[name] = problem
@@ -187,7 +189,9 @@ class _Walker:
                 return f"page {pgno}: {problem}"
         return None
 
-    def page(self, pgno: int, depth: int, stack: list[tuple[int, int]], subs: list[tuple[str, int]] | None) -> str | None:
+    def page(
+        self, pgno: int, depth: int, stack: list[tuple[int, int]], subs: list[tuple[str, int]] | None
+    ) -> str | None:
         if not 2 <= pgno <= self.last_pg:
             return f"page number outside 2..{self.last_pg}"
         if (pgno + 1) * self.psize > len(self.data):

@@ -754,7 +754,8 @@ class LmdbStore:
             raise IncompatibleStoreError(
                 "layout_version", stored, LAYOUT_VERSION,
                 reason=f"the rollout store {self._path} was written by a newer rollout-pipeline (store layout "
-                f"{stored}); this version reads layouts {LEGACY_LAYOUT} to {LAYOUT_VERSION}: open it with the newer version",
+                f"{stored}); this version reads layouts {LEGACY_LAYOUT} to {LAYOUT_VERSION}: "
+                "open it with the newer version",
             )
         if stored is not None and stored < LEGACY_LAYOUT:
             raise CorruptRecordError(where, f"layout version {stored} was never written by any version")
@@ -879,7 +880,9 @@ class LmdbStore:
                 os.close(fd)  # closing the descriptor releases the flock
 
 
-def _readable(read: Callable[[str], Group], ids: Sequence[str], damaged: list[CorruptRecordError] | None) -> list[Group]:
+def _readable(
+    read: Callable[[str], Group], ids: Sequence[str], damaged: list[CorruptRecordError] | None
+) -> list[Group]:
     if damaged is None:
         return [read(gid) for gid in ids]
     out = []

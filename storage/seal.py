@@ -46,7 +46,9 @@ def unseal(key: bytes | memoryview, value: bytes | memoryview, *, where: str, se
     if not sealed:
         return bytes(value)
     if len(value) < _HEAD.size:
-        raise CorruptRecordError(where, f"a sealed value of {len(value)} bytes is shorter than its {_HEAD.size}-byte head")
+        raise CorruptRecordError(
+            where, f"a sealed value of {len(value)} bytes is shorter than its {_HEAD.size}-byte head"
+        )
     version, stored = _HEAD.unpack_from(value)
     payload = bytes(value[_HEAD.size :])
     if version != LAYOUT_VERSION:

@@ -21,16 +21,16 @@ def fixed_batch(reference):
 
     groups = []
     for g, task in enumerate(toy_dataset(2, seed=0)):
-        tokens = [encode(a) + (EOS_ID,) for a in ("b", "bb", "xyz", "7 = 3+4")]
+        tokens = [(*encode(a), EOS_ID) for a in ("b", "bb", "xyz", "7 = 3+4")]
         blank = [Sample(index=i, prompt_ids=task.prompt_ids) for i in range(len(tokens))]
         drafts = [s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
-                  for s, t in zip(blank, tokens)]
+                  for s, t in zip(blank, tokens, strict=True)]
         # Behaviour log-probs a little off the trainer's, so TIS weights are not all 1 (some hit the cap).
         behaviour = [[x - 0.9 * ((j + g) % 3 - 1) for j, x in enumerate(lp)] for lp in reference.logprobs(drafts)]
         samples = [
             dataclasses.replace(s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16),
                                 reward=float(i % 3))
-            for i, (s, t, lp) in enumerate(zip(blank, tokens, behaviour))
+            for i, (s, t, lp) in enumerate(zip(blank, tokens, behaviour, strict=True))
         ]
         groups.append(Group.fresh(task, epoch=0, n_samples=4, version=0, seq=g).with_samples(samples))
     return Batch(0, tuple(groups))
@@ -59,8 +59,8 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.trainer import GRPOTrainer
     from stages.tasks.tiny_model import make_model_folder
+    from stages.trainer import GRPOTrainer
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)
@@ -82,7 +82,9 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
     base = load_file(str(model / "model.safetensors"))
     result = {
         "torch": torch_metrics, "megatron": mg_metrics,
-        "logprob_diff": max(abs(x - y) for p, q in zip(torch_lp, mg_lp) for x, y in zip(p, q)),
+        "logprob_diff": max(
+            abs(x - y) for p, q in zip(torch_lp, mg_lp, strict=True) for x, y in zip(p, q, strict=True)
+        ),
         "weights_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
         "weights_moved": max(float((a[k] - base[k]).abs().max()) for k in a),
         "names": [sorted(a), sorted(b)],

@@ -40,7 +40,7 @@ from tests.fakes.fake_sglang import detokenize
 pytestmark = pytest.mark.anyio
 
 # The fake spells token t as chr(ord("a") + t % 26).
-H, E, L, O, B = 7, 4, 11, 14, 1
+H, E, L, O, B = 7, 4, 11, 14, 1  # noqa: E741 - token ids named by their letters: H E L L O
 PROMPT = (2, 3)
 MAX_LEN = 8
 
@@ -123,7 +123,9 @@ def test_a_stop_string_across_the_boundary_is_found_where_it_completes():
 
 
 def test_cut_at_keeps_the_first_tokens_spans_and_ends_with_stop():
-    segment = Segment((1, 2, 3, 4), (-1.0,) * 4, FinishReason.LENGTH, 2, spans=(VersionSpan(0, 1, 1), VersionSpan(1, 4, 2)))
+    segment = Segment(
+        (1, 2, 3, 4), (-1.0,) * 4, FinishReason.LENGTH, 2, spans=(VersionSpan(0, 1, 1), VersionSpan(1, 4, 2))
+    )
     cut = cut_at(segment, 1)
     assert (cut.token_ids, cut.logprobs, cut.finish_reason) == ((1,), (-1.0,), FinishReason.STOP)
     assert cut.spans == (VersionSpan(0, 1, 1),) and cut.version == 1

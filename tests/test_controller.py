@@ -143,7 +143,7 @@ async def test_sync_trains_full_batches_of_finished_groups(store, tmp_path):
 
 async def test_partial_rollout_aborts_the_tail_and_resumes_it_token_exact(store, tmp_path):
     async with FakeSGLang(token_fn=lengths_by_prompt, eos_token_id=EOS) as fake:
-        trainer, summary = await run(plan(partial=True, over_sampling=4, num_steps=6), store, tmp_path, fake)
+        trainer, _summary = await run(plan(partial=True, over_sampling=4, num_steps=6), store, tmp_path, fake)
         seeds = {(r.rid.rsplit("-s", 1)[0], int(r.rid.rsplit("-s", 1)[1].split("-")[0])): r.seed for r in fake.finished}
     assert len(trainer.batches) == 6
     aborted = [r for r in fake.finished if r.aborted]
@@ -188,7 +188,8 @@ async def test_idle_slots_take_more_groups_while_a_partial_round_waits(tmp_path)
         store = MemoryStore()
         async with FakeSGLang(token_fn=lengths_by_prompt, eos_token_id=EOS) as fake:
             trainer, _ = await run(
-                plan(partial=True, over_sampling=2, num_steps=3, fill_idle_slots=fill), store, tmp_path / str(fill), fake
+                plan(partial=True, over_sampling=2, num_steps=3, fill_idle_slots=fill),
+                store, tmp_path / str(fill), fake,
             )
         admitted[fill] = store.statistics().cursor.index
         check_batches(trainer, store, {(r.rid.rsplit("-s", 1)[0], int(r.rid.rsplit("-s", 1)[1].split("-")[0])): r.seed

@@ -13,6 +13,7 @@ polling is the only signal a separate process gives; it orders nothing inside th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -28,10 +29,10 @@ import torch
 
 from pipeline.errors import PipelineError, StoreError
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
-from stages.trainer.checkpoint import OPTIMIZER_DIR
-from stages.trainer import GRPOTrainer
 from stages.tasks.tiny_model import make_model_folder
 from stages.tasks.toy import encode
+from stages.trainer import GRPOTrainer
+from stages.trainer.checkpoint import OPTIMIZER_DIR
 from storage import GroupState, LmdbStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,8 @@ def _batch(step: int, rewards: list[float]) -> Batch:
     for i, r in enumerate(rewards):
         ids = encode("ab"[: i % 2 + 1] + "a" * i)
         seg = Segment(ids, tuple(-1.5 for _ in ids), FinishReason.STOP, 0)
-        samples.append(dataclasses.replace(Sample(index=i, prompt_ids=PROMPT).extended(seg, max_response_len=64), reward=r))
+        sample = Sample(index=i, prompt_ids=PROMPT).extended(seg, max_response_len=64)
+        samples.append(dataclasses.replace(sample, reward=r))
     group = Group.fresh(TASK, epoch=0, n_samples=len(samples), version=0, seq=0).with_samples(samples)
     return Batch(step, (group,))
 
@@ -373,7 +375,9 @@ KILL_POINTS = (
     KillPoint("batch taken, training", _batch_taken),
     KillPoint("new weights saved, publish in progress", _publishing),
     KillPoint("a step finished", _step_finished),
-    KillPoint("step committed, its metrics line not yet written", _committed_before_metrics_line, loses_last_record=True),
+    KillPoint(
+        "step committed, its metrics line not yet written", _committed_before_metrics_line, loses_last_record=True
+    ),
     KillPoint("continuing a stored partial group", _resumed_group_running),
 )
 
@@ -391,7 +395,7 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             launcher = Launcher(out, life)
             # The launcher starts its engine after it opened and recovered the store: from then on
             # the store holds no leftovers of the last kill, and the kill point's baseline is valid.
-            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)  # after a `loses_last_record` kill: the line is back
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
@@ -400,7 +404,10 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             tokens = watch.snapshot()
             stats = watch.store.statistics()
             counts = {k.value: v for k, v in stats.counts.items() if v}
-            used.append((point.name, f"trained {stats.trained_step}", f"cursor {stats.cursor.index}", counts, f"{tokens} tokens"))
+            used.append(
+                (point.name, f"trained {stats.trained_step}", f"cursor {stats.cursor.index}", counts,
+                 f"{tokens} tokens")
+            )
         # What a kill inside `save_weights` leaves behind (a kill point too narrow to hit by polling).
         unfinished = out / "weights" / f".v{K}.tmp-killed"
         unfinished.mkdir(parents=True)
@@ -490,7 +497,8 @@ def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]
     # The final checkpoint's optimizer took exactly K steps: no batch was trained twice into the
     # weights that survived, however often a step was trained and then killed before it counted.
     optimizer = out / "weights" / f"v{K}" / OPTIMIZER_DIR
-    meta_file = optimizer / "state.json" if (optimizer / "state.json").exists() else optimizer / "rank0.json"  # megatron
+    # torch writes state.json; megatron writes rank0.json
+    meta_file = optimizer / "state.json" if (optimizer / "state.json").exists() else optimizer / "rank0.json"
     meta = json.loads(meta_file.read_text())
     assert meta["trainer_steps"] == K
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -511,7 +519,7 @@ def _check_sample(s: Sample, step: int) -> None:
     assert len(s.logprobs) == len(s.loss_mask) == n
     # The spans tile the response, versions never go down, and none is newer than the step's policy.
     assert [(a.start, a.end) for a in s.spans[:1]] == [(0, s.spans[0].end)] if n else s.spans == ()
-    assert all(a.end == b.start for a, b in zip(s.spans, s.spans[1:])) and (not n or s.spans[-1].end == n)
+    assert all(a.end == b.start for a, b in itertools.pairwise(s.spans)) and (not n or s.spans[-1].end == n)
     versions = s.token_versions()
     assert versions == sorted(versions) and all(v <= step for v in versions)
     assert all(0 < r <= n for r in s.resumed_at) and list(s.resumed_at) == sorted(set(s.resumed_at))
@@ -533,7 +541,7 @@ def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tm
         for life in range(2):  # twice: once at step 0, once at step 1 (after a restore)
             watch.close()
             launcher = Launcher(out, life, *SMALL)
-            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)
             launcher.wait_until(point.name, point.arm(watch, launcher))
             launcher.kill()
@@ -610,7 +618,7 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
         for life, point in enumerate(ASYNC_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, "--rollout-mode", "async")
-            launcher.wait_until("the engine", lambda: launcher.serving() and watch.store is not None)
+            launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
             _check_metrics_restored(watch)
             condition = point.arm(watch, launcher)
             launcher.wait_until(point.name, condition)
@@ -646,7 +654,9 @@ def test_sigkill_with_megatron_ranks_then_restart_trains_every_group_exactly_onc
         for life, point in enumerate(MEGATRON_KILL_POINTS):
             watch.close()
             launcher = Launcher(out, life, *MEGATRON)
-            launcher.wait_until("the engine", lambda: bool(launcher.engines()) and watch.store is not None)
+            launcher.wait_until(
+                "the engine", lambda launcher=launcher: bool(launcher.engines()) and watch.store is not None
+            )
             condition = point.arm(watch, launcher)
             # Starting rank 1 and building the model on both ranks comes first: more time than a torch life.
             launcher.wait_until(point.name, condition, deadline=2 * LIFE_DEADLINE)

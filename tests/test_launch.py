@@ -97,7 +97,9 @@ def short_answer_reward(task, sample):
 
 def test_bring_your_own_prompts_and_reward(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"answer in {n} letters:", "label": n}) + "\n" for n in range(1, 9)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"answer in {n} letters:", "label": n}) + "\n" for n in range(1, 9))
+    )
     records = run(tmp_path, "--num-rollout", "3", "--prompt-data", str(prompts),
                   "--custom-rm-path", "tests.test_launch:short_answer_reward", "--rollout-batch-size", "4")
     assert len(records) == 3

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard  # noqa: E402
+from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -68,7 +68,8 @@ def test_duplicates_phantoms_and_torn_lines_are_moved_aside_not_deleted(tmp_path
     aside = path.with_name("metrics.jsonl.dropped").read_bytes().splitlines()
     assert aside == [lines[1], lines[2], lines[4], lines[5]]
     reasons = " | ".join(restored.dropped)
-    for expected in ("line 2: a second record of step 0", "line 3: step 1 differs from the store's record in ['reward/mean']",
+    for expected in ("line 2: a second record of step 0",
+                     "line 3: step 1 differs from the store's record in ['reward/mean']",
                      "line 5: step 3 is not trained in the store (trained step 2)", "line 6: not JSON"):
         assert expected in reasons, reasons
 

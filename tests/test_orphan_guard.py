@@ -28,7 +28,9 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_guarded_child_dies_when_its_parent_is_killed():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]
+    )
     child_pid = int(parent.stdout.readline())
     assert alive(child_pid)
     parent.send_signal(signal.SIGKILL)
@@ -44,6 +46,6 @@ def test_guarded_child_dies_when_its_parent_is_killed():
 
 
 def test_guard_refuses_to_start_for_a_parent_that_is_gone():
-    out = subprocess.run([sys.executable, "-m", "launch.orphan_guard", "1", "--", "true"], capture_output=True, text=True,
-                         cwd=Path(__file__).parents[1])
+    out = subprocess.run([sys.executable, "-m", "launch.orphan_guard", "1", "--", "true"], capture_output=True,
+                         text=True, cwd=Path(__file__).parents[1])
     assert out.returncode != 0 and "parent 1 is gone" in out.stderr

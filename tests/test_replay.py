@@ -7,8 +7,8 @@ hand-built store checks the summary's numbers exactly (partial prefixes, stalene
 from __future__ import annotations
 
 import hashlib
-import re
 import json
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -139,7 +139,9 @@ def test_train_replay_is_deterministic_and_reproduces_the_run(run_dir, capsys):
 
 def test_train_a_step_range_from_saved_weights(run_dir, capsys):
     with unchanged(run_dir / "rollout_data"):
-        code, out, _ = replay(capsys, str(run_dir), "train", "--steps", "2:3", "--weights", str(run_dir / "weights" / "v2"))
+        code, out, _ = replay(
+            capsys, str(run_dir), "train", "--steps", "2:3", "--weights", str(run_dir / "weights" / "v2")
+        )
     assert code == 0
     [record] = [json.loads(line) for line in out.splitlines()]
     assert record["step"] == 2

@@ -403,7 +403,7 @@ async def test_fleet_with_one_engine_generates_and_counts(fake):
         stats = fleet.statistics()
         assert (stats.requests, stats.retries, stats.errors) == (2, 1, 0)
     with pytest.raises(RuntimeError, match="async with"):
-        fleet.worker_urls
+        _ = fleet.worker_urls
 
 
 def test_fleet_needs_a_router_for_several_engines():

@@ -245,11 +245,11 @@ async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohtt
 async def test_resumed_truncated_sample_still_ends_at_its_limit(http: aiohttp.ClientSession) -> None:
     always = LengthModel("lognormal", -1.9, 0.8, truncate_frac=1.0)
     async with open_sim_server(time_scale=1e-4, lengths=always) as server:
-        status, first = await generate(http, server.url, **body(seed=9, max_new_tokens=30))
+        _status, first = await generate(http, server.url, **body(seed=9, max_new_tokens=30))
         ids = first["output_ids"]
         assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 30} and len(ids) == 30
         assert ids == [sim_token(9, len(PROMPT) + i, 151936) for i in range(30)]
-        status, rest = await generate(http, server.url, **body(seed=9, prompt=PROMPT + ids[:12], max_new_tokens=18))
+        _status, rest = await generate(http, server.url, **body(seed=9, prompt=PROMPT + ids[:12], max_new_tokens=18))
         assert rest["output_ids"] == ids[12:] and rest["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -290,7 +290,7 @@ async def test_decode_time_grows_with_context(http: aiohttp.ClientSession) -> No
         step_base=0.02, step_per_request=0.0, step_per_context_token=0.001, prefill_base=0.005, prefill_per_token=0.0
     )
     async with open_sim_server(time_scale=1e-4, timing=timing, lengths=HALF) as server:
-        status, out = await generate(http, server.url, **body(seed=3, max_new_tokens=20))
+        _status, out = await generate(http, server.url, **body(seed=3, max_new_tokens=20))
         assert len(out["output_ids"]) == 10
         s = await stats(http, server)
         contexts = [len(PROMPT) + j for j in range(1, 10)]  # the KV each decode step reads
@@ -320,7 +320,7 @@ async def test_concurrency_limit_queues_the_rest(http: aiohttp.ClientSession) ->
 @pytest.mark.anyio
 async def test_pause_in_place_keeps_kv_and_continue_finishes(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=SCALE, lengths=HALF) as server:
-        status, full = await generate(http, server.url, **body(seed=7))
+        _status, full = await generate(http, server.url, **body(seed=7))
         frozen: dict[str, Any] = {}
 
         async def pause_and_check() -> None:
@@ -475,7 +475,7 @@ async def test_pipeline_client_drives_a_publish(tmp_path: Path) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_one)
                 with anyio.fail_after(10):
-                    while (await fleet.loads())[server.url].running == 0:
+                    while (await fleet.loads())[server.url].running == 0:  # noqa: ASYNC110 - engine-side state
                         await anyio.sleep(0.005)  # polling an engine-reported state, not ordering
                 # A publish, as the clock does it.
                 await fleet.pause("abort")
@@ -520,7 +520,7 @@ async def test_command_line_engine_behind_the_real_router(tmp_path: Path) -> Non
         "--length-dist", "fixed:0.5", "--truncate-frac", "0", "--log-level", "warning",
     ]  # fmt: skip
     log_path = tmp_path / "sim.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log:  # noqa: ASYNC230 - a local log file for the child, opened at once
         process = await anyio.open_process(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -286,7 +286,9 @@ def test_a_steps_metrics_are_stored_with_its_commit_and_outlive_garbage_collecti
     store.finish_batch(1)  # no record: the step is trained and has none
     store.finish_batch(2, {"step": 2, "batch/tokens": 12})
     # NaN is stored as JSON keeps it (null), the same in both stores.
-    assert store.step_metrics() == {0: {"step": 0, "reward/mean": 0.5, "reward/std": None}, 2: {"step": 2, "batch/tokens": 12}}
+    assert store.step_metrics() == {
+        0: {"step": 0, "reward/mean": 0.5, "reward/std": None}, 2: {"step": 2, "batch/tokens": 12},
+    }
     assert list(store.step_metrics(1)) == [2]
     store.collect_garbage(2)
     assert list(store.step_metrics()) == [0, 2]
@@ -1190,7 +1192,9 @@ def test_both_stores_refuse_a_put_with_the_same_words(tmp_path: Path) -> None:
             store.admit([fresh(0)], cursor_after(1), owner="p1", lease_seconds=60.0)
             store.put_ready(finished(fresh(0), 0))
             found = []
-            for put in (lambda: store.put_partial(fresh(0), owner="p1"), lambda: store.put_ready(fresh(1))):
+            puts = (lambda store=store: store.put_partial(fresh(0), owner="p1"),
+                    lambda store=store: store.put_ready(fresh(1)))
+            for put in puts:
                 with pytest.raises(StoreError) as info:
                     put()
                 found.append(str(info.value))

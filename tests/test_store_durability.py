@@ -17,8 +17,7 @@ import pytest
 
 from pipeline.errors import CorruptRecordError, StoreError
 from pipeline.types import FinishReason, Group, PromptTask, Segment
-from storage import GroupState, Lease, LmdbStore, RecoveryReport, keys
-from storage import lmdb_store
+from storage import GroupState, Lease, LmdbStore, RecoveryReport, keys, lmdb_store
 
 from .test_store import cursor_after, finished, fresh, generated
 

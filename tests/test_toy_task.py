@@ -90,8 +90,9 @@ def test_random_init_lengths_are_long_tailed(tmp_path):
     Measured (512 responses, limit 128, model seeds 0 and 1): p25 24, median 52, p75 ~100 tokens,
     18% truncated at 128; p10 is 11.
     """
-    from tests.test_trainer_grpo import _generate  # the same engine-like sampler the learning test uses
     from transformers import AutoModelForCausalLM
+
+    from tests.test_trainer_grpo import _generate  # the same engine-like sampler the learning test uses
 
     limit = 128
     torch.set_num_threads(1)  # tiny matmuls: one thread is fastest on a shared box (see GRPOTrainer)
@@ -166,7 +167,10 @@ def test_load_jsonl_prompts_applies_a_chat_template_only_when_asked(tmp_path, to
         load_jsonl_prompts(path, tokenizer)
 
     tok = build_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}=:{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+        "{% if add_generation_prompt %}=:{% endif %}"
+    )
     plain, chat = load_jsonl_prompts(path, tok)
     assert plain.prompt_ids == encode("hi")  # not templated unless asked
     assert chat.prompt_ids == encode("user: yo.=:")

@@ -104,7 +104,7 @@ def test_train_step_refuses_an_unfinished_sample(model_dir):
 def test_tis_weight_uses_each_tokens_own_behaviour_logprob(model_dir):
     trainer = GRPOTrainer(model_dir, tis_cap=2.0)
     # A response of 5 tokens: 3 made by version 0 (then aborted), 2 by version 1 after the resume.
-    head, tail = encode("aaa"), encode("a") + (EOS_ID,)
+    head, tail = encode("aaa"), (*encode("a"), EOS_ID)
     probe = _sample(0, PROMPT, Segment(head + tail, (-1.0,) * 5, FinishReason.STOP, 0))
     current = trainer.logprobs([probe])[0]
     # Version 0's sampler gave its tokens 0.3 nats less than the trainer does (w = e^0.3 = 1.35);

@@ -1,5 +1,7 @@
 """Per-token arrays stay aligned through every continuation; spans tile the response exactly."""
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,7 @@ def test_continuations_keep_arrays_aligned_and_spans_tiling(parts):
     assert len(sample.response_ids) == len(sample.logprobs) == len(sample.loss_mask)
     assert sample.token_versions() == expected_versions
     # adjacent spans never share a version: same-version segments merge
-    assert all(a.version != b.version for a, b in zip(sample.spans, sample.spans[1:]))
+    assert all(a.version != b.version for a, b in itertools.pairwise(sample.spans))
     assert sample.status is {
         FinishReason.ABORT: SampleStatus.PARTIAL,
         FinishReason.STOP: SampleStatus.COMPLETED,
@@ -60,7 +62,8 @@ def test_reaching_the_length_limit_truncates_even_on_abort():
     "kwargs, message",
     [
         (dict(response_ids=(1, 2), logprobs=(0.0,), loss_mask=(1, 1), spans=(VersionSpan(0, 2, 0),)), "out of step"),
-        (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1), spans=(VersionSpan(0, 1, 0),)), "cover 1 of 2"),
+        (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1), spans=(VersionSpan(0, 1, 0),)),
+         "cover 1 of 2"),
         (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1),
               spans=(VersionSpan(0, 1, 0), VersionSpan(0, 2, 1))), "gap or overlap"),
     ],

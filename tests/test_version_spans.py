@@ -93,7 +93,9 @@ def test_malformed_spans_are_an_engine_error_naming_the_value(spans, problem):
 
 
 def test_a_segment_carries_spans_and_a_sample_stamps_each_token():
-    segment = Segment((1, 2, 3), (-1.0,) * 3, FinishReason.LENGTH, 1, spans=(VersionSpan(0, 1, 0), VersionSpan(1, 3, 1)))
+    segment = Segment(
+        (1, 2, 3), (-1.0,) * 3, FinishReason.LENGTH, 1, spans=(VersionSpan(0, 1, 0), VersionSpan(1, 3, 1))
+    )
     with pytest.raises(ValueError, match="cover 2 of 3"):
         Segment((1, 2, 3), (-1.0,) * 3, FinishReason.LENGTH, 1, spans=(VersionSpan(0, 2, 0),))
     sample = Sample(0, (5,)).extended(Segment((9,), (-1.0,), FinishReason.ABORT, 0), max_response_len=8)

@@ -69,7 +69,7 @@ class InstantEngine:
             ids = self._ids[:n]
             if self.finish == "stop" and n:
                 ids[-1] = EOS_ID
-            cached = self._entries[n] = orjson.dumps([[lp, t, None] for lp, t in zip(self._lps[:n], ids)])
+            cached = self._entries[n] = orjson.dumps([[lp, t, None] for lp, t in zip(self._lps[:n], ids, strict=True)])
         return cached
 
     def answer(self, rid: str, n: int, prompt_tokens: int, *, aborted: bool = False) -> bytes:

@@ -48,7 +48,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -281,7 +280,7 @@ class SimModel:
     async def read_weights(self, folder: str) -> object:
         """Read nothing; any existing path works. A staged update spends its transfer time here,
         while forwards go on."""
-        if not Path(folder).exists():
+        if not await anyio.Path(folder).exists():
             raise WeightLoadError(folder, "the path does not exist")
         if self.staged_weight_updates:
             await self.clock.overlap(self.timing.weight_update)
@@ -508,7 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     # A port taken: say why in a line.
-    return run_main(functools.partial(serve, **options), log_level=args.log_level, startup_errors=(ConfigError, OSError))
+    return run_main(
+        functools.partial(serve, **options), log_level=args.log_level, startup_errors=(ConfigError, OSError)
+    )
 
 
 if __name__ == "__main__":

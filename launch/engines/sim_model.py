@@ -26,9 +26,10 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import ClassVar
 
 from pipeline.errors import ConfigError
 
@@ -184,7 +185,7 @@ class SimTokenizer:
 
     _BASE = 0x4E00
     _SPAN = 20000
-    _SPECIALS = {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>"}
+    _SPECIALS: ClassVar[Mapping[int, str]] = {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>"}
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pipeline.config.draft import Draft
 from pipeline.config.schema import SECTIONS, options
-from stages.continuation import PENALTY_RULE
 from pipeline.types import RolloutMode, StoreTransport
+from stages.continuation import PENALTY_RULE
 
 __all__ = ["check_bounds", "check_rules", "derive_defaults", "url_problem", "warn_odd_settings"]
 

@@ -23,10 +23,10 @@ from storage.declaration import PROFILES
 
 __all__ = [
     "SECTIONS",
-    "Opt",
     "Config",
     "DataConfig",
     "EngineConfig",
+    "Opt",
     "OutputConfig",
     "RolloutConfig",
     "StorageConfig",
@@ -181,7 +181,8 @@ class EngineConfig:
         help="--rollout-engine sglang: GPU ids for the engines, in order; each engine takes "
         "--rollout-num-gpus-per-engine of them (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
     gpus_per_engine: int = _opt(
-        1, "--rollout-num-gpus-per-engine", "int", ge=1, help="--rollout-engine sglang: GPUs per engine (its --tp-size)")
+        1, "--rollout-num-gpus-per-engine", "int", ge=1,
+        help="--rollout-engine sglang: GPUs per engine (its --tp-size)")
     sglang_mem_fraction_static: float | None = _opt(
         None, "--sglang-mem-fraction-static", "float", gt=0, default_help="SGLang's default",
         help="--rollout-engine sglang: GPU memory fraction for weights and KV cache")
@@ -286,7 +287,8 @@ class OutputConfig:
     log_level: str = _opt(
         "info", "--log-level", "choice", choices=("debug", "info", "warning", "error"), help="log level")
     # Dashboards fed from the same per-step record as the metrics file (extras: see pipeline.metric_sinks).
-    use_tensorboard: bool = _opt(False, "--use-tensorboard", "bool", help="also write each step's metrics to TensorBoard")
+    use_tensorboard: bool = _opt(
+        False, "--use-tensorboard", "bool", help="also write each step's metrics to TensorBoard")
     tensorboard_dir: Path | None = _opt(
         None, "--tensorboard-dir", "path", default_help="<output dir>/tensorboard", help="TensorBoard event folder")
     use_wandb: bool = _opt(False, "--use-wandb", "bool", help="also log each step's metrics to Weights & Biases")
@@ -297,7 +299,8 @@ class OutputConfig:
         help="offline writes under --wandb-dir with no network (upload later with `wandb sync`)")
     wandb_dir: Path | None = _opt(None, "--wandb-dir", "path", default_help="<output dir>", help="W&B files folder")
     wandb_run_id: str | None = _opt(
-        None, "--wandb-run-id", "str", metavar="ID", default_help="from the run id and output dir, stable across resumes",
+        None, "--wandb-run-id", "str", metavar="ID",
+        default_help="from the run id and output dir, stable across resumes",
         help="W&B run id; a resumed run continues the same W&B run")
 
 

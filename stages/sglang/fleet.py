@@ -16,8 +16,8 @@ import aiohttp
 import anyio
 
 from pipeline.errors import EngineError, EngineUnavailableError
-from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
 from pipeline.types import PauseMode
+from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
 from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]

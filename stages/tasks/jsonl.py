@@ -91,7 +91,7 @@ def _tokenize(prompt: Any, tokenizer: Any, apply_chat_template: bool) -> tuple[i
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
             raise ValueError("a message list needs objects with 'role' and 'content'")
-        messages = prompt
+        messages: list[Any] | None = prompt
     elif isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if apply_chat_template else None
     else:

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers loads slowly: imported where a tokenizer is built
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = ["BOS_ID", "CHARS", "EOS_ID", "PAD_ID", "build_tokenizer", "make_model_folder"]
 
@@ -21,7 +25,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 =+-*:?,.!"
 VOCAB_SIZE = 64  # room for SPECIALS + CHARS, rounded up
 
 
-def build_tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """A `PreTrainedTokenizerFast` with one token per character of `CHARS`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -20,7 +20,10 @@ import torch
 
 from pipeline.errors import PipelineError
 
-__all__ = ["OPTIMIZER_DIR", "has_optimizer", "load_optimizer", "optimizer_param_names", "save_optimizer", "write_folder_atomically"]
+__all__ = [
+    "OPTIMIZER_DIR", "has_optimizer", "load_optimizer", "optimizer_param_names", "save_optimizer",
+    "write_folder_atomically",
+]
 
 # Files of a model folder that hold weights or the model config: written fresh by `save_pretrained`,
 # so they are never copied from the original folder (a stale shard would shadow the new weights).
@@ -123,7 +126,9 @@ def load_optimizer(
         state.setdefault(int(index), {}).update(entries)
     current = optimizer.state_dict()["param_groups"]
     if len(current) != len(meta["param_groups"]):
-        raise PipelineError(f"optimizer checkpoint {folder} has {len(meta['param_groups'])} param groups, expected {len(current)}")
+        raise PipelineError(
+            f"optimizer checkpoint {folder} has {len(meta['param_groups'])} param groups, expected {len(current)}"
+        )
     groups = []
     for saved, now in zip(meta["param_groups"], current, strict=True):
         merged = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}

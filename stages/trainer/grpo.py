@@ -114,7 +114,9 @@ class GRPOTrainer:
         from transformers import AutoModelForCausalLM
 
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
+            raise ValueError(
+                f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}"
+            )
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
         self.loss = _with_legacy_keywords(
@@ -130,7 +132,12 @@ class GRPOTrainer:
         self.max_grad_norm = max_grad_norm
         self.device = torch.device(device)
         # fp32 master weights: the tiny model trains on CPU, where bf16 buys nothing.
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        # `PreTrainedModel.to` is a `functools.wraps` wrapper that mypy cannot bind to its instance;
+        # typed as a Module the same method runs, moving the parameters in place.
+        module: torch.nn.Module = model
+        module.to(self.device)
+        self.model = model
         self.model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -311,7 +318,9 @@ class GRPOTrainer:
         iw = L.importance_weights(logp, t.behaviour, t.valid, every)
         return [iw.weight[i, : s.response_len].tolist() for i, s in enumerate(samples)]
 
-    def _response_logprobs(self, samples: Sequence[Sample], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _response_logprobs(
+        self, samples: Sequence[Sample], width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
 
         One right-padded forward over prompt+response. Causal attention means right padding never

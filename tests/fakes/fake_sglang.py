@@ -6,8 +6,8 @@ four finish-reason shapes (including the waiting-queue abort, which has no `stat
 modes, `/flush_cache` answering 400 while requests are held, weight versions stamped when the
 output is assembled with per-token spans in `meta_info.weight_versions` (a boundary wherever the
 version changed while the request was tracked; `legacy_versions=True` sends only `weight_version`,
-like servers before the spans), `min_new_tokens` holding off stops, `/v1/loads`, and the info routes the real sglang-router reads when it
-registers a worker (`/health`, `/server_info`, `/model_info`).
+like servers before the spans), `min_new_tokens` holding off stops, `/v1/loads`, and the info routes
+the real sglang-router reads when it registers a worker (`/health`, `/server_info`, `/model_info`).
 
 It is scriptable without sleeps:
 
@@ -422,7 +422,7 @@ class FakeSGLang:
             meta["cached_tokens"] = cached
         meta["e2e_latency"] = time.perf_counter() - req.started
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
         return {"text": detokenize(req.output_ids), "output_ids": list(req.output_ids), "meta_info": meta}
 
@@ -430,7 +430,7 @@ class FakeSGLang:
         best = 0
         for seen in self._cache:
             n = 0
-            for a, b in zip(seen, input_ids):
+            for a, b in zip(seen, input_ids, strict=False):  # a prefix check: lengths differ
                 if a != b:
                     break
                 n += 1

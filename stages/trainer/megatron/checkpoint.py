@@ -51,7 +51,7 @@ def gather_full_state(model: torch.nn.Module, *, tp: int, group: object) -> dict
         parts = [local]
         if tp > 1:
             parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(parts, local, group=group)  # type: ignore[arg-type]
+            dist.all_gather(parts, local, group=group)
         out[name] = unshard(name, [p.cpu() for p in parts])
     return out
 

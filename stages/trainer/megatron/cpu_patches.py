@@ -32,13 +32,16 @@ def cpu_patches_applied() -> bool:
     return _applied
 
 
-def _get_tensor_on_cpu(self: Any, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+def _get_tensor_on_cpu(
+    self: Any, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+) -> torch.Tensor:
     """`GlobalMemoryBuffer.get_tensor`, allocating on CPU instead of the current CUDA device."""
     n = math.prod(shape)
     key = (name, dtype)
     if self.buffer.get(key) is None or self.buffer[key].numel() < n:
         self.buffer[key] = torch.empty(n, dtype=dtype)
-    return self.buffer[key][:n].view(*shape)
+    buffer: torch.Tensor = self.buffer[key]
+    return buffer[:n].view(*shape)
 
 
 def _rope_emb_in_place(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -60,8 +63,8 @@ def apply_cpu_patches(seed: int) -> None:
 
     if torch.cuda.is_available():
         raise RuntimeError("the megatron CPU patches are for CPU-only hosts; on a GPU megatron-core runs unpatched")
-    mcu.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu  # type: ignore[method-assign]
-    RotaryEmbedding.get_emb = _rope_emb_in_place  # type: ignore[method-assign]
+    mcu.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
+    RotaryEmbedding.get_emb = _rope_emb_in_place
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
     _applied = True

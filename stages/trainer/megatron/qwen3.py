@@ -111,11 +111,12 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, dtype: torch.dtype, on_cpu: b
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
     )
-    model = GPTModel(
+    rotary_base = int(shape.rope_theta) if shape.rope_theta.is_integer() else shape.rope_theta
+    model: torch.nn.Module = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
         vocab_size=shape.vocab_size, max_sequence_length=shape.max_positions,
-        position_embedding_type="rope", rotary_base=int(shape.rope_theta) if shape.rope_theta.is_integer() else shape.rope_theta,  # type: ignore[arg-type]
+        position_embedding_type="rope", rotary_base=rotary_base,
         share_embeddings_and_output_weights=shape.tied, parallel_output=True,
     )
     return model if on_cpu else model.cuda()

@@ -12,7 +12,7 @@ or samples (the two per-sequence modes).
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +77,8 @@ def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bo
                 penalty = L.overlong_penalty(x.response_len, max_response_len=s.max_response_len,
                                              buffer_len=s.overlong_buffer_len, factor=s.overlong_penalty_factor)
             rewards.append(float(x.reward) + penalty if _trains(x) else None)  # type: ignore[arg-type]
-        for x, reward, adv in zip(group.samples, rewards, L.group_advantages(rewards, std_normalization=s.std_normalization), strict=True):
+        advantages = L.group_advantages(rewards, std_normalization=s.std_normalization)
+        for x, reward, adv in zip(group.samples, rewards, advantages, strict=True):
             v = torch.tensor([x.token_versions()], dtype=torch.long).reshape(1, x.response_len)
             valid = torch.ones_like(v, dtype=torch.bool)
             mask = torch.tensor([x.loss_mask], dtype=torch.bool).reshape(1, x.response_len) & valid
@@ -107,7 +108,7 @@ def _padded(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
 
 def micro_batch_loss(
     settings: LossSettings, rows: Sequence[Row], logp_flat: torch.Tensor, entropy_flat: torch.Tensor, *,
-    batch_tokens: float, batch_samples: int, totals: Counter[str],
+    batch_tokens: float, batch_samples: int, totals: defaultdict[str, float],
 ) -> torch.Tensor:
     """This micro-batch's part of the batch loss (backward it), adding its sums to `totals`."""
     s, device = settings, logp_flat.device
@@ -150,7 +151,7 @@ def micro_batch_loss(
 
 
 def step_metrics(batch: Batch, rows: Sequence[Row], trains: Sequence[bool], versions: Sequence[Sequence[int]],
-                 totals: Counter[str], grad_norm: float, stepped: bool) -> dict[str, float]:
+                 totals: defaultdict[str, float], grad_norm: float, stepped: bool) -> dict[str, float]:
     """The torch trainer's metrics (`stages.trainer.metrics`) from the ranks' summed totals."""
     from stages.trainer.metrics import step_metrics as shared
 

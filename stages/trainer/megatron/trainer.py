@@ -28,12 +28,12 @@ rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see
 from __future__ import annotations
 
 import os
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import torch
@@ -115,7 +115,9 @@ class MegatronTrainer:
         )
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
-        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu")
+        self.model = build_gpt_model(
+            self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu"
+        )
         load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.steps = 0
@@ -193,7 +195,7 @@ class MegatronTrainer:
 
     # ---- the step, on every rank --------------------------------------------------------------
 
-    def _train(self, rows: list[Row]) -> tuple[Counter[str], float, bool]:
+    def _train(self, rows: list[Row]) -> tuple[defaultdict[str, float], float, bool]:
         """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
 
         Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
@@ -205,13 +207,14 @@ class MegatronTrainer:
         batch_tokens = self._batch_tokens(rows, chunks)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        totals: Counter[str] = Counter()
+        totals: defaultdict[str, float] = defaultdict(float)
         for chunk in chunks:
             logp, entropy = self._packed_logprobs(chunk)
             micro_batch_loss(self.loss, chunk, logp, entropy, batch_tokens=batch_tokens,
                              batch_samples=len(rows), totals=totals).backward()
         if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
-            sum(p.sum() * 0.0 for p in self.model.parameters()).backward()
+            # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
+            cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
         totals = self._sum_over_dp(totals)
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
@@ -234,7 +237,7 @@ class MegatronTrainer:
             dist.all_reduce(total, group=self._dp_group())
         return float(total[0])
 
-    def _sum_over_dp(self, totals: Counter[str]) -> Counter[str]:
+    def _sum_over_dp(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
         if self.layout.dp == 1:
             return totals
         from stages.trainer.megatron.rows import TOTALS
@@ -243,7 +246,7 @@ class MegatronTrainer:
         dist.all_reduce(sums, group=self._dp_group())
         peak = torch.tensor([totals["weight_max"]], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group())
-        out: Counter[str] = Counter({k: float(v) for k, v in zip(TOTALS, sums.tolist(), strict=True)})
+        out: defaultdict[str, float] = defaultdict(float, zip(TOTALS, map(float, sums.tolist()), strict=True))
         out["weight_max"] = float(peak[0])
         return out
 
