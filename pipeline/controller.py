@@ -255,7 +255,8 @@ class _Graph:
         to_reward_send, to_reward = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_filter_send, to_filter = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_collect_send, to_collect = anyio.create_memory_object_stream[Group](plan.batch_size)
-        ends = (to_pool_send, to_pool, to_reward_send, to_reward, to_filter_send, to_filter, to_collect_send, to_collect)
+        ends = (to_pool_send, to_pool, to_reward_send, to_reward, to_filter_send, to_filter,
+                to_collect_send, to_collect)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.dispenser.run, to_pool_send)

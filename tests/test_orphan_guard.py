@@ -35,6 +35,7 @@ def test_guarded_child_dies_when_its_parent_is_killed():
     assert alive(child_pid)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
+    parent.stdout.close()
     # Polling another process's state is the only way to watch it; the deadline bounds it.
     deadline = time.monotonic() + 10
     while alive(child_pid) and time.monotonic() < deadline:
