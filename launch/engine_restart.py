@@ -20,7 +20,9 @@ class ManagedEngines:
     def __init__(self, engines: list[EngineProcess], model_path: str | os.PathLike[str], **options: Any) -> None:
         self._by_url = {e.url: e for e in engines}
         self._model_path = model_path
-        self._options = options  # what `start_engine` got the first time (host, max_running_requests, ...)
+        # What `start_engine` got the first time (max_running_requests, ...); host and port are the
+        # old engine's, so the restarted one has its URL.
+        self._options = {k: v for k, v in options.items() if k not in ("host", "port", "log_path")}
 
     def process(self, url: str) -> EngineProcess:
         return self._by_url[url]

@@ -155,7 +155,7 @@ class FleetFaults:
                 self.counters.restarts += 1
                 await self.readmit(url)
                 return
-            except EngineError as exc:
+            except (EngineError, OSError) as exc:  # e.g. the port still taken: try again, bounded
                 log.warning("engine restart failed", url=url, attempt=attempt + 1, error=str(exc))
         log.error("engine left out for good", url=url, tries=self.policy.max_restarts)
 

@@ -156,6 +156,12 @@ class EngineFleet:
         """A client for one engine on this fleet's session (live or not)."""
         return self._client(self._open.session, url)
 
+    def set_current_weights(self, path: str | None, weight_version: str) -> None:
+        """What engines already hold (a resumed run's weights, or the start version): what a
+        restarted or returning engine is made before it takes work. A no-op without a fault policy."""
+        if self._faults is not None:
+            self._faults.current_weights = (path, weight_version)
+
     async def evict(self, url: str, reason: str) -> None:
         """Take `url` out of the fleet now (needs a fault policy); see `FleetFaults.evict`."""
         if self._faults is None:
