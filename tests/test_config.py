@@ -561,3 +561,22 @@ def test_trainer_options_name_the_trainers_own_parameters():
     assert set(options) <= set(inspect.signature(GRPOTrainer).parameters)
     assert (options["tis_cap"], options["eps_clip_high"], options["temperature"]) == (None, 0.3, 0.7)
     assert trainer_options(TrainerConfig(), RolloutConfig())["tis_cap"] == 2.0
+
+
+def test_fault_tolerance_flags_use_slimes_names_and_defaults():
+    plain = load_config([]).engine
+    assert not plain.use_fault_tolerance
+    assert (plain.health_check_interval, plain.health_check_timeout, plain.health_check_first_wait) == (30.0, 30.0, 0.0)
+    e = load_config([
+        "--use-fault-tolerance", "--rollout-health-check-interval", "2", "--rollout-health-check-timeout", "5",
+        "--rollout-health-check-first-wait", "1", "--min-live-engines", "2", "--rollout-num-engines", "3",
+    ]).engine
+    assert (e.use_fault_tolerance, e.health_check_interval, e.health_check_timeout) == (True, 2.0, 5.0)
+    assert (e.health_check_first_wait, e.min_live_engines, e.max_engine_restarts) == (1.0, 2, 3)
+
+
+def test_min_live_engines_above_the_engine_count_is_refused_with_both_numbers():
+    with pytest.raises(ConfigError, match=r"--min-live-engines=3: more than the 2 engines"):
+        load_config(["--use-fault-tolerance", "--min-live-engines", "3", "--rollout-num-engines", "2"])
+    with pytest.raises(ConfigError, match="--rollout-health-check-timeout"):
+        load_config(["--use-fault-tolerance", "--rollout-health-check-timeout", "0"])

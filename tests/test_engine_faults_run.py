@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from storage import GroupState, LmdbStore
-from tests.test_fault_injection import BATCH, Launcher, Watch, _assert_prefixes, _check_sample, _per_token
+from tests.test_fault_injection import (
+    BATCH,
+    Launcher,
+    Watch,
+    _assert_prefixes,
+    _check_sample,
+    _per_token,
+)
 
 K = 6  # steps take about a second here: enough left after the fault for it to matter
 DEADLINE = 240.0

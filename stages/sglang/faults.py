@@ -14,14 +14,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import anyio
 import anyio.abc
 import structlog
 
 from pipeline.errors import EngineError, EngineUnavailableError
-from stages.sglang.health import EngineRestarter, FaultCounters, FaultPolicy, FaultStatistics
+from stages.sglang.health import (
+    EngineRestarter,
+    FaultCounters,
+    FaultPolicy,
+    FaultStatistics,
+)
 
 if TYPE_CHECKING:
     from stages.sglang.engine import EngineClient
@@ -47,7 +52,7 @@ class FleetFaults:
         self._total = 0
         self._tg: anyio.abc.TaskGroup | None = None
 
-    async def __aenter__(self) -> FleetFaults:
+    async def __aenter__(self) -> Self:
         self._total = len(self._fleet.workers)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -118,7 +123,7 @@ class FleetFaults:
         while True:
             failed: dict[str, str] = {}
 
-            async def probe(worker: EngineClient) -> None:
+            async def probe(worker: EngineClient, failed: dict[str, str] = failed) -> None:
                 if (reason := await self._unhealthy(worker)) is not None:
                     failed[worker.url] = reason
 
