@@ -45,7 +45,9 @@ class FleetFaults:
         self.policy = policy
         self._restarter = restarter
         self.counters = FaultCounters()
-        self.paused = False
+        self._paused = False
+        self._unpaused = anyio.Event()
+        self._unpaused.set()
         self.weights_lock = anyio.Lock()
         self.current_weights: tuple[str | None, str | None] = (None, None)  # (path, version) last published
         self._scopes: dict[str, set[anyio.CancelScope]] = {}
@@ -66,6 +68,19 @@ class FleetFaults:
         if tg is not None:
             tg.cancel_scope.cancel()
             await tg.__aexit__(exc_type, exc, tb)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        """Set by the fleet's pause and continue: between them a publish is under way."""
+        self._paused = value
+        if value and self._unpaused.is_set():
+            self._unpaused = anyio.Event()
+        elif not value:
+            self._unpaused.set()
 
     def statistics(self) -> FaultStatistics:
         live = len(self._fleet.workers) if self._tg is not None else 0
@@ -180,6 +195,9 @@ class FleetFaults:
         """Load the current weights (or stamp the current version), put the engine back behind the
         router, then into the fan-out: it takes no work before its version is current."""
         client = self._fleet.client_for(url)
+        # Not in the middle of a publish: the engine would join unpaused while the others are.
+        while self._paused:
+            await self._unpaused.wait()
         async with self.weights_lock:
             path, version = self.current_weights
             if path is not None and version is not None:
