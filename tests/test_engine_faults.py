@@ -191,3 +191,20 @@ async def test_without_a_router_losing_the_only_engine_stops_with_a_clear_error(
         (error,) = caught.value.exceptions
         assert isinstance(error, EngineUnavailableError)
         assert proc.url in str(error) and "--min-live-engines 1" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [("interval", 0.0, "interval must be > 0"), ("timeout", -1.0, "timeout must be > 0"),
+     ("min_live", 0, "min_live must be >= 1"), ("max_restarts", -1, "max_restarts must be >= 0")],
+)
+def test_a_fault_policy_refuses_bad_values_naming_them(field, value, rule):
+    with pytest.raises(ValueError, match=rule) as caught:
+        FaultPolicy(**{field: value})
+    assert str(value) in str(caught.value)
+
+
+async def test_eviction_needs_a_fault_policy():
+    fleet = EngineFleet(["http://127.0.0.1:9"], concurrency=1)
+    with pytest.raises(RuntimeError, match="fault_policy"):
+        await fleet.evict("http://127.0.0.1:9", "test")
