@@ -24,7 +24,7 @@ import structlog
 
 from launch.run_state import open_run_state
 from pipeline.clock import VersionClock
-from pipeline.config import Config, RolloutConfig, config_to_dict, load_config
+from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
 from pipeline.config.derived import derived
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.errors import ConfigError, EngineError, PipelineError
@@ -33,6 +33,7 @@ from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from stages.continuation import penalties_in
 from stages.sglang import EngineFleet
+from stages.sglang.health import FaultPolicy
 from storage import AsyncStore, Store
 
 __all__ = ["main"]
@@ -86,6 +87,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         # says "default" or "0"; a resumed run loads the weights of the last finished step.
         if state.weights is None:
             await align_weight_versions(engines, clock.version)
+            engines.set_current_weights(None, str(clock.version))  # what a re-admitted engine is made
         else:
             await engines.update_weights_from_disk(str(state.weights), weight_version=str(clock.version))
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
@@ -249,6 +251,15 @@ def _sampling_params(r: RolloutConfig) -> dict[str, Any]:
     return params
 
 
+def _fault_policy(e: EngineConfig) -> FaultPolicy | None:
+    if not e.use_fault_tolerance:
+        return None
+    return FaultPolicy(
+        interval=e.health_check_interval, timeout=e.health_check_timeout, first_wait=e.health_check_first_wait,
+        min_live=e.min_live_engines, max_restarts=e.max_engine_restarts,
+    )
+
+
 class _engines:
     """The engines for this run: the user's, or built-in ones this process starts and stops."""
 
@@ -259,6 +270,7 @@ class _engines:
 
     async def __aenter__(self) -> EngineFleet:
         from launch.engine_process import start_engines
+        from launch.engine_restart import ManagedEngines
         from launch.router_process import start_router
 
         e = self._config.engine
@@ -267,44 +279,49 @@ class _engines:
         retries = self._config.rollout.max_retries
         key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
+        faults: dict[str, Any] = {"fault_policy": _fault_policy(e)}
         try:
             if e.router_url:
                 fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout,
-                                    max_retries=retries, api_key=key)
+                                    max_retries=retries, api_key=key, **faults)
             elif len(e.urls) == 1:
                 fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries,
-                                    api_key=key)
+                                    api_key=key, **faults)
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
                 router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
                 self._stack.push_async_exit(router)
                 fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls),
-                                    request_timeout=timeout, max_retries=retries, api_key=key)
+                                    request_timeout=timeout, max_retries=retries, api_key=key, **faults)
             else:
+                log_dir = Path(derived(self._config.output.dir, "output.dir")) / "logs"
                 if e.launcher == "sglang":
                     from launch.sglang_server import start_sglang_servers
 
                     procs = await start_sglang_servers(
-                        self._model_path, engine=e,
-                        log_dir=Path(derived(self._config.output.dir, "output.dir")) / "logs",
-                        seed=self._config.rollout.seed,
+                        self._model_path, engine=e, log_dir=log_dir, seed=self._config.rollout.seed,
                     )
                 else:
                     procs = await start_engines(
-                        e.num_engines, self._model_path, host=e.host, max_running_requests=slots,
-                        log_dir=Path(derived(self._config.output.dir, "output.dir")) / "logs",
+                        e.num_engines, self._model_path, host=e.host, max_running_requests=slots, log_dir=log_dir,
                     )
-                for proc in procs:
-                    self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
+                if e.use_fault_tolerance and e.launcher != "sglang":
+                    # Restarted engines replace the started ones: stop whichever run at exit.
+                    managed = ManagedEngines(procs, self._model_path, host=e.host, max_running_requests=slots)
+                    self._stack.push_async_callback(managed.stop)
+                    faults["restarter"] = managed
+                else:
+                    for proc in procs:
+                        self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
                 if len(urls) > 1:
                     router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
                     fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls),
-                                        request_timeout=timeout, max_retries=retries, api_key=key)
+                                        request_timeout=timeout, max_retries=retries, api_key=key, **faults)
                 else:
                     fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries,
-                                        api_key=key)
+                                        api_key=key, **faults)
             return await self._stack.enter_async_context(fleet)
         except BaseException:
             await self._stack.aclose()

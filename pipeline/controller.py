@@ -193,6 +193,11 @@ async def run_pipeline(
                 "time/publish_gate_closed": report.gate_closed_seconds,
                 "time/publish_update": report.update_seconds,
             })
+            # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
+            # the engines keep such counts (an EngineFleet with --use-fault-tolerance).
+            fault_metrics = getattr(engines, "fault_metrics", None)
+            if fault_metrics is not None:
+                record.update(fault_metrics())
             metrics.write(record)
             if on_step is not None:
                 on_step(record)

@@ -549,3 +549,22 @@ def test_sections_read_back_from_run_metadata_with_defaults_for_what_is_missing(
     old = section_from_dict(TrainerConfig, {"lr": 0.01, "a_setting_since_removed": 1})
     assert (old.lr, old.eps_clip, old.use_tis) == (0.01, 0.2, True)
 
+
+
+def test_fault_tolerance_flags_use_slimes_names_and_defaults():
+    plain = load_config([]).engine
+    assert not plain.use_fault_tolerance
+    assert (plain.health_check_interval, plain.health_check_timeout, plain.health_check_first_wait) == (30.0, 30.0, 0.0)
+    e = load_config([
+        "--use-fault-tolerance", "--rollout-health-check-interval", "2", "--rollout-health-check-timeout", "5",
+        "--rollout-health-check-first-wait", "1", "--min-live-engines", "2", "--rollout-num-engines", "3",
+    ]).engine
+    assert (e.use_fault_tolerance, e.health_check_interval, e.health_check_timeout) == (True, 2.0, 5.0)
+    assert (e.health_check_first_wait, e.min_live_engines, e.max_engine_restarts) == (1.0, 2, 3)
+
+
+def test_min_live_engines_above_the_engine_count_is_refused_with_both_numbers():
+    with pytest.raises(ConfigError, match=r"--min-live-engines=3: more than the 2 engines"):
+        load_config(["--use-fault-tolerance", "--min-live-engines", "3", "--rollout-num-engines", "2"])
+    with pytest.raises(ConfigError, match="--rollout-health-check-timeout"):
+        load_config(["--use-fault-tolerance", "--rollout-health-check-timeout", "0"])

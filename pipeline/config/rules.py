@@ -158,7 +158,11 @@ def _engine_rules(draft: Draft) -> None:
     if urls and router:
         draft.problems.append(f"{draft.show('engine', 'router_url')} with --sglang-url: pass engine URLs or "
                               "one router URL, not both")
-    engines = draft.get("engine", "num_engines")
+    live, engines = draft.get("engine", "min_live_engines"), draft.get("engine", "num_engines")
+    count = len(urls) if urls else engines
+    if draft.get("engine", "use_fault_tolerance") and live is not None and count is not None and live > count:
+        draft.problems.append(f"{draft.show('engine', 'min_live_engines')}: more than the {count} engines of this "
+                              "run, so the first fault would stop it")
     if urls and draft.given("engine", "num_engines") and engines not in (None, len(urls)):
         draft.problems.append(f"{draft.show('engine', 'num_engines')}: {len(urls)} --sglang-url given; the "
                               "engine count is the number of URLs (leave --rollout-num-engines out)")

@@ -192,6 +192,22 @@ class EngineConfig:
         None, "--api-key", "str", metavar="KEY",
         help="sent to engines and the router as 'Authorization: Bearer KEY', and given to the SGLang servers and "
         "router the pipeline starts")
+    # Engine faults (issue 17): slime's flags and defaults, plus the floor the run goes on with.
+    use_fault_tolerance: bool = _opt(
+        False, "--use-fault-tolerance", "bool",
+        help="evict a dead or hung engine, restart it (built-in) or wait for it (yours), re-admit it current")
+    health_check_interval: float = _opt(
+        30.0, "--rollout-health-check-interval", "float", gt=0, help="seconds between engine heartbeats")
+    health_check_timeout: float = _opt(
+        30.0, "--rollout-health-check-timeout", "float", gt=0,
+        help="seconds a heartbeat (/health_generate) may take before the engine is evicted")
+    health_check_first_wait: float = _opt(
+        0.0, "--rollout-health-check-first-wait", "float", ge=0, help="seconds before the first heartbeat")
+    min_live_engines: int = _opt(
+        1, "--min-live-engines", "int", ge=1,
+        help="with --use-fault-tolerance, the run stops once fewer engines than this are live")
+    max_engine_restarts: int = _opt(
+        3, "--max-engine-restarts", "int", ge=0, help="restart tries per evicted built-in engine")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,10 @@ import aiohttp
 import anyio
 
 from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import PauseMode
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
+from stages.sglang.faults import FleetFaults
+from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
+from pipeline.types import PauseMode
 from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
@@ -33,7 +35,7 @@ T = TypeVar("T")
 class _FleetState:
     session: aiohttp.ClientSession
     generator: EngineClient
-    workers: tuple[EngineClient, ...] = field(default=())
+    workers: tuple[EngineClient, ...] = field(default=())  # the live ones: evicted engines leave
 
 
 class EngineFleet:
@@ -59,6 +61,8 @@ class EngineFleet:
         max_retries: int = 3,
         retry_backoff: float = 0.5,
         api_key: str | None = None,
+        fault_policy: FaultPolicy | None = None,
+        restarter: EngineRestarter | None = None,
     ) -> None:
         if not worker_urls and router_url is None:
             raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
@@ -79,6 +83,8 @@ class EngineFleet:
         # SGLang's --api-key: every request (engines and router alike) carries it.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._state: _FleetState | None = None
+        # With a fault policy, engine faults evict instead of failing the call (see faults.py).
+        self._faults = FleetFaults(self, fault_policy, restarter) if fault_policy is not None else None
 
     async def __aenter__(self) -> Self:
         if self._state is not None:
@@ -92,6 +98,8 @@ class EngineFleet:
                 self._state.workers = tuple(self._client(session, u) for u in self._given_workers)
             else:
                 await self.discover_workers()
+            if self._faults is not None:
+                await self._faults.__aenter__()
         except BaseException:
             self._state = None
             with anyio.move_on_after(5, shield=True):
@@ -102,10 +110,14 @@ class EngineFleet:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        state, self._state = self._state, None
-        if state is not None:
-            with anyio.move_on_after(5, shield=True):
-                await state.session.close()
+        try:
+            if self._faults is not None and self._state is not None:
+                await self._faults.__aexit__(exc_type, exc, tb)  # raises what ended the run, if it did
+        finally:
+            state, self._state = self._state, None
+            if state is not None:
+                with anyio.move_on_after(5, shield=True):
+                    await state.session.close()
 
     def _client(self, session: aiohttp.ClientSession, url: str) -> EngineClient:
         return EngineClient(url, session, counters=self._counters, **self._client_kw)
@@ -130,6 +142,40 @@ class EngineFleet:
 
     def statistics(self) -> EngineStatistics:
         return self._counters.snapshot()
+
+    @property
+    def router_url(self) -> str | None:
+        return self._router_url
+
+    def fault_statistics(self) -> FaultStatistics | None:
+        """Evictions, restarts and time at reduced capacity; None without a fault policy."""
+        return self._faults.statistics() if self._faults is not None else None
+
+    def fault_metrics(self) -> dict[str, float]:
+        stats = self.fault_statistics()
+        return stats.as_metrics() if stats is not None else {}
+
+    def client_for(self, url: str) -> EngineClient:
+        """A client for one engine on this fleet's session (live or not)."""
+        return self._client(self._open.session, url)
+
+    def set_current_weights(self, path: str | None, weight_version: str) -> None:
+        """What engines already hold (a resumed run's weights, or the start version): what a
+        restarted or returning engine is made before it takes work. A no-op without a fault policy."""
+        if self._faults is not None:
+            self._faults.current_weights = (path, weight_version)
+
+    async def evict(self, url: str, reason: str) -> None:
+        """Take `url` out of the fleet now (needs a fault policy); see `FleetFaults.evict`."""
+        if self._faults is None:
+            raise RuntimeError("eviction needs an EngineFleet built with a fault_policy")
+        await self._faults.evict(url, reason)
+
+    async def readmit(self, url: str) -> None:
+        """Bring `url` back with the current weights and version (needs a fault policy)."""
+        if self._faults is None:
+            raise RuntimeError("re-admission needs an EngineFleet built with a fault_policy")
+        await self._faults.readmit(url)
 
     async def discover_workers(self) -> tuple[str, ...]:
         """Ask the router which engines it routes to, and fan control calls out to those from now on."""
@@ -164,20 +210,38 @@ class EngineFleet:
     async def pause(self, mode: PauseMode | str) -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {[str(m) for m in PAUSE_MODES]}, got {mode!r}")
+        if self._faults is not None:
+            self._faults.paused = True  # /health_generate answers 503 while paused: probe /health
         await self._fan_out("pause", lambda w: w.pause(mode))
 
     async def continue_generation(self) -> None:
         await self._fan_out("continue_generation", lambda w: w.continue_generation())
+        if self._faults is not None:
+            self._faults.paused = False
 
     async def flush_cache(self, deadline: float) -> None:
         await self._fan_out("flush_cache", lambda w: w.flush_cache(deadline))
 
     async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+        if self._faults is not None:
+            # Under the re-admission lock: an engine coming back either is live before this fan-out
+            # starts (and takes these weights with it) or loads them itself after it ends.
+            async with self._faults.weights_lock:
+                await self._fan_out(
+                    "update_weights_from_disk", lambda w: w.update_weights_from_disk(path, weight_version=weight_version)
+                )
+                self._faults.current_weights = (path, weight_version)
+            return
         await self._fan_out(
             "update_weights_from_disk", lambda w: w.update_weights_from_disk(path, weight_version=weight_version)
         )
 
     async def update_weight_version(self, weight_version: str) -> None:
+        if self._faults is not None:
+            async with self._faults.weights_lock:
+                await self._fan_out("update_weight_version", lambda w: w.update_weight_version(weight_version))
+                self._faults.current_weights = (self._faults.current_weights[0], weight_version)
+            return
         await self._fan_out("update_weight_version", lambda w: w.update_weight_version(weight_version))
 
     async def weight_versions(self) -> dict[str, str]:
@@ -198,13 +262,22 @@ class EngineFleet:
 
         async def one(worker: EngineClient) -> None:
             try:
-                results[worker.url] = await call(worker)
+                if self._faults is None:
+                    results[worker.url] = await call(worker)
+                    return
+                with self._faults.cancelled_on_eviction(worker.url):
+                    results[worker.url] = await call(worker)
             except EngineError as exc:
                 failures[worker.url] = exc
 
         async with anyio.create_task_group() as tg:
             for worker in workers:
                 tg.start_soon(one, worker)
+        if self._faults is not None:
+            # An unreachable engine is evicted and the call stands on the engines that live; an
+            # engine evicted meanwhile (by the heartbeat) is no longer asked.
+            failures = await self._faults.absorb(what, failures)
+            workers = tuple(w for w in workers if w.url in results or w.url in failures)
         if failures:
             raise _fan_out_error(what, failures, len(workers))
         return {w.url: results[w.url] for w in workers}

@@ -1,0 +1,255 @@
+"""`FleetFaults`: eviction, heartbeat, restart and re-admission for one `EngineFleet`.
+
+Lives as long as the fleet's `async with`: it owns a task group with the heartbeat and one
+recovery task per evicted engine. A failure that leaves fewer than `min_live` engines is raised
+from that task group, which ends the run with the error (and its engines named).
+
+Order on the way back matters: an engine takes the current weights and version first, is put back
+behind the router next, and only then joins the fan-out; `weights_lock` keeps a publish's weight
+update and a re-admission from crossing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+import anyio
+import anyio.abc
+import structlog
+
+from pipeline.errors import EngineError, EngineUnavailableError
+from stages.sglang.health import (
+    EngineRestarter,
+    FaultCounters,
+    FaultPolicy,
+    FaultStatistics,
+)
+
+if TYPE_CHECKING:
+    from stages.sglang.engine import EngineClient
+    from stages.sglang.fleet import EngineFleet
+
+__all__ = ["FleetFaults"]
+
+log = structlog.get_logger(__name__)
+
+_ROUTER_LIST_DEADLINE = 30.0
+
+
+class FleetFaults:
+    def __init__(self, fleet: EngineFleet, policy: FaultPolicy, restarter: EngineRestarter | None) -> None:
+        self._fleet = fleet
+        self.policy = policy
+        self._restarter = restarter
+        self.counters = FaultCounters()
+        self._paused = False
+        self._unpaused = anyio.Event()
+        self._unpaused.set()
+        self.weights_lock = anyio.Lock()
+        self.current_weights: tuple[str | None, str | None] = (None, None)  # (path, version) last published
+        self._scopes: dict[str, set[anyio.CancelScope]] = {}
+        self._total = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> Self:
+        self._total = len(self._fleet.workers)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._heartbeat)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(exc_type, exc, tb)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        """Set by the fleet's pause and continue: between them a publish is under way."""
+        self._paused = value
+        if value and self._unpaused.is_set():
+            self._unpaused = anyio.Event()
+        elif not value:
+            self._unpaused.set()
+
+    def statistics(self) -> FaultStatistics:
+        live = len(self._fleet.workers) if self._tg is not None else 0
+        return self.counters.snapshot(live)
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    @contextmanager
+    def cancelled_on_eviction(self, url: str) -> Iterator[None]:
+        """A control call to `url` that eviction cancels: a hung engine never answers it."""
+        with anyio.CancelScope() as scope:
+            self._scopes.setdefault(url, set()).add(scope)
+            try:
+                yield
+            finally:
+                self._scopes[url].discard(scope)
+
+    async def absorb(self, what: str, failures: Mapping[str, EngineError]) -> dict[str, EngineError]:
+        """Evict every engine a fan-out found unreachable; return the failures that remain errors."""
+        kept: dict[str, EngineError] = {}
+        for url, exc in failures.items():
+            if isinstance(exc, EngineUnavailableError):
+                await self.evict(url, f"{what}: {exc}")
+            else:
+                kept[url] = exc
+        return kept
+
+    async def evict(self, url: str, reason: str) -> None:
+        """Take `url` out at once: no new control calls, its running ones cancelled, out of the
+        router; then restart or wait for it. Raises when fewer than `min_live` engines remain."""
+        state_workers = self._fleet.workers
+        if url not in {w.url for w in state_workers}:
+            return
+        live = tuple(w for w in state_workers if w.url != url)
+        self._fleet._open.workers = live
+        self.counters.evictions += 1
+        self.counters.capacity(len(live), self._total)
+        for scope in self._scopes.get(url, ()):
+            scope.cancel()
+        log.warning("engine evicted", url=url, reason=reason, live=len(live), total=self._total)
+        if len(live) < self.policy.min_live:
+            raise EngineUnavailableError(
+                url, f"evicted ({reason}); {len(live)} of {self._total} engines live, fewer than "
+                f"--min-live-engines {self.policy.min_live}",
+            )
+        if self._fleet.router_url is not None:
+            await self._router_remove(url)
+        if self._tg is not None:
+            self._tg.start_soon(self._recover, url)
+
+    # -- heartbeat ----------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        await anyio.sleep(self.policy.first_wait)
+        while True:
+            failed: dict[str, str] = {}
+
+            async def probe(worker: EngineClient, failed: dict[str, str] = failed) -> None:
+                if (reason := await self._unhealthy(worker)) is not None:
+                    failed[worker.url] = reason
+
+            async with anyio.create_task_group() as tg:
+                for worker in self._fleet.workers:
+                    tg.start_soon(probe, worker)
+            for url, reason in failed.items():  # here, so a run-ending error is raised as itself
+                await self.evict(url, reason)
+            await anyio.sleep(self.policy.interval)
+
+    async def _unhealthy(self, worker: EngineClient) -> str | None:
+        """Why `worker` failed its heartbeat, or None. While a publish has the engines paused,
+        `/health_generate` answers 503 by design, so liveness (`/health`) is what is probed."""
+        path = "/health" if self.paused else "/health_generate"
+        try:
+            status, _ = await worker._send("GET", path, None, self.policy.timeout)
+        except EngineUnavailableError as exc:
+            return f"heartbeat {path}: {exc}"
+        if status != 200 and not (self.paused and status == 503):
+            return f"heartbeat {path}: HTTP {status}"
+        return None
+
+    # -- restart and re-admission -------------------------------------------------------------
+
+    async def _recover(self, url: str) -> None:
+        if self._restarter is None:
+            await self._wait_for_return(url)
+            return
+        for attempt in range(self.policy.max_restarts):
+            if attempt:
+                await anyio.sleep(self.policy.restart_backoff * 2 ** (attempt - 1))
+            try:
+                await self._restarter(url)
+                self.counters.restarts += 1
+                await self.readmit(url)
+                return
+            except (EngineError, OSError) as exc:  # e.g. the port still taken: try again, bounded
+                log.warning("engine restart failed", url=url, attempt=attempt + 1, error=str(exc))
+        log.error("engine left out for good", url=url, tries=self.policy.max_restarts)
+
+    async def _wait_for_return(self, url: str) -> None:
+        """An engine the user runs: re-admit it once its heartbeat answers again."""
+        client = self._fleet.client_for(url)
+        while True:
+            await anyio.sleep(self.policy.interval)
+            if await self._unhealthy(client) is None and not self.paused:
+                try:
+                    await self.readmit(url)
+                    return
+                except EngineError as exc:
+                    log.warning("engine re-admission failed", url=url, error=str(exc))
+
+    async def readmit(self, url: str) -> None:
+        """Load the current weights (or stamp the current version), put the engine back behind the
+        router, then into the fan-out: it takes no work before its version is current."""
+        client = self._fleet.client_for(url)
+        # Not in the middle of a publish: the engine would join unpaused while the others are.
+        while self._paused:
+            await self._unpaused.wait()
+        async with self.weights_lock:
+            path, version = self.current_weights
+            if path is not None and version is not None:
+                await client.update_weights_from_disk(path, weight_version=version)
+            elif version is not None:
+                await client.update_weight_version(version)
+            if version is not None and (reported := await client.weight_version()) != version:
+                raise EngineError(url, f"reports weight_version {reported!r} after re-admission, expected {version!r}")
+            if self._fleet.router_url is not None:
+                await self._router_add(url)
+            if url not in self._fleet.worker_urls:
+                self._fleet._open.workers = (*self._fleet.workers, client)
+            self.counters.readmissions += 1
+            self.counters.capacity(len(self._fleet.workers), self._total)
+        log.warning("engine re-admitted", url=url, version=version, live=len(self._fleet.workers))
+
+    # -- the router's worker API (sglang-router >= 0.2.2: /workers) ---------------------------
+
+    async def _router_rows(self) -> list[dict[str, object]]:
+        router = self._fleet._open.generator
+        status, data = await router._control_raw("GET", "/workers", None)
+        doc = router._expect_ok("/workers", status, data)
+        rows = doc.get("workers") if isinstance(doc, dict) else None
+        return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+    async def _router_remove(self, url: str) -> None:
+        """`DELETE /workers/{id}`; best effort: a router that cannot be reached fails generation
+        visibly anyway, and the fan-out no longer reaches the engine either way."""
+        try:
+            for row in await self._router_rows():
+                if str(row.get("url", "")).rstrip("/") == url and row.get("id") is not None:
+                    await self._router_call("DELETE", f"/workers/{row['id']}", None)
+        except EngineError as exc:
+            log.warning("router did not remove worker", url=url, error=str(exc))
+
+    async def _router_call(self, method: str, path: str, body: object) -> None:
+        """The router answers 202 Accepted: it adds and removes workers in the background."""
+        router = self._fleet._open.generator
+        status, data = await router._control_raw(method, path, body)
+        if not 200 <= status < 300:
+            router._expect_ok(path, status, data)  # raises, with the router's message
+
+    async def _router_add(self, url: str) -> None:
+        """`POST /workers`, then wait until the router lists it healthy (it adds in the background)."""
+        listed = {str(r.get("url", "")).rstrip("/") for r in await self._router_rows()}
+        if url not in listed:
+            await self._router_call("POST", "/workers", {"url": url})
+        with anyio.fail_after(_ROUTER_LIST_DEADLINE):
+            delay = 0.05
+            while True:
+                rows = await self._router_rows()
+                if any(str(r.get("url", "")).rstrip("/") == url and r.get("is_healthy", True) for r in rows):
+                    return
+                await anyio.sleep(delay)  # the router's own background task: nothing to wait on
+                delay = min(delay * 2, 0.5)

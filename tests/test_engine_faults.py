@@ -1,0 +1,210 @@
+"""Engine faults on real processes: built-in engines (tiny model), the real sglang-router, real
+SIGKILL / SIGSTOP. A dead or hung engine is evicted, restarted (or waited for) and re-admitted with
+the current weights and version, while the fleet goes on with the engines that live.
+
+Nothing here sleeps to order events: kills happen at points the engines' own state shows (their
+running requests, a publish phase reached), and waits for the fleet are deadlines on its state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from launch.engine_process import start_engines
+from launch.engine_restart import ManagedEngines
+from launch.router_process import RouterProcess, start_router
+from pipeline.clock import VersionClock
+from pipeline.errors import EngineError, EngineUnavailableError
+from pipeline.types import FinishReason, PauseMode
+from stages.publisher import publish_weights
+from stages.sglang import EngineFleet
+from stages.sglang.health import FaultPolicy
+from stages.tiny_model import make_model_folder
+
+pytestmark = pytest.mark.anyio
+
+POLICY = FaultPolicy(interval=0.5, timeout=2.0, first_wait=0.0, min_live=1, max_restarts=3, restart_backoff=0.2)
+PROMPT = [5, 6, 7, 8]
+DEADLINE = 60.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_folder(tmp_path_factory.mktemp("model") / "m", seed=0)
+
+
+@pytest.fixture
+async def managed(model: Path) -> AsyncIterator[tuple[ManagedEngines, RouterProcess]]:
+    with anyio.fail_after(DEADLINE):
+        procs = await start_engines(2, model, max_running_requests=8)
+    engines = ManagedEngines(procs, model, max_running_requests=8)
+    try:
+        with anyio.fail_after(DEADLINE):
+            router = await start_router([p.url for p in procs])
+        async with router:
+            yield engines, router
+    finally:
+        await engines.stop()
+
+
+def fleet_of(router: RouterProcess, restarter: ManagedEngines | None) -> EngineFleet:
+    return EngineFleet(
+        router_url=router.url, concurrency=16, request_timeout=60, control_timeout=10,
+        retry_backoff=0.01, fault_policy=POLICY, restarter=restarter,
+    )
+
+
+async def until(condition: Callable[[], Awaitable[bool]], what: str, deadline: float = DEADLINE) -> None:
+    """Wait for another process's state, with a deadline: polling is the only signal it gives."""
+    with anyio.fail_after(deadline):
+        while not await condition():
+            await anyio.sleep(0.05)
+
+
+async def running_on(fleet: EngineFleet, url: str) -> bool:
+    return (await fleet.client_for(url).loads()).running > 0
+
+
+async def test_an_engine_killed_during_generation_is_evicted_restarted_and_readmitted(managed):
+    engines, router = managed
+    a, b = (p.url for p in engines.processes)
+    async with fleet_of(router, engines) as fleet:
+        await fleet.update_weight_version("3")  # the fleet's current version, which a restart must get
+        outcomes: list[str] = []
+
+        async def one(i: int) -> None:
+            try:
+                r = await fleet.generate(PROMPT, {"max_new_tokens": 400, "sampling_seed": i, "ignore_eos": True}, rid=f"g{i}")
+                outcomes.append(r.finish_reason.value)
+            except EngineError as exc:  # the generator hands such a sample back with its prefix
+                assert exc.status is None or exc.status >= 500, exc
+                outcomes.append("engine-gone")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(one, i)
+            await until(lambda: running_on(fleet, b), "b runs requests")
+            engines.process(b).process.kill()
+        assert len(outcomes) == 8  # every request came back: finished, or handed back to resume
+
+        await until(lambda: _live(fleet, {a, b}), "b re-admitted")
+        stats = fleet.fault_statistics()
+        assert stats is not None
+        assert (stats.evictions_total, stats.restarts_total, stats.readmissions_total) == (1, 1, 1)
+        assert stats.reduced_capacity_seconds > 0
+        assert await fleet.weight_versions() == {a: "3", b: "3"}  # the restarted engine is current
+        assert engines.process(b).returncode is None
+        r = await fleet.generate(PROMPT, {"max_new_tokens": 4}, rid="after")
+        assert r.finish_reason is FinishReason.LENGTH
+
+
+async def _live(fleet: EngineFleet, urls: set[str]) -> bool:
+    return set(fleet.worker_urls) == urls
+
+
+async def test_a_publish_completes_on_the_live_engine_when_one_dies_in_any_phase(managed, model):
+    engines, router = managed
+    a, b = (p.url for p in engines.processes)
+    clock = VersionClock()
+    async with fleet_of(router, engines) as fleet:
+        # One fleet, three publishes: engine b dies in a different phase of each, and is back
+        # (restarted, current) before the next one.
+        for version, phase in enumerate(("after_pause", "during_update", "before_continue"), start=1):
+            report = await publish_weights(clock, _Killing(fleet, engines, b, phase), model, pause_mode=PauseMode.ABORT)
+            assert report.version == version and clock.version == version  # every live engine took it
+            await until(lambda: _live(fleet, {a, b}), f"b back after {phase}")
+            assert await fleet.weight_versions() == {a: str(version), b: str(version)}, phase
+            stats = fleet.fault_statistics()
+            assert stats is not None and stats.restarts_total == version, phase
+
+
+class _Killing:
+    """The fleet as a publish target, killing one engine at one phase of the publish."""
+
+    def __init__(self, fleet: EngineFleet, engines: ManagedEngines, url: str, phase: str) -> None:
+        self.fleet, self.engines, self.url, self.phase = fleet, engines, url, phase
+
+    def kill(self) -> None:
+        self.engines.process(self.url).process.kill()
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self.fleet.pause(mode)
+        if self.phase == "after_pause":
+            self.kill()
+
+    async def flush_cache(self, deadline: float) -> None:
+        await self.fleet.flush_cache(deadline)
+
+    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+        if self.phase != "during_update":
+            await self.fleet.update_weights_from_disk(path, weight_version=weight_version)
+            if self.phase == "before_continue":
+                self.kill()
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: self.fleet.update_weights_from_disk(path, weight_version=weight_version))
+            await anyio.wait_all_tasks_blocked()  # the update requests are on the wire
+            self.kill()
+
+    async def continue_generation(self) -> None:
+        await self.fleet.continue_generation()
+
+
+async def test_a_hung_user_engine_is_evicted_within_the_timeout_and_readmitted_when_it_answers(managed):
+    engines, router = managed
+    a, b = (p.url for p in engines.processes)
+    pid = engines.process(b).pid
+    async with fleet_of(router, None) as fleet:  # no restarter: engines the user runs
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            await until(lambda: _live(fleet, {a}), "b evicted", deadline=POLICY.interval + POLICY.timeout + 5)
+            detected = time.monotonic() - stopped
+            assert detected <= POLICY.interval + POLICY.timeout + 2.0, detected
+            await fleet.update_weight_version("7")  # control fan-out skips the hung engine
+            assert await fleet.weight_versions() == {a: "7"}
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await until(lambda: _live(fleet, {a, b}), "b re-admitted")
+        assert await fleet.weight_versions() == {a: "7", b: "7"}  # made current before it takes work
+        stats = fleet.fault_statistics()
+        assert stats is not None and (stats.evictions_total, stats.restarts_total) == (1, 0)
+
+
+async def test_without_a_router_losing_the_only_engine_stops_with_a_clear_error(model):
+    with anyio.fail_after(DEADLINE):
+        (proc,) = await start_engines(1, model, max_running_requests=4)
+    async with proc:
+        fleet = EngineFleet([proc.url], concurrency=4, control_timeout=5, fault_policy=POLICY)
+        with pytest.raises(BaseExceptionGroup) as caught:
+            async with fleet:
+                proc.process.kill()
+                with anyio.fail_after(DEADLINE):
+                    await anyio.sleep_forever()  # the heartbeat ends this with its error
+        (error,) = caught.value.exceptions
+        assert isinstance(error, EngineUnavailableError)
+        assert proc.url in str(error) and "--min-live-engines 1" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [("interval", 0.0, "interval must be > 0"), ("timeout", -1.0, "timeout must be > 0"),
+     ("min_live", 0, "min_live must be >= 1"), ("max_restarts", -1, "max_restarts must be >= 0")],
+)
+def test_a_fault_policy_refuses_bad_values_naming_them(field, value, rule):
+    with pytest.raises(ValueError, match=rule) as caught:
+        FaultPolicy(**{field: value})
+    assert str(value) in str(caught.value)
+
+
+async def test_eviction_needs_a_fault_policy():
+    fleet = EngineFleet(["http://127.0.0.1:9"], concurrency=1)
+    with pytest.raises(RuntimeError, match="fault_policy"):
+        await fleet.evict("http://127.0.0.1:9", "test")
