@@ -28,7 +28,9 @@ from pipeline.events import EventLog
 from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.metric_sinks import SinkSettings, open_step_sinks
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
+from pipeline.types import WeightTransport
 from stages.continuation import penalties_in
+from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
 from storage import AsyncStore, Store
 from launch.run_state import open_run_state
@@ -87,6 +89,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         else:
             await engines.update_weights_from_disk(str(state.weights), weight_version=str(clock.version))
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
+        transfer = await _weight_transfer(config, trainer, engines, stack)
         # Everything built so far (torch, transformers, the model) lives for the whole run: keep
         # it out of the collector's scans. Each engine answer allocates a thousand small objects,
         # and full scans over the start-up heap were a measurable share of the controller's time.
@@ -106,9 +109,32 @@ async def _run(config: Config) -> list[dict[str, Any]]:
             summary = await run_pipeline(
                 _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
                 reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
-                metrics=sink, clock=clock, on_step=on_step, events=events,
+                metrics=sink, clock=clock, on_step=on_step, events=events, weight_transfer=transfer,
             )
         return summary.metrics
+
+
+async def _weight_transfer(
+    config: Config, trainer: Any, engines: EngineFleet, stack: AsyncExitStack
+) -> DistributedWeightSender | None:
+    """With `--update-weight-transport distributed`, the trainer is rank 0 of a group with the
+    engines: join it now (a failure shows at start, not at the first publish), leave it at exit."""
+    if config.rollout.update_weight_transport != WeightTransport.DISTRIBUTED:
+        return None
+    sender = DistributedWeightSender(
+        trainer.model.named_parameters, engines, device=trainer.device,
+        bucket_bytes=config.rollout.update_weight_buffer_size,
+    )
+    await sender.connect()
+
+    async def leave() -> None:
+        try:
+            await sender.close()
+        except EngineError as exc:  # engines already gone at exit: nothing left to leave
+            log.warning("leaving the weight update group failed: %s", exc)
+
+    stack.push_async_callback(leave)
+    return sender
 
 
 @asynccontextmanager

@@ -38,7 +38,7 @@ from stages.continuation import Detokenize, sampling_problems
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
-from stages.publisher import WeightTarget, publish_weights
+from stages.publisher import WeightTarget, WeightTransfer, publish_weights
 from stages.reward import RewardFn, RewardStage
 from storage import AsyncStore, GroupState
 
@@ -115,6 +115,7 @@ async def run_pipeline(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     events: EventLog | None = None,
     detokenize: Detokenize | None = None,
+    weight_transfer: WeightTransfer | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
@@ -183,7 +184,9 @@ async def run_pipeline(
             # times are thus the record's only fields measured after the commit.
             await store.finish_batch(step, record)
             with _span(events, "publish", version=clock.version + 1):
-                report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
+                report = await publish_weights(
+                    clock, engines, new_weights, pause_mode=plan.pause_mode, transfer=weight_transfer
+                )
             training.done()
             record.update({
                 "time/publish_gate_closed": report.gate_closed_seconds,

@@ -226,13 +226,14 @@ class DistributedWeightSender:
         return [b for b in out if b]
 
     async def send(self, weight_version: str, *, flush_cache: bool = True) -> None:
-        """Publish every parameter; each engine swaps to `weight_version` once the last bucket arrived.
+        """Publish every parameter (joining the group first if not in it); each engine swaps to `weight_version` once the last bucket arrived.
 
         Raises EngineError (naming the engines) if any engine refused or the transfer broke; the
         engines then keep their old weights and version."""
+        if self._group is None:  # the first publish, or the one after a broken transfer
+            await self.connect()
         group = self._group
-        if group is None:
-            raise EngineError("weight_update_group", "send before connect: call connect() first")
+        assert group is not None
         for bucket in self.buckets():
             specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in bucket]
             broken: list[BaseException] = []

@@ -3,7 +3,8 @@
     close admission -> pause engines (abort | retract | in_place) -> flush cache (not in_place)
     -> update weights -> version += 1 -> continue engines -> open admission
 
-The version moves only if every engine took the weights. Whatever happens, the engines are told to
+The weights travel as a saved folder (`/update_weights_from_disk`) or, given a `WeightTransfer`,
+over torch.distributed (`publish_distributed.py`). The version moves only if every engine took the weights. Whatever happens, the engines are told to
 continue: a failed publish leaves the old version serving, and says why.
 """
 
@@ -20,7 +21,7 @@ from pipeline.clock import VersionClock
 from pipeline.errors import EngineError, PublishError
 from pipeline.types import PauseMode
 
-__all__ = ["PublishReport", "WeightTarget", "publish_weights"]
+__all__ = ["PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
 
 CONTINUE_DEADLINE = 30.0
 
@@ -34,6 +35,12 @@ class WeightTarget(Protocol):
     async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None: ...
 
 
+class WeightTransfer(Protocol):
+    """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`)."""
+
+    async def send(self, weight_version: str) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PublishReport:
     version: int
@@ -42,8 +49,11 @@ class PublishReport:
 
 
 async def publish_weights(
-    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0
+    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0,
+    transfer: WeightTransfer | None = None,
 ) -> PublishReport:
+    """Publish `weights` (a saved folder), or with `transfer` send them its way instead (the folder
+    then is only the checkpoint); the same pause, flush and version steps either way."""
     started = time.perf_counter()
     update_seconds = 0.0
     with clock.publish() as version:
@@ -58,7 +68,10 @@ async def publish_weights(
                 except EngineError:
                     pass
             t0 = time.perf_counter()
-            await engines.update_weights_from_disk(str(weights), weight_version=str(version))
+            if transfer is None:
+                await engines.update_weights_from_disk(str(weights), weight_version=str(version))
+            else:
+                await transfer.send(str(version))
             update_seconds = time.perf_counter() - t0
         except EngineError as exc:
             raise PublishError(version, str(exc)) from exc

@@ -157,3 +157,25 @@ async def test_a_transfer_broken_midway_keeps_old_weights_and_version(
         assert await versions(fleet) == ["1", "1"]
         assert torch.equal(await live_weight(http, urls[1], PROBE), model.get_parameter(PROBE).detach().flatten())
         await retry.close()
+
+
+def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
+    """The quick-start task end to end, every publish over the group: the engine samples with
+    exactly the trainer's weights (log-prob agreement) and the task is learned."""
+    import json
+
+    from launch.cli import main
+
+    out = tmp_path / "run"
+    code = main([
+        "--output-dir", str(out), "--no-progress", "--log-level", "warning", "--num-rollout", "40",
+        "--update-weight-transport", "distributed",
+    ])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in records] == list(range(40))
+    first = sum(r["reward/mean"] for r in records[:5]) / 5
+    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    assert last > first + 0.1, (first, last)
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
+    assert all(r["time/publish_update"] > 0 for r in records)

@@ -18,7 +18,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.types import PauseMode, RolloutMode, StoreTransport
+from pipeline.types import PauseMode, RolloutMode, StoreTransport, WeightTransport
 from storage.declaration import PROFILES
 
 __all__ = [
@@ -112,6 +112,12 @@ class RolloutConfig:
     pause_mode: PauseMode = _opt(
         PauseMode.ABORT, "--pause-mode", "choice", choices=tuple(PauseMode),
         help="how engines pause for a weight publish")
+    update_weight_transport: WeightTransport = _opt(
+        WeightTransport.DISK, "--update-weight-transport", "choice", choices=tuple(WeightTransport),
+        help="disk: engines read a saved folder; distributed: the trainer broadcasts over torch.distributed")
+    update_weight_buffer_size: int = _opt(
+        512 * 1024 * 1024, "--update-weight-buffer-size", "int", ge=1,
+        help="bytes of weights per /update_weights_from_distributed call (distributed transport)")
     seed: int = _opt(42, "--rollout-seed", "int", ge=0, help="sampling and data-order seed")
     request_timeout: float = _opt(
         600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
