@@ -250,7 +250,7 @@ def _plan(config: Config) -> RolloutPlan:
         mode=r.mode, batch_size=r.rollout_batch_size, n_samples=r.n_samples_per_prompt, num_steps=r.num_rollout,
         partial=r.partial_rollout, over_sampling=r.over_sampling_batch_size, prefetch=r.prefetch,
         fill_idle_slots=r.partial_fill_idle_slots,
-        max_staleness=r.max_staleness, pause_mode=r.pause_mode,
+        max_staleness=r.max_staleness, pause_mode=r.pause_mode, overlap_publish=r.overlap_weight_transfer,
         slots=config.engine.sglang_server_concurrency * n_engines, max_response_len=r.max_response_len,
         sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout, seed=r.seed,

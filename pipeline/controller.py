@@ -77,6 +77,7 @@ class RolloutPlan:
     prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
     max_staleness: int | None = None
     pause_mode: PauseMode = PauseMode.ABORT
+    overlap_publish: bool = False  # engines receive weights while decoding; no pause (publisher.py)
     slots: int = 64  # concurrent sample requests over all engines (C x E)
     max_response_len: int = 64
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
@@ -185,7 +186,8 @@ async def run_pipeline(
             await store.finish_batch(step, record)
             with _span(events, "publish", version=clock.version + 1):
                 report = await publish_weights(
-                    clock, engines, new_weights, pause_mode=plan.pause_mode, transfer=weight_transfer
+                    clock, engines, new_weights, pause_mode=plan.pause_mode, transfer=weight_transfer,
+                    overlap=plan.overlap_publish,
                 )
             training.done()
             record.update({

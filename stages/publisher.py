@@ -50,16 +50,22 @@ class PublishReport:
 
 async def publish_weights(
     clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0,
-    transfer: WeightTransfer | None = None,
+    transfer: WeightTransfer | None = None, overlap: bool = False,
 ) -> PublishReport:
     """Publish `weights` (a saved folder), or with `transfer` send them its way instead (the folder
-    then is only the checkpoint); the same pause, flush and version steps either way."""
+    then is only the checkpoint); the same pause, flush and version steps either way.
+
+    `overlap`: do not pause the engines at all. Engines that stage an update (the built-in and
+    simulated ones) receive it while they keep decoding and swap between two decode steps, which
+    is an in_place pause one step long; their version spans mark that step. The admission gate and
+    the version move exactly as for a paused publish."""
     started = time.perf_counter()
     update_seconds = 0.0
     with clock.publish() as version:
         try:
-            await engines.pause(pause_mode)
-            if pause_mode == PauseMode.ABORT:
+            if not overlap:
+                await engines.pause(pause_mode)
+            if pause_mode == PauseMode.ABORT and not overlap:
                 # Only abort empties the engines: retract keeps requests waiting and in_place keeps
                 # them running, and SGLang refuses to flush then. The engines flush after a disk
                 # update anyway; this frees the KV cache early, so a busy engine is no failure.
@@ -76,6 +82,7 @@ async def publish_weights(
         except EngineError as exc:
             raise PublishError(version, str(exc)) from exc
         finally:
-            with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
-                await engines.continue_generation()
+            if not overlap:
+                with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
+                    await engines.continue_generation()
     return PublishReport(version, time.perf_counter() - started, update_seconds)

@@ -241,8 +241,10 @@ class EngineCore:
         with anyio.CancelScope(shield=True):
             async with self._lane:
                 await self.model.apply_weights(staged)
-            if weight_version is not None:
-                self.set_weight_version(weight_version)
+                # Inside the lane: no forward runs between the swap and the version mark, so the
+                # spans of running requests split exactly at the first step on the new weights.
+                if weight_version is not None:
+                    self.set_weight_version(weight_version)
             self._updates += 1
 
     # ---- state -------------------------------------------------------------------------------------

@@ -115,6 +115,10 @@ class RolloutConfig:
     update_weight_transport: WeightTransport = _opt(
         WeightTransport.DISK, "--update-weight-transport", "choice", choices=tuple(WeightTransport),
         help="disk: engines read a saved folder; distributed: the trainer broadcasts over torch.distributed")
+    overlap_weight_transfer: bool = _opt(
+        False, "--overlap-weight-transfer", "bool",
+        help="publish without pausing: engines receive weights while decoding and swap between two "
+        "steps (built-in and simulated engines stage updates; SGLang may block generation meanwhile)")
     update_weight_buffer_size: int = _opt(
         512 * 1024 * 1024, "--update-weight-buffer-size", "int", ge=1,
         help="bytes of weights per /update_weights_from_distributed call (distributed transport)")
