@@ -301,7 +301,7 @@ class _engines:
             else:
                 procs = await start_engines(
                     e.num_engines, self._model_path, host=e.host, max_running_requests=slots,
-                    log_dir=Path(self._config.output.dir) / "logs",
+                    log_dir=Path(self._config.output.dir) / "logs", extra_args=["--device", e.device],
                 )
                 for proc in procs:
                     self._stack.push_async_exit(proc)  # stopped on exit, whatever happens

@@ -180,6 +180,9 @@ class EngineConfig:
     hf_checkpoint: str | None = _opt(
         None, "--hf-checkpoint", "str", metavar="PATH", default_help="build the tiny model in the run folder",
         help="model folder (or Hub id)")
+    device: str = _opt(
+        "cpu", "--rollout-device", "str", metavar="DEVICE",
+        help="where the built-in engines and the built-in trainer run: cpu, cuda or cuda:N")
     host: str = _opt(
         "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
 
