@@ -179,3 +179,16 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     assert last > first + 0.1, (first, last)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
     assert all(r["time/publish_update"] > 0 for r in records)
+
+
+def test_distributed_transport_refuses_engines_on_another_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from launch.cli import main
+
+    code = main([
+        "--output-dir", str(tmp_path / "run"), "--update-weight-transport", "distributed",
+        "--sglang-url", "http://10.0.0.5:30000",
+    ])
+    assert code != 0
+    err = capsys.readouterr()
+    assert "--sglang-url='http://10.0.0.5:30000'" in err.out + err.err
+    assert "127.0.0.1" in err.out + err.err

@@ -89,6 +89,14 @@ def _engine_rules(draft: Draft) -> None:
     if urls and router:
         draft.problems.append(f"{draft.show('engine', 'router_url')} with --sglang-url: pass engine URLs or "
                               "one router URL, not both")
+    # The trainer hosts the weight-update group on loopback: engines elsewhere could never join it.
+    if draft.get("rollout", "update_weight_transport") == "distributed":
+        for url in [*urls, *([router] if router else [])]:
+            host = urllib.parse.urlsplit(url).hostname
+            if host not in _LOOPBACK:
+                draft.problems.append(
+                    f"--update-weight-transport=distributed with --sglang-url={url!r}: the trainer hosts the "
+                    "weight-update group on 127.0.0.1, so engines must run on this host (or use disk)")
     engines = draft.get("engine", "num_engines")
     if urls and draft.given("engine", "num_engines") and engines not in (None, len(urls)):
         draft.problems.append(f"{draft.show('engine', 'num_engines')}: {len(urls)} --sglang-url given; the "
