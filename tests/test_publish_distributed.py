@@ -192,3 +192,34 @@ def test_distributed_transport_refuses_engines_on_another_host(tmp_path: Path, c
     err = capsys.readouterr()
     assert "--sglang-url='http://10.0.0.5:30000'" in err.out + err.err
     assert "127.0.0.1" in err.out + err.err
+
+
+async def test_an_overlapped_publish_never_pauses_and_splits_the_spans(folders: tuple[Path, Path]) -> None:
+    """`overlap=True`: no pause, the request keeps decoding through the publish, and its version
+    spans split once, at the swap, with no token left out."""
+    from launch.engines.builtin import open_server
+    from pipeline.clock import VersionClock
+    from pipeline.types import PauseMode
+    from stages.publisher import publish_weights
+
+    async with open_server(folders[0], port=0) as server, EngineFleet([server.url]) as fleet:
+        paused: list[object] = []
+        original = server.core.pause
+        server.core.pause = lambda mode: paused.append(mode) or original(mode)  # type: ignore[method-assign]
+        clock = VersionClock()
+        sampling = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+        out: dict[str, object] = {}
+
+        async def decode() -> None:
+            out["result"] = await fleet.generate([5, 6, 7], sampling, rid="overlap-0")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(decode)
+            while server.core.num_running == 0 or not any(r.output_ids for r in server.core._running):
+                await anyio.sleep(0.01)
+            report = await publish_weights(clock, fleet, folders[1], pause_mode=PauseMode.IN_PLACE, overlap=True)
+        assert report.version == 1 and clock.version == 1 and paused == []
+        result = out["result"]
+        spans = result.weight_versions  # type: ignore[attr-defined]
+        assert [s.version for s in spans] == ["0", "1"], spans
+        assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == 400
