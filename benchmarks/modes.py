@@ -1,6 +1,7 @@
 """Sync vs sync + partial vs async rollout on the simulated engine: one run, same workload.
 
     python -m benchmarks.modes [--seeds 3] [--steps 10] [--time-scale 0.02] [--timeline-dir DIR] [--only NAME]
+    python -m benchmarks.modes --engine builtin [--device cuda] [--model-size 0.6b] [--quick]  (modes_builtin.py)
 
 Every mode runs the real pipeline over real HTTP against a fresh simulated engine subprocess with
 the same GPU-like decode-time model, the same long-tailed response lengths, the same prompts and
@@ -171,5 +172,16 @@ if __name__ == "__main__":
     parser.add_argument("--work", default="/tmp/bench-modes")
     parser.add_argument("--only", action="append", default=[], help="run only this mode (repeatable)")
     parser.add_argument("--timeline-dir", default=None, help="write one timeline HTML per mode (seed 0)")
+    parser.add_argument("--engine", default="sim", choices=["sim", "builtin"],
+                        help="builtin: real engine, trainer and publishes (benchmarks/modes_builtin.py)")
+    parser.add_argument("--device", default="cpu", help="builtin: cpu, cuda or cuda:N")
+    parser.add_argument("--model-size", default="tiny", choices=["tiny", "0.6b"], help="builtin: the model")
+    parser.add_argument("--quick", action="store_true", help="builtin: the tiny model, 3 short steps")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
-    anyio.run(main, parser.parse_args())
+    parsed = parser.parse_args()
+    if parsed.engine == "builtin":
+        from benchmarks.modes_builtin import main as builtin_main
+
+        builtin_main(parsed)
+    else:
+        anyio.run(main, parsed)

@@ -105,7 +105,7 @@ def open_run_state(config: Config) -> RunState:
     start_from = weights or model_path
 
     def make_trainer() -> GRPOTrainer:
-        return GRPOTrainer(start_from, device=config.engine.device, **trainer_options(config.trainer, config.rollout))
+        return GRPOTrainer(start_from, **trainer_options(config.trainer, config.rollout))
 
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
 

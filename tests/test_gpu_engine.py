@@ -91,7 +91,7 @@ def test_distributed_publish_over_nccl(tmp_path: Path) -> None:
 
 
 def test_quick_start_learns_on_the_gpu(tmp_path: Path) -> None:
-    """Engine and trainer on one GPU (`--rollout-device cuda`); publishes from disk, because NCCL
+    """Engine and trainer on one GPU (`--rollout-device cuda --trainer-device cuda`); publishes from disk, because NCCL
     refuses two ranks on one GPU (the NCCL test above takes a second GPU when there is one)."""
     import json
 
@@ -101,7 +101,7 @@ def test_quick_start_learns_on_the_gpu(tmp_path: Path) -> None:
     out = tmp_path / "run"
     code = main([
         "--output-dir", str(out), "--no-progress", "--log-level", "warning", "--num-rollout", "30",
-        "--rollout-device", "cuda",
+        "--rollout-device", "cuda", "--trainer-device", "cuda",
     ])
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

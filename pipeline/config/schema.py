@@ -182,7 +182,7 @@ class EngineConfig:
         help="model folder (or Hub id)")
     device: str = _opt(
         "cpu", "--rollout-device", "str", metavar="DEVICE",
-        help="where the built-in engines and the built-in trainer run: cpu, cuda or cuda:N")
+        help="torch device of the built-in engines: cpu, cuda or cuda:N (the trainer's is --trainer-device)")
     host: str = _opt(
         "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
 
