@@ -7,8 +7,9 @@
 # Installs the carried wheels into a private site dir (no index, no deps: the image keeps its own
 # torch and transformers), runs the project from PYTHONPATH, then: `pytest -m gpu -x`, the engine
 # benchmark (0.6B-shape Qwen3, bf16), the publish-transfer benchmark (disk vs distributed), and the
-# mode comparison on the simulated engine (sync, sync+partial, async, async with overlapped publish).
-# Logs and pictures go under $OUT (default ./gpu-out); each step has its own time limit, and a
+# mode comparison on the built-in engine (0.6B, real training and publishes) and on the simulated one
+# (async with and without an overlapped publish).
+# Logs and timeline pages (HTML) go under $OUT (default ./gpu-out); each step has its own time limit, and a
 # failed step does not stop the others (the summary at the end says which failed).
 set -uo pipefail
 wheels=${1:-build/wheels-gpu}
@@ -31,7 +32,10 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name rc=$rc ($((SECONDS - t0)) s)"; tail -n 15 "$out/$name.log"
 }
 step pytest-gpu 150 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py
-step engine 120 python3 -m benchmarks.engine --device cuda --dtype bfloat16 --qwen3-06b --batches 1,32,128 --steps 10 --skip-old
-step publish-transfer 90 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 --model-size 0.6b --publishes 3
-step modes 150 python3 -m benchmarks.modes --seeds 1 --steps 8 --timeline-dir "$out/timelines"
+step engine 90 python3 -m benchmarks.engine --device cuda --dtype bfloat16 --qwen3-06b --batches 1,32,128 --steps 10 --skip-old
+step publish-transfer 75 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 --model-size 0.6b --publishes 3
+step modes-builtin 150 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b --steps 6 \
+  --timeline-dir "$out/timelines"
+step modes-sim 60 python3 -m benchmarks.modes --seeds 1 --steps 6 --only async --only "async, overlap" \
+  --timeline-dir "$out/timelines"
 printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
