@@ -25,6 +25,15 @@ from typing import Any, Protocol
 import anyio
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (  # torch.distributed's own names
+    PrefixStore,
+    Store,
+    TCPStore,
+)
+
+# torch's stubs type the backend classes (ProcessGroupGloo, ProcessGroupNCCL) apart from
+# ProcessGroup although they are used the same way here (`broadcast(tensor, root).wait()`).
+Group = Any
 
 from pipeline.errors import EngineError
 
@@ -74,18 +83,18 @@ def open_group(
     group_name: str = GROUP_NAME,
     backend: str = "gloo",
     timeout: float = 300.0,
-    store: dist.Store | None = None,
-) -> dist.ProcessGroup:
+    store: Store | None = None,
+) -> Group:
     """Join the group at `rank` (blocks until every rank joined). Rank 0 hosts the store unless
     `store` is given (the sender creates it first, to learn its port before telling the engines)."""
     wait = datetime.timedelta(seconds=timeout)
     if store is None:
-        store = dist.TCPStore(
+        store = TCPStore(
             master_address, master_port, world_size, is_master=rank == 0, timeout=wait, wait_for_workers=False
         )
-    prefixed = dist.PrefixStore(group_name, store)
+    prefixed = PrefixStore(group_name, store)
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = wait
         # A loopback master means a one-host group: bind gloo to loopback too, whatever the hostname says.
         if _is_loopback(master_address):
@@ -171,8 +180,8 @@ class DistributedWeightSender:
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
         self.timeout = timeout
-        self._group: dist.ProcessGroup | None = None
-        self._store: dist.Store | None = None
+        self._group: Group | None = None
+        self._store: Store | None = None
 
     @property
     def connected(self) -> bool:
@@ -183,8 +192,8 @@ class DistributedWeightSender:
         world_size = len(self._engines.worker_urls) + 1
         store = await anyio.to_thread.run_sync(self._open_store, world_size)
         self._store = store
-        port = int(store.port)  # type: ignore[attr-defined]
-        joined: list[dist.ProcessGroup] = []
+        port = int(store.port)
+        joined: list[Group] = []
 
         async def join() -> None:
             joined.append(await anyio.to_thread.run_sync(self._join, store, world_size, abandon_on_cancel=True))
@@ -197,13 +206,13 @@ class DistributedWeightSender:
             )
         self._group = joined[0]
 
-    def _open_store(self, world_size: int) -> dist.Store:
-        return dist.TCPStore(
+    def _open_store(self, world_size: int) -> TCPStore:
+        return TCPStore(
             self.master_address, self.master_port, world_size, is_master=True,
             timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False,
         )
 
-    def _join(self, store: dist.Store, world_size: int) -> dist.ProcessGroup:
+    def _join(self, store: Store, world_size: int) -> Group:
         return open_group(
             master_address=self.master_address, master_port=0, rank=0, world_size=world_size,
             group_name=self.group_name, backend=self.backend, timeout=self.timeout, store=store,
@@ -226,7 +235,8 @@ class DistributedWeightSender:
         return [b for b in out if b]
 
     async def send(self, weight_version: str, *, flush_cache: bool = True) -> None:
-        """Publish every parameter (joining the group first if not in it); each engine swaps to `weight_version` once the last bucket arrived.
+        """Publish every parameter (joining the group first if not in it); each engine swaps to
+        `weight_version` once the last bucket arrived.
 
         Raises EngineError (naming the engines) if any engine refused or the transfer broke; the
         engines then keep their old weights and version."""
@@ -267,7 +277,7 @@ class DistributedWeightSender:
 
 
 async def _broadcast_bucket(
-    group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], broken: list[BaseException]
+    group: Group, tensors: Sequence[torch.Tensor], broken: list[BaseException]
 ) -> None:
     try:
         await anyio.to_thread.run_sync(_broadcast, group, tensors, abandon_on_cancel=True)
@@ -275,7 +285,7 @@ async def _broadcast_bucket(
         broken.append(exc)
 
 
-def _broadcast(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> None:
+def _broadcast(group: Group, tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         group.broadcast(t, 0).wait()
 

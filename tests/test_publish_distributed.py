@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -181,7 +180,9 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     assert all(r["time/publish_update"] > 0 for r in records)
 
 
-def test_distributed_transport_refuses_engines_on_another_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_distributed_transport_refuses_engines_on_another_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from launch.cli import main
 
     code = main([

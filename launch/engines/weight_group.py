@@ -20,7 +20,6 @@ from typing import Any
 
 import anyio
 import torch
-import torch.distributed as dist
 
 from launch.engines.scheduler import EngineCore
 from launch.engines.torch_model import ModelRunner
@@ -49,7 +48,7 @@ class WeightGroupReceiver:
         self._runner = runner
         self._core = core
         self._timeout = timeout
-        self._group: dist.ProcessGroup | None = None
+        self._group: Any = None  # a torch process group (see publish_distributed.Group)
         self._group_name = ""
         self._staged: dict[str, torch.Tensor] = {}
         self._lock = anyio.Lock()
@@ -125,14 +124,14 @@ class WeightGroupReceiver:
         """The first `truncate_size` values of a live tensor, flattened (SGLang's `/get_weights_by_name`)."""
         name, size = body.get("name"), body.get("truncate_size", 100)
         live = self._runner.live_weights()
-        if name not in live:
+        if not isinstance(name, str) or name not in live:
             raise WeightGroupError(f"no weight named {name!r}")
         if not isinstance(size, int) or size < 1:
             raise WeightGroupError(f"truncate_size must be a positive integer, got {size!r}")
         values: list[float] = live[name].detach().flatten()[:size].float().cpu().tolist()
         return values
 
-    def _receive(self, group: dist.ProcessGroup, bucket: _Bucket) -> dict[str, torch.Tensor]:
+    def _receive(self, group: Any, bucket: _Bucket) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         device = self._runner.device
         for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
