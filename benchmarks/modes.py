@@ -1,6 +1,7 @@
 """Sync vs sync + partial vs async rollout on the simulated engine: one run, same workload.
 
-    python -m benchmarks.modes [--seeds 3] [--steps 10] [--time-scale 0.02] [--timeline-dir DIR]
+    python -m benchmarks.modes [--seeds 3] [--steps 10] [--time-scale 0.02] [--timeline-dir DIR] [--only NAME]
+    python -m benchmarks.modes --engine builtin [--device cuda] [--model-size 0.6b] [--quick]  (modes_builtin.py)
 
 Every mode runs the real pipeline over real HTTP against a fresh simulated engine subprocess with
 the same GPU-like decode-time model, the same long-tailed response lengths, the same prompts and
@@ -78,9 +79,10 @@ async def sim_stats(url: str) -> dict:
 
 async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed: int, work: Path) -> dict:
     scale = args.time_scale
+    staged = ["--staged-weight-updates"] if plan.overlap_publish else []
     engine = await start_engine(
         "simulated", module="launch.engines.sim", max_running_requests=args.slots,
-        extra_args=["--time-scale", str(scale), "--random-seed", str(seed)],
+        extra_args=["--time-scale", str(scale), "--random-seed", str(seed), *staged],
     )
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
         store = MemoryStore()
@@ -133,6 +135,8 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
         ),
         "async": RolloutPlan(mode="async", prefetch=args.batch, **common),
         "async, stale<=1": RolloutPlan(mode="async", prefetch=args.batch, max_staleness=1, **common),
+        # The engine receives the weights beside decoding and swaps between two steps: no pause.
+        "async, overlap": RolloutPlan(mode="async", prefetch=args.batch, overlap_publish=True, **common),
     }
 
 
@@ -142,13 +146,15 @@ async def main(args: argparse.Namespace) -> None:
     results: dict[str, list[dict]] = {}
     for seed in range(args.seeds):
         for name, plan in plans(args).items():
+            if args.only and name not in args.only:
+                continue
             results.setdefault(name, []).append(await run_mode(name, plan, args, seed, work))
             print(f"seed {seed} {name}: {results[name][-1]['groups/s']:.3f} groups/s", flush=True)
     cols = ["groups/s", "tokens/s", "ratio", "busy", "off-pol", "stale mean", "stale max", "wasted"]
     print(f"\nmedians over {args.seeds} seeds; {args.steps} steps of {args.batch} groups x {args.group} samples, "
           f"max {args.max_len} tokens, {args.slots} slots, training {args.train_time}s per step (engine time)")
     print(f"{'mode':20}" + "".join(f"{c:>11}" for c in cols))
-    base = statistics.median(r["groups/s"] for r in results["sync"])
+    base = statistics.median(r["groups/s"] for r in results.get("sync", next(iter(results.values()))))
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med["ratio"] = med["groups/s"] / base
@@ -171,6 +177,18 @@ if __name__ == "__main__":
     parser.add_argument("--train-time", type=float, default=10.0, help="engine seconds per training step")
     parser.add_argument("--time-scale", type=float, default=0.02, help="wall seconds per engine second")
     parser.add_argument("--work", default="/tmp/bench-modes")
+    parser.add_argument("--only", action="append", default=[], help="run only this mode (repeatable)")
     parser.add_argument("--timeline-dir", default=None, help="write one timeline HTML per mode (seed 0)")
+    parser.add_argument("--engine", default="sim", choices=["sim", "builtin"],
+                        help="builtin: real engine, trainer and publishes (benchmarks/modes_builtin.py)")
+    parser.add_argument("--device", default="cpu", help="builtin: cpu, cuda or cuda:N")
+    parser.add_argument("--model-size", default="tiny", choices=["tiny", "0.6b"], help="builtin: the model")
+    parser.add_argument("--quick", action="store_true", help="builtin: the tiny model, 3 short steps")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
-    anyio.run(main, parser.parse_args())
+    parsed = parser.parse_args()
+    if parsed.engine == "builtin":
+        from benchmarks.modes_builtin import main as builtin_main
+
+        builtin_main(parsed)
+    else:
+        anyio.run(main, parsed)

@@ -31,7 +31,9 @@ from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
+from pipeline.types import WeightTransport
 from stages.continuation import penalties_in
+from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
 from storage import AsyncStore, Store
@@ -93,6 +95,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
         if callable(close := getattr(trainer, "close", None)):
             stack.callback(close)  # the megatron backend: releases and waits for ranks 1..N-1
+        transfer = await _weight_transfer(config, trainer, engines, stack)
         # Everything built so far (torch, transformers, the model) lives for the whole run: keep
         # it out of the collector's scans. Each engine answer allocates a thousand small objects,
         # and full scans over the start-up heap were a measurable share of the controller's time.
@@ -112,9 +115,32 @@ async def _run(config: Config) -> list[dict[str, Any]]:
             summary = await run_pipeline(
                 _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
                 reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
-                metrics=sink, clock=clock, on_step=on_step, events=events,
+                metrics=sink, clock=clock, on_step=on_step, events=events, weight_transfer=transfer,
             )
         return summary.metrics
+
+
+async def _weight_transfer(
+    config: Config, trainer: Any, engines: EngineFleet, stack: AsyncExitStack
+) -> DistributedWeightSender | None:
+    """With `--update-weight-transport distributed`, the trainer is rank 0 of a group with the
+    engines: join it now (a failure shows at start, not at the first publish), leave it at exit."""
+    if config.rollout.update_weight_transport != WeightTransport.DISTRIBUTED:
+        return None
+    sender = DistributedWeightSender(
+        trainer.model.named_parameters, engines, device=trainer.device,
+        bucket_bytes=config.rollout.update_weight_buffer_size,
+    )
+    await sender.connect()
+
+    async def leave() -> None:
+        try:
+            await sender.close()
+        except EngineError as exc:  # engines already gone at exit: nothing left to leave
+            log.warning("leaving the weight update group failed: %s", exc)
+
+    stack.push_async_callback(leave)
+    return sender
 
 
 @asynccontextmanager
@@ -230,7 +256,7 @@ def _plan(config: Config) -> RolloutPlan:
         mode=r.mode, batch_size=r.rollout_batch_size, n_samples=r.n_samples_per_prompt, num_steps=r.num_rollout,
         partial=r.partial_rollout, over_sampling=r.over_sampling_batch_size, prefetch=r.prefetch,
         fill_idle_slots=r.partial_fill_idle_slots,
-        max_staleness=r.max_staleness, pause_mode=r.pause_mode,
+        max_staleness=r.max_staleness, pause_mode=r.pause_mode, overlap_publish=r.overlap_weight_transfer,
         slots=config.engine.sglang_server_concurrency * n_engines, max_response_len=r.max_response_len,
         sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout, seed=r.seed,
@@ -304,6 +330,7 @@ class _engines:
                 else:
                     procs = await start_engines(
                         e.num_engines, self._model_path, host=e.host, max_running_requests=slots, log_dir=log_dir,
+                        extra_args=["--device", e.device],
                     )
                 if e.use_fault_tolerance and e.launcher != "sglang":
                     # Restarted engines replace the started ones: stop whichever run at exit.

@@ -39,7 +39,7 @@ from stages.continuation import Detokenize, sampling_problems
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
-from stages.publisher import WeightTarget, publish_weights
+from stages.publisher import WeightTarget, WeightTransfer, publish_weights
 from stages.reward import RewardFn, RewardStage
 from storage import AsyncStore, GroupState
 
@@ -78,6 +78,7 @@ class RolloutPlan:
     prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
     max_staleness: int | None = None
     pause_mode: PauseMode = PauseMode.ABORT
+    overlap_publish: bool = False  # engines receive weights while decoding; no pause (publisher.py)
     slots: int = 64  # concurrent sample requests over all engines (C x E)
     max_response_len: int = 64
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
@@ -116,6 +117,7 @@ async def run_pipeline(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     events: EventLog | None = None,
     detokenize: Detokenize | None = None,
+    weight_transfer: WeightTransfer | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
@@ -187,7 +189,10 @@ async def run_pipeline(
             # times are thus the record's only fields measured after the commit.
             await store.finish_batch(step, record)
             with _span(events, "publish", version=clock.version + 1):
-                report = await publish_weights(clock, engines, new_weights, pause_mode=plan.pause_mode)
+                report = await publish_weights(
+                    clock, engines, new_weights, pause_mode=plan.pause_mode, transfer=weight_transfer,
+                    overlap=plan.overlap_publish,
+                )
             training.done()
             record.update({
                 "time/publish_gate_closed": report.gate_closed_seconds,

@@ -29,6 +29,7 @@ __all__ = [
     "Segment",
     "StoreTransport",
     "VersionSpan",
+    "WeightTransport",
     "group_id_for",
 ]
 
@@ -304,6 +305,13 @@ class PauseMode(enum.StrEnum):
     ABORT = "abort"  # abort everything in flight; requests come back partial
     RETRACT = "retract"  # move running requests back to the waiting queue, keep their tokens
     IN_PLACE = "in_place"  # keep running requests where they are, just stop stepping
+
+
+class WeightTransport(enum.StrEnum):
+    """How a publish moves weights to the engines (`--update-weight-transport`, slime's name)."""
+
+    DISK = "disk"  # save a folder, engines read it (`/update_weights_from_disk`)
+    DISTRIBUTED = "distributed"  # broadcast over torch.distributed (`/update_weights_from_distributed`)
 
 
 class StoreTransport(enum.StrEnum):

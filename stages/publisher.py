@@ -3,7 +3,8 @@
     close admission -> pause engines (abort | retract | in_place) -> flush cache (not in_place)
     -> update weights -> version += 1 -> continue engines -> open admission
 
-The version moves only if every engine took the weights. Whatever happens, the engines are told to
+The weights travel as a saved folder (`/update_weights_from_disk`) or, given a `WeightTransfer`,
+over torch.distributed (`publish_distributed.py`). The version moves only if every engine took the weights. Whatever happens, the engines are told to
 continue: a failed publish leaves the old version serving, and says why.
 """
 
@@ -20,7 +21,7 @@ from pipeline.clock import VersionClock
 from pipeline.errors import EngineError, PublishError
 from pipeline.types import PauseMode
 
-__all__ = ["PublishReport", "WeightTarget", "publish_weights"]
+__all__ = ["PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
 
 CONTINUE_DEADLINE = 30.0
 
@@ -34,6 +35,12 @@ class WeightTarget(Protocol):
     async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None: ...
 
 
+class WeightTransfer(Protocol):
+    """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`)."""
+
+    async def send(self, weight_version: str) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PublishReport:
     version: int
@@ -42,14 +49,23 @@ class PublishReport:
 
 
 async def publish_weights(
-    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0
+    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0,
+    transfer: WeightTransfer | None = None, overlap: bool = False,
 ) -> PublishReport:
+    """Publish `weights` (a saved folder), or with `transfer` send them its way instead (the folder
+    then is only the checkpoint); the same pause, flush and version steps either way.
+
+    `overlap`: do not pause the engines at all. Engines that stage an update (the built-in and
+    simulated ones) receive it while they keep decoding and swap between two decode steps, which
+    is an in_place pause one step long; their version spans mark that step. The admission gate and
+    the version move exactly as for a paused publish."""
     started = time.perf_counter()
     update_seconds = 0.0
     with clock.publish() as version:
         try:
-            await engines.pause(pause_mode)
-            if pause_mode == PauseMode.ABORT:
+            if not overlap:
+                await engines.pause(pause_mode)
+            if pause_mode == PauseMode.ABORT and not overlap:
                 # Only abort empties the engines: retract keeps requests waiting and in_place keeps
                 # them running, and SGLang refuses to flush then. The engines flush after a disk
                 # update anyway; this frees the KV cache early, so a busy engine is no failure.
@@ -58,11 +74,15 @@ async def publish_weights(
                 except EngineError:
                     pass
             t0 = time.perf_counter()
-            await engines.update_weights_from_disk(str(weights), weight_version=str(version))
+            if transfer is None:
+                await engines.update_weights_from_disk(str(weights), weight_version=str(version))
+            else:
+                await transfer.send(str(version))
             update_seconds = time.perf_counter() - t0
         except EngineError as exc:
             raise PublishError(version, str(exc)) from exc
         finally:
-            with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
-                await engines.continue_generation()
+            if not overlap:
+                with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
+                    await engines.continue_generation()
     return PublishReport(version, time.perf_counter() - started, update_seconds)

@@ -26,7 +26,7 @@ from pipeline.types import FinishReason, PauseMode
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
-from stages.tiny_model import make_model_folder
+from stages.tasks.tiny_model import make_model_folder
 
 pytestmark = pytest.mark.anyio
 

@@ -119,7 +119,7 @@ def test_an_unreadable_optimizer_checkpoint_is_refused_with_its_path(tmp_path):
 
 # ---- 2. SIGKILL at many points of a real run ----------------------------------------------------
 
-K = 3  # training steps of the run
+K = 4  # training steps of the run: enough that the last kill points still find steps to train
 BATCH = 8  # the default --rollout-batch-size
 FLAGS = (
     "--rollout-data-transport", "lmdb", "--partial-rollout", "--over-sampling-batch-size", "16",

@@ -9,7 +9,8 @@ the model folder and picks the forward: `kv_forward.KVCacheForward` (the default
 `max-running-requests x context-length` slots, continuous batching) or, with `--kv-cache none`,
 `torch_model.TorchForward` (recomputes every sequence each step; kept as the reference the cached
 path is tested against). No prefix cache (`cached_tokens` is always 0); weights change through
-`/update_weights_from_disk`.
+`/update_weights_from_disk` or over torch.distributed (`/init_weights_update_group`,
+`/update_weights_from_distributed`: `weight_group.py`, staged and swapped the same way).
 
 Publishing without stopping the engine: an update sent without a pause is read from disk into a
 staging copy while decoding goes on, then copied into the live weights between two decode steps;
@@ -37,6 +38,7 @@ from launch.engines.http import EngineServer
 from launch.engines.kv_forward import KVCacheForward
 from launch.engines.serving import open_engine, run_main
 from launch.engines.torch_model import ModelRunner, TorchForward, WeightLoadError
+from launch.engines.weight_group import WeightGroupReceiver
 from pipeline.errors import ConfigError
 
 __all__ = ["EngineServer", "main", "open_server", "serve"]
@@ -84,6 +86,7 @@ async def open_server(
         else TorchForward(runner)
     )
     async with open_engine(forward, max_running_requests=max_running_requests, **options) as server:
+        server.weight_group = WeightGroupReceiver(runner, server.core)
         log.info("built-in engine serving %s at %s", model_path, server.url)
         yield server
 

@@ -6,8 +6,9 @@ sglang-router cannot tell an engine of this package from SGLang. Where it differ
 
 - no prompt log-probs, no top-logprobs, no penalties, no grammars, no multimodal input, no LoRA:
   asking for one is an HTTP 400, never silently ignored; `cached_tokens` is always 0;
-- weights change only through `/update_weights_from_disk` (the distributed/tensor paths answer
-  400 `success: false`); memory release/resume are accepted no-ops;
+- weights change through `/update_weights_from_disk`, or over torch.distributed where the launcher
+  set `weight_group` (the built-in engine); `/update_weights_from_tensor` answers 400
+  `success: false`; memory release/resume are accepted no-ops;
 - `/flush_cache` succeeds while requests are retracted by `pause_generation(mode=retract)`: they hold
   no cache (slime patches SGLang to behave the same, so that a weight publish can flush);
 - `/health` is a liveness check (200 while the decode loop runs); `/health_generate` proves a decode
@@ -76,6 +77,8 @@ class EngineServer:
         self._generating = 0  # /generate handlers whose requests reached the core
         self._drained = anyio.Event()
         self._drained.set()
+        # Set by an engine that takes weights over torch.distributed (`weight_group.WeightGroupReceiver`).
+        self.weight_group: Any = None
         self.app = self._build_app()
 
     @property
@@ -92,10 +95,11 @@ class EngineServer:
             ("/continue_generation", self.continue_generation),
             ("/update_weights_from_disk", self.update_weights_from_disk),
             ("/update_weight_version", self.update_weight_version),
-            ("/update_weights_from_distributed", self.unsupported_weights),
+            ("/update_weights_from_distributed", self.update_weights_from_distributed),
             ("/update_weights_from_tensor", self.unsupported_weights),
-            ("/init_weights_update_group", self.unsupported_weights),
-            ("/destroy_weights_update_group", self.unsupported_weights),
+            ("/init_weights_update_group", self.init_weights_update_group),
+            ("/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("/get_weights_by_name", self.get_weights_by_name),
         ]:
             r.add_post(path, handler)
         r.add_put("/generate", self.generate)
@@ -300,11 +304,49 @@ class EngineServer:
             {"success": True, "message": f"Weight version updated to {version}.", "new_version": str(version)}
         )
 
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        return await self._weight_group_call(request, "init_group")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        return await self._weight_group_call(request, "update")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        return await self._weight_group_call(request, "destroy")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's `{"name", "truncate_size"}` -> the first `truncate_size` values of the live tensor."""
+        if self.weight_group is None:
+            return await self.unsupported_weights(request)
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            values = self.weight_group.weights_by_name(body)
+        except Exception as exc:
+            return _error(400, str(exc))
+        return json_response(values)
+
+    async def _weight_group_call(self, request: web.Request, method: str) -> web.Response:
+        """SGLang's answer shape for the group endpoints: `{"success", "message"}`, 400 on failure."""
+        if self.weight_group is None:
+            return await self.unsupported_weights(request)
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if method == "update" and body.get("abort_all_requests"):
+            self.core.abort(abort_all=True)
+        try:
+            message = await getattr(self.weight_group, method)(body)
+        except Exception as exc:  # WeightGroupError and friends: the engine keeps serving
+            log.warning("%s failed: %s", request.path, exc)
+            return json_response({"success": False, "message": str(exc)}, 400)
+        return json_response({"success": True, "message": message})
+
     async def unsupported_weights(self, request: web.Request) -> web.Response:
         return json_response(
             {
                 "success": False,
-                "message": f"{request.path} needs GPUs and is not supported by the built-in engine; "
+                "message": f"{request.path} is not supported by this engine; "
                 "use /update_weights_from_disk",
             },
             400,

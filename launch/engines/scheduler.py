@@ -225,15 +225,27 @@ class EngineCore:
         folder = str(folder)
         async with self._update_lock:
             staged = await self.model.read_weights(folder)
-            # Once the copy starts it must finish and be recorded, or weights and version disagree.
-            with anyio.CancelScope(shield=True):
-                async with self._lane:
-                    await self.model.apply_weights(staged)
-                self.model_path = folder
+            await self._swap(staged, weight_version)
+            self.model_path = folder
+        log.info("loaded weights from %s (weight_version %s)", folder, self.weight_version)
+
+    async def apply_staged(self, staged: object, *, weight_version: str | None = None) -> None:
+        """Make weights staged elsewhere (received over torch.distributed) live between two decode
+        steps, as `update_weights` does once it has read a folder."""
+        async with self._update_lock:
+            await self._swap(staged, weight_version)
+        log.info("applied received weights (weight_version %s)", self.weight_version)
+
+    async def _swap(self, staged: object, weight_version: str | None) -> None:
+        # Once the copy starts it must finish and be recorded, or weights and version disagree.
+        with anyio.CancelScope(shield=True):
+            async with self._lane:
+                await self.model.apply_weights(staged)
+                # Inside the lane: no forward runs between the swap and the version mark, so the
+                # spans of running requests split exactly at the first step on the new weights.
                 if weight_version is not None:
                     self.set_weight_version(weight_version)
-                self._updates += 1
-        log.info("loaded weights from %s (weight_version %s)", folder, self.weight_version)
+            self._updates += 1
 
     # ---- state -------------------------------------------------------------------------------------
 

@@ -167,6 +167,14 @@ class ModelRunner:
             raise WeightLoadError(str(folder), "; ".join(problems))
         return tensors
 
+    def live_weights(self) -> Mapping[str, torch.Tensor]:
+        """Name -> live tensor (what received weights are checked against)."""
+        return self._weights.params
+
+    def tied_groups(self) -> list[list[str]]:
+        """Names sharing one storage: a complete set of weights has one name of each group."""
+        return self._weights.tied_groups
+
     def apply_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy checked tensors into the live parameters (in place, so nothing else holds stale ones)."""
         live = self._weights.params

@@ -104,6 +104,9 @@ def _megatron_rules(draft: Draft) -> None:
                 problem(f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
                         "one process; add --train-backend megatron")
         return
+    if get("rollout", "update_weight_transport") == "distributed":
+        problem("--update-weight-transport=distributed with --train-backend=megatron: the distributed "
+                "publish sends the torch trainer's weights; the megatron backend publishes from disk for now")
     if draft.given("trainer", "global_batch_size"):
         problem(f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
                 "backend takes one optimizer step per rollout batch (leave --global-batch-size out)")
@@ -158,6 +161,14 @@ def _engine_rules(draft: Draft) -> None:
     if urls and router:
         draft.problems.append(f"{draft.show('engine', 'router_url')} with --sglang-url: pass engine URLs or "
                               "one router URL, not both")
+    # The trainer hosts the weight-update group on loopback: engines elsewhere could never join it.
+    if draft.get("rollout", "update_weight_transport") == "distributed":
+        for url in [*urls, *([router] if router else [])]:
+            host = urllib.parse.urlsplit(url).hostname
+            if host not in _LOOPBACK:
+                draft.problems.append(
+                    f"--update-weight-transport=distributed with --sglang-url={url!r}: the trainer hosts the "
+                    "weight-update group on 127.0.0.1, so engines must run on this host (or use disk)")
     live, engines = draft.get("engine", "min_live_engines"), draft.get("engine", "num_engines")
     count = len(urls) if urls else engines
     if draft.get("engine", "use_fault_tolerance") and live is not None and count is not None and live > count:

@@ -18,7 +18,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.types import PauseMode, RolloutMode, StoreTransport
+from pipeline.types import PauseMode, RolloutMode, StoreTransport, WeightTransport
 from storage.declaration import PROFILES
 
 __all__ = [
@@ -111,6 +111,16 @@ class RolloutConfig:
     pause_mode: PauseMode = _opt(
         PauseMode.ABORT, "--pause-mode", "choice", choices=tuple(PauseMode),
         help="how engines pause for a weight publish")
+    update_weight_transport: WeightTransport = _opt(
+        WeightTransport.DISK, "--update-weight-transport", "choice", choices=tuple(WeightTransport),
+        help="disk: engines read a saved folder; distributed: the trainer broadcasts over torch.distributed")
+    overlap_weight_transfer: bool = _opt(
+        False, "--overlap-weight-transfer", "bool",
+        help="publish without pausing: engines receive weights while decoding and swap between two "
+        "steps (built-in and simulated engines stage updates; SGLang may block generation meanwhile)")
+    update_weight_buffer_size: int = _opt(
+        512 * 1024 * 1024, "--update-weight-buffer-size", "int", ge=1,
+        help="bytes of weights per /update_weights_from_distributed call (distributed transport)")
     seed: int = _opt(42, "--rollout-seed", "int", ge=0, help="sampling and data-order seed")
     request_timeout: float = _opt(
         600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
@@ -169,6 +179,9 @@ class EngineConfig:
     hf_checkpoint: str | None = _opt(
         None, "--hf-checkpoint", "str", metavar="PATH", default_help="build the tiny model in the run folder",
         help="model folder (or Hub id)")
+    device: str = _opt(
+        "cpu", "--rollout-device", "str", metavar="DEVICE",
+        help="torch device of the built-in engines: cpu, cuda or cuda:N (the trainer's is --trainer-device)")
     host: str = _opt(
         "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
     # Real SGLang servers started by the pipeline (launch/sglang_server.py).

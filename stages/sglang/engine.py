@@ -214,6 +214,36 @@ class EngineClient:
         doc = await self._control("POST", "/update_weights_from_disk", body, timeout=self._request_timeout)
         self._check_success("/update_weights_from_disk", doc)
 
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str,
+    ) -> None:
+        """Join the weight-update group (SGLang 3.2). Blocks until every rank joined, so the caller
+        joins rank 0 concurrently; bounded by `request_timeout`."""
+        body = {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }
+        doc = await self._control("POST", "/init_weights_update_group", body, timeout=self._request_timeout)
+        self._check_success("/init_weights_update_group", doc)
+
+    async def update_weights_from_distributed(
+        self, specs: Sequence[Any], *, group_name: str, weight_version: str, flush_cache: bool = True
+    ) -> None:
+        """Receive one bucket of tensors (`TensorSpec`s: name, dtype, shape) that rank 0 broadcasts
+        while this call is pending; the plural batched form of SGLang >= mid-2025."""
+        body = {
+            "names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs], "group_name": group_name, "flush_cache": flush_cache,
+            "abort_all_requests": False, "weight_version": weight_version,
+        }
+        doc = await self._control("POST", "/update_weights_from_distributed", body, timeout=self._request_timeout)
+        self._check_success("/update_weights_from_distributed", doc)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        doc = await self._control("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        self._check_success("/destroy_weights_update_group", doc)
+
     async def update_weight_version(self, weight_version: str) -> None:
         # `abort_all_requests` defaults to True in newer SGLang; say no explicitly.
         body = {"new_version": weight_version, "abort_all_requests": False}

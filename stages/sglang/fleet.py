@@ -236,6 +236,32 @@ class EngineFleet:
             "update_weights_from_disk", lambda w: w.update_weights_from_disk(path, weight_version=weight_version)
         )
 
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Every engine joins the weight-update group; engine i (in worker order) at rank i + 1."""
+        ranks = {w.url: i + 1 for i, w in enumerate(self._open.workers)}
+        await self._fan_out(
+            "init_weights_update_group",
+            lambda w: w.init_weights_update_group(
+                master_address=master_address, master_port=master_port, rank_offset=ranks[w.url],
+                world_size=world_size, group_name=group_name, backend=backend,
+            ),
+        )
+
+    async def update_weights_from_distributed(
+        self, specs: Sequence[Any], *, group_name: str, weight_version: str, flush_cache: bool
+    ) -> None:
+        await self._fan_out(
+            "update_weights_from_distributed",
+            lambda w: w.update_weights_from_distributed(
+                specs, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+            ),
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._fan_out("destroy_weights_update_group", lambda w: w.destroy_weights_update_group(group_name))
+
     async def update_weight_version(self, weight_version: str) -> None:
         if self._faults is not None:
             async with self._faults.weights_lock:

@@ -1,0 +1,103 @@
+"""The mode comparison on the built-in engine (`python -m benchmarks.modes --engine builtin`).
+
+    python -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b [--steps 8] [--timeline-dir DIR]
+    python -m benchmarks.modes --engine builtin --quick          # the tiny model on the CPU, 3 steps
+
+Each mode is a real run of the launcher (`launch.cli.main`): a built-in engine process with a KV
+cache on `--device`, the real GRPO trainer on the same device taking real training steps (not a
+fixed-time trainer), and a real publish after each step: over torch.distributed (NCCL) when the
+engine can have a GPU of its own (NCCL refuses two ranks on one GPU), else from disk. The task is
+the quick start's; with `--model-size 0.6b` the model is a random-init Qwen3 of the 0.6B shape,
+trained and served in fp32, its window cut to 2048 tokens so that the engine's KV cache (slots x
+window) fits beside the trainer. Times are wall seconds.
+
+Columns: groups/s and tokens/s end to end; ratio over sync; slot busy (share of engine slot time
+holding a request, from the run's events); train and publish seconds per step (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from launch.cli import main as launch_main
+from pipeline.events import read_events
+from pipeline.timeline import render_timeline, slot_busy_fraction
+from stages.tasks.tiny_model import make_model_folder
+
+MODES: dict[str, list[str]] = {
+    "sync": ["--rollout-mode", "sync"],
+    "sync+partial": ["--rollout-mode", "sync", "--partial-rollout", "--over-sampling-batch-size", "{double}"],
+    "async": ["--rollout-mode", "async"],
+}
+
+
+def _model(args: argparse.Namespace, root: Path) -> Path:
+    if args.model_size == "0.6b":
+        from benchmarks.engine import qwen3_06b_folder
+
+        folder = qwen3_06b_folder(root / "qwen3-0.6b")
+        config = json.loads((folder / "config.json").read_text())
+        config["max_position_embeddings"] = 2048  # bounds the KV cache: 64 slots x 2048 x 28 layers
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+    return make_model_folder(root / "tiny", seed=0)
+
+
+def _transport(device: str) -> str:
+    import torch
+
+    on_gpu = device.startswith("cuda")
+    return "distributed" if not on_gpu or torch.cuda.device_count() > 1 else "disk"
+
+
+def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
+    out = root / name.replace("+", "-")
+    flags = [f.format(double=2 * args.batch) for f in MODES[name]]
+    transport = _transport(args.device)
+    t0 = time.perf_counter()
+    code = launch_main([
+        "--output-dir", str(out), "--no-progress", "--log-level", "warning", "--hf-checkpoint", str(model),
+        "--rollout-device", args.device, "--trainer-device", args.device, "--update-weight-transport", transport,
+        "--num-rollout", str(args.steps), "--rollout-batch-size", str(args.batch),
+        "--n-samples-per-prompt", str(args.group), *flags,
+    ])
+    wall = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = list(read_events(out / "events.jsonl"))
+    if args.timeline_dir:
+        page = Path(args.timeline_dir) / f"timeline-builtin-{name.replace('+', '-')}.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(render_timeline(events, title=f"{name} on the built-in engine ({args.device})"))
+    return {
+        "groups/s": args.steps * args.batch / wall,
+        "tokens/s": sum(r["batch/tokens"] for r in records) / wall,
+        "busy": slot_busy_fraction(events),
+        "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
+        "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
+        "transport": transport,
+    }
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.model_size, args.steps, args.batch, args.group = "tiny", 3, 4, 4
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = _model(args, root)
+        results = {name: run_mode(name, args, model, root) for name in MODES}
+    base = results["sync"]["groups/s"]
+    cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
+    print(f"\nbuilt-in engine, {args.model_size} model on {args.device}; {args.steps} steps of {args.batch} groups x "
+          f"{args.group} samples; publish: {results['sync']['transport']}")
+    print(f"{'mode':16}" + "".join(f"{c:>11}" for c in cols))
+    for name, r in results.items():
+        r["ratio"] = r["groups/s"] / base
+        print(f"{name:16}" + "".join(f"{r[c]:>11.3f}" for c in cols))

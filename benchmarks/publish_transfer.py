@@ -1,0 +1,163 @@
+"""Publish stall and transfer time: disk vs torch.distributed, paused vs overlapped, on one engine.
+
+    python -m benchmarks.publish_transfer [--quick] [--device cpu|cuda] [--dtype bfloat16]
+        [--model-size tiny|0.6b] [--publishes 3]
+
+A built-in engine subprocess serves the model while one long streamed request decodes; the trainer
+side (this process) holds the same model and publishes it `--publishes` times per way:
+
+- disk: `save_pretrained` into a fresh folder, then `/update_weights_from_disk` (save time shown apart);
+- distributed: broadcast over the weight-update group (gloo on CPU, NCCL on a GPU);
+- each paused (`in_place`: the engine stops for the whole update) and overlapped (the engine keeps
+  decoding into a staging copy and swaps between two steps).
+
+Columns (medians, seconds): save (disk only), transfer (the update call), gate (the publish end to
+end, as the pipeline's admission gate sees it), stall (the longest gap between two streamed
+tokens of the running request during the publish: what decoding actually lost).
+`--quick` is the tiny model for a CPU smoke run; `--model-size 0.6b` the random-init Qwen3-0.6B shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+import torch
+
+from launch.engine_process import start_engine
+from pipeline.clock import VersionClock
+from pipeline.types import PauseMode
+from stages.publish_distributed import DistributedWeightSender
+from stages.publisher import publish_weights
+from stages.sglang import EngineFleet
+from stages.tasks.tiny_model import make_model_folder
+
+
+class _Stream:
+    """Long streamed requests, one after another; records when each chunk arrived."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+
+    async def run(self, url: str, max_new_tokens: int) -> None:
+        body = {"input_ids": [5, 6, 7, 8], "stream": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0.0}}
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            while True:  # one request after another, so that one is always decoding
+                async with s.post(url + "/generate", json=body) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data:") and b"[DONE]" not in line:
+                            self.arrivals.append(time.perf_counter())
+
+    def longest_gap(self, start: float, end: float) -> float:
+        # The gap that spans the publish counts too: take arrivals from just before it.
+        times = [t for t in self.arrivals if t <= end]
+        before = [t for t in times if t < start]
+        window = ([before[-1]] if before else []) + [t for t in times if t >= start]
+        return max((b - a for a, b in zip(window, window[1:])), default=float("nan"))
+
+
+def _model_folder(args: argparse.Namespace, root: Path) -> Path:
+    if args.model_size == "0.6b":
+        from benchmarks.engine import qwen3_06b_folder
+
+        return qwen3_06b_folder(root / "qwen3-0.6b")
+    return make_model_folder(root / "tiny", seed=0)
+
+
+async def _publish_once(
+    way: str, overlap: bool, clock: VersionClock, fleet: EngineFleet, model: torch.nn.Module,
+    sender: DistributedWeightSender, root: Path, stream: _Stream,
+) -> dict[str, float]:
+    with torch.no_grad():  # new values each time, so every publish really changes the weights
+        next(model.parameters()).add_(1e-3)
+    save = 0.0
+    folder = root / f"v{clock.version + 1}"
+    if way == "disk":
+        t0 = time.perf_counter()
+        await anyio.to_thread.run_sync(lambda: model.save_pretrained(folder))
+        save = time.perf_counter() - t0
+    start = time.perf_counter()
+    report = await publish_weights(
+        clock, fleet, folder, pause_mode=PauseMode.IN_PLACE, overlap=overlap,
+        transfer=sender if way == "distributed" else None,
+    )
+    end = time.perf_counter()
+    await anyio.sleep(0.5)  # let the stream show the first token after the publish
+    return {"save": save, "transfer": report.update_seconds, "gate": report.gate_closed_seconds,
+            "stall": stream.longest_gap(start, end + 0.5)}
+
+
+def _placement(device: str) -> tuple[str, tuple[str, ...]]:
+    """The engine's device and the ways to publish: NCCL refuses two ranks on one GPU, so on a
+    one-GPU machine the distributed rows are left out (said in the output)."""
+    if not device.startswith("cuda"):
+        return device, ("disk", "distributed")
+    if torch.cuda.device_count() > 1:
+        return "cuda:1", ("disk", "distributed")
+    print("one GPU: NCCL cannot join trainer and engine on it; distributed rows left out", flush=True)
+    return device, ("disk",)
+
+
+async def main(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = _model_folder(args, root)
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+        engine_device, ways = _placement(args.device)
+        engine = await start_engine(
+            path, startup_timeout=600,
+            extra_args=["--device", engine_device, "--dtype", args.dtype, "--context-length", str(args.context)],
+        )
+        rows: dict[str, list[dict[str, float]]] = {}
+        async with engine, EngineFleet([engine.url]) as fleet:
+            sender = DistributedWeightSender(model.named_parameters, fleet, device=args.device)
+            clock = VersionClock()
+            stream = _Stream()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream.run, engine.url, args.context - 8)
+                while len(stream.arrivals) < 3:
+                    await anyio.sleep(0.05)
+                for way in ways:
+                    for overlap in (False, True):
+                        name = f"{way}, {'overlapped' if overlap else 'paused'}"
+                        for _ in range(args.publishes):
+                            one = await _publish_once(way, overlap, clock, fleet, model, sender, root, stream)
+                            rows.setdefault(name, []).append(one)
+                        print(f"{name}: {orjson.dumps(rows[name][-1]).decode()}", flush=True)
+                tg.cancel_scope.cancel()
+            await sender.close()
+    _table(args, rows)
+
+
+def _table(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> None:
+    print(f"\n{args.model_size} model, {args.dtype} on {args.device}; medians of {args.publishes} publishes (seconds)")
+    cols = ["save", "transfer", "gate", "stall"]
+    print(f"{'way':26}" + "".join(f"{c:>10}" for c in cols))
+    for name, runs in rows.items():
+        print(f"{name:26}" + "".join(f"{statistics.median(r[c] for r in runs):>10.3f}" for c in cols))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (trainer and engine share it)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model-size", default="tiny", choices=["tiny", "0.6b"])
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 2 publishes per way (CPU smoke run)")
+    parser.add_argument("--publishes", type=int, default=3)
+    parser.add_argument("--context", type=int, default=4096, help="the streamed request's room (tokens)")
+    a = parser.parse_args()
+    if a.quick:
+        a.model_size, a.publishes, a.context = "tiny", 2, min(a.context, 500)
+    anyio.run(main, a)
