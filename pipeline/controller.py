@@ -33,6 +33,7 @@ from pipeline.events import EventLog
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission, Outcome
+from stages.agent import Agent
 from stages.collector import Collector
 from stages.continuation import Detokenize, sampling_problems
 from stages.dispenser import Dispenser
@@ -115,6 +116,7 @@ async def run_pipeline(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     events: EventLog | None = None,
     detokenize: Detokenize | None = None,
+    agent: Agent | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
@@ -128,7 +130,7 @@ async def run_pipeline(
     clock = clock or VersionClock()
     graph = _Graph.build(
         plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
-        clock=clock, events=events, detokenize=detokenize,
+        clock=clock, events=events, detokenize=detokenize, agent=agent,
     )
     admission, times, pool, gate, collector = graph.admission, graph.times, graph.pool, graph.gate, graph.collector
 
@@ -213,7 +215,7 @@ class _Graph:
     def build(
         cls, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
         reward_fn: RewardFn, filter_fn: Callable[..., Any] | None, clock: VersionClock, events: EventLog | None,
-        detokenize: Detokenize | None = None,
+        detokenize: Detokenize | None = None, agent: Agent | None = None,
     ) -> _Graph:
         admission = Admission()
         prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
@@ -230,7 +232,7 @@ class _Graph:
             pool=GeneratorPool(
                 engines, slots=plan.slots, sampling_params=plan.sampling_params,
                 max_response_len=plan.max_response_len, clock=clock, store=store, admission=admission,
-                seed=plan.seed, events=events, detokenize=detokenize,
+                seed=plan.seed, events=events, detokenize=detokenize, agent=agent,
             ),
             reward=RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
             gate=FilterStage(filter_fn, store=store, admission=admission),

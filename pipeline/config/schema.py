@@ -147,7 +147,11 @@ class DataConfig:
     buffer_filter_path: str | None = _opt(
         None, "--buffer-filter-path", "str", metavar=_FN,
         help="picks groups from the memory store's buffer (memory transport only)")
+    custom_generate_function_path: str | None = _opt(
+        None, "--custom-generate-function-path", "str", metavar=_FN, default_help="one request per sample",
+        help="multi-turn agent `async def run(ctx, sample)` (see stages.agent)")
     # Filled by load_config from the paths above; None when the path is unset.
+    agent_fn: Callable[..., Any] | None = _resolved("custom_generate_function_path")
     reward_fn: Callable[..., Any] | None = _resolved("custom_rm_path")
     filter_fn: Callable[..., Any] | None = _resolved("dynamic_sampling_filter_path")
     all_samples_process_fn: Callable[..., Any] | None = _resolved("rollout_all_samples_process_path")
