@@ -71,6 +71,7 @@ class RunState:
     version: int  # the policy version serving at the start
     weights: Path | None  # weights of `version` to load, None for the base model
     make_trainer: Callable[[], Any]
+    agent: Callable[..., Any] | None = None  # the built-in task's agent (`--task tool`), if any
 
 
 def open_run_state(config: Config) -> RunState:
@@ -107,7 +108,12 @@ def open_run_state(config: Config) -> RunState:
     def make_trainer() -> GRPOTrainer:
         return GRPOTrainer(start_from, **trainer_options(config.trainer, config.rollout))
 
-    return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
+    agent = None
+    if not config.data.prompt_data and config.data.task == "tool":
+        from stages.tasks.tool_task import lookup_agent
+
+        agent = lookup_agent
+    return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer, agent)
 
 
 def _remove_unfinished_saves(weights_dir: Path) -> None:
@@ -133,6 +139,10 @@ def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn
 
         tasks = load_jsonl_prompts(d.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key)
         return tasks, d.reward_fn
+    if d.task == "tool":
+        from stages.tasks.tool_task import tool_dataset, tool_reward
+
+        return tool_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or tool_reward
     from stages.toy_task import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward

@@ -136,6 +136,9 @@ class DataConfig:
     input_key: str = _opt("prompt", "--input-key", "str", metavar="KEY", help="JSONL key of the prompt text")
     label_key: str = _opt("label", "--label-key", "str", metavar="KEY", help="JSONL key of the label")
     num_prompts: int = _opt(512, "--num-prompts", "int", ge=1, help="size of the built-in toy dataset")
+    task: str = _opt(
+        "toy", "--task", "choice", choices=("toy", "tool"),
+        help="built-in task without --prompt-data: toy (one turn) or tool (multi-turn: look up, then reply)")
     custom_rm_path: str | None = _opt(
         None, "--custom-rm-path", "str", metavar=_FN, default_help="the toy task's reward",
         help="reward function")
