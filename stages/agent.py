@@ -38,7 +38,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import AgentError, AgentInterrupted, AgentStateError, EngineUnavailableError
+from pipeline.errors import (
+    AgentError,
+    AgentInterrupted,
+    AgentStateError,
+    EngineUnavailableError,
+)
 from pipeline.types import FinishReason, Group, Sample, SampleStatus
 from stages.continuation import Detokenize
 
@@ -200,7 +205,7 @@ async def run_agent_sample(ctx: AgentContext, agent: Agent) -> None:
     except EngineUnavailableError:  # no engine serves at all: the pool ends, as on the single-turn path
         _save_quietly(ctx)
         raise
-    except Exception as exc:  # an agent's bug fails its own sample, never the pool
+    except Exception as exc:  # noqa: BLE001 - an agent's bug fails its own sample, never the pool
         error = str(exc) if isinstance(exc, AgentError) else f"agent {name!r} raised {type(exc).__name__}: {exc}"
         ctx._samples[ctx._i] = dataclasses.replace(
             ctx.sample, status=SampleStatus.FAILED, finish_reason=FinishReason.ERROR, error=error

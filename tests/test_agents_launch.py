@@ -13,7 +13,13 @@ from stages.agent import AGENT_KEY
 from stages.tasks.tool_task import CALL_TURN_LEN, model_turns
 from stages.toy_task import encode
 from storage import GroupState, LmdbStore
-from tests.test_fault_injection import BATCH, Launcher, Watch, _check_exactly_once, _new_partial_with_tokens
+from tests.test_fault_injection import (
+    BATCH,
+    Launcher,
+    Watch,
+    _check_exactly_once,
+    _new_partial_with_tokens,
+)
 
 CALL = encode("?")[0]
 
