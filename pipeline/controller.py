@@ -97,6 +97,8 @@ class RolloutPlan:
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
+    """What `run_pipeline` returns: steps trained by this call, the final version, every metrics record."""
+
     steps: int
     final_version: int
     metrics: list[dict[str, Any]]

@@ -36,7 +36,7 @@ import json
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.errors import (
     AgentError,
@@ -191,7 +191,11 @@ class AgentContext:
         return AgentInterrupted(f"{self._group.group_id}/{self._i}")
 
 
-Agent = Callable[[AgentContext, Sample], Awaitable[None]]
+class Agent(Protocol):
+    """A multi-turn agent: `async def run(ctx, sample) -> None`, driving one sample through `ctx`
+    (see the module docstring for the abort contract). Named by `--custom-generate-function-path`."""
+
+    def __call__(self, ctx: AgentContext, sample: Sample, /) -> Awaitable[None]: ...
 
 
 async def run_agent_sample(ctx: AgentContext, agent: Agent) -> None:

@@ -59,9 +59,13 @@ log = structlog.get_logger("generator")
 class GenerateEngine(Protocol):
     """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
 
-    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> Any: ...
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> GenerateResult:
+        """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON)."""
+        ...
 
-    async def abort_all(self) -> None: ...
+    async def abort_all(self) -> None:
+        """`/abort_request` for everything in flight on every engine; the requests answer `abort`."""
+        ...
 
 
 class RequestLog(Protocol):

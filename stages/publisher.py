@@ -36,6 +36,8 @@ class WeightTarget(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PublishReport:
+    """What one weight publish did: the version it made serve, and how long admission was held."""
+
     version: int
     gate_closed_seconds: float
     update_seconds: float  # the weight transfer itself; the rest of the gate time is coordination
