@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import sys
 
-from pipeline import AgentContext, FinishReason, PromptTask, Sample, SampleStatus, Segment
+from pipeline import (
+    AgentContext,
+    FinishReason,
+    PromptTask,
+    Sample,
+    SampleStatus,
+    Segment,
+)
 from stages.toy_task import encode, toy_reward
 
 TURN_LEN = 12

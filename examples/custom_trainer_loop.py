@@ -16,8 +16,17 @@ from pathlib import Path
 
 import anyio
 
-from launch.engines.builtin import open_server  # the built-in SGLang-compatible engine, in process
-from pipeline import AsyncStore, EngineFleet, MemoryStore, Rollout, RolloutMode, RolloutPlan
+from launch.engines.builtin import (
+    open_server,  # the built-in SGLang-compatible engine, in process
+)
+from pipeline import (
+    AsyncStore,
+    EngineFleet,
+    MemoryStore,
+    Rollout,
+    RolloutMode,
+    RolloutPlan,
+)
 from stages.grpo_trainer import GRPOTrainer
 from stages.tiny_model import make_model_folder
 from stages.toy_task import toy_dataset, toy_reward
