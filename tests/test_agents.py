@@ -243,3 +243,17 @@ async def test_agent_failures_are_recorded_on_the_sample_and_the_pool_keeps_goin
     assert "<object object" in failed[2].error
     # What the failing agent generated is kept on the sample for inspection.
     assert failed[1].response_len == 2 and failed[1].loss_mask == (1, 1)
+
+
+def test_the_agent_flag_resolves_at_config_load_and_a_bad_path_names_the_flag() -> None:
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    config = load_config(["--custom-generate-function-path", "tests.test_agents:scripted"])
+    assert config.data.agent_fn is scripted
+    assert load_config(["--task", "tool"]).data.task == "tool"
+    with pytest.raises(ConfigError) as caught:
+        load_config(["--custom-generate-function-path", "tests.test_agents:no_such_agent", "--task", "chess"])
+    message = str(caught.value)
+    assert "--custom-generate-function-path" in message and "no_such_agent" in message
+    assert "--task" in message and "chess" in message
