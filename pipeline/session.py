@@ -78,6 +78,7 @@ class Rollout:
         self._stack: AsyncExitStack | None = None
         self._training: _Training | None = None
         self._next_step = 0
+        self.first_step = 0  # the first step this session trains: the store's trained step + 1, on entry
         self._taken: int | None = None  # the step of the batch handed out and not yet committed
 
     async def __aenter__(self) -> Self:

@@ -231,6 +231,8 @@ class GeneratorPool:
         """Run `samples[i]` until it finishes, fails, or the pool stops; `samples[i]` always holds
         every token received so far, so a group saved on the way down keeps them."""
         if self._agent is not None:
+            if samples[i].status is SampleStatus.FAILED:
+                return
             ctx = AgentContext(
                 self, agent_name(self._agent), group, samples, i, sampling_params=self._params,
                 max_response_len=self._max_len, detokenize=self._detokenize, tokenizer=self._tokenizer,

@@ -175,7 +175,8 @@ class Launcher:
         """The launcher has started its engine (not just any child process)."""
         for pid in self.engines():
             try:
-                if b"launch.engine_server" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+                if b"launch.engine_server" in cmdline or b"launch.engines.builtin" in cmdline:
                     return True
             except OSError:
                 continue
