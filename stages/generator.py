@@ -17,6 +17,10 @@ that one request, visibly, and nothing else.
 `stop()` is the partial-rollout "enough": no new request starts, every engine aborts what it runs,
 and each group ends somewhere: finished groups go downstream, the rest go to the store as partial
 groups with every prefix they have. Nothing generated is dropped.
+
+Multi-turn agents (`stages.agent`) run each model turn through `run_agent_turn`, which shares
+`_request` (retries, stamping, stop boundaries, the timeline) with the single-turn loop. That is why
+this module runs past 400 lines: one request path for both, rather than a second copy elsewhere.
 """
 
 from __future__ import annotations
