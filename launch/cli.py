@@ -116,6 +116,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
                 _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
                 reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
                 metrics=sink, clock=clock, on_step=on_step, events=events, weight_transfer=transfer,
+                agent=config.data.agent_fn or state.agent,
             )
         return summary.metrics
 

@@ -74,6 +74,7 @@ class RunState:
     version: int  # the policy version serving at the start
     weights: Path | None  # weights of `version` to load, None for the base model
     make_trainer: Callable[[], Trainer]
+    agent: Callable[..., Any] | None = None  # the built-in task's agent (`--task tool`), if any
 
 
 def open_run_state(config: Config) -> RunState:
@@ -122,7 +123,12 @@ def open_run_state(config: Config) -> RunState:
             )
         return build_trainer(start_from, settings)
 
-    return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer)
+    agent = None
+    if not config.data.prompt_data and config.data.task == "tool":
+        from stages.tasks.tool_task import lookup_agent
+
+        agent = lookup_agent
+    return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer, agent)
 
 
 def _remove_unfinished_saves(weights_dir: Path) -> None:
@@ -149,6 +155,10 @@ def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn
         tasks = load_jsonl_prompts(d.prompt_data, tokenizer, input_key=d.input_key, label_key=d.label_key)
         # The rules ask for --custom-rm-path with --prompt-data, so a reward function is set here.
         return tasks, derived(d.reward_fn, "data.reward_fn")
+    if d.task == "tool":
+        from stages.tasks.tool_task import tool_dataset, tool_reward
+
+        return tool_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or tool_reward
     from stages.tasks.toy import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward

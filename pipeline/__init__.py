@@ -1,7 +1,10 @@
 """An asyncio rollout pipeline for LLM reinforcement learning.
 
-The public surface, importable from `pipeline` directly. Names load on first use, so that
-`storage` and `stages` can import `pipeline.types` without pulling in the controller.
+The public surface, importable from `pipeline` directly: the vocabulary (samples, groups, spans),
+running it (`run_pipeline`, or `Rollout` inside your own loop), agents (`Agent`, `AgentContext`),
+the engine seam (`Engines`, `GenerateEngine`, `WeightTarget`, `GenerateResult`, `EngineFleet`),
+stores, and the errors. Names load on first use, so that `storage` and `stages` can import
+`pipeline.types` without pulling in the controller.
 """
 
 from __future__ import annotations
@@ -10,22 +13,46 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "Agent",
+    "AgentContext",
+    "AgentError",
+    "AgentInterrupted",
+    "AgentStateError",
+    "AsyncStore",
     "Batch",
     "Config",
+    "ConfigError",
+    "EngineError",
+    "EngineFleet",
+    "EngineUnavailableError",
+    "Engines",
     "FinishReason",
+    "GenerateEngine",
+    "GenerateResult",
     "Group",
+    "LmdbStore",
+    "MemoryStore",
     "PauseMode",
+    "PipelineError",
+    "PluginError",
     "PromptTask",
+    "PublishError",
+    "PublishReport",
+    "Rollout",
     "RolloutMode",
     "RolloutPlan",
     "RunSummary",
     "Sample",
     "SampleStatus",
     "Segment",
+    "StoreError",
     "StoreTransport",
     "Trainer",
+    "Turn",
     "VersionClock",
+    "VersionMismatchError",
     "VersionSpan",
+    "WeightTarget",
     "load_config",
     "run_pipeline",
 ]
@@ -39,6 +66,31 @@ _HOME = {
     "Config": "pipeline.config", "load_config": "pipeline.config",
     "RolloutPlan": "pipeline.controller", "RunSummary": "pipeline.controller",
     "Trainer": "pipeline.controller", "run_pipeline": "pipeline.controller",
+    # issue 9: agents, embedding, the engine seam, stores and errors
+    "Agent": "stages.agent",
+    "AgentContext": "stages.agent",
+    "Turn": "stages.agent",
+    "Rollout": "pipeline.session",
+    "Engines": "pipeline.controller",
+    "GenerateEngine": "stages.generator",
+    "WeightTarget": "stages.publisher",
+    "PublishReport": "stages.publisher",
+    "GenerateResult": "stages.sglang",
+    "EngineFleet": "stages.sglang",
+    "AsyncStore": "storage",
+    "MemoryStore": "storage",
+    "LmdbStore": "storage",
+    "PipelineError": "pipeline.errors",
+    "ConfigError": "pipeline.errors",
+    "PluginError": "pipeline.errors",
+    "StoreError": "pipeline.errors",
+    "EngineError": "pipeline.errors",
+    "EngineUnavailableError": "pipeline.errors",
+    "VersionMismatchError": "pipeline.errors",
+    "PublishError": "pipeline.errors",
+    "AgentError": "pipeline.errors",
+    "AgentStateError": "pipeline.errors",
+    "AgentInterrupted": "pipeline.errors",
 }
 
 

@@ -31,6 +31,8 @@ class ClockStatistics:
 
 
 class VersionClock:
+    """The serving policy version and the publish gate (see the module docstring)."""
+
     def __init__(self, version: int = 0) -> None:
         self._version = version
         self._publishing = False

@@ -15,7 +15,6 @@ The rollout policy is the one thing that differs between modes:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -29,21 +28,21 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
-from pipeline.errors import ConfigError
 from pipeline.events import EventLog
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission, Outcome
+from stages.agent import Agent
 from stages.collector import Collector
-from stages.continuation import Detokenize, sampling_problems
+from stages.continuation import Detokenize
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
-from stages.publisher import WeightTarget, WeightTransfer, publish_weights
+from stages.publisher import WeightTarget, WeightTransfer
 from stages.reward import RewardFn, RewardStage
 from storage import AsyncStore, GroupState
 
-__all__ = ["RolloutPlan", "RunSummary", "Trainer", "run_pipeline"]
+__all__ = ["Engines", "RolloutPlan", "RunSummary", "Trainer", "run_pipeline"]
 
 log = structlog.get_logger("pipeline")
 
@@ -57,7 +56,9 @@ class Trainer(Protocol):
 
 
 class Engines(GenerateEngine, WeightTarget, Protocol):
-    pass
+    """What the pipeline needs from its engines: generate and abort (`stages.generator.GenerateEngine`)
+    and pause, load weights, continue (`stages.publisher.WeightTarget`). `stages.sglang.EngineFleet`
+    is the production one; anything speaking these methods over the SGLang protocol will do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,8 @@ class RolloutPlan:
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
+    """What `run_pipeline` returns: steps trained by this call, the final version, every metrics record."""
+
     steps: int
     final_version: int
     metrics: list[dict[str, Any]]
@@ -118,38 +121,32 @@ async def run_pipeline(
     events: EventLog | None = None,
     detokenize: Detokenize | None = None,
     weight_transfer: WeightTransfer | None = None,
+    agent: Agent | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
     The story: build the stage graph, start it, then per step wait for a batch, train it, commit
     it, publish the weights; at the end stop generating and store whatever is unfinished.
     """
-    # Sampling parameters that a continued request would apply wrongly are refused up front.
-    continues = plan.mode is RolloutMode.ASYNC or plan.partial
-    if problems := sampling_problems(plan.sampling_params, continues=continues, can_detokenize=detokenize is not None):
-        raise ConfigError(problems)
-    clock = clock or VersionClock()
-    graph = _Graph.build(
+    # The rollout side is the embedding object itself (`pipeline.session.Rollout`); this function
+    # adds the built-in trainer loop and the metrics record. Imported here: session builds on this
+    # module's graph, so it cannot be imported at the top without a cycle.
+    from pipeline.session import Rollout
+
+    rollout = Rollout(
         plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
-        clock=clock, events=events, detokenize=detokenize,
+        clock=clock, events=events, detokenize=detokenize, agent=agent, weight_transfer=weight_transfer,
     )
+    clock, graph = rollout.clock, rollout.graph
     admission, times, pool, gate, collector = graph.admission, graph.times, graph.pool, graph.gate, graph.collector
 
-    start_step = await store.trained_step() + 1
-    async with graph.running(plan) as training:
+    async with rollout:
+        start_step = rollout.first_step
         run_started = step_started = time.perf_counter()
         busy_before = pool.statistics().busy_slot_seconds
         for step in range(start_step, plan.num_steps):
             t_rollout = time.perf_counter()
-            if plan.mode is RolloutMode.SYNC:
-                await _fill_sync(plan, admission, collector, pool, _span(events, "stop", step=step))
-            else:
-                await collector.wait_ready(plan.batch_size)
-            batch = await store.take_batch(step, plan.batch_size)
-            assert batch is not None, "the collector counted more ready groups than the store holds"
-            batch = dataclasses.replace(batch, train_version=clock.version)  # for --mask-stale-tokens
-            collector.taken(len(batch.groups))
-            training.start(len(batch.groups))
+            batch = await rollout.next_batch()
             # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.
             rollout_seconds = time.perf_counter() - t_rollout
             group_times = times.taken([g.group_id for g in batch.groups])
@@ -187,13 +184,8 @@ async def run_pipeline(
             # Committing before the publish matters in async mode: tokens stamped with the new
             # version must never outlive a restart that falls back to the old one. The publish's
             # times are thus the record's only fields measured after the commit.
-            await store.finish_batch(step, record)
-            with _span(events, "publish", version=clock.version + 1):
-                report = await publish_weights(
-                    clock, engines, new_weights, pause_mode=plan.pause_mode, transfer=weight_transfer,
-                    overlap=plan.overlap_publish,
-                )
-            training.done()
+            await rollout.commit(batch, record)
+            report = await rollout.publish(new_weights)
             record.update({
                 "time/publish_gate_closed": report.gate_closed_seconds,
                 "time/publish_update": report.update_seconds,
@@ -227,7 +219,7 @@ class _Graph:
     def build(
         cls, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
         reward_fn: RewardFn, filter_fn: Callable[..., Any] | None, clock: VersionClock, events: EventLog | None,
-        detokenize: Detokenize | None = None,
+        detokenize: Detokenize | None = None, agent: Agent | None = None,
     ) -> _Graph:
         admission = Admission()
         prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
@@ -244,7 +236,7 @@ class _Graph:
             pool=GeneratorPool(
                 engines, slots=plan.slots, sampling_params=plan.sampling_params,
                 max_response_len=plan.max_response_len, clock=clock, store=store, admission=admission,
-                seed=plan.seed, events=events, detokenize=detokenize,
+                seed=plan.seed, events=events, detokenize=detokenize, agent=agent,
             ),
             reward=RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
             gate=FilterStage(filter_fn, store=store, admission=admission),

@@ -13,6 +13,9 @@
     │   ├── EngineUnavailableError  cannot connect, or timed out
     │   └── VersionMismatchError    an engine reports a weight version the clock did not publish
     ├── PublishError           a weight publish failed; the old version keeps serving
+    ├── AgentError             an agent broke its contract (names the agent and the value)
+    │   └── AgentStateError    an agent's `ctx.state` is not JSON-serialisable
+    ├── AgentInterrupted       the pool stopped during `ctx.generate`; the agent lets it propagate
     └── ReplayError            a run directory, step range or group that replay cannot use
 
 A stage that dies takes the pipeline's task group down with it: `run_pipeline` raises the
@@ -29,6 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "AgentError",
+    "AgentInterrupted",
+    "AgentStateError",
     "ConfigError",
     "CorruptRecordError",
     "EngineError",
@@ -135,3 +141,27 @@ class PublishError(PipelineError):
 
 class ReplayError(PipelineError):
     """A run directory, step range or group that replay cannot use; the message names it."""
+
+
+class AgentError(PipelineError):
+    """An agent (`--custom-generate-function-path`) broke its contract. Recorded on the sample,
+    which fails visibly; the pool keeps running."""
+
+    def __init__(self, agent: str, value: object, rule: str) -> None:
+        self.agent = agent
+        self.value = value
+        super().__init__(f"agent {agent!r}: {value!r}: {rule}")
+
+
+class AgentStateError(AgentError):
+    """`ctx.state` holds something that is not JSON (it is stored with the sample, never pickled)."""
+
+
+class AgentInterrupted(PipelineError):
+    """The pool stopped (partial rollout's "enough", an abort-mode publish, shutdown) while the
+    agent awaited `ctx.generate`. The transcript and `ctx.state` are already stored with the sample;
+    the agent must let this propagate (not catch it) and is re-entered with them on resume."""
+
+    def __init__(self, sample: str) -> None:
+        self.sample = sample
+        super().__init__(f"sample {sample}: the generator pool stopped; the agent resumes later")

@@ -202,6 +202,32 @@ class Sample:
             error=segment.error,
         )
 
+    def with_environment(self, token_ids: Sequence[int], *, version: int) -> Sample:
+        """This sample with environment/tool tokens appended (an agent's `ctx.append`).
+
+        They are transcript, not policy output: loss mask 0 (never trained) and behaviour log-prob
+        0.0, a placeholder that the trainer never reads because the mask excludes the token from the
+        loss and the importance weights alike. Their version span continues the previous span (or
+        takes `version` for a response that starts with them), so spans still tile the response
+        and a sample's staleness is set by its model tokens only.
+        """
+        tokens = tuple(int(t) for t in token_ids)
+        if not tokens:
+            return self
+        start, end = len(self.response_ids), len(self.response_ids) + len(tokens)
+        spans = list(self.spans)
+        if spans:
+            spans[-1] = VersionSpan(spans[-1].start, end, spans[-1].version)
+        else:
+            spans.append(VersionSpan(start, end, version))
+        return dataclasses.replace(
+            self,
+            response_ids=self.response_ids + tokens,
+            logprobs=self.logprobs + (0.0,) * len(tokens),
+            loss_mask=self.loss_mask + (0,) * len(tokens),
+            spans=tuple(spans),
+        )
+
     def resumed(self) -> Sample:
         """This partial sample marked as continued from its current length (for the off-policy mask)."""
         if self.response_len == 0 or (self.resumed_at and self.resumed_at[-1] == self.response_len):

@@ -17,6 +17,10 @@ that one request, visibly, and nothing else.
 `stop()` is the partial-rollout "enough": no new request starts, every engine aborts what it runs,
 and each group ends somewhere: finished groups go downstream, the rest go to the store as partial
 groups with every prefix they have. Nothing generated is dropped.
+
+Multi-turn agents (`stages.agent`) run each model turn through `run_agent_turn`, which shares
+`_request` (retries, stamping, stop boundaries, the timeline) with the single-turn loop. That is why
+this module runs past 400 lines: one request path for both, rather than a second copy elsewhere.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pipeline.clock import VersionClock
 from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
+from stages.agent import Agent, AgentContext, agent_name, run_agent_sample
 from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings
 from stages.sglang.wire import GenerateResult
 from storage import AsyncStore
@@ -58,9 +63,13 @@ log = structlog.get_logger("generator")
 class GenerateEngine(Protocol):
     """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
 
-    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> Any: ...
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> GenerateResult:
+        """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON)."""
+        ...
 
-    async def abort_all(self) -> None: ...
+    async def abort_all(self) -> None:
+        """`/abort_request` for everything in flight on every engine; the requests answer `abort`."""
+        ...
 
 
 class RequestLog(Protocol):
@@ -105,8 +114,14 @@ class GeneratorPool:
         seed: int = 0,
         events: RequestLog | None = None,
         detokenize: Detokenize | None = None,
+        agent: Agent | None = None,
+        tokenizer: object | None = None,
     ) -> None:
         self._engine = engine
+        # A multi-turn agent drives each sample through `stages.agent.AgentContext` instead of
+        # the one-request-per-continuation loop below; both send requests through `_request`.
+        self._agent = agent
+        self._tokenizer = tokenizer
         self._slots = anyio.Semaphore(slots)
         # Which slot a request runs in, for the timeline; the semaphore guarantees one is free.
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -219,6 +234,15 @@ class GeneratorPool:
     async def _run_sample(self, group: Group, samples: list[Sample], i: int) -> None:
         """Run `samples[i]` until it finishes, fails, or the pool stops; `samples[i]` always holds
         every token received so far, so a group saved on the way down keeps them."""
+        if self._agent is not None:
+            if samples[i].status is SampleStatus.FAILED:
+                return
+            ctx = AgentContext(
+                self, agent_name(self._agent), group, samples, i, sampling_params=self._params,
+                max_response_len=self._max_len, detokenize=self._detokenize, tokenizer=self._tokenizer,
+            )
+            await run_agent_sample(ctx, self._agent)
+            return
         sample = samples[i]
         unanswered = 0  # attempts in a row that found no engine (each already retried by the client)
         while not sample.status.finished and sample.status is not SampleStatus.FAILED:
@@ -255,8 +279,52 @@ class GeneratorPool:
                     return
                 await self._clock.wait_serving()
 
-    async def _request(self, group: Group, sample: Sample, max_new_tokens: int) -> Segment:
-        params = continuation_params(self._params, sample.response_len, max_new_tokens)
+    # -- one agent turn -------------------------------------------------------------------------
+    @property
+    def clock_version(self) -> int:
+        return self._clock.version
+
+    async def run_agent_turn(self, ctx: AgentContext, params: Mapping[str, Any], turn_start: int, cap: int) -> FinishReason:
+        """Run one model turn of an agent's sample until the engine ends it; the same requests,
+        retries and stamping as `_run_sample`, over the turn's own token budget. Each answer is
+        stored through the context at once, so a stop or a crash keeps it."""
+        unanswered = 0
+        while True:
+            sample = ctx.sample
+            made = sample.response_len - turn_start
+            left = min(cap - made, self._max_len - sample.response_len)
+            if left <= 0:
+                return FinishReason.LENGTH
+            async with self._slots:
+                if self._stopping:
+                    raise ctx._interrupted()
+                if made:
+                    sample = sample.resumed()
+                    self._stats["resumed"] += 1
+                segment = await self._request(
+                    ctx.group, sample, left, params=continuation_params(params, made, left), continued=made
+                )
+            unanswered = unanswered + 1 if segment.error is not None else 0
+            if segment.finish_reason is FinishReason.ERROR or unanswered > SAMPLE_ATTEMPTS:
+                if unanswered > SAMPLE_ATTEMPTS:
+                    self._stats["failed"] += 1
+                raise PipelineError(f"model turn failed after {unanswered} attempt(s): {segment.error}")
+            ctx._put(sample.extended(segment, max_response_len=self._max_len))
+            if segment.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                return segment.finish_reason
+            if self._stopping:
+                raise ctx._interrupted()
+            await self._clock.wait_serving()
+
+    async def _request(
+        self, group: Group, sample: Sample, max_new_tokens: int, *,
+        params: dict[str, Any] | None = None, continued: int | None = None,
+    ) -> Segment:
+        """One request for `sample`. An agent passes its turn's `params` and how many tokens the
+        turn already `continued` (the boundary a stop string may straddle); else the whole response."""
+        if params is None:
+            params = continuation_params(self._params, sample.response_len, max_new_tokens)
+        continued = sample.response_len if continued is None else continued
         params["sampling_seed"] = self._sample_seed(group, sample)
         rid = f"{group.group_id}-s{sample.index}-{sample.response_len}"
         self._running += 1
@@ -287,7 +355,7 @@ class GeneratorPool:
         if result is not None:
             self._unavailable_run = 0
             segment = self._stamped(result, sent_version)
-            if self._stops and sample.response_len:
+            if self._stops and continued:
                 segment = self._stop_at_boundary(sample, segment)
             self._stats["tokens"] += len(segment.token_ids)
             if segment.finish_reason is FinishReason.ABORT:

@@ -43,6 +43,8 @@ class WeightTransfer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PublishReport:
+    """What one weight publish did: the version it made serve, and how long admission was held."""
+
     version: int
     gate_closed_seconds: float
     update_seconds: float  # the weight transfer itself; the rest of the gate time is coordination

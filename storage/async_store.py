@@ -35,6 +35,9 @@ _CLOSE_DEADLINE_S = 30.0
 
 
 class AsyncStore:
+    """A `Store` for async code: every call runs on one worker thread, so the store stays single-writer
+    and the event loop never blocks on a transaction."""
+
     def __init__(self, store: Store) -> None:
         self._store = store
         self._inline = isinstance(store, MemoryStore)

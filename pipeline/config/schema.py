@@ -145,6 +145,9 @@ class DataConfig:
     input_key: str = _opt("prompt", "--input-key", "str", metavar="KEY", help="JSONL key of the prompt text")
     label_key: str = _opt("label", "--label-key", "str", metavar="KEY", help="JSONL key of the label")
     num_prompts: int = _opt(512, "--num-prompts", "int", ge=1, help="size of the built-in toy dataset")
+    task: str = _opt(
+        "toy", "--task", "choice", choices=("toy", "tool"),
+        help="built-in task without --prompt-data: toy (one turn) or tool (multi-turn: look up, then reply)")
     custom_rm_path: str | None = _opt(
         None, "--custom-rm-path", "str", metavar=_FN, default_help="the toy task's reward",
         help="reward function")
@@ -156,7 +159,11 @@ class DataConfig:
     buffer_filter_path: str | None = _opt(
         None, "--buffer-filter-path", "str", metavar=_FN,
         help="picks groups from the memory store's buffer (memory transport only)")
+    custom_generate_function_path: str | None = _opt(
+        None, "--custom-generate-function-path", "str", metavar=_FN, default_help="one request per sample",
+        help="multi-turn agent `async def run(ctx, sample)` (see stages.agent)")
     # Filled by load_config from the paths above; None when the path is unset.
+    agent_fn: Callable[..., Any] | None = _resolved("custom_generate_function_path")
     reward_fn: Callable[..., Any] | None = _resolved("custom_rm_path")
     filter_fn: Callable[..., Any] | None = _resolved("dynamic_sampling_filter_path")
     all_samples_process_fn: Callable[..., Any] | None = _resolved("rollout_all_samples_process_path")

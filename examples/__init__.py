@@ -1,0 +1,1 @@
+"""Runnable examples (run from the repository root with `python -m examples.<name>`)."""

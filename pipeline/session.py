@@ -1,0 +1,164 @@
+"""The pipeline inside a user's own program (issue 9): `Rollout`, the object a user who owns the
+training loop opens over engines, store and dataset.
+
+    async with Rollout(plan, engines=fleet, store=store, dataset=tasks, reward_fn=reward) as rollout:
+        for _ in range(steps):
+            batch = await rollout.next_batch()          # a full batch of ready groups
+            metrics = my_trainer.train(batch)            # the user's own trainer
+            folder = my_trainer.save("weights/v%d" % (rollout.version + 1))
+            await rollout.commit(batch, metrics)         # the store counts the step as trained
+            await rollout.publish(folder)                # the engines serve the new weights
+        print(rollout.statistics())
+    # leaving: running requests are aborted and every unfinished group is stored, with its prefixes
+
+It is the same machinery `run_pipeline` and `python -m pipeline.launch` use, not a copy:
+`run_pipeline` is this object plus the built-in trainer loop and the metrics record. Commit before
+publish, as `run_pipeline` does: in async mode, tokens stamped with the new version must never
+outlive a restart that falls back to the old checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from pipeline.clock import VersionClock
+from pipeline.controller import (
+    Engines,
+    RolloutPlan,
+    _fill_sync,
+    _Graph,
+    _span,
+    _step_counters,
+    _Training,
+)
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.events import EventLog
+from pipeline.types import Batch, PromptTask, RolloutMode
+from stages.agent import Agent
+from stages.continuation import Detokenize, sampling_problems
+from stages.publisher import PublishReport, WeightTransfer, publish_weights
+from stages.reward import RewardFn
+from storage import AsyncStore
+
+__all__ = ["Rollout"]
+
+
+class Rollout:
+    """Rollout as a service for a loop the user owns: ask for batches, hand back weights.
+
+    Open it with `async with`; it starts the stage graph (dispenser, generator pool, reward, filter,
+    collector) in one task group. `next_batch()` runs the plan's rollout policy (sync, sync with
+    partial rollout, async) until a batch is ready; `commit()` records the step as trained;
+    `publish()` loads a weights folder into the engines (pausing them per `plan.pause_mode`) and
+    bumps the version; leaving stores everything unfinished for the next run.
+    """
+
+    def __init__(
+        self, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
+        reward_fn: RewardFn, filter_fn: Callable[..., Any] | None = None, clock: VersionClock | None = None,
+        events: EventLog | None = None, detokenize: Detokenize | None = None, agent: Agent | None = None,
+        weight_transfer: WeightTransfer | None = None,
+    ) -> None:
+        # Sampling parameters that a continued request would apply wrongly are refused up front.
+        continues = plan.mode is RolloutMode.ASYNC or plan.partial
+        if problems := sampling_problems(plan.sampling_params, continues=continues, can_detokenize=detokenize is not None):
+            raise ConfigError(problems)
+        self.plan = plan
+        self.engines = engines
+        self.store = store
+        self.clock = clock or VersionClock()
+        self.events = events
+        self.weight_transfer = weight_transfer  # None: engines load each published folder from disk
+        self.graph = _Graph.build(
+            plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
+            clock=self.clock, events=events, detokenize=detokenize, agent=agent,
+        )
+        self._stack: AsyncExitStack | None = None
+        self._training: _Training | None = None
+        self._next_step = 0
+        self.first_step = 0  # the first step this session trains: the store's trained step + 1, on entry
+        self._taken: int | None = None  # the step of the batch handed out and not yet committed
+
+    async def __aenter__(self) -> Self:
+        self.first_step = self._next_step = await self.store.trained_step() + 1
+        stack = AsyncExitStack()
+        self._training = await stack.enter_async_context(self.graph.running(self.plan))
+        self._stack = stack
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        stack, self._stack = self._stack, None
+        assert stack is not None
+        return await stack.__aexit__(kind, exc, tb)
+
+    @property
+    def version(self) -> int:
+        """The policy version the engines serve."""
+        return self.clock.version
+
+    @property
+    def next_step(self) -> int:
+        """The step the next batch is for (steps already trained in the store are skipped)."""
+        return self._next_step
+
+    async def next_batch(self) -> Batch:
+        """Wait for `plan.batch_size` ready groups and take them as the next step's batch."""
+        training, graph = self._open(), self.graph
+        if self._taken is not None:
+            raise PipelineError(f"step {self._taken}'s batch is not committed yet: commit() it before the next batch")
+        step = self._next_step
+        if self.plan.mode is RolloutMode.SYNC:
+            await _fill_sync(self.plan, graph.admission, graph.collector, graph.pool, _span(self.events, "stop", step=step))
+        else:
+            await graph.collector.wait_ready(self.plan.batch_size)
+        batch = await self.store.take_batch(step, self.plan.batch_size)
+        assert batch is not None, "the collector counted more ready groups than the store holds"
+        batch = dataclasses.replace(batch, train_version=self.clock.version)  # for --mask-stale-tokens
+        graph.collector.taken(len(batch.groups))
+        training.start(len(batch.groups))
+        self._taken = step
+        return batch
+
+    async def commit(self, batch: Batch, metrics: Mapping[str, Any] | None = None) -> None:
+        """Record `batch`'s step as trained (with its metrics, in the same transaction). Call it once
+        the weights trained on it are durable: a crash after this resumes from them."""
+        if self._taken != batch.step:
+            raise PipelineError(f"commit of step {batch.step}: the batch handed out is step {self._taken}")
+        await self.store.finish_batch(batch.step, metrics)
+        self._taken = None
+        self._next_step = batch.step + 1
+
+    async def publish(self, weights: str | Path) -> PublishReport:
+        """Load the weights folder `weights` into every engine (the same publisher as the launcher)."""
+        training = self._open()
+        with _span(self.events, "publish", version=self.clock.version + 1):
+            report = await publish_weights(
+                self.clock, self.engines, Path(weights), pause_mode=self.plan.pause_mode,
+                transfer=self.weight_transfer, overlap=self.plan.overlap_publish,
+            )
+        training.done()
+        return report
+
+    def statistics(self) -> dict[str, float]:
+        """Counters so far: groups ready/rejected/failed/partial, resumed samples, aborted requests,
+        generated tokens, plus the version and the ready and in-flight queues."""
+        graph = self.graph
+        return {
+            **_step_counters(graph.admission, graph.pool, graph.gate),
+            "version": self.clock.version,
+            "queue/ready": graph.collector.ready,
+            "queue/in_flight": graph.admission.outstanding,
+        }
+
+    def _open(self) -> _Training:
+        if self._training is None or self._stack is None:
+            raise PipelineError("the Rollout is not open: use it as `async with Rollout(...) as rollout`")
+        return self._training
