@@ -114,16 +114,28 @@ def open_store(kind: str, folder: Path) -> Any:
 
 
 async def run_one(
-    mode: str, store_kind: str, args: argparse.Namespace, fleet: EngineFleet, work: Path, engine_pid: int,
-    dataset: list[PromptTask], profile: tuple[cProfile.Profile, cProfile.Profile] | None = None,
+    mode: str,
+    store_kind: str,
+    args: argparse.Namespace,
+    fleet: EngineFleet,
+    work: Path,
+    engine_pid: int,
+    dataset: list[PromptTask],
+    profile: tuple[cProfile.Profile, cProfile.Profile] | None = None,
 ) -> dict[str, float]:
     await fleet.update_weight_version("0")  # each run starts its own clock at version 0
     folder = Path(tempfile.mkdtemp(prefix=f"overhead-{store_kind}-", dir=args.work))
     raw = open_store(store_kind, folder)
     store = AsyncStore(_ProfiledStore(raw, profile[1]) if profile and store_kind != "memory" else raw)
     plan = RolloutPlan(
-        mode=mode, batch_size=args.batch, n_samples=args.group, num_steps=args.steps, slots=args.slots,
-        max_response_len=args.tokens, sampling_params={"temperature": 1.0}, prefetch=args.batch,
+        mode=mode,
+        batch_size=args.batch,
+        n_samples=args.group,
+        num_steps=args.steps,
+        slots=args.slots,
+        max_response_len=args.tokens,
+        sampling_params={"temperature": 1.0},
+        prefetch=args.batch,
     )
     marks: list[tuple[float, float]] = []
 
@@ -135,8 +147,16 @@ async def run_one(
             profile[0].enable()
         t0 = time.perf_counter()
         await run_pipeline(
-            plan, engines=fleet, store=store, trainer=NullTrainer(work), dataset=dataset,
-            reward_fn=reward, filter_fn=None, weights_dir=work, metrics=MetricsSink(None), on_step=on_step,
+            plan,
+            engines=fleet,
+            store=store,
+            trainer=NullTrainer(work),
+            dataset=dataset,
+            reward_fn=reward,
+            filter_fn=None,
+            weights_dir=work,
+            metrics=MetricsSink(None),
+            on_step=on_step,
         )
         t1 = time.perf_counter()
     finally:
@@ -169,7 +189,7 @@ def print_profile(profile: cProfile.Profile, title: str, out: Path, top: int = 1
     pstats.Stats(profile, stream=short).sort_stats("cumulative").print_stats(top)
     body = short.getvalue()
     print(f"\n--- {title}: top {top} by cumulative time (full: {out}) ---")
-    print(body[body.find("   ncalls"):].rstrip())
+    print(body[body.find("   ncalls") :].rstrip())
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -189,9 +209,11 @@ async def main(args: argparse.Namespace) -> None:
         gc.freeze()
     modes = args.modes.split(",")
     stores = args.stores.split(",")
-    print(f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
-          f"{args.slots} slots, prompt {args.prompt_len} tokens; controller on CPU {args.cpu}, "
-          f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats, medians")
+    print(
+        f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
+        f"{args.slots} slots, prompt {args.prompt_len} tokens; controller on CPU {args.cpu}, "
+        f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats, medians"
+    )
     cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s"]
     print(f"{'mode':8}{'store':14}" + "".join(f"{c:>15}" for c in cols), flush=True)
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:

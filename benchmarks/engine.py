@@ -76,8 +76,16 @@ def reference_generate(runner: ModelRunner, batch: int, context: int, steps: int
     `steps + 1` new tokens against 1.
     """
     prompts = torch.tensor(_prompts(batch, context, runner.config.vocab_size), device=runner.device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static",
-                  eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompts))
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        cache_implementation="static",
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(prompts),
+    )
 
     def timed(new_tokens: int) -> float:
         _sync(runner.device)
@@ -99,9 +107,17 @@ def qwen3_06b_folder(path: Path) -> Path:
     from stages.tasks.tiny_model import build_tokenizer
 
     config = Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        tie_word_embeddings=True, rope_theta=1_000_000, torch_dtype="bfloat16",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000,
+        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
@@ -126,10 +142,14 @@ def main(args: argparse.Namespace) -> None:
             torch.backends.cuda.enable_cudnn_sdp(False)
         cases = [(b, t) for t in _ints(args.contexts) for b in _ints(args.batches)]
         cases += [(args.sweep_batch, t) for t in _ints(args.sweep_contexts) if (args.sweep_batch, t) not in cases]
-        print(f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
-              f"{args.dtype} on {runner.device}, {torch.get_num_threads()} threads, {args.steps} timed steps")
-        print(f"{'running':>8} {'context':>8} {'old tok/s':>11} {'old step ms':>12} "
-              f"{'new tok/s':>11} {'new step ms':>12} {'speed-up':>9}")
+        print(
+            f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
+            f"{args.dtype} on {runner.device}, {torch.get_num_threads()} threads, {args.steps} timed steps"
+        )
+        print(
+            f"{'running':>8} {'context':>8} {'old tok/s':>11} {'old step ms':>12} "
+            f"{'new tok/s':>11} {'new step ms':>12} {'speed-up':>9}"
+        )
         for batch, context in cases:
             old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)
             kv = KVCacheForward(runner, max_running_requests=batch)
@@ -137,15 +157,21 @@ def main(args: argparse.Namespace) -> None:
             del kv
             if runner.device.type == "cuda":
                 torch.cuda.empty_cache()
-            print(f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
-                  f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x", flush=True)
+            print(
+                f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
+                f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x",
+                flush=True,
+            )
         for batch in _ints(args.reference_batches):
             context = _ints(args.contexts)[0]
             ref = reference_generate(runner, batch, context, args.steps)
             new = measure(runner, KVCacheForward(runner, max_running_requests=batch), batch, context, args.steps)
-            print(f"reference: transformers generate (static cache) B={batch} T={context}: {batch / ref:.0f} tok/s, "
-                  f"{ref * 1e3:.1f} ms/step; built-in KV engine {batch / new:.0f} tok/s, {new * 1e3:.1f} ms/step "
-                  f"({new / ref:.2f}x the reference's step time)", flush=True)
+            print(
+                f"reference: transformers generate (static cache) B={batch} T={context}: {batch / ref:.0f} tok/s, "
+                f"{ref * 1e3:.1f} ms/step; built-in KV engine {batch / new:.0f} tok/s, {new * 1e3:.1f} ms/step "
+                f"({new / ref:.2f}x the reference's step time)",
+                flush=True,
+            )
 
 
 def _ints(text: str) -> list[int]:
@@ -166,6 +192,9 @@ if __name__ == "__main__":
     parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--reference-batches", default="",
-                        help="also time transformers' static-cache generate at these batch sizes (e.g. 128)")
+    parser.add_argument(
+        "--reference-batches",
+        default="",
+        help="also time transformers' static-cache generate at these batch sizes (e.g. 128)",
+    )
     main(parser.parse_args())

@@ -59,9 +59,21 @@ def _task_flags(task: str, work: Path) -> tuple[str, ...]:
 def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[str]) -> dict[str, Any]:
     out = work / f"{task}-{mode}-s{seed}"
     cmd = [
-        sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), "--no-progress",
-        "--log-level", "warning", "--num-rollout", str(steps), "--rollout-seed", str(seed),
-        *MODES[mode], *_task_flags(task, work), *extra,
+        sys.executable,
+        "-m",
+        "pipeline.launch",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--log-level",
+        "warning",
+        "--num-rollout",
+        str(steps),
+        "--rollout-seed",
+        str(seed),
+        *MODES[mode],
+        *_task_flags(task, work),
+        *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = time.perf_counter()
@@ -70,7 +82,10 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         raise RuntimeError(f"{task}/{mode}/seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {
-        "task": task, "mode": mode, "seed": seed, "seconds": time.perf_counter() - started,
+        "task": task,
+        "mode": mode,
+        "seed": seed,
+        "seconds": time.perf_counter() - started,
         "reward": [r["reward/mean"] for r in records],
         "length": [r["response_len/mean"] for r in records],
         "staleness_max": max(r["staleness/max"] for r in records),
@@ -105,17 +120,21 @@ def summarize(runs: list[dict[str, Any]], cap: int) -> list[dict[str, Any]]:
             if sync_last is not None:
                 half = next((i for i, v in enumerate(curve) if v >= 0.5 * sync_last), None)
             mean_last = statistics.mean(last[mode])
-            rows.append({
-                "task": task, "mode": mode, "seeds": len(rs),
-                "last_quarter_reward": mean_last,
-                "seed_std": statistics.stdev(last[mode]) if len(rs) > 1 else 0.0,
-                "vs_sync": mean_last / sync_last if sync_last else None,
-                "steps_to_half_sync": half,
-                "longest_at_cap": max(_longest_at_cap(r["length"], cap) for r in rs),
-                "staleness_max": max(r["staleness_max"] for r in rs),
-                "is_weight_max": max(r["is_weight_max"] for r in rs),
-                "minutes": statistics.mean(r["seconds"] for r in rs) / 60,
-            })
+            rows.append(
+                {
+                    "task": task,
+                    "mode": mode,
+                    "seeds": len(rs),
+                    "last_quarter_reward": mean_last,
+                    "seed_std": statistics.stdev(last[mode]) if len(rs) > 1 else 0.0,
+                    "vs_sync": mean_last / sync_last if sync_last else None,
+                    "steps_to_half_sync": half,
+                    "longest_at_cap": max(_longest_at_cap(r["length"], cap) for r in rs),
+                    "staleness_max": max(r["staleness_max"] for r in rs),
+                    "is_weight_max": max(r["is_weight_max"] for r in rs),
+                    "minutes": statistics.mean(r["seconds"] for r in rs) / 60,
+                }
+            )
     return rows
 
 
@@ -128,8 +147,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         vs = f"{r['vs_sync']:.2f}" if r["vs_sync"] is not None else "-"
         half = "never" if r["steps_to_half_sync"] is None else str(r["steps_to_half_sync"])
-        lines.append(f"| {r['task']} | {r['mode']} | {r['last_quarter_reward']:.3f} ± {r['seed_std']:.3f} | {vs} "
-                     f"| {half} | {r['longest_at_cap']} | {r['staleness_max']} |")
+        lines.append(
+            f"| {r['task']} | {r['mode']} | {r['last_quarter_reward']:.3f} ± {r['seed_std']:.3f} | {vs} "
+            f"| {half} | {r['longest_at_cap']} | {r['staleness_max']} |"
+        )
     return "\n".join(lines)
 
 
@@ -167,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--parallel", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="runs at a time (each is an engine process plus a trainer process)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="runs at a time (each is an engine process plus a trainer process)",
+    )
     parser.add_argument("--max-len", type=int, default=64, help="--rollout-max-response-len")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="a fast check: 8 steps, one seed, toy task")
@@ -192,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         for f in futures:
             runs.append(f.result())
             r = runs[-1]
-            print(f"  {r['task']}/{r['mode']}/seed {r['seed']}: last reward {r['reward'][-1]:.3f} "
-                  f"({r['seconds']:.0f} s)", flush=True)
+            print(
+                f"  {r['task']}/{r['mode']}/seed {r['seed']}: last reward {r['reward'][-1]:.3f} ({r['seconds']:.0f} s)",
+                flush=True,
+            )
     rows = summarize(runs, args.max_len)
-    (out / "summary.json").write_text(json.dumps({"rows": rows, "runs": runs, "steps": args.steps,
-                                                  "extra_flags": extra}, indent=1))
+    (out / "summary.json").write_text(
+        json.dumps({"rows": rows, "runs": runs, "steps": args.steps, "extra_flags": extra}, indent=1)
+    )
     print(table(rows))
     try:
         plot(runs, out / "learning.png", args.max_len)

@@ -81,7 +81,9 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
     scale = args.time_scale
     staged = ["--staged-weight-updates"] if plan.overlap_publish else []
     engine = await start_engine(
-        "simulated", module="launch.engines.sim", max_running_requests=args.slots,
+        "simulated",
+        module="launch.engines.sim",
+        max_running_requests=args.slots,
         extra_args=["--time-scale", str(scale), "--random-seed", str(seed), *staged],
     )
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
@@ -91,9 +93,16 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
         before = await sim_stats(engine.url)
         t0 = time.perf_counter()
         await run_pipeline(
-            plan, engines=fleet, store=AsyncStore(store), trainer=SimulatedTrainer(args.train_time * scale, work),
-            dataset=workload(4096, args.prompt_len, seed), reward_fn=reward, filter_fn=None,
-            weights_dir=work, metrics=sink, events=events,
+            plan,
+            engines=fleet,
+            store=AsyncStore(store),
+            trainer=SimulatedTrainer(args.train_time * scale, work),
+            dataset=workload(4096, args.prompt_len, seed),
+            reward_fn=reward,
+            filter_fn=None,
+            weights_dir=work,
+            metrics=sink,
+            events=events,
         )
         wall = time.perf_counter() - t0
         after = await sim_stats(engine.url)
@@ -124,8 +133,13 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
 
 def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
     common = dict(
-        batch_size=args.batch, n_samples=args.group, num_steps=args.steps, slots=args.slots,
-        max_response_len=args.max_len, sampling_params={"temperature": 1.0}, seed=1,
+        batch_size=args.batch,
+        n_samples=args.group,
+        num_steps=args.steps,
+        slots=args.slots,
+        max_response_len=args.max_len,
+        sampling_params={"temperature": 1.0},
+        seed=1,
     )
     return {
         "sync": RolloutPlan(mode="sync", **common),
@@ -151,8 +165,10 @@ async def main(args: argparse.Namespace) -> None:
             results.setdefault(name, []).append(await run_mode(name, plan, args, seed, work))
             print(f"seed {seed} {name}: {results[name][-1]['groups/s']:.3f} groups/s", flush=True)
     cols = ["groups/s", "tokens/s", "ratio", "busy", "off-pol", "stale mean", "stale max", "wasted"]
-    print(f"\nmedians over {args.seeds} seeds; {args.steps} steps of {args.batch} groups x {args.group} samples, "
-          f"max {args.max_len} tokens, {args.slots} slots, training {args.train_time}s per step (engine time)")
+    print(
+        f"\nmedians over {args.seeds} seeds; {args.steps} steps of {args.batch} groups x {args.group} samples, "
+        f"max {args.max_len} tokens, {args.slots} slots, training {args.train_time}s per step (engine time)"
+    )
     print(f"{'mode':20}" + "".join(f"{c:>11}" for c in cols))
     base = statistics.median(r["groups/s"] for r in results.get("sync", next(iter(results.values()))))
     for name, runs in results.items():
@@ -179,8 +195,12 @@ if __name__ == "__main__":
     parser.add_argument("--work", default="/tmp/bench-modes")
     parser.add_argument("--only", action="append", default=[], help="run only this mode (repeatable)")
     parser.add_argument("--timeline-dir", default=None, help="write one timeline HTML per mode (seed 0)")
-    parser.add_argument("--engine", default="sim", choices=["sim", "builtin"],
-                        help="builtin: real engine, trainer and publishes (benchmarks/modes_builtin.py)")
+    parser.add_argument(
+        "--engine",
+        default="sim",
+        choices=["sim", "builtin"],
+        help="builtin: real engine, trainer and publishes (benchmarks/modes_builtin.py)",
+    )
     parser.add_argument("--device", default="cpu", help="builtin: cpu, cuda or cuda:N")
     parser.add_argument("--model-size", default="tiny", choices=["tiny", "0.6b"], help="builtin: the model")
     parser.add_argument("--quick", action="store_true", help="builtin: the tiny model, 3 short steps")

@@ -61,12 +61,30 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
     flags = [f.format(double=2 * args.batch) for f in MODES[name]]
     transport = _transport(args.device)
     t0 = time.perf_counter()
-    code = launch_main([
-        "--output-dir", str(out), "--no-progress", "--log-level", "warning", "--hf-checkpoint", str(model),
-        "--rollout-device", args.device, "--trainer-device", args.device, "--update-weight-transport", transport,
-        "--num-rollout", str(args.steps), "--rollout-batch-size", str(args.batch),
-        "--n-samples-per-prompt", str(args.group), *flags,
-    ])
+    code = launch_main(
+        [
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+            "--hf-checkpoint",
+            str(model),
+            "--rollout-device",
+            args.device,
+            "--trainer-device",
+            args.device,
+            "--update-weight-transport",
+            transport,
+            "--num-rollout",
+            str(args.steps),
+            "--rollout-batch-size",
+            str(args.batch),
+            "--n-samples-per-prompt",
+            str(args.group),
+            *flags,
+        ]
+    )
     wall = time.perf_counter() - t0
     if code != 0:
         raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
@@ -95,8 +113,10 @@ def main(args: argparse.Namespace) -> None:
         results = {name: run_mode(name, args, model, root) for name in MODES}
     base = results["sync"]["groups/s"]
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
-    print(f"\nbuilt-in engine, {args.model_size} model on {args.device}; {args.steps} steps of {args.batch} groups x "
-          f"{args.group} samples; publish: {results['sync']['transport']}")
+    print(
+        f"\nbuilt-in engine, {args.model_size} model on {args.device}; {args.steps} steps of {args.batch} groups x "
+        f"{args.group} samples; publish: {results['sync']['transport']}"
+    )
     print(f"{'mode':16}" + "".join(f"{c:>11}" for c in cols))
     for name, r in results.items():
         r["ratio"] = r["groups/s"] / base

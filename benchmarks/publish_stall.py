@@ -87,9 +87,15 @@ async def run_mode(pause_mode: str, args: argparse.Namespace, work: Path) -> dic
         timed = TimedFleet(fleet)
         sink = MetricsSink(None)
         await run_pipeline(
-            plan, engines=timed, store=AsyncStore(MemoryStore()),
-            trainer=SimulatedTrainer(args.train_time * scale, work), dataset=workload(4096, args.prompt_len, 0),
-            reward_fn=reward, filter_fn=None, weights_dir=work, metrics=sink,
+            plan,
+            engines=timed,
+            store=AsyncStore(MemoryStore()),
+            trainer=SimulatedTrainer(args.train_time * scale, work),
+            dataset=workload(4096, args.prompt_len, 0),
+            reward_fn=reward,
+            filter_fn=None,
+            weights_dir=work,
+            metrics=sink,
         )
     excess = [r["time/publish_gate_closed"] - r["time/publish_update"] for r in sink.records]
     updates = [r["time/publish_update"] for r in sink.records]
@@ -101,8 +107,10 @@ async def main(args: argparse.Namespace) -> None:
     work = Path(args.work)
     await anyio.Path(work).mkdir(parents=True, exist_ok=True)
     scale = args.time_scale
-    print(f"async, {args.steps} steps of {args.batch} groups x {args.group} samples, {args.slots} slots; "
-          f"weight update {args.weight_update_time} engine s, time scale {scale} (1 engine ms = {scale:g} wall ms)")
+    print(
+        f"async, {args.steps} steps of {args.batch} groups x {args.group} samples, {args.slots} slots; "
+        f"weight update {args.weight_update_time} engine s, time scale {scale} (1 engine ms = {scale:g} wall ms)"
+    )
     head = f"{'pause mode':11}" + "".join(
         f"{c:>12}" for c in ("excess med", "excess max", "engine med", "engine max", "update med")
     )

@@ -20,6 +20,7 @@ tokens of the running request during the publish: what decoding actually lost).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -47,8 +48,11 @@ class _Stream:
         self.arrivals: list[float] = []
 
     async def run(self, url: str, max_new_tokens: int) -> None:
-        body = {"input_ids": [5, 6, 7, 8], "stream": True,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0.0}}
+        body = {
+            "input_ids": [5, 6, 7, 8],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0.0},
+        }
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             while True:  # one request after another, so that one is always decoding
@@ -62,7 +66,7 @@ class _Stream:
         times = [t for t in self.arrivals if t <= end]
         before = [t for t in times if t < start]
         window = ([before[-1]] if before else []) + [t for t in times if t >= start]
-        return max((b - a for a, b in zip(window, window[1:])), default=float("nan"))
+        return max((b - a for a, b in itertools.pairwise(window)), default=float("nan"))
 
 
 def _model_folder(args: argparse.Namespace, root: Path) -> Path:
@@ -74,8 +78,14 @@ def _model_folder(args: argparse.Namespace, root: Path) -> Path:
 
 
 async def _publish_once(
-    way: str, overlap: bool, clock: VersionClock, fleet: EngineFleet, model: torch.nn.Module,
-    sender: DistributedWeightSender, root: Path, stream: _Stream,
+    way: str,
+    overlap: bool,
+    clock: VersionClock,
+    fleet: EngineFleet,
+    model: torch.nn.Module,
+    sender: DistributedWeightSender,
+    root: Path,
+    stream: _Stream,
 ) -> dict[str, float]:
     with torch.no_grad():  # new values each time, so every publish really changes the weights
         next(model.parameters()).add_(1e-3)
@@ -87,13 +97,21 @@ async def _publish_once(
         save = time.perf_counter() - t0
     start = time.perf_counter()
     report = await publish_weights(
-        clock, fleet, folder, pause_mode=PauseMode.IN_PLACE, overlap=overlap,
+        clock,
+        fleet,
+        folder,
+        pause_mode=PauseMode.IN_PLACE,
+        overlap=overlap,
         transfer=sender if way == "distributed" else None,
     )
     end = time.perf_counter()
     await anyio.sleep(0.5)  # let the stream show the first token after the publish
-    return {"save": save, "transfer": report.update_seconds, "gate": report.gate_closed_seconds,
-            "stall": stream.longest_gap(start, end + 0.5)}
+    return {
+        "save": save,
+        "transfer": report.update_seconds,
+        "gate": report.gate_closed_seconds,
+        "stall": stream.longest_gap(start, end + 0.5),
+    }
 
 
 def _placement(device: str) -> tuple[str, tuple[str, ...]]:
@@ -117,7 +135,8 @@ async def main(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
         engine_device, ways = _placement(args.device)
         engine = await start_engine(
-            path, startup_timeout=600,
+            path,
+            startup_timeout=600,
             extra_args=["--device", engine_device, "--dtype", args.dtype, "--context-length", str(args.context)],
         )
         rows: dict[str, list[dict[str, float]]] = {}
@@ -127,7 +146,7 @@ async def main(args: argparse.Namespace) -> None:
             stream = _Stream()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(stream.run, engine.url, args.context - 8)
-                while len(stream.arrivals) < 3:
+                while len(stream.arrivals) < 3:  # noqa: ASYNC110 - a benchmark waiting for a stream's first tokens
                     await anyio.sleep(0.05)
                 for way in ways:
                     for overlap in (False, True):

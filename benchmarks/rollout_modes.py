@@ -51,9 +51,15 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
     sink = MetricsSink(None)
     started = time.perf_counter()
     await run_pipeline(
-        plan, engines=fleet, store=AsyncStore(MemoryStore()), trainer=RepublishingTrainer(model),
-        dataset=toy_dataset(256, seed=1), reward_fn=toy_reward, filter_fn=None,
-        weights_dir=work / name, metrics=sink,
+        plan,
+        engines=fleet,
+        store=AsyncStore(MemoryStore()),
+        trainer=RepublishingTrainer(model),
+        dataset=toy_dataset(256, seed=1),
+        reward_fn=toy_reward,
+        filter_fn=None,
+        weights_dir=work / name,
+        metrics=sink,
     )
     wall = time.perf_counter() - started
     # End to end per step (the stand-in trainer takes no time, so this is rollout plus publishing).
@@ -79,8 +85,13 @@ async def main(args: argparse.Namespace) -> None:
         (engine,) = await start_engines(1, model, max_running_requests=args.slots)
         async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
             common = dict(
-                batch_size=args.batch, n_samples=args.group, num_steps=args.steps, slots=args.slots,
-                max_response_len=args.max_len, sampling_params={"temperature": 1.0}, seed=3,
+                batch_size=args.batch,
+                n_samples=args.group,
+                num_steps=args.steps,
+                slots=args.slots,
+                max_response_len=args.max_len,
+                sampling_params={"temperature": 1.0},
+                seed=3,
             )
             plans = {
                 "sync": RolloutPlan(mode="sync", **common),
@@ -91,8 +102,10 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = results["sync"]["groups_per_s"]
-    print(f"{'mode':14} {'groups/s':>9} {'tokens/s':>9} {'ratio':>6} {'engine busy':>11} {'off-policy':>10} "
-          f"{'stale max':>9} {'rollout s':>9}")
+    print(
+        f"{'mode':14} {'groups/s':>9} {'tokens/s':>9} {'ratio':>6} {'engine busy':>11} {'off-policy':>10} "
+        f"{'stale max':>9} {'rollout s':>9}"
+    )
     for name, r in results.items():
         print(
             f"{name:14} {r['groups_per_s']:9.2f} {r['tokens_per_s']:9.0f} {r['groups_per_s'] / base:6.2f} "

@@ -57,8 +57,10 @@ def _rewarded(sample: Sample) -> Sample:
 
 
 def commits_per_second(store: Store, n: int, groups: list[Group]) -> float:
-    store.admit([Group.fresh(g.task, epoch=0, n_samples=len(g.samples), version=0, seq=g.seq) for g in groups],
-                Cursor(index=n, next_seq=n))
+    store.admit(
+        [Group.fresh(g.task, epoch=0, n_samples=len(g.samples), version=0, seq=g.seq) for g in groups],
+        Cursor(index=n, next_seq=n),
+    )
     start = time.perf_counter()
     for g in groups:
         store.put_partial(g)
@@ -128,15 +130,22 @@ def main(args: argparse.Namespace) -> None:
             rows += [
                 ("resume: open", f"{open_s * 1e3:.1f} ms (all of the integrity checks below included)"),
                 ("  open check: meta pages", f"{meta_s * 1e3:.2f} ms"),
-                ("  open check: every tree's pages walked",
-                 f"{walk_s * 1e3:.1f} ms  ({(path / 'data.mdb').stat().st_size / 1e6:.0f} MB file)"),
-                ("resume: recover", f"{recover_s * 1e3:.1f} ms  ({report.running_to_partial} running -> partial, "
-                                    f"{report.batched_to_ready} batched -> ready)"),
+                (
+                    "  open check: every tree's pages walked",
+                    f"{walk_s * 1e3:.1f} ms  ({(path / 'data.mdb').stat().st_size / 1e6:.0f} MB file)",
+                ),
+                (
+                    "resume: recover",
+                    f"{recover_s * 1e3:.1f} ms  ({report.running_to_partial} running -> partial, "
+                    f"{report.batched_to_ready} batched -> ready)",
+                ),
                 ("resume: first claim_partial(1)", f"{claim_s * 1e3:.2f} ms"),
                 ("resume: first take_batch(8)", f"{take_s * 1e3:.2f} ms"),
                 ("resume: total", f"{total * 1e3:.1f} ms for {sum(stats.counts.values()):,} groups"),
-                ("launcher: quarantine_damaged", f"{quarantine_s * 1e3:.0f} ms  (every servable group's record "
-                                                 "read and checked)"),
+                (
+                    "launcher: quarantine_damaged",
+                    f"{quarantine_s * 1e3:.0f} ms  (every servable group's record read and checked)",
+                ),
             ]
             verify_s, verified = timed(store.verify)
             assert verified.ok, verified.damaged[:3]
@@ -148,8 +157,10 @@ def main(args: argparse.Namespace) -> None:
             after = store.statistics().bytes_used
             rows += [
                 ("collect_garbage (trained groups)", f"{gc_s * 1e3:.0f} ms for {deleted:,} groups"),
-                ("store size before / after GC", f"{before / 1e6:.1f} MB / {after / 1e6:.1f} MB "
-                                                 "(freed pages are reused, the file does not shrink)"),
+                (
+                    "store size before / after GC",
+                    f"{before / 1e6:.1f} MB / {after / 1e6:.1f} MB (freed pages are reused, the file does not shrink)",
+                ),
                 ("reopen after GC", f"{reopen_s * 1e3:.1f} ms"),
             ]
         finally:

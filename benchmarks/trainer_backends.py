@@ -36,9 +36,18 @@ def _model(folder: Path, tiny: bool) -> Path:
 
     if tiny:
         return make_model_folder(folder)
-    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                         rope_theta=1_000_000.0, max_position_embeddings=4096)
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     build_tokenizer().save_pretrained(folder)
@@ -92,15 +101,25 @@ def main() -> None:
         model = _model(Path(tmp) / "model", args.tiny)
         vocab = 64 if args.tiny else 151936
         batch = _batch(vocab, args.groups, args.samples, args.prompt_len, args.response_len)
-        result: dict[str, Any] = {"model": "tiny" if args.tiny else "qwen3-0.6b-shape", "device": args.device,
-                                  "batch": f"{args.groups}x{args.samples} x ({args.prompt_len}+{args.response_len})"}
+        result: dict[str, Any] = {
+            "model": "tiny" if args.tiny else "qwen3-0.6b-shape",
+            "device": args.device,
+            "batch": f"{args.groups}x{args.samples} x ({args.prompt_len}+{args.response_len})",
+        }
         trainer = GRPOTrainer(model, device=args.device, num_threads=None)
         result["torch"] = _time(trainer, batch, args.steps, args.device)
         del trainer
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        mg = start_megatron_trainer(model, world_size=1, tp=1, device=args.device, log_dir=Path(tmp) / "logs",
-                                    micro_batch_size=args.micro_batch_size, num_threads=None)
+        mg = start_megatron_trainer(
+            model,
+            world_size=1,
+            tp=1,
+            device=args.device,
+            log_dir=Path(tmp) / "logs",
+            micro_batch_size=args.micro_batch_size,
+            num_threads=None,
+        )
         try:
             result["megatron"] = _time(mg, batch, args.steps, args.device)
         finally:

@@ -59,11 +59,18 @@ def last_turn_reward(task: PromptTask, sample: Sample) -> float:
     )
     return toy_reward(task, alone)
 
+
 if __name__ == "__main__":
     from launch.cli import main
 
-    sys.exit(main([
-        "--custom-generate-function-path", "examples.custom_agent:retry_agent",
-        "--custom-rm-path", "examples.custom_agent:last_turn_reward",
-        *sys.argv[1:],
-    ]))
+    sys.exit(
+        main(
+            [
+                "--custom-generate-function-path",
+                "examples.custom_agent:retry_agent",
+                "--custom-rm-path",
+                "examples.custom_agent:last_turn_reward",
+                *sys.argv[1:],
+            ]
+        )
+    )

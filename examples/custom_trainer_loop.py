@@ -27,9 +27,9 @@ from pipeline import (
     RolloutMode,
     RolloutPlan,
 )
-from stages.trainer import GRPOTrainer
 from stages.tasks.tiny_model import make_model_folder
 from stages.tasks.toy import toy_dataset, toy_reward
+from stages.trainer import GRPOTrainer
 
 
 async def main(steps: int, workdir: Path) -> list[float]:

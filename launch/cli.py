@@ -108,14 +108,29 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         progress = _progress(config, state.start_step)
         stack.callback(progress.close)
         log.info(
-            "run starts", output=str(out), mode=config.rollout.mode, partial=config.rollout.partial_rollout,
-            transport=config.storage.transport, engines=engines.worker_urls, start_step=state.start_step,
+            "run starts",
+            output=str(out),
+            mode=config.rollout.mode,
+            partial=config.rollout.partial_rollout,
+            transport=config.storage.transport,
+            engines=engines.worker_urls,
+            start_step=state.start_step,
         )
         async with _garbage_collector(store, config.storage.gc_keep_steps, progress.update_step) as on_step:
             summary = await run_pipeline(
-                _plan(config), engines=engines, store=store, trainer=trainer, dataset=state.dataset,
-                reward_fn=state.reward_fn, filter_fn=config.data.filter_fn, weights_dir=out / "weights",
-                metrics=sink, clock=clock, on_step=on_step, events=events, weight_transfer=transfer,
+                _plan(config),
+                engines=engines,
+                store=store,
+                trainer=trainer,
+                dataset=state.dataset,
+                reward_fn=state.reward_fn,
+                filter_fn=config.data.filter_fn,
+                weights_dir=out / "weights",
+                metrics=sink,
+                clock=clock,
+                on_step=on_step,
+                events=events,
+                weight_transfer=transfer,
                 agent=config.data.agent_fn or state.agent,
             )
         return summary.metrics
@@ -129,7 +144,9 @@ async def _weight_transfer(
     if config.rollout.update_weight_transport != WeightTransport.DISTRIBUTED:
         return None
     sender = DistributedWeightSender(
-        trainer.model.named_parameters, engines, device=trainer.device,
+        trainer.model.named_parameters,
+        engines,
+        device=trainer.device,
         bucket_bytes=config.rollout.update_weight_buffer_size,
     )
     await sender.connect()
@@ -202,13 +219,19 @@ def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: S
     """The metrics file plus the dashboards asked for; records rebuilt from the store go to them too."""
     o = config.output
     settings = SinkSettings(
-        use_tensorboard=o.use_tensorboard, tensorboard_dir=o.tensorboard_dir, use_wandb=o.use_wandb,
-        wandb_project=o.wandb_project, wandb_group=o.wandb_group, wandb_mode=wandb_mode(o.wandb_mode),
-        wandb_dir=o.wandb_dir, wandb_run_id=o.wandb_run_id,
+        use_tensorboard=o.use_tensorboard,
+        tensorboard_dir=o.tensorboard_dir,
+        use_wandb=o.use_wandb,
+        wandb_project=o.wandb_project,
+        wandb_group=o.wandb_group,
+        wandb_mode=wandb_mode(o.wandb_mode),
+        wandb_dir=o.wandb_dir,
+        wandb_run_id=o.wandb_run_id,
     )
     warn = log.warning
-    extras = open_step_sinks(settings, output_dir=out, run_id=config.storage.run_id, warn=warn,
-                             config=config_to_dict(config))
+    extras = open_step_sinks(
+        settings, output_dir=out, run_id=config.storage.run_id, warn=warn, config=config_to_dict(config)
+    )
     sink = MetricsSink(Path(derived(o.metrics_file, "output.metrics_file")), extras, warn=warn)
     if extras and restored.rebuilt:
         stored = store.step_metrics(min(restored.rebuilt))
@@ -245,8 +268,10 @@ async def align_weight_versions(engines: EngineFleet, version: int) -> None:
         if exc.status != 404:
             raise
         raise EngineError(
-            exc.url, f"reports weight_version {reported} and has no /update_weight_version; "
-            f"start it with --weight-version {version}", status=404,
+            exc.url,
+            f"reports weight_version {reported} and has no /update_weight_version; "
+            f"start it with --weight-version {version}",
+            status=404,
         ) from exc
 
 
@@ -254,13 +279,22 @@ def _plan(config: Config) -> RolloutPlan:
     r = config.rollout
     n_engines = max(1, len(config.engine.urls) or config.engine.num_engines)
     return RolloutPlan(
-        mode=r.mode, batch_size=r.rollout_batch_size, n_samples=r.n_samples_per_prompt, num_steps=r.num_rollout,
-        partial=r.partial_rollout, over_sampling=r.over_sampling_batch_size, prefetch=r.prefetch,
+        mode=r.mode,
+        batch_size=r.rollout_batch_size,
+        n_samples=r.n_samples_per_prompt,
+        num_steps=r.num_rollout,
+        partial=r.partial_rollout,
+        over_sampling=r.over_sampling_batch_size,
+        prefetch=r.prefetch,
         fill_idle_slots=r.partial_fill_idle_slots,
-        max_staleness=r.max_staleness, pause_mode=r.pause_mode, overlap_publish=r.overlap_weight_transfer,
-        slots=config.engine.sglang_server_concurrency * n_engines, max_response_len=r.max_response_len,
+        max_staleness=r.max_staleness,
+        pause_mode=r.pause_mode,
+        overlap_publish=r.overlap_weight_transfer,
+        slots=config.engine.sglang_server_concurrency * n_engines,
+        max_response_len=r.max_response_len,
         sampling_params=_sampling_params(r),
-        reward_timeout=r.reward_timeout, seed=r.seed,
+        reward_timeout=r.reward_timeout,
+        seed=r.seed,
     )
 
 
@@ -270,11 +304,15 @@ def _sampling_params(r: RolloutConfig) -> dict[str, Any]:
     params: dict[str, Any] = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}
     if r.min_new_tokens:
         params["min_new_tokens"] = r.min_new_tokens
-    params.update(penalties_in({
-        "frequency_penalty": r.frequency_penalty,
-        "presence_penalty": r.presence_penalty,
-        "repetition_penalty": r.repetition_penalty,
-    }))
+    params.update(
+        penalties_in(
+            {
+                "frequency_penalty": r.frequency_penalty,
+                "presence_penalty": r.presence_penalty,
+                "repetition_penalty": r.repetition_penalty,
+            }
+        )
+    )
     return params
 
 
@@ -282,8 +320,11 @@ def _fault_policy(e: EngineConfig) -> FaultPolicy | None:
     if not e.use_fault_tolerance:
         return None
     return FaultPolicy(
-        interval=e.health_check_interval, timeout=e.health_check_timeout, first_wait=e.health_check_first_wait,
-        min_live=e.min_live_engines, max_restarts=e.max_engine_restarts,
+        interval=e.health_check_interval,
+        timeout=e.health_check_timeout,
+        first_wait=e.health_check_first_wait,
+        min_live=e.min_live_engines,
+        max_restarts=e.max_engine_restarts,
     )
 
 
@@ -309,28 +350,49 @@ class _engines:
         faults: dict[str, Any] = {"fault_policy": _fault_policy(e)}
         try:
             if e.router_url:
-                fleet = EngineFleet(router_url=e.router_url, concurrency=slots, request_timeout=timeout,
-                                    max_retries=retries, api_key=key, **faults)
+                fleet = EngineFleet(
+                    router_url=e.router_url,
+                    concurrency=slots,
+                    request_timeout=timeout,
+                    max_retries=retries,
+                    api_key=key,
+                    **faults,
+                )
             elif len(e.urls) == 1:
-                fleet = EngineFleet(list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries,
-                                    api_key=key, **faults)
+                fleet = EngineFleet(
+                    list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key, **faults
+                )
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
                 router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
                 self._stack.push_async_exit(router)
-                fleet = EngineFleet(list(e.urls), router_url=router.url, concurrency=slots * len(e.urls),
-                                    request_timeout=timeout, max_retries=retries, api_key=key, **faults)
+                fleet = EngineFleet(
+                    list(e.urls),
+                    router_url=router.url,
+                    concurrency=slots * len(e.urls),
+                    request_timeout=timeout,
+                    max_retries=retries,
+                    api_key=key,
+                    **faults,
+                )
             else:
                 log_dir = Path(derived(self._config.output.dir, "output.dir")) / "logs"
                 if e.launcher == "sglang":
                     from launch.sglang_server import start_sglang_servers
 
                     procs = await start_sglang_servers(
-                        self._model_path, engine=e, log_dir=log_dir, seed=self._config.rollout.seed,
+                        self._model_path,
+                        engine=e,
+                        log_dir=log_dir,
+                        seed=self._config.rollout.seed,
                     )
                 else:
                     procs = await start_engines(
-                        e.num_engines, self._model_path, host=e.host, max_running_requests=slots, log_dir=log_dir,
+                        e.num_engines,
+                        self._model_path,
+                        host=e.host,
+                        max_running_requests=slots,
+                        log_dir=log_dir,
                         extra_args=["--device", e.device],
                     )
                 if e.use_fault_tolerance and e.launcher != "sglang":
@@ -345,18 +407,29 @@ class _engines:
                 if len(urls) > 1:
                     router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
-                    fleet = EngineFleet(urls, router_url=router.url, concurrency=slots * len(urls),
-                                        request_timeout=timeout, max_retries=retries, api_key=key, **faults)
+                    fleet = EngineFleet(
+                        urls,
+                        router_url=router.url,
+                        concurrency=slots * len(urls),
+                        request_timeout=timeout,
+                        max_retries=retries,
+                        api_key=key,
+                        **faults,
+                    )
                 else:
-                    fleet = EngineFleet(urls, concurrency=slots, request_timeout=timeout, max_retries=retries,
-                                        api_key=key, **faults)
+                    fleet = EngineFleet(
+                        urls, concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key, **faults
+                    )
             return await self._stack.enter_async_context(fleet)
         except BaseException:
             await self._stack.aclose()
             raise
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self._stack.__aexit__(exc_type, exc, tb)
 
@@ -377,7 +450,9 @@ class _progress:
     def update_step(self, record: dict[str, Any]) -> None:
         if self._bar is None:
             log.info(
-                "step", step=record["step"], reward=round(record["reward/mean"], 3),
+                "step",
+                step=record["step"],
+                reward=round(record["reward/mean"], 3),
                 staleness_max=record["staleness/max"],
                 multi_version=round(record["staleness/multi_version_frac"], 3),
                 groups_per_s=round(record["groups/per_second"], 2),
@@ -386,8 +461,10 @@ class _progress:
             )
             return
         self._bar.set_postfix(
-            reward=f"{record['reward/mean']:.3f}", len=f"{record['response_len/mean']:.1f}",
-            stale=record["staleness/max"], refresh=False,
+            reward=f"{record['reward/mean']:.3f}",
+            len=f"{record['response_len/mean']:.1f}",
+            stale=record["staleness/max"],
+            refresh=False,
         )
         self._bar.update(1)
 

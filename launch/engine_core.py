@@ -18,7 +18,13 @@ from launch.engines.request import (
 from launch.engines.scheduler import CoreStatistics, EngineCore
 
 __all__ = [
-    "CoreStatistics", "EngineClosedError", "EngineCore", "Finish", "FinishKind", "InvalidRequestError", "PauseMode",
+    "CoreStatistics",
+    "EngineClosedError",
+    "EngineCore",
+    "Finish",
+    "FinishKind",
+    "InvalidRequestError",
+    "PauseMode",
     "Request",
 ]
 

@@ -173,8 +173,7 @@ async def _wait_ready(engine: EngineProcess, timeout: float) -> None:
             if engine.returncode is not None:
                 raise EngineUnavailableError(
                     engine.url,
-                    f"the engine exited with code {engine.returncode} during startup; log tail:\n"
-                    f"{engine.log_tail()}",
+                    f"the engine exited with code {engine.returncode} during startup; log tail:\n{engine.log_tail()}",
                 )
             try:
                 async with session.get(engine.url + "/health_generate") as resp:

@@ -50,8 +50,9 @@ def init_rank(*, rank: int, world_size: int, tp: int, pp: int = 1, device: str =
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = f"cuda:{torch.cuda.current_device()}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=30))
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
+        )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if on_gpu:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -86,8 +87,15 @@ class MegatronRanks:
 
 
 def start_megatron_trainer(
-    model_path: Path, *, world_size: int, tp: int, pp: int = 1, device: str = "cpu", seed: int = 0,
-    log_dir: Path, **trainer_kwargs: Any,
+    model_path: Path,
+    *,
+    world_size: int,
+    tp: int,
+    pp: int = 1,
+    device: str = "cpu",
+    seed: int = 0,
+    log_dir: Path,
+    **trainer_kwargs: Any,
 ) -> MegatronTrainer:
     """Start ranks 1..N-1, become rank 0, and return rank 0's `MegatronTrainer` (its `close()` stops them)."""
     from stages.trainer.megatron.trainer import MegatronTrainer
@@ -95,17 +103,26 @@ def start_megatron_trainer(
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     spec = {
-        "model_path": str(model_path), "tp": tp, "pp": pp, "device": device, "seed": seed, "trainer": trainer_kwargs,
+        "model_path": str(model_path),
+        "tp": tp,
+        "pp": pp,
+        "device": device,
+        "seed": seed,
+        "trainer": trainer_kwargs,
     }
     env = _rank_env(world_size, port)
     processes, logs = [], []
     for rank in range(1, world_size):
         log = log_dir / f"megatron-rank{rank}.log"
         with log.open("wb") as fh:
-            processes.append(subprocess.Popen(
-                [*guarded(), sys.executable, "-m", "launch.megatron_ranks", orjson.dumps(spec).decode()],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=fh, stderr=subprocess.STDOUT,
-            ))
+            processes.append(
+                subprocess.Popen(
+                    [*guarded(), sys.executable, "-m", "launch.megatron_ranks", orjson.dumps(spec).decode()],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         logs.append(log)
     ranks = MegatronRanks(processes, logs)
     try:
@@ -130,7 +147,10 @@ def start_megatron_trainer(
 def _rank_env(world_size: int, port: int) -> dict[str, str]:
     root = str(Path(__file__).resolve().parent.parent)  # this checkout's code, as engines get it
     return {
-        **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
     }
 

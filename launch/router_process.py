@@ -220,8 +220,4 @@ def _listed_workers(body: bytes) -> set[str]:
     rows = doc.get("workers") if isinstance(doc, dict) else None
     if not isinstance(rows, list):
         return set()
-    return {
-        str(w["url"]).rstrip("/")
-        for w in rows
-        if isinstance(w, dict) and "url" in w and w.get("is_healthy", True)
-    }
+    return {str(w["url"]).rstrip("/") for w in rows if isinstance(w, dict) and "url" in w and w.get("is_healthy", True)}

@@ -116,10 +116,18 @@ def open_run_state(config: Config) -> RunState:
 
             # Rank 0 is this process; ranks 1.. are started here and stopped by the trainer's close().
             return start_megatron_trainer(
-                start_from, world_size=t.num_ranks, tp=t.tensor_model_parallel_size,
-                pp=t.pipeline_model_parallel_size, device=t.device, seed=config.rollout.seed, log_dir=out / "logs",
-                loss=loss_settings(settings), lr=t.lr, temperature=config.rollout.temperature,
-                max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size,
+                start_from,
+                world_size=t.num_ranks,
+                tp=t.tensor_model_parallel_size,
+                pp=t.pipeline_model_parallel_size,
+                device=t.device,
+                seed=config.rollout.seed,
+                log_dir=out / "logs",
+                loss=loss_settings(settings),
+                lr=t.lr,
+                temperature=config.rollout.temperature,
+                max_grad_norm=t.max_grad_norm,
+                micro_batch_size=t.micro_batch_size,
             )
         return build_trainer(start_from, settings)
 
@@ -174,7 +182,8 @@ def _run_meta(config: Config, dataset: list[PromptTask], model_path: Path) -> Ru
         run_id=config.storage.run_id,
         dataset_fingerprint=_fingerprint([[t.prompt_ids, t.label] for t in dataset]),
         tokenizer_fingerprint=hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()[:16]
-        if tokenizer_file.exists() else "none",
+        if tokenizer_file.exists()
+        else "none",
         n_samples_per_prompt=config.rollout.n_samples_per_prompt,
         extra={"config": config_to_dict(config)},
     )
@@ -197,12 +206,17 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
     s = config.storage
     data_dir = Path(derived(s.data_dir, "storage.data_dir"))
     plan = check_storage(
-        data_dir, declaration=load_declaration(s.declaration) if s.declaration is not None else None,
+        data_dir,
+        declaration=load_declaration(s.declaration) if s.declaration is not None else None,
         profile=s.profile,
     )
     log.info(
-        "rollout store", path=plan.data_dir, filesystem=plan.mount.filesystem, mount=plan.mount.mount_point,
-        declared_by=plan.declared_by or "detected local disk", synced_commits=plan.sync,
+        "rollout store",
+        path=plan.data_dir,
+        filesystem=plan.mount.filesystem,
+        mount=plan.mount.mount_point,
+        declared_by=plan.declared_by or "detected local disk",
+        synced_commits=plan.sync,
     )
     options = plan.store_options()
     fresh = _fresh_group_for(dataset, config.rollout.n_samples_per_prompt)
@@ -232,12 +246,18 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
     requeued = store.requeue_quarantined(fresh)
     log.warning(
         "the rollout store holds groups whose records are damaged: they are quarantined (kept, never trained) "
-        "and their prompts are generated again", quarantined=quarantined, requeued_now=requeued,
+        "and their prompts are generated again",
+        quarantined=quarantined,
+        requeued_now=requeued,
     )
 
 
 def _continue_from_salvage(
-    data_dir: Path, options: dict[str, Any], meta: RunMeta, weights_dir: Path, reason: str,
+    data_dir: Path,
+    options: dict[str, Any],
+    meta: RunMeta,
+    weights_dir: Path,
+    reason: str,
     fresh: Callable[[str], Group | None],
 ) -> Store:
     """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
@@ -248,7 +268,9 @@ def _continue_from_salvage(
         trained = _newest_weights_step(weights_dir)
     log.warning(
         "the rollout store is unreadable; it was moved aside, untouched, and a fresh store continues the run",
-        moved_to=str(aside), fresh_store=str(data_dir), reason=reason,
+        moved_to=str(aside),
+        fresh_store=str(data_dir),
+        reason=reason,
     )
     for problem in salvage.problems:
         log.warning("not recovered from the unreadable store", problem=problem)
@@ -257,14 +279,17 @@ def _continue_from_salvage(
     if salvage.trained_step is None:
         log.warning(
             "the last trained step is unreadable: resuming from the newest complete weights folder"
-            if trained >= 0 else "the last trained step is unreadable and no weights were saved: starting from "
-            "the base model", resume_at_step=trained + 1,
+            if trained >= 0
+            else "the last trained step is unreadable and no weights were saved: starting from the base model",
+            resume_at_step=trained + 1,
             weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
     again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
     if salvage.partial or salvage.ready or again:
         log.warning(
-            "groups carried over from the unreadable store", partial=len(salvage.partial), ready=len(salvage.ready),
+            "groups carried over from the unreadable store",
+            partial=len(salvage.partial),
+            ready=len(salvage.ready),
             damaged_generated_again=len(again),
         )
     store = open_store(StoreTransport.LMDB, data_dir, **options)
@@ -321,10 +346,15 @@ def _move_aside(data_dir: Path) -> Path:
 
 def _newest_weights_step(weights_dir: Path) -> int:
     """The step whose complete weights folder `vN` is newest (N - 1), -1 when there is none."""
-    versions = [
-        int(entry.name[1:]) for entry in weights_dir.glob("v*")
-        if entry.name[1:].isdigit() and (entry / "config.json").exists()
-    ] if weights_dir.is_dir() else []
+    versions = (
+        [
+            int(entry.name[1:])
+            for entry in weights_dir.glob("v*")
+            if entry.name[1:].isdigit() and (entry / "config.json").exists()
+        ]
+        if weights_dir.is_dir()
+        else []
+    )
     return max(versions, default=0) - 1
 
 

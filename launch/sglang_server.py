@@ -35,8 +35,12 @@ def engine_devices(devices: str | None, *, engines: int, per_engine: int) -> lis
     """GPU ids per engine: `devices` ("0,1,2,3") split in order, or 0..engines*per_engine-1."""
     ids = [d.strip() for d in devices.split(",")] if devices else [str(i) for i in range(engines * per_engine)]
     if len(ids) != engines * per_engine:
-        raise ConfigError([f"--sglang-devices={devices!r}: {engines} engines x {per_engine} GPUs need "
-                           f"{engines * per_engine} ids, got {len(ids)}"])
+        raise ConfigError(
+            [
+                f"--sglang-devices={devices!r}: {engines} engines x {per_engine} GPUs need "
+                f"{engines * per_engine} ids, got {len(ids)}"
+            ]
+        )
     return [ids[i * per_engine : (i + 1) * per_engine] for i in range(engines)]
 
 
@@ -53,11 +57,19 @@ def sglang_command_args(*, per_engine: int, mem_fraction: float | None, api_key:
 async def start_sglang_servers(model_path: Path, *, engine: Any, log_dir: Path, seed: int = 0) -> list[EngineProcess]:
     """Start `engine.num_engines` SGLang servers (an `EngineConfig`); all healthy, or none left running."""
     if importlib.util.find_spec("sglang") is None:
-        raise ConfigError(["--rollout-engine=sglang: SGLang is not installed for this Python "
-                           "(pip install sglang), or use --rollout-engine builtin"])
+        raise ConfigError(
+            [
+                "--rollout-engine=sglang: SGLang is not installed for this Python "
+                "(pip install sglang), or use --rollout-engine builtin"
+            ]
+        )
     groups = engine_devices(engine.sglang_devices, engines=engine.num_engines, per_engine=engine.gpus_per_engine)
-    extra = sglang_command_args(per_engine=engine.gpus_per_engine, mem_fraction=engine.sglang_mem_fraction_static,
-                                api_key=engine.api_key, seed=seed)
+    extra = sglang_command_args(
+        per_engine=engine.gpus_per_engine,
+        mem_fraction=engine.sglang_mem_fraction_static,
+        api_key=engine.api_key,
+        seed=seed,
+    )
     await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     started: list[EngineProcess | None] = [None] * len(groups)
     errors: list[Exception] = []
@@ -66,9 +78,14 @@ async def start_sglang_servers(model_path: Path, *, engine: Any, log_dir: Path, 
         visible = ",".join(gpus)
         try:
             started[i] = await start_engine(
-                model_path, host=engine.host, max_running_requests=engine.sglang_server_concurrency,
-                weight_version="0", extra_args=extra, startup_timeout=engine.sglang_startup_timeout,
-                log_path=log_dir / f"sglang-{i}.log", module=_MODULE,
+                model_path,
+                host=engine.host,
+                max_running_requests=engine.sglang_server_concurrency,
+                weight_version="0",
+                extra_args=extra,
+                startup_timeout=engine.sglang_startup_timeout,
+                log_path=log_dir / f"sglang-{i}.log",
+                module=_MODULE,
                 env={"CUDA_VISIBLE_DEVICES": visible, "HIP_VISIBLE_DEVICES": visible},
             )
         except Exception as exc:  # collected so the caller gets the error itself, not a group

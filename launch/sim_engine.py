@@ -17,7 +17,14 @@ from launch.engines.sim import (
 )
 
 __all__ = [
-    "SimClock", "SimModel", "SimServer", "SimStatistics", "main", "open_sim_server", "options_from_args", "serve",
+    "SimClock",
+    "SimModel",
+    "SimServer",
+    "SimStatistics",
+    "main",
+    "open_sim_server",
+    "options_from_args",
+    "serve",
 ]
 
 warnings.warn(

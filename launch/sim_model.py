@@ -16,7 +16,13 @@ from launch.engines.sim_model import (
 )
 
 __all__ = [
-    "EOS_ID", "FIRST_TEXT_ID", "DecodeTimeModel", "LengthModel", "SimTokenizer", "sim_logprob", "sim_token",
+    "EOS_ID",
+    "FIRST_TEXT_ID",
+    "DecodeTimeModel",
+    "LengthModel",
+    "SimTokenizer",
+    "sim_logprob",
+    "sim_token",
     "strip_generated",
 ]
 

@@ -134,8 +134,17 @@ async def run_pipeline(
     from pipeline.session import Rollout
 
     rollout = Rollout(
-        plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
-        clock=clock, events=events, detokenize=detokenize, agent=agent, weight_transfer=weight_transfer,
+        plan,
+        engines=engines,
+        store=store,
+        dataset=dataset,
+        reward_fn=reward_fn,
+        filter_fn=filter_fn,
+        clock=clock,
+        events=events,
+        detokenize=detokenize,
+        agent=agent,
+        weight_transfer=weight_transfer,
     )
     clock, graph = rollout.clock, rollout.graph
     admission, times, pool, gate, collector = graph.admission, graph.times, graph.pool, graph.gate, graph.collector
@@ -154,7 +163,8 @@ async def run_pipeline(
             # Training blocks for seconds; it runs on a worker thread so generation (in async
             # mode) keeps going on the event loop meanwhile.
             record = {
-                "step": step, "version": clock.version,
+                "step": step,
+                "version": clock.version,
                 **batch_metrics(batch, version=clock.version, max_staleness=plan.max_staleness),
             }
             t_train = time.perf_counter()
@@ -169,10 +179,24 @@ async def run_pipeline(
             # A step runs from the previous commit to its own, so its time includes the previous
             # publish and the steps' times add up to the run's.
             now, busy_now = time.perf_counter(), pool.statistics().busy_slot_seconds
-            record.update(await _step_record(
-                plan, step, start_step, run_started, now - step_started, busy_now - busy_before,
-                rollout_seconds, train_seconds, admission, pool, gate, collector, store, len(batch.groups),
-            ))
+            record.update(
+                await _step_record(
+                    plan,
+                    step,
+                    start_step,
+                    run_started,
+                    now - step_started,
+                    busy_now - busy_before,
+                    rollout_seconds,
+                    train_seconds,
+                    admission,
+                    pool,
+                    gate,
+                    collector,
+                    store,
+                    len(batch.groups),
+                )
+            )
             step_started, busy_before = now, busy_now
             record.update(group_times)
 
@@ -186,10 +210,12 @@ async def run_pipeline(
             # times are thus the record's only fields measured after the commit.
             await rollout.commit(batch, record)
             report = await rollout.publish(new_weights)
-            record.update({
-                "time/publish_gate_closed": report.gate_closed_seconds,
-                "time/publish_update": report.update_seconds,
-            })
+            record.update(
+                {
+                    "time/publish_gate_closed": report.gate_closed_seconds,
+                    "time/publish_update": report.update_seconds,
+                }
+            )
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
             # the engines keep such counts (an EngineFleet with --use-fault-tolerance).
             fault_metrics = getattr(engines, "fault_metrics", None)
@@ -217,9 +243,18 @@ class _Graph:
 
     @classmethod
     def build(
-        cls, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
-        reward_fn: RewardFn, filter_fn: Callable[..., Any] | None, clock: VersionClock, events: EventLog | None,
-        detokenize: Detokenize | None = None, agent: Agent | None = None,
+        cls,
+        plan: RolloutPlan,
+        *,
+        engines: Engines,
+        store: AsyncStore,
+        dataset: Sequence[PromptTask],
+        reward_fn: RewardFn,
+        filter_fn: Callable[..., Any] | None,
+        clock: VersionClock,
+        events: EventLog | None,
+        detokenize: Detokenize | None = None,
+        agent: Agent | None = None,
     ) -> _Graph:
         admission = Admission()
         prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
@@ -234,9 +269,17 @@ class _Graph:
                 store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission, on_admit=times.admitted
             ),
             pool=GeneratorPool(
-                engines, slots=plan.slots, sampling_params=plan.sampling_params,
-                max_response_len=plan.max_response_len, clock=clock, store=store, admission=admission,
-                seed=plan.seed, events=events, detokenize=detokenize, agent=agent,
+                engines,
+                slots=plan.slots,
+                sampling_params=plan.sampling_params,
+                max_response_len=plan.max_response_len,
+                clock=clock,
+                store=store,
+                admission=admission,
+                seed=plan.seed,
+                events=events,
+                detokenize=detokenize,
+                agent=agent,
             ),
             reward=RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
             gate=FilterStage(filter_fn, store=store, admission=admission),
@@ -257,8 +300,16 @@ class _Graph:
         to_reward_send, to_reward = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_filter_send, to_filter = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_collect_send, to_collect = anyio.create_memory_object_stream[Group](plan.batch_size)
-        ends = (to_pool_send, to_pool, to_reward_send, to_reward, to_filter_send, to_filter,
-                to_collect_send, to_collect)
+        ends = (
+            to_pool_send,
+            to_pool,
+            to_reward_send,
+            to_reward,
+            to_filter_send,
+            to_filter,
+            to_collect_send,
+            to_collect,
+        )
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.dispenser.run, to_pool_send)
@@ -296,9 +347,19 @@ class _Graph:
 
 
 async def _step_record(
-    plan: RolloutPlan, step: int, start_step: int, run_started: float, step_seconds: float, busy: float,
-    rollout_seconds: float, train_seconds: float, admission: Admission, pool: GeneratorPool, gate: FilterStage,
-    collector: Collector, store: AsyncStore,
+    plan: RolloutPlan,
+    step: int,
+    start_step: int,
+    run_started: float,
+    step_seconds: float,
+    busy: float,
+    rollout_seconds: float,
+    train_seconds: float,
+    admission: Admission,
+    pool: GeneratorPool,
+    gate: FilterStage,
+    collector: Collector,
+    store: AsyncStore,
     groups: int,
 ) -> dict[str, Any]:
     """The step's counters, rates and times, measured just before its commit."""
@@ -311,8 +372,10 @@ async def _step_record(
         "groups/per_second": groups / step_seconds if step_seconds > 0 else 0.0,
         "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
         "time/step": step_seconds,
-        "time/rollout": rollout_seconds, "time/train": train_seconds,
-        "queue/ready": collector.ready, "queue/partial": await store.count(GroupState.PARTIAL),
+        "time/rollout": rollout_seconds,
+        "time/train": train_seconds,
+        "queue/ready": collector.ready,
+        "queue/partial": await store.count(GroupState.PARTIAL),
         "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
         "queue/in_flight": admission.outstanding,
     }
@@ -323,7 +386,10 @@ def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextM
 
 
 async def _fill_sync(
-    plan: RolloutPlan, admission: Admission, collector: Collector, pool: GeneratorPool,
+    plan: RolloutPlan,
+    admission: Admission,
+    collector: Collector,
+    pool: GeneratorPool,
     stopping: AbstractContextManager[Any],
 ) -> None:
     """Run one synchronous rollout round until `batch_size` accepted groups are ready."""

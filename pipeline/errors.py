@@ -109,8 +109,7 @@ class StoreLockedError(StoreError):
     def __init__(self, path: str, holder: str) -> None:
         self.path, self.holder = path, holder
         super().__init__(
-            f"the rollout store {path} is held by {holder}; stop that controller first "
-            "(there is no automatic failover)"
+            f"the rollout store {path} is held by {holder}; stop that controller first (there is no automatic failover)"
         )
 
 

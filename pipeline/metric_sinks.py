@@ -87,14 +87,27 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, *, project: str, group: str | None, mode: WandbMode, dir: Path, run_id: str,
-                 config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        project: str,
+        group: str | None,
+        mode: WandbMode,
+        dir: Path,
+        run_id: str,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         import wandb
 
         dir.mkdir(parents=True, exist_ok=True)
         self._wandb = wandb
         self._run = wandb.init(
-            project=project, group=group, mode=mode, dir=str(dir), id=run_id, resume="allow",
+            project=project,
+            group=group,
+            mode=mode,
+            dir=str(dir),
+            id=run_id,
+            resume="allow",
             config=dict(config or {}),
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
             reinit="create_new",
@@ -133,7 +146,11 @@ class SinkSettings:
 
 
 def open_step_sinks(
-    settings: SinkSettings, *, output_dir: Path, run_id: str, warn: Callable[[str], None],
+    settings: SinkSettings,
+    *,
+    output_dir: Path,
+    run_id: str,
+    warn: Callable[[str], None],
     config: Mapping[str, Any] | None = None,
 ) -> list[StepSink]:
     """The sinks the settings ask for; one that cannot start is a warning (`warn`) and left out."""
@@ -143,20 +160,33 @@ def open_step_sinks(
         _start(sinks, "tensorboard", "tensorboard", warn, lambda: TensorBoardSink(logdir))
     if settings.use_wandb and settings.wandb_mode != "disabled":
         run = settings.wandb_run_id or _stable_run_id(run_id, output_dir)
-        _start(sinks, "wandb", "wandb", warn, lambda: WandbSink(
-            project=settings.wandb_project, group=settings.wandb_group, mode=settings.wandb_mode,
-            dir=settings.wandb_dir or output_dir, run_id=run, config=config,
-        ))
+        _start(
+            sinks,
+            "wandb",
+            "wandb",
+            warn,
+            lambda: WandbSink(
+                project=settings.wandb_project,
+                group=settings.wandb_group,
+                mode=settings.wandb_mode,
+                dir=settings.wandb_dir or output_dir,
+                run_id=run,
+                config=config,
+            ),
+        )
     return sinks
 
 
-def _start(sinks: list[StepSink], name: str, extra: str, warn: Callable[[str], None],
-           make: Callable[[], StepSink]) -> None:
+def _start(
+    sinks: list[StepSink], name: str, extra: str, warn: Callable[[str], None], make: Callable[[], StepSink]
+) -> None:
     try:
         sinks.append(make())
     except ImportError as exc:
-        warn(f"metrics sink {name!r} is off: its library is not installed ({exc}); "
-             f"pip install 'rollout-pipeline[{extra}]'")
+        warn(
+            f"metrics sink {name!r} is off: its library is not installed ({exc}); "
+            f"pip install 'rollout-pipeline[{extra}]'"
+        )
     except Exception as exc:  # a dashboard that cannot start never stops the run
         warn(f"metrics sink {name!r} is off: it failed to start ({type(exc).__name__}: {exc})")
 

@@ -60,9 +60,7 @@ def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = Non
     rewards = [s.reward for s in samples if s.reward is not None]
     staleness = [g.staleness(version) for g in batch.groups]
     tokens = sum(s.response_len for s in samples)
-    off_policy = sum(
-        span.end - span.start for s in samples for span in s.spans if span.version < version
-    )
+    off_policy = sum(span.end - span.start for s in samples for span in s.spans if span.version < version)
     return {
         "reward/mean": _mean(rewards),
         "response_len/mean": _mean([s.response_len for s in samples]),
@@ -103,8 +101,11 @@ class MetricsSink:
     """
 
     def __init__(
-        self, path: Path | None, extras: Sequence[StepSink] = (),
-        *, warn: Callable[[str], None] | None = None,
+        self,
+        path: Path | None,
+        extras: Sequence[StepSink] = (),
+        *,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self._file: IO[bytes] | None = None
         if path is not None:
@@ -158,9 +159,7 @@ class RestoredMetrics:
         return bool(self.rebuilt or self.dropped)
 
 
-def restore_metrics_file(
-    path: Path, *, trained_step: int, stored: Mapping[int, Mapping[str, Any]]
-) -> RestoredMetrics:
+def restore_metrics_file(path: Path, *, trained_step: int, stored: Mapping[int, Mapping[str, Any]]) -> RestoredMetrics:
     """Make the metrics file hold exactly one record per trained step, 0..`trained_step`.
 
     `stored` is the store's records (`Store.step_metrics()`). A line of the file is kept if it is

@@ -89,8 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("-o", "--output", type=Path, default=None, help="HTML file (default: RUN_DIR/timeline.html)")
     metrics = sub.add_parser("metrics", help="the per-step metrics table, store against metrics file")
     metrics.add_argument("--csv", type=Path, default=None, help="also write every field of every step to FILE")
-    metrics.add_argument("--metrics-file", type=Path, default=None,
-                         help="the run's metrics JSONL (default: RUN_DIR/metrics.jsonl, else the run's --metrics-file)")
+    metrics.add_argument(
+        "--metrics-file",
+        type=Path,
+        default=None,
+        help="the run's metrics JSONL (default: RUN_DIR/metrics.jsonl, else the run's --metrics-file)",
+    )
     metrics.add_argument("--columns", default=None, help="comma-separated fields to print (default: a few)")
     return parser
 
@@ -139,6 +143,7 @@ def _decoder(model_dir: Path | None) -> Callable[[tuple[int, ...]], str] | None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):  # a model folder without a usable tokenizer: show ids only
         return None
+
     def decode(ids: tuple[int, ...]) -> str:
         return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
@@ -216,7 +221,7 @@ def replay_training(
         )
     # The run's own settings, as its config recorded them; what an older run did not record takes
     # the schema's default, the same default the launcher used.
-    config = (meta.extra.get("config", {}) if (meta := store.read_meta()) else {})
+    config = meta.extra.get("config", {}) if (meta := store.read_meta()) else {}
     trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
     for step in steps:
         batch = store.batch(step)

@@ -128,8 +128,10 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"cursor: epoch={c.epoch} index={c.index} next_seq={c.next_seq}")
     lines.append(f"trained step: {s.trained_step} ({s.trained_step + 1} steps trained)")
     if s.collected_step >= 0:
-        lines.append(f"garbage collected: {s.collected} trained groups and the batches of steps 0..{s.collected_step}"
-                     " (not in this summary)")
+        lines.append(
+            f"garbage collected: {s.collected} trained groups and the batches of steps 0..{s.collected_step}"
+            " (not in this summary)"
+        )
     if s.open_batches:
         lines.append(f"batches taken, not trained: steps {', '.join(map(str, s.open_batches))}")
     total = sum(s.counts.values())
@@ -176,18 +178,20 @@ def group_record(state: GroupState, group: Group, decode: Decode | None) -> dict
         "samples": [],
     }
     for s in group.samples:
-        record["samples"].append({
-            "index": s.index,
-            "status": s.status.value,
-            "finish_reason": s.finish_reason.value if s.finish_reason else None,
-            "reward": s.reward,
-            "response_len": s.response_len,
-            "spans": [[span.start, span.end, span.version] for span in s.spans],
-            "resumed_at": list(s.resumed_at),
-            "error": s.error,
-            "response_ids": list(s.response_ids),
-            "response_text": decode(s.response_ids) if decode else None,
-        })
+        record["samples"].append(
+            {
+                "index": s.index,
+                "status": s.status.value,
+                "finish_reason": s.finish_reason.value if s.finish_reason else None,
+                "reward": s.reward,
+                "response_len": s.response_len,
+                "spans": [[span.start, span.end, span.version] for span in s.spans],
+                "resumed_at": list(s.resumed_at),
+                "error": s.error,
+                "response_ids": list(s.response_ids),
+                "response_text": decode(s.response_ids) if decode else None,
+            }
+        )
     return record
 
 

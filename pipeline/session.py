@@ -20,7 +20,6 @@ outlive a restart that falls back to the old checkpoint.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -60,14 +59,25 @@ class Rollout:
     """
 
     def __init__(
-        self, plan: RolloutPlan, *, engines: Engines, store: AsyncStore, dataset: Sequence[PromptTask],
-        reward_fn: RewardFn, filter_fn: Callable[..., Any] | None = None, clock: VersionClock | None = None,
-        events: EventLog | None = None, detokenize: Detokenize | None = None, agent: Agent | None = None,
+        self,
+        plan: RolloutPlan,
+        *,
+        engines: Engines,
+        store: AsyncStore,
+        dataset: Sequence[PromptTask],
+        reward_fn: RewardFn,
+        filter_fn: Callable[..., Any] | None = None,
+        clock: VersionClock | None = None,
+        events: EventLog | None = None,
+        detokenize: Detokenize | None = None,
+        agent: Agent | None = None,
         weight_transfer: WeightTransfer | None = None,
     ) -> None:
         # Sampling parameters that a continued request would apply wrongly are refused up front.
         continues = plan.mode is RolloutMode.ASYNC or plan.partial
-        if problems := sampling_problems(plan.sampling_params, continues=continues, can_detokenize=detokenize is not None):
+        if problems := sampling_problems(
+            plan.sampling_params, continues=continues, can_detokenize=detokenize is not None
+        ):
             raise ConfigError(problems)
         self.plan = plan
         self.engines = engines
@@ -76,8 +86,16 @@ class Rollout:
         self.events = events
         self.weight_transfer = weight_transfer  # None: engines load each published folder from disk
         self.graph = _Graph.build(
-            plan, engines=engines, store=store, dataset=dataset, reward_fn=reward_fn, filter_fn=filter_fn,
-            clock=self.clock, events=events, detokenize=detokenize, agent=agent,
+            plan,
+            engines=engines,
+            store=store,
+            dataset=dataset,
+            reward_fn=reward_fn,
+            filter_fn=filter_fn,
+            clock=self.clock,
+            events=events,
+            detokenize=detokenize,
+            agent=agent,
         )
         self._stack: AsyncExitStack | None = None
         self._training: _Training | None = None
@@ -116,7 +134,9 @@ class Rollout:
             raise PipelineError(f"step {self._taken}'s batch is not committed yet: commit() it before the next batch")
         step = self._next_step
         if self.plan.mode is RolloutMode.SYNC:
-            await _fill_sync(self.plan, graph.admission, graph.collector, graph.pool, _span(self.events, "stop", step=step))
+            await _fill_sync(
+                self.plan, graph.admission, graph.collector, graph.pool, _span(self.events, "stop", step=step)
+            )
         else:
             await graph.collector.wait_ready(self.plan.batch_size)
         batch = await self.store.take_batch(step, self.plan.batch_size)
@@ -141,8 +161,12 @@ class Rollout:
         training = self._open()
         with _span(self.events, "publish", version=self.clock.version + 1):
             report = await publish_weights(
-                self.clock, self.engines, Path(weights), pause_mode=self.plan.pause_mode,
-                transfer=self.weight_transfer, overlap=self.plan.overlap_publish,
+                self.clock,
+                self.engines,
+                Path(weights),
+                pause_mode=self.plan.pause_mode,
+                transfer=self.weight_transfer,
+                overlap=self.plan.overlap_publish,
             )
         training.done()
         return report

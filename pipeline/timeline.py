@@ -23,8 +23,12 @@ from pipeline.events import read_events
 __all__ = ["render_timeline", "slot_busy_fraction"]
 
 FINISH_COLOURS = {"stop": "#4c9a5a", "length": "#e0a030", "abort": "#d04a3a", "error": "#7a2a8a"}
-TOP_LANES = (("train", "#3a6fd0", "training step"), ("publish", "#8a4ad0", "publish (gate closed)"),
-             ("stop", "#d04a3a", "stop: abort + drain"), ("restart", "#000000", "controller restarted"))
+TOP_LANES = (
+    ("train", "#3a6fd0", "training step"),
+    ("publish", "#8a4ad0", "publish (gate closed)"),
+    ("stop", "#d04a3a", "stop: abort + drain"),
+    ("restart", "#000000", "controller restarted"),
+)
 LANE_H, GAP, LEFT, WIDTH = 6, 1, 110, 1400
 
 
@@ -85,8 +89,9 @@ def render_timeline(events: Iterable[dict[str, Any]], *, title: str = "rollout t
     for e in reqs:
         y = top + e["slot"] * (LANE_H + GAP)
         w = (e["end"] - e["start"]) * scale
-        tip = html.escape(f'{e["group"]} #{e["sample"]} +{e["tokens"]} tokens after {e["prefix"]}, '
-                          f'{e["finish"]}, v{e["version"]}')
+        tip = html.escape(
+            f"{e['group']} #{e['sample']} +{e['tokens']} tokens after {e['prefix']}, {e['finish']}, v{e['version']}"
+        )
         parts.append(_rect(x(e["start"]), y, w, LANE_H, FINISH_COLOURS.get(e["finish"], "#888"), tip))
         if e.get("prefix"):
             parts.append(_rect(x(e["start"]), y, min(2.0, w), LANE_H, "#222", tip))
@@ -97,15 +102,18 @@ def render_timeline(events: Iterable[dict[str, Any]], *, title: str = "rollout t
     legend = " ".join(
         f'<span style="background:{c};color:#fff;padding:1px 6px">{k}</span>' for k, c in FINISH_COLOURS.items()
     )
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}">'
-           f'<style>.lbl{{font:10px sans-serif;fill:#333}}</style>{"".join(parts)}</svg>')
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}">'
+        f"<style>.lbl{{font:10px sans-serif;fill:#333}}</style>{''.join(parts)}</svg>"
+    )
     stats = f"{len(reqs)} requests on {n_slots} slots; slot busy fraction {slot_busy_fraction(events):.2f}"
     return _page(title, f"<p>{stats}. Requests ended by: {legend}; dark left edge = continued a prefix.</p>{svg}")
 
 
 def _rect(x: float, y: float, w: float, h: float, colour: str, tip: str) -> str:
-    return (f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{h}" fill="{colour}">'
-            f"<title>{tip}</title></rect>")
+    return (
+        f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{h}" fill="{colour}"><title>{tip}</title></rect>'
+    )
 
 
 def _page(title: str, body: str) -> str:

@@ -34,30 +34,44 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
 
     t, r = _sections(config)
     return LossSettings(
-        eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
+        eps_clip=t.eps_clip,
+        eps_clip_high=t.eps_clip_high,
         correction=ImportanceCorrection(t.tis_mode) if t.use_tis else ImportanceCorrection.NONE,
-        tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
-        use_opsm=t.use_opsm, opsm_delta=t.opsm_delta,
+        tis_clip=t.tis_clip,
+        tis_clip_low=t.tis_clip_low,
+        use_opsm=t.use_opsm,
+        opsm_delta=t.opsm_delta,
         aggregation=LossAggregation(t.loss_agg_mode),
         std_normalization=not t.disable_grpo_std_normalization,
-        overlong_buffer_len=t.overlong_buffer_len, overlong_penalty_factor=t.overlong_penalty_factor,
-        max_response_len=r.max_response_len, mask_truncated_samples=t.mask_truncated_samples,
+        overlong_buffer_len=t.overlong_buffer_len,
+        overlong_penalty_factor=t.overlong_penalty_factor,
+        max_response_len=r.max_response_len,
+        mask_truncated_samples=t.mask_truncated_samples,
         mask_offpolicy_in_partial_rollout=r.mask_offpolicy_in_partial_rollout,
         mask_stale_tokens=t.mask_stale_tokens,
     )
 
 
 def build_trainer(
-    model_dir: Path, config: Mapping[str, Mapping[str, Any]], *, seed: int | None = None,
-    device: str | None = None, num_threads: int | None = 1,
+    model_dir: Path,
+    config: Mapping[str, Mapping[str, Any]],
+    *,
+    seed: int | None = None,
+    device: str | None = None,
+    num_threads: int | None = 1,
 ) -> GRPOTrainer:
     """A `GRPOTrainer` on `model_dir` with the config's settings; `seed`/`device` override it."""
     from stages.trainer import GRPOTrainer
 
     t, r = _sections(config)
     return GRPOTrainer(
-        model_dir, loss=loss_settings(config), global_batch_size=t.global_batch_size, lr=t.lr,
-        temperature=r.temperature, max_grad_norm=t.max_grad_norm,
-        seed=r.seed if seed is None else seed, device=t.device if device is None else device,
+        model_dir,
+        loss=loss_settings(config),
+        global_batch_size=t.global_batch_size,
+        lr=t.lr,
+        temperature=r.temperature,
+        max_grad_norm=t.max_grad_norm,
+        seed=r.seed if seed is None else seed,
+        device=t.device if device is None else device,
         num_threads=num_threads,
     )

@@ -100,6 +100,10 @@ class Admission:
     def statistics(self) -> AdmissionStatistics:
         c = self._counts
         return AdmissionStatistics(
-            self._tickets, self._outstanding,
-            c[Outcome.READY], c[Outcome.REJECTED], c[Outcome.FAILED], c[Outcome.PARTIAL],
+            self._tickets,
+            self._outstanding,
+            c[Outcome.READY],
+            c[Outcome.REJECTED],
+            c[Outcome.FAILED],
+            c[Outcome.PARTIAL],
         )

@@ -97,8 +97,16 @@ class AgentContext:
     """What an agent may do to its sample. Everything it changes is stored with the sample."""
 
     def __init__(
-        self, pool: GeneratorPool, name: str, group: Group, samples: list[Sample], i: int,
-        *, sampling_params: Mapping[str, Any], max_response_len: int, detokenize: Detokenize | None,
+        self,
+        pool: GeneratorPool,
+        name: str,
+        group: Group,
+        samples: list[Sample],
+        i: int,
+        *,
+        sampling_params: Mapping[str, Any],
+        max_response_len: int,
+        detokenize: Detokenize | None,
         tokenizer: object | None,
     ) -> None:
         self._pool, self._name, self._group, self._samples, self._i = pool, name, group, samples, i
@@ -144,7 +152,9 @@ class AgentContext:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._detokenize is None:
-            raise AgentError(self._name, list(token_ids), "ctx.decode needs a detokenizer (run_pipeline(detokenize=...))")
+            raise AgentError(
+                self._name, list(token_ids), "ctx.decode needs a detokenizer (run_pipeline(detokenize=...))"
+            )
         return self._detokenize(token_ids)
 
     # -- what the agent does ------------------------------------------------------------------
@@ -209,7 +219,7 @@ async def run_agent_sample(ctx: AgentContext, agent: Agent) -> None:
     except EngineUnavailableError:  # no engine serves at all: the pool ends, as on the single-turn path
         _save_quietly(ctx)
         raise
-    except Exception as exc:  # noqa: BLE001 - an agent's bug fails its own sample, never the pool
+    except Exception as exc:
         error = str(exc) if isinstance(exc, AgentError) else f"agent {name!r} raised {type(exc).__name__}: {exc}"
         ctx._samples[ctx._i] = dataclasses.replace(
             ctx.sample, status=SampleStatus.FAILED, finish_reason=FinishReason.ERROR, error=error

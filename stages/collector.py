@@ -31,7 +31,11 @@ class CollectorStatistics:
 
 class Collector:
     def __init__(
-        self, *, store: AsyncStore, admission: Admission, capacity: float,
+        self,
+        *,
+        store: AsyncStore,
+        admission: Admission,
+        capacity: float,
         on_ready: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store

@@ -132,9 +132,7 @@ def stop_across_boundary(
 
 def cut_at(segment: Segment, k: int) -> Segment:
     """The segment's first `k` tokens, ended by a stop string (what SGLang would have returned)."""
-    spans = tuple(
-        VersionSpan(s.start, min(s.end, k), s.version) for s in segment.spans if s.start < k
-    )
+    spans = tuple(VersionSpan(s.start, min(s.end, k), s.version) for s in segment.spans if s.start < k)
     version = spans[-1].version if spans else segment.version
     return dataclasses.replace(
         segment,

@@ -63,7 +63,9 @@ log = structlog.get_logger("generator")
 class GenerateEngine(Protocol):
     """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
 
-    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str) -> GenerateResult:
+    async def generate(
+        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str
+    ) -> GenerateResult:
         """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON)."""
         ...
 
@@ -238,8 +240,15 @@ class GeneratorPool:
             if samples[i].status is SampleStatus.FAILED:
                 return
             ctx = AgentContext(
-                self, agent_name(self._agent), group, samples, i, sampling_params=self._params,
-                max_response_len=self._max_len, detokenize=self._detokenize, tokenizer=self._tokenizer,
+                self,
+                agent_name(self._agent),
+                group,
+                samples,
+                i,
+                sampling_params=self._params,
+                max_response_len=self._max_len,
+                detokenize=self._detokenize,
+                tokenizer=self._tokenizer,
             )
             await run_agent_sample(ctx, self._agent)
             return
@@ -265,7 +274,9 @@ class GeneratorPool:
                 # the engine): the sample fails visibly rather than being retried forever.
                 self._stats["failed"] += 1
                 samples[i] = dataclasses.replace(
-                    sample, status=SampleStatus.FAILED, finish_reason=FinishReason.ERROR,
+                    sample,
+                    status=SampleStatus.FAILED,
+                    finish_reason=FinishReason.ERROR,
                     error=f"no answer after {unanswered} attempts: {segment.error}",
                 )
                 return
@@ -284,7 +295,9 @@ class GeneratorPool:
     def clock_version(self) -> int:
         return self._clock.version
 
-    async def run_agent_turn(self, ctx: AgentContext, params: Mapping[str, Any], turn_start: int, cap: int) -> FinishReason:
+    async def run_agent_turn(
+        self, ctx: AgentContext, params: Mapping[str, Any], turn_start: int, cap: int
+    ) -> FinishReason:
         """Run one model turn of an agent's sample until the engine ends it; the same requests,
         retries and stamping as `_run_sample`, over the turn's own token budget. Each answer is
         stored through the context at once, so a stop or a crash keeps it."""
@@ -317,8 +330,13 @@ class GeneratorPool:
             await self._clock.wait_serving()
 
     async def _request(
-        self, group: Group, sample: Sample, max_new_tokens: int, *,
-        params: dict[str, Any] | None = None, continued: int | None = None,
+        self,
+        group: Group,
+        sample: Sample,
+        max_new_tokens: int,
+        *,
+        params: dict[str, Any] | None = None,
+        continued: int | None = None,
     ) -> Segment:
         """One request for `sample`. An agent passes its turn's `params` and how many tokens the
         turn already `continued` (the boundary a stop string may straddle); else the whole response."""
@@ -362,10 +380,16 @@ class GeneratorPool:
                 self._stats["aborted"] += 1
         if self._events is not None:
             self._events.record(
-                "request", slot=slot, group=group.group_id, sample=sample.index,
-                start=round(self._events.since(started), 6), end=round(self._events.since(ended), 6),
-                prefix=sample.response_len, tokens=len(segment.token_ids),
-                finish=segment.finish_reason.value, version=segment.version,
+                "request",
+                slot=slot,
+                group=group.group_id,
+                sample=sample.index,
+                start=round(self._events.since(started), 6),
+                end=round(self._events.since(ended), 6),
+                prefix=sample.response_len,
+                tokens=len(segment.token_ids),
+                finish=segment.finish_reason.value,
+                version=segment.version,
             )
         return segment
 
@@ -416,7 +440,10 @@ class GeneratorPool:
         have for the uninterrupted request; the tokens after it were never meant to exist."""
         assert self._detokenize is not None
         found = stop_across_boundary(
-            sample.response_ids, segment.token_ids, self._stops, self._detokenize,
+            sample.response_ids,
+            segment.token_ids,
+            self._stops,
+            self._detokenize,
             min_new_tokens=int(self._params.get("min_new_tokens") or 0),
         )
         return segment if found is None else cut_at(segment, found[0])
@@ -441,6 +468,14 @@ class GeneratorPool:
     def statistics(self) -> GeneratorStatistics:
         s = self._stats
         return GeneratorStatistics(
-            self._n_slots, self._running, self._groups_in_flight, s["requests"], s["aborted"],
-            s["resumed"], s["tokens"], s["failed"], self._busy, s["unknown_boundary"],
+            self._n_slots,
+            self._running,
+            self._groups_in_flight,
+            s["requests"],
+            s["aborted"],
+            s["resumed"],
+            s["tokens"],
+            s["failed"],
+            self._busy,
+            s["unknown_boundary"],
         )

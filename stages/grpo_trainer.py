@@ -9,6 +9,4 @@ from stages.trainer.grpo import GRPOTrainer, group_advantages
 
 __all__ = ["OPTIMIZER_DIR", "GRPOTrainer", "group_advantages"]
 
-warnings.warn(
-    "stages.grpo_trainer is deprecated; import from stages.trainer instead", DeprecationWarning, stacklevel=2
-)
+warnings.warn("stages.grpo_trainer is deprecated; import from stages.trainer instead", DeprecationWarning, stacklevel=2)

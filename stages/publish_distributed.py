@@ -31,11 +31,12 @@ from torch._C._distributed_c10d import (  # torch.distributed's own names
     TCPStore,
 )
 
+from pipeline.errors import EngineError
+
 # torch's stubs type the backend classes (ProcessGroupGloo, ProcessGroupNCCL) apart from
 # ProcessGroup although they are used the same way here (`broadcast(tensor, root).wait()`).
 Group = Any
 
-from pipeline.errors import EngineError
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -52,7 +53,10 @@ __all__ = [
 GROUP_NAME = "weight_update_group"  # SGLang's and slime's default
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024  # slime's default update-weight buffer size
 _DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
 }
 
 
@@ -201,21 +205,34 @@ class DistributedWeightSender:
         async with anyio.create_task_group() as tg:
             tg.start_soon(join)
             await self._engines.init_weights_update_group(
-                master_address=self.master_address, master_port=port, world_size=world_size,
-                group_name=self.group_name, backend=self.backend,
+                master_address=self.master_address,
+                master_port=port,
+                world_size=world_size,
+                group_name=self.group_name,
+                backend=self.backend,
             )
         self._group = joined[0]
 
     def _open_store(self, world_size: int) -> TCPStore:
         return TCPStore(
-            self.master_address, self.master_port, world_size, is_master=True,
-            timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False,
+            self.master_address,
+            self.master_port,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=self.timeout),
+            wait_for_workers=False,
         )
 
     def _join(self, store: Store, world_size: int) -> Group:
         return open_group(
-            master_address=self.master_address, master_port=0, rank=0, world_size=world_size,
-            group_name=self.group_name, backend=self.backend, timeout=self.timeout, store=store,
+            master_address=self.master_address,
+            master_port=0,
+            rank=0,
+            world_size=world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+            timeout=self.timeout,
+            store=store,
         )
 
     def buckets(self) -> list[list[tuple[str, torch.Tensor]]]:
@@ -276,9 +293,7 @@ class DistributedWeightSender:
             _shutdown(group)
 
 
-async def _broadcast_bucket(
-    group: Group, tensors: Sequence[torch.Tensor], broken: list[BaseException]
-) -> None:
+async def _broadcast_bucket(group: Group, tensors: Sequence[torch.Tensor], broken: list[BaseException]) -> None:
     try:
         await anyio.to_thread.run_sync(_broadcast, group, tensors, abandon_on_cancel=True)
     except RuntimeError as exc:  # gloo/NCCL report a lost peer or a timeout as RuntimeError

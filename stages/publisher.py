@@ -4,8 +4,9 @@
     -> update weights -> version += 1 -> continue engines -> open admission
 
 The weights travel as a saved folder (`/update_weights_from_disk`) or, given a `WeightTransfer`,
-over torch.distributed (`publish_distributed.py`). The version moves only if every engine took the weights. Whatever happens, the engines are told to
-continue: a failed publish leaves the old version serving, and says why.
+over torch.distributed (`publish_distributed.py`). The version moves only if every engine took the
+weights. Whatever happens, the engines are told to continue: a failed publish leaves the old version
+serving, and says why.
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ class PublishReport:
 
 
 async def publish_weights(
-    clock: VersionClock, engines: WeightTarget, weights: Path, *, pause_mode: PauseMode, flush_deadline: float = 10.0,
-    transfer: WeightTransfer | None = None, overlap: bool = False,
+    clock: VersionClock,
+    engines: WeightTarget,
+    weights: Path,
+    *,
+    pause_mode: PauseMode,
+    flush_deadline: float = 10.0,
+    transfer: WeightTransfer | None = None,
+    overlap: bool = False,
 ) -> PublishReport:
     """Publish `weights` (a saved folder), or with `transfer` send them its way instead (the folder
     then is only the checkpoint); the same pause, flush and version steps either way.

@@ -1,8 +1,8 @@
 """Where rollout state lives: the `Store` protocol, an in-memory store, and a durable LMDB store.
 
-    plan = check_storage("/data/run-7/rollout")          # refuses an undeclared network filesystem
-    store = open_store("lmdb", "/data/run-7/rollout", **plan.store_options())  # or open_store("memory", None)
-    async_store = AsyncStore(store)                      # what the stages use
+plan = check_storage("/data/run-7/rollout")          # refuses an undeclared network filesystem
+store = open_store("lmdb", "/data/run-7/rollout", **plan.store_options())  # or open_store("memory", None)
+async_store = AsyncStore(store)                      # what the stages use
 """
 
 from __future__ import annotations

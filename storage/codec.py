@@ -62,7 +62,6 @@ class _Malformed(Exception):
 _STRUCT_CACHE: dict[str, dict[int, struct.Struct]] = {"i": {}, "d": {}}
 
 
-
 _T = TypeVar("_T")
 
 
@@ -70,6 +69,7 @@ def _packb(obj: object, **options: Any) -> bytes:
     """msgpack's `packb`, typed: it returns bytes whenever it is not given a stream."""
     data: bytes = msgpack.packb(obj, **options)
     return data
+
 
 def _struct(code: str, n: int) -> struct.Struct:
     cache = _STRUCT_CACHE[code]
@@ -203,9 +203,7 @@ def _unpackb(data: bytes) -> Any:
 
 
 def _group_from(rec: Any) -> Group:
-    _, _, group_id, epoch, admitted, seq, rejected, t_index, t_prompt, label, t_meta, samples = _header(
-        rec, _GROUP, 12
-    )
+    _, _, group_id, epoch, admitted, seq, rejected, t_index, t_prompt, label, t_meta, samples = _header(rec, _GROUP, 12)
     if type(samples) is not list:
         raise _Malformed("samples are not an array")
     prompt = _unpack("i", 4, t_prompt)

@@ -53,10 +53,26 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 # Filesystem types (as mountinfo spells them) on which LMDB's locking is not safe. Every `fuse.*`
 # type counts too (JuiceFS is `fuse.juicefs`, s3fs `fuse.s3fs`, sshfs `fuse.sshfs`, ...).
-NETWORK_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "ceph", "glusterfs", "lustre", "gpfs", "afs",
-    "beegfs", "orangefs", "9p", "virtiofs", "fuse",
-})
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ncpfs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "afs",
+        "beegfs",
+        "orangefs",
+        "9p",
+        "virtiofs",
+        "fuse",
+    }
+)
 _LOCAL_FILESYSTEMS = ("ext4", "ext3", "ext2", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs")
 
 
@@ -92,16 +108,25 @@ class StorageProfile:
     note: str
 
 
-PROFILES: Mapping[str, StorageProfile] = {p.name: p for p in (
-    StorageProfile("local", _LOCAL_FILESYSTEMS, False, True, "a local disk; every commit is fsynced"),
-    StorageProfile("local-unsynced", _LOCAL_FILESYSTEMS, False, False,
-                   "a local scratch disk; commits are not fsynced (an OS crash may lose the last ones)"),
-    StorageProfile("nfs", ("nfs", "nfs4"), True, True, "NFS, written by this host only"),
-    StorageProfile("juicefs", ("fuse.juicefs",), True, True, "JuiceFS, written by this host only"),
-    StorageProfile("cephfs", ("ceph", "fuse.ceph", "fuse.ceph-fuse"), True, True,
-                   "CephFS, written by this host only"),
-    StorageProfile("lustre", ("lustre",), True, True, "Lustre, written by this host only"),
-)}
+PROFILES: Mapping[str, StorageProfile] = {
+    p.name: p
+    for p in (
+        StorageProfile("local", _LOCAL_FILESYSTEMS, False, True, "a local disk; every commit is fsynced"),
+        StorageProfile(
+            "local-unsynced",
+            _LOCAL_FILESYSTEMS,
+            False,
+            False,
+            "a local scratch disk; commits are not fsynced (an OS crash may lose the last ones)",
+        ),
+        StorageProfile("nfs", ("nfs", "nfs4"), True, True, "NFS, written by this host only"),
+        StorageProfile("juicefs", ("fuse.juicefs",), True, True, "JuiceFS, written by this host only"),
+        StorageProfile(
+            "cephfs", ("ceph", "fuse.ceph", "fuse.ceph-fuse"), True, True, "CephFS, written by this host only"
+        ),
+        StorageProfile("lustre", ("lustre",), True, True, "Lustre, written by this host only"),
+    )
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,24 +224,26 @@ def load_declaration(path: str | os.PathLike[str]) -> StorageDeclaration:
 def parse_declaration(data: Any, *, source: str = "<declaration>") -> StorageDeclaration:
     """A declaration from its JSON value; every problem is listed in one ConfigError."""
     where = f"--rollout-storage-declaration={source!r}"
-    example = ('{"mount_path": "/shared/fs", "filesystem": "fuse.juicefs", '
-               '"durability": {"synced_commits": true}}')
+    example = '{"mount_path": "/shared/fs", "filesystem": "fuse.juicefs", "durability": {"synced_commits": true}}'
     if not isinstance(data, dict):
         raise ConfigError([f"{where}: must be a JSON object like {example}"])
     problems = []
     unknown = sorted(set(data) - {"mount_path", "filesystem", "durability"})
     if unknown:
-        problems.append(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} "
-                        "(keys: mount_path, filesystem, durability)")
+        problems.append(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (keys: mount_path, filesystem, durability)"
+        )
     mount_path, filesystem, durability = data.get("mount_path"), data.get("filesystem"), data.get("durability")
     if not isinstance(mount_path, str) or not os.path.isabs(mount_path):
         problems.append(f"{where}: mount_path must be an absolute path, got {mount_path!r}")
     if not isinstance(filesystem, str) or not filesystem:
-        problems.append(f"{where}: filesystem must name the filesystem type as the kernel reports it "
-                        f"(e.g. 'fuse.juicefs', 'nfs4'), got {filesystem!r}")
+        problems.append(
+            f"{where}: filesystem must name the filesystem type as the kernel reports it "
+            f"(e.g. 'fuse.juicefs', 'nfs4'), got {filesystem!r}"
+        )
     synced = durability.get("synced_commits") if isinstance(durability, dict) else None
     if not isinstance(synced, bool):
-        problems.append(f"{where}: durability must be {{\"synced_commits\": true|false}}, got {durability!r}")
+        problems.append(f'{where}: durability must be {{"synced_commits": true|false}}, got {durability!r}')
     elif isinstance(durability, dict) and set(durability) - {"synced_commits"}:
         extra = ", ".join(map(repr, sorted(set(durability) - {"synced_commits"})))
         problems.append(f"{where}: unknown durability key(s) {extra} (keys: synced_commits)")
@@ -258,21 +285,28 @@ def check_storage(
         where = f"--rollout-storage-declaration={declaration.source!r}"
         problems = []
         if not _contains(_resolve(declaration.mount_path), path):
-            problems.append(f"{where}: mount_path {declaration.mount_path!r} does not contain the rollout data "
-                            f"directory {path!r}")
+            problems.append(
+                f"{where}: mount_path {declaration.mount_path!r} does not contain the rollout data directory {path!r}"
+            )
         if detected != "unknown" and declaration.filesystem != detected:
             problems.append(f"{where}: declares filesystem {declaration.filesystem!r}, but {on}")
         if chosen is not None and declaration.filesystem not in chosen.filesystems:
-            problems.append(f"{where}: declares filesystem {declaration.filesystem!r}, but "
-                            f"--rollout-storage-profile={chosen.name!r} covers {', '.join(chosen.filesystems)}")
+            problems.append(
+                f"{where}: declares filesystem {declaration.filesystem!r}, but "
+                f"--rollout-storage-profile={chosen.name!r} covers {', '.join(chosen.filesystems)}"
+            )
         if problems:
             raise ConfigError(problems)
         return StoragePlan(path, mount, network, declaration.synced_commits, f"declaration {declaration.source}")
 
     if chosen is not None:
         if detected != "unknown" and detected not in chosen.filesystems:
-            raise ConfigError([f"--rollout-storage-profile={chosen.name!r} covers "
-                               f"{', '.join(chosen.filesystems)}, but {on}{_suggest(detected)}"])
+            raise ConfigError(
+                [
+                    f"--rollout-storage-profile={chosen.name!r} covers "
+                    f"{', '.join(chosen.filesystems)}, but {on}{_suggest(detected)}"
+                ]
+            )
         return StoragePlan(path, mount, network, chosen.synced_commits, f"profile {chosen.name}")
 
     if network:

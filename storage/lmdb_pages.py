@@ -32,8 +32,14 @@ import lmdb
 __all__ = ["DAMAGE_ERRORS", "check_data_file", "is_damage", "meta_page_size", "walk_pages"]
 
 DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
-    lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
-    lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError, lmdb.BadChecksumError,
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.IncompatibleError,
+    lmdb.BadValsizeError,
+    lmdb.BadChecksumError,
 )
 
 _MAGIC = 0xBEEFC0DE
@@ -112,10 +118,14 @@ def _check_meta(page: bytes, number: int, psize: int, size: int, path: str) -> l
         (magic == _MAGIC, f"magic {magic:#x}, expected {_MAGIC:#x}"),
         (version == _DATA_VERSION, f"format version {version}, expected {_DATA_VERSION}"),
         (free_db[0] == psize, f"page size {free_db[0]}, the other meta page says {psize}"),
-        (last_pg >= 1 and (last_pg + 1) * psize <= size,
-         f"last page {last_pg} is past the end of the {size}-byte file (truncated, or a damaged field)"),
-        (mapsize >= (last_pg + 1) * psize and mapsize <= 1 << 48,
-         f"map size {mapsize} does not fit its last page {last_pg}"),
+        (
+            last_pg >= 1 and (last_pg + 1) * psize <= size,
+            f"last page {last_pg} is past the end of the {size}-byte file (truncated, or a damaged field)",
+        ),
+        (
+            mapsize >= (last_pg + 1) * psize and mapsize <= 1 << 48,
+            f"map size {mapsize} does not fit its last page {last_pg}",
+        ),
         (txnid < 1 << 62, f"transaction id {txnid}"),
     ]
     for name, db in (("free-list", free_db), ("main", main_db)):
@@ -225,7 +235,14 @@ class _Walker:
         return None
 
     def leaf_node(
-        self, i: int, base: int, offset: int, end: int, dsize: int, nflags: int, ksize: int,
+        self,
+        i: int,
+        base: int,
+        offset: int,
+        end: int,
+        dsize: int,
+        nflags: int,
+        ksize: int,
         subs: list[tuple[str, int]] | None,
     ) -> str | None:
         if nflags & _F_BIGDATA:

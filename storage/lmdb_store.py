@@ -473,7 +473,7 @@ class LmdbStore:
                 for key, raw in cursor.iternext(keys=True, values=True):
                     if not bytes(key).startswith(keys.META_STEP_METRICS):
                         break
-                    step = keys.parse_step_key(bytes(key)[len(keys.META_STEP_METRICS):])
+                    step = keys.parse_step_key(bytes(key)[len(keys.META_STEP_METRICS) :])
                     where = keys.describe(keys.META, bytes(key))
                     payload = unseal(bytes(key), bytes(raw), where=where, sealed=self._sealed)
                     out[step] = decode_step_metrics(payload, key=where)
@@ -752,7 +752,9 @@ class LmdbStore:
         stored = None if raw is None else parse_layout(bytes(raw), where=where)
         if stored is not None and stored > LAYOUT_VERSION:
             raise IncompatibleStoreError(
-                "layout_version", stored, LAYOUT_VERSION,
+                "layout_version",
+                stored,
+                LAYOUT_VERSION,
                 reason=f"the rollout store {self._path} was written by a newer rollout-pipeline (store layout "
                 f"{stored}); this version reads layouts {LEGACY_LAYOUT} to {LAYOUT_VERSION}: "
                 "open it with the newer version",
@@ -782,12 +784,14 @@ class LmdbStore:
         raw_counts = r.get(keys.META, keys.META_COUNTS)
         counts = dict.fromkeys(GroupState, 0) if raw_counts is None else keys.parse_counts(raw_counts)
         raw_cursor = r.get(keys.META, keys.META_CURSOR)
-        cursor = Cursor() if raw_cursor is None else codec.decode_cursor(
-            raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR)
+        cursor = (
+            Cursor()
+            if raw_cursor is None
+            else codec.decode_cursor(raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR))
         )
         raw_step = r.get(keys.META, keys.META_TRAINED_STEP)
-        trained = -1 if raw_step is None else keys.parse_i64(
-            raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP)
+        trained = (
+            -1 if raw_step is None else keys.parse_i64(raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP))
         )
         return counts, cursor, trained
 

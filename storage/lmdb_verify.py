@@ -67,7 +67,12 @@ def verify_records(
 
 
 def _walk_values(
-    txn: lmdb.Transaction, dbs: Databases, db: bytes, *, sealed: bool, damaged: list[str],
+    txn: lmdb.Transaction,
+    dbs: Databases,
+    db: bytes,
+    *,
+    sealed: bool,
+    damaged: list[str],
     states: dict[str, tuple[GroupState, int, int]],
 ) -> int:
     """Every value of `db` unsealed and decoded; damage appended to `damaged`. Returns values read."""
@@ -92,7 +97,9 @@ def _walk_values(
 
 
 def _index_problems(
-    txn: lmdb.Transaction, dbs: Databases, states: dict[str, tuple[GroupState, int, int]],
+    txn: lmdb.Transaction,
+    dbs: Databases,
+    states: dict[str, tuple[GroupState, int, int]],
     counts: dict[GroupState, int],
 ) -> list[str]:
     """Each state entry has its record and index entries, and the counters match the states."""
@@ -113,7 +120,10 @@ def _index_problems(
         return [*problems, f"the indexes cannot be walked: LMDB: {exc}"]
     found = Counter(state for state, _, _ in states.values())
     if dict(found) != {s: n for s, n in counts.items() if n}:
-        shown = ", ".join(f"{s.value} {counts.get(s, 0)} counted, {found.get(s, 0)} found" for s in GroupState
-                          if counts.get(s, 0) != found.get(s, 0))
+        shown = ", ".join(
+            f"{s.value} {counts.get(s, 0)} counted, {found.get(s, 0)} found"
+            for s in GroupState
+            if counts.get(s, 0) != found.get(s, 0)
+        )
         problems.append(f"the per-state counters disagree with the state entries: {shown}")
     return problems + counter_problems(counts, entries)

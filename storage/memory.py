@@ -235,7 +235,8 @@ class MemoryStore:
         self._check_open()
         return {
             step: decode_step_metrics(raw, key=f"metrics/{step}")
-            for step, raw in sorted(self._step_metrics.items()) if step >= first
+            for step, raw in sorted(self._step_metrics.items())
+            if step >= first
         }
 
     def trained_step(self) -> int:

@@ -65,8 +65,14 @@ def salvage_store(path: str | os.PathLike[str]) -> Salvage:
         return Salvage(None, None, (f"{path} does not open: {exc}",))
     if repaired:
         note = f"{repaired}; read from the other meta page (the last commit or the one before it)"
-        return Salvage(salvage.cursor, salvage.trained_step, (note, *salvage.problems), salvage.partial,
-                       salvage.ready, salvage.damaged)
+        return Salvage(
+            salvage.cursor,
+            salvage.trained_step,
+            (note, *salvage.problems),
+            salvage.partial,
+            salvage.ready,
+            salvage.damaged,
+        )
     return salvage
 
 
@@ -134,15 +140,23 @@ def _read_env(path: str) -> Salvage:
     finally:
         env.close()
     lost = tuple(f"the {tree} tree is damaged and was not read: {why}" for tree, why in damaged.items())
-    return Salvage(salvage.cursor, salvage.trained_step, (*lost, *salvage.problems), salvage.partial,
-                   salvage.ready, salvage.damaged)
+    return Salvage(
+        salvage.cursor,
+        salvage.trained_step,
+        (*lost, *salvage.problems),
+        salvage.partial,
+        salvage.ready,
+        salvage.damaged,
+    )
 
 
 def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage:
     meta = dbs[keys.META]
     raw_layout = txn.get(keys.META_LAYOUT, db=meta)
-    layout = LEGACY_LAYOUT if raw_layout is None else parse_layout(
-        bytes(raw_layout), where=keys.describe(keys.META, keys.META_LAYOUT)
+    layout = (
+        LEGACY_LAYOUT
+        if raw_layout is None
+        else parse_layout(bytes(raw_layout), where=keys.describe(keys.META, keys.META_LAYOUT))
     )
     if layout > LAYOUT_VERSION:
         newer = (
@@ -182,8 +196,12 @@ def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage
 
 
 def _groups(
-    txn: lmdb.Transaction, dbs: Databases, read: Callable[[bytes, bytes], bytes | None],
-    problems: list[str], *, sealed: bool,
+    txn: lmdb.Transaction,
+    dbs: Databases,
+    read: Callable[[bytes, bytes], bytes | None],
+    problems: list[str],
+    *,
+    sealed: bool,
 ) -> tuple[list[Group], list[Group], list[str]]:
     """The unfinished groups, each read on its own; a damaged one is named in `damaged`."""
     entries: list[tuple[str, GroupState]] = []

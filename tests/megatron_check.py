@@ -23,13 +23,16 @@ def fixed_batch(reference):
     for g, task in enumerate(toy_dataset(2, seed=0)):
         tokens = [(*encode(a), EOS_ID) for a in ("b", "bb", "xyz", "7 = 3+4")]
         blank = [Sample(index=i, prompt_ids=task.prompt_ids) for i in range(len(tokens))]
-        drafts = [s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
-                  for s, t in zip(blank, tokens, strict=True)]
+        drafts = [
+            s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
+            for s, t in zip(blank, tokens, strict=True)
+        ]
         # Behaviour log-probs a little off the trainer's, so TIS weights are not all 1 (some hit the cap).
         behaviour = [[x - 0.9 * ((j + g) % 3 - 1) for j, x in enumerate(lp)] for lp in reference.logprobs(drafts)]
         samples = [
-            dataclasses.replace(s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16),
-                                reward=float(i % 3))
+            dataclasses.replace(
+                s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16), reward=float(i % 3)
+            )
             for i, (s, t, lp) in enumerate(zip(blank, tokens, behaviour, strict=True))
         ]
         groups.append(Group.fresh(task, epoch=0, n_samples=4, version=0, seq=g).with_samples(samples))
@@ -38,8 +41,13 @@ def fixed_batch(reference):
 
 VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on both trainers
     "default": {},
-    "icepop-seqmean-opsm": {"correction": "icepop", "tis_clip_low": 0.5, "aggregation": "seq-mean-token-mean",
-                            "use_opsm": True, "opsm_delta": 0.0},
+    "icepop-seqmean-opsm": {
+        "correction": "icepop",
+        "tis_clip_low": 0.5,
+        "aggregation": "seq-mean-token-mean",
+        "use_opsm": True,
+        "opsm_delta": 0.0,
+    },
     "seqmask-tokenmean": {"correction": "seq-mask", "tis_clip_low": 0.3, "tis_clip": 1.5},
 }
 
@@ -70,8 +78,16 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
     torch_metrics = torch_trainer.train_step(batch)
     torch_trainer.save_weights(out / "torch")
 
-    mg = start_megatron_trainer(model, world_size=world, tp=tp, log_dir=out / "logs", device=device,
-                                loss=settings, lr=1e-2, micro_batch_size=micro)
+    mg = start_megatron_trainer(
+        model,
+        world_size=world,
+        tp=tp,
+        log_dir=out / "logs",
+        device=device,
+        loss=settings,
+        lr=1e-2,
+        micro_batch_size=micro,
+    )
     try:
         mg_lp = mg.logprobs(batch.samples)
         mg_metrics = mg.train_step(batch)
@@ -81,7 +97,8 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
     a, b = load_file(str(out / "torch" / "model.safetensors")), load_file(str(out / "megatron" / "model.safetensors"))
     base = load_file(str(model / "model.safetensors"))
     result = {
-        "torch": torch_metrics, "megatron": mg_metrics,
+        "torch": torch_metrics,
+        "megatron": mg_metrics,
         "logprob_diff": max(
             abs(x - y) for p, q in zip(torch_lp, mg_lp, strict=True) for x, y in zip(p, q, strict=True)
         ),
@@ -94,5 +111,11 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 8,
-         sys.argv[5] if len(sys.argv) > 5 else "cpu", sys.argv[6] if len(sys.argv) > 6 else "default")
+    main(
+        Path(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        int(sys.argv[4]) if len(sys.argv) > 4 else 8,
+        sys.argv[5] if len(sys.argv) > 5 else "cpu",
+        sys.argv[6] if len(sys.argv) > 6 else "default",
+    )

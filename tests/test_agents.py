@@ -113,12 +113,20 @@ async def rig(model_dir: Path, store: AsyncStore, agent: Agent, n_prompts: int =
     ):
         engine = Recording(fleet)
         pool = GeneratorPool(
-            engine, slots=8, sampling_params=PARAMS, max_response_len=64, clock=clock, store=store,
-            admission=admission, agent=agent,
+            engine,
+            slots=8,
+            sampling_params=PARAMS,
+            max_response_len=64,
+            clock=clock,
+            store=store,
+            admission=admission,
+            agent=agent,
         )
         to_pool_send, to_pool = anyio.create_memory_object_stream[Group](0)
         to_collect_send, to_collect = anyio.create_memory_object_stream[Group](4)
-        await tg.start(Dispenser(store, dataset, n_samples=N_SAMPLES, clock=clock, admission=admission).run, to_pool_send)
+        await tg.start(
+            Dispenser(store, dataset, n_samples=N_SAMPLES, clock=clock, admission=admission).run, to_pool_send
+        )
         await tg.start(pool.run, to_pool, to_collect_send)
         await tg.start(Collector(store=store, admission=admission, capacity=math.inf).run, to_collect)
         yield Rig(pool, admission, engine, server, store)
@@ -134,7 +142,7 @@ def check_alignment(sample: Sample) -> None:
     for at in tool_at:
         assert sample.response_ids[at : at + len(TOOL)] == TOOL
         assert sample.logprobs[at : at + len(TOOL)] == (0.0,) * len(TOOL)
-    assert all(lp < 0 for lp, m in zip(sample.logprobs, sample.loss_mask) if m)
+    assert all(lp < 0 for lp, m in zip(sample.logprobs, sample.loss_mask, strict=True) if m)
     assert sample.spans and sample.spans[0].start == 0 and sample.spans[-1].end == sample.response_len
 
 
@@ -167,7 +175,9 @@ async def test_a_multi_turn_transcript_keeps_every_model_token_and_masks_the_too
             assert sample.logprobs[start : start + TURN_LEN] == tuple(res.logprobs)
 
 
-async def test_aborts_mid_turn_and_between_turns_continue_the_same_conversation(model_dir: Path, tmp_path: Path) -> None:
+async def test_aborts_mid_turn_and_between_turns_continue_the_same_conversation(
+    model_dir: Path, tmp_path: Path
+) -> None:
     reference, _ = await run_uninterrupted(model_dir)
     global GATE
     GATE = ToolGate()

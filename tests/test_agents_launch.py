@@ -42,7 +42,9 @@ def check_conversation(s: Sample) -> None:
         return
     assert len(turns) == 2 and CALL in turns[0] and len(turns[0]) <= CALL_TURN_LEN
     assert len(tool) == 3 and tool == list(range(tool[0], tool[0] + 3))  # "=c." once, in one place
-    assert all(s.logprobs[i] == 0.0 for i in tool) and all(s.logprobs[i] < 0 for i in range(s.response_len) if s.loss_mask[i])
+    assert all(s.logprobs[i] == 0.0 for i in tool) and all(
+        s.logprobs[i] < 0 for i in range(s.response_len) if s.loss_mask[i]
+    )
 
 
 def test_the_built_in_tool_task_learns(tmp_path: Path) -> None:
@@ -57,8 +59,18 @@ def test_partial_and_async_rollout_keep_agent_transcripts_on_lmdb(tmp_path: Path
     for mode in ("sync", "async"):
         out = tmp_path / mode
         records = run(
-            out, "--num-rollout", "4", "--rollout-mode", mode, "--partial-rollout", "--over-sampling-batch-size", "16",
-            "--rollout-data-transport", "lmdb", "--max-staleness", "1",
+            out,
+            "--num-rollout",
+            "4",
+            "--rollout-mode",
+            mode,
+            "--partial-rollout",
+            "--over-sampling-batch-size",
+            "16",
+            "--rollout-data-transport",
+            "lmdb",
+            "--max-staleness",
+            "1",
         )
         assert len(records) == 4
         with LmdbStore(out / "rollout_data", readonly=True) as store:

@@ -75,7 +75,12 @@ class Rig:
         astore = AsyncStore(store)
         self.dispenser = Dispenser(astore, dataset(), n_samples=N_SAMPLES, clock=clock, admission=self.admission)
         self.pool = GeneratorPool(
-            fleet, slots=16, sampling_params={}, max_response_len=MAX_LEN, clock=clock, store=astore,
+            fleet,
+            slots=16,
+            sampling_params={},
+            max_response_len=MAX_LEN,
+            clock=clock,
+            store=astore,
             admission=self.admission,
         )
         self.collector = Collector(store=astore, admission=self.admission, capacity=math.inf)
@@ -309,8 +314,15 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
     store, clock = WatchedStore(), VersionClock()
     trainer = GatedTrainer(clock)
     plan = RolloutPlan(
-        mode="async", batch_size=batch, n_samples=N_SAMPLES, num_steps=steps, max_staleness=staleness,
-        prefetch=2 * batch, slots=32, max_response_len=MAX_LEN, seed=3,
+        mode="async",
+        batch_size=batch,
+        n_samples=N_SAMPLES,
+        num_steps=steps,
+        max_staleness=staleness,
+        prefetch=2 * batch,
+        slots=32,
+        max_response_len=MAX_LEN,
+        seed=3,
     )
     ahead_while_training = []
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=32) as fleet:
@@ -326,9 +338,16 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
 
                 tg.start_soon(drive)
                 summary = await run_pipeline(
-                    plan, engines=fleet, store=AsyncStore(store), trainer=trainer, dataset=dataset(),
-                    reward_fn=lambda task, sample: 1.0, filter_fn=None, weights_dir=tmp_path / "w",
-                    metrics=MetricsSink(None), clock=clock,
+                    plan,
+                    engines=fleet,
+                    store=AsyncStore(store),
+                    trainer=trainer,
+                    dataset=dataset(),
+                    reward_fn=lambda task, sample: 1.0,
+                    filter_fn=None,
+                    weights_dir=tmp_path / "w",
+                    metrics=MetricsSink(None),
+                    clock=clock,
                 )
     trainer.close()
 
@@ -369,9 +388,15 @@ async def test_a_crashed_stage_surfaces_from_run_pipeline(mode, broken, tmp_path
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
             await run_pipeline(
-                plan, engines=fleet, store=AsyncStore(store), trainer=QuickTrainer(), dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0, filter_fn=broken_filter if broken == "filter" else None,
-                weights_dir=tmp_path / "w", metrics=MetricsSink(None),
+                plan,
+                engines=fleet,
+                store=AsyncStore(store),
+                trainer=QuickTrainer(),
+                dataset=dataset(),
+                reward_fn=lambda task, sample: 1.0,
+                filter_fn=broken_filter if broken == "filter" else None,
+                weights_dir=tmp_path / "w",
+                metrics=MetricsSink(None),
             )
     causes = leaves(info.value)
     expected = (StoreError, "disk is read-only") if broken == "store" else (RuntimeError, "filter bug")
@@ -394,9 +419,15 @@ async def test_a_dead_engine_fails_the_run_instead_of_hanging(mode, tmp_path):
                 tg.start_soon(kill)
                 with anyio.fail_after(15), pytest.raises(BaseExceptionGroup) as info:
                     await run_pipeline(
-                        plan, engines=fleet, store=AsyncStore(MemoryStore()), trainer=QuickTrainer(),
-                        dataset=dataset(), reward_fn=lambda task, sample: 1.0, filter_fn=None,
-                        weights_dir=tmp_path / "w", metrics=MetricsSink(None),
+                        plan,
+                        engines=fleet,
+                        store=AsyncStore(MemoryStore()),
+                        trainer=QuickTrainer(),
+                        dataset=dataset(),
+                        reward_fn=lambda task, sample: 1.0,
+                        filter_fn=None,
+                        weights_dir=tmp_path / "w",
+                        metrics=MetricsSink(None),
                     )
     causes = leaves(info.value)
     assert any(isinstance(e, EngineUnavailableError) and url in str(e) for e in causes), causes
@@ -419,17 +450,31 @@ async def test_async_run_in_each_pause_mode_accounts_for_every_group(mode, tmp_p
             return {"loss": 0.0}
 
     plan = RolloutPlan(
-        mode="async", batch_size=2, n_samples=N_SAMPLES, num_steps=4, max_staleness=1, pause_mode=mode,
-        slots=8, max_response_len=24, seed=5,
+        mode="async",
+        batch_size=2,
+        n_samples=N_SAMPLES,
+        num_steps=4,
+        max_staleness=1,
+        pause_mode=mode,
+        slots=8,
+        max_response_len=24,
+        seed=5,
     )
     token_fn = default_token_fn(eos_token_id=0, eos_every=6)
     fake_engine = FakeSGLang(weight_version="0", token_fn=token_fn)
     async with fake_engine as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         with anyio.fail_after(20):
             summary = await run_pipeline(
-                plan, engines=fleet, store=AsyncStore(store), trainer=Trainer(), dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0, filter_fn=None, weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None), clock=clock,
+                plan,
+                engines=fleet,
+                store=AsyncStore(store),
+                trainer=Trainer(),
+                dataset=dataset(),
+                reward_fn=lambda task, sample: 1.0,
+                filter_fn=None,
+                weights_dir=tmp_path / "w",
+                metrics=MetricsSink(None),
+                clock=clock,
             )
         assert fake.calls["/flush_cache"] == (4 if mode == "abort" else 0)
     assert summary.final_version == 4 == clock.statistics().publishes
@@ -450,16 +495,28 @@ async def test_async_run_ends_with_the_long_tail_stored_as_partial(tmp_path):
     store as partial groups once, not hand each one back to the still-running feeder forever."""
     store = MemoryStore()
     plan = RolloutPlan(
-        mode="async", batch_size=2, n_samples=N_SAMPLES, num_steps=3, slots=16, max_response_len=48, seed=7,
+        mode="async",
+        batch_size=2,
+        n_samples=N_SAMPLES,
+        num_steps=3,
+        slots=16,
+        max_response_len=48,
+        seed=7,
     )
     async with FakeSGLang(weight_version="0", token_fn=lengths_by_prompt, eos_token_id=EOS) as fake:
         async with EngineFleet([fake.url], concurrency=16) as fleet, anyio.create_task_group() as tg:
             tg.start_soon(drive_long_tail, fake)
             with anyio.fail_after(15):
                 summary = await run_pipeline(
-                    plan, engines=fleet, store=AsyncStore(store), trainer=QuickTrainer(),
-                    dataset=long_tail_dataset(64), reward_fn=lambda task, sample: 1.0, filter_fn=None,
-                    weights_dir=tmp_path / "w", metrics=MetricsSink(None),
+                    plan,
+                    engines=fleet,
+                    store=AsyncStore(store),
+                    trainer=QuickTrainer(),
+                    dataset=long_tail_dataset(64),
+                    reward_fn=lambda task, sample: 1.0,
+                    filter_fn=None,
+                    weights_dir=tmp_path / "w",
+                    metrics=MetricsSink(None),
                 )
             tg.cancel_scope.cancel()
     assert summary.final_version == 3
@@ -476,13 +533,25 @@ async def test_async_run_ends_with_a_full_collector(tmp_path):
     must still land as ready, not wait for a batch that will never be taken."""
     store = MemoryStore()
     plan = RolloutPlan(
-        mode="async", batch_size=2, n_samples=N_SAMPLES, num_steps=2, prefetch=0, slots=16, max_response_len=MAX_LEN,
+        mode="async",
+        batch_size=2,
+        n_samples=N_SAMPLES,
+        num_steps=2,
+        prefetch=0,
+        slots=16,
+        max_response_len=MAX_LEN,
     )
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=16) as fleet:
         with anyio.fail_after(10):
             await run_pipeline(
-                plan, engines=fleet, store=AsyncStore(store), trainer=QuickTrainer(), dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0, filter_fn=None, weights_dir=tmp_path / "w",
+                plan,
+                engines=fleet,
+                store=AsyncStore(store),
+                trainer=QuickTrainer(),
+                dataset=dataset(),
+                reward_fn=lambda task, sample: 1.0,
+                filter_fn=None,
+                weights_dir=tmp_path / "w",
                 metrics=MetricsSink(None),
             )
     counts = {s: store.count(s) for s in GroupState}

@@ -85,9 +85,7 @@ def groups(draw: st.DrawFn) -> Group:
         if draw(st.booleans()):  # a sample whose prompt differs from its task's (agent turns)
             changes["prompt_ids"] = tuple(draw(st.lists(token_ids, max_size=4)))
         samples.append(dataclasses.replace(sample, **changes))
-    return dataclasses.replace(
-        group.with_samples(samples), rejected_reason=draw(st.none() | st.text(max_size=12))
-    )
+    return dataclasses.replace(group.with_samples(samples), rejected_reason=draw(st.none() | st.text(max_size=12)))
 
 
 def _lp_bits(group: Group) -> list[bytes]:
@@ -136,8 +134,10 @@ def test_big_group_round_trip_and_shared_prompt_is_kept_once() -> None:
 def test_nan_and_signed_zero_log_probs_keep_their_bits() -> None:
     task = PromptTask(index=0, prompt_ids=(1,))
     lps = (math.nan, -0.0, -math.inf, 5e-324)
-    sample = Group.fresh(task, epoch=0, n_samples=1, version=0, seq=0).samples[0].extended(
-        Segment((1, 2, 3, 4), lps, FinishReason.STOP, 0), max_response_len=10
+    sample = (
+        Group.fresh(task, epoch=0, n_samples=1, version=0, seq=0)
+        .samples[0]
+        .extended(Segment((1, 2, 3, 4), lps, FinishReason.STOP, 0), max_response_len=10)
     )
     group = Group.fresh(task, epoch=0, n_samples=1, version=0, seq=0).with_samples([sample])
     back = decode_group(encode_group(group))

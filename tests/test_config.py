@@ -64,8 +64,7 @@ def write(path: Path, text: str) -> Path:
 
 def test_defaults():
     config = load_config([])
-    r, d, e, s, t, o = (config.rollout, config.data, config.engine, config.storage, config.trainer,
-                        config.output)
+    r, d, e, s, t, o = (config.rollout, config.data, config.engine, config.storage, config.trainer, config.output)
     assert (r.mode, r.rollout_batch_size, r.n_samples_per_prompt) == ("sync", 8, 8)
     assert (r.partial_rollout, r.mask_offpolicy_in_partial_rollout, r.max_response_len) == (False, False, 64)
     assert (r.temperature, r.top_p, r.top_k, r.num_rollout) == (1.0, 1.0, -1, 100)
@@ -91,8 +90,9 @@ def test_derived_defaults_follow_what_they_derive_from():
     assert config.storage.data_dir == Path("runs/exp-1/rollout_data")
     assert config.trainer.eps_clip_high == 0.3
 
-    config = load_config(["--save", "/tmp/out", "--rollout-prefetch", "0", "--over-sampling-batch-size", "3",
-                          "--partial-rollout"])
+    config = load_config(
+        ["--save", "/tmp/out", "--rollout-prefetch", "0", "--over-sampling-batch-size", "3", "--partial-rollout"]
+    )
     assert config.output.dir == Path("/tmp/out")
     assert config.output.metrics_file == Path("/tmp/out/metrics.jsonl")
     assert config.storage.data_dir == Path("/tmp/out/rollout_data")
@@ -101,8 +101,18 @@ def test_derived_defaults_follow_what_they_derive_from():
 
 
 def test_explicit_paths_win_over_derived_ones():
-    config = load_config(["--output-dir", "o", "--metrics-file", "m.jsonl", "--rollout-data-dir", "d",
-                          "--rollout-data-transport", "lmdb"])
+    config = load_config(
+        [
+            "--output-dir",
+            "o",
+            "--metrics-file",
+            "m.jsonl",
+            "--rollout-data-dir",
+            "d",
+            "--rollout-data-transport",
+            "lmdb",
+        ]
+    )
     assert (config.output.metrics_file, config.storage.data_dir) == (Path("m.jsonl"), Path("d"))
     assert config.warnings == ()
 
@@ -123,8 +133,17 @@ def test_over_sampling_without_partial_rollout_warns():
 
 
 def test_other_legal_but_odd_settings_warn():
-    warnings = load_config(["--mask-offpolicy-in-partial-rollout", "--n-samples-per-prompt", "1",
-                            "--rollout-data-dir", "x", "--engine-host", "0.0.0.0"]).warnings
+    warnings = load_config(
+        [
+            "--mask-offpolicy-in-partial-rollout",
+            "--n-samples-per-prompt",
+            "1",
+            "--rollout-data-dir",
+            "x",
+            "--engine-host",
+            "0.0.0.0",
+        ]
+    ).warnings
     assert any(w.startswith("--mask-offpolicy-in-partial-rollout without --partial-rollout") for w in warnings)
     assert any(w.startswith("--n-samples-per-prompt=1") for w in warnings)
     assert any(w.startswith("--rollout-data-dir='x' with --rollout-data-transport=memory") for w in warnings)
@@ -143,7 +162,9 @@ def test_the_tree_is_frozen():
 
 
 def test_toml_then_flags_override(tmp_path):
-    toml = write(tmp_path / "run.toml", """
+    toml = write(
+        tmp_path / "run.toml",
+        """
 [rollout]
 mode = "async"
 rollout_batch_size = 4
@@ -159,7 +180,8 @@ run_id = "from-toml"
 
 [trainer]
 use_tis = false
-""")
+""",
+    )
     config = load_config(["--config", str(toml), "--rollout-batch-size", "6", "--no-partial-rollout"])
     assert config.rollout.mode == "async"  # from the file
     assert config.rollout.rollout_batch_size == 6  # the flag wins
@@ -185,7 +207,9 @@ def test_repeated_url_flags_replace_the_file_list(tmp_path):
 
 
 def test_toml_problems_name_section_key_and_file(tmp_path):
-    toml = write(tmp_path / "bad.toml", """
+    toml = write(
+        tmp_path / "bad.toml",
+        """
 [rollout]
 rollout_batch_size = "8"
 rollout-max-response-len = 5
@@ -194,23 +218,22 @@ top_p = 0
 
 [rollouts]
 mode = "async"
-""")
+""",
+    )
     problems = problems_of(["--config", str(toml)])
-    assert f"--rollout-batch-size='8' ([rollout] rollout_batch_size in {toml}): must be an integer, got str" \
-        in problems
+    assert f"--rollout-batch-size='8' ([rollout] rollout_batch_size in {toml}): must be an integer, got str" in problems
     # Keys are the field names, not the flag names; the hint says which one was meant.
-    assert f"{toml}: unknown key 'rollout-max-response-len' in [rollout] (did you mean max_response_len?)" \
-        in problems
+    assert f"{toml}: unknown key 'rollout-max-response-len' in [rollout] (did you mean max_response_len?)" in problems
     assert f"{toml}: unknown key 'hf_checkpoint' in [rollout] (it belongs in [engine])" in problems
     assert f"--rollout-top-p=0.0 ([rollout] top_p in {toml}): must be in (0, 1]" in problems
-    assert any(p.startswith(f"{toml}: unknown section [rollouts]") and "did you mean rollout?" in p
-               for p in problems)
+    assert any(p.startswith(f"{toml}: unknown section [rollouts]") and "did you mean rollout?" in p for p in problems)
     assert len(problems) == 5
 
 
 def test_toml_file_missing_or_malformed(tmp_path):
     assert problems_of(["--config", str(tmp_path / "nope.toml")]) == [
-        f"--config={str(tmp_path / 'nope.toml')!r}: file not found"]
+        f"--config={str(tmp_path / 'nope.toml')!r}: file not found"
+    ]
     broken = write(tmp_path / "broken.toml", "[rollout\n")
     [problem] = problems_of(["--config", str(broken)])
     assert problem.startswith(f"--config={str(broken)!r}: not valid TOML")
@@ -220,19 +243,32 @@ def test_toml_file_missing_or_malformed(tmp_path):
 
 
 def test_several_bad_values_reported_together():
-    problems = problems_of([
-        "--rollout-batch-size", "0",
-        "--n-samples-per-prompt", "abc",
-        "--rollout-temperature", "0",
-        "--rollout-top-p", "1.5",
-        "--rollout-top-k", "0",
-        "--max-staleness", "-1",
-        "--rollout-mode", "fast",
-        "--lr", "nan",
-        "--reward-timeout", "-3",
-        "--rollout-queue-run-id", "../escape",
-        "--log-level", "loud",
-    ])
+    problems = problems_of(
+        [
+            "--rollout-batch-size",
+            "0",
+            "--n-samples-per-prompt",
+            "abc",
+            "--rollout-temperature",
+            "0",
+            "--rollout-top-p",
+            "1.5",
+            "--rollout-top-k",
+            "0",
+            "--max-staleness",
+            "-1",
+            "--rollout-mode",
+            "fast",
+            "--lr",
+            "nan",
+            "--reward-timeout",
+            "-3",
+            "--rollout-queue-run-id",
+            "../escape",
+            "--log-level",
+            "loud",
+        ]
+    )
     expected = [
         "--rollout-batch-size=0: must be >= 1",
         "--n-samples-per-prompt='abc': must be an integer",
@@ -252,9 +288,18 @@ def test_several_bad_values_reported_together():
 
 
 def test_unknown_flags_are_collected_with_suggestions():
-    problems = problems_of(["--partail-rollout", "--rollout-batchsize", "8", "--rollout-function-path",
-                            "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
-                            "--rollout-batch-size", "x", "stray"])
+    problems = problems_of(
+        [
+            "--partail-rollout",
+            "--rollout-batchsize",
+            "8",
+            "--rollout-function-path",
+            "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+            "--rollout-batch-size",
+            "x",
+            "stray",
+        ]
+    )
     assert "--partail-rollout: unknown flag (did you mean --partial-rollout?)" in problems
     assert "--rollout-batchsize: unknown flag (did you mean --rollout-batch-size?)" in problems
     assert "--rollout-function-path: unknown flag (async rollout is --rollout-mode async here)" in problems
@@ -266,7 +311,8 @@ def test_unknown_flags_are_collected_with_suggestions():
 def test_abbreviated_flags_are_refused():
     # argparse would take `--rollout-batch` for --rollout-batch-size; a typo must not pick a flag.
     assert problems_of(["--rollout-batch", "4"]) == [
-        "--rollout-batch: unknown flag (did you mean --rollout-batch-size?)"]
+        "--rollout-batch: unknown flag (did you mean --rollout-batch-size?)"
+    ]
 
 
 def test_a_flag_without_its_value_names_the_flag():
@@ -276,19 +322,30 @@ def test_a_flag_without_its_value_names_the_flag():
 # --- forbidden combinations --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("argv", "rule"), [
-    (["--rollout-mode", "async", "--eval-interval", "5"],
-     "--eval-interval=5 with --rollout-mode=async: async rollout does not run inline evaluation; "
-     "evaluate separately"),
-    (["--rollout-mode", "async", "--rollout-all-samples-process-path", "tests.test_config:keep_all"],
-     "--rollout-all-samples-process-path='tests.test_config:keep_all' with --rollout-mode=async: async rollout "
-     "does not support --rollout-all-samples-process-path"),
-    (["--rollout-data-transport", "lmdb", "--buffer-filter-path", "tests.test_config:keep_all"],
-     "--buffer-filter-path='tests.test_config:keep_all' with --rollout-data-transport=lmdb: the LMDB store has "
-     "its own durable ordering"),
-    (["--sglang-url", "http://127.0.0.1:1", "--sglang-router-url", "http://127.0.0.1:2"],
-     "--sglang-router-url='http://127.0.0.1:2' with --sglang-url: pass engine URLs or one router URL, not both"),
-])
+@pytest.mark.parametrize(
+    ("argv", "rule"),
+    [
+        (
+            ["--rollout-mode", "async", "--eval-interval", "5"],
+            "--eval-interval=5 with --rollout-mode=async: async rollout does not run inline evaluation; "
+            "evaluate separately",
+        ),
+        (
+            ["--rollout-mode", "async", "--rollout-all-samples-process-path", "tests.test_config:keep_all"],
+            "--rollout-all-samples-process-path='tests.test_config:keep_all' with --rollout-mode=async: async rollout "
+            "does not support --rollout-all-samples-process-path",
+        ),
+        (
+            ["--rollout-data-transport", "lmdb", "--buffer-filter-path", "tests.test_config:keep_all"],
+            "--buffer-filter-path='tests.test_config:keep_all' with --rollout-data-transport=lmdb: the LMDB store has "
+            "its own durable ordering",
+        ),
+        (
+            ["--sglang-url", "http://127.0.0.1:1", "--sglang-router-url", "http://127.0.0.1:2"],
+            "--sglang-router-url='http://127.0.0.1:2' with --sglang-url: pass engine URLs or one router URL, not both",
+        ),
+    ],
+)
 def test_forbidden_combinations_name_their_rule(argv, rule):
     [problem] = problems_of(argv)
     assert problem.startswith(rule)
@@ -309,8 +366,18 @@ def test_forbidden_combination_from_file_and_flag(tmp_path):
 
 
 def test_engine_rules():
-    problems = problems_of(["--sglang-url", "localhost:30000", "--sglang-url", "http://h:1",
-                            "--sglang-url", "http://h:1/", "--rollout-num-engines", "3"])
+    problems = problems_of(
+        [
+            "--sglang-url",
+            "localhost:30000",
+            "--sglang-url",
+            "http://h:1",
+            "--sglang-url",
+            "http://h:1/",
+            "--rollout-num-engines",
+            "3",
+        ]
+    )
     assert "--sglang-url='localhost:30000': must be an http(s)://host:port URL" in problems
     assert "--sglang-url='http://h:1': given more than once" in problems
     assert len(problems) == 2  # 3 URLs and 3 engines agree
@@ -324,18 +391,32 @@ def test_engine_rules():
 def test_prompt_file_needs_a_reward_and_must_exist(tmp_path):
     missing = tmp_path / "missing.jsonl"
     problems = problems_of(["--prompt-data", str(missing)])
-    assert f"--prompt-data={str(missing)!r}: a JSONL prompt file needs --custom-rm-path (the built-in reward " \
+    assert (
+        f"--prompt-data={str(missing)!r}: a JSONL prompt file needs --custom-rm-path (the built-in reward "
         "only scores the toy task)" in problems
+    )
     assert f"--prompt-data={str(missing)!r}: file not found" in problems
 
 
 def test_prompt_file_first_record_checks_the_keys(tmp_path):
     data = write(tmp_path / "p.jsonl", '\n{"question": "1+1", "answer": "2"}\n')
     [problem] = problems_of(["--prompt-data", str(data), "--custom-rm-path", "tests.test_config:toy_reward"])
-    assert problem == f"--input-key='prompt': the first record of {str(data)!r} has no such key " \
+    assert (
+        problem == f"--input-key='prompt': the first record of {str(data)!r} has no such key "
         "(keys: 'question', 'answer')"
-    config = load_config(["--prompt-data", str(data), "--custom-rm-path", "tests.test_config:toy_reward",
-                          "--input-key", "question", "--label-key", "answer"])
+    )
+    config = load_config(
+        [
+            "--prompt-data",
+            str(data),
+            "--custom-rm-path",
+            "tests.test_config:toy_reward",
+            "--input-key",
+            "question",
+            "--label-key",
+            "answer",
+        ]
+    )
     assert config.data.prompt_data == data and config.data.reward_fn is toy_reward
     assert config.warnings == ()
 
@@ -344,8 +425,14 @@ def test_prompt_file_first_record_checks_the_keys(tmp_path):
 
 
 def test_good_plugin_paths_are_resolved_onto_the_tree():
-    config = load_config(["--custom-rm-path", "tests.test_config:toy_reward",
-                          "--dynamic-sampling-filter-path", "tests.test_config.keep_all"])  # slime's spelling
+    config = load_config(
+        [
+            "--custom-rm-path",
+            "tests.test_config:toy_reward",
+            "--dynamic-sampling-filter-path",
+            "tests.test_config.keep_all",
+        ]
+    )  # slime's spelling
     assert config.data.reward_fn is toy_reward
     assert config.data.filter_fn is keep_all
     assert config.data.all_samples_process_fn is None and config.data.buffer_filter_fn is None
@@ -354,19 +441,23 @@ def test_good_plugin_paths_are_resolved_onto_the_tree():
 def test_bad_plugin_paths_fail_at_load_all_together(tmp_path, monkeypatch):
     write(tmp_path / "cfgtest_broken_plugin.py", "raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    problems = problems_of([
-        "--custom-rm-path", "tests.no_such_module:fn",
-        "--dynamic-sampling-filter-path", "tests.test_config:no_such_fn",
-        "--rollout-all-samples-process-path", "tests.test_config:NOT_CALLABLE",
-        "--buffer-filter-path", "cfgtest_broken_plugin:fn",
-    ])
+    problems = problems_of(
+        [
+            "--custom-rm-path",
+            "tests.no_such_module:fn",
+            "--dynamic-sampling-filter-path",
+            "tests.test_config:no_such_fn",
+            "--rollout-all-samples-process-path",
+            "tests.test_config:NOT_CALLABLE",
+            "--buffer-filter-path",
+            "cfgtest_broken_plugin:fn",
+        ]
+    )
     assert problems == [
-        "--custom-rm-path='tests.no_such_module:fn': module 'tests.no_such_module' not found "
-        "(is it on PYTHONPATH?)",
+        "--custom-rm-path='tests.no_such_module:fn': module 'tests.no_such_module' not found (is it on PYTHONPATH?)",
         "--dynamic-sampling-filter-path='tests.test_config:no_such_fn': 'tests.test_config' has no attribute "
         "'no_such_fn'",
-        "--rollout-all-samples-process-path='tests.test_config:NOT_CALLABLE': 'NOT_CALLABLE' is a int, "
-        "not a callable",
+        "--rollout-all-samples-process-path='tests.test_config:NOT_CALLABLE': 'NOT_CALLABLE' is a int, not a callable",
         "--buffer-filter-path='cfgtest_broken_plugin:fn': importing module 'cfgtest_broken_plugin' failed: "
         "RuntimeError: boom at import",
     ]
@@ -424,8 +515,17 @@ def test_config_dict_loads_back_as_toml(tmp_path):
 
 def test_parser_lists_every_flag_and_boolean_negations():
     help_text = build_parser().format_help()
-    for flag in ("--rollout-mode", "--over-sampling-batch-size", "--sglang-url", "--rollout-data-transport",
-                 "--no-use-tis", "--no-progress", "--save", "--custom-rm-path MODULE:FUNCTION", "--config"):
+    for flag in (
+        "--rollout-mode",
+        "--over-sampling-batch-size",
+        "--sglang-url",
+        "--rollout-data-transport",
+        "--no-use-tis",
+        "--no-progress",
+        "--save",
+        "--custom-rm-path MODULE:FUNCTION",
+        "--config",
+    ):
         assert flag in help_text
     config = load_config(["--no-use-tis", "--no-progress", "--log-level", "debug"])
     assert (config.trainer.use_tis, config.output.progress, config.output.log_level) == (False, False, "debug")
@@ -435,36 +535,55 @@ def test_parser_lists_every_flag_and_boolean_negations():
 
 
 def test_storage_declaration_and_profile_flags(tmp_path):
-    declaration = write(tmp_path / "deployment.json", json.dumps(
-        {"mount_path": "/shared/juicefs", "filesystem": "fuse.juicefs", "durability": {"synced_commits": True}}))
-    config = load_config(["--rollout-data-transport", "lmdb", "--rollout-storage-declaration", str(declaration),
-                          "--rollout-storage-profile", "juicefs"])
+    declaration = write(
+        tmp_path / "deployment.json",
+        json.dumps(
+            {"mount_path": "/shared/juicefs", "filesystem": "fuse.juicefs", "durability": {"synced_commits": True}}
+        ),
+    )
+    config = load_config(
+        [
+            "--rollout-data-transport",
+            "lmdb",
+            "--rollout-storage-declaration",
+            str(declaration),
+            "--rollout-storage-profile",
+            "juicefs",
+        ]
+    )
     s = config.storage
     assert (s.declaration, s.profile) == (declaration, "juicefs")
     assert config.warnings == ()
     defaults = load_config([]).storage
     assert (defaults.declaration, defaults.profile) == (None, None)
-    toml = write(tmp_path / "c.toml", f'[storage]\ntransport = "lmdb"\nprofile = "nfs"\n'
-                                      f'declaration = "{declaration}"\n')
+    toml = write(
+        tmp_path / "c.toml", f'[storage]\ntransport = "lmdb"\nprofile = "nfs"\ndeclaration = "{declaration}"\n'
+    )
     assert load_config(["--config", str(toml)]).storage.profile == "nfs"
 
 
 def test_storage_flag_problems_are_listed_together(tmp_path):
     bad = write(tmp_path / "bad.json", json.dumps({"mount_path": "relative", "filesystem": "nfs4"}))
     problems = problems_of(["--rollout-storage-declaration", str(bad), "--rollout-storage-profile", "gluster"])
-    assert f"--rollout-storage-declaration={str(bad)!r}: mount_path must be an absolute path, got 'relative'" \
-        in problems
+    assert (
+        f"--rollout-storage-declaration={str(bad)!r}: mount_path must be an absolute path, got 'relative'" in problems
+    )
     assert any(p.startswith(f"--rollout-storage-declaration={str(bad)!r}: durability must be") for p in problems)
-    assert "--rollout-storage-profile='gluster': must be one of local, local-unsynced, nfs, juicefs, cephfs, " \
+    assert (
+        "--rollout-storage-profile='gluster': must be one of local, local-unsynced, nfs, juicefs, cephfs, "
         "lustre" in problems
+    )
     assert problems_of(["--rollout-storage-declaration", str(tmp_path / "none.json")]) == [
-        f"--rollout-storage-declaration={str(tmp_path / 'none.json')!r}: file not found"]
+        f"--rollout-storage-declaration={str(tmp_path / 'none.json')!r}: file not found"
+    ]
 
 
 def test_storage_declaration_with_the_memory_transport_warns():
     warnings = load_config(["--rollout-storage-profile", "local"]).warnings
-    assert warnings == ("--rollout-storage-profile='local' with --rollout-data-transport=memory: there is no "
-                        "store on disk to declare; it is ignored",)
+    assert warnings == (
+        "--rollout-storage-profile='local' with --rollout-data-transport=memory: there is no "
+        "store on disk to declare; it is ignored",
+    )
 
 
 def test_gc_keep_steps_flag():
@@ -475,8 +594,16 @@ def test_gc_keep_steps_flag():
 
 
 def test_slime_flags_this_pipeline_does_not_run_are_warned_about_not_ignored():
-    config = load_config(["--eval-interval", "5", "--buffer-filter-path", "stages.filter:reward_std_nonzero",
-                          "--rollout-all-samples-process-path", "stages.filter:reward_std_nonzero"])
+    config = load_config(
+        [
+            "--eval-interval",
+            "5",
+            "--buffer-filter-path",
+            "stages.filter:reward_std_nonzero",
+            "--rollout-all-samples-process-path",
+            "stages.filter:reward_std_nonzero",
+        ]
+    )
     text = "\n".join(config.warnings)
     assert "--eval-interval=5: inline evaluation is not built yet" in text
     assert "--buffer-filter-path=" in text and "--rollout-all-samples-process-path=" in text
@@ -490,7 +617,8 @@ def test_trainer_device_is_checked_against_what_torch_sees():
 
     if not torch.cuda.is_available():
         assert problems_of(["--trainer-device", "cuda"]) == [
-            "--trainer-device='cuda': torch sees no GPU here (a CPU build of torch, or no driver)"]
+            "--trainer-device='cuda': torch sees no GPU here (a CPU build of torch, or no driver)"
+        ]
 
 
 # --- modes as enums, the load step, one home for the trainer's settings -------------------------
@@ -520,8 +648,17 @@ def test_checking_rules_reads_no_file_the_load_step_does(tmp_path):
     """The rules are pure: a prompt file that does not exist is found only by the load step."""
     missing = tmp_path / "missing.jsonl"
     draft = Draft()
-    read_argv(draft, ["--prompt-data", str(missing), "--custom-rm-path", "tests.test_config:toy_reward",
-                      "--sglang-url", "http://h:1/"])
+    read_argv(
+        draft,
+        [
+            "--prompt-data",
+            str(missing),
+            "--custom-rm-path",
+            "tests.test_config:toy_reward",
+            "--sglang-url",
+            "http://h:1/",
+        ],
+    )
     check_bounds(draft)
     check_rules(draft)
     assert draft.problems == [] and draft.resolved == {}
@@ -534,31 +671,48 @@ def test_checking_rules_reads_no_file_the_load_step_does(tmp_path):
 
 def test_loading_the_default_config_imports_neither_torch_nor_plugins():
     # torch takes seconds to import; only a non-cpu --trainer-device needs it at load.
-    code = ("import sys; from pipeline.config import load_config; load_config([]); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from pipeline.config import load_config; load_config([]); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
 
 
 def test_sections_read_back_from_run_metadata_with_defaults_for_what_is_missing():
     config = load_config(["--rollout-mode", "async", "--lr", "0.01", "--no-use-tis", "--save", "/tmp/x"])
     recorded = config_to_dict(config)
-    for name, cls in (("rollout", RolloutConfig), ("engine", EngineConfig), ("storage", StorageConfig),
-                      ("trainer", TrainerConfig), ("output", OutputConfig)):
+    for name, cls in (
+        ("rollout", RolloutConfig),
+        ("engine", EngineConfig),
+        ("storage", StorageConfig),
+        ("trainer", TrainerConfig),
+        ("output", OutputConfig),
+    ):
         assert section_from_dict(cls, recorded[name]) == getattr(config, name)
     # A run recorded before a setting existed reads with the schema's default; unknown keys are ignored.
     old = section_from_dict(TrainerConfig, {"lr": 0.01, "a_setting_since_removed": 1})
     assert (old.lr, old.eps_clip, old.use_tis) == (0.01, 0.2, True)
 
 
-
 def test_fault_tolerance_flags_use_slimes_names_and_defaults():
     plain = load_config([]).engine
     assert not plain.use_fault_tolerance
     assert (plain.health_check_interval, plain.health_check_timeout, plain.health_check_first_wait) == (30.0, 30.0, 0.0)
-    e = load_config([
-        "--use-fault-tolerance", "--rollout-health-check-interval", "2", "--rollout-health-check-timeout", "5",
-        "--rollout-health-check-first-wait", "1", "--min-live-engines", "2", "--rollout-num-engines", "3",
-    ]).engine
+    e = load_config(
+        [
+            "--use-fault-tolerance",
+            "--rollout-health-check-interval",
+            "2",
+            "--rollout-health-check-timeout",
+            "5",
+            "--rollout-health-check-first-wait",
+            "1",
+            "--min-live-engines",
+            "2",
+            "--rollout-num-engines",
+            "3",
+        ]
+    ).engine
     assert (e.use_fault_tolerance, e.health_check_interval, e.health_check_timeout) == (True, 2.0, 5.0)
     assert (e.health_check_first_wait, e.min_live_engines, e.max_engine_restarts) == (1.0, 2, 3)
 

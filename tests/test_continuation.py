@@ -102,8 +102,15 @@ async def test_run_pipeline_refuses_penalties_before_starting_anything(tmp_path)
     plan = RolloutPlan(mode="async", batch_size=1, n_samples=2, num_steps=1, sampling_params={"presence_penalty": 0.3})
     with pytest.raises(ConfigError, match="presence_penalty"):
         await run_pipeline(
-            plan, engines=None, store=None, trainer=None, dataset=[], reward_fn=None,  # type: ignore[arg-type]
-            filter_fn=None, weights_dir=tmp_path, metrics=None,  # type: ignore[arg-type]
+            plan,
+            engines=None,
+            store=None,
+            trainer=None,
+            dataset=[],
+            reward_fn=None,  # type: ignore[arg-type]
+            filter_fn=None,
+            weights_dir=tmp_path,
+            metrics=None,  # type: ignore[arg-type]
         )
 
 
@@ -152,8 +159,14 @@ async def _continue_one_prefix(fake: FakeSGLang, prefix: tuple[int, ...], params
     async with EngineFleet([fake.url], concurrency=4) as fleet, anyio.create_task_group() as tg:
         dispenser = Dispenser(astore, [task], n_samples=1, clock=clock, admission=admission)
         pool = GeneratorPool(
-            fleet, slots=4, sampling_params=params, max_response_len=MAX_LEN, clock=clock, store=astore,
-            admission=admission, detokenize=detok,
+            fleet,
+            slots=4,
+            sampling_params=params,
+            max_response_len=MAX_LEN,
+            clock=clock,
+            store=astore,
+            admission=admission,
+            detokenize=detok,
         )
         collector = Collector(store=astore, admission=admission, capacity=math.inf)
         to_pool_send, to_pool = anyio.create_memory_object_stream(0)

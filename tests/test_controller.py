@@ -101,8 +101,15 @@ async def run(plan, store, tmp_path, fake, sink=None):
         await fleet.update_weight_version("0")
         with anyio.fail_after(60):
             summary = await run_pipeline(
-                plan, engines=fleet, store=AsyncStore(store), trainer=trainer, dataset=dataset(64),
-                reward_fn=reward, filter_fn=None, weights_dir=tmp_path / "w", metrics=sink or MetricsSink(None),
+                plan,
+                engines=fleet,
+                store=AsyncStore(store),
+                trainer=trainer,
+                dataset=dataset(64),
+                reward_fn=reward,
+                filter_fn=None,
+                weights_dir=tmp_path / "w",
+                metrics=sink or MetricsSink(None),
             )
         tg.cancel_scope.cancel()
     return trainer, summary
@@ -189,11 +196,16 @@ async def test_idle_slots_take_more_groups_while_a_partial_round_waits(tmp_path)
         async with FakeSGLang(token_fn=lengths_by_prompt, eos_token_id=EOS) as fake:
             trainer, _ = await run(
                 plan(partial=True, over_sampling=2, num_steps=3, fill_idle_slots=fill),
-                store, tmp_path / str(fill), fake,
+                store,
+                tmp_path / str(fill),
+                fake,
             )
         admitted[fill] = store.statistics().cursor.index
-        check_batches(trainer, store, {(r.rid.rsplit("-s", 1)[0], int(r.rid.rsplit("-s", 1)[1].split("-")[0])): r.seed
-                                       for r in fake.finished})
+        check_batches(
+            trainer,
+            store,
+            {(r.rid.rsplit("-s", 1)[0], int(r.rid.rsplit("-s", 1)[1].split("-")[0])): r.seed for r in fake.finished},
+        )
         # still nothing lost: every admitted group is somewhere in the store
         assert sum(store.count(s) for s in GroupState) == admitted[fill]
     # slime's rule stops admitting once ready + in flight covers the batch; idle slots do not

@@ -24,8 +24,17 @@ from storage import Cursor, GroupState, LmdbStore, keys
 from storage.migrate import layout_value
 from storage.seal import OVERHEAD
 
-FLAGS = ("--rollout-data-transport", "lmdb", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-         "--rollout-max-response-len", "32", "--no-progress")
+FLAGS = (
+    "--rollout-data-transport",
+    "lmdb",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-max-response-len",
+    "32",
+    "--no-progress",
+)
 
 
 def run(out: Path, *, steps: int) -> int:

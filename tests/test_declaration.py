@@ -42,15 +42,18 @@ def test_parse_mountinfo_reads_mount_point_type_and_source() -> None:
     assert len(mounts) == 6
 
 
-@pytest.mark.parametrize(("path", "mount_point", "filesystem"), [
-    ("/data/run-1/rollout_data", "/data", "nfs4"),
-    ("/data", "/data", "nfs4"),
-    ("/data2/run", "/data2", "xfs"),  # a prefix of characters is not a prefix of components
-    ("/database", "/", "ext4"),
-    ("/data/local-tmp/x", "/data/local-tmp", "tmpfs"),  # the longest mount point wins
-    ("/mnt/my disk/store", "/mnt/my disk", "ext4"),
-    ("/shared/juicefs/jobs/r/rollout_data", "/shared/juicefs", "fuse.juicefs"),
-])
+@pytest.mark.parametrize(
+    ("path", "mount_point", "filesystem"),
+    [
+        ("/data/run-1/rollout_data", "/data", "nfs4"),
+        ("/data", "/data", "nfs4"),
+        ("/data2/run", "/data2", "xfs"),  # a prefix of characters is not a prefix of components
+        ("/database", "/", "ext4"),
+        ("/data/local-tmp/x", "/data/local-tmp", "tmpfs"),  # the longest mount point wins
+        ("/mnt/my disk/store", "/mnt/my disk", "ext4"),
+        ("/shared/juicefs/jobs/r/rollout_data", "/shared/juicefs", "fuse.juicefs"),
+    ],
+)
 def test_find_mount_takes_the_longest_whole_component_prefix(path: str, mount_point: str, filesystem: str) -> None:
     found = find_mount(path, parse_mountinfo(MOUNTINFO))
     assert (found.mount_point, found.filesystem) == (mount_point, filesystem)
@@ -66,7 +69,12 @@ def test_which_filesystems_count_as_network() -> None:
 def test_a_local_disk_needs_no_declaration() -> None:
     plan = check_storage("/data2/run/rollout_data", mountinfo=MOUNTINFO)
     assert (plan.data_dir, plan.mount.filesystem, plan.network, plan.sync, plan.declared_by) == (
-        "/data2/run/rollout_data", "xfs", False, True, None)
+        "/data2/run/rollout_data",
+        "xfs",
+        False,
+        True,
+        None,
+    )
     assert plan.store_options() == {"sync": True}
 
 
@@ -74,8 +82,9 @@ def test_an_undeclared_network_filesystem_is_refused_with_how_to_declare_it() ->
     with pytest.raises(StoreError) as info:
         check_storage("/shared/juicefs/jobs/r/rollout_data", mountinfo=MOUNTINFO)
     message = str(info.value)
-    assert "/shared/juicefs/jobs/r/rollout_data is on fuse.juicefs (mounted at /shared/juicefs from JuiceFS:ml)" \
-        in message
+    assert (
+        "/shared/juicefs/jobs/r/rollout_data is on fuse.juicefs (mounted at /shared/juicefs from JuiceFS:ml)" in message
+    )
     assert "declare it with --rollout-storage-profile juicefs or with --rollout-storage-declaration FILE" in message
     assert '"mount_path": "/shared/juicefs", "filesystem": "fuse.juicefs"' in message
     with pytest.raises(StoreError, match="is on nfs4 .*--rollout-storage-profile nfs"):
@@ -84,8 +93,11 @@ def test_an_undeclared_network_filesystem_is_refused_with_how_to_declare_it() ->
 
 def test_a_matching_declaration_allows_a_network_filesystem(tmp_path: Path) -> None:
     file = tmp_path / "deployment.json"
-    file.write_text(json.dumps({"mount_path": "/shared/juicefs", "filesystem": "fuse.juicefs",
-                                "durability": {"synced_commits": False}}))
+    file.write_text(
+        json.dumps(
+            {"mount_path": "/shared/juicefs", "filesystem": "fuse.juicefs", "durability": {"synced_commits": False}}
+        )
+    )
     declaration = load_declaration(file)
     assert declaration == StorageDeclaration("/shared/juicefs", "fuse.juicefs", False, str(file))
     plan = check_storage("/shared/juicefs/jobs/r/rollout_data", declaration=declaration, mountinfo=MOUNTINFO)
@@ -101,8 +113,10 @@ def test_a_declaration_that_disagrees_with_the_mount_names_both() -> None:
     with pytest.raises(ConfigError) as info:
         check_storage("/data/run", declaration=wrong_place, mountinfo=MOUNTINFO)
     (problem,) = info.value.problems
-    assert problem == ("--rollout-storage-declaration='d.json': mount_path '/shared/juicefs' does not contain "
-                       "the rollout data directory '/data/run'")
+    assert problem == (
+        "--rollout-storage-declaration='d.json': mount_path '/shared/juicefs' does not contain "
+        "the rollout data directory '/data/run'"
+    )
     wrong_fs = StorageDeclaration("/shared", "nfs4", True, "d.json")
     with pytest.raises(ConfigError) as info:
         check_storage("/shared/juicefs/run", declaration=wrong_fs, profile="nfs", mountinfo=MOUNTINFO)
@@ -111,8 +125,12 @@ def test_a_declaration_that_disagrees_with_the_mount_names_both() -> None:
         "fuse.juicefs (mounted at /shared/juicefs from JuiceFS:ml)",
     ]
     with pytest.raises(ConfigError) as info:
-        check_storage("/data/run", declaration=StorageDeclaration("/data", "nfs4", True, "d.json"),
-                      profile="local", mountinfo=MOUNTINFO)
+        check_storage(
+            "/data/run",
+            declaration=StorageDeclaration("/data", "nfs4", True, "d.json"),
+            profile="local",
+            mountinfo=MOUNTINFO,
+        )
     assert info.value.problems == [
         "--rollout-storage-declaration='d.json': declares filesystem 'nfs4', but --rollout-storage-profile="
         f"'local' covers {', '.join(PROFILES['local'].filesystems)}",
@@ -123,9 +141,12 @@ def test_profiles_are_held_to_the_detected_filesystem() -> None:
     assert check_storage("/data/run", profile="nfs", mountinfo=MOUNTINFO).declared_by == "profile nfs"
     plan = check_storage("/data2/run", profile="local-unsynced", mountinfo=MOUNTINFO)
     assert (plan.sync, plan.network) == (False, False)
-    with pytest.raises(ConfigError, match=r"profile='juicefs' covers fuse.juicefs, but /data/run is on nfs4 "
-                                          r"\(mounted at /data from fileserver:/export/data\); use "
-                                          r"--rollout-storage-profile nfs"):
+    with pytest.raises(
+        ConfigError,
+        match=r"profile='juicefs' covers fuse.juicefs, but /data/run is on nfs4 "
+        r"\(mounted at /data from fileserver:/export/data\); use "
+        r"--rollout-storage-profile nfs",
+    ):
         check_storage("/data/run", profile="juicefs", mountinfo=MOUNTINFO)
     with pytest.raises(ConfigError, match="profile='local' covers .*but /data/run is on nfs4"):
         check_storage("/data/run", profile="local", mountinfo=MOUNTINFO)
@@ -145,24 +166,36 @@ def test_a_symlink_is_judged_by_where_it_points(tmp_path: Path) -> None:
         check_storage("/remote/run", mountinfo=sshfs)
 
 
-@pytest.mark.parametrize(("data", "fragment"), [
-    ([], "must be a JSON object"),
-    ({"mount_path": "rel/path", "filesystem": "nfs4", "durability": {"synced_commits": True}},
-     "mount_path must be an absolute path, got 'rel/path'"),
-    ({"mount_path": "/x", "filesystem": "", "durability": {"synced_commits": True}}, "filesystem must name"),
-    ({"mount_path": "/x", "filesystem": "nfs4", "durability": {"synced_commits": "yes"}},
-     "durability must be {\"synced_commits\": true|false}, got {'synced_commits': 'yes'}"),
-    ({"mount_path": "/x", "filesystem": "nfs4"}, "durability must be"),
-    ({"mount_path": "/x", "filesystem": "nfs4", "durability": {"synced_commits": True}, "mount": "/y"},
-     "unknown key(s) 'mount'"),
-    ({"mount_path": "/x", "filesystem": "nfs4", "durability": {"synced_commits": True, "fsync": 1}},
-     "unknown durability key(s) 'fsync'"),
-])
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ([], "must be a JSON object"),
+        (
+            {"mount_path": "rel/path", "filesystem": "nfs4", "durability": {"synced_commits": True}},
+            "mount_path must be an absolute path, got 'rel/path'",
+        ),
+        ({"mount_path": "/x", "filesystem": "", "durability": {"synced_commits": True}}, "filesystem must name"),
+        (
+            {"mount_path": "/x", "filesystem": "nfs4", "durability": {"synced_commits": "yes"}},
+            "durability must be {\"synced_commits\": true|false}, got {'synced_commits': 'yes'}",
+        ),
+        ({"mount_path": "/x", "filesystem": "nfs4"}, "durability must be"),
+        (
+            {"mount_path": "/x", "filesystem": "nfs4", "durability": {"synced_commits": True}, "mount": "/y"},
+            "unknown key(s) 'mount'",
+        ),
+        (
+            {"mount_path": "/x", "filesystem": "nfs4", "durability": {"synced_commits": True, "fsync": 1}},
+            "unknown durability key(s) 'fsync'",
+        ),
+    ],
+)
 def test_malformed_declarations_are_config_errors(data: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_declaration(data, source="d.json")
-    assert any(fragment in p and p.startswith("--rollout-storage-declaration='d.json'")
-               for p in info.value.problems), info.value.problems
+    assert any(fragment in p and p.startswith("--rollout-storage-declaration='d.json'") for p in info.value.problems), (
+        info.value.problems
+    )
 
 
 def test_unreadable_declaration_files(tmp_path: Path) -> None:

@@ -56,15 +56,20 @@ async def managed(model: Path) -> AsyncIterator[tuple[ManagedEngines, RouterProc
 
 def fleet_of(router: RouterProcess, restarter: ManagedEngines | None) -> EngineFleet:
     return EngineFleet(
-        router_url=router.url, concurrency=16, request_timeout=60, control_timeout=10,
-        retry_backoff=0.01, fault_policy=POLICY, restarter=restarter,
+        router_url=router.url,
+        concurrency=16,
+        request_timeout=60,
+        control_timeout=10,
+        retry_backoff=0.01,
+        fault_policy=POLICY,
+        restarter=restarter,
     )
 
 
 async def until(condition: Callable[[], Awaitable[bool]], what: str, deadline: float = DEADLINE) -> None:
     """Wait for another process's state, with a deadline: polling is the only signal it gives."""
     with anyio.fail_after(deadline):
-        while not await condition():
+        while not await condition():  # noqa: ASYNC110 - another process's state gives no event to wait on
             await anyio.sleep(0.05)
 
 
@@ -81,7 +86,9 @@ async def test_an_engine_killed_during_generation_is_evicted_restarted_and_readm
 
         async def one(i: int) -> None:
             try:
-                r = await fleet.generate(PROMPT, {"max_new_tokens": 400, "sampling_seed": i, "ignore_eos": True}, rid=f"g{i}")
+                r = await fleet.generate(
+                    PROMPT, {"max_new_tokens": 400, "sampling_seed": i, "ignore_eos": True}, rid=f"g{i}"
+                )
                 outcomes.append(r.finish_reason.value)
             except EngineError as exc:  # the generator hands such a sample back with its prefix
                 assert exc.status is None or exc.status >= 500, exc
@@ -195,8 +202,12 @@ async def test_without_a_router_losing_the_only_engine_stops_with_a_clear_error(
 
 @pytest.mark.parametrize(
     ("field", "value", "rule"),
-    [("interval", 0.0, "interval must be > 0"), ("timeout", -1.0, "timeout must be > 0"),
-     ("min_live", 0, "min_live must be >= 1"), ("max_restarts", -1, "max_restarts must be >= 0")],
+    [
+        ("interval", 0.0, "interval must be > 0"),
+        ("timeout", -1.0, "timeout must be > 0"),
+        ("min_live", 0, "min_live must be >= 1"),
+        ("max_restarts", -1, "max_restarts must be >= 0"),
+    ],
 )
 def test_a_fault_policy_refuses_bad_values_naming_them(field, value, rule):
     with pytest.raises(ValueError, match=rule) as caught:

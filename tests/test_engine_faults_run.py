@@ -69,6 +69,7 @@ def test_a_run_goes_on_through_an_engine_fault_and_trains_every_prompt_once(tmp_
     launcher = Launcher(out, 0, *FAULTS, *mode)
     watch = Watch(out)
     try:
+
         def fault_point() -> bool:  # after the first publish, while the victim generates
             pids = _engine_pids(launcher)
             return len(pids) == 2 and watch.weights_id(1) is not None and _running(pids[1]) > 0

@@ -455,9 +455,7 @@ async def test_abort_then_continue_is_token_exact(
 # ---- pause / continue, flush ---------------------------------------------------------------------------
 
 
-async def test_pause_abort_aborts_and_holds_new_requests(
-    server: EngineServer, http: aiohttp.ClientSession
-) -> None:
+async def test_pause_abort_aborts_and_holds_new_requests(server: EngineServer, http: aiohttp.ClientSession) -> None:
     results: dict[str, Any] = {}
     async with anyio.create_task_group() as tg:
 

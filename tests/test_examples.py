@@ -17,7 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_example(name: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
-        [sys.executable, "-m", f"examples.{name}", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+        [sys.executable, "-m", f"examples.{name}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -31,8 +36,18 @@ def test_custom_trainer_loop_trains_and_publishes() -> None:
 
 def test_custom_agent_runs_under_the_launcher(tmp_path: Path) -> None:
     run_example(
-        "custom_agent", "--num-rollout", "2", "--output-dir", str(tmp_path), "--no-progress", "--log-level", "warning",
-        "--rollout-batch-size", "4", "--rollout-data-transport", "lmdb",
+        "custom_agent",
+        "--num-rollout",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--log-level",
+        "warning",
+        "--rollout-batch-size",
+        "4",
+        "--rollout-data-transport",
+        "lmdb",
     )
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]

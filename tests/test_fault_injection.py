@@ -165,7 +165,11 @@ class Launcher:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), *FLAGS, *extra],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
 
     def log_tail(self) -> str:
@@ -405,8 +409,13 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
             stats = watch.store.statistics()
             counts = {k.value: v for k, v in stats.counts.items() if v}
             used.append(
-                (point.name, f"trained {stats.trained_step}", f"cursor {stats.cursor.index}", counts,
-                 f"{tokens} tokens")
+                (
+                    point.name,
+                    f"trained {stats.trained_step}",
+                    f"cursor {stats.cursor.index}",
+                    counts,
+                    f"{tokens} tokens",
+                )
             )
         # What a kill inside `save_weights` leaves behind (a kill point too narrow to hit by polling).
         unfinished = out / "weights" / f".v{K}.tmp-killed"
@@ -599,8 +608,11 @@ ASYNC_KILL_POINTS = (
     KillPoint("async: first group ready", _first_ready),
     KillPoint("async: batch taken, training while generation goes on", _batch_taken),
     KillPoint("async: a step finished", _step_finished),
-    KillPoint("async: step committed, its metrics line not yet written", _committed_before_metrics_line,
-              loses_last_record=True),
+    KillPoint(
+        "async: step committed, its metrics line not yet written",
+        _committed_before_metrics_line,
+        loses_last_record=True,
+    ),
 )
 
 

@@ -29,9 +29,14 @@ class PoisonPromptEngine:
         self.calls[input_ids[0]] = self.calls.get(input_ids[0], 0) + 1
         if input_ids[0] == POISON:
             raise EngineError("http://engine", "internal error", status=500)
-        payload = {"meta_info": {"id": rid, "finish_reason": {"type": "stop", "matched": 0},
-                                 "weight_version": "0",
-                                 "output_token_logprobs": [[-0.5, 7, None], [-0.5, 8, None], [-0.1, 0, None]]}}
+        payload = {
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": "stop", "matched": 0},
+                "weight_version": "0",
+                "output_token_logprobs": [[-0.5, 7, None], [-0.5, 8, None], [-0.1, 0, None]],
+            }
+        }
         return GenerateResult.from_response(payload, url="http://engine", rid=rid)
 
     async def abort_all(self):
@@ -41,8 +46,9 @@ class PoisonPromptEngine:
 async def test_a_request_that_never_gets_an_answer_fails_its_sample_visibly():
     store = AsyncStore(MemoryStore())
     admission, clock, engine = Admission(), VersionClock(), PoisonPromptEngine()
-    pool = GeneratorPool(engine, slots=16, sampling_params={}, max_response_len=8, clock=clock, store=store,
-                         admission=admission)
+    pool = GeneratorPool(
+        engine, slots=16, sampling_params={}, max_response_len=8, clock=clock, store=store, admission=admission
+    )
     poison = Group.fresh(PromptTask(0, (POISON, 1)), epoch=0, n_samples=1, version=0, seq=0)
     healthy = Group.fresh(PromptTask(1, (5, 1)), epoch=0, n_samples=2, version=0, seq=1)
     await store.admit([poison, healthy], Cursor(0, 2, 2))

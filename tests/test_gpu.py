@@ -25,12 +25,15 @@ def one_step(model, device: str) -> dict[str, float]:
     for g, task in enumerate(toy_dataset(2, seed=0)):
         tokens = [(*encode(a), EOS_ID) for a in ("b", "bb", "xyz", "")]
         blank = [Sample(index=i, prompt_ids=task.prompt_ids) for i in range(len(tokens))]
-        drafts = [s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
-                  for s, t in zip(blank, tokens, strict=True)]
+        drafts = [
+            s.extended(Segment(t, (0.0,) * len(t), FinishReason.STOP, 0), max_response_len=16)
+            for s, t in zip(blank, tokens, strict=True)
+        ]
         behaviour = reference.logprobs(drafts)
         samples = [
-            dataclasses.replace(s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16),
-                                reward=float(i))
+            dataclasses.replace(
+                s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16), reward=float(i)
+            )
             for i, (s, t, lp) in enumerate(zip(blank, tokens, behaviour, strict=True))
         ]
         groups.append(Group.fresh(task, epoch=0, n_samples=4, version=0, seq=g).with_samples(samples))

@@ -45,7 +45,10 @@ def test_cached_decode_matches_recompute_at_bf16(tmp_path: Path) -> None:
     worst = 0.0
     outs: list[list[int]] = [[] for _ in prompts]
     for _ in range(params.max_new_tokens):
-        rows = [Row(p, tuple(o), params, seed=i, rid=f"r{i}", key=i + 1) for i, (p, o) in enumerate(zip(prompts, outs))]
+        rows = [
+            Row(p, tuple(o), params, seed=i, rid=f"r{i}", key=i + 1)
+            for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
+        ]
         cached, reference = kv.step(rows), runner.step(rows)
         for i, (c, r) in enumerate(zip(cached, reference, strict=True)):
             assert c is not None
@@ -103,10 +106,21 @@ def test_quick_start_learns_on_the_gpu(tmp_path: Path) -> None:
 
     _cuda()
     out = tmp_path / "run"
-    code = main([
-        "--output-dir", str(out), "--no-progress", "--log-level", "warning", "--num-rollout", "30",
-        "--rollout-device", "cuda", "--trainer-device", "cuda",
-    ])
+    code = main(
+        [
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+            "--num-rollout",
+            "30",
+            "--rollout-device",
+            "cuda",
+            "--trainer-device",
+            "cuda",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["reward/mean"] for r in records[:5]) / 5

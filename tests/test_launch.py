@@ -29,8 +29,16 @@ def test_default_task_learns_in_sync_mode(tmp_path):
 
 def test_partial_rollout_on_lmdb_keeps_every_group(tmp_path):
     records = run(
-        tmp_path, "--num-rollout", "6", "--partial-rollout", "--over-sampling-batch-size", "16",
-        "--rollout-max-response-len", "128", "--rollout-data-transport", "lmdb",
+        tmp_path,
+        "--num-rollout",
+        "6",
+        "--partial-rollout",
+        "--over-sampling-batch-size",
+        "16",
+        "--rollout-max-response-len",
+        "128",
+        "--rollout-data-transport",
+        "lmdb",
     )
     assert len(records) == 6
     assert records[-1]["groups/partial_total"] > 0, "over-sampling never left a partial group"
@@ -64,15 +72,27 @@ def test_a_stopped_lmdb_run_resumes_where_it_stopped(tmp_path):
 def test_an_incompatible_restart_is_refused_with_the_difference(tmp_path, capsys):
     run(tmp_path, "--num-rollout", "1", "--rollout-data-transport", "lmdb")
     out = tmp_path / "run"
-    code = main(["--output-dir", str(out), "--no-progress", "--rollout-data-transport", "lmdb",
-                 "--num-rollout", "2", "--n-samples-per-prompt", "4"])
+    code = main(
+        [
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--rollout-data-transport",
+            "lmdb",
+            "--num-rollout",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+        ]
+    )
     assert code == 1
     assert "n_samples_per_prompt" in capsys.readouterr().err
 
 
 def test_config_errors_are_listed_together(capsys):
-    code = main(["--rollout-batch-size", "0", "--rollout-temperature", "-1", "--rollout-mode", "async",
-                 "--eval-interval", "5"])
+    code = main(
+        ["--rollout-batch-size", "0", "--rollout-temperature", "-1", "--rollout-mode", "async", "--eval-interval", "5"]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "--rollout-batch-size" in err and "--rollout-temperature" in err and "inline evaluation" in err
@@ -100,7 +120,16 @@ def test_bring_your_own_prompts_and_reward(tmp_path):
     prompts.write_text(
         "".join(json.dumps({"prompt": f"answer in {n} letters:", "label": n}) + "\n" for n in range(1, 9))
     )
-    records = run(tmp_path, "--num-rollout", "3", "--prompt-data", str(prompts),
-                  "--custom-rm-path", "tests.test_launch:short_answer_reward", "--rollout-batch-size", "4")
+    records = run(
+        tmp_path,
+        "--num-rollout",
+        "3",
+        "--prompt-data",
+        str(prompts),
+        "--custom-rm-path",
+        "tests.test_launch:short_answer_reward",
+        "--rollout-batch-size",
+        "4",
+    )
     assert len(records) == 3
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)

@@ -26,9 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def _hf_state(tmp_path: Path, *, tied: bool) -> tuple[dict[str, torch.Tensor], Qwen3Shape]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
-                         rope_theta=1_000_000.0)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        rope_theta=1_000_000.0,
+    )
     model = Qwen3ForCausalLM(config)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if tied:
@@ -58,8 +66,10 @@ def test_qkv_layout_puts_each_query_group_with_its_key_and_value(tmp_path):
     k_of_group1 = qkv[block + per_group * d : block + (per_group + 1) * d]
     assert torch.equal(k_of_group1, hf["model.layers.0.self_attn.k_proj.weight"][d : 2 * d])
     # Under TP=2 each rank holds whole groups: rank 1's shard starts with group 1's queries.
-    assert torch.equal(shard("decoder.layers.0.self_attention.linear_qkv.weight", qkv, 1, 2)[:d],
-                       hf["model.layers.0.self_attn.q_proj.weight"][per_group * d : per_group * d + d])
+    assert torch.equal(
+        shard("decoder.layers.0.self_attention.linear_qkv.weight", qkv, 1, 2)[:d],
+        hf["model.layers.0.self_attn.q_proj.weight"][per_group * d : per_group * d + d],
+    )
 
 
 def test_uneven_tensor_parallel_split_is_refused_with_the_numbers(tmp_path):
@@ -72,16 +82,37 @@ def test_uneven_tensor_parallel_split_is_refused_with_the_numbers(tmp_path):
 
 def _check(tmp_path: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "megatron_check.py"), str(tmp_path), str(world),
-                           str(tp), str(micro), device, variant], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "megatron_check.py"),
+            str(tmp_path),
+            str(world),
+            str(tp),
+            str(micro),
+            device,
+            variant,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return orjson.loads((tmp_path / "result.json").read_bytes())
 
 
-@pytest.mark.parametrize(("world", "tp", "micro", "variant"), [
-    (1, 1, 3, "default"), (2, 2, 3, "default"), (2, 1, 8, "default"),
-    (2, 1, 3, "icepop-seqmean-opsm"), (1, 1, 5, "seqmask-tokenmean"),
-], ids=["tp1-microbatched", "tp2", "dp2", "dp2-icepop-seqmean-opsm", "seqmask"])
+@pytest.mark.parametrize(
+    ("world", "tp", "micro", "variant"),
+    [
+        (1, 1, 3, "default"),
+        (2, 2, 3, "default"),
+        (2, 1, 8, "default"),
+        (2, 1, 3, "icepop-seqmean-opsm"),
+        (1, 1, 5, "seqmask-tokenmean"),
+    ],
+    ids=["tp1-microbatched", "tp2", "dp2", "dp2-icepop-seqmean-opsm", "seqmask"],
+)
 def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant):
     """Same batch, same start, same shared loss: every metric, log-probs and the published weights agree."""
     r = _check(tmp_path, world, tp, micro, variant=variant)
@@ -105,13 +136,33 @@ def test_parallel_flags_are_checked_at_config_load():
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
 
-    config = load_config(["--train-backend", "megatron", "--actor-num-gpus-per-node", "4",
-                          "--tensor-model-parallel-size", "2", "--micro-batch-size", "4"])
+    config = load_config(
+        [
+            "--train-backend",
+            "megatron",
+            "--actor-num-gpus-per-node",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--micro-batch-size",
+            "4",
+        ]
+    )
     t = config.trainer
     assert (t.backend, t.num_ranks, t.tensor_model_parallel_size, t.micro_batch_size) == ("megatron", 4, 2, 4)
     with pytest.raises(ConfigError) as err:
-        load_config(["--train-backend", "megatron", "--actor-num-gpus-per-node", "3",
-                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+        load_config(
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "3",
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+            ]
+        )
     text = str(err.value)
     assert "--pipeline-model-parallel-size=2: pipeline parallelism is not supported" in text
     assert "--tensor-model-parallel-size=2: must divide --actor-num-gpus-per-node=3" in text
@@ -123,17 +174,37 @@ def _launch(tmp_path: Path, *flags: str) -> list[dict]:
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), "--no-progress", "--log-level", "warning",
-         "--num-rollout", "12", "--train-backend", "megatron", *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+            "--num-rollout",
+            "12",
+            "--train-backend",
+            "megatron",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
-                                        "--micro-batch-size", "16")], ids=["tp1", "tp2"])
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--micro-batch-size", "16")],
+    ids=["tp1", "tp2"],
+)
 def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     """End to end: built-in engine, megatron ranks, a publish per step; reward rises in 12 steps.
 
@@ -149,7 +220,8 @@ def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     world = 2 if flags else 1
     optimizer = tmp_path / "run" / "weights" / "v12" / "optimizer"
     assert sorted(p.name for p in optimizer.iterdir()) == sorted(
-        f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
+        f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors")
+    )
 
 
 def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path):

@@ -34,16 +34,24 @@ def test_the_built_in_task_learns_with_megatron_on_the_gpu(tmp_path):
     records = _launch(tmp_path, "--trainer-device", "cuda")
     first = sum(r["reward/mean"] for r in records[:3]) / 3
     last = sum(r["reward/mean"] for r in records[-3:]) / 3
-    print(f"megatron on GPU: reward {first:.3f} -> {last:.3f}; "
-          f"train step {sum(r['time/train'] for r in records) / len(records):.3f}s")
+    print(
+        f"megatron on GPU: reward {first:.3f} -> {last:.3f}; "
+        f"train step {sum(r['time/train'] for r in records) / len(records):.3f}s"
+    )
     assert last > first + 0.05, (first, last)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
 
 
 def test_step_time_of_both_backends_on_a_0_6b_model():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.trainer_backends", "--device", "cuda", "--steps", "3"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.trainer_backends", "--device", "cuda", "--steps", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result = orjson.loads(done.stdout.strip().splitlines()[-1])
     print("trainer backends:", result)

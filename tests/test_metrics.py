@@ -21,8 +21,14 @@ from pipeline.metrics import MetricsSink, restore_metrics_file
 
 
 def _record(step: int, **extra: Any) -> dict[str, Any]:
-    return {"step": step, "version": step, "reward/mean": 0.1 * step, "batch/tokens": 100 + step,
-            "staleness/mean": math.nan, **extra}
+    return {
+        "step": step,
+        "version": step,
+        "reward/mean": 0.1 * step,
+        "batch/tokens": 100 + step,
+        "staleness/mean": math.nan,
+        **extra,
+    }
 
 
 def _stored(step: int) -> dict[str, Any]:
@@ -68,9 +74,12 @@ def test_duplicates_phantoms_and_torn_lines_are_moved_aside_not_deleted(tmp_path
     aside = path.with_name("metrics.jsonl.dropped").read_bytes().splitlines()
     assert aside == [lines[1], lines[2], lines[4], lines[5]]
     reasons = " | ".join(restored.dropped)
-    for expected in ("line 2: a second record of step 0",
-                     "line 3: step 1 differs from the store's record in ['reward/mean']",
-                     "line 5: step 3 is not trained in the store (trained step 2)", "line 6: not JSON"):
+    for expected in (
+        "line 2: a second record of step 0",
+        "line 3: step 1 differs from the store's record in ['reward/mean']",
+        "line 5: step 3 is not trained in the store (trained step 2)",
+        "line 6: not JSON",
+    ):
         assert expected in reasons, reasons
 
 

@@ -47,6 +47,10 @@ def test_guarded_child_dies_when_its_parent_is_killed():
 
 
 def test_guard_refuses_to_start_for_a_parent_that_is_gone():
-    out = subprocess.run([sys.executable, "-m", "launch.orphan_guard", "1", "--", "true"], capture_output=True,
-                         text=True, cwd=Path(__file__).parents[1])
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.orphan_guard", "1", "--", "true"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
     assert out.returncode != 0 and "parent 1 is gone" in out.stderr

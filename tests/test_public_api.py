@@ -30,5 +30,5 @@ def test_the_engine_seam_is_typed() -> None:
     assert hints["return"] is pipeline.GenerateResult
     for proto in (pipeline.GenerateEngine, pipeline.WeightTarget, pipeline.Agent):
         for member, fn in vars(proto).items():
-            if callable(fn) and not member.startswith("_") or member == "__call__":
+            if (callable(fn) and not member.startswith("_")) or member == "__call__":
                 assert typing.Any not in typing.get_type_hints(fn).values(), f"{proto.__name__}.{member}"

@@ -19,6 +19,8 @@ from stages.publish_distributed import DistributedWeightSender, TensorSpec
 from stages.sglang.fleet import EngineFleet
 from stages.tasks.tiny_model import make_model_folder
 
+ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.anyio
 
 PROBE = "model.layers.1.mlp.down_proj.weight"
@@ -66,8 +68,14 @@ async def test_publish_reaches_both_engines_and_bumps_the_version_once(
     async with EngineFleet(urls, router_url=urls[0]) as fleet, aiohttp.ClientSession() as http:
         before = await live_weight(http, urls[0], PROBE)
         # Bad input is refused, naming the value and the rule.
-        body = {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 0, "world_size": 2,
-                "group_name": "weight_update_group", "backend": "gloo"}
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": 1234,
+            "rank_offset": 0,
+            "world_size": 2,
+            "group_name": "weight_update_group",
+            "backend": "gloo",
+        }
         async with http.post(urls[0] + "/init_weights_update_group", json=body) as resp:
             doc = await resp.json()
             assert resp.status == 400
@@ -101,6 +109,7 @@ _DYING_TRAINER = """
 import os, sys, torch
 from transformers import AutoModelForCausalLM
 from stages.publish_distributed import open_group
+
 folder, port, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 params = list(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
 group = open_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=world, timeout=60)
@@ -119,7 +128,7 @@ async def test_a_transfer_broken_midway_keeps_old_weights_and_version(
     urls = [e.url for e in engines]
     specs = [TensorSpec(n, "float32", tuple(p.shape)) for n, p in model.named_parameters()]
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     async with EngineFleet(urls, router_url=urls[0]) as fleet, aiohttp.ClientSession() as http:
         before = [await live_weight(http, url, PROBE) for url in urls]
         trainer = await anyio.open_process(
@@ -129,8 +138,11 @@ async def test_a_transfer_broken_midway_keeps_old_weights_and_version(
             assert trainer.stdin is not None
             with anyio.fail_after(120):
                 await fleet.init_weights_update_group(
-                    master_address="127.0.0.1", master_port=port, world_size=3,
-                    group_name="weight_update_group", backend="gloo",
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    world_size=3,
+                    group_name="weight_update_group",
+                    backend="gloo",
                 )
             failure: EngineError | None = None
             with anyio.fail_after(120):
@@ -166,10 +178,19 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     from launch.cli import main
 
     out = tmp_path / "run"
-    code = main([
-        "--output-dir", str(out), "--no-progress", "--log-level", "warning", "--num-rollout", "40",
-        "--update-weight-transport", "distributed",
-    ])
+    code = main(
+        [
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+            "--num-rollout",
+            "40",
+            "--update-weight-transport",
+            "distributed",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == list(range(40))
@@ -185,10 +206,16 @@ def test_distributed_transport_refuses_engines_on_another_host(
 ) -> None:
     from launch.cli import main
 
-    code = main([
-        "--output-dir", str(tmp_path / "run"), "--update-weight-transport", "distributed",
-        "--sglang-url", "http://10.0.0.5:30000",
-    ])
+    code = main(
+        [
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--update-weight-transport",
+            "distributed",
+            "--sglang-url",
+            "http://10.0.0.5:30000",
+        ]
+    )
     assert code != 0
     err = capsys.readouterr()
     assert "--sglang-url='http://10.0.0.5:30000'" in err.out + err.err
@@ -217,7 +244,7 @@ async def test_an_overlapped_publish_never_pauses_and_splits_the_spans(folders: 
         async with anyio.create_task_group() as tg:
             tg.start_soon(decode)
             while server.core.num_running == 0 or not any(r.output_ids for r in server.core._running):
-                await anyio.sleep(0.01)
+                await server.core.wait_step()
             report = await publish_weights(clock, fleet, folders[1], pause_mode=PauseMode.IN_PLACE, overlap=True)
         assert report.version == 1 and clock.version == 1 and paused == []
         result = out["result"]

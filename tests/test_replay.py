@@ -27,12 +27,29 @@ from storage import Cursor, GroupState, LmdbStore
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("replay") / "run"
-    code = launch([
-        "--rollout-data-transport", "lmdb", "--partial-rollout", "--num-rollout", "3",
-        # small enough for seconds on a shared CPU; over-sampling leaves partial groups to resume
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
-        "--rollout-max-response-len", "32", "--output-dir", str(out), "--no-progress", "--log-level", "warning",
-    ])
+    code = launch(
+        [
+            "--rollout-data-transport",
+            "lmdb",
+            "--partial-rollout",
+            "--num-rollout",
+            "3",
+            # small enough for seconds on a shared CPU; over-sampling leaves partial groups to resume
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--over-sampling-batch-size",
+            "4",
+            "--rollout-max-response-len",
+            "32",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+        ]
+    )
     assert code == 0
     return out
 
@@ -181,8 +198,14 @@ def test_parse_steps():
 def _sample(i: int, spans: list[tuple[int, int, int]], status: SampleStatus, *, resumed=()) -> Sample:
     n = spans[-1][1] if spans else 0
     return Sample(
-        index=i, prompt_ids=(1, 2), response_ids=(5,) * n, logprobs=(-0.5,) * n, loss_mask=(1,) * n,
-        spans=tuple(VersionSpan(*s) for s in spans), status=status, resumed_at=resumed,
+        index=i,
+        prompt_ids=(1, 2),
+        response_ids=(5,) * n,
+        logprobs=(-0.5,) * n,
+        loss_mask=(1,) * n,
+        spans=tuple(VersionSpan(*s) for s in spans),
+        status=status,
+        resumed_at=resumed,
         finish_reason={SampleStatus.COMPLETED: FinishReason.STOP, SampleStatus.PARTIAL: FinishReason.ABORT}.get(status),
         reward=1.0 if status.finished else None,
     )
@@ -243,9 +266,16 @@ def test_replay_reads_a_store_while_its_writer_holds_it(tmp_path, capsys):
     holding the store open as its writer), and cannot be mistaken for a second writer."""
     _build_store(tmp_path / "rollout_data")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from storage import LmdbStore; s = LmdbStore(sys.argv[1]); "
-         "print('open', flush=True); sys.stdin.read(); s.close()", str(tmp_path / "rollout_data")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from storage import LmdbStore; s = LmdbStore(sys.argv[1]); "
+            "print('open', flush=True); sys.stdin.read(); s.close()",
+            str(tmp_path / "rollout_data"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "open"
@@ -292,11 +322,27 @@ def test_timeline_without_an_event_log_is_named(tmp_path, capsys):
 
 def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsys):
     out = tmp_path / "run"
-    code = launch([
-        "--rollout-data-transport", "lmdb", "--num-rollout", "6", "--rollout-gc-keep-steps", "2",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",
-        "--output-dir", str(out), "--no-progress", "--log-level", "warning",
-    ])
+    code = launch(
+        [
+            "--rollout-data-transport",
+            "lmdb",
+            "--num-rollout",
+            "6",
+            "--rollout-gc-keep-steps",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-max-response-len",
+            "32",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+        ]
+    )
     assert code == 0
     with LmdbStore(out / "rollout_data", readonly=True) as store:
         stats = store.statistics()

@@ -83,8 +83,13 @@ def test_every_disagreement_is_named(run_dir, capsys, tmp_path):
     shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("model", "weights", "logs"))
     records = _lines(run)
     records[0]["reward/mean"] = 0.5  # a value the store does not have
-    lines = [json.dumps(records[0]), json.dumps(records[2]), json.dumps(records[2]),  # step 1 gone, 2 twice
-             json.dumps({**records[2], "step": 9}), '{"step": 3, "rew']  # a phantom step, a torn line
+    lines = [
+        json.dumps(records[0]),
+        json.dumps(records[2]),
+        json.dumps(records[2]),  # step 1 gone, 2 twice
+        json.dumps({**records[2], "step": 9}),
+        '{"step": 3, "rew',
+    ]  # a phantom step, a torn line
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     code, out, _ = _replay(capsys, str(run), "metrics", "--csv", str(tmp_path / "m.csv"))
     assert code == 0

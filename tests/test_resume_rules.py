@@ -20,8 +20,17 @@ import pytest
 from launch.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
 
-FLAGS = ("--rollout-data-transport", "lmdb", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-         "--rollout-max-response-len", "32", "--no-progress")
+FLAGS = (
+    "--rollout-data-transport",
+    "lmdb",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-max-response-len",
+    "32",
+    "--no-progress",
+)
 
 
 def run(out: Path, *flags: str, steps: int = 3, level: str = "warning") -> int:
@@ -127,9 +136,16 @@ def test_a_store_of_another_run_is_refused_and_left_in_place(run_copy, capsys):
 def test_a_store_held_by_a_live_controller_is_refused_and_left_in_place(run_copy, capsys):
     store_dir = run_copy / "rollout_data"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from storage import LmdbStore; s = LmdbStore(sys.argv[1]); "
-         "print('open', flush=True); sys.stdin.read(); s.close()", str(store_dir)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from storage import LmdbStore; s = LmdbStore(sys.argv[1]); "
+            "print('open', flush=True); sys.stdin.read(); s.close()",
+            str(store_dir),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "open"
@@ -171,8 +187,9 @@ def nfs_mount(tmp_path, monkeypatch) -> Path:
     import storage.declaration
 
     mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text(f"22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"
-                         f"99 22 0:55 / {tmp_path.resolve()} rw - nfs4 server:/export rw\n")
+    mountinfo.write_text(
+        f"22 1 0:21 / / rw - ext4 /dev/sda1 rw\n99 22 0:55 / {tmp_path.resolve()} rw - nfs4 server:/export rw\n"
+    )
     monkeypatch.setattr(storage.declaration, "MOUNTINFO", str(mountinfo))
     return tmp_path
 
@@ -185,8 +202,11 @@ def test_an_undeclared_network_filesystem_stops_the_run(nfs_mount, capsys):
 
 def test_a_declared_network_filesystem_runs_and_says_what_declared_it(nfs_mount, capsys):
     declaration = nfs_mount / "storage.json"
-    declaration.write_text(json.dumps({"mount_path": str(nfs_mount.resolve()), "filesystem": "nfs4",
-                                       "durability": {"synced_commits": False}}))
+    declaration.write_text(
+        json.dumps(
+            {"mount_path": str(nfs_mount.resolve()), "filesystem": "nfs4", "durability": {"synced_commits": False}}
+        )
+    )
     capsys.readouterr()
     assert run(nfs_mount / "run", "--rollout-storage-declaration", str(declaration), steps=1, level="info") == 0
     text = "".join(capsys.readouterr())

@@ -85,9 +85,7 @@ async def test_weight_versions_come_from_both_engines(engines, router):
         assert await fleet.weight_versions() == {a.url: "1", b.url: "1"}
         await fleet.update_weight_version("2")
         assert await fleet.weight_versions() == {a.url: "2", b.url: "2"}
-        stamped = {
-            (await fleet.generate(PROMPT, {"max_new_tokens": 1}, rid=f"v-{i}")).weight_version for i in range(2)
-        }
+        stamped = {(await fleet.generate(PROMPT, {"max_new_tokens": 1}, rid=f"v-{i}")).weight_version for i in range(2)}
     assert stamped == {"2"}
     assert a.calls["/generate"] == b.calls["/generate"] == 1
 

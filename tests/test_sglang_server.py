@@ -36,14 +36,35 @@ def test_devices_split_into_engines_in_order_and_bad_splits_are_named(monkeypatc
     assert engine_devices("4,5,6,7", engines=2, per_engine=2) == [["4", "5"], ["6", "7"]]
     assert engine_devices(None, engines=3, per_engine=1) == [["0"], ["1"], ["2"]]
     assert sglang_command_args(per_engine=2, mem_fraction=0.7, api_key="k", seed=1) == [
-        "--tp-size", "2", "--random-seed", "1", "--mem-fraction-static", "0.7", "--api-key", "k"]
+        "--tp-size",
+        "2",
+        "--random-seed",
+        "1",
+        "--mem-fraction-static",
+        "0.7",
+        "--api-key",
+        "k",
+    ]
     monkeypatch.syspath_prepend(str(STANDIN))  # "installed"
-    config = load_config(["--rollout-engine", "sglang", "--sglang-devices", "0,1,2,3",
-                          "--rollout-num-gpus-per-engine", "2"])
+    config = load_config(
+        ["--rollout-engine", "sglang", "--sglang-devices", "0,1,2,3", "--rollout-num-gpus-per-engine", "2"]
+    )
     assert config.engine.num_engines == 2
     with pytest.raises(ConfigError) as err:
-        load_config(["--rollout-engine", "sglang", "--sglang-devices", "0,1,2", "--rollout-num-gpus-per-engine", "2",
-                     "--sglang-mem-fraction-static", "1.5", "--sglang-url", "http://127.0.0.1:1"])
+        load_config(
+            [
+                "--rollout-engine",
+                "sglang",
+                "--sglang-devices",
+                "0,1,2",
+                "--rollout-num-gpus-per-engine",
+                "2",
+                "--sglang-mem-fraction-static",
+                "1.5",
+                "--sglang-url",
+                "http://127.0.0.1:1",
+            ]
+        )
     text = str(err.value)
     assert "--sglang-devices='0,1,2': 3 GPUs do not split into engines of --rollout-num-gpus-per-engine=2" in text
     assert "--sglang-mem-fraction-static=1.5: must be in (0, 1)" in text
@@ -55,8 +76,15 @@ async def test_started_servers_get_their_devices_and_require_the_api_key(tmp_pat
     monkeypatch.syspath_prepend(str(STANDIN))
     monkeypatch.setenv("PYTHONPATH", str(STANDIN))  # the servers' Python finds the stand-in too
     model = make_model_folder(tmp_path / "model")
-    engine = EngineConfig(launcher="sglang", sglang_devices="3", num_engines=1, sglang_server_concurrency=4,
-                          sglang_mem_fraction_static=0.5, api_key="s3cret", sglang_startup_timeout=120.0)
+    engine = EngineConfig(
+        launcher="sglang",
+        sglang_devices="3",
+        num_engines=1,
+        sglang_server_concurrency=4,
+        sglang_mem_fraction_static=0.5,
+        api_key="s3cret",
+        sglang_startup_timeout=120.0,
+    )
     [server] = await start_sglang_servers(model, engine=engine, log_dir=tmp_path / "logs")
     async with server:
         log = server.log_tail()
@@ -75,10 +103,31 @@ def test_a_run_starts_two_sglang_servers_behind_the_router_with_the_key(tmp_path
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)])}
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.launch", "--output-dir", str(out), "--no-progress", "--log-level", "warning",
-         "--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", "sglang", "--sglang-devices", "0,1",
-         "--api-key", "s3cret"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "warning",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "4",
+            "--rollout-engine",
+            "sglang",
+            "--sglang-devices",
+            "0,1",
+            "--api-key",
+            "s3cret",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

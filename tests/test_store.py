@@ -287,7 +287,8 @@ def test_a_steps_metrics_are_stored_with_its_commit_and_outlive_garbage_collecti
     store.finish_batch(2, {"step": 2, "batch/tokens": 12})
     # NaN is stored as JSON keeps it (null), the same in both stores.
     assert store.step_metrics() == {
-        0: {"step": 0, "reward/mean": 0.5, "reward/std": None}, 2: {"step": 2, "batch/tokens": 12},
+        0: {"step": 0, "reward/mean": 0.5, "reward/std": None},
+        2: {"step": 2, "batch/tokens": 12},
     }
     assert list(store.step_metrics(1)) == [2]
     store.collect_garbage(2)
@@ -436,9 +437,11 @@ def test_default_leases_never_expire_and_recover_ends_every_lease(timed: tuple[S
 
 def test_bad_lease_arguments_are_refused_and_store_nothing(timed: tuple[Store, Clock]) -> None:
     store, _ = timed
-    for kw, match in (({"lease_seconds": 0.0}, "lease_seconds must be > 0, got 0.0"),
-                      ({"lease_seconds": math.nan}, "got nan"),
-                      ({"owner": ""}, "non-empty string, got ''")):
+    for kw, match in (
+        ({"lease_seconds": 0.0}, "lease_seconds must be > 0, got 0.0"),
+        ({"lease_seconds": math.nan}, "got nan"),
+        ({"owner": ""}, "non-empty string, got ''"),
+    ):
         with pytest.raises(ValueError, match=match):
             store.admit([fresh(0)], cursor_after(1), **kw)
         with pytest.raises(ValueError, match=match):
@@ -974,7 +977,19 @@ leasing = st.one_of(
 collects = st.tuples(st.just("collect"), st.sampled_from([-1, 0, 0, 1]))
 operations = st.lists(
     st.one_of(
-        admits, claims, puts, puts, puts, puts, takes, takes, finishes, finishes, leasing, leasing, collects,
+        admits,
+        claims,
+        puts,
+        puts,
+        puts,
+        puts,
+        takes,
+        takes,
+        finishes,
+        finishes,
+        leasing,
+        leasing,
+        collects,
         st.just(("recover",)),
     ),
     min_size=15,
@@ -1192,8 +1207,10 @@ def test_both_stores_refuse_a_put_with_the_same_words(tmp_path: Path) -> None:
             store.admit([fresh(0)], cursor_after(1), owner="p1", lease_seconds=60.0)
             store.put_ready(finished(fresh(0), 0))
             found = []
-            puts = (lambda store=store: store.put_partial(fresh(0), owner="p1"),
-                    lambda store=store: store.put_ready(fresh(1)))
+            puts = (
+                lambda store=store: store.put_partial(fresh(0), owner="p1"),
+                lambda store=store: store.put_ready(fresh(1)),
+            )
             for put in puts:
                 with pytest.raises(StoreError) as info:
                     put()

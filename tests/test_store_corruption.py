@@ -55,7 +55,8 @@ def _scribble(path: Path, page: int, *, start: int = 16, seed: int = 0) -> None:
 def _state_of_everything(path: Path) -> tuple[Cursor, int, set[str], set[str]]:
     with LmdbStore(path, readonly=True) as store:
         return (
-            store.cursor(), store.trained_step(),
+            store.cursor(),
+            store.trained_step(),
             {g.group_id for g in store.groups(GroupState.PARTIAL)}
             | {g.group_id for g in store.groups(GroupState.RUNNING)},
             {g.group_id for g in store.groups(GroupState.READY)},

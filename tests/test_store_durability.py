@@ -112,8 +112,13 @@ store.admit([fresh(0), fresh(1)], cursor_after(2), owner="p1", lease_seconds=60.
 store.put_partial(generated(fresh(0), 0))
 os._exit(0)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == 0, proc.stderr
     with LmdbStore(path) as store:  # the dead writer's flock went with its process
         assert store.get(fresh(0).group_id) == (PARTIAL, generated(fresh(0), 0))

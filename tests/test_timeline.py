@@ -45,8 +45,10 @@ def test_timeline_draws_every_request_and_marks_resumed_ones(tmp_path):
 def test_a_resumed_run_is_drawn_after_the_first():
     req = dict(kind="request", group="g", sample=0, prefix=0, tokens=1, finish="stop", version=0, slot=0)
     events = [
-        {"kind": "run", "started_at": 100.0}, dict(req, start=0.0, end=1.0),
-        {"kind": "run", "started_at": 110.0}, dict(req, start=0.0, end=1.0),
+        {"kind": "run", "started_at": 100.0},
+        dict(req, start=0.0, end=1.0),
+        {"kind": "run", "started_at": 110.0},
+        dict(req, start=0.0, end=1.0),
     ]
     page = render_timeline(events)
     assert "controller restarted" in page

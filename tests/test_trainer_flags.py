@@ -11,12 +11,33 @@ from stages.trainer.loss import ImportanceCorrection, LossAggregation
 
 
 def test_flags_reach_the_loss_settings():
-    config = load_config([
-        "--tis-mode", "icepop", "--tis-clip-low", "0.5", "--tis-clip", "3", "--use-opsm", "--opsm-delta", "0.01",
-        "--loss-agg-mode", "seq-mean-token-sum-norm", "--disable-grpo-std-normalization",
-        "--overlong-buffer-len", "16", "--overlong-penalty-factor", "0.5", "--mask-truncated-samples",
-        "--mask-stale-tokens", "2", "--global-batch-size", "16", "--eps-clip-high", "0.28",
-    ])
+    config = load_config(
+        [
+            "--tis-mode",
+            "icepop",
+            "--tis-clip-low",
+            "0.5",
+            "--tis-clip",
+            "3",
+            "--use-opsm",
+            "--opsm-delta",
+            "0.01",
+            "--loss-agg-mode",
+            "seq-mean-token-sum-norm",
+            "--disable-grpo-std-normalization",
+            "--overlong-buffer-len",
+            "16",
+            "--overlong-penalty-factor",
+            "0.5",
+            "--mask-truncated-samples",
+            "--mask-stale-tokens",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--eps-clip-high",
+            "0.28",
+        ]
+    )
     s = loss_settings(config_to_dict(config))
     assert (s.correction, s.tis_clip_low, s.tis_clip) == (ImportanceCorrection.ICEPOP, 0.5, 3.0)
     assert (s.use_opsm, s.opsm_delta, s.aggregation) == (True, 0.01, LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM)
@@ -38,8 +59,20 @@ def test_an_old_run_without_the_new_keys_gets_todays_defaults():
 
 def test_bad_trainer_flags_are_listed_together_with_flag_value_and_rule():
     with pytest.raises(ConfigError) as err:
-        load_config(["--tis-clip-low", "3", "--overlong-buffer-len", "100", "--global-batch-size", "1000",
-                     "--mask-stale-tokens", "-1", "--tis-mode", "sometimes"])
+        load_config(
+            [
+                "--tis-clip-low",
+                "3",
+                "--overlong-buffer-len",
+                "100",
+                "--global-batch-size",
+                "1000",
+                "--mask-stale-tokens",
+                "-1",
+                "--tis-mode",
+                "sometimes",
+            ]
+        )
     text = str(err.value)
     assert "--tis-clip-low=3.0: must be below --tis-clip=2.0" in text
     assert "--overlong-buffer-len=100: must be <= --rollout-max-response-len=64" in text

@@ -111,9 +111,7 @@ def test_tis_weight_uses_each_tokens_own_behaviour_logprob(model_dir):
     # version 1's gave 2 nats less (w = e^2 = 7.4, capped at 2).
     v0 = tuple(lp - 0.3 for lp in current[:3])
     v1 = tuple(lp - 2.0 for lp in current[3:])
-    mixed = _sample(
-        0, PROMPT, Segment(head, v0, FinishReason.ABORT, 0), Segment(tail, v1, FinishReason.STOP, 1)
-    )
+    mixed = _sample(0, PROMPT, Segment(head, v0, FinishReason.ABORT, 0), Segment(tail, v1, FinishReason.STOP, 1))
     assert mixed.token_versions() == [0, 0, 0, 1, 1]
     assert trainer.importance_weights([mixed])[0] == pytest.approx([math.exp(0.3)] * 3 + [2.0] * 2, rel=1e-5)
     other = _sample(1, PROMPT, _seg("b", -1.0, FinishReason.STOP, 0))  # one token, behaviour lp -1

@@ -120,7 +120,8 @@ def test_version_masks():
     valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
     assert newest_version_mask(versions, valid).int().tolist() == [[0, 0, 0, 1, 0], [1, 1, 1, 0, 0]]
     assert stale_token_mask(versions, valid, train_version=3, max_lag=1).int().tolist() == [
-        [0, 0, 0, 1, 0], [1, 1, 1, 0, 0]
+        [0, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0],
     ]
     assert stale_token_mask(versions, valid, train_version=3, max_lag=3).int().tolist() == valid.int().tolist()
 

@@ -34,11 +34,14 @@ def test_continuations_keep_arrays_aligned_and_spans_tiling(parts):
     assert sample.token_versions() == expected_versions
     # adjacent spans never share a version: same-version segments merge
     assert all(a.version != b.version for a, b in itertools.pairwise(sample.spans))
-    assert sample.status is {
-        FinishReason.ABORT: SampleStatus.PARTIAL,
-        FinishReason.STOP: SampleStatus.COMPLETED,
-        FinishReason.LENGTH: SampleStatus.TRUNCATED,
-    }[parts[-1][2]]
+    assert (
+        sample.status
+        is {
+            FinishReason.ABORT: SampleStatus.PARTIAL,
+            FinishReason.STOP: SampleStatus.COMPLETED,
+            FinishReason.LENGTH: SampleStatus.TRUNCATED,
+        }[parts[-1][2]]
+    )
 
 
 def test_resumed_records_each_prefix_length_once():
@@ -62,10 +65,19 @@ def test_reaching_the_length_limit_truncates_even_on_abort():
     "kwargs, message",
     [
         (dict(response_ids=(1, 2), logprobs=(0.0,), loss_mask=(1, 1), spans=(VersionSpan(0, 2, 0),)), "out of step"),
-        (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1), spans=(VersionSpan(0, 1, 0),)),
-         "cover 1 of 2"),
-        (dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1),
-              spans=(VersionSpan(0, 1, 0), VersionSpan(0, 2, 1))), "gap or overlap"),
+        (
+            dict(response_ids=(1, 2), logprobs=(0.0, 0.0), loss_mask=(1, 1), spans=(VersionSpan(0, 1, 0),)),
+            "cover 1 of 2",
+        ),
+        (
+            dict(
+                response_ids=(1, 2),
+                logprobs=(0.0, 0.0),
+                loss_mask=(1, 1),
+                spans=(VersionSpan(0, 1, 0), VersionSpan(0, 2, 1)),
+            ),
+            "gap or overlap",
+        ),
     ],
 )
 def test_misaligned_samples_are_refused(kwargs, message):

@@ -76,8 +76,13 @@ async def test_spans_follow_the_engine_across_a_publish(mode: str, model_dirs: t
             astore, [PromptTask(index=0, prompt_ids=prompt)], n_samples=N_SAMPLES, clock=clock, admission=admission
         )
         pool = GeneratorPool(
-            engine, slots=8, sampling_params={"ignore_eos": True}, max_response_len=LONG, clock=clock,
-            store=astore, admission=admission,
+            engine,
+            slots=8,
+            sampling_params={"ignore_eos": True},
+            max_response_len=LONG,
+            clock=clock,
+            store=astore,
+            admission=admission,
         )
         collector = Collector(store=astore, admission=admission, capacity=math.inf)
         to_pool_send, to_pool = anyio.create_memory_object_stream(0)

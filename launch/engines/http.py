@@ -346,8 +346,7 @@ class EngineServer:
         return json_response(
             {
                 "success": False,
-                "message": f"{request.path} is not supported by this engine; "
-                "use /update_weights_from_disk",
+                "message": f"{request.path} is not supported by this engine; use /update_weights_from_disk",
             },
             400,
         )

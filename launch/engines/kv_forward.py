@@ -68,8 +68,17 @@ class SlotCache(Cache):
     tokens go, and how many positions the attention reads; `update` (called by every attention
     layer) writes the new K/V there and returns the batch's K/V for positions [0, kv_len)."""
 
-    def __init__(self, *, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        context: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__(layers=[])
         shape = (slots, kv_heads, context, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -190,8 +199,9 @@ class KVCacheForward(TorchForward):
         self._decode_steps += 1
         return self._logits(hidden[:, -1])
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[Row],
-             *, kv_len: int) -> torch.Tensor:
+    def _run(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[Row], *, kv_len: int
+    ) -> torch.Tensor:
         """The decoder over `ids` at `positions`, K/V read and written in the rows' slots; hidden states."""
         slots = torch.tensor([self._slot[r.key] for r in rows], device=self.runner.device)
         self.cache.plan(slots, positions, kv_len)

@@ -140,8 +140,7 @@ def parse_sampling_params(raw: object, *, vocab_size: int) -> SamplingParams:
         problems.append(f"max_new_tokens must be at least 0, got {values['max_new_tokens']}")
     if not 0 <= values["min_new_tokens"] <= max(values["max_new_tokens"], 0):
         problems.append(
-            f"min_new_tokens must be in [0, max_new_tokens({values['max_new_tokens']})], "
-            f"got {values['min_new_tokens']}"
+            f"min_new_tokens must be in [0, max_new_tokens({values['max_new_tokens']})], got {values['min_new_tokens']}"
         )
     if values["n"] < 1:
         problems.append(f"n must be at least 1, got {values['n']}")

@@ -56,6 +56,7 @@ ENGINE_VERSION = "0.5.0-builtin"  # reported as `version`; says which engine thi
 
 log = logging.getLogger(__name__)
 
+
 def uniform_draw(seed: int, position: int) -> float:
     """A uniform number in [0, 1) that depends only on (seed, position)."""
     digest = hashlib.blake2b(struct.pack("<qq", seed, position), digest_size=8).digest()

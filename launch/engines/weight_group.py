@@ -66,9 +66,13 @@ class WeightGroupReceiver:
         try:
             self._group = await anyio.to_thread.run_sync(
                 lambda: open_group(
-                    master_address=body["master_address"], master_port=int(body["master_port"]),
-                    rank=int(body["rank_offset"]), world_size=int(body["world_size"]),
-                    group_name=str(body["group_name"]), backend=backend, timeout=timeout,
+                    master_address=body["master_address"],
+                    master_port=int(body["master_port"]),
+                    rank=int(body["rank_offset"]),
+                    world_size=int(body["world_size"]),
+                    group_name=str(body["group_name"]),
+                    backend=backend,
+                    timeout=timeout,
                 ),
                 abandon_on_cancel=True,
             )

@@ -90,12 +90,15 @@ def _check_installed_backends(draft: Draft) -> None:
     if draft.get("trainer", "backend") == "megatron" and (
         importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
     ):
-        draft.problems.append("--train-backend=megatron: megatron-core is not installed "
-                              "(pip install 'rollout-pipeline[megatron]')")
+        draft.problems.append(
+            "--train-backend=megatron: megatron-core is not installed (pip install 'rollout-pipeline[megatron]')"
+        )
     if draft.get("engine", "launcher") == "sglang" and importlib.util.find_spec("sglang") is None:
-        draft.problems.append("--rollout-engine=sglang: SGLang is not installed for this Python "
-                              f"({sys.executable}: python -m sglang.launch_server cannot run); install it "
-                              "(pip install sglang) or use --rollout-engine builtin")
+        draft.problems.append(
+            "--rollout-engine=sglang: SGLang is not installed for this Python "
+            f"({sys.executable}: python -m sglang.launch_server cannot run); install it "
+            "(pip install sglang) or use --rollout-engine builtin"
+        )
 
 
 def _normalize_urls(draft: Draft) -> None:

@@ -148,8 +148,10 @@ def read_toml(draft: Draft, path: Path) -> None:
         return
     for section, table in data.items():
         if section not in SECTIONS:
-            draft.problems.append(f"{path}: unknown section [{section}] (sections: "
-                                  f"{', '.join(SECTIONS)}){close_match(section, list(SECTIONS))}")
+            draft.problems.append(
+                f"{path}: unknown section [{section}] (sections: "
+                f"{', '.join(SECTIONS)}){close_match(section, list(SECTIONS))}"
+            )
             continue
         if not isinstance(table, dict):
             draft.problems.append(f"{path}: {section} must be a table ([{section}]), got {fmt(table)}")

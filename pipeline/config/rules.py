@@ -55,44 +55,62 @@ def check_rules(draft: Draft) -> None:
 
     # The seed's forbidden combinations, each with its rule.
     if get("rollout", "mode") == RolloutMode.ASYNC and get("rollout", "eval_interval") is not None:
-        problem(f"{draft.show('rollout', 'eval_interval')} with --rollout-mode=async: async rollout does "
-                "not run inline evaluation; evaluate separately")
+        problem(
+            f"{draft.show('rollout', 'eval_interval')} with --rollout-mode=async: async rollout does "
+            "not run inline evaluation; evaluate separately"
+        )
     if get("rollout", "mode") == RolloutMode.ASYNC and get("data", "rollout_all_samples_process_path"):
-        problem(f"{draft.show('data', 'rollout_all_samples_process_path')} with --rollout-mode=async: "
-                "async rollout does not support --rollout-all-samples-process-path (it has no "
-                "round boundary to call it at)")
+        problem(
+            f"{draft.show('data', 'rollout_all_samples_process_path')} with --rollout-mode=async: "
+            "async rollout does not support --rollout-all-samples-process-path (it has no "
+            "round boundary to call it at)"
+        )
     if get("storage", "transport") == StoreTransport.LMDB and get("data", "buffer_filter_path"):
-        problem(f"{draft.show('data', 'buffer_filter_path')} with --rollout-data-transport=lmdb: the LMDB "
-                "store has its own durable ordering (complete, then partial, then new; oldest first)")
+        problem(
+            f"{draft.show('data', 'buffer_filter_path')} with --rollout-data-transport=lmdb: the LMDB "
+            "store has its own durable ordering (complete, then partial, then new; oldest first)"
+        )
     if get("data", "prompt_data") is not None and not get("data", "custom_rm_path"):
-        problem(f"{draft.show('data', 'prompt_data')}: a JSONL prompt file needs "
-                "--custom-rm-path (the built-in reward only scores the toy task)")
+        problem(
+            f"{draft.show('data', 'prompt_data')}: a JSONL prompt file needs "
+            "--custom-rm-path (the built-in reward only scores the toy task)"
+        )
     _engine_rules(draft)
     _trainer_rules(draft)
     _megatron_rules(draft)
     _sglang_rules(draft)
     run_id = get("storage", "run_id")
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id):
-        problem(f"{draft.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
-                "with a letter or digit (it names folders and store keys)")
+        problem(
+            f"{draft.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
+            "with a letter or digit (it names folders and store keys)"
+        )
 
 
 def _trainer_rules(draft: Draft) -> None:
     t, r, ok, problem = draft.values["trainer"], draft.values["rollout"], draft.ok, draft.problems.append
     if ok("trainer", "tis_clip_low") and ok("trainer", "tis_clip") and not t["tis_clip_low"] < t["tis_clip"]:
-        problem(f"{draft.show('trainer', 'tis_clip_low')}: must be below "
-                f"{draft.show('trainer', 'tis_clip')} (the weight's bounds)")
-    if ok("trainer", "overlong_buffer_len") and ok("rollout", "max_response_len") and (
-        t["overlong_buffer_len"] > r["max_response_len"]
+        problem(
+            f"{draft.show('trainer', 'tis_clip_low')}: must be below "
+            f"{draft.show('trainer', 'tis_clip')} (the weight's bounds)"
+        )
+    if (
+        ok("trainer", "overlong_buffer_len")
+        and ok("rollout", "max_response_len")
+        and (t["overlong_buffer_len"] > r["max_response_len"])
     ):
-        problem(f"{draft.show('trainer', 'overlong_buffer_len')}: must be <= "
-                f"{draft.show('rollout', 'max_response_len')} (the buffer ends at the cap)")
+        problem(
+            f"{draft.show('trainer', 'overlong_buffer_len')}: must be <= "
+            f"{draft.show('rollout', 'max_response_len')} (the buffer ends at the cap)"
+        )
     batch_ok = ok("rollout", "rollout_batch_size") and ok("rollout", "n_samples_per_prompt")
     if batch_ok and ok("trainer", "global_batch_size") and t["global_batch_size"] is not None:
         samples = r["rollout_batch_size"] * r["n_samples_per_prompt"]
         if t["global_batch_size"] > samples:
-            problem(f"{draft.show('trainer', 'global_batch_size')}: must be <= the samples of one "
-                    f"rollout batch ({samples} = --rollout-batch-size x --n-samples-per-prompt)")
+            problem(
+                f"{draft.show('trainer', 'global_batch_size')}: must be <= the samples of one "
+                f"rollout batch ({samples} = --rollout-batch-size x --n-samples-per-prompt)"
+            )
 
 
 def _megatron_rules(draft: Draft) -> None:
@@ -101,22 +119,32 @@ def _megatron_rules(draft: Draft) -> None:
     if get("trainer", "backend") != "megatron":
         for name in parallel:
             if (get("trainer", name) or 1) > 1:
-                problem(f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
-                        "one process; add --train-backend megatron")
+                problem(
+                    f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
+                    "one process; add --train-backend megatron"
+                )
         return
     if get("rollout", "update_weight_transport") == "distributed":
-        problem("--update-weight-transport=distributed with --train-backend=megatron: the distributed "
-                "publish sends the torch trainer's weights; the megatron backend publishes from disk for now")
+        problem(
+            "--update-weight-transport=distributed with --train-backend=megatron: the distributed "
+            "publish sends the torch trainer's weights; the megatron backend publishes from disk for now"
+        )
     if draft.given("trainer", "global_batch_size"):
-        problem(f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
-                "backend takes one optimizer step per rollout batch (leave --global-batch-size out)")
+        problem(
+            f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
+            "backend takes one optimizer step per rollout batch (leave --global-batch-size out)"
+        )
     if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
-        problem(f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
-                "supported by the megatron backend yet; use 1 (tensor and data parallel work)")
+        problem(
+            f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
+            "supported by the megatron backend yet; use 1 (tensor and data parallel work)"
+        )
     ranks, tp = get("trainer", "num_ranks"), get("trainer", "tensor_model_parallel_size")
     if ranks and tp and ranks % tp:
-        problem(f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
-                f"{show('trainer', 'num_ranks')} (data parallel = ranks / TP)")
+        problem(
+            f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
+            f"{show('trainer', 'num_ranks')} (data parallel = ranks / TP)"
+        )
 
 
 def _sglang_rules(draft: Draft) -> None:
@@ -127,8 +155,10 @@ def _sglang_rules(draft: Draft) -> None:
                 draft.warnings.append(f"{show('engine', name)} without --rollout-engine sglang: ignored")
         return
     if draft.values["engine"]["urls"] or get("engine", "router_url"):
-        problem("--rollout-engine=sglang with --sglang-url/--sglang-router-url: the pipeline starts "
-                "engines only when it is given none")
+        problem(
+            "--rollout-engine=sglang with --sglang-url/--sglang-router-url: the pipeline starts "
+            "engines only when it is given none"
+        )
     fraction = get("engine", "sglang_mem_fraction_static")
     if fraction is not None and fraction >= 1:
         problem(f"{show('engine', 'sglang_mem_fraction_static')}: must be in (0, 1)")
@@ -139,11 +169,15 @@ def _sglang_rules(draft: Draft) -> None:
         if not all(d.isdigit() for d in ids) or len(set(ids)) != len(ids):
             problem(f"{show('engine', 'sglang_devices')}: must be distinct GPU ids separated by commas")
         elif len(ids) % per:
-            problem(f"{show('engine', 'sglang_devices')}: {len(ids)} GPUs do not split into engines "
-                    f"of {show('engine', 'gpus_per_engine')}")
+            problem(
+                f"{show('engine', 'sglang_devices')}: {len(ids)} GPUs do not split into engines "
+                f"of {show('engine', 'gpus_per_engine')}"
+            )
         elif draft.given("engine", "num_engines") and get("engine", "num_engines") != len(ids) // per:
-            problem(f"{show('engine', 'num_engines')}: --sglang-devices makes {len(ids) // per} "
-                    "engines; leave --rollout-num-engines out")
+            problem(
+                f"{show('engine', 'num_engines')}: --sglang-devices makes {len(ids) // per} "
+                "engines; leave --rollout-num-engines out"
+            )
 
 
 def _engine_rules(draft: Draft) -> None:
@@ -159,8 +193,9 @@ def _engine_rules(draft: Draft) -> None:
     if router and (reason := url_problem(router)):
         draft.problems.append(f"{draft.show('engine', 'router_url')}: {reason}")
     if urls and router:
-        draft.problems.append(f"{draft.show('engine', 'router_url')} with --sglang-url: pass engine URLs or "
-                              "one router URL, not both")
+        draft.problems.append(
+            f"{draft.show('engine', 'router_url')} with --sglang-url: pass engine URLs or one router URL, not both"
+        )
     # The trainer hosts the weight-update group on loopback: engines elsewhere could never join it.
     if draft.get("rollout", "update_weight_transport") == "distributed":
         for url in [*urls, *([router] if router else [])]:
@@ -168,15 +203,20 @@ def _engine_rules(draft: Draft) -> None:
             if host not in _LOOPBACK:
                 draft.problems.append(
                     f"--update-weight-transport=distributed with --sglang-url={url!r}: the trainer hosts the "
-                    "weight-update group on 127.0.0.1, so engines must run on this host (or use disk)")
+                    "weight-update group on 127.0.0.1, so engines must run on this host (or use disk)"
+                )
     live, engines = draft.get("engine", "min_live_engines"), draft.get("engine", "num_engines")
     count = len(urls) if urls else engines
     if draft.get("engine", "use_fault_tolerance") and live is not None and count is not None and live > count:
-        draft.problems.append(f"{draft.show('engine', 'min_live_engines')}: more than the {count} engines of this "
-                              "run, so the first fault would stop it")
+        draft.problems.append(
+            f"{draft.show('engine', 'min_live_engines')}: more than the {count} engines of this "
+            "run, so the first fault would stop it"
+        )
     if urls and draft.given("engine", "num_engines") and engines not in (None, len(urls)):
-        draft.problems.append(f"{draft.show('engine', 'num_engines')}: {len(urls)} --sglang-url given; the "
-                              "engine count is the number of URLs (leave --rollout-num-engines out)")
+        draft.problems.append(
+            f"{draft.show('engine', 'num_engines')}: {len(urls)} --sglang-url given; the "
+            "engine count is the number of URLs (leave --rollout-num-engines out)"
+        )
 
 
 def url_problem(url: str) -> str | None:
@@ -226,25 +266,37 @@ def warn_odd_settings(draft: Draft) -> None:
     warn = draft.warnings.append
     sync_without_partial = r["mode"] == RolloutMode.SYNC and r["partial_rollout"] is False
     if sync_without_partial and draft.given("rollout", "over_sampling_batch_size"):
-        warn(f"{draft.show('rollout', 'over_sampling_batch_size')} without --partial-rollout: sync mode does "
-             "not abort and resume the groups admitted past the target; add --partial-rollout to keep their "
-             "prefixes for the next round")
+        warn(
+            f"{draft.show('rollout', 'over_sampling_batch_size')} without --partial-rollout: sync mode does "
+            "not abort and resume the groups admitted past the target; add --partial-rollout to keep their "
+            "prefixes for the next round"
+        )
     if sync_without_partial and r["mask_offpolicy_in_partial_rollout"] is True:
-        warn("--mask-offpolicy-in-partial-rollout without --partial-rollout in sync mode: "
-             "no sample is ever continued, so nothing is masked")
+        warn(
+            "--mask-offpolicy-in-partial-rollout without --partial-rollout in sync mode: "
+            "no sample is ever continued, so nothing is masked"
+        )
     if r["n_samples_per_prompt"] == 1:
-        warn("--n-samples-per-prompt=1: group-normalized (GRPO) advantages of a group of "
-             "one are 0, so nothing is learned")
+        warn(
+            "--n-samples-per-prompt=1: group-normalized (GRPO) advantages of a group of "
+            "one are 0, so nothing is learned"
+        )
     if s["transport"] == StoreTransport.MEMORY and draft.given("storage", "data_dir"):
-        warn(f"{draft.show('storage', 'data_dir')} with --rollout-data-transport=memory: "
-             "nothing is stored on disk; add --rollout-data-transport lmdb to use it")
+        warn(
+            f"{draft.show('storage', 'data_dir')} with --rollout-data-transport=memory: "
+            "nothing is stored on disk; add --rollout-data-transport lmdb to use it"
+        )
     for name in ("declaration", "profile"):
         if s["transport"] == StoreTransport.MEMORY and draft.given("storage", name):
-            warn(f"{draft.show('storage', name)} with --rollout-data-transport=memory: "
-                 "there is no store on disk to declare; it is ignored")
+            warn(
+                f"{draft.show('storage', name)} with --rollout-data-transport=memory: "
+                "there is no store on disk to declare; it is ignored"
+            )
     if d["prompt_data"] is not None and draft.given("data", "num_prompts"):
-        warn(f"{draft.show('data', 'num_prompts')} with --prompt-data: it sizes only the "
-             "built-in toy dataset and is ignored")
+        warn(
+            f"{draft.show('data', 'num_prompts')} with --prompt-data: it sizes only the "
+            "built-in toy dataset and is ignored"
+        )
     _warn_unbuilt(draft)
     _warn_engines(draft)
 
@@ -254,23 +306,30 @@ def _warn_unbuilt(draft: Draft) -> None:
     # but not run by this pipeline yet: say so instead of ignoring them in silence.
     r, d, s = (draft.values[k] for k in ("rollout", "data", "storage"))
     if r["mode"] == RolloutMode.SYNC and r["eval_interval"] is not None:
-        draft.warnings.append(f"{draft.show('rollout', 'eval_interval')}: inline evaluation is not built yet; "
-                              "evaluate the saved weights (weights/vN) separately")
+        draft.warnings.append(
+            f"{draft.show('rollout', 'eval_interval')}: inline evaluation is not built yet; "
+            "evaluate the saved weights (weights/vN) separately"
+        )
     for name in ("rollout_all_samples_process_path", "buffer_filter_path"):
         forbidden_here = (name == "rollout_all_samples_process_path" and r["mode"] == RolloutMode.ASYNC) or (
             name == "buffer_filter_path" and s["transport"] == StoreTransport.LMDB
         )
         if d[name] and not forbidden_here:
-            draft.warnings.append(f"{draft.show('data', name)}: resolved, but this pipeline does not call it "
-                                  "(partial groups are served oldest version first by the store)")
+            draft.warnings.append(
+                f"{draft.show('data', name)}: resolved, but this pipeline does not call it "
+                "(partial groups are served oldest version first by the store)"
+            )
 
 
 def _warn_engines(draft: Draft) -> None:
     e = draft.values["engine"]
     external = bool(e["urls"]) or bool(e["router_url"])
     if external and e["hf_checkpoint"] is None:
-        draft.warnings.append("external engines without --hf-checkpoint: the trainer builds the tiny "
-                              "model, which must be the model those engines serve")
+        draft.warnings.append(
+            "external engines without --hf-checkpoint: the trainer builds the tiny "
+            "model, which must be the model those engines serve"
+        )
     if not external and e["host"] not in _LOOPBACK:
-        draft.warnings.append(f"{draft.show('engine', 'host')}: built-in engines will accept connections "
-                              "from the network")
+        draft.warnings.append(
+            f"{draft.show('engine', 'host')}: built-in engines will accept connections from the network"
+        )

@@ -67,67 +67,119 @@ def _resolved(path_field: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
     mode: RolloutMode = _opt(
-        RolloutMode.SYNC, "--rollout-mode", "choice", choices=tuple(RolloutMode),
-        help="sync: train after each round; async: keep generating across training steps")
+        RolloutMode.SYNC,
+        "--rollout-mode",
+        "choice",
+        choices=tuple(RolloutMode),
+        help="sync: train after each round; async: keep generating across training steps",
+    )
     rollout_batch_size: int = _opt(8, "--rollout-batch-size", "int", ge=1, help="groups per training step")
     n_samples_per_prompt: int = _opt(8, "--n-samples-per-prompt", "int", ge=1, help="samples per group (G)")
     over_sampling_batch_size: int | None = _opt(
-        None, "--over-sampling-batch-size", "int", ge=1, default_help="--rollout-batch-size",
-        help="groups admitted per refill; smaller than --rollout-batch-size is allowed")
+        None,
+        "--over-sampling-batch-size",
+        "int",
+        ge=1,
+        default_help="--rollout-batch-size",
+        help="groups admitted per refill; smaller than --rollout-batch-size is allowed",
+    )
     partial_rollout: bool = _opt(
-        False, "--partial-rollout", "bool",
-        help="sync mode: at the target, abort the rest and resume their prefixes first next round")
+        False,
+        "--partial-rollout",
+        "bool",
+        help="sync mode: at the target, abort the rest and resume their prefixes first next round",
+    )
     partial_fill_idle_slots: bool = _opt(
-        True, "--partial-fill-idle-slots", "bool",
+        True,
+        "--partial-fill-idle-slots",
+        "bool",
         help="partial rollout: while a round waits for its stragglers, give idle slots one more group "
-        "(more throughput, more off-policy tokens; --no-partial-fill-idle-slots keeps slime's refill rule)")
+        "(more throughput, more off-policy tokens; --no-partial-fill-idle-slots keeps slime's refill rule)",
+    )
     mask_offpolicy_in_partial_rollout: bool = _opt(
-        False, "--mask-offpolicy-in-partial-rollout", "bool",
-        help="zero the loss mask of the prefix that existed before a continuation")
-    max_response_len: int = _opt(
-        64, "--rollout-max-response-len", "int", ge=1, help="response tokens per sample")
+        False,
+        "--mask-offpolicy-in-partial-rollout",
+        "bool",
+        help="zero the loss mask of the prefix that existed before a continuation",
+    )
+    max_response_len: int = _opt(64, "--rollout-max-response-len", "int", ge=1, help="response tokens per sample")
     temperature: float = _opt(
-        1.0, "--rollout-temperature", "float", gt=0, help="sampling temperature",
-        why=" (the trainer's log-prob correction divides the logits by it)")
+        1.0,
+        "--rollout-temperature",
+        "float",
+        gt=0,
+        help="sampling temperature",
+        why=" (the trainer's log-prob correction divides the logits by it)",
+    )
     top_p: float = _opt(1.0, "--rollout-top-p", "float", help="nucleus sampling, in (0, 1]")
     top_k: int = _opt(-1, "--rollout-top-k", "int", help="top-k sampling; -1 = off")
     min_new_tokens: int = _opt(
-        0, "--rollout-min-new-tokens", "int", ge=0,
-        help="no stop before this many response tokens (a continuation gets it minus its prefix)")
+        0,
+        "--rollout-min-new-tokens",
+        "int",
+        ge=0,
+        help="no stop before this many response tokens (a continuation gets it minus its prefix)",
+    )
     frequency_penalty: float = _opt(
-        0.0, "--rollout-frequency-penalty", "float", help="SGLang's frequency_penalty; not with partial/async")
+        0.0, "--rollout-frequency-penalty", "float", help="SGLang's frequency_penalty; not with partial/async"
+    )
     presence_penalty: float = _opt(
-        0.0, "--rollout-presence-penalty", "float", help="SGLang's presence_penalty; not with partial/async")
+        0.0, "--rollout-presence-penalty", "float", help="SGLang's presence_penalty; not with partial/async"
+    )
     repetition_penalty: float = _opt(
-        1.0, "--rollout-repetition-penalty", "float", gt=0,
-        help="SGLang's repetition_penalty; not with partial/async")
+        1.0, "--rollout-repetition-penalty", "float", gt=0, help="SGLang's repetition_penalty; not with partial/async"
+    )
     num_rollout: int = _opt(100, "--num-rollout", "int", ge=1, help="training steps")
     prefetch: int | None = _opt(
-        None, "--rollout-prefetch", "int", ge=0, default_help="--rollout-batch-size",
-        help="ready groups kept ahead of the trainer")
+        None,
+        "--rollout-prefetch",
+        "int",
+        ge=0,
+        default_help="--rollout-batch-size",
+        help="ready groups kept ahead of the trainer",
+    )
     max_staleness: int | None = _opt(
-        None, "--max-staleness", "int", ge=0,
-        help="admit no work that would exceed this staleness (versions); unset = no bound")
+        None,
+        "--max-staleness",
+        "int",
+        ge=0,
+        help="admit no work that would exceed this staleness (versions); unset = no bound",
+    )
     pause_mode: PauseMode = _opt(
-        PauseMode.ABORT, "--pause-mode", "choice", choices=tuple(PauseMode),
-        help="how engines pause for a weight publish")
+        PauseMode.ABORT,
+        "--pause-mode",
+        "choice",
+        choices=tuple(PauseMode),
+        help="how engines pause for a weight publish",
+    )
     update_weight_transport: WeightTransport = _opt(
-        WeightTransport.DISK, "--update-weight-transport", "choice", choices=tuple(WeightTransport),
-        help="disk: engines read a saved folder; distributed: the trainer broadcasts over torch.distributed")
+        WeightTransport.DISK,
+        "--update-weight-transport",
+        "choice",
+        choices=tuple(WeightTransport),
+        help="disk: engines read a saved folder; distributed: the trainer broadcasts over torch.distributed",
+    )
     overlap_weight_transfer: bool = _opt(
-        False, "--overlap-weight-transfer", "bool",
+        False,
+        "--overlap-weight-transfer",
+        "bool",
         help="publish without pausing: engines receive weights while decoding and swap between two "
-        "steps (built-in and simulated engines stage updates; SGLang may block generation meanwhile)")
+        "steps (built-in and simulated engines stage updates; SGLang may block generation meanwhile)",
+    )
     update_weight_buffer_size: int = _opt(
-        512 * 1024 * 1024, "--update-weight-buffer-size", "int", ge=1,
-        help="bytes of weights per /update_weights_from_distributed call (distributed transport)")
+        512 * 1024 * 1024,
+        "--update-weight-buffer-size",
+        "int",
+        ge=1,
+        help="bytes of weights per /update_weights_from_distributed call (distributed transport)",
+    )
     seed: int = _opt(42, "--rollout-seed", "int", ge=0, help="sampling and data-order seed")
-    request_timeout: float = _opt(
-        600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
+    request_timeout: float = _opt(600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
     max_retries: int = _opt(3, "--rollout-max-retries", "int", ge=0, help="retries of a failed engine request")
     reward_timeout: float = _opt(30.0, "--reward-timeout", "float", gt=0, help="seconds per reward call")
     eval_interval: int | None = _opt(
-        None, "--eval-interval", "int", ge=1, help="inline evaluation every N steps (sync mode only)")
+        None, "--eval-interval", "int", ge=1, help="inline evaluation every N steps (sync mode only)"
+    )
 
     @property
     def resumes_partial_groups(self) -> bool:
@@ -141,27 +193,46 @@ _FN = "MODULE:FUNCTION"
 @dataclass(frozen=True, slots=True)
 class DataConfig:
     prompt_data: Path | None = _opt(
-        None, "--prompt-data", "path", default_help="the built-in toy task", help="JSONL prompt file")
+        None, "--prompt-data", "path", default_help="the built-in toy task", help="JSONL prompt file"
+    )
     input_key: str = _opt("prompt", "--input-key", "str", metavar="KEY", help="JSONL key of the prompt text")
     label_key: str = _opt("label", "--label-key", "str", metavar="KEY", help="JSONL key of the label")
     num_prompts: int = _opt(512, "--num-prompts", "int", ge=1, help="size of the built-in toy dataset")
     task: str = _opt(
-        "toy", "--task", "choice", choices=("toy", "tool"),
-        help="built-in task without --prompt-data: toy (one turn) or tool (multi-turn: look up, then reply)")
+        "toy",
+        "--task",
+        "choice",
+        choices=("toy", "tool"),
+        help="built-in task without --prompt-data: toy (one turn) or tool (multi-turn: look up, then reply)",
+    )
     custom_rm_path: str | None = _opt(
-        None, "--custom-rm-path", "str", metavar=_FN, default_help="the toy task's reward",
-        help="reward function")
+        None, "--custom-rm-path", "str", metavar=_FN, default_help="the toy task's reward", help="reward function"
+    )
     dynamic_sampling_filter_path: str | None = _opt(
-        None, "--dynamic-sampling-filter-path", "str", metavar=_FN, help="group acceptance filter")
+        None, "--dynamic-sampling-filter-path", "str", metavar=_FN, help="group acceptance filter"
+    )
     rollout_all_samples_process_path: str | None = _opt(
-        None, "--rollout-all-samples-process-path", "str", metavar=_FN,
-        help="sees every group, filtered-out ones too (sync mode only)")
+        None,
+        "--rollout-all-samples-process-path",
+        "str",
+        metavar=_FN,
+        help="sees every group, filtered-out ones too (sync mode only)",
+    )
     buffer_filter_path: str | None = _opt(
-        None, "--buffer-filter-path", "str", metavar=_FN,
-        help="picks groups from the memory store's buffer (memory transport only)")
+        None,
+        "--buffer-filter-path",
+        "str",
+        metavar=_FN,
+        help="picks groups from the memory store's buffer (memory transport only)",
+    )
     custom_generate_function_path: str | None = _opt(
-        None, "--custom-generate-function-path", "str", metavar=_FN, default_help="one request per sample",
-        help="multi-turn agent `async def run(ctx, sample)` (see stages.agent)")
+        None,
+        "--custom-generate-function-path",
+        "str",
+        metavar=_FN,
+        default_help="one request per sample",
+        help="multi-turn agent `async def run(ctx, sample)` (see stages.agent)",
+    )
     # Filled by load_config from the paths above; None when the path is unset.
     agent_fn: Callable[..., Any] | None = _resolved("custom_generate_function_path")
     reward_fn: Callable[..., Any] | None = _resolved("custom_rm_path")
@@ -173,82 +244,151 @@ class DataConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     urls: tuple[str, ...] = _opt(
-        (), "--sglang-url", "urls", metavar="URL", default_help="start built-in engines",
-        help="an SGLang engine URL (repeatable)")
+        (),
+        "--sglang-url",
+        "urls",
+        metavar="URL",
+        default_help="start built-in engines",
+        help="an SGLang engine URL (repeatable)",
+    )
     router_url: str | None = _opt(
-        None, "--sglang-router-url", "str", metavar="URL", help="an SGLang router in front of engines")
+        None, "--sglang-router-url", "str", metavar="URL", help="an SGLang router in front of engines"
+    )
     num_engines: int = _opt(
-        1, "--rollout-num-engines", "int", ge=1,
-        help="built-in engines to start (>1: behind sglang-router); "
-        "with --sglang-router-url, the engines behind it")
+        1,
+        "--rollout-num-engines",
+        "int",
+        ge=1,
+        help="built-in engines to start (>1: behind sglang-router); with --sglang-router-url, the engines behind it",
+    )
     sglang_server_concurrency: int = _opt(
-        64, "--sglang-server-concurrency", "int", ge=1, help="in-flight samples per engine")
+        64, "--sglang-server-concurrency", "int", ge=1, help="in-flight samples per engine"
+    )
     hf_checkpoint: str | None = _opt(
-        None, "--hf-checkpoint", "str", metavar="PATH", default_help="build the tiny model in the run folder",
-        help="model folder (or Hub id)")
+        None,
+        "--hf-checkpoint",
+        "str",
+        metavar="PATH",
+        default_help="build the tiny model in the run folder",
+        help="model folder (or Hub id)",
+    )
     device: str = _opt(
-        "cpu", "--rollout-device", "str", metavar="DEVICE",
-        help="torch device of the built-in engines: cpu, cuda or cuda:N (the trainer's is --trainer-device)")
-    host: str = _opt(
-        "127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
+        "cpu",
+        "--rollout-device",
+        "str",
+        metavar="DEVICE",
+        help="torch device of the built-in engines: cpu, cuda or cuda:N (the trainer's is --trainer-device)",
+    )
+    host: str = _opt("127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
     # Real SGLang servers started by the pipeline (launch/sglang_server.py).
     launcher: str = _opt(
-        "builtin", "--rollout-engine", "choice", choices=("builtin", "sglang"),
+        "builtin",
+        "--rollout-engine",
+        "choice",
+        choices=("builtin", "sglang"),
         help="engines the pipeline starts when no URL is given: the built-in engine, or real SGLang "
-        "(python -m sglang.launch_server, which must be importable here)")
+        "(python -m sglang.launch_server, which must be importable here)",
+    )
     sglang_devices: str | None = _opt(
-        None, "--sglang-devices", "str", metavar="0,1,...", default_help="0 .. engines x GPUs per engine - 1",
+        None,
+        "--sglang-devices",
+        "str",
+        metavar="0,1,...",
+        default_help="0 .. engines x GPUs per engine - 1",
         help="--rollout-engine sglang: GPU ids for the engines, in order; each engine takes "
-        "--rollout-num-gpus-per-engine of them (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+        "--rollout-num-gpus-per-engine of them (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)",
+    )
     gpus_per_engine: int = _opt(
-        1, "--rollout-num-gpus-per-engine", "int", ge=1,
-        help="--rollout-engine sglang: GPUs per engine (its --tp-size)")
+        1, "--rollout-num-gpus-per-engine", "int", ge=1, help="--rollout-engine sglang: GPUs per engine (its --tp-size)"
+    )
     sglang_mem_fraction_static: float | None = _opt(
-        None, "--sglang-mem-fraction-static", "float", gt=0, default_help="SGLang's default",
-        help="--rollout-engine sglang: GPU memory fraction for weights and KV cache")
+        None,
+        "--sglang-mem-fraction-static",
+        "float",
+        gt=0,
+        default_help="SGLang's default",
+        help="--rollout-engine sglang: GPU memory fraction for weights and KV cache",
+    )
     sglang_startup_timeout: float = _opt(
-        900.0, "--sglang-startup-timeout", "float", gt=0, help="seconds for a started SGLang server to become healthy")
+        900.0, "--sglang-startup-timeout", "float", gt=0, help="seconds for a started SGLang server to become healthy"
+    )
     api_key: str | None = _opt(
-        None, "--api-key", "str", metavar="KEY",
+        None,
+        "--api-key",
+        "str",
+        metavar="KEY",
         help="sent to engines and the router as 'Authorization: Bearer KEY', and given to the SGLang servers and "
-        "router the pipeline starts")
+        "router the pipeline starts",
+    )
     # Engine faults (issue 17): slime's flags and defaults, plus the floor the run goes on with.
     use_fault_tolerance: bool = _opt(
-        False, "--use-fault-tolerance", "bool",
-        help="evict a dead or hung engine, restart it (built-in) or wait for it (yours), re-admit it current")
+        False,
+        "--use-fault-tolerance",
+        "bool",
+        help="evict a dead or hung engine, restart it (built-in) or wait for it (yours), re-admit it current",
+    )
     health_check_interval: float = _opt(
-        30.0, "--rollout-health-check-interval", "float", gt=0, help="seconds between engine heartbeats")
+        30.0, "--rollout-health-check-interval", "float", gt=0, help="seconds between engine heartbeats"
+    )
     health_check_timeout: float = _opt(
-        30.0, "--rollout-health-check-timeout", "float", gt=0,
-        help="seconds a heartbeat (/health_generate) may take before the engine is evicted")
+        30.0,
+        "--rollout-health-check-timeout",
+        "float",
+        gt=0,
+        help="seconds a heartbeat (/health_generate) may take before the engine is evicted",
+    )
     health_check_first_wait: float = _opt(
-        0.0, "--rollout-health-check-first-wait", "float", ge=0, help="seconds before the first heartbeat")
+        0.0, "--rollout-health-check-first-wait", "float", ge=0, help="seconds before the first heartbeat"
+    )
     min_live_engines: int = _opt(
-        1, "--min-live-engines", "int", ge=1,
-        help="with --use-fault-tolerance, the run stops once fewer engines than this are live")
+        1,
+        "--min-live-engines",
+        "int",
+        ge=1,
+        help="with --use-fault-tolerance, the run stops once fewer engines than this are live",
+    )
     max_engine_restarts: int = _opt(
-        3, "--max-engine-restarts", "int", ge=0, help="restart tries per evicted built-in engine")
+        3, "--max-engine-restarts", "int", ge=0, help="restart tries per evicted built-in engine"
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
     transport: StoreTransport = _opt(
-        StoreTransport.MEMORY, "--rollout-data-transport", "choice", choices=tuple(StoreTransport),
-        help="where rollout state lives")
+        StoreTransport.MEMORY,
+        "--rollout-data-transport",
+        "choice",
+        choices=tuple(StoreTransport),
+        help="where rollout state lives",
+    )
     data_dir: Path | None = _opt(
-        None, "--rollout-data-dir", "path", default_help="<output dir>/rollout_data", help="LMDB folder")
-    run_id: str = _opt(
-        "default", "--rollout-queue-run-id", "str", metavar="ID", help="names the run and its store")
+        None, "--rollout-data-dir", "path", default_help="<output dir>/rollout_data", help="LMDB folder"
+    )
+    run_id: str = _opt("default", "--rollout-queue-run-id", "str", metavar="ID", help="names the run and its store")
     declaration: Path | None = _opt(
-        None, "--rollout-storage-declaration", "path", metavar="FILE.json",
+        None,
+        "--rollout-storage-declaration",
+        "path",
+        metavar="FILE.json",
         help='what the LMDB folder\'s mount is: {"mount_path", "filesystem", "durability": '
-        '{"synced_commits"}}; needed on a network filesystem')
+        '{"synced_commits"}}; needed on a network filesystem',
+    )
     profile: str | None = _opt(
-        None, "--rollout-storage-profile", "choice", choices=tuple(PROFILES), default_help="detect; local only",
-        help="a preset declaration for the LMDB folder's filesystem")
+        None,
+        "--rollout-storage-profile",
+        "choice",
+        choices=tuple(PROFILES),
+        default_help="detect; local only",
+        help="a preset declaration for the LMDB folder's filesystem",
+    )
     gc_keep_steps: int | None = _opt(
-        None, "--rollout-gc-keep-steps", "int", ge=0, default_help="keep everything (replay sees the whole run)",
-        help="after each step, delete the trained groups and batches of all but the last N steps")
+        None,
+        "--rollout-gc-keep-steps",
+        "int",
+        ge=0,
+        default_help="keep everything (replay sees the whole run)",
+        help="after each step, delete the trained groups and batches of all but the last N steps",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,88 +396,150 @@ class TrainerConfig:
     lr: float = _opt(5e-3, "--lr", "float", gt=0, help="learning rate")
     eps_clip: float = _opt(0.2, "--eps-clip", "float", gt=0, help="PPO ratio clip (low side)")
     eps_clip_high: float | None = _opt(
-        None, "--eps-clip-high", "float", gt=0, default_help="--eps-clip", help="PPO ratio clip, high side")
+        None, "--eps-clip-high", "float", gt=0, default_help="--eps-clip", help="PPO ratio clip, high side"
+    )
     use_tis: bool = _opt(True, "--use-tis", "bool", help="truncated importance sampling")
     tis_clip: float = _opt(2.0, "--tis-clip", "float", gt=0, help="TIS ratio cap")
     max_grad_norm: float = _opt(1.0, "--clip-grad", "float", gt=0, help="gradient norm clip")
     global_batch_size: int | None = _opt(
-        None, "--global-batch-size", "int", ge=1,
+        None,
+        "--global-batch-size",
+        "int",
+        ge=1,
         default_help="half a rollout batch's samples (two optimizer steps; the megatron backend takes one)",
         help="samples per optimizer step; a smaller value splits each rollout batch into several steps, "
         "with the PPO clip acting against the log-probs recomputed before the first (the trust region that "
-        "keeps partial and async rollout stable: BENCHMARKS.md section 8)")
+        "keeps partial and async rollout stable: BENCHMARKS.md section 8)",
+    )
     tis_mode: str = _opt(
-        "truncate", "--tis-mode", "choice", choices=("truncate", "icepop", "seq-mask"),
+        "truncate",
+        "--tis-mode",
+        "choice",
+        choices=("truncate", "icepop", "seq-mask"),
         help="with --use-tis: truncate = clamp the weight to [--tis-clip-low, --tis-clip]; icepop = drop tokens "
-        "whose weight leaves it; seq-mask = drop samples whose geometric-mean weight leaves it")
+        "whose weight leaves it; seq-mask = drop samples whose geometric-mean weight leaves it",
+    )
     tis_clip_low: float = _opt(0.0, "--tis-clip-low", "float", ge=0, help="importance weight lower bound")
     use_opsm: bool = _opt(
-        False, "--use-opsm", "bool",
-        help="off-policy sequence masking: drop negative-advantage samples whose mean log(mu/pi) > --opsm-delta")
+        False,
+        "--use-opsm",
+        "bool",
+        help="off-policy sequence masking: drop negative-advantage samples whose mean log(mu/pi) > --opsm-delta",
+    )
     opsm_delta: float = _opt(1e-4, "--opsm-delta", "float", ge=0, help="OPSM threshold")
     loss_agg_mode: str = _opt(
-        "token-mean", "--loss-agg-mode", "choice",
+        "token-mean",
+        "--loss-agg-mode",
+        "choice",
         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         help="token-mean (slime --calculate-per-token-loss), seq-mean-token-mean (slime's default), "
-        "seq-mean-token-sum-norm (Dr.GRPO: divide by samples x --rollout-max-response-len)")
+        "seq-mean-token-sum-norm (Dr.GRPO: divide by samples x --rollout-max-response-len)",
+    )
     disable_grpo_std_normalization: bool = _opt(
-        False, "--disable-grpo-std-normalization", "bool", help="advantages are reward - group mean (Dr.GRPO)")
+        False, "--disable-grpo-std-normalization", "bool", help="advantages are reward - group mean (Dr.GRPO)"
+    )
     overlong_buffer_len: int = _opt(
-        0, "--overlong-buffer-len", "int", ge=0,
-        help="DAPO overlong shaping: the last N tokens before --rollout-max-response-len cost reward; 0 = off")
+        0,
+        "--overlong-buffer-len",
+        "int",
+        ge=0,
+        help="DAPO overlong shaping: the last N tokens before --rollout-max-response-len cost reward; 0 = off",
+    )
     overlong_penalty_factor: float = _opt(
-        1.0, "--overlong-penalty-factor", "float", ge=0, help="DAPO overlong penalty at the length cap")
+        1.0, "--overlong-penalty-factor", "float", ge=0, help="DAPO overlong penalty at the length cap"
+    )
     mask_truncated_samples: bool = _opt(
-        False, "--mask-truncated-samples", "bool",
-        help="truncated samples train no token (their reward still counts in the group's statistics)")
+        False,
+        "--mask-truncated-samples",
+        "bool",
+        help="truncated samples train no token (their reward still counts in the group's statistics)",
+    )
     mask_stale_tokens: int | None = _opt(
-        None, "--mask-stale-tokens", "int", ge=0, metavar="K",
+        None,
+        "--mask-stale-tokens",
+        "int",
+        ge=0,
+        metavar="K",
         help="tokens older than the trained version - K get loss 0; the group and its other tokens train "
-        "(--max-staleness instead refuses to admit work)")
+        "(--max-staleness instead refuses to admit work)",
+    )
     device: str = _opt(
-        "cpu", "--trainer-device", "str",
-        help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)")
+        "cpu",
+        "--trainer-device",
+        "str",
+        help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)",
+    )
     backend: str = _opt(
-        "torch", "--train-backend", "choice", choices=("torch", "megatron"),
-        help="torch: the single-process GRPO trainer; megatron: megatron-core ranks (pip install .[megatron])")
+        "torch",
+        "--train-backend",
+        "choice",
+        choices=("torch", "megatron"),
+        help="torch: the single-process GRPO trainer; megatron: megatron-core ranks (pip install .[megatron])",
+    )
     num_ranks: int = _opt(
-        1, "--actor-num-gpus-per-node", "int", ge=1,
-        help="--train-backend megatron: trainer ranks on this host, one process per device (gloo processes on CPU)")
+        1,
+        "--actor-num-gpus-per-node",
+        "int",
+        ge=1,
+        help="--train-backend megatron: trainer ranks on this host, one process per device (gloo processes on CPU)",
+    )
     tensor_model_parallel_size: int = _opt(
-        1, "--tensor-model-parallel-size", "int", ge=1, help="--train-backend megatron: tensor parallel size")
+        1, "--tensor-model-parallel-size", "int", ge=1, help="--train-backend megatron: tensor parallel size"
+    )
     pipeline_model_parallel_size: int = _opt(
-        1, "--pipeline-model-parallel-size", "int", ge=1,
-        help="--train-backend megatron: pipeline parallel size (only 1 is supported yet)")
+        1,
+        "--pipeline-model-parallel-size",
+        "int",
+        ge=1,
+        help="--train-backend megatron: pipeline parallel size (only 1 is supported yet)",
+    )
     micro_batch_size: int = _opt(
-        8, "--micro-batch-size", "int", ge=1,
-        help="--train-backend megatron: samples per micro-batch, packed into one sequence")
+        8,
+        "--micro-batch-size",
+        "int",
+        ge=1,
+        help="--train-backend megatron: samples per micro-batch, packed into one sequence",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class OutputConfig:
     dir: Path | None = _opt(
-        None, "--output-dir", "path", aliases=("--save",), default_help="runs/<run id>", help="run folder")
+        None, "--output-dir", "path", aliases=("--save",), default_help="runs/<run id>", help="run folder"
+    )
     metrics_file: Path | None = _opt(
-        None, "--metrics-file", "path", default_help="<output dir>/metrics.jsonl", help="metrics JSONL")
+        None, "--metrics-file", "path", default_help="<output dir>/metrics.jsonl", help="metrics JSONL"
+    )
     progress: bool = _opt(True, "--progress", "bool", help="progress bar")
     log_level: str = _opt(
-        "info", "--log-level", "choice", choices=("debug", "info", "warning", "error"), help="log level")
+        "info", "--log-level", "choice", choices=("debug", "info", "warning", "error"), help="log level"
+    )
     # Dashboards fed from the same per-step record as the metrics file (extras: see pipeline.metric_sinks).
     use_tensorboard: bool = _opt(
-        False, "--use-tensorboard", "bool", help="also write each step's metrics to TensorBoard")
+        False, "--use-tensorboard", "bool", help="also write each step's metrics to TensorBoard"
+    )
     tensorboard_dir: Path | None = _opt(
-        None, "--tensorboard-dir", "path", default_help="<output dir>/tensorboard", help="TensorBoard event folder")
+        None, "--tensorboard-dir", "path", default_help="<output dir>/tensorboard", help="TensorBoard event folder"
+    )
     use_wandb: bool = _opt(False, "--use-wandb", "bool", help="also log each step's metrics to Weights & Biases")
     wandb_project: str = _opt("rollout-pipeline", "--wandb-project", "str", metavar="NAME", help="W&B project")
     wandb_group: str | None = _opt(None, "--wandb-group", "str", metavar="NAME", help="W&B run group")
     wandb_mode: str = _opt(
-        "offline", "--wandb-mode", "choice", choices=("offline", "online", "disabled"),
-        help="offline writes under --wandb-dir with no network (upload later with `wandb sync`)")
+        "offline",
+        "--wandb-mode",
+        "choice",
+        choices=("offline", "online", "disabled"),
+        help="offline writes under --wandb-dir with no network (upload later with `wandb sync`)",
+    )
     wandb_dir: Path | None = _opt(None, "--wandb-dir", "path", default_help="<output dir>", help="W&B files folder")
     wandb_run_id: str | None = _opt(
-        None, "--wandb-run-id", "str", metavar="ID",
+        None,
+        "--wandb-run-id",
+        "str",
+        metavar="ID",
         default_help="from the run id and output dir, stable across resumes",
-        help="W&B run id; a resumed run continues the same W&B run")
+        help="W&B run id; a resumed run continues the same W&B run",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +564,7 @@ SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "output": OutputConfig,
 }
+
 
 def options(cls: type) -> list[tuple[Field[Any], Opt]]:
     """The fields of a section that are settings (resolved callables are not), with their metadata."""
@@ -421,4 +624,3 @@ def section_from_dict(cls: type[_Section], data: Mapping[str, Any]) -> _Section:
             value = tuple(value)
         kwargs[f.name] = typed(f, value)
     return cls(**kwargs)
-

@@ -215,14 +215,24 @@ class EngineClient:
         self._check_success("/update_weights_from_disk", doc)
 
     async def init_weights_update_group(
-        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         backend: str,
     ) -> None:
         """Join the weight-update group (SGLang 3.2). Blocks until every rank joined, so the caller
         joins rank 0 concurrently; bounded by `request_timeout`."""
         body = {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
         }
         doc = await self._control("POST", "/init_weights_update_group", body, timeout=self._request_timeout)
         self._check_success("/init_weights_update_group", doc)
@@ -233,9 +243,13 @@ class EngineClient:
         """Receive one bucket of tensors (`TensorSpec`s: name, dtype, shape) that rank 0 broadcasts
         while this call is pending; the plural batched form of SGLang >= mid-2025."""
         body = {
-            "names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
-            "shapes": [list(s.shape) for s in specs], "group_name": group_name, "flush_cache": flush_cache,
-            "abort_all_requests": False, "weight_version": weight_version,
+            "names": [s.name for s in specs],
+            "dtypes": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
         }
         doc = await self._control("POST", "/update_weights_from_distributed", body, timeout=self._request_timeout)
         self._check_success("/update_weights_from_distributed", doc)
@@ -368,4 +382,3 @@ class EngineClient:
             raise EngineUnavailableError(url, f"no answer within {timeout:g} s") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnavailableError(url, f"{type(exc).__name__}: {exc}") from exc
-

@@ -123,7 +123,8 @@ class FleetFaults:
         log.warning("engine evicted", url=url, reason=reason, live=len(live), total=self._total)
         if len(live) < self.policy.min_live:
             raise EngineUnavailableError(
-                url, f"evicted ({reason}); {len(live)} of {self._total} engines live, fewer than "
+                url,
+                f"evicted ({reason}); {len(live)} of {self._total} engines live, fewer than "
                 f"--min-live-engines {self.policy.min_live}",
             )
         if self._fleet.router_url is not None:

@@ -16,10 +16,10 @@ import aiohttp
 import anyio
 
 from pipeline.errors import EngineError, EngineUnavailableError
+from pipeline.types import PauseMode
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
-from pipeline.types import PauseMode
 from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
@@ -228,7 +228,8 @@ class EngineFleet:
             # starts (and takes these weights with it) or loads them itself after it ends.
             async with self._faults.weights_lock:
                 await self._fan_out(
-                    "update_weights_from_disk", lambda w: w.update_weights_from_disk(path, weight_version=weight_version)
+                    "update_weights_from_disk",
+                    lambda w: w.update_weights_from_disk(path, weight_version=weight_version),
                 )
                 self._faults.current_weights = (path, weight_version)
             return
@@ -244,8 +245,12 @@ class EngineFleet:
         await self._fan_out(
             "init_weights_update_group",
             lambda w: w.init_weights_update_group(
-                master_address=master_address, master_port=master_port, rank_offset=ranks[w.url],
-                world_size=world_size, group_name=group_name, backend=backend,
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=ranks[w.url],
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
             ),
         )
 
@@ -318,4 +323,3 @@ def _fan_out_error(what: str, failures: Mapping[str, EngineError], total: int) -
     error = kind(", ".join(failures), f"{what} failed on {len(failures)} of {total} engines: {detail}", status=status)
     error.__cause__ = first
     return error
-

@@ -34,7 +34,9 @@ class FaultPolicy:
             if getattr(self, name) <= 0:
                 raise ValueError(f"health check {name} must be > 0 seconds, got {getattr(self, name)}")
         if self.first_wait < 0 or self.restart_backoff < 0:
-            raise ValueError(f"first_wait and restart_backoff must be >= 0, got {self.first_wait}, {self.restart_backoff}")
+            raise ValueError(
+                f"first_wait and restart_backoff must be >= 0, got {self.first_wait}, {self.restart_backoff}"
+            )
         if self.min_live < 1:
             raise ValueError(f"min_live must be >= 1, got {self.min_live}")
         if self.max_restarts < 0:

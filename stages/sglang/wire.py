@@ -90,8 +90,9 @@ class GenerateResult:
             raise EngineError(url, "response has no meta_info.weight_version (SGLang older than 0.5.1?)")
         if spans and str(version) != spans[-1].version:
             raise EngineError(
-                url, f"meta_info.weight_version {version!r} is not the last span's version in "
-                f"weight_versions {preview(meta.get('weight_versions'))}"
+                url,
+                f"meta_info.weight_version {version!r} is not the last span's version in "
+                f"weight_versions {preview(meta.get('weight_versions'))}",
             )
         return cls(
             rid=str(meta.get("id", rid)),
@@ -136,15 +137,17 @@ def _parse_version_spans(raw: object, completion: int, n_tokens: int, url: str) 
             raise EngineError(url, f"meta_info.weight_versions[{i}] needs a version and int start/end: {item!r}")
         if start != covered or end < start:
             raise EngineError(
-                url, f"meta_info.weight_versions must be contiguous from 0: span {i} is [{start}, {end}) "
-                f"after {covered} tokens covered, in {shown}"
+                url,
+                f"meta_info.weight_versions must be contiguous from 0: span {i} is [{start}, {end}) "
+                f"after {covered} tokens covered, in {shown}",
             )
         spans.append(EngineSpan(str(version), start, end))
         covered = end
     if covered != completion or covered != n_tokens:
         raise EngineError(
-            url, f"meta_info.weight_versions end at {covered}, but the answer has completion_tokens "
-            f"{completion} and {n_tokens} output tokens: {shown}"
+            url,
+            f"meta_info.weight_versions end at {covered}, but the answer has completion_tokens "
+            f"{completion} and {n_tokens} output tokens: {shown}",
         )
     return tuple(spans)
 
@@ -268,4 +271,3 @@ class EngineLoad:
     @property
     def total(self) -> int:
         return self.running + self.waiting
-

@@ -37,9 +37,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
 
 
 def make_model_folder(

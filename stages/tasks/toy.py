@@ -51,9 +51,7 @@ def toy_prompt(char: str, count: int) -> str:
     return f"say {char} x{count}:"
 
 
-def toy_dataset(
-    n: int, seed: int, *, chars: str = TOY_CHARS, max_count: int = TOY_MAX_COUNT
-) -> list[PromptTask]:
+def toy_dataset(n: int, seed: int, *, chars: str = TOY_CHARS, max_count: int = TOY_MAX_COUNT) -> list[PromptTask]:
     """`n` prompts drawn from `seed`: the same arguments give the same list, in any process."""
     if not chars or max_count < 1 or max_count > 9:
         raise ValueError(f"need a non-empty chars and 1 <= max_count <= 9, got {chars!r}, {max_count}")

@@ -21,7 +21,11 @@ import torch
 from pipeline.errors import PipelineError
 
 __all__ = [
-    "OPTIMIZER_DIR", "has_optimizer", "load_optimizer", "optimizer_param_names", "save_optimizer",
+    "OPTIMIZER_DIR",
+    "has_optimizer",
+    "load_optimizer",
+    "optimizer_param_names",
+    "save_optimizer",
     "write_folder_atomically",
 ]
 
@@ -85,8 +89,12 @@ def save_optimizer(optimizer: torch.optim.Optimizer, param_names: list[str], ste
     groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in state["param_groups"]]
     save_file(tensors, str(folder / _OPTIMIZER_TENSORS))
     meta = {
-        "format": _OPTIMIZER_FORMAT, "optimizer": type(optimizer).__name__, "trainer_steps": steps,
-        "param_names": param_names, "param_groups": groups, "scalars": scalars,
+        "format": _OPTIMIZER_FORMAT,
+        "optimizer": type(optimizer).__name__,
+        "trainer_steps": steps,
+        "param_names": param_names,
+        "param_groups": groups,
+        "scalars": scalars,
     }
     (folder / _OPTIMIZER_META).write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
 

@@ -165,8 +165,9 @@ class GRPOTrainer:
         proximal: torch.Tensor | None = None
         if len(minibatches) > 1:
             with torch.no_grad():
-                proximal = torch.cat([self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])[0]
-                                      for mb in minibatches])
+                proximal = torch.cat(
+                    [self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])[0] for mb in minibatches]
+                )
         totals: defaultdict[str, float] = defaultdict(float)
         for mb in minibatches:
             self._minibatch_step(samples, mb, t, proximal, totals)
@@ -174,7 +175,11 @@ class GRPOTrainer:
         return step_metrics(samples, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
 
     def _minibatch_step(
-        self, samples: list[Sample], mb: list[int], t: _Tensors, proximal: torch.Tensor | None,
+        self,
+        samples: list[Sample],
+        mb: list[int],
+        t: _Tensors,
+        proximal: torch.Tensor | None,
         totals: defaultdict[str, float],
     ) -> None:
         """Forward, loss and (when there is signal) one optimizer step on the samples `mb`."""
@@ -238,8 +243,12 @@ class GRPOTrainer:
                 assert sample.reward is not None  # _trains checked it
                 penalty = 0.0
                 if s.overlong_buffer_len and s.max_response_len is not None:
-                    penalty = L.overlong_penalty(sample.response_len, max_response_len=s.max_response_len,
-                                                 buffer_len=s.overlong_buffer_len, factor=s.overlong_penalty_factor)
+                    penalty = L.overlong_penalty(
+                        sample.response_len,
+                        max_response_len=s.max_response_len,
+                        buffer_len=s.overlong_buffer_len,
+                        factor=s.overlong_penalty_factor,
+                    )
                 rewards.append(float(sample.reward) + penalty)
             trains += [r is not None for r in rewards]
             advantages += group_advantages(rewards, std_normalization=s.std_normalization)
@@ -279,8 +288,9 @@ class GRPOTrainer:
         if self.loss.mask_offpolicy_in_partial_rollout:
             mask &= L.newest_version_mask(versions, valid)
         if self.loss.mask_stale_tokens is not None:
-            mask &= L.stale_token_mask(versions, valid, train_version=train_version,
-                                       max_lag=self.loss.mask_stale_tokens)
+            mask &= L.stale_token_mask(
+                versions, valid, train_version=train_version, max_lag=self.loss.mask_stale_tokens
+            )
         return mask
 
     def loss_mask(self, sample: Sample, *, train_version: int | None = None) -> list[int]:
@@ -348,9 +358,10 @@ class GRPOTrainer:
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
         full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         logp = full.gather(-1, targets[..., None]).squeeze(-1)
-        valid = torch.arange(n_resp, device=self.device)[None, :] < torch.tensor(
-            [s.response_len for s in samples], device=self.device
-        )[:, None]
+        valid = (
+            torch.arange(n_resp, device=self.device)[None, :]
+            < torch.tensor([s.response_len for s in samples], device=self.device)[:, None]
+        )
         with torch.no_grad():
             entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
         return logp.masked_fill(~valid, 0.0), entropy
@@ -366,8 +377,9 @@ class GRPOTrainer:
 
         def fill(folder: Path) -> None:
             self.model.save_pretrained(folder)
-            save_optimizer(self.optimizer, optimizer_param_names(self.model, self.optimizer), self.steps,
-                           folder / OPTIMIZER_DIR)
+            save_optimizer(
+                self.optimizer, optimizer_param_names(self.model, self.optimizer), self.steps, folder / OPTIMIZER_DIR
+            )
 
         return write_folder_atomically(Path(path), self.model_path, fill)
 

@@ -127,12 +127,16 @@ class LossSettings:
         if not 0 <= self.tis_clip_low < self.tis_clip:
             problems.append(f"tis_clip_low={self.tis_clip_low}, tis_clip={self.tis_clip}: need 0 <= low < high")
         if self.overlong_buffer_len < 0 or self.overlong_penalty_factor < 0:
-            problems.append(f"overlong_buffer_len={self.overlong_buffer_len}, overlong_penalty_factor="
-                            f"{self.overlong_penalty_factor}: both must be >= 0")
+            problems.append(
+                f"overlong_buffer_len={self.overlong_buffer_len}, overlong_penalty_factor="
+                f"{self.overlong_penalty_factor}: both must be >= 0"
+            )
         needs_len = self.overlong_buffer_len > 0 or self.aggregation is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
         if needs_len and (self.max_response_len is None or self.max_response_len < self.overlong_buffer_len):
-            problems.append(f"max_response_len={self.max_response_len}: overlong shaping and "
-                            f"{LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM.value} need it, >= overlong_buffer_len")
+            problems.append(
+                f"max_response_len={self.max_response_len}: overlong shaping and "
+                f"{LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM.value} need it, >= overlong_buffer_len"
+            )
         if self.mask_stale_tokens is not None and self.mask_stale_tokens < 0:
             problems.append(f"mask_stale_tokens={self.mask_stale_tokens}: must be >= 0")
         if problems:

@@ -18,8 +18,14 @@ __all__ = ["step_metrics"]
 
 
 def step_metrics(
-    samples: Sequence[Sample], trains: Sequence[bool], advantages: Sequence[float], valid: torch.Tensor,
-    mask: torch.Tensor, versions: torch.Tensor, totals: defaultdict[str, float], n_minibatches: int,
+    samples: Sequence[Sample],
+    trains: Sequence[bool],
+    advantages: Sequence[float],
+    valid: torch.Tensor,
+    mask: torch.Tensor,
+    versions: torch.Tensor,
+    totals: defaultdict[str, float],
+    n_minibatches: int,
 ) -> dict[str, float]:
     """The step's metrics (names without the `train/` prefix the controller adds)."""
     masked = max(totals["masked_tokens"], 1.0)

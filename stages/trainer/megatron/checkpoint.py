@@ -64,12 +64,14 @@ def write_hf_weights(folder: Path, full: dict[str, torch.Tensor], shape: Qwen3Sh
         if (original / name).exists():
             shutil.copy2(original / name, folder / name)
     hf = megatron_to_hf(full, shape)
-    save_file({k: v.float().contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.float().contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
 
 
-def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *,
-                         layout: dict[str, int], steps: int) -> None:
+def save_optimizer_shard(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *, layout: dict[str, int], steps: int
+) -> None:
     from safetensors.torch import save_file
 
     names = {id(p): n for n, p in model.named_parameters()}
@@ -79,13 +81,19 @@ def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
             tensors[f"{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     rank = layout["rank"]
     save_file(tensors, str(folder / f"rank{rank}.safetensors"))
-    meta = {"format": FORMAT, "backend": "megatron", "world": layout["world"], "tp": layout["tp"],
-            "trainer_steps": steps}
+    meta = {
+        "format": FORMAT,
+        "backend": "megatron",
+        "world": layout["world"],
+        "tp": layout["tp"],
+        "trainer_steps": steps,
+    }
     (folder / f"rank{rank}.json").write_bytes(orjson.dumps(meta))
 
 
-def load_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *,
-                         layout: dict[str, int]) -> int:
+def load_optimizer_shard(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *, layout: dict[str, int]
+) -> int:
     """Restore this rank's AdamW shard; return the trainer steps it had taken."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -93,8 +101,10 @@ def load_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     rank = layout["rank"]
     meta_path = folder / f"rank{rank}.json"
     if not meta_path.exists():
-        raise PipelineError(f"optimizer checkpoint {folder} has no shard for megatron rank {rank}: it was "
-                            "saved by the torch backend or with fewer ranks")
+        raise PipelineError(
+            f"optimizer checkpoint {folder} has no shard for megatron rank {rank}: it was "
+            "saved by the torch backend or with fewer ranks"
+        )
     try:
         meta = orjson.loads(meta_path.read_bytes())
         tensors = load_file(str(folder / f"rank{rank}.safetensors"))
@@ -105,8 +115,11 @@ def load_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
     for name, param in model.named_parameters():
         # AdamW keeps `step` on the CPU (non-capturable); the moments live beside the parameter.
-        state = {key.rsplit(".", 1)[1]: t if key.endswith(".step") else t.to(param.device)
-                 for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+        state = {
+            key.rsplit(".", 1)[1]: t if key.endswith(".step") else t.to(param.device)
+            for key, t in tensors.items()
+            if key.rsplit(".", 1)[0] == name
+        }
         if state:
             optimizer.state[param] = state
     return int(meta["trainer_steps"])

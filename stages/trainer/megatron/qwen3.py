@@ -66,17 +66,27 @@ class Qwen3Shape:
     @classmethod
     def from_hf(cls, config: Any) -> Qwen3Shape:
         if getattr(config, "model_type", None) not in ("qwen3", "qwen2"):
-            raise ConfigError([f"--train-backend=megatron: model type {config.model_type!r} is not Qwen3-shaped "
-                               "(the megatron backend converts qwen3 checkpoints)"])
+            raise ConfigError(
+                [
+                    f"--train-backend=megatron: model type {config.model_type!r} is not Qwen3-shaped "
+                    "(the megatron backend converts qwen3 checkpoints)"
+                ]
+            )
         rope = getattr(config, "rope_theta", None)
         if rope is None:  # transformers v5 keeps it in rope_parameters
             rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         heads = config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers, num_heads=heads, num_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, rope_theta=float(rope),
-            rms_norm_eps=config.rms_norm_eps, max_positions=config.max_position_embeddings,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rope_theta=float(rope),
+            rms_norm_eps=config.rms_norm_eps,
+            max_positions=config.max_position_embeddings,
             tied=bool(config.tie_word_embeddings),
         )
 
@@ -84,8 +94,12 @@ class Qwen3Shape:
         """Every split must be even: heads, key/value heads, vocab rows and FFN columns per rank."""
         problems = [
             f"--tensor-model-parallel-size={tp}: {what} ({n}) is not divisible by it"
-            for what, n in (("attention heads", self.num_heads), ("key/value heads", self.num_kv_heads),
-                             ("vocab size", self.vocab_size), ("FFN size", self.ffn_hidden_size))
+            for what, n in (
+                ("attention heads", self.num_heads),
+                ("key/value heads", self.num_kv_heads),
+                ("vocab size", self.vocab_size),
+                ("FFN size", self.ffn_hidden_size),
+            )
             if n % tp
         ]
         if problems:
@@ -100,24 +114,45 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, dtype: torch.dtype, on_cpu: b
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_heads, num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, qk_layernorm=True,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True, perform_initialization=False,  # weights come from the HF folder
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF folder
         # The fused kernels are CUDA-only; the unfused paths are exact in fp32.
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
     )
     rotary_base = int(shape.rope_theta) if shape.rope_theta.is_integer() else shape.rope_theta
     model: torch.nn.Module = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
-        vocab_size=shape.vocab_size, max_sequence_length=shape.max_positions,
-        position_embedding_type="rope", rotary_base=rotary_base,
-        share_embeddings_and_output_weights=shape.tied, parallel_output=True,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_positions,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        share_embeddings_and_output_weights=shape.tied,
+        parallel_output=True,
     )
     return model if on_cpu else model.cuda()
 
@@ -136,8 +171,10 @@ _LAYER_SAME = {  # megatron suffix -> HF suffix, same layout
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: Qwen3Shape) -> dict[str, torch.Tensor]:
     """Full megatron tensors from a Hugging Face Qwen3 state dict."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
     if not shape.tied:
         out["output_layer.weight"] = hf["lm_head.weight"]
     group = shape.num_heads // shape.num_kv_heads
@@ -156,8 +193,10 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: Qwen3Shape) -> dict[st
 
 def megatron_to_hf(mg: Mapping[str, torch.Tensor], shape: Qwen3Shape) -> dict[str, torch.Tensor]:
     """A Hugging Face Qwen3 state dict from full megatron tensors (tied: no `lm_head.weight`, as HF saves it)."""
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-           "model.norm.weight": mg["decoder.final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+    }
     if not shape.tied:
         out["lm_head.weight"] = mg["output_layer.weight"]
     group = shape.num_heads // shape.num_kv_heads

@@ -25,8 +25,21 @@ from stages.trainer.loss import LossAggregation, LossSettings
 
 __all__ = ["Row", "batch_rows", "micro_batch_loss", "step_metrics"]
 
-TOTALS = ("loss", "trained_tokens", "masked_tokens", "clipped", "entropy", "kl_k3", "abs_diff", "weight_sum",
-          "tis_clipped", "is_dropped", "applied_weight", "opsm_dropped", "signal")
+TOTALS = (
+    "loss",
+    "trained_tokens",
+    "masked_tokens",
+    "clipped",
+    "entropy",
+    "kl_k3",
+    "abs_diff",
+    "weight_sum",
+    "tis_clipped",
+    "is_dropped",
+    "applied_weight",
+    "opsm_dropped",
+    "signal",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +54,13 @@ class Row:
     def of(cls, s: Sample, mask: Sequence[bool] | None = None, advantage: float = 0.0) -> Row:
         if not s.prompt_ids:
             raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
-        return cls(list(s.prompt_ids), list(s.response_ids), [float(x) for x in s.logprobs],
-                   list(mask) if mask is not None else [False] * s.response_len, advantage)
+        return cls(
+            list(s.prompt_ids),
+            list(s.response_ids),
+            [float(x) for x in s.logprobs],
+            list(mask) if mask is not None else [False] * s.response_len,
+            advantage,
+        )
 
     def to_json(self) -> list[Any]:
         return [self.prompt_ids, self.response_ids, self.behaviour, self.mask, self.advantage]
@@ -56,16 +74,21 @@ def _trains(s: Sample) -> bool:
     if s.status is SampleStatus.FAILED:
         return False
     if not s.status.finished or s.reward is None:
-        raise ValueError(f"sample {s.index} is {s.status.value} with reward {s.reward}: a batch holds only "
-                         "finished samples with rewards, or failed ones")
+        raise ValueError(
+            f"sample {s.index} is {s.status.value} with reward {s.reward}: a batch holds only "
+            "finished samples with rewards, or failed ones"
+        )
     return True
 
 
 def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bool], list[list[int]]]:
     """Rows, whether each sample trains, and each sample's token versions (for the metrics)."""
     s = settings
-    train_version = batch.train_version if batch.train_version is not None else max(
-        (sp.version for x in batch.samples for sp in x.spans), default=0)
+    train_version = (
+        batch.train_version
+        if batch.train_version is not None
+        else max((sp.version for x in batch.samples for sp in x.spans), default=0)
+    )
     rows: list[Row] = []
     trains: list[bool] = []
     versions: list[list[int]] = []
@@ -74,8 +97,12 @@ def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bo
         for x in group.samples:
             penalty = 0.0
             if _trains(x) and s.overlong_buffer_len and s.max_response_len is not None:
-                penalty = L.overlong_penalty(x.response_len, max_response_len=s.max_response_len,
-                                             buffer_len=s.overlong_buffer_len, factor=s.overlong_penalty_factor)
+                penalty = L.overlong_penalty(
+                    x.response_len,
+                    max_response_len=s.max_response_len,
+                    buffer_len=s.overlong_buffer_len,
+                    factor=s.overlong_penalty_factor,
+                )
             rewards.append(float(x.reward) + penalty if _trains(x) else None)  # type: ignore[arg-type]
         advantages = L.group_advantages(rewards, std_normalization=s.std_normalization)
         for x, reward, adv in zip(group.samples, rewards, advantages, strict=True):
@@ -107,8 +134,14 @@ def _padded(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batch_loss(
-    settings: LossSettings, rows: Sequence[Row], logp_flat: torch.Tensor, entropy_flat: torch.Tensor, *,
-    batch_tokens: float, batch_samples: int, totals: defaultdict[str, float],
+    settings: LossSettings,
+    rows: Sequence[Row],
+    logp_flat: torch.Tensor,
+    entropy_flat: torch.Tensor,
+    *,
+    batch_tokens: float,
+    batch_samples: int,
+    totals: defaultdict[str, float],
 ) -> torch.Tensor:
     """This micro-batch's part of the batch loss (backward it), adding its sums to `totals`."""
     s, device = settings, logp_flat.device
@@ -129,8 +162,11 @@ def micro_batch_loss(
     weight = iw.weight.masked_fill(~train, 0.0)
     train_f = train.float()
     loss = L.aggregate(pg * weight, train_f, s.aggregation, max_response_len=s.max_response_len)
-    share = (float(train_f.sum()) / max(batch_tokens, 1.0) if s.aggregation is LossAggregation.TOKEN_MEAN
-             else len(rows) / batch_samples)
+    share = (
+        float(train_f.sum()) / max(batch_tokens, 1.0)
+        if s.aggregation is LossAggregation.TOKEN_MEAN
+        else len(rows) / batch_samples
+    )
     loss = loss * share
     with torch.no_grad():
         kl = L.approx_kl_k3(prox, behaviour, mask)
@@ -150,8 +186,15 @@ def micro_batch_loss(
     return loss
 
 
-def step_metrics(batch: Batch, rows: Sequence[Row], trains: Sequence[bool], versions: Sequence[Sequence[int]],
-                 totals: defaultdict[str, float], grad_norm: float, stepped: bool) -> dict[str, float]:
+def step_metrics(
+    batch: Batch,
+    rows: Sequence[Row],
+    trains: Sequence[bool],
+    versions: Sequence[Sequence[int]],
+    totals: defaultdict[str, float],
+    grad_norm: float,
+    stepped: bool,
+) -> dict[str, float]:
     """The torch trainer's metrics (`stages.trainer.metrics`) from the ranks' summed totals."""
     from stages.trainer.metrics import step_metrics as shared
 

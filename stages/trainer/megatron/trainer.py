@@ -109,9 +109,12 @@ class MegatronTrainer:
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device)
         self.layout = _Layout(
-            rank=dist.get_rank(), world=dist.get_world_size(),
-            tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-            dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
         )
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
@@ -122,8 +125,9 @@ class MegatronTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.steps = 0
         if (self.model_path / OPTIMIZER_DIR).is_dir():
-            self.steps = load_optimizer_shard(self.optimizer, self.model, self.model_path / OPTIMIZER_DIR,
-                                              layout=self._layout_dict)
+            self.steps = load_optimizer_shard(
+                self.optimizer, self.model, self.model_path / OPTIMIZER_DIR, layout=self._layout_dict
+            )
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -210,8 +214,9 @@ class MegatronTrainer:
         totals: defaultdict[str, float] = defaultdict(float)
         for chunk in chunks:
             logp, entropy = self._packed_logprobs(chunk)
-            micro_batch_loss(self.loss, chunk, logp, entropy, batch_tokens=batch_tokens,
-                             batch_samples=len(rows), totals=totals).backward()
+            micro_batch_loss(
+                self.loss, chunk, logp, entropy, batch_tokens=batch_tokens, batch_samples=len(rows), totals=totals
+            ).backward()
         if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
@@ -370,8 +375,9 @@ class MegatronTrainer:
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
-        save_optimizer_shard(self.optimizer, self.model, folder / OPTIMIZER_DIR, layout=self._layout_dict,
-                             steps=self.steps)
+        save_optimizer_shard(
+            self.optimizer, self.model, folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
+        )
         if self.layout.world > 1:
             dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
 

@@ -23,9 +23,13 @@ def main() -> int:
     ap.add_argument("--mem-fraction-static", type=float, default=None)
     ap.add_argument("--api-key", default=None)
     known, rest = ap.parse_known_args()
-    print(f"standin: tp_size={known.tp_size} mem_fraction_static={known.mem_fraction_static} "
-          f"api_key={'set' if known.api_key else 'none'} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
-          f"HIP_VISIBLE_DEVICES={os.environ.get('HIP_VISIBLE_DEVICES')}", file=sys.stderr, flush=True)
+    print(
+        f"standin: tp_size={known.tp_size} mem_fraction_static={known.mem_fraction_static} "
+        f"api_key={'set' if known.api_key else 'none'} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
+        f"HIP_VISIBLE_DEVICES={os.environ.get('HIP_VISIBLE_DEVICES')}",
+        file=sys.stderr,
+        flush=True,
+    )
     if known.api_key:
         expected = f"Bearer {known.api_key}"
 
