@@ -11,6 +11,10 @@ The rollout policy is the one thing that differs between modes:
   pool: running requests are aborted and their groups stored with their prefixes for next round;
 - async: keep the pool fed across training steps; the collector's bound and the staleness rule
   are the only brakes.
+
+Why about 500 lines in one module: the stage graph, the rollout policies and the step loop are
+one story whose order of events matters (admit, generate, stop, commit, publish); split over
+files it would have to be read in pieces.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import structlog
@@ -41,6 +45,9 @@ from stages.generator import GenerateEngine, GeneratorPool
 from stages.publisher import WeightTarget, WeightTransfer
 from stages.reward import RewardFn, RewardStage
 from storage import AsyncStore, GroupState
+
+if TYPE_CHECKING:
+    from pipeline.session import Rollout
 
 __all__ = ["Engines", "RolloutPlan", "RunSummary", "Trainer", "run_pipeline"]
 
@@ -146,76 +153,10 @@ async def run_pipeline(
         agent=agent,
         weight_transfer=weight_transfer,
     )
-    clock, graph = rollout.clock, rollout.graph
-    admission, times, pool, gate, collector = graph.admission, graph.times, graph.pool, graph.gate, graph.collector
-
     async with rollout:
-        start_step = rollout.first_step
-        run_started = step_started = time.perf_counter()
-        busy_before = pool.statistics().busy_slot_seconds
-        for step in range(start_step, plan.num_steps):
-            t_rollout = time.perf_counter()
-            batch = await rollout.next_batch()
-            # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.
-            rollout_seconds = time.perf_counter() - t_rollout
-            group_times = times.taken([g.group_id for g in batch.groups])
-
-            # Training blocks for seconds; it runs on a worker thread so generation (in async
-            # mode) keeps going on the event loop meanwhile.
-            record = {
-                "step": step,
-                "version": clock.version,
-                **batch_metrics(batch, version=clock.version, max_staleness=plan.max_staleness),
-            }
-            t_train = time.perf_counter()
-            with _span(events, "train", step=step):
-                train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
-                new_weights = await anyio.to_thread.run_sync(
-                    trainer.save_weights, weights_dir / f"v{clock.version + 1}"
-                )
-            train_seconds = time.perf_counter() - t_train
-
-            record.update({f"train/{k}": v for k, v in train_metrics.items()})
-            # A step runs from the previous commit to its own, so its time includes the previous
-            # publish and the steps' times add up to the run's.
-            now, busy_now = time.perf_counter(), pool.statistics().busy_slot_seconds
-            record.update(
-                await _step_record(
-                    plan,
-                    step,
-                    start_step,
-                    run_started,
-                    now - step_started,
-                    busy_now - busy_before,
-                    rollout_seconds,
-                    train_seconds,
-                    admission,
-                    pool,
-                    gate,
-                    collector,
-                    store,
-                    len(batch.groups),
-                )
-            )
-            step_started, busy_before = now, busy_now
-            record.update(group_times)
-
-            # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record
-            # in the same transaction (so the store counts a step as trained exactly when it holds
-            # its record; a kill before the file append below is repaired on resume from there).
-            # A crash before this line trains the batch again from the previous checkpoint; a crash
-            # after it resumes from this one, whose weights the restart loads into the engines.
-            # Committing before the publish matters in async mode: tokens stamped with the new
-            # version must never outlive a restart that falls back to the old one. The publish's
-            # times are thus the record's only fields measured after the commit.
-            await rollout.commit(batch, record)
-            report = await rollout.publish(new_weights)
-            record.update(
-                {
-                    "time/publish_gate_closed": report.gate_closed_seconds,
-                    "time/publish_update": report.update_seconds,
-                }
-            )
+        timer = _StepTimer(rollout.first_step, rollout.graph.pool.statistics().busy_slot_seconds)
+        for step in range(rollout.first_step, plan.num_steps):
+            record = await _train_one_step(rollout, trainer, weights_dir, store, timer, step)
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
             # the engines keep such counts (an EngineFleet with --use-fault-tolerance).
             fault_metrics = getattr(engines, "fault_metrics", None)
@@ -226,7 +167,77 @@ async def run_pipeline(
                 on_step(record)
             log.debug("step", **{k: record[k] for k in ("step", "reward/mean", "staleness/max")})
 
-    return RunSummary(plan.num_steps - start_step, clock.version, metrics.records)
+    return RunSummary(plan.num_steps - rollout.first_step, rollout.clock.version, metrics.records)
+
+
+@dataclass(slots=True)
+class _StepTimer:
+    """When the run and the current step started, and the pool's busy slot-time at that point."""
+
+    first_step: int
+    busy_before: float
+    run_started: float = field(default_factory=time.perf_counter)
+    step_started: float = field(default_factory=time.perf_counter)
+
+    def lap(self, busy_now: float) -> tuple[float, float]:
+        """(seconds, busy slot-seconds) since the last lap; a step runs from one commit to the next."""
+        now = time.perf_counter()
+        seconds, busy = now - self.step_started, busy_now - self.busy_before
+        self.step_started, self.busy_before = now, busy_now
+        return seconds, busy
+
+
+async def _train_one_step(
+    rollout: Rollout, trainer: Trainer, weights_dir: Path, store: AsyncStore, timer: _StepTimer, step: int
+) -> dict[str, Any]:
+    """Take a batch, train it and save the weights, commit the step with its record, publish."""
+    plan, clock, graph = rollout.plan, rollout.clock, rollout.graph
+    t_rollout = time.perf_counter()
+    batch = await rollout.next_batch()
+    # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.
+    rollout_seconds = time.perf_counter() - t_rollout
+    group_times = graph.times.taken([g.group_id for g in batch.groups])
+
+    # Training blocks for seconds; it runs on a worker thread so generation (in async mode) keeps
+    # going on the event loop meanwhile.
+    record = {
+        "step": step,
+        "version": clock.version,
+        **batch_metrics(batch, version=clock.version, max_staleness=plan.max_staleness),
+    }
+    t_train = time.perf_counter()
+    with _span(rollout.events, "train", step=step):
+        train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+        new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
+    train_seconds = time.perf_counter() - t_train
+    record.update({f"train/{k}": v for k, v in train_metrics.items()})
+    # A step runs from the previous commit to its own, so its time includes the previous publish
+    # and the steps' times add up to the run's.
+    step_seconds, busy = timer.lap(graph.pool.statistics().busy_slot_seconds)
+    times = _StepTimes(step_seconds, busy, rollout_seconds, train_seconds)
+    record.update(await _step_record(plan, step, timer, times, graph, store, len(batch.groups)))
+    record.update(group_times)
+
+    # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record in the
+    # same transaction (so the store counts a step as trained exactly when it holds its record; a
+    # kill before the file append is repaired on resume from there). A crash before this line
+    # trains the batch again from the previous checkpoint; a crash after it resumes from this one,
+    # whose weights the restart loads into the engines. Committing before the publish matters in
+    # async mode: tokens stamped with the new version must never outlive a restart that falls back
+    # to the old one. The publish's times are thus the record's only fields measured after the commit.
+    await rollout.commit(batch, record)
+    report = await rollout.publish(new_weights)
+    record["time/publish_gate_closed"] = report.gate_closed_seconds
+    record["time/publish_update"] = report.update_seconds
+    return record
+
+
+@dataclass(frozen=True, slots=True)
+class _StepTimes:
+    step: float  # from the previous commit to this one
+    busy: float  # slot-seconds the pool spent generating in that time
+    rollout: float  # the trainer's wait for its batch
+    train: float  # training and saving the weights
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -347,37 +358,27 @@ class _Graph:
 
 
 async def _step_record(
-    plan: RolloutPlan,
-    step: int,
-    start_step: int,
-    run_started: float,
-    step_seconds: float,
-    busy: float,
-    rollout_seconds: float,
-    train_seconds: float,
-    admission: Admission,
-    pool: GeneratorPool,
-    gate: FilterStage,
-    collector: Collector,
-    store: AsyncStore,
-    groups: int,
+    plan: RolloutPlan, step: int, timer: _StepTimer, times: _StepTimes, graph: _Graph, store: AsyncStore, groups: int
 ) -> dict[str, Any]:
     """The step's counters, rates and times, measured just before its commit."""
+    seconds = times.step
     return {
-        **_step_counters(admission, pool, gate),
-        # Slot-time in flight over the whole step: in async mode generation goes on while
-        # the trainer trains, and that counts.
-        "engine/busy_frac": busy / (plan.slots * step_seconds) if step_seconds > 0 else 0.0,
-        "trainer/idle_frac": rollout_seconds / step_seconds if step_seconds > 0 else 0.0,
-        "groups/per_second": groups / step_seconds if step_seconds > 0 else 0.0,
-        "groups/per_second_run": (step + 1 - start_step) * plan.batch_size / (time.perf_counter() - run_started),
-        "time/step": step_seconds,
-        "time/rollout": rollout_seconds,
-        "time/train": train_seconds,
-        "queue/ready": collector.ready,
+        **_step_counters(graph.admission, graph.pool, graph.gate),
+        # Slot-time in flight over the whole step: in async mode generation goes on while the
+        # trainer trains, and that counts.
+        "engine/busy_frac": times.busy / (plan.slots * seconds) if seconds > 0 else 0.0,
+        "trainer/idle_frac": times.rollout / seconds if seconds > 0 else 0.0,
+        "groups/per_second": groups / seconds if seconds > 0 else 0.0,
+        "groups/per_second_run": (step + 1 - timer.first_step)
+        * plan.batch_size
+        / (time.perf_counter() - timer.run_started),
+        "time/step": seconds,
+        "time/rollout": times.rollout,
+        "time/train": times.train,
+        "queue/ready": graph.collector.ready,
         "queue/partial": await store.count(GroupState.PARTIAL),
         "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
-        "queue/in_flight": admission.outstanding,
+        "queue/in_flight": graph.admission.outstanding,
     }
 
 

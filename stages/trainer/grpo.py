@@ -21,6 +21,9 @@ one, so a resumed run continues the same optimizer instead of restarting Adam's 
 Which samples train: a FAILED sample (the engine or the reward gave up on it) has no reward worth
 learning from, so it is left out of its group's mean and std and contributes no loss. The batch
 still counts its response tokens as masked in `mask_ratio`, so failures show up in the metrics.
+
+About 400 lines: the step, the trainer's log-probs and the weight save belong together; the loss
+math lives in `loss.py` and the optimizer checkpoint in `checkpoint.py`.
 """
 
 from __future__ import annotations
