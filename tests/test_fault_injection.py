@@ -471,7 +471,9 @@ def _append_damage(out: Path) -> list[bytes]:
     return damage
 
 
-def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]) -> dict[GroupState, int]:
+def _check_exactly_once(
+    out: Path, snapshots: dict[str, list[tuple[tuple, ...]]], *, expect_resumed: bool = True
+) -> dict[GroupState, int]:
     with LmdbStore(out / "rollout_data", readonly=True) as store:
         assert store.trained_step() == K - 1
         counts = {s: store.count(s) for s in GroupState}
@@ -495,7 +497,7 @@ def _check_exactly_once(out: Path, snapshots: dict[str, list[tuple[tuple, ...]]]
                     _check_sample(s, step)
                     resumed += bool(s.resumed_at)
         assert len(trained) == len(set(trained)) == K * BATCH == counts[GroupState.TRAINED]
-        assert resumed > 0, "no trained sample was ever continued from a stored prefix"
+        assert resumed > 0 or not expect_resumed, "no trained sample was ever continued from a stored prefix"
 
         # No stored token lost: what a group held at any kill (tokens, their behaviour log-probs
         # and versions) is a prefix of what it holds now.
@@ -643,7 +645,10 @@ def test_sigkill_in_async_mode_then_restart_trains_every_group_exactly_once(tmp_
         watch.close()
         if launcher is not None and launcher.proc.poll() is None:
             launcher.kill()
-    _check_exactly_once(out, watch.stored)
+    # In async mode a trained sample is continued only if it was in flight at a publish, which
+    # depends on how fast the engine is against the trainer; the sync test's "continuing a stored
+    # partial group" kill point is the one that proves prefixes are continued across a kill.
+    _check_exactly_once(out, watch.stored, expect_resumed=False)
 
 
 MEGATRON_KILL_POINTS = (
