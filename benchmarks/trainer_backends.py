@@ -30,28 +30,11 @@ from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segme
 
 
 def _model(folder: Path, tiny: bool) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from benchmarks.engine import qwen3_06b_folder
+    from stages.tasks.tiny_model import make_model_folder
 
-    from stages.tasks.tiny_model import build_tokenizer, make_model_folder
-
-    if tiny:
-        return make_model_folder(folder)
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    build_tokenizer().save_pretrained(folder)
-    return folder
+    # The same 0.6B-shaped model the engine benchmark builds; the trainers load it in fp32.
+    return make_model_folder(folder) if tiny else qwen3_06b_folder(folder)
 
 
 def _batch(vocab: int, groups: int, samples: int, prompt_len: int, response_len: int) -> Batch:
