@@ -75,7 +75,9 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         *_task_flags(task, work),
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # The repo first, and whatever the caller's PYTHONPATH already names after it (a --target install).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
