@@ -39,7 +39,7 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
         correction=ImportanceCorrection(t.tis_mode) if t.use_tis else ImportanceCorrection.NONE,
         tis_clip=t.tis_clip,
         tis_clip_low=t.tis_clip_low,
-        use_opsm=t.use_opsm,
+        use_opsm=t.use_opsm is True,  # None: a config from before the derived default, which had it off
         opsm_delta=t.opsm_delta,
         aggregation=LossAggregation(t.loss_agg_mode),
         std_normalization=not t.disable_grpo_std_normalization,

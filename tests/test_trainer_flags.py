@@ -79,3 +79,19 @@ def test_bad_trainer_flags_are_listed_together_with_flag_value_and_rule():
     assert "--global-batch-size=1000: must be <= the samples of one rollout batch (64" in text
     assert "--mask-stale-tokens=-1: must be >= 0" in text
     assert "--tis-mode='sometimes': must be one of truncate, icepop, seq-mask" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], False),  # plain sync: mu == pi up to rounding, nothing for OPSM to act on
+        (["--rollout-mode", "async"], True),
+        (["--partial-rollout"], True),
+        (["--rollout-mode", "async", "--no-use-opsm"], False),  # an explicit choice wins
+        (["--use-opsm"], True),
+    ],
+)
+def test_opsm_defaults_on_where_tokens_can_be_off_policy(argv: list[str], expected: bool) -> None:
+    config = load_config(argv)
+    assert config.trainer.use_opsm is expected
+    assert loss_settings(config_to_dict(config)).use_opsm is expected

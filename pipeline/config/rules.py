@@ -256,6 +256,11 @@ def derive_defaults(draft: Draft) -> None:
         # which is what keeps off-policy modes from dipping (BENCHMARKS.md section 8).
         samples = r["rollout_batch_size"] * r["n_samples_per_prompt"]
         t["global_batch_size"] = max(1, samples // 2)
+    if t["use_opsm"] is None and draft.ok("rollout", "mode") and draft.ok("rollout", "partial_rollout"):
+        # Where tokens can come from older policies, negative-advantage samples the current policy has
+        # already moved away from are dropped (slime's OPSM). Off in plain sync, where mu == pi up to
+        # engine/trainer numerics and the mask would act on rounding alone (BENCHMARKS.md section 8).
+        t["use_opsm"] = r["mode"] == RolloutMode.ASYNC or r["partial_rollout"] is True
     if t["eps_clip_high"] is None and draft.ok("trainer", "eps_clip"):
         t["eps_clip_high"] = t["eps_clip"]
 

@@ -423,11 +423,13 @@ class TrainerConfig:
         "whose weight leaves it; seq-mask = drop samples whose geometric-mean weight leaves it",
     )
     tis_clip_low: float = _opt(0.0, "--tis-clip-low", "float", ge=0, help="importance weight lower bound")
-    use_opsm: bool = _opt(
-        False,
+    use_opsm: bool | None = _opt(
+        None,
         "--use-opsm",
         "bool",
-        help="off-policy sequence masking: drop negative-advantage samples whose mean log(mu/pi) > --opsm-delta",
+        default_help="on with --rollout-mode async or --partial-rollout, off otherwise",
+        help="off-policy sequence masking: drop negative-advantage samples whose mean log(mu/pi) > --opsm-delta "
+        "(what keeps unbounded async and partial rollout at sync's reward: BENCHMARKS.md section 8)",
     )
     opsm_delta: float = _opt(1e-4, "--opsm-delta", "float", ge=0, help="OPSM threshold")
     loss_agg_mode: str = _opt(
