@@ -21,6 +21,7 @@ Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or sc
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import tempfile
@@ -163,18 +164,19 @@ def main(args: argparse.Namespace) -> None:
         graphed = runner.device.type == "cuda" and not args.disable_cuda_graph
         print(
             f"{'running':>8} {'context':>8} {'old tok/s':>10} {'old ms':>8} {'eager tok/s':>12} {'eager ms':>9} "
-            + (f"{'graphs tok/s':>13} {'graphs ms':>10} {'same tokens':>12} " if graphed else "")
+            + (f"{'graphs tok/s':>13} {'graphs ms':>10} {'replay ms':>10} {'same tokens':>12} " if graphed else "")
             + f"{'speed-up':>9}"
         )
         for batch, context in cases:
             old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)[0]
-            eager, eager_tokens = _kv(runner, batch, context, args.steps, DecodeMode.EAGER)
+            eager, eager_tokens, _ = _kv(runner, batch, context, args.steps, DecodeMode.EAGER)
             line = f"{batch:>8} {context:>8} {batch / old:>10.0f} {old * 1e3:>8.1f} "
             line += f"{batch / eager:>12.0f} {eager * 1e3:>9.1f} "
             best = eager
             if graphed:
-                best, tokens = _kv(runner, batch, context, args.steps, DecodeMode.GRAPHS)
-                line += f"{batch / best:>13.0f} {best * 1e3:>10.1f} {_same(tokens, eager_tokens):>12.1%} "
+                best, tokens, replay = _kv(runner, batch, context, args.steps, DecodeMode.GRAPHS)
+                line += f"{batch / best:>13.0f} {best * 1e3:>10.1f} {replay * 1e3:>10.1f} "
+                line += f"{_same(tokens, eager_tokens):>12.1%} "
             # On a GPU: graphs over eager; on a CPU: the KV cache over recompute.
             print(line + f"{(eager if graphed else old) / best:>8.1f}x", flush=True)
         for batch in _ints(args.reference_batches):
@@ -192,18 +194,37 @@ def main(args: argparse.Namespace) -> None:
             )
 
 
-def _kv(runner: ModelRunner, batch: int, context: int, steps: int, mode: DecodeMode) -> tuple[float, list[int]]:
-    """`measure` on a fresh KV forward of `batch` slots, freed afterwards (its cache and graphs)."""
+def _kv(runner: ModelRunner, batch: int, context: int, steps: int, mode: DecodeMode) -> tuple[float, list[int], float]:
+    """`measure` on a fresh KV forward of `batch` slots, freed afterwards (its cache and graphs),
+    plus the time of a graph replay alone (NaN without graphs)."""
     kv = KVCacheForward(runner, max_running_requests=batch, decode=mode)
     try:
-        timed = measure(runner, kv, batch, context, steps)
+        step, tokens = measure(runner, kv, batch, context, steps)
+        replay = math.nan
         if kv.graphs is not None and not kv.graphs.statistics().capturing:
             print(f"WARNING: CUDA graph capture failed at B={batch}: that case's graphs column is eager")
-        return timed
+        elif kv.graphs is not None:
+            replay = _replay_time(runner, kv, batch, context, steps)
+        return step, tokens, replay
     finally:
         del kv
+        gc.collect()
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _replay_time(runner: ModelRunner, kv: KVCacheForward, batch: int, context: int, steps: int) -> float:
+    """Seconds of the graph's decode alone (no LM head, no sampling, no host work around it)."""
+    assert kv.graphs is not None
+    args = ([5] * batch, [context - 2] * batch, list(range(batch)))
+    with torch.inference_mode():
+        kv.graphs.decode(*args)
+        _sync(runner.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            kv.graphs.decode(*args)
+        _sync(runner.device)
+    return (time.perf_counter() - start) / steps
 
 
 def _ints(text: str) -> list[int]:

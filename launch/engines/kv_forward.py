@@ -39,6 +39,7 @@ KV-length buckets, one dummy slot past the real ones for the padding rows); `Dec
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import threading
 from collections.abc import Sequence
@@ -160,7 +161,11 @@ class KVCacheForward(TorchForward):
         )
         # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
         params = inspect.signature(runner.model.base_model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Not a bound method: the graphs hold this, and a cycle through them would leave a dropped
+        # forward's CUDA graphs to the garbage collector, which may run during another capture.
+        self._decoder = functools.partial(
+            _run_decoder, runner.model.base_model, self.cache, "cache" if "cache" in params else "past_key_values"
+        )
         self._slots = max_running_requests
         self._free = list(range(max_running_requests - 1, -1, -1))
         self._slot: dict[int, int] = {}  # request key -> slot, for requests whose K/V the cache holds
@@ -170,7 +175,7 @@ class KVCacheForward(TorchForward):
         self._max_in_use = self._prefills = self._prefill_tokens = self._decode_steps = 0
         self.graphs = (
             DecodeGraphs(
-                self._run,
+                self._decoder,
                 max_batch=min(graph_max_batch or max_running_requests, max_running_requests),
                 context=self.context_length,
                 dummy_slot=max_running_requests,
@@ -262,11 +267,7 @@ class KVCacheForward(TorchForward):
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
         """The decoder over `ids` at `positions`, K/V read and written in `slots`; hidden states."""
-        self.cache.plan(slots, positions, kv_len)
-        decoder = self.runner.model.base_model
-        cache = {self._cache_kwarg: self.cache}
-        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
-        return out.last_hidden_state
+        return self._decoder(ids, positions, mask, slots, kv_len)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Sampling in float64 keeps the top-p/CDF arithmetic from adding noise of its own.
@@ -314,3 +315,20 @@ class KVCacheForward(TorchForward):
             "disable_cuda_graph": self.graphs is None or not self.graphs.statistics().capturing,
             "cuda_graph_max_bs": None if self.graphs is None else self.graphs.max_batch,
         }
+
+
+def _run_decoder(
+    decoder: torch.nn.Module,
+    cache: SlotCache,
+    cache_kwarg: str,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    slots: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
+    """The decoder over `ids` at `positions`, K/V read and written in `slots`; hidden states."""
+    cache.plan(slots, positions, kv_len)
+    kwargs = {cache_kwarg: cache}
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+    return out.last_hidden_state  # type: ignore[no-any-return]
