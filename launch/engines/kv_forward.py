@@ -173,20 +173,23 @@ class KVCacheForward(TorchForward):
         self._released: list[int] = []  # keys freed on the event loop, applied at the next forward
         self._released_lock = threading.Lock()
         self._max_in_use = self._prefills = self._prefill_tokens = self._decode_steps = 0
-        self.graphs = (
-            DecodeGraphs(
-                self._decoder,
-                max_batch=min(graph_max_batch or max_running_requests, max_running_requests),
-                context=self.context_length,
-                dummy_slot=max_running_requests,
-                pad_token_id=runner.pad_token_id,
-                hidden_size=int(text.hidden_size),
-                dtype=runner.model.dtype,
-                device=device,
-                capture=decode is DecodeMode.GRAPHS,
-            )
-            if padded
-            else None
+        self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
+
+    def _decode_graphs(
+        self, decode: DecodeMode, graph_max_batch: int | None, *, hidden_size: int
+    ) -> DecodeGraphs | None:
+        if decode is DecodeMode.EAGER:
+            return None
+        return DecodeGraphs(
+            self._decoder,
+            max_batch=min(graph_max_batch or self._slots, self._slots),
+            context=self.context_length,
+            dummy_slot=self._slots,
+            pad_token_id=self.runner.pad_token_id,
+            hidden_size=hidden_size,
+            dtype=self.runner.model.dtype,
+            device=self.runner.device,
+            capture=decode is DecodeMode.GRAPHS,
         )
 
     # ---- the forward -------------------------------------------------------------------------------
