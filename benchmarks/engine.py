@@ -1,13 +1,18 @@
-"""Decode speed of the built-in engine's two forwards: recompute (old) vs KV cache (new), in one run.
+"""Decode speed of the built-in engine's forwards: recompute (old) vs KV cache, eager and (on a GPU)
+from CUDA graphs, in one run.
 
     python -m benchmarks.engine [--device cpu] [--dtype float32] [--batches 1,16,64,256]
         [--contexts 256] [--sweep-batch 64] [--sweep-contexts 64,448] [--steps 6] [--model-path DIR]
+        [--skip-old] [--disable-cuda-graph] [--reference-batches 128]
 
 For each (running requests B, context T): B requests whose sequences are T tokens long decode
 `--steps` tokens each; the table gives decode tokens/s (B x steps / time) and the mean step time.
-The KV forward's prefill of the B prompts is done first and not timed (it is what a request pays
-once; decode is what it pays every token). Both forwards run the same model object, the same rows,
-the same sampling (temperature 1, per-request seeds): the only difference is the cache.
+The KV forward's prefill of the B prompts and one decode step are done first and not timed (the
+prefill is what a request pays once; decode is what it pays every token), and on a GPU the graphs
+for the timed shapes are captured before timing. Every forward runs the same model object, the
+same rows, the same sampling (temperature 1, per-request seeds): the only differences are the
+cache and how the decode step is launched ("same tokens": the share of the graphs' tokens equal
+to the eager KV decode's, which at bf16 may differ in a few).
 
 The model is the quick start's tiny Qwen3 (built here, random weights) unless `--model-path` names a
 Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or scheduler is timed.
@@ -16,6 +21,7 @@ Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or sc
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import tempfile
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from launch.engines.kv_forward import KVCacheForward
+from launch.engines.kv_forward import DecodeMode, KVCacheForward
 from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
 from stages.tasks.tiny_model import make_model_folder
@@ -50,21 +56,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(runner: ModelRunner, forward: object, batch: int, context: int, steps: int) -> float:
-    """Seconds per decode step of `forward` (a ModelRunner or a KVCacheForward) for B rows of length T."""
+def measure(runner: ModelRunner, forward: object, batch: int, context: int, steps: int) -> tuple[float, list[int]]:
+    """Seconds per decode step of `forward` (a ModelRunner or a KVCacheForward) for B rows of length
+    T, and the tokens the timed steps drew."""
     step = forward.step  # type: ignore[attr-defined]
     outputs: list[tuple[int, ...]] = [() for _ in range(batch)]
     # The sequences reach `context` tokens over the timed steps.
-    prompts = _prompts(batch, context - steps - 1, min(runner.vocab_size, 60))
-    draws = step(_rows(prompts, outputs))  # KV: the prefill; recompute: a warm-up step
-    outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]
+    prompts = _prompts(batch, context - steps - 2, min(runner.vocab_size, 60))
+    graphs = getattr(forward, "graphs", None)
+    if graphs is not None:  # capture the timed shapes' graphs ahead: what a server warm-up does
+        graphs.prepare(batch, max_kv=context, min_kv=context - steps - 1)
+    for _ in range(2):  # KV: the prefill, then a warm decode step; recompute: two warm-up steps
+        draws = step(_rows(prompts, outputs))
+        outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]
     _sync(runner.device)
     start = time.perf_counter()
     for _ in range(steps):
         draws = step(_rows(prompts, outputs))
         outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]
     _sync(runner.device)
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, [t for o in outputs for t in o[2:]]
+
+
+def _same(a: list[int], b: list[int]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / max(len(a), 1)
 
 
 def reference_generate(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
@@ -146,32 +161,70 @@ def main(args: argparse.Namespace) -> None:
             f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
             f"{args.dtype} on {runner.device}, {torch.get_num_threads()} threads, {args.steps} timed steps"
         )
+        graphed = runner.device.type == "cuda" and not args.disable_cuda_graph
         print(
-            f"{'running':>8} {'context':>8} {'old tok/s':>11} {'old step ms':>12} "
-            f"{'new tok/s':>11} {'new step ms':>12} {'speed-up':>9}"
+            f"{'running':>8} {'context':>8} {'old tok/s':>10} {'old ms':>8} {'eager tok/s':>12} {'eager ms':>9} "
+            + (f"{'graphs tok/s':>13} {'graphs ms':>10} {'replay ms':>10} {'same tokens':>12} " if graphed else "")
+            + f"{'speed-up':>9}"
         )
         for batch, context in cases:
-            old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)
-            kv = KVCacheForward(runner, max_running_requests=batch)
-            new = measure(runner, kv, batch, context, args.steps)
-            del kv
-            if runner.device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(
-                f"{batch:>8} {context:>8} {batch / old:>11.0f} {old * 1e3:>12.1f} "
-                f"{batch / new:>11.0f} {new * 1e3:>12.1f} {old / new:>8.1f}x",
-                flush=True,
-            )
+            old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)[0]
+            eager, eager_tokens, _ = _kv(runner, batch, context, args.steps, DecodeMode.EAGER)
+            line = f"{batch:>8} {context:>8} {batch / old:>10.0f} {old * 1e3:>8.1f} "
+            line += f"{batch / eager:>12.0f} {eager * 1e3:>9.1f} "
+            best = eager
+            if graphed:
+                best, tokens, replay = _kv(runner, batch, context, args.steps, DecodeMode.GRAPHS)
+                line += f"{batch / best:>13.0f} {best * 1e3:>10.1f} {replay * 1e3:>10.1f} "
+                line += f"{_same(tokens, eager_tokens):>12.1%} "
+            # On a GPU: graphs over eager; on a CPU: the KV cache over recompute.
+            print(line + f"{(eager if graphed else old) / best:>8.1f}x", flush=True)
         for batch in _ints(args.reference_batches):
             context = _ints(args.contexts)[0]
             ref = reference_generate(runner, batch, context, args.steps)
-            new = measure(runner, KVCacheForward(runner, max_running_requests=batch), batch, context, args.steps)
+            eager = _kv(runner, batch, context, args.steps, DecodeMode.EAGER)[0]
+            mode = DecodeMode.GRAPHS if graphed else DecodeMode.EAGER
+            new = _kv(runner, batch, context, args.steps, mode)[0]
             print(
                 f"reference: transformers generate (static cache) B={batch} T={context}: {batch / ref:.0f} tok/s, "
-                f"{ref * 1e3:.1f} ms/step; built-in KV engine {batch / new:.0f} tok/s, {new * 1e3:.1f} ms/step "
-                f"({new / ref:.2f}x the reference's step time)",
+                f"{ref * 1e3:.1f} ms/step; built-in KV engine, {mode.value}: {batch / new:.0f} tok/s, "
+                f"{new * 1e3:.1f} ms/step ({new / ref:.2f}x the reference's step time; "
+                f"eager {eager * 1e3:.1f} ms/step)",
                 flush=True,
             )
+
+
+def _kv(runner: ModelRunner, batch: int, context: int, steps: int, mode: DecodeMode) -> tuple[float, list[int], float]:
+    """`measure` on a fresh KV forward of `batch` slots, freed afterwards (its cache and graphs),
+    plus the time of a graph replay alone (NaN without graphs)."""
+    kv = KVCacheForward(runner, max_running_requests=batch, decode=mode)
+    try:
+        step, tokens = measure(runner, kv, batch, context, steps)
+        replay = math.nan
+        if kv.graphs is not None and not kv.graphs.statistics().capturing:
+            print(f"WARNING: CUDA graph capture failed at B={batch}: that case's graphs column is eager")
+        elif kv.graphs is not None:
+            replay = _replay_time(runner, kv, batch, context, steps)
+        return step, tokens, replay
+    finally:
+        del kv
+        gc.collect()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _replay_time(runner: ModelRunner, kv: KVCacheForward, batch: int, context: int, steps: int) -> float:
+    """Seconds of the graph's decode alone (no LM head, no sampling, no host work around it)."""
+    assert kv.graphs is not None
+    args = ([5] * batch, [context - 2] * batch, list(range(batch)))
+    with torch.inference_mode():
+        kv.graphs.decode(*args)
+        _sync(runner.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            kv.graphs.decode(*args)
+        _sync(runner.device)
+    return (time.perf_counter() - start) / steps
 
 
 def _ints(text: str) -> list[int]:
@@ -190,6 +243,7 @@ if __name__ == "__main__":
     parser.add_argument("--sweep-batch", type=int, default=64, help="running requests for the context sweep")
     parser.add_argument("--sweep-contexts", default="64,448")
     parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU, time the eager KV decode only")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(

@@ -2,6 +2,8 @@
 
 - cached decode vs recompute on the GPU at bf16: token-exact is not expected there, so the two
   must agree on most tokens and, where they agree, on the log-probs within bf16 noise;
+- the CUDA-graph decode vs the eager decode at fp32, token for token under continuous batching, and
+  a weight publish (copied into the live tensors the graphs read) changing the graphs' tokens;
 - the weight publish over NCCL between a trainer (this process, cuda:0) and an engine process on
   cuda:1: NCCL refuses two ranks of one group on one GPU, so it is skipped on a one-GPU machine;
 - a short learning run of the quick-start task with engine and trainer on the GPU.
@@ -59,6 +61,74 @@ def test_cached_decode_matches_recompute_at_bf16(tmp_path: Path) -> None:
             outs[i].append(r.token_id)  # teacher-force the recompute path's token: both see one sequence
     assert agreed / total >= 0.9, f"only {agreed} of {total} greedy tokens agree"
     assert worst < 0.1, f"log-probs differ by {worst} where tokens agree"
+
+
+def test_graph_decode_equals_eager_decode_at_fp32(tmp_path: Path) -> None:
+    import torch
+
+    from launch.engines.kv_forward import DecodeMode, KVCacheForward
+    from launch.engines.torch_model import ModelRunner
+    from tests.test_kv_forward import _run_batched
+
+    _cuda()
+    folder = make_model_folder(tmp_path / "m", hidden_size=256, num_layers=4, num_heads=8, seed=0)
+    runner = ModelRunner(folder, dtype=torch.float32, device="cuda", context_length=160)
+    rng = random.Random(0)
+    # 13 requests through 6 slots (batch buckets 1, 2, 4, 6), KV lengths across the 64 and 128 buckets.
+    prompts = [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 120))) for _ in range(13)]
+    eager = _run_batched(KVCacheForward(runner, max_running_requests=6, decode=DecodeMode.EAGER), prompts, 6)
+    kv = KVCacheForward(runner, max_running_requests=6, decode=DecodeMode.GRAPHS)
+    graphed = _run_batched(kv, prompts, 6)
+    for ref, got in zip(eager, graphed, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref, strict=True)) < 1e-4
+    stats = kv.statistics().graphs
+    assert stats is not None and stats.capturing, "capture failed: the decode fell back to eager"
+    assert stats.graphs >= 3 and stats.replays == kv.statistics().decode_steps
+
+
+def test_a_publish_changes_the_graph_decodes_tokens(tmp_path: Path) -> None:
+    """Graphs hold the addresses of the weights they read: a publish copies into those tensors, so
+    the next replay decodes with the new weights, with no recapture."""
+    import torch
+
+    from launch.engines.kv_forward import DecodeMode, KVCacheForward
+    from launch.engines.seam import Row, SamplingParams
+    from launch.engines.torch_model import ModelRunner
+
+    _cuda()
+    old = make_model_folder(tmp_path / "v0", hidden_size=128, num_layers=2, seed=0)
+    new = make_model_folder(tmp_path / "v1", hidden_size=128, num_layers=2, seed=1)
+    runner = ModelRunner(old, dtype=torch.float32, device="cuda")
+    kv = KVCacheForward(runner, max_running_requests=4, decode=DecodeMode.GRAPHS)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.0)
+    prompts = [(5, 9, 11), (7, 8), (21, 22, 23, 24)]
+
+    def decode(forward: object, first_key: int) -> list[list[int]]:
+        outs: list[list[int]] = [[] for _ in prompts]
+        for _ in range(params.max_new_tokens):
+            rows = [
+                Row(p, tuple(o), params, seed=i, rid=f"r{first_key + i}", key=first_key + i)
+                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
+            ]
+            for o, d in zip(outs, forward.step(rows), strict=True):  # type: ignore[attr-defined]
+                assert d is not None
+                o.append(d.token_id)
+        for i, p in enumerate(prompts):
+            forward.release(Row(p, (), params, seed=i, rid=f"r{first_key + i}", key=first_key + i))  # type: ignore[attr-defined]
+        return outs
+
+    before = decode(kv, 1)
+    graphs = kv.statistics().graphs
+    assert graphs is not None and graphs.capturing and graphs.graphs > 0
+    runner.apply_weights(runner.read_weights(new))
+    after = decode(kv, 100)
+    expected = decode(
+        KVCacheForward(ModelRunner(new, device="cuda"), max_running_requests=4, decode=DecodeMode.EAGER), 1
+    )
+    assert after == expected and after != before
+    again = kv.statistics().graphs
+    assert again is not None and again.graphs == graphs.graphs  # no recapture: same graphs, new weights
 
 
 async def _nccl_publish(tmp_path: Path) -> None:

@@ -20,9 +20,11 @@ import orjson
 import pytest
 
 from launch.engines.builtin import EngineServer, open_server
-from launch.engines.kv_forward import KVCacheForward
+from launch.engines.decode_graphs import batch_buckets, bucket_for, kv_buckets
+from launch.engines.kv_forward import DecodeMode, KVCacheForward
 from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
+from pipeline.errors import ConfigError
 from stages.tasks.tiny_model import make_model_folder
 
 SAMPLINGS = [
@@ -160,3 +162,56 @@ def test_a_request_released_after_its_batch_was_built_takes_no_slot(model_dir: P
     again = Row(prompt_ids=(5, 6, 7), output_ids=(), params=params, seed=1, rid="same", key=2)  # rid reused
     (draw,) = kv.step([again])
     assert draw is not None and kv.statistics().slots_in_use == 1
+
+
+def test_padded_graph_step_equals_eager_decode_token_for_token(model_dir: Path) -> None:
+    """The CUDA-graph decode's padded fixed-shape step, run eagerly on the CPU: batches padded to
+    buckets 1, 2, 4 and 5 with dummy rows in the spare slot, KV lengths rounded up to 64 and then to
+    the context; every token and log-prob as the plain eager decode gives them."""
+    runner = ModelRunner(model_dir, context_length=96)
+    rng = random.Random(1)
+    # Prompts up to 60 tokens plus up to 30 new ones: the KV length crosses the 64 bucket.
+    prompts = [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 60))) for _ in range(11)]
+    eager = _run_batched(KVCacheForward(runner, max_running_requests=5), prompts, slots=5)
+    padded_kv = KVCacheForward(runner, max_running_requests=5, decode=DecodeMode.PADDED)
+    padded = _run_batched(padded_kv, prompts, slots=5)
+    for ref, got in zip(eager, padded, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        assert all(math.isclose(a, b, abs_tol=1e-5) for (_, a), (_, b) in zip(got, ref, strict=True))
+    graphs = padded_kv.statistics().graphs
+    assert graphs is not None and graphs.replays == padded_kv.statistics().decode_steps > 0
+    assert padded_kv.graphs is not None and padded_kv.graphs.batch_buckets == (1, 2, 4, 5)
+    assert padded_kv.graphs.kv_buckets == (64, 96)
+
+
+def test_a_batch_over_the_largest_graph_decodes_eagerly(model_dir: Path) -> None:
+    """Four rows with a graph for at most two: eager steps until requests finish (after 9 and 17
+    tokens), graph steps once two are left; the tokens are the eager decode's throughout."""
+    runner = ModelRunner(model_dir, context_length=64)
+    prompts: list[tuple[int, ...]] = [(5 + i, 6, 7) for i in range(4)]
+    eager = _run_batched(KVCacheForward(runner, max_running_requests=4), prompts, slots=4)
+    kv = KVCacheForward(runner, max_running_requests=4, decode=DecodeMode.PADDED, graph_max_batch=2)
+    for ref, got in zip(eager, _run_batched(kv, prompts, slots=4), strict=True):
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        assert all(math.isclose(a, b, abs_tol=1e-5) for (_, a), (_, b) in zip(got, ref, strict=True))
+    stats = kv.statistics()
+    assert stats.graphs is not None and 0 < stats.graphs.replays < stats.decode_steps
+
+
+def test_graph_buckets() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(128) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert kv_buckets(40) == (40,)
+    assert kv_buckets(64) == (64,)
+    assert kv_buckets(300) == (64, 128, 256, 300)
+    assert bucket_for(3, (1, 2, 4)) == 4 and bucket_for(4, (1, 2, 4)) == 4
+    with pytest.raises(ValueError, match="5 exceeds the largest bucket 4"):
+        bucket_for(5, (1, 2, 4))
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        batch_buckets(0)
+
+
+def test_cuda_graphs_on_a_cpu_are_refused_with_the_device_named(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="CUDA graphs need a cuda device; this engine runs on cpu"):
+        KVCacheForward(ModelRunner(model_dir), max_running_requests=2, decode=DecodeMode.GRAPHS)

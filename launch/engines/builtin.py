@@ -2,15 +2,19 @@
 
     python -m launch.engines.builtin --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-running-requests 64] [--context-length N] [--device cpu|cuda|cuda:N]
-        [--dtype float32] [--kv-cache slots|none] [--weight-version 0] [--log-level info]
+        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N]
+        [--weight-version 0] [--log-level info]
 
 The HTTP surface (`http.py`) and scheduler (`scheduler.py`) are every engine's; this module loads
 the model folder and picks the forward: `kv_forward.KVCacheForward` (the default: a KV cache of
 `max-running-requests x context-length` slots, continuous batching) or, with `--kv-cache none`,
 `torch_model.TorchForward` (recomputes every sequence each step; kept as the reference the cached
-path is tested against). No prefix cache (`cached_tokens` is always 0); weights change through
-`/update_weights_from_disk` or over torch.distributed (`/init_weights_update_group`,
-`/update_weights_from_distributed`: `weight_group.py`, staged and swapped the same way).
+path is tested against). On a cuda device the KV forward's decode step is replayed from CUDA
+graphs (`decode_graphs.py`); `--disable-cuda-graph` (SGLang's flag) keeps it eager and
+`--cuda-graph-max-bs` bounds the largest graphed batch. No prefix cache (`cached_tokens` is
+always 0); weights change through `/update_weights_from_disk` or over torch.distributed
+(`/init_weights_update_group`, `/update_weights_from_distributed`: `weight_group.py`, staged and
+swapped the same way, by copying into the live tensors, which the graphs read).
 
 Publishing without stopping the engine: an update sent without a pause is read from disk into a
 staging copy while decoding goes on, then copied into the live weights between two decode steps;
@@ -35,7 +39,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from launch.engines.http import EngineServer
-from launch.engines.kv_forward import KVCacheForward
+from launch.engines.kv_forward import DecodeMode, KVCacheForward
 from launch.engines.serving import open_engine, run_main
 from launch.engines.torch_model import ModelRunner, TorchForward, WeightLoadError
 from launch.engines.weight_group import WeightGroupReceiver
@@ -55,11 +59,14 @@ async def open_server(
     context_length: int | None = None,
     kv_cache: str = "slots",
     max_running_requests: int = 64,
+    disable_cuda_graph: bool = False,
+    cuda_graph_max_bs: int | None = None,
     **options: Any,
 ) -> AsyncIterator[EngineServer]:
     """Load the model, start the decode loop and listen; yield the server (port 0 picks a free port).
 
     `kv_cache` is "slots" (KV cache, continuous batching) or "none" (recompute every step);
+    on a cuda device the slots' decode step runs from CUDA graphs unless `disable_cuda_graph`;
     `context_length` caps the model's window (and so the cache). `options` are
     `serving.open_engine`'s (host, port, weight_version, random_seed, served_model_name,
     health_check_timeout). On exit every request in flight is
@@ -74,14 +81,25 @@ async def open_server(
         problems.append(f"context_length must be at least 2, got {context_length}")
     if max_running_requests < 1:
         problems.append(f"max_running_requests must be >= 1, got {max_running_requests}")
+    if cuda_graph_max_bs is not None and cuda_graph_max_bs < 1:
+        problems.append(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
     if problems:
         raise ConfigError(problems)
     load = functools.partial(
         ModelRunner, model_path, dtype=getattr(torch, dtype), device=device, context_length=context_length
     )
     runner = await anyio.to_thread.run_sync(load)
+    if runner.device.type == "cuda":
+        # cuDNN's SDPA builds a graph for every new KV length: 79-95 ms a step cold on an H200.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    graphs = runner.device.type == "cuda" and not disable_cuda_graph
     forward = (
-        KVCacheForward(runner, max_running_requests=max_running_requests)
+        KVCacheForward(
+            runner,
+            max_running_requests=max_running_requests,
+            decode=DecodeMode.GRAPHS if graphs else DecodeMode.EAGER,
+            graph_max_batch=cuda_graph_max_bs,
+        )
         if kv_cache == "slots"
         else TorchForward(runner)
     )
@@ -116,6 +134,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (ROCm builds of torch say cuda too)")
     ap.add_argument("--context-length", type=int, default=None, help="cap on the model's window; bounds the KV cache")
     ap.add_argument("--kv-cache", default="slots", choices=["slots", "none"], help="none: recompute every step")
+    ap.add_argument(
+        "--disable-cuda-graph", action="store_true", help="decode eagerly on a GPU (CUDA graphs are the default there)"
+    )
+    ap.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="largest batch decoded by a CUDA graph (default: all)"
+    )
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
@@ -138,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=args.device,
         context_length=args.context_length,
         kv_cache=args.kv_cache,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     # An unusable model folder or a port taken: say why in a line.
     return run_main(run, log_level=args.log_level, startup_errors=(WeightLoadError, ConfigError, OSError))

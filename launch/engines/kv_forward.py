@@ -30,10 +30,16 @@ Sampling is the recompute forward's (`torch_model.draw_tokens`): a pure function
 and position, so at fp32 the cached path gives the recompute path's tokens, and a request resumed
 as prompt + its k tokens continues exactly. A weight update keeps the cache of requests held in
 place (SGLang does the same): their later tokens attend to K/V computed by the old weights.
+
+On a GPU the decode step is replayed from CUDA graphs (`decode_graphs.py`: padded to batch and
+KV-length buckets, one dummy slot past the real ones for the padding rows); `DecodeMode.EAGER`
+(`--disable-cuda-graph`) turns that off, and on a CPU the step is always eager. Prefill stays eager.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import inspect
 import threading
 from collections.abc import Sequence
@@ -44,10 +50,20 @@ import anyio
 import torch
 from transformers.cache_utils import Cache
 
+from launch.engines.decode_graphs import DecodeGraphs, GraphStatistics
 from launch.engines.seam import Draw, Row
 from launch.engines.torch_model import ModelRunner, TorchForward, draw_tokens
+from pipeline.errors import ConfigError
 
-__all__ = ["KVCacheForward", "SlotCache", "SlotStatistics"]
+__all__ = ["DecodeMode", "KVCacheForward", "SlotCache", "SlotStatistics"]
+
+
+class DecodeMode(enum.Enum):
+    """How the KV forward runs its decode step."""
+
+    EAGER = "eager"  # one eager forward over the batch (CPUs, `--disable-cuda-graph`)
+    GRAPHS = "graphs"  # CUDA graphs, one per padded (batch, KV length) bucket: cuda devices only
+    PADDED = "padded"  # the graphs' padded fixed-shape step run eagerly: tests the padding on any device
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +75,7 @@ class SlotStatistics:
     prefills: int
     prefill_tokens: int
     decode_steps: int
+    graphs: GraphStatistics | None = None  # None: decode is eager
 
 
 class SlotCache(Cache):
@@ -112,30 +129,68 @@ class KVCacheForward(TorchForward):
 
     keeps_kv_cache = True
 
-    def __init__(self, runner: ModelRunner, *, max_running_requests: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_running_requests: int,
+        decode: DecodeMode | None = None,
+        graph_max_batch: int | None = None,
+    ) -> None:
+        """`decode` defaults to GRAPHS on a cuda device and EAGER elsewhere; `graph_max_batch`
+        (SGLang's `--cuda-graph-max-bs`, default `max_running_requests`) is the largest batch a graph
+        serves: larger batches decode eagerly."""
         super().__init__(runner)
+        device = runner.device
+        decode = decode or (DecodeMode.GRAPHS if device.type == "cuda" else DecodeMode.EAGER)
+        if decode is DecodeMode.GRAPHS and device.type != "cuda":
+            raise ConfigError([f"CUDA graphs need a cuda device; this engine runs on {device}"])
         config = runner.config
         text = getattr(config, "get_text_config", lambda: config)()
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        padded = decode is not DecodeMode.EAGER
         self.cache = SlotCache(
             layers=int(text.num_hidden_layers),
-            slots=max_running_requests,
+            slots=max_running_requests + padded,  # the padding rows' dummy slot is the last
             kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
             context=self.context_length,
             head_dim=head_dim,
             dtype=runner.model.dtype,
-            device=runner.device,
+            device=device,
         )
         # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
         params = inspect.signature(runner.model.base_model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Not a bound method: the graphs hold this, and a cycle through them would leave a dropped
+        # forward's CUDA graphs to the garbage collector, which may run during another capture.
+        self._decoder = functools.partial(
+            _run_decoder, runner.model.base_model, self.cache, "cache" if "cache" in params else "past_key_values"
+        )
+        self._slots = max_running_requests
         self._free = list(range(max_running_requests - 1, -1, -1))
         self._slot: dict[int, int] = {}  # request key -> slot, for requests whose K/V the cache holds
         self._cached: dict[int, int] = {}  # request key -> positions of K/V held (all tokens but the last)
         self._released: list[int] = []  # keys freed on the event loop, applied at the next forward
         self._released_lock = threading.Lock()
         self._max_in_use = self._prefills = self._prefill_tokens = self._decode_steps = 0
+        self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
+
+    def _decode_graphs(
+        self, decode: DecodeMode, graph_max_batch: int | None, *, hidden_size: int
+    ) -> DecodeGraphs | None:
+        if decode is DecodeMode.EAGER:
+            return None
+        return DecodeGraphs(
+            self._decoder,
+            max_batch=min(graph_max_batch or self._slots, self._slots),
+            context=self.context_length,
+            dummy_slot=self._slots,
+            pad_token_id=self.runner.pad_token_id,
+            hidden_size=hidden_size,
+            dtype=self.runner.model.dtype,
+            device=self.runner.device,
+            capture=decode is DecodeMode.GRAPHS,
+        )
 
     # ---- the forward -------------------------------------------------------------------------------
 
@@ -155,14 +210,16 @@ class KVCacheForward(TorchForward):
     def _step(self, rows: Sequence[Row]) -> list[Draw]:
         fresh = [i for i, r in enumerate(rows) if self._cached.get(r.key) != r.position - 1]
         held = [i for i, r in enumerate(rows) if self._cached.get(r.key) == r.position - 1]
-        logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float64, device=self.runner.device)
         with torch.inference_mode():
-            if fresh:
+            if not fresh:  # the usual decode step: its logits are the batch's, no scatter
+                logits = self._decode(rows)
+            else:
+                logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float64, device=self.runner.device)
                 logits[fresh] = self._prefill([rows[i] for i in fresh])
-            if held:
-                logits[held] = self._decode([rows[i] for i in held])
-        self._max_in_use = max(self._max_in_use, len(self._slot))
-        return draw_tokens(logits, rows)
+                if held:
+                    logits[held] = self._decode([rows[i] for i in held])
+            self._max_in_use = max(self._max_in_use, len(self._slot))
+            return draw_tokens(logits, rows)  # in inference mode too: it edits the logits in place
 
     def _prefill(self, rows: Sequence[Row]) -> torch.Tensor:
         for row in rows:
@@ -180,7 +237,8 @@ class KVCacheForward(TorchForward):
         positions = torch.arange(width, device=dev).expand(len(rows), width)
         # Causal within the row, and nothing past its own length (right padding).
         mask = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] < n[:, None, None])
-        hidden = self._run(ids.to(dev), positions, mask[:, None], rows, kv_len=width)
+        slots = torch.tensor([self._slot[r.key] for r in rows], device=dev)
+        hidden = self._run(ids.to(dev), positions, mask[:, None], slots, width)
         for row, length in zip(rows, lengths, strict=True):
             self._cached[row.key] = length
         self._prefills += 1
@@ -189,26 +247,30 @@ class KVCacheForward(TorchForward):
 
     def _decode(self, rows: Sequence[Row]) -> torch.Tensor:
         dev = self.runner.device
-        cached = torch.tensor([self._cached[r.key] for r in rows], device=dev)
-        ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]] for r in rows], device=dev)
-        kv_len = int(cached.max()) + 1
-        mask = torch.arange(kv_len, device=dev)[None, :] <= cached[:, None]
-        hidden = self._run(ids, cached[:, None], mask[:, None, None, :], rows, kv_len=kv_len)
+        cached = [self._cached[r.key] for r in rows]  # the position each row's new token takes
+        last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in rows]
+        slots = [self._slot[r.key] for r in rows]
+        if self.graphs is not None and self.graphs.fits(len(rows)):
+            hidden = self.graphs.decode(last, cached, slots)
+        else:
+            kv_len = max(cached) + 1  # from the host's numbers: no device read back
+            positions = torch.tensor(cached, device=dev)[:, None]
+            mask = torch.arange(kv_len, device=dev)[None, :] <= positions
+            slot_ids = torch.tensor(slots, device=dev)
+            hidden = self._run(
+                torch.tensor(last, device=dev)[:, None], positions, mask[:, None, None, :], slot_ids, kv_len
+            )
+            hidden = hidden[:, -1]
         for row in rows:
             self._cached[row.key] += 1
         self._decode_steps += 1
-        return self._logits(hidden[:, -1])
+        return self._logits(hidden)
 
     def _run(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[Row], *, kv_len: int
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
-        """The decoder over `ids` at `positions`, K/V read and written in the rows' slots; hidden states."""
-        slots = torch.tensor([self._slot[r.key] for r in rows], device=self.runner.device)
-        self.cache.plan(slots, positions, kv_len)
-        decoder = self.runner.model.base_model
-        cache = {self._cache_kwarg: self.cache}
-        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
-        return out.last_hidden_state
+        """The decoder over `ids` at `positions`, K/V read and written in `slots`; hidden states."""
+        return self._decoder(ids, positions, mask, slots, kv_len)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Sampling in float64 keeps the top-p/CDF arithmetic from adding noise of its own.
@@ -236,16 +298,40 @@ class KVCacheForward(TorchForward):
 
     def statistics(self) -> SlotStatistics:
         return SlotStatistics(
-            slots=len(self.cache.keys[0]) if self.cache.keys else 0,
+            slots=self._slots,
             slots_in_use=len(self._slot),
             max_slots_in_use=self._max_in_use,
             cache_bytes=self.cache.nbytes,
             prefills=self._prefills,
             prefill_tokens=self._prefill_tokens,
             decode_steps=self._decode_steps,
+            graphs=None if self.graphs is None else self.graphs.statistics(),
         )
 
     # ---- what differs from the cacheless forward in the rest of the seam ----------------------------
 
     def server_details(self) -> dict[str, Any]:
-        return {**super().server_details(), "kv_cache": "static-slots", "kv_cache_bytes": self.cache.nbytes}
+        return {
+            **super().server_details(),
+            "kv_cache": "static-slots",
+            "kv_cache_bytes": self.cache.nbytes,
+            "disable_cuda_graph": self.graphs is None or not self.graphs.statistics().capturing,
+            "cuda_graph_max_bs": None if self.graphs is None else self.graphs.max_batch,
+        }
+
+
+def _run_decoder(
+    decoder: torch.nn.Module,
+    cache: SlotCache,
+    cache_kwarg: str,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    slots: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
+    """The decoder over `ids` at `positions`, K/V read and written in `slots`; hidden states."""
+    cache.plan(slots, positions, kv_len)
+    kwargs = {cache_kwarg: cache}
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+    return out.last_hidden_state  # type: ignore[no-any-return]

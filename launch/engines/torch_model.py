@@ -196,50 +196,70 @@ def draw_tokens(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
-    """Draw one token per row from `logits` [B, V] (float64); see the module docstring."""
-    batch, vocab = logits.shape
-    draws: list[Draw | None] = [None] * batch
+    """Draw one token per row from `logits` [B, V] (float64); see the module docstring.
+
+    Rows are read back in one device-to-host copy per kind (greedy, sampled): on a GPU a copy per
+    row costs a synchronisation each, which at 128 rows took longer than the forward itself."""
+    draws: list[Draw | None] = [None] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         lp = torch.log_softmax(logits[greedy], dim=-1)
-        tokens = lp.argmax(dim=-1)
-        for j, i in enumerate(greedy):
-            t = int(tokens[j])
-            draws[i] = Draw(t, float(lp[j, t]))
+        _fill(draws, greedy, lp.argmax(dim=-1), lp)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        params = [rows[i].params for i in sampled]
-        dev = logits.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)
-
-        scaled = logits[sampled] / temperature[:, None]
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        rank = torch.arange(vocab, device=dev)
-        keep = rank[None, :] < top_k[:, None]
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep &= mass_before < top_p[:, None]  # the smallest prefix holding top_p; rank 0 always kept
-        keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
-        truncated = torch.full_like(scaled, -math.inf)
-        truncated.scatter_(1, order, torch.where(keep, sorted_logits, -math.inf))
-        logprobs = torch.log_softmax(truncated, dim=-1)
-
+        logprobs = _sampling_logprobs(logits[sampled], [rows[i].params for i in sampled])
         cdf = logprobs.exp().cumsum(dim=-1)
         u = torch.tensor(
-            [uniform_draw(rows[i].seed, rows[i].position) for i in sampled], dtype=torch.float64, device=dev
+            [uniform_draw(rows[i].seed, rows[i].position) for i in sampled], dtype=torch.float64, device=logits.device
         )
         # First index whose CDF exceeds u * total: zero-probability tokens (flat CDF) are never chosen.
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-        tokens = tokens.clamp(max=vocab - 1)
-        for j, i in enumerate(sampled):
-            t = int(tokens[j])
-            if not math.isfinite(float(logprobs[j, t])):  # u*total rounded onto the last step
-                t = int(logprobs[j].argmax())
-            draws[i] = Draw(t, float(logprobs[j, t]))
+        tokens = tokens.clamp(max=logits.shape[1] - 1)
+        # u*total rounded onto the last step lands on a token of zero probability: take the mode.
+        landed = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        tokens = torch.where(torch.isfinite(landed), tokens, logprobs.argmax(dim=-1))
+        _fill(draws, sampled, tokens, logprobs)
     return [d for d in draws if d is not None]
+
+
+def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Log-probs [B, V] of the distribution each row draws from: logits / temperature, truncated by
+    top-k, top-p and min-p (a sort per row) for the rows that ask for any, renormalised."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
+    scaled = logits / temperature[:, None]
+    # Rows that truncate nothing skip the sort, the costliest kernel of a step on a GPU (at top_p=1
+    # the sorted cumulative sum could also round to 1 before the tail and drop a possible token).
+    cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
+    if len(cut) < len(params):
+        logprobs = torch.log_softmax(scaled, dim=-1)
+    if not cut:
+        return logprobs
+    picked = [params[j] for j in cut]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in picked], device=dev)
+    top_p = torch.tensor([p.top_p for p in picked], dtype=torch.float64, device=dev)
+    min_p = torch.tensor([p.min_p for p in picked], dtype=torch.float64, device=dev)
+    sorted_logits, order = scaled[cut].sort(dim=-1, descending=True, stable=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    rank = torch.arange(vocab, device=dev)
+    keep = rank[None, :] < top_k[:, None]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= mass_before < top_p[:, None]  # the smallest prefix holding top_p; rank 0 always kept
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    truncated = torch.full_like(sorted_logits, -math.inf)
+    truncated.scatter_(1, order, torch.where(keep, sorted_logits, -math.inf))
+    if len(cut) == len(params):
+        return torch.log_softmax(truncated, dim=-1)
+    logprobs[cut] = torch.log_softmax(truncated, dim=-1)
+    return logprobs
+
+
+def _fill(draws: list[Draw | None], at: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """Put the draws of rows `at` (their tokens [n] and log-prob rows [n, V]) into `draws`."""
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    for i, t, lp in zip(at, tokens.tolist(), chosen.tolist(), strict=True):
+        draws[i] = Draw(int(t), float(lp))
 
 
 def _live_weights(model: torch.nn.Module) -> _Weights:

@@ -1,0 +1,61 @@
+"""Where a decode step of the built-in engine spends GPU time: `torch.profiler` over two steps.
+
+    python3 -m benchmarks.engine_profile [--batch 128] [--context 256]
+
+The 0.6B-shape Qwen3 of `benchmarks.engine` in bf16 on cuda, eager and from CUDA graphs (the
+kernels are the same; graphs only remove the launches), then the sampler alone on random float64
+logits. Prints the profiler's table sorted by GPU time; BENCHMARKS.md section 7 quotes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.engine import _prompts, _rows, qwen3_06b_folder
+from launch.engines.kv_forward import DecodeMode, KVCacheForward
+from launch.engines.torch_model import ModelRunner, draw_tokens
+
+
+def main(batch: int, context: int) -> None:
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine and the benchmark run it
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = ModelRunner(
+            qwen3_06b_folder(Path(tmp) / "q"), dtype=torch.bfloat16, device="cuda", context_length=context + 1
+        )
+    prompts = _prompts(batch, context - 16, 60)
+    outputs: list[tuple[int, ...]] = [() for _ in range(batch)]
+    for mode in (DecodeMode.EAGER, DecodeMode.GRAPHS):
+        kv = KVCacheForward(runner, max_running_requests=batch, decode=mode)
+        outputs = [() for _ in range(batch)]
+        for steps, report in ((3, False), (2, True)):  # the prefill and warm-up, then two profiled steps
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    draws = kv.step(_rows(prompts, outputs))
+                    outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]  # type: ignore[union-attr]
+                torch.cuda.synchronize()
+            if report:
+                print(mode, prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+        del kv
+    logits = torch.randn(batch, runner.vocab_size, dtype=torch.float64, device="cuda")
+    rows = _rows(prompts, outputs)
+    draw_tokens(logits.clone(), rows)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        draw_tokens(logits.clone(), rows)
+    torch.cuda.synchronize()
+    print(f"draw_tokens B={batch}: {(time.perf_counter() - start) / 5 * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--context", type=int, default=256)
+    args = parser.parse_args()
+    main(args.batch, args.context)
