@@ -73,7 +73,7 @@ class ProducerActor:
                     await tg.start(core.run)
                     started.set_result(None)
             except Exception as exc:  # kept for every later call: the controller loses us with it
-                self._failure = f"{type(exc).__name__}: {exc}"
+                self._failure = _describe(exc)
                 if not started.done():
                     started.set_result(None)
 
@@ -131,6 +131,13 @@ class ProducerActor:
     def pid(self) -> int:
         """The worker's process id (tests freeze it to play a producer that stops answering)."""
         return os.getpid()
+
+
+def _describe(exc: BaseException) -> str:
+    """The errors inside nested task groups, each as `Type: message`."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def eligible_nodes(nodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

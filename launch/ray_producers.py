@@ -86,6 +86,7 @@ class ProducerHandle:
     node: str
     group_slots: int
     in_hand: set[str] = field(default_factory=set)  # group ids leased to it, not yet settled
+    handed: int = 0  # groups handed to it over the run
     lost: str | None = None  # why it was given up on
     stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat's answer
 
@@ -201,9 +202,11 @@ class RayProducers:
             if not self._live():
                 raise PipelineError(f"every Ray producer is lost: {self._why_lost()}")
             await self._room.wait()
-        p = min(candidates, key=lambda c: (len(c.in_hand) - c.group_slots, c.name))
+        # The least loaded for its size, then the one that got least so far: work spreads evenly.
+        p = min(candidates, key=lambda c: (len(c.in_hand) / c.group_slots, c.handed, c.name))
         await self._store.hand_over(group.group_id, owner=DEFAULT_OWNER, to=p.name, lease_seconds=self._lease)
         p.in_hand.add(group.group_id)
+        p.handed += 1
         self._notify()  # wakes whoever watches the producers' load (a policy re-checks, a test waits)
         try:
             with anyio.fail_after(self._deadline):
