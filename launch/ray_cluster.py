@@ -90,7 +90,9 @@ class ProducerActor:
     async def submit(self, data: bytes) -> None:
         await self._ok().submit(data)
 
-    async def take_results(self, limit: int) -> list[tuple[str, bytes]]:
+    async def take_results(self, limit: int) -> tuple[list[tuple[str, bytes]], bytes]:
+        """Up to `limit` results once there is one, with the statistics as of now (so the step
+        record counts the work behind these results, not the last heartbeat's)."""
         core = self._ok()
         async with anyio.create_task_group() as tg:
             # A failure of the stages must end this wait too, or the controller would never hear of it.
@@ -111,7 +113,7 @@ class ProducerActor:
             tg.start_soon(failed)
         if not taken:
             self._ok()
-        return taken
+        return taken, orjson.dumps(core.statistics())
 
     async def heartbeat(self) -> bytes:
         return orjson.dumps(self._ok().statistics())

@@ -228,10 +228,11 @@ class RayProducers:
         async with send:
             while p.lost is None:
                 try:
-                    batch = await p.actor.take_results.remote(RESULTS_PER_CALL)
+                    batch, stats = await p.actor.take_results.remote(RESULTS_PER_CALL)
                 except Exception as exc:  # the actor died, or its stages failed
                     self._lose(p, f"results failed: {exc!r}")
                     return
+                p.stats = orjson.loads(stats)
                 for kind, data in batch:
                     group = decode_group(data, key=f"result of producer {p.name}")
                     await self._commit(p, ResultKind(kind), group, send)

@@ -364,3 +364,28 @@ async def test_a_reward_path_a_producer_cannot_import_fails_at_start_naming_it(c
                 pass
     finally:
         store.close()
+
+
+# -- the launcher ---------------------------------------------------------------------------------
+
+
+def test_the_launcher_runs_async_on_ray_producers_with_the_real_trainer(cluster, tmp_path) -> None:
+    """`python -m pipeline.launch --rollout-producers ray`: the built-in engine and torch trainer,
+    the toy task's reward imported by path on each producer, one producer per node of the cluster
+    this process already joined."""
+    import json
+
+    from launch.cli import main
+
+    out = tmp_path / "run"
+    flags = "--rollout-producers ray --rollout-mode async --num-rollout 4 --rollout-data-transport lmdb"
+    code = main(["--output-dir", str(out), "--no-progress", "--log-level", "warning", *flags.split()])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["producers/live"] == NODES and r["producers/fenced_results"] == 0 for r in records)
+    assert records[-1]["tokens/generated_total"] > 0  # the producers' counters reach the record
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        counts = {s: store.count(s) for s in GroupState}
+        assert counts[GroupState.TRAINED] == 4 * 8 and counts[GroupState.RUNNING] == 0
+        assert sum(counts.values()) == store.cursor().next_seq
