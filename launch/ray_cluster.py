@@ -124,8 +124,8 @@ class ProducerActor:
     async def resume(self) -> None:
         self._ok().resume()
 
-    async def begin_publish(self, version: int, pause_mode: str, overlap: bool) -> None:
-        await self._ok().begin_publish(version, pause_mode, overlap)
+    async def begin_publish(self, version: int, pause_mode: str, overlap: bool) -> list[tuple[str, bytes]]:
+        return await self._ok().begin_publish(version, pause_mode, overlap)
 
     async def end_publish(self, version: int) -> None:
         self._ok().end_publish(version)

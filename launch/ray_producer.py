@@ -118,6 +118,14 @@ class _Results:
             self._drained.set()
         return out
 
+    def take_partial(self) -> list[tuple[str, bytes]]:
+        """Every partial group waiting here, taken out now (the others keep their turn)."""
+        partial = [r for r in self._items if r[0] == ResultKind.PARTIAL.value]
+        self._items = [r for r in self._items if r[0] != ResultKind.PARTIAL.value]
+        if not self._items:
+            self._drained.set()
+        return partial
+
     async def wait_drained(self) -> None:
         await self._drained.wait()
 
@@ -241,13 +249,20 @@ class ProducerCore:
     def resume(self) -> None:
         self._open().resume()
 
-    async def begin_publish(self, version: int, pause_mode: str, overlap: bool) -> None:
-        """Close this producer's admission for `version`; in abort mode return every group in hand."""
+    async def begin_publish(self, version: int, pause_mode: str, overlap: bool) -> list[tuple[str, bytes]]:
+        """Close this producer's admission for `version`. In abort mode every request is aborted and
+        the partial groups are the answer, for the controller to store before the weights move.
+
+        Not waiting for the controller to take the finished groups too: in async mode it may not
+        take them before this publish's batch made room in its collector."""
         if not self.clock.publishing:
             self.clock.begin_publish()
-        if PauseMode(pause_mode) is PauseMode.ABORT and not overlap:
-            self._stopped_for_publish = True
-            await self.stop()
+        if PauseMode(pause_mode) is not PauseMode.ABORT or overlap:
+            return []
+        self._stopped_for_publish = True
+        await self._open().stop()
+        await self.admission.wait_settled()
+        return self.results.take_partial()
 
     def end_publish(self, version: int) -> None:
         """The publish ended with `version` serving (one more than before if it committed)."""

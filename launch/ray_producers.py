@@ -238,7 +238,7 @@ class RayProducers:
                     await self._commit(p, ResultKind(kind), group, send)
 
     async def _commit(
-        self, p: ProducerHandle, kind: ResultKind, group: Group, send: MemoryObjectSendStream[Group]
+        self, p: ProducerHandle, kind: ResultKind, group: Group, send: MemoryObjectSendStream[Group] | None
     ) -> None:
         """Store `group` under p's lease; refused (fenced) if p no longer holds it."""
         gid = group.group_id
@@ -262,6 +262,7 @@ class RayProducers:
         finally:
             self._committing.discard(gid)
         if kind is ResultKind.ACCEPTED:
+            assert send is not None, "accepted groups come with the results stream"
             self._counts["accepted"] += 1
             p.in_hand.discard(gid)
             self._notify()
@@ -335,6 +336,24 @@ class RayProducers:
         self._room.set()
         self._room = anyio.Event()
 
+    async def _close_gates(self, version: int, pause_mode: PauseMode) -> None:
+        """Every live producer stops admitting; in abort mode its partial groups come back with its
+        answer and are stored here, before the engines pause."""
+
+        async def one(p: ProducerHandle) -> None:
+            try:
+                with anyio.fail_after(self._deadline):
+                    partial = await p.actor.begin_publish.remote(version, pause_mode.value, self._overlap)
+            except Exception as exc:
+                self._lose(p, f"begin_publish not answered within {self._deadline:g}s: {exc!r}")
+                return
+            for kind, data in partial:
+                await self._commit(p, ResultKind(kind), decode_group(data, key=f"partial of {p.name}"), None)
+
+        async with anyio.create_task_group() as tg:
+            for p in self._live():
+                tg.start_soon(one, p)
+
     async def _each(self, method: str, *args: Any) -> None:
         """Call `method` on every live producer at once; one that misses the deadline is lost."""
 
@@ -358,7 +377,7 @@ class _PublishGates:
 
     async def close(self, version: int, pause_mode: PauseMode) -> None:
         started = time.perf_counter()
-        await self._producers._each("begin_publish", version, PauseMode(pause_mode).value, self._producers._overlap)
+        await self._producers._close_gates(version, PauseMode(pause_mode))
         log.debug("producer gates closed", version=version, seconds=round(time.perf_counter() - started, 3))
 
     async def open(self, version: int) -> None:

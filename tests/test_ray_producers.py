@@ -262,6 +262,34 @@ async def test_a_killed_producer_loses_nothing_and_its_prefixes_are_continued(cl
         run.close()
 
 
+async def test_a_producer_that_stops_answering_in_async_mode_is_given_up_and_the_run_goes_on(cluster, tmp_path) -> None:
+    plan = plan_for("async", steps=6)
+    frozen: list[int] = []
+
+    async def freeze_one(run: Run) -> None:
+        while run.steps < 1:
+            await run.stepped.wait()
+        assert run.producers is not None
+        pid = await run.producers.producers[2].actor.pid.remote()
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: no heartbeat, no publish answer, no result
+        frozen.append(pid)
+
+    run = Run(tmp_path)
+    try:
+        await run.go(plan, during=freeze_one)
+        run.check_exactly_once(plan)
+        rp = run.producers
+        assert rp is not None and frozen
+        assert rp.metrics()["producers/lost"] == 1 and rp.producers[2].lost is not None
+        # Given up on by whichever call missed its deadline first: a heartbeat, a submit, a publish.
+        assert "TimeoutError" in rp.producers[2].lost or "not answered" in rp.producers[2].lost
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # it was killed while stopped: let it die
+        run.close()
+
+
 # -- a zombie's late result ----------------------------------------------------------------------
 
 
