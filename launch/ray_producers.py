@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 import orjson
 import structlog
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from launch.ray_producer import ResultKind
@@ -137,7 +137,7 @@ class RayProducers:
             tg.start_soon(self._reap)
             task_status.started()
             async for group in receive:
-                await self._dispatch(group)
+                await self._dispatch(group, tg)
             tg.cancel_scope.cancel()
 
     @property
@@ -188,7 +188,7 @@ class RayProducers:
         }
 
     # -- handing groups out ---------------------------------------------------------------------
-    async def _dispatch(self, group: Group) -> None:
+    async def _dispatch(self, group: Group, tg: TaskGroup) -> None:
         while True:
             if self._stopping:
                 # The round is over: the group goes back untouched, first in line next round.
@@ -208,9 +208,13 @@ class RayProducers:
         p.in_hand.add(group.group_id)
         p.handed += 1
         self._notify()  # wakes whoever watches the producers' load (a policy re-checks, a test waits)
+        # Sent in a task of its own: a producer that stops answering holds up only its own groups.
+        tg.start_soon(self._submit, p, encode_group(group))
+
+    async def _submit(self, p: ProducerHandle, data: bytes) -> None:
         try:
             with anyio.fail_after(self._deadline):
-                await p.actor.submit.remote(encode_group(group))
+                await p.actor.submit.remote(data)
         except Exception as exc:  # RayActorError, a timeout: the lease runs out, the reaper requeues it
             self._lose(p, f"submit failed: {exc!r}")
 

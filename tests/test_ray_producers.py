@@ -232,18 +232,23 @@ async def test_a_killed_producer_loses_nothing_and_its_prefixes_are_continued(cl
         # Wait (on the producers' own change events) until the victim holds a group that was
         # already continued from a stored prefix: that prefix must survive the kill.
         with anyio.fail_after(60):
-            while not snapshot:
+            while True:
                 for gid in list(victim.in_hand):
                     found = await run.astore.get(gid)
                     if found is not None and any(s.response_len for s in found[1].samples):
                         snapshot[gid] = found[1]
-                if not snapshot:
-                    await rp.wait_slot_freed()
+                # Still in the victim's hands now (no await from here to the kill)?
+                if any(gid in victim.in_hand for gid in snapshot):
+                    break
+                snapshot.clear()
+                await rp.wait_slot_freed()
         ray.kill(victim.actor, no_restart=True)
 
     run = Run(tmp_path)
     try:
-        await run.go(plan, during=kill_one_holding_a_prefix)
+        # Slow decoding (a 48-token answer takes about a second), so the group the victim holds at
+        # the kill is still generating when the kill lands.
+        await run.go(plan, time_scale=1.0, during=kill_one_holding_a_prefix)
         run.check_exactly_once(plan)
         rp = run.producers
         assert rp is not None
@@ -417,3 +422,35 @@ def test_the_launcher_runs_async_on_ray_producers_with_the_real_trainer(cluster,
         counts = {s: store.count(s) for s in GroupState}
         assert counts[GroupState.TRAINED] == 4 * 8 and counts[GroupState.RUNNING] == 0
         assert sum(counts.values()) == store.cursor().next_seq
+
+
+# -- a node lost with its raylet (last: it changes the module's cluster, then restores its size) ----
+
+
+async def test_a_node_whose_raylet_dies_loses_its_producer_and_the_run_goes_on(cluster, tmp_path) -> None:
+    plan = plan_for("sync", partial=True, steps=5)
+    removed: list[object] = []
+
+    async def remove_a_worker_node(run: Run) -> None:
+        while run.steps < 1:
+            await run.stepped.wait()
+        assert run.producers is not None
+        head = cluster.head_node.node_id
+        by_id = {n.node_id: n for n in cluster.list_all_nodes()}
+        victim = next(p for p in run.producers.producers if head[:8] not in p.node)
+        node = next(n for nid, n in by_id.items() if nid[:8] in victim.node)
+        cluster.remove_node(node, allow_graceful=False)  # the raylet and every worker on it die
+        removed.append(victim)
+
+    run = Run(tmp_path)
+    try:
+        await run.go(plan, during=remove_a_worker_node)
+        run.check_exactly_once(plan)
+        assert run.producers is not None and removed
+        assert removed[0].lost is not None
+        assert run.producers.metrics()["producers/live"] == NODES - 1
+    finally:
+        run.close()
+        if removed:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
