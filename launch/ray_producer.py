@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import anyio
@@ -76,7 +76,6 @@ class ProducerSpec:
     request_timeout: float = 600.0
     max_retries: int = 3
     api_key: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def slots(self) -> int:
@@ -88,7 +87,11 @@ class ProducerSpec:
 
     @classmethod
     def from_json(cls, data: bytes) -> ProducerSpec:
+        """Fields this code does not know (a newer controller's) are left out; missing optional
+        ones take their defaults, so a producer on another node's code version still starts."""
         values = orjson.loads(data)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in values.items() if k in known}
         values["engine_urls"] = tuple(values["engine_urls"])
         return cls(**values)
 
@@ -170,7 +173,8 @@ def _resolve(path: str | None, what: str, node: str) -> Callable[..., Any] | Non
     try:
         return resolve_function(path)
     except PluginError as exc:
-        raise PluginError(path, f"the {what} cannot be imported on producer node {node}: {exc}") from exc
+        reason = str(exc).removeprefix(f"{path!r}: ")
+        raise PluginError(path, f"the {what} cannot be imported on producer node {node}: {reason}") from exc
 
 
 class ProducerCore:
