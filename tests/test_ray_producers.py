@@ -424,6 +424,17 @@ def test_the_launcher_runs_async_on_ray_producers_with_the_real_trainer(cluster,
         assert sum(counts.values()) == store.cursor().next_seq
 
 
+def test_the_launcher_refuses_more_producers_than_group_slots_once_ray_says_how_many(cluster, tmp_path, capsys) -> None:
+    """One producer per node: 3 nodes x 4 samples need 12 sample slots; 8 x 1 engine is refused."""
+    from launch.cli import main
+
+    flags = "--rollout-producers ray --sglang-server-concurrency 8 --n-samples-per-prompt 4 --num-rollout 1"
+    code = main(["--output-dir", str(tmp_path / "run"), "--no-progress", "--log-level", "warning", *flags.split()])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "--rollout-producers=ray with 3 producers" in err and "C*E >= W*G" in err and "8 x 1 = 8" in err
+
+
 # -- a node lost with its raylet (last: it changes the module's cluster, then restores its size) ----
 
 
