@@ -435,6 +435,20 @@ def test_the_launcher_refuses_more_producers_than_group_slots_once_ray_says_how_
     assert "--rollout-producers=ray with 3 producers" in err and "C*E >= W*G" in err and "8 x 1 = 8" in err
 
 
+def test_the_tool_agent_runs_on_the_producers_through_its_path(cluster, tmp_path) -> None:
+    """`--task tool`: the built-in agent, imported by its `module:function` path on every producer,
+    drives multi-turn samples there; its tool turns (loss mask 0) reach the trained batches."""
+    from launch.cli import main
+
+    out = tmp_path / "run"
+    flags = "--rollout-producers ray --task tool --num-rollout 2 --rollout-data-transport lmdb"
+    assert main(["--output-dir", str(out), "--no-progress", "--log-level", "warning", *flags.split()]) == 0
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        samples = [s for step in range(2) for g in store.batch(step).groups for s in g.samples]
+    assert len(samples) == 2 * 8 * 8
+    assert any(0 in s.loss_mask for s in samples), "no tool turn in any trained sample"
+
+
 # -- a node lost with its raylet (last: it changes the module's cluster, then restores its size) ----
 
 
