@@ -10,8 +10,9 @@ The controller stays the single store writer and the single version clock; this 
 
 - A group handed to producer p is leased to p (`Store.hand_over`), expiring `lease_seconds` after
   p's last answered heartbeat (`renew_leases`). A producer that dies or stops answering is lost:
-  it gets no more work, is killed, and its leases run out; the reaper (`reclaim_expired`) puts its
-  groups back as PARTIAL with every prefix it had returned, and the dispenser serves them again.
+  it gets no more work, is killed, and its leases end at once (or, had that failed, expire);
+  `reclaim_expired` puts its groups back as PARTIAL with every prefix it had returned, and the
+  dispenser serves them again.
 - Results are fenced: each is committed with `owner=p` (a `put_*`, or `hand_over` back to the
   controller for an accepted group that the collector then makes ready), so a late result from a
   producer whose lease expired or was reassigned is refused by the store, counted
@@ -51,6 +52,7 @@ __all__ = ["ProducerHandle", "RayProducers", "engine_shares", "group_slots"]
 log = structlog.get_logger("producers")
 
 RESULTS_PER_CALL = 64
+_AT_ONCE = 1e-6  # seconds: a lease renewed for this long has expired by the next reclaim
 
 
 def group_slots(sample_slots: int, n_samples: int, producers: int) -> list[int]:
@@ -121,6 +123,7 @@ class RayProducers:
         self._committing: set[str] = set()
         self._resuming: list[Any] = []
         self._counts = dict(fenced=0, reclaimed=0, accepted=0)
+        self._tg: TaskGroup | None = None  # the run's, for work started by a loss
 
     # -- the graph's side -----------------------------------------------------------------------
     async def run(
@@ -131,6 +134,7 @@ class RayProducers:
         task_status: TaskStatus[None],
     ) -> None:
         async with receive, send, anyio.create_task_group() as tg:
+            self._tg = tg
             for p in self.producers:
                 tg.start_soon(self._receive_results, p, send.clone())
                 tg.start_soon(self._heartbeats, p)
@@ -328,7 +332,17 @@ class RayProducers:
                 self._kill(p.actor, no_restart=True)
             except Exception as exc:  # already gone
                 log.debug("kill failed", producer=p.name, reason=repr(exc))
+        if self._tg is not None:
+            self._tg.start_soon(self._reclaim_now, p)
         self._notify()
+
+    async def _reclaim_now(self, p: ProducerHandle) -> None:
+        """A producer given up on (and killed) will renew nothing: its leases end now rather than at
+        their expiry, so its groups are served again at once. A result of it still on the way is
+        fenced like any late one."""
+        await self._store.renew_leases(p.name, _AT_ONCE)
+        if await self._store.reclaim_expired():
+            await self._settle_reclaimed()
 
     def _live(self) -> list[ProducerHandle]:
         return [p for p in self.producers if p.lost is None]
