@@ -23,9 +23,8 @@ from pathlib import Path
 import anyio
 
 from launch.engine_process import start_engine
-from launch.ray_cluster import RaySettings, open_ray_producers
+from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
-from launch.ray_producers import group_slots
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from pipeline.types import PromptTask

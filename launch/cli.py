@@ -148,9 +148,8 @@ async def _producers(
     r, d = config.rollout, config.data
     if r.producers != "ray":
         return None
-    from launch.ray_cluster import RaySettings, open_ray_producers
+    from launch.ray_cluster import RaySettings, engine_shares, group_slots, open_ray_producers
     from launch.ray_producer import ProducerSpec
-    from launch.ray_producers import engine_shares, group_slots
 
     n_engines = max(1, len(engines.worker_urls))
 

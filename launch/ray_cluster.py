@@ -35,7 +35,7 @@ from pipeline.errors import PipelineError
 from stages.admission import Admission
 from storage import AsyncStore
 
-__all__ = ["ProducerActor", "RaySettings", "eligible_nodes", "open_ray_producers"]
+__all__ = ["ProducerActor", "RaySettings", "eligible_nodes", "engine_shares", "group_slots", "open_ray_producers"]
 
 log = structlog.get_logger("producers")
 
@@ -140,6 +140,30 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe(e) for e in exc.exceptions)
     return f"{type(exc).__name__}: {exc}"
+
+
+def group_slots(sample_slots: int, n_samples: int, producers: int) -> list[int]:
+    """K = floor(C*E / G) group slots split over W producers by quotient and remainder."""
+    q, r = divmod(sample_slots // n_samples, producers)
+    return [q + (1 if i < r else 0) for i in range(producers)]
+
+
+def engine_shares(
+    urls: Sequence[str], router_url: str | None, producers: int
+) -> list[tuple[tuple[str, ...], str | None]]:
+    """(engine URLs, router URL) for each producer.
+
+    At most one engine per producer: round robin, so W producers over E <= W engines share them
+    evenly. More engines than producers, or only a router: every producer goes through the router,
+    and aborts reach every engine (the router does not forward them).
+    """
+    if not urls:
+        return [((), router_url)] * producers
+    if len(urls) <= producers:
+        return [((urls[i % len(urls)],), None) for i in range(producers)]
+    if router_url is None:
+        raise PipelineError(f"{len(urls)} engines over {producers} producers need a router in front of them")
+    return [(tuple(urls), router_url)] * producers
 
 
 def eligible_nodes(nodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -47,36 +47,12 @@ from stages.publisher import AdmissionGates
 from storage import DEFAULT_LEASE_SECONDS, DEFAULT_OWNER, AsyncStore
 from storage.codec import decode_group, encode_group
 
-__all__ = ["ProducerHandle", "RayProducers", "engine_shares", "group_slots"]
+__all__ = ["ProducerHandle", "RayProducers"]
 
 log = structlog.get_logger("producers")
 
 RESULTS_PER_CALL = 64
 _AT_ONCE = 1e-6  # seconds: a lease renewed for this long has expired by the next reclaim
-
-
-def group_slots(sample_slots: int, n_samples: int, producers: int) -> list[int]:
-    """K = floor(C*E / G) group slots split over W producers by quotient and remainder."""
-    q, r = divmod(sample_slots // n_samples, producers)
-    return [q + (1 if i < r else 0) for i in range(producers)]
-
-
-def engine_shares(
-    urls: Sequence[str], router_url: str | None, producers: int
-) -> list[tuple[tuple[str, ...], str | None]]:
-    """(engine URLs, router URL) for each producer.
-
-    At most one engine per producer: round robin, so W producers over E <= W engines share them
-    evenly. More engines than producers, or only a router: every producer goes through the router,
-    and aborts reach every engine (the router does not forward them).
-    """
-    if not urls:
-        return [((), router_url)] * producers
-    if len(urls) <= producers:
-        return [((urls[i % len(urls)],), None) for i in range(producers)]
-    if router_url is None:
-        raise PipelineError(f"{len(urls)} engines over {producers} producers need a router in front of them")
-    return [(tuple(urls), router_url)] * producers
 
 
 @dataclass(slots=True, eq=False)

@@ -24,9 +24,9 @@ import pytest
 
 from launch.engines.sim import open_sim_server
 from launch.engines.sim_model import DecodeTimeModel
-from launch.ray_cluster import RaySettings, open_ray_producers
+from launch.ray_cluster import RaySettings, engine_shares, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
-from launch.ray_producers import RayProducers, engine_shares, group_slots
+from launch.ray_producers import RayProducers
 from pipeline.clock import VersionClock
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.errors import PipelineError
