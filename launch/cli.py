@@ -22,15 +22,17 @@ from typing import Any
 import anyio
 import structlog
 
-from launch.run_state import open_run_state
+from launch.run_state import RunState, open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
 from pipeline.config.derived import derived
+from pipeline.config.rules import producer_slots_problem
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
+from pipeline.producers import ProducersFactory
 from pipeline.types import WeightTransport
 from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
@@ -116,9 +118,11 @@ async def _run(config: Config) -> list[dict[str, Any]]:
             engines=engines.worker_urls,
             start_step=state.start_step,
         )
+        plan = _plan(config)
+        producers = await _producers(config, state, engines, plan, store, stack)
         async with _garbage_collector(store, config.storage.gc_keep_steps, progress.update_step) as on_step:
             summary = await run_pipeline(
-                _plan(config),
+                plan,
                 engines=engines,
                 store=store,
                 trainer=trainer,
@@ -132,8 +136,58 @@ async def _run(config: Config) -> list[dict[str, Any]]:
                 events=events,
                 weight_transfer=transfer,
                 agent=config.data.agent_fn or state.agent,
+                producers=producers,
             )
         return summary.metrics
+
+
+async def _producers(
+    config: Config, state: RunState, engines: EngineFleet, plan: RolloutPlan, store: AsyncStore, stack: AsyncExitStack
+) -> ProducersFactory | None:
+    """With `--rollout-producers ray`, the Ray producers (started now, stopped at exit); else None."""
+    r, d = config.rollout, config.data
+    if r.producers != "ray":
+        return None
+    from launch.ray_cluster import RaySettings, engine_shares, group_slots, open_ray_producers
+    from launch.ray_producer import ProducerSpec
+
+    n_engines = max(1, len(engines.worker_urls))
+
+    def spec_for(i: int, count: int) -> ProducerSpec:
+        concurrency = config.engine.sglang_server_concurrency
+        if why := producer_slots_problem(concurrency, n_engines, count, plan.n_samples):
+            raise ConfigError([f"--rollout-producers=ray with {count} producers: {why}"])
+        urls, router = engine_shares(engines.worker_urls, engines.router_url, count)[i]
+        return ProducerSpec(
+            name=f"producer-{i}",
+            engine_urls=urls,
+            router_url=router,
+            group_slots=group_slots(plan.slots, plan.n_samples, count)[i],
+            n_samples=plan.n_samples,
+            sampling_params=dict(plan.sampling_params),
+            max_response_len=plan.max_response_len,
+            reward_path=d.custom_rm_path or _path_of(state.reward_fn),
+            reward_timeout=plan.reward_timeout,
+            filter_path=d.dynamic_sampling_filter_path,
+            agent_path=d.custom_generate_function_path or (_path_of(state.agent) if state.agent else None),
+            seed=plan.seed,
+            version=state.version,
+            request_timeout=r.request_timeout,
+            max_retries=r.max_retries,
+            api_key=config.engine.api_key or None,
+        )
+
+    settings = RaySettings(
+        r.ray_address, r.num_producers, r.producer_lease_seconds, r.producer_deadline_seconds, r.overlap_weight_transfer
+    )
+    return await stack.enter_async_context(
+        open_ray_producers(settings, spec_for, store=store, n_samples=plan.n_samples)
+    )
+
+
+def _path_of(fn: Callable[..., Any]) -> str:
+    """A built-in function's `module:function` path, for producers that import it themselves."""
+    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 async def _weight_transfer(

@@ -34,6 +34,7 @@ from anyio.abc import TaskStatus
 from pipeline.clock import VersionClock
 from pipeline.events import EventLog
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
+from pipeline.producers import LocalProducers, Producers, ProducersFactory
 from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission, Outcome
 from stages.agent import Agent
@@ -129,6 +130,7 @@ async def run_pipeline(
     detokenize: Detokenize | None = None,
     weight_transfer: WeightTransfer | None = None,
     agent: Agent | None = None,
+    producers: ProducersFactory | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
@@ -152,9 +154,10 @@ async def run_pipeline(
         detokenize=detokenize,
         agent=agent,
         weight_transfer=weight_transfer,
+        producers=producers,
     )
     async with rollout:
-        timer = _StepTimer(rollout.first_step, rollout.graph.pool.statistics().busy_slot_seconds)
+        timer = _StepTimer(rollout.first_step, rollout.graph.producers.statistics().busy_slot_seconds)
         for step in range(rollout.first_step, plan.num_steps):
             record = await _train_one_step(rollout, trainer, weights_dir, store, timer, step)
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
@@ -213,7 +216,7 @@ async def _train_one_step(
     record.update({f"train/{k}": v for k, v in train_metrics.items()})
     # A step runs from the previous commit to its own, so its time includes the previous publish
     # and the steps' times add up to the run's.
-    step_seconds, busy = timer.lap(graph.pool.statistics().busy_slot_seconds)
+    step_seconds, busy = timer.lap(graph.producers.statistics().busy_slot_seconds)
     times = _StepTimes(step_seconds, busy, rollout_seconds, train_seconds)
     record.update(await _step_record(plan, step, timer, times, graph, store, len(batch.groups)))
     record.update(group_times)
@@ -247,9 +250,7 @@ class _Graph:
     admission: Admission
     times: GroupTimes
     dispenser: Dispenser
-    pool: GeneratorPool
-    reward: RewardStage
-    gate: FilterStage
+    producers: Producers  # generator pool, reward and filter: in process, or on Ray actors
     collector: Collector
 
     @classmethod
@@ -266,6 +267,7 @@ class _Graph:
         events: EventLog | None,
         detokenize: Detokenize | None = None,
         agent: Agent | None = None,
+        producers: ProducersFactory | None = None,
     ) -> _Graph:
         admission = Admission()
         prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
@@ -279,21 +281,26 @@ class _Graph:
             dispenser=Dispenser(
                 store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission, on_admit=times.admitted
             ),
-            pool=GeneratorPool(
-                engines,
-                slots=plan.slots,
-                sampling_params=plan.sampling_params,
-                max_response_len=plan.max_response_len,
-                clock=clock,
-                store=store,
-                admission=admission,
-                seed=plan.seed,
-                events=events,
-                detokenize=detokenize,
-                agent=agent,
+            producers=producers(admission)
+            if producers is not None
+            else LocalProducers(
+                GeneratorPool(
+                    engines,
+                    slots=plan.slots,
+                    sampling_params=plan.sampling_params,
+                    max_response_len=plan.max_response_len,
+                    clock=clock,
+                    store=store,
+                    admission=admission,
+                    seed=plan.seed,
+                    events=events,
+                    detokenize=detokenize,
+                    agent=agent,
+                ),
+                RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
+                FilterStage(filter_fn, store=store, admission=admission),
+                buffer=plan.batch_size,
             ),
-            reward=RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
-            gate=FilterStage(filter_fn, store=store, admission=admission),
             collector=Collector(store=store, admission=admission, capacity=capacity, on_ready=times.ready),
         )
 
@@ -308,25 +315,12 @@ class _Graph:
         # travels upstream. The dispenser hands over with no buffer at all, so groups it has not yet
         # handed over are still its own to place.
         to_pool_send, to_pool = anyio.create_memory_object_stream[Group](0)
-        to_reward_send, to_reward = anyio.create_memory_object_stream[Group](plan.batch_size)
-        to_filter_send, to_filter = anyio.create_memory_object_stream[Group](plan.batch_size)
         to_collect_send, to_collect = anyio.create_memory_object_stream[Group](plan.batch_size)
-        ends = (
-            to_pool_send,
-            to_pool,
-            to_reward_send,
-            to_reward,
-            to_filter_send,
-            to_filter,
-            to_collect_send,
-            to_collect,
-        )
+        ends = (to_pool_send, to_pool, to_collect_send, to_collect)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.dispenser.run, to_pool_send)
-                await tg.start(self.pool.run, to_pool, to_reward_send)
-                await tg.start(self.reward.run, to_reward, to_filter_send)
-                await tg.start(self.gate.run, to_filter, to_collect_send)
+                await tg.start(self.producers.run, to_pool, to_collect_send)
                 await tg.start(self.collector.run, to_collect)
                 training = _Training()
                 feeding = None
@@ -353,7 +347,7 @@ class _Graph:
             feeding.cancel()
         self.collector.unbound()
         self.admission.revoke()
-        await self.pool.stop()
+        await self.producers.stop()
         await self.admission.wait_settled()
 
 
@@ -363,7 +357,7 @@ async def _step_record(
     """The step's counters, rates and times, measured just before its commit."""
     seconds = times.step
     return {
-        **_step_counters(graph.admission, graph.pool, graph.gate),
+        **_step_counters(graph.admission, graph.producers),
         # Slot-time in flight over the whole step: in async mode generation goes on while the
         # trainer trains, and that counts.
         "engine/busy_frac": times.busy / (plan.slots * seconds) if seconds > 0 else 0.0,
@@ -390,7 +384,7 @@ async def _fill_sync(
     plan: RolloutPlan,
     admission: Admission,
     collector: Collector,
-    pool: GeneratorPool,
+    pool: Producers,
     stopping: AbstractContextManager[Any],
 ) -> None:
     """Run one synchronous rollout round until `batch_size` accepted groups are ready."""
@@ -493,8 +487,8 @@ async def _first_of(*waits: Callable[[], Any]) -> None:
             tg.start_soon(one, wait)
 
 
-def _step_counters(admission: Admission, pool: GeneratorPool, gate: FilterStage) -> dict[str, float]:
-    g = pool.statistics()
+def _step_counters(admission: Admission, producers: Producers) -> dict[str, float]:
+    g = producers.statistics()
     return {
         "groups/ready_total": admission.count(Outcome.READY),
         "groups/rejected_total": admission.count(Outcome.REJECTED),
@@ -505,5 +499,6 @@ def _step_counters(admission: Admission, pool: GeneratorPool, gate: FilterStage)
         "tokens/generated_total": g.generated_tokens,
         # Tokens stamped with the older version because the engine sent no per-token spans.
         "versions/unknown_boundary_tokens": g.unknown_boundary_tokens,
-        **{f"filter/rejected/{reason}": n for reason, n in gate.statistics().rejected.items()},
+        **{f"filter/rejected/{reason}": n for reason, n in producers.filter_statistics().rejected.items()},
+        **producers.metrics(),
     }

@@ -38,6 +38,7 @@ from pipeline.controller import (
 )
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.events import EventLog
+from pipeline.producers import ProducersFactory
 from pipeline.types import Batch, PromptTask, RolloutMode
 from stages.agent import Agent
 from stages.continuation import Detokenize, sampling_problems
@@ -72,6 +73,7 @@ class Rollout:
         detokenize: Detokenize | None = None,
         agent: Agent | None = None,
         weight_transfer: WeightTransfer | None = None,
+        producers: ProducersFactory | None = None,
     ) -> None:
         # Sampling parameters that a continued request would apply wrongly are refused up front.
         continues = plan.mode is RolloutMode.ASYNC or plan.partial
@@ -96,6 +98,7 @@ class Rollout:
             events=events,
             detokenize=detokenize,
             agent=agent,
+            producers=producers,
         )
         self._stack: AsyncExitStack | None = None
         self._training: _Training | None = None
@@ -135,7 +138,7 @@ class Rollout:
         step = self._next_step
         if self.plan.mode is RolloutMode.SYNC:
             await _fill_sync(
-                self.plan, graph.admission, graph.collector, graph.pool, _span(self.events, "stop", step=step)
+                self.plan, graph.admission, graph.collector, graph.producers, _span(self.events, "stop", step=step)
             )
         else:
             await graph.collector.wait_ready(self.plan.batch_size)
@@ -167,6 +170,7 @@ class Rollout:
                 pause_mode=self.plan.pause_mode,
                 transfer=self.weight_transfer,
                 overlap=self.plan.overlap_publish,
+                gates=self.graph.producers.gates,
             )
         training.done()
         return report
@@ -176,7 +180,7 @@ class Rollout:
         generated tokens, plus the version and the ready and in-flight queues."""
         graph = self.graph
         return {
-            **_step_counters(graph.admission, graph.pool, graph.gate),
+            **_step_counters(graph.admission, graph.producers),
             "version": self.clock.version,
             "queue/ready": graph.collector.ready,
             "queue/in_flight": graph.admission.outstanding,

@@ -22,7 +22,7 @@ from pipeline.clock import VersionClock
 from pipeline.errors import EngineError, PublishError
 from pipeline.types import PauseMode
 
-__all__ = ["PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
+__all__ = ["AdmissionGates", "PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
 
 CONTINUE_DEADLINE = 30.0
 
@@ -40,6 +40,16 @@ class WeightTransfer(Protocol):
     """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`)."""
 
     async def send(self, weight_version: str) -> None: ...
+
+
+class AdmissionGates(Protocol):
+    """Admission gates beyond the clock's: producers in other processes, each with its own clock
+    copy (`launch.ray_producers`). `close` returns once every producer stopped admitting (and, in
+    abort mode, returned its partial groups) or was given up on; `open` tells them the version
+    that serves after the publish, whether it moved or not."""
+
+    async def close(self, version: int, pause_mode: PauseMode) -> None: ...
+    async def open(self, version: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +70,7 @@ async def publish_weights(
     flush_deadline: float = 10.0,
     transfer: WeightTransfer | None = None,
     overlap: bool = False,
+    gates: AdmissionGates | None = None,
 ) -> PublishReport:
     """Publish `weights` (a saved folder), or with `transfer` send them its way instead (the folder
     then is only the checkpoint); the same pause, flush and version steps either way.
@@ -67,31 +78,65 @@ async def publish_weights(
     `overlap`: do not pause the engines at all. Engines that stage an update (the built-in and
     simulated ones) receive it while they keep decoding and swap between two decode steps, which
     is an in_place pause one step long; their version spans mark that step. The admission gate and
-    the version move exactly as for a paused publish."""
+    the version move exactly as for a paused publish.
+
+    `gates`: producers with clocks of their own close their admission after the clock's gate
+    closes and before the engines pause, and learn the serving version once the publish ends."""
     started = time.perf_counter()
     update_seconds = 0.0
-    with clock.publish() as version:
-        try:
-            if not overlap:
-                await engines.pause(pause_mode)
-            if pause_mode == PauseMode.ABORT and not overlap:
-                # Only abort empties the engines: retract keeps requests waiting and in_place keeps
-                # them running, and SGLang refuses to flush then. The engines flush after a disk
-                # update anyway; this frees the KV cache early, so a busy engine is no failure.
-                try:
-                    await engines.flush_cache(flush_deadline)
-                except EngineError:
-                    pass
-            t0 = time.perf_counter()
-            if transfer is None:
-                await engines.update_weights_from_disk(str(weights), weight_version=str(version))
-            else:
-                await transfer.send(str(version))
-            update_seconds = time.perf_counter() - t0
-        except EngineError as exc:
-            raise PublishError(version, str(exc)) from exc
-        finally:
-            if not overlap:
-                with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
-                    await engines.continue_generation()
+    try:
+        with clock.publish() as version:
+            if gates is not None:
+                await gates.close(version, pause_mode)
+            update_seconds = await _move_weights(
+                engines,
+                weights,
+                version,
+                pause_mode=pause_mode,
+                flush_deadline=flush_deadline,
+                transfer=transfer,
+                overlap=overlap,
+            )
+    finally:
+        if gates is not None:
+            with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
+                await gates.open(clock.version)
     return PublishReport(version, time.perf_counter() - started, update_seconds)
+
+
+async def _move_weights(
+    engines: WeightTarget,
+    weights: Path,
+    version: int,
+    *,
+    pause_mode: PauseMode,
+    flush_deadline: float,
+    transfer: WeightTransfer | None,
+    overlap: bool,
+) -> float:
+    """Pause, flush, update, continue; returns the seconds the update itself took."""
+    update_seconds = 0.0
+    try:
+        if not overlap:
+            await engines.pause(pause_mode)
+        if pause_mode == PauseMode.ABORT and not overlap:
+            # Only abort empties the engines: retract keeps requests waiting and in_place keeps
+            # them running, and SGLang refuses to flush then. The engines flush after a disk
+            # update anyway; this frees the KV cache early, so a busy engine is no failure.
+            try:
+                await engines.flush_cache(flush_deadline)
+            except EngineError:
+                pass
+        t0 = time.perf_counter()
+        if transfer is None:
+            await engines.update_weights_from_disk(str(weights), weight_version=str(version))
+        else:
+            await transfer.send(str(version))
+        update_seconds = time.perf_counter() - t0
+    except EngineError as exc:
+        raise PublishError(version, str(exc)) from exc
+    finally:
+        if not overlap:
+            with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
+                await engines.continue_generation()
+    return update_seconds

@@ -94,6 +94,9 @@ class AsyncStore:
     async def renew_leases(self, owner: str, lease_seconds: float) -> int:
         return await self._call(self._store.renew_leases, owner, lease_seconds)
 
+    async def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
+        await self._call(self._store.hand_over, group_id, owner=owner, to=to, lease_seconds=lease_seconds)
+
     async def reclaim_expired(self, now: float | None = None) -> int:
         return await self._call(self._store.reclaim_expired, now)
 

@@ -75,7 +75,7 @@ from .protocol import (
     encode_step_metrics,
 )
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
-from .transitions import check_lease
+from .transitions import check_hand_over, check_lease
 
 __all__ = ["LmdbStore"]
 
@@ -365,6 +365,17 @@ class LmdbStore:
             return len(mine)
 
         return self._write(fn)
+
+    def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
+        check_lease(to, lease_seconds)
+
+        def fn(w: _Write) -> None:
+            old = w.state_of(group_id)
+            held = w.lease_of(group_id) if old is not None and old[0] is _RUNNING else None
+            check_hand_over(group_id, None if old is None else old[0], owner, None if held is None else held[0], to)
+            w.put(keys.LEASES, keys.group_key(group_id), keys.lease_value(to, self._clock() + lease_seconds))
+
+        self._write(fn)
 
     def reclaim_expired(self, now: float | None = None) -> int:
         def fn(w: _Write) -> int:

@@ -38,7 +38,7 @@ from .protocol import (
     decode_step_metrics,
     encode_step_metrics,
 )
-from .transitions import check_lease
+from .transitions import check_hand_over, check_lease
 
 __all__ = ["MemoryStore"]
 
@@ -160,6 +160,15 @@ class MemoryStore:
             self._leases[gid] = lease
         self._transactions += 1
         return len(mine)
+
+    def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
+        self._check_open()
+        check_lease(to, lease_seconds)
+        entry = self._groups.get(group_id)
+        held = self._leases.get(group_id)
+        check_hand_over(group_id, None if entry is None else entry[0], owner, None if held is None else held.owner, to)
+        self._leases[group_id] = Lease(to, self._clock() + lease_seconds)
+        self._transactions += 1
 
     def reclaim_expired(self, now: float | None = None) -> int:
         self._check_open()

@@ -204,6 +204,13 @@ class Store(Protocol):
         many. An expired lease not yet reclaimed is renewed too (it was never taken away)."""
         ...
 
+    def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
+        """A RUNNING group's lease moves from `owner` to `to`, expiring `lease_seconds` from the store's
+        clock; the group stays RUNNING with its record unchanged. Refused (StoreError, nothing changes)
+        unless `owner` holds the lease: the controller hands a group to a producer, and takes a
+        producer's result back, through this fence."""
+        ...
+
     def reclaim_expired(self, now: float | None = None) -> int:
         """RUNNING groups whose lease expires at or before `now` (default: the store's clock) ->
         PARTIAL, prefixes kept, claimable again. Returns how many."""

@@ -14,6 +14,7 @@ stores checked a lost lease differently). The shared store suite holds both to i
     put_rejected     RUNNING                    REJECTED
     put_failed       RUNNING                    FAILED
     reclaim_expired  RUNNING                    PARTIAL
+    hand_over        RUNNING                    RUNNING      the lease moves to another owner
     take_batch       READY                      BATCHED
     finish_batch     BATCHED                    TRAINED
     recover          RUNNING / BATCHED          PARTIAL / READY
@@ -44,6 +45,7 @@ __all__ = [
     "already_trained",
     "check_batch_size",
     "check_collect",
+    "check_hand_over",
     "check_lease",
     "check_move",
     "check_put",
@@ -116,6 +118,21 @@ def check_put(gid: str, state: GroupState | None, to: GroupState, owner: str | N
         held = "nobody" if holder is None else repr(holder)
         raise StoreError(
             f"group {gid!r} is leased to {held}, not {owner!r}; it cannot become {to.value} "
+            "(its lease expired, or was never theirs)"
+        )
+
+
+def check_hand_over(gid: str, state: GroupState | None, owner: str, holder: str | None, to: str) -> None:
+    """`hand_over` of group `gid` (now `state`, lease held by `holder`) from `owner` to `to`: only
+    the holder of a RUNNING group's lease can hand it on (the same fence as `check_put`)."""
+    if state is None:
+        raise StoreError(f"group {gid!r} is not in the store; its lease cannot go to {to!r}")
+    if state is not _R:
+        raise StoreError(f"group {gid!r} is {state.value}, not running; its lease cannot go to {to!r}")
+    if holder != owner:
+        held = "nobody" if holder is None else repr(holder)
+        raise StoreError(
+            f"group {gid!r} is leased to {held}, not {owner!r}; it cannot be handed to {to!r} "
             "(its lease expired, or was never theirs)"
         )
 

@@ -722,3 +722,29 @@ def test_min_live_engines_above_the_engine_count_is_refused_with_both_numbers():
         load_config(["--use-fault-tolerance", "--min-live-engines", "3", "--rollout-num-engines", "2"])
     with pytest.raises(ConfigError, match="--rollout-health-check-timeout"):
         load_config(["--use-fault-tolerance", "--rollout-health-check-timeout", "0"])
+
+
+# --- producers on Ray (issue 13) -----------------------------------------------------------------
+
+
+def test_ray_producers_need_a_group_slot_each():
+    # C*E = 4 x 2 = 8 sample slots; 3 producers x 4 samples = 12: refused with the numbers and the rule.
+    too_many = "--rollout-producers ray --rollout-num-producers 3 --n-samples-per-prompt 4"
+    urls = " --sglang-server-concurrency 4 --sglang-url http://127.0.0.1:1 --sglang-url http://127.0.0.1:2"
+    (problem,) = problems_of((too_many + urls).split())
+    assert problem.startswith("--rollout-num-producers=3: ")
+    assert "3 producers x 4 samples per group = 12 sample slots" in problem
+    assert "4 x 2 = 8" in problem and "C*E >= W*G" in problem
+    enough = "--rollout-producers ray --rollout-num-producers 2 --n-samples-per-prompt 4"
+    config = load_config((enough + " --sglang-server-concurrency 4 --rollout-num-engines 2").split())
+    assert config.rollout.producers == "ray" and config.rollout.num_producers == 2
+    assert config.rollout.producer_lease_seconds == 5.0 and config.rollout.producer_deadline_seconds == 10.0
+
+
+def test_unknown_producers_and_ray_flags_without_ray_are_refused():
+    (problem,) = problems_of(["--rollout-producers", "dask"])
+    assert problem.startswith("--rollout-producers=") and "must be one of local, ray" in problem
+    problems = problems_of(["--ray-address", "auto", "--rollout-num-producers", "2", "--producer-lease-seconds", "0"])
+    assert any(p.startswith("--ray-address=") and "only used with --rollout-producers=ray" in p for p in problems)
+    assert any(p.startswith("--rollout-num-producers=2") for p in problems)
+    assert any(p.startswith("--producer-lease-seconds=0") and "must be > 0" in p for p in problems)

@@ -422,6 +422,33 @@ def test_renew_leases_extends_one_owners_leases_only(timed: tuple[Store, Clock])
     assert store.count(RUNNING) == 2
 
 
+def test_hand_over_moves_a_lease_only_from_its_holder(timed: tuple[Store, Clock]) -> None:
+    store, clock = timed
+    g0 = fresh(0)
+    store.admit([g0], cursor_after(1))  # the controller's lease: never expires
+    store.hand_over(g0.group_id, owner="controller", to="p1", lease_seconds=5.0)
+    assert store.lease(g0.group_id) == Lease("p1", 105.0) and store.get(g0.group_id) == (RUNNING, g0)
+    before = store.statistics().transactions
+    with pytest.raises(StoreError, match="leased to 'p1', not 'p2'; it cannot be handed to 'controller'"):
+        store.hand_over(g0.group_id, owner="p2", to="controller", lease_seconds=math.inf)
+    assert store.lease(g0.group_id) == Lease("p1", 105.0) and store.statistics().transactions == before
+    clock.now = 105.0
+    assert store.reclaim_expired() == 1
+    # A result from p1 after its lease was reclaimed is fenced: the group stays partial.
+    with pytest.raises(StoreError, match="is partial, not running"):
+        store.hand_over(g0.group_id, owner="p1", to="controller", lease_seconds=math.inf)
+    with pytest.raises(StoreError, match="not in the store"):
+        store.hand_over(fresh(9).group_id, owner="p1", to="controller", lease_seconds=1.0)
+    (again,) = store.claim_partial(1, owner="p2", lease_seconds=5.0)
+    store.hand_over(again.group_id, owner="p2", to="controller", lease_seconds=math.inf)
+    clock.now = 1e12
+    assert store.reclaim_expired() == 0  # the controller's lease never expires
+    with pytest.raises(ValueError, match="> 0"):
+        store.hand_over(again.group_id, owner="controller", to="p3", lease_seconds=0.0)
+    store.put_ready(finished(again, 0), owner="controller")
+    assert store.get(g0.group_id)[0] is READY
+
+
 def test_default_leases_never_expire_and_recover_ends_every_lease(timed: tuple[Store, Clock]) -> None:
     store, _ = timed
     store.admit([fresh(0)], cursor_after(1))
@@ -463,6 +490,9 @@ async def test_async_store_passes_lease_arguments_only_when_given(timed: tuple[S
     assert await astore.renew_leases("p2", 3.0) == 1
     assert await astore.reclaim_expired(104.0) == 0
     assert await astore.reclaim_expired(105.0) == 1
+    await astore.claim_partial(1, owner="p2", lease_seconds=3.0)
+    await astore.hand_over(fresh(0).group_id, owner="p2", to="p3", lease_seconds=4.0)
+    assert await astore.lease(fresh(0).group_id) == Lease("p3", 106.0)
 
     class OldSignatures(MemoryStore):  # a store written before leases: no lease keywords at all
         def admit(self, groups, cursor):

@@ -17,7 +17,14 @@ from pipeline.config.schema import SECTIONS, options
 from pipeline.types import RolloutMode, StoreTransport
 from stages.continuation import PENALTY_RULE
 
-__all__ = ["check_bounds", "check_rules", "derive_defaults", "url_problem", "warn_odd_settings"]
+__all__ = [
+    "check_bounds",
+    "check_rules",
+    "derive_defaults",
+    "producer_slots_problem",
+    "url_problem",
+    "warn_odd_settings",
+]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -76,6 +83,7 @@ def check_rules(draft: Draft) -> None:
             "--custom-rm-path (the built-in reward only scores the toy task)"
         )
     _engine_rules(draft)
+    _producer_rules(draft)
     _trainer_rules(draft)
     _megatron_rules(draft)
     _sglang_rules(draft)
@@ -217,6 +225,37 @@ def _engine_rules(draft: Draft) -> None:
             f"{draft.show('engine', 'num_engines')}: {len(urls)} --sglang-url given; the "
             "engine count is the number of URLs (leave --rollout-num-engines out)"
         )
+
+
+def producer_slots_problem(concurrency: int, engines: int, producers: int, n_samples: int) -> str | None:
+    """Why `producers` Ray producers cannot each get a group slot, or None.
+
+    The K = floor(C*E/G) group slots are split over W producers by quotient and remainder, so every
+    producer needs one: C*E >= W*G. Also checked by the launcher once Ray says how many nodes it has."""
+    if concurrency * engines >= producers * n_samples:
+        return None
+    return (
+        f"{producers} producers x {n_samples} samples per group = {producers * n_samples} sample slots, but "
+        f"--sglang-server-concurrency x engines = {concurrency} x {engines} = {concurrency * engines}: "
+        "each producer needs at least one group slot (C*E >= W*G); raise the concurrency or use fewer producers"
+    )
+
+
+def _producer_rules(draft: Draft) -> None:
+    get, show, problem = draft.get, draft.show, draft.problems.append
+    if get("rollout", "producers") != "ray":
+        for name in ("ray_address", "num_producers"):
+            if get("rollout", name) is not None:
+                problem(f"{show('rollout', name)}: only used with --rollout-producers=ray")
+        return
+    producers = get("rollout", "num_producers")
+    urls = get("engine", "urls") or ()
+    engines = len(urls) if urls else get("engine", "num_engines")  # rules run before defaults are derived
+    values = [get("engine", "sglang_server_concurrency"), engines, producers]
+    if all(isinstance(v, int) for v in values) and isinstance(get("rollout", "n_samples_per_prompt"), int):
+        why = producer_slots_problem(values[0], values[1], producers, get("rollout", "n_samples_per_prompt"))
+        if why is not None:
+            problem(f"{show('rollout', 'num_producers')}: {why}")
 
 
 def url_problem(url: str) -> str | None:

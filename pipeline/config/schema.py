@@ -183,6 +183,46 @@ class RolloutConfig:
     eval_interval: int | None = _opt(
         None, "--eval-interval", "int", ge=1, help="inline evaluation every N steps (sync mode only)"
     )
+    # Producers on Ray (issue 13): where the generator pool, reward and filter run.
+    producers: str = _opt(
+        "local",
+        "--rollout-producers",
+        "choice",
+        choices=("local", "ray"),
+        help="local: generate and score in this process; ray: in one Ray actor per eligible node, "
+        "leasing work from this controller's store",
+    )
+    ray_address: str | None = _opt(
+        None,
+        "--ray-address",
+        "str",
+        metavar="ADDRESS",
+        default_help="start a local Ray cluster",
+        help="--rollout-producers ray: join this Ray cluster (e.g. 10.0.0.1:6379 or auto)",
+    )
+    num_producers: int | None = _opt(
+        None,
+        "--rollout-num-producers",
+        "int",
+        ge=1,
+        default_help="one per alive Ray node with CPUs",
+        help="--rollout-producers ray: producer actors, placed round robin over the eligible nodes",
+    )
+    producer_lease_seconds: float = _opt(
+        5.0,
+        "--producer-lease-seconds",
+        "float",
+        gt=0,
+        help="--rollout-producers ray: a producer's leases expire this long after its last answered heartbeat",
+    )
+    producer_deadline_seconds: float = _opt(
+        10.0,
+        "--producer-deadline-seconds",
+        "float",
+        gt=0,
+        help="--rollout-producers ray: a producer that does not answer a stop or publish within this is "
+        "treated as dead",
+    )
 
     @property
     def resumes_partial_groups(self) -> bool:

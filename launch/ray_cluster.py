@@ -1,0 +1,255 @@
+"""Ray process control for `--rollout-producers ray`: join or start a cluster, place one producer
+actor per eligible node, and take them down again.
+
+    async with open_ray_producers(settings, specs) as make:   # actors started, each with its node
+        await run_pipeline(..., producers=make)              # make(admission) -> RayProducers
+
+Eligible nodes are the alive ones with CPUs. Producers are placed with node-affinity scheduling,
+round robin over those nodes (one each by default). `--ray-address` joins an existing cluster;
+otherwise `ray.init` starts a local one, which is shut down on exit. Ray's token authentication is
+turned off for a cluster started here (`RAY_AUTH_MODE=disabled`, environment.md section 1a): it is
+a private single-user cluster, and the token file would otherwise be written to the home folder.
+
+Actors get this process's code root on their PYTHONPATH, so a local cluster's workers import the
+same code as the controller; on other nodes the path is absent and their installed copy is used
+(groups cross as versioned codec bytes, so that copy may differ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+
+from launch.ray_producer import ProducerCore, ProducerSpec
+from launch.ray_producers import ProducerHandle, RayProducers
+from pipeline.errors import PipelineError
+from stages.admission import Admission
+from storage import AsyncStore
+
+__all__ = ["ProducerActor", "RaySettings", "eligible_nodes", "engine_shares", "group_slots", "open_ray_producers"]
+
+log = structlog.get_logger("producers")
+
+_CODE_ROOT = str(Path(__file__).resolve().parent.parent)
+START_DEADLINE = 120.0  # a fresh worker imports torch, transformers and our stages
+
+
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    address: str | None  # None: start a local cluster
+    num_producers: int | None  # None: one per eligible node
+    lease_seconds: float
+    deadline_seconds: float
+    overlap_publish: bool = False
+
+
+class ProducerActor:
+    """The Ray actor around one `ProducerCore` (decorated with `ray.remote` when placed)."""
+
+    def __init__(self, spec_json: bytes, node: str) -> None:
+        self._spec = ProducerSpec.from_json(spec_json)
+        self._node = node
+        self._core: ProducerCore | None = None
+        self._failure: str | None = None
+        self._main: asyncio.Task[None] | None = None
+
+    async def start(self) -> bytes:
+        """Run the stages; answer JSON with the node and, if they could not start, why."""
+        core = ProducerCore(self._spec, node=self._node)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def main() -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(core.run)
+                    started.set_result(None)
+            except Exception as exc:  # kept for every later call: the controller loses us with it
+                self._failure = _describe(exc)
+                if not started.done():
+                    started.set_result(None)
+
+        self._main = asyncio.ensure_future(main())
+        await started
+        self._core = core
+        return orjson.dumps({"node": self._node, "error": self._failure})
+
+    def _ok(self) -> ProducerCore:
+        if self._failure is not None or self._core is None:
+            raise RuntimeError(f"producer {self._spec.name} on {self._node} failed: {self._failure}")
+        return self._core
+
+    async def submit(self, data: bytes) -> None:
+        await self._ok().submit(data)
+
+    async def take_results(self, limit: int) -> tuple[list[tuple[str, bytes]], bytes]:
+        """Up to `limit` results once there is one, with the statistics as of now (so the step
+        record counts the work behind these results, not the last heartbeat's)."""
+        core = self._ok()
+        async with anyio.create_task_group() as tg:
+            # A failure of the stages must end this wait too, or the controller would never hear of it.
+            taken: list[tuple[str, bytes]] = []
+
+            async def take() -> None:
+                taken.extend(await core.take_results(limit))
+                tg.cancel_scope.cancel()
+
+            async def failed() -> None:
+                assert self._main is not None
+                try:
+                    await asyncio.shield(self._main)
+                finally:
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(take)
+            tg.start_soon(failed)
+        if not taken:
+            self._ok()
+        return taken, orjson.dumps(core.statistics())
+
+    async def heartbeat(self) -> bytes:
+        return orjson.dumps(self._ok().statistics())
+
+    async def stop(self) -> None:
+        await self._ok().stop()
+
+    async def resume(self) -> None:
+        self._ok().resume()
+
+    async def begin_publish(self, version: int, pause_mode: str, overlap: bool) -> list[tuple[str, bytes]]:
+        return await self._ok().begin_publish(version, pause_mode, overlap)
+
+    async def end_publish(self, version: int) -> None:
+        self._ok().end_publish(version)
+
+    def pid(self) -> int:
+        """The worker's process id (tests freeze it to play a producer that stops answering)."""
+        return os.getpid()
+
+
+def _describe(exc: BaseException) -> str:
+    """The errors inside nested task groups, each as `Type: message`."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def group_slots(sample_slots: int, n_samples: int, producers: int) -> list[int]:
+    """K = floor(C*E / G) group slots split over W producers by quotient and remainder."""
+    q, r = divmod(sample_slots // n_samples, producers)
+    return [q + (1 if i < r else 0) for i in range(producers)]
+
+
+def engine_shares(
+    urls: Sequence[str], router_url: str | None, producers: int
+) -> list[tuple[tuple[str, ...], str | None]]:
+    """(engine URLs, router URL) for each producer.
+
+    At most one engine per producer: round robin, so W producers over E <= W engines share them
+    evenly. More engines than producers, or only a router: every producer goes through the router,
+    and aborts reach every engine (the router does not forward them).
+    """
+    if not urls:
+        return [((), router_url)] * producers
+    if len(urls) <= producers:
+        return [((urls[i % len(urls)],), None) for i in range(producers)]
+    if router_url is None:
+        raise PipelineError(f"{len(urls)} engines over {producers} producers need a router in front of them")
+    return [(tuple(urls), router_url)] * producers
+
+
+def eligible_nodes(nodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ray's nodes that can host a producer: alive, with CPUs."""
+    return [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+
+
+@asynccontextmanager
+async def open_ray_producers(
+    settings: RaySettings,
+    spec_for: Callable[[int, int], ProducerSpec],
+    *,
+    store: AsyncStore,
+    n_samples: int,
+) -> AsyncIterator[Callable[[Admission], RayProducers]]:
+    """Start the producers (`spec_for(i, W)` is producer i's spec); yield the graph's factory.
+
+    A producer that cannot start (a reward path it cannot import, no engine) stops the run here,
+    naming the producer and its node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        if settings.address is None:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
+    handles: list[ProducerHandle] = []
+    try:
+        nodes = eligible_nodes(ray.nodes())  # type: ignore[no-untyped-call]
+        count = settings.num_producers or len(nodes)
+        if not nodes:
+            raise PipelineError("Ray has no alive node with CPUs to run a producer on")
+        remote = ray.remote(num_cpus=0, max_restarts=0)(ProducerActor)
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [_CODE_ROOT, os.environ.get("PYTHONPATH")]))}
+        for i in range(count):
+            node = nodes[i % len(nodes)]
+            spec = spec_for(i, count)
+            where = f"{node.get('NodeManagerAddress', '?')} ({node['NodeID'][:8]})"
+            actor = remote.options(
+                name=None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                runtime_env={"env_vars": env},
+            ).remote(spec.to_json(), where)
+            handles.append(ProducerHandle(spec.name, actor, where, spec.group_slots))
+        await _start_all(handles)
+        log.info("producers started", producers=[(h.name, h.node, h.group_slots) for h in handles])
+
+        def make(admission: Admission) -> RayProducers:
+            return RayProducers(
+                handles,
+                admission=admission,
+                store=store,
+                n_samples=n_samples,
+                lease_seconds=settings.lease_seconds,
+                deadline_seconds=settings.deadline_seconds,
+                overlap_publish=settings.overlap_publish,
+                kill=ray.kill,
+            )
+
+        yield make
+    finally:
+        for h in handles:
+            try:
+                ray.kill(h.actor, no_restart=True)
+            except Exception as exc:  # already dead
+                log.debug("kill at exit failed", producer=h.name, reason=repr(exc))
+        if started_here:
+            ray.shutdown()
+
+
+async def _start_all(handles: Sequence[ProducerHandle]) -> None:
+    problems: list[str] = []
+
+    async def one(h: ProducerHandle) -> None:
+        try:
+            with anyio.fail_after(START_DEADLINE):
+                answer = orjson.loads(await h.actor.start.remote())
+        except Exception as exc:
+            problems.append(f"producer {h.name} on {h.node} did not start: {exc!r}")
+            return
+        if answer["error"]:
+            problems.append(f"producer {h.name} on {answer['node']}: {answer['error']}")
+
+    async with anyio.create_task_group() as tg:
+        for h in handles:
+            tg.start_soon(one, h)
+    if problems:
+        raise PipelineError("; ".join(problems))

@@ -1,0 +1,294 @@
+"""One producer: the generator pool, reward and filter of `pipeline.producers.LocalProducers`, run
+inside a Ray actor on its node, with no store of its own.
+
+    controller ── submit(group bytes) ──► inbox ─► pool ─► reward ─► filter ─┐
+        ▲                                                                   │ accepted
+        └──── take_results() ◄── results: (outcome, group bytes) ◄──────────┘ partial / failed / rejected
+
+The stages are the very classes the controller runs in local mode. Where they would write the
+store, `_Outbox` queues the group for the controller instead, which commits it under this
+producer's lease (`launch.ray_producers`): the controller stays the single store writer.
+
+Groups cross the process boundary as `storage.codec` bytes (msgpack with a schema version), never
+pickled domain objects: a producer may run another node's copy of this code, and a record of
+another schema is refused rather than misread. This module does not import Ray: the actor
+(`launch.ray_producers`) wraps it, and a test can drive it in-process.
+
+The producer's clock is a copy of the controller's. A publish closes it (`begin_publish`; in abort
+mode every request is aborted and every group in hand goes back to the controller, so a producer
+lost later loses nothing generated before that abort), and `end_publish` tells it the version that
+serves.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import anyio
+import orjson
+from anyio.abc import TaskStatus
+
+from pipeline.clock import VersionClock
+from pipeline.plugins import resolve_function
+from pipeline.producers import LocalProducers
+from pipeline.types import Group, PauseMode
+from stages.admission import Admission, Outcome
+from stages.filter import FilterStage
+from stages.generator import GeneratorPool
+from stages.reward import RewardStage
+from stages.sglang import EngineFleet
+from storage import AsyncStore, MemoryStore
+from storage.codec import decode_group, encode_group
+
+__all__ = ["ProducerCore", "ProducerSpec", "ResultKind"]
+
+
+class ResultKind(enum.Enum):
+    """How a group left a producer; the controller commits each kind with the producer's lease."""
+
+    ACCEPTED = "accepted"  # rewarded and kept by the filter: the controller's collector makes it ready
+    PARTIAL = "partial"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerSpec:
+    """Everything one producer needs, as plain values (sent as JSON, so any node's code reads it)."""
+
+    name: str
+    engine_urls: tuple[str, ...]
+    router_url: str | None
+    group_slots: int
+    n_samples: int
+    sampling_params: Mapping[str, Any]
+    max_response_len: int
+    reward_path: str
+    reward_timeout: float = 30.0
+    filter_path: str | None = None
+    agent_path: str | None = None
+    seed: int = 0
+    version: int = 0
+    request_timeout: float = 600.0
+    max_retries: int = 3
+    api_key: str | None = None
+
+    @property
+    def slots(self) -> int:
+        """Sample slots: the producer's group slots times the group size."""
+        return self.group_slots * self.n_samples
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ProducerSpec:
+        """Fields this code does not know (a newer controller's) are left out; missing optional
+        ones take their defaults, so a producer on another node's code version still starts."""
+        values = orjson.loads(data)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in values.items() if k in known}
+        values["engine_urls"] = tuple(values["engine_urls"])
+        return cls(**values)
+
+
+class _Results:
+    """Groups on their way back to the controller, oldest first; bounded by the groups in hand."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[str, bytes]] = []
+        self._added = anyio.Event()
+        self._drained = anyio.Event()
+        self._drained.set()
+
+    def put(self, kind: ResultKind, group: Group) -> None:
+        self._items.append((kind.value, encode_group(group)))
+        self._added.set()
+        if self._drained.is_set():
+            self._drained = anyio.Event()
+
+    async def take(self, limit: int) -> list[tuple[str, bytes]]:
+        """Wait for at least one result; return up to `limit` of them."""
+        while not self._items:
+            self._added = anyio.Event()
+            await self._added.wait()
+        out, self._items = self._items[:limit], self._items[limit:]
+        if not self._items:
+            self._drained.set()
+        return out
+
+    def take_partial(self) -> list[tuple[str, bytes]]:
+        """Every partial group waiting here, taken out now (the others keep their turn)."""
+        partial = [r for r in self._items if r[0] == ResultKind.PARTIAL.value]
+        self._items = [r for r in self._items if r[0] != ResultKind.PARTIAL.value]
+        if not self._items:
+            self._drained.set()
+        return partial
+
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class _Outbox(AsyncStore):
+    """The store as the producer's stages see it: each write goes back to the controller instead.
+
+    Only the four moves out of RUNNING are used by the pool, reward and filter; anything else
+    would be a stage reading state the producer does not have, and fails loudly (the memory store
+    underneath is empty)."""
+
+    def __init__(self, results: _Results) -> None:
+        super().__init__(MemoryStore())
+        self._results = results
+
+    async def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        self._results.put(ResultKind.PARTIAL, group)
+
+    async def put_ready(self, group: Group, *, owner: str | None = None) -> None:
+        self._results.put(ResultKind.ACCEPTED, group)
+
+    async def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
+        self._results.put(ResultKind.REJECTED, group)
+
+    async def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+        self._results.put(ResultKind.FAILED, group)
+
+
+def where() -> str:
+    """This process's node, for errors: a producer that cannot import a path says which node."""
+    return f"{socket.gethostname()}"
+
+
+def _resolve(path: str | None, what: str, node: str) -> Callable[..., Any] | None:
+    from pipeline.errors import PluginError
+
+    if path is None:
+        return None
+    try:
+        return resolve_function(path)
+    except PluginError as exc:
+        reason = str(exc).removeprefix(f"{path!r}: ")
+        raise PluginError(path, f"the {what} cannot be imported on producer node {node}: {reason}") from exc
+
+
+class ProducerCore:
+    """The stages of one producer on one event loop; `run` it in a task group, then call the rest."""
+
+    def __init__(self, spec: ProducerSpec, *, node: str | None = None) -> None:
+        self.spec = spec
+        self.node = node or where()
+        self._local: LocalProducers | None = None
+        self._inbox: anyio.abc.ObjectSendStream[Group] | None = None
+        self.clock = VersionClock(spec.version)
+        self._stopped_for_publish = False
+
+    async def run(self, *, task_status: TaskStatus[None]) -> None:
+        spec = self.spec
+        reward = _resolve(spec.reward_path, "reward function", self.node)
+        assert reward is not None
+        keep = _resolve(spec.filter_path, "filter function", self.node)
+        agent = _resolve(spec.agent_path, "agent", self.node)
+        self.admission = Admission()
+        self.results = _Results()
+        outbox = _Outbox(self.results)
+        urls = list(spec.engine_urls)
+        async with EngineFleet(
+            urls or None,
+            router_url=spec.router_url,
+            concurrency=spec.slots,
+            request_timeout=spec.request_timeout,
+            max_retries=spec.max_retries,
+            api_key=spec.api_key,
+        ) as fleet:
+            pool = GeneratorPool(
+                fleet,
+                slots=spec.slots,
+                sampling_params=spec.sampling_params,
+                max_response_len=spec.max_response_len,
+                clock=self.clock,
+                store=outbox,
+                admission=self.admission,
+                seed=spec.seed,
+                agent=agent,
+            )
+            stages = RewardStage(reward, timeout=spec.reward_timeout, store=outbox, admission=self.admission)
+            self._local = LocalProducers(
+                pool, stages, FilterStage(keep, store=outbox, admission=self.admission), buffer=spec.group_slots
+            )
+            # The controller keeps at most group_slots + 1 groups here; the inbox holds them all.
+            inbox_send, inbox = anyio.create_memory_object_stream[Group](spec.group_slots + 1)
+            accepted_send, accepted = anyio.create_memory_object_stream[Group](spec.group_slots)
+            self._inbox = inbox_send
+            async with inbox_send, accepted, anyio.create_task_group() as tg:
+                await tg.start(self._local.run, inbox, accepted_send)
+                task_status.started()
+                async for group in accepted:
+                    self.results.put(ResultKind.ACCEPTED, group)
+                    self.admission.settle(Outcome.READY)
+
+    # -- the controller's calls ---------------------------------------------------------------
+    async def submit(self, data: bytes) -> None:
+        """A group leased to this producer, as codec bytes."""
+        group = decode_group(data, key=f"group for producer {self.spec.name}")
+        assert self._inbox is not None, "submit before run"
+        self.admission.grant(1)
+        await self.admission.take_ticket()
+        await self._inbox.send(group)
+
+    async def take_results(self, limit: int = 64) -> list[tuple[str, bytes]]:
+        return await self.results.take(limit)
+
+    async def stop(self) -> None:
+        """The sync round's "enough": abort everything; return once every group in hand went back."""
+        await self._open().stop()
+        await self.admission.wait_settled()
+        await self.results.wait_drained()
+
+    def resume(self) -> None:
+        self._open().resume()
+
+    async def begin_publish(self, version: int, pause_mode: str, overlap: bool) -> list[tuple[str, bytes]]:
+        """Close this producer's admission for `version`. In abort mode every request is aborted and
+        the partial groups are the answer, for the controller to store before the weights move.
+
+        Not waiting for the controller to take the finished groups too: in async mode it may not
+        take them before this publish's batch made room in its collector."""
+        if not self.clock.publishing:
+            self.clock.begin_publish()
+        if PauseMode(pause_mode) is not PauseMode.ABORT or overlap:
+            return []
+        self._stopped_for_publish = True
+        await self._open().stop()
+        await self.admission.wait_settled()
+        return self.results.take_partial()
+
+    def end_publish(self, version: int) -> None:
+        """The publish ended with `version` serving (one more than before if it committed)."""
+        if self.clock.publishing:
+            self.clock.end_publish(committed=version == self.clock.version + 1)
+        if self._stopped_for_publish:
+            self._stopped_for_publish = False
+            self.resume()
+
+    def statistics(self) -> dict[str, Any]:
+        local = self._open()
+        return {
+            "node": self.node,
+            "version": self.clock.version,
+            "in_hand": self.admission.outstanding,
+            "waiting_results": len(self.results),
+            "idle_slots": local.idle_slots,
+            "generator": asdict(local.statistics()),
+            "rejected": local.filter_statistics().rejected,
+        }
+
+    def _open(self) -> LocalProducers:
+        if self._local is None:
+            raise RuntimeError(f"producer {self.spec.name} is not running")
+        return self._local

@@ -1,0 +1,378 @@
+"""`--rollout-producers ray`: the generator pool, reward and filter in one Ray actor per node, leasing
+work from the controller's store (issue 13).
+
+    dispenser ─► RayProducers ──hand_over(controller → p)──► actor p: pool ─► reward ─► filter
+                     ▲                                                │
+                     └── commit under p's lease (fenced) ◄── results ─┘   heartbeats renew p's leases
+
+The controller stays the single store writer and the single version clock; this is the
+`pipeline.producers.Producers` the graph hands groups to. The rules that keep work exactly-once:
+
+- A group handed to producer p is leased to p (`Store.hand_over`), expiring `lease_seconds` after
+  p's last answered heartbeat (`renew_leases`). A producer that dies or stops answering is lost:
+  it gets no more work, is killed, and its leases end at once (or, had that failed, expire);
+  `reclaim_expired` puts its groups back as PARTIAL with every prefix it had returned, and the
+  dispenser serves them again.
+- Results are fenced: each is committed with `owner=p` (a `put_*`, or `hand_over` back to the
+  controller for an accepted group that the collector then makes ready), so a late result from a
+  producer whose lease expired or was reassigned is refused by the store, counted
+  (`producers/fenced_results`) and dropped, never trained twice.
+- Every call to a producer has a deadline (`deadline_seconds`); one that passes it is lost, never
+  waited on forever. A publish closes every producer's admission (abort mode: every group in hand
+  comes back as partial) before the engines pause, and tells them the new version after.
+
+Groups cross as `storage.codec` bytes; the actor side is `launch.ray_producer.ProducerCore`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from launch.ray_producer import ResultKind
+from pipeline.errors import PipelineError, StoreError
+from pipeline.types import Group, PauseMode
+from stages.admission import Admission, Outcome
+from stages.filter import FilterStatistics
+from stages.generator import GeneratorStatistics
+from stages.publisher import AdmissionGates
+from storage import DEFAULT_LEASE_SECONDS, DEFAULT_OWNER, AsyncStore
+from storage.codec import decode_group, encode_group
+
+__all__ = ["ProducerHandle", "RayProducers"]
+
+log = structlog.get_logger("producers")
+
+RESULTS_PER_CALL = 64
+_AT_ONCE = 1e-6  # seconds: a lease renewed for this long has expired by the next reclaim
+
+
+@dataclass(slots=True, eq=False)
+class ProducerHandle:
+    """One producer actor as the controller knows it."""
+
+    name: str
+    actor: Any  # a Ray actor handle (launch.ray_cluster.ProducerActor)
+    node: str
+    group_slots: int
+    in_hand: set[str] = field(default_factory=set)  # group ids leased to it, not yet settled
+    handed: int = 0  # groups handed to it over the run
+    lost: str | None = None  # why it was given up on
+    stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat's answer
+
+
+class RayProducers:
+    """The `Producers` of a run whose producers are Ray actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        producers: Sequence[ProducerHandle],
+        *,
+        admission: Admission,
+        store: AsyncStore,
+        n_samples: int,
+        lease_seconds: float,
+        deadline_seconds: float,
+        overlap_publish: bool = False,
+        kill: Any = None,
+    ) -> None:
+        if not producers:
+            raise PipelineError("no producer to run: Ray found no eligible node")
+        self.producers = list(producers)
+        self._admission = admission
+        self._store = store
+        self._n_samples = n_samples
+        self._lease = lease_seconds
+        self._deadline = deadline_seconds
+        self._overlap = overlap_publish
+        self._kill = kill  # ray.kill; given so this module never imports Ray at the top
+        self._stopping = False
+        self._room = anyio.Event()
+        self._committing: set[str] = set()
+        self._resuming: list[Any] = []
+        self._counts = dict(fenced=0, reclaimed=0, accepted=0)
+        self._tg: TaskGroup | None = None  # the run's, for work started by a loss
+
+    # -- the graph's side -----------------------------------------------------------------------
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[Group],
+        send: MemoryObjectSendStream[Group],
+        *,
+        task_status: TaskStatus[None],
+    ) -> None:
+        async with receive, send, anyio.create_task_group() as tg:
+            self._tg = tg
+            for p in self.producers:
+                tg.start_soon(self._receive_results, p, send.clone())
+                tg.start_soon(self._heartbeats, p)
+            tg.start_soon(self._reap)
+            task_status.started()
+            async for group in receive:
+                await self._dispatch(group, tg)
+            tg.cancel_scope.cancel()
+
+    @property
+    def idle_slots(self) -> int:
+        free = sum(max(0, p.group_slots - len(p.in_hand)) for p in self._live())
+        return free * self._n_samples
+
+    async def wait_slot_freed(self) -> None:
+        await self._room.wait()
+
+    async def stop(self) -> None:
+        """Groups not yet handed out go back to the store; every producer aborts and returns the rest."""
+        self._stopping = True
+        self._notify()
+        await self._each("stop")
+
+    def resume(self) -> None:
+        self._stopping = False
+        self._resuming = [(p, p.actor.resume.remote()) for p in self._live()]
+        self._notify()
+
+    @property
+    def gates(self) -> AdmissionGates | None:
+        return _PublishGates(self)
+
+    def statistics(self) -> GeneratorStatistics:
+        fields = GeneratorStatistics.__dataclass_fields__
+        total = {name: 0 for name in fields}
+        for p in self.producers:
+            for name, value in p.stats.get("generator", {}).items():
+                total[name] = total.get(name, 0) + value
+        total["slots"] = sum(p.group_slots for p in self.producers) * self._n_samples
+        return GeneratorStatistics(**{name: total[name] for name in fields})
+
+    def filter_statistics(self) -> FilterStatistics:
+        rejected: dict[str, int] = {}
+        for p in self.producers:
+            for reason, n in p.stats.get("rejected", {}).items():
+                rejected[reason] = rejected.get(reason, 0) + n
+        return FilterStatistics(self._counts["accepted"], rejected)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "producers/live": len(self._live()),
+            "producers/lost": len(self.producers) - len(self._live()),
+            "producers/fenced_results": self._counts["fenced"],
+            "producers/reclaimed_groups": self._counts["reclaimed"],
+        }
+
+    # -- handing groups out ---------------------------------------------------------------------
+    async def _dispatch(self, group: Group, tg: TaskGroup) -> None:
+        while True:
+            if self._stopping:
+                # The round is over: the group goes back untouched, first in line next round.
+                await self._store.put_partial(group)
+                self._admission.settle(Outcome.PARTIAL)
+                return
+            await self._wait_resumed()
+            candidates = [p for p in self._live() if len(p.in_hand) <= p.group_slots]
+            if candidates:
+                break
+            if not self._live():
+                raise PipelineError(f"every Ray producer is lost: {self._why_lost()}")
+            await self._room.wait()
+        # The least loaded for its size, then the one that got least so far: work spreads evenly.
+        p = min(candidates, key=lambda c: (len(c.in_hand) / c.group_slots, c.handed, c.name))
+        await self._store.hand_over(group.group_id, owner=DEFAULT_OWNER, to=p.name, lease_seconds=self._lease)
+        p.in_hand.add(group.group_id)
+        p.handed += 1
+        self._notify()  # wakes whoever watches the producers' load (a policy re-checks, a test waits)
+        # Sent in a task of its own: a producer that stops answering holds up only its own groups.
+        tg.start_soon(self._submit, p, encode_group(group))
+
+    async def _submit(self, p: ProducerHandle, data: bytes) -> None:
+        try:
+            with anyio.fail_after(self._deadline):
+                await p.actor.submit.remote(data)
+        except Exception as exc:  # RayActorError, a timeout: the lease runs out, the reaper requeues it
+            self._lose(p, f"submit failed: {exc!r}")
+
+    async def _wait_resumed(self) -> None:
+        resuming, self._resuming = self._resuming, []
+        for p, ref in resuming:
+            try:
+                with anyio.fail_after(self._deadline):
+                    await ref
+            except Exception as exc:
+                self._lose(p, f"resume failed: {exc!r}")
+
+    # -- taking results back --------------------------------------------------------------------
+    async def _receive_results(self, p: ProducerHandle, send: MemoryObjectSendStream[Group]) -> None:
+        async with send:
+            while p.lost is None:
+                try:
+                    batch, stats = await p.actor.take_results.remote(RESULTS_PER_CALL)
+                except Exception as exc:  # the actor died, or its stages failed
+                    self._lose(p, f"results failed: {exc!r}")
+                    return
+                p.stats = orjson.loads(stats)
+                for kind, data in batch:
+                    group = decode_group(data, key=f"result of producer {p.name}")
+                    await self._commit(p, ResultKind(kind), group, send)
+
+    async def _commit(
+        self, p: ProducerHandle, kind: ResultKind, group: Group, send: MemoryObjectSendStream[Group] | None
+    ) -> None:
+        """Store `group` under p's lease; refused (fenced) if p no longer holds it."""
+        gid = group.group_id
+        self._committing.add(gid)
+        try:
+            if kind is ResultKind.ACCEPTED:
+                # The collector's put_ready runs as the controller: the lease comes back first.
+                await self._store.hand_over(gid, owner=p.name, to=DEFAULT_OWNER, lease_seconds=DEFAULT_LEASE_SECONDS)
+            elif kind is ResultKind.PARTIAL:
+                await self._store.put_partial(group, owner=p.name)
+            elif kind is ResultKind.FAILED:
+                await self._store.put_failed(group, owner=p.name)
+            else:
+                await self._store.put_rejected(group, owner=p.name)
+        except StoreError as exc:
+            self._counts["fenced"] += 1
+            log.warning("late result fenced", producer=p.name, group=gid, reason=str(exc))
+            if gid in p.in_hand:  # reclaimed behind our back: it is partial in the store now
+                self._settle(p, gid, Outcome.PARTIAL)
+            return
+        finally:
+            self._committing.discard(gid)
+        if kind is ResultKind.ACCEPTED:
+            assert send is not None, "accepted groups come with the results stream"
+            self._counts["accepted"] += 1
+            p.in_hand.discard(gid)
+            self._notify()
+            await send.send(group)  # the collector settles it as ready
+            return
+        outcome = {
+            ResultKind.PARTIAL: Outcome.PARTIAL,
+            ResultKind.FAILED: Outcome.FAILED,
+            ResultKind.REJECTED: Outcome.REJECTED,
+        }
+        self._settle(p, gid, outcome[kind])
+
+    def _settle(self, p: ProducerHandle, gid: str, outcome: Outcome) -> None:
+        if gid in p.in_hand:
+            p.in_hand.discard(gid)
+            self._admission.settle(outcome)
+            self._notify()
+
+    # -- liveness -------------------------------------------------------------------------------
+    async def _heartbeats(self, p: ProducerHandle) -> None:
+        """Renew p's leases each time it answers; give it up when it does not answer in time."""
+        while p.lost is None:
+            try:
+                with anyio.fail_after(self._deadline):
+                    answer = await p.actor.heartbeat.remote()
+            except Exception as exc:
+                self._lose(p, f"no heartbeat answer: {exc!r}")
+                return
+            p.stats = orjson.loads(answer)
+            if p.lost is None:
+                await self._store.renew_leases(p.name, self._lease)
+            await anyio.sleep(self._lease / 3)
+
+    async def _reap(self) -> None:
+        """Expired leases go back to PARTIAL; the groups they covered are settled as partial here."""
+        while True:
+            await anyio.sleep(self._lease / 2)
+            reclaimed = await self._store.reclaim_expired()
+            if reclaimed or any(p.in_hand for p in self.producers if p.lost is not None):
+                await self._settle_reclaimed()
+
+    async def _settle_reclaimed(self) -> None:
+        for p in self.producers:
+            for gid in list(p.in_hand):
+                if gid in self._committing:
+                    continue  # its result is being committed: that settles it, fenced or not
+                lease = await self._store.lease(gid)
+                if gid in p.in_hand and gid not in self._committing and (lease is None or lease.owner != p.name):
+                    self._counts["reclaimed"] += 1
+                    self._settle(p, gid, Outcome.PARTIAL)
+
+    def _lose(self, p: ProducerHandle, why: str) -> None:
+        if p.lost is not None:
+            return
+        p.lost = why
+        log.warning("producer lost; its leases expire and its groups are served again", producer=p.name, why=why)
+        if self._kill is not None:
+            try:
+                self._kill(p.actor, no_restart=True)
+            except Exception as exc:  # already gone
+                log.debug("kill failed", producer=p.name, reason=repr(exc))
+        if self._tg is not None:
+            self._tg.start_soon(self._reclaim_now, p)
+        self._notify()
+
+    async def _reclaim_now(self, p: ProducerHandle) -> None:
+        """A producer given up on (and killed) will renew nothing: its leases end now rather than at
+        their expiry, so its groups are served again at once. A result of it still on the way is
+        fenced like any late one."""
+        await self._store.renew_leases(p.name, _AT_ONCE)
+        if await self._store.reclaim_expired():
+            await self._settle_reclaimed()
+
+    def _live(self) -> list[ProducerHandle]:
+        return [p for p in self.producers if p.lost is None]
+
+    def _why_lost(self) -> str:
+        return "; ".join(f"{p.name} on {p.node}: {p.lost}" for p in self.producers)
+
+    def _notify(self) -> None:
+        self._room.set()
+        self._room = anyio.Event()
+
+    async def _close_gates(self, version: int, pause_mode: PauseMode) -> None:
+        """Every live producer stops admitting; in abort mode its partial groups come back with its
+        answer and are stored here, before the engines pause."""
+
+        async def one(p: ProducerHandle) -> None:
+            try:
+                with anyio.fail_after(self._deadline):
+                    partial = await p.actor.begin_publish.remote(version, pause_mode.value, self._overlap)
+            except Exception as exc:
+                self._lose(p, f"begin_publish not answered within {self._deadline:g}s: {exc!r}")
+                return
+            for kind, data in partial:
+                await self._commit(p, ResultKind(kind), decode_group(data, key=f"partial of {p.name}"), None)
+
+        async with anyio.create_task_group() as tg:
+            for p in self._live():
+                tg.start_soon(one, p)
+
+    async def _each(self, method: str, *args: Any) -> None:
+        """Call `method` on every live producer at once; one that misses the deadline is lost."""
+
+        async def one(p: ProducerHandle) -> None:
+            try:
+                with anyio.fail_after(self._deadline):
+                    await getattr(p.actor, method).remote(*args)
+            except Exception as exc:
+                self._lose(p, f"{method} not answered within {self._deadline:g}s: {exc!r}")
+
+        async with anyio.create_task_group() as tg:
+            for p in self._live():
+                tg.start_soon(one, p)
+
+
+class _PublishGates:
+    """A publish across producers: close every producer's admission, later tell them the version."""
+
+    def __init__(self, producers: RayProducers) -> None:
+        self._producers = producers
+
+    async def close(self, version: int, pause_mode: PauseMode) -> None:
+        started = time.perf_counter()
+        await self._producers._close_gates(version, PauseMode(pause_mode))
+        log.debug("producer gates closed", version=version, seconds=round(time.perf_counter() - started, 3))
+
+    async def open(self, version: int) -> None:
+        await self._producers._each("end_publish", version)

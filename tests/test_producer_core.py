@@ -1,0 +1,81 @@
+"""One producer's stages in process (`launch.ray_producer.ProducerCore`, no Ray): what it answers
+the controller, over real HTTP to the protocol-speaking fake engine."""
+
+from __future__ import annotations
+
+import anyio
+import orjson
+import pytest
+
+from launch.ray_producer import ProducerCore, ProducerSpec, ResultKind
+from pipeline.errors import PluginError
+from pipeline.types import Group, PromptTask, SampleStatus
+from storage.codec import decode_group, encode_group
+from tests.fakes import FakeSGLang
+
+pytestmark = pytest.mark.anyio
+
+G = 2
+
+
+def reward(task, sample) -> float:
+    return 1.0
+
+
+def spec(url: str, **kw) -> ProducerSpec:
+    values = dict(
+        name="producer-0",
+        engine_urls=(url,),
+        router_url=None,
+        group_slots=2,
+        n_samples=G,
+        sampling_params={},
+        max_response_len=6,
+        reward_path="tests.test_producer_core:reward",
+    )
+    return ProducerSpec(**{**values, **kw})
+
+
+def group(i: int) -> Group:
+    return Group.fresh(PromptTask(index=i, prompt_ids=(5, 100 + i)), epoch=0, n_samples=G, version=0, seq=i)
+
+
+def test_a_spec_from_another_code_version_still_reads() -> None:
+    s = spec("http://127.0.0.1:1")
+    assert ProducerSpec.from_json(s.to_json()) == s
+    newer = orjson.loads(s.to_json()) | {"a_field_from_the_future": 1}
+    del newer["seed"]  # and one it does not send: the default
+    assert ProducerSpec.from_json(orjson.dumps(newer)) == s
+
+
+async def test_results_come_back_as_codec_bytes_and_a_publish_returns_the_partials() -> None:
+    async with FakeSGLang(weight_version="0") as fake:
+        core = ProducerCore(spec(fake.url), node="here")
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            await core.submit(encode_group(group(0)))
+            with anyio.fail_after(10):
+                ((kind, data),) = await core.take_results(8)
+            done = decode_group(data)
+            assert kind == ResultKind.ACCEPTED.value and done.group_id == group(0).group_id
+            assert all(s.status is SampleStatus.TRUNCATED and s.reward == 1.0 for s in done.samples)
+
+            fake.hold(2)  # the next group's requests park after two tokens: a publish finds them running
+            await core.submit(encode_group(group(1)))
+            with anyio.fail_after(10):
+                await fake.wait_until(lambda: fake.held == G)
+                partial = await core.begin_publish(1, "abort", False)
+            ((kind, data),) = partial
+            back = decode_group(data)
+            assert kind == ResultKind.PARTIAL.value and all(s.response_len == 2 for s in back.samples)
+            assert core.clock.publishing and core.statistics()["in_hand"] == 0
+            core.end_publish(1)
+            assert core.clock.version == 1 and not core.clock.publishing
+            fake.release()
+            tg.cancel_scope.cancel()
+
+
+async def test_a_reward_path_that_does_not_import_names_the_node() -> None:
+    core = ProducerCore(spec("http://127.0.0.1:9", reward_path="tests.no_such_module:reward"), node="node-7")
+    with pytest.raises(PluginError, match=r"reward function cannot be imported on producer node node-7: module"):
+        await core.run(task_status=anyio.TASK_STATUS_IGNORED)

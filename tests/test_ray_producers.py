@@ -1,0 +1,481 @@
+"""Producers on Ray (issue 13): a real local Ray cluster of three logical nodes, one producer actor
+on each, the simulated engine over real HTTP, the real controller and an LMDB store.
+
+What is checked is exactly-once: every admitted group ends trained once or stored, never trained
+twice, whatever happens to a producer (killed mid-run, frozen through a publish, late with a
+result its lease no longer covers). Ordering comes from events (`wait_slot_freed`, the fake
+engine's hold gate, the step callback), never from sleeps.
+
+One module-scoped cluster (`ray.cluster_utils.Cluster`, about 1 GB and 5 s to start); the runs
+are a few steps each, sized for two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from launch.engines.sim import open_sim_server
+from launch.engines.sim_model import DecodeTimeModel
+from launch.ray_cluster import RaySettings, engine_shares, group_slots, open_ray_producers
+from launch.ray_producer import ProducerSpec
+from launch.ray_producers import RayProducers
+from pipeline.clock import VersionClock
+from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline.errors import PipelineError
+from pipeline.metrics import MetricsSink
+from pipeline.types import Group, PauseMode, PromptTask, RolloutMode
+from stages.admission import Admission
+from stages.publisher import publish_weights
+from stages.sglang import EngineFleet
+from storage import AsyncStore, Cursor, GroupState, LmdbStore
+from tests.fakes import FakeSGLang
+from tests.test_controller import RecordingTrainer
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.anyio]
+
+NODES = 3
+G = 4  # samples per group
+LEASE, DEADLINE = 2.0, 4.0
+
+
+def reward(task: PromptTask, sample) -> float:
+    """Imported by path on every producer: `tests.test_ray_producers:reward`."""
+    return float(sample.response_len % 3)
+
+
+REWARD_PATH = "tests.test_ray_producers:reward"
+
+
+def dataset(n: int = 256) -> list[PromptTask]:
+    return [PromptTask(index=i, prompt_ids=(1000 + i, 2000 + 7 * i, 3000 + i % 5)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(NODES - 1):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def spec_for(url: str, plan: RolloutPlan, reward_path: str = REWARD_PATH):
+    def make(i: int, count: int) -> ProducerSpec:
+        return ProducerSpec(
+            name=f"producer-{i}",
+            engine_urls=(url,),
+            router_url=None,
+            group_slots=group_slots(plan.slots, plan.n_samples, count)[i],
+            n_samples=plan.n_samples,
+            sampling_params={},
+            max_response_len=plan.max_response_len,
+            reward_path=reward_path,
+            seed=plan.seed,
+        )
+
+    return make
+
+
+def settings(**kw) -> RaySettings:
+    return RaySettings(
+        address=None, num_producers=kw.get("num_producers"), lease_seconds=LEASE, deadline_seconds=DEADLINE
+    )
+
+
+def plan_for(mode: str, *, partial: bool = False, steps: int = 4) -> RolloutPlan:
+    return RolloutPlan(
+        mode=RolloutMode(mode),
+        batch_size=4,
+        n_samples=G,
+        num_steps=steps,
+        partial=partial,
+        over_sampling=2 if partial else None,
+        slots=32,  # C*E: K = 8 group slots over 3 producers -> 3, 3, 2
+        max_response_len=48,
+        seed=7,
+    )
+
+
+class Run:
+    """One run through the real controller with Ray producers; keeps what the checks need."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.store = LmdbStore(tmp_path / "rollout")
+        self.astore = AsyncStore(self.store)
+        self.trainer = RecordingTrainer()
+        self.tmp = tmp_path
+        self.producers: RayProducers | None = None
+        self.stepped = anyio.Event()
+        self.steps = 0
+
+    def on_step(self, record: dict) -> None:
+        self.steps += 1
+        self.stepped.set()
+        self.stepped = anyio.Event()
+
+    async def go(self, plan: RolloutPlan, *, time_scale: float = 0.3, during=None) -> None:
+        timing = DecodeTimeModel(weight_update=0.05)
+        async with (
+            open_sim_server(time_scale=time_scale, timing=timing, max_running_requests=64) as engine,
+            EngineFleet([engine.url], concurrency=plan.slots) as fleet,
+            open_ray_producers(settings(), spec_for(engine.url, plan), store=self.astore, n_samples=G) as make,
+        ):
+
+            def factory(admission: Admission) -> RayProducers:
+                self.producers = make(admission)
+                return self.producers
+
+            async with anyio.create_task_group() as tg:
+                if during is not None:
+                    tg.start_soon(during, self)
+                sink = MetricsSink(self.tmp / "metrics.jsonl")
+                with anyio.fail_after(240), contextlib.closing(sink):
+                    await run_pipeline(
+                        plan,
+                        engines=fleet,
+                        store=self.astore,
+                        trainer=self.trainer,
+                        dataset=dataset(),
+                        reward_fn=reward,
+                        filter_fn=None,
+                        weights_dir=self.tmp / "weights",
+                        metrics=sink,
+                        on_step=self.on_step,
+                        producers=factory,
+                    )
+                tg.cancel_scope.cancel()
+
+    def check_exactly_once(self, plan: RolloutPlan) -> None:
+        trained = [g.group_id for b in self.trainer.batches for g in b.groups]
+        assert len(self.trainer.batches) == plan.num_steps
+        assert len(trained) == len(set(trained)) == plan.num_steps * plan.batch_size  # none twice
+        stats = self.store.statistics()
+        counts = stats.counts
+        # Every admitted group is somewhere: trained once, or stored to be continued or trained.
+        assert counts[GroupState.RUNNING] == 0 and counts[GroupState.BATCHED] == 0
+        assert sum(counts.values()) == stats.cursor.next_seq
+        assert set(trained) == {g.group_id for g in self.store.groups(GroupState.TRAINED)}
+        for b in self.trainer.batches:
+            for g in b.groups:
+                assert all(s.status.finished and s.reward is not None for s in g.samples)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def test_group_slots_split_by_quotient_and_remainder_and_engines_round_robin() -> None:
+    assert group_slots(32, 4, 3) == [3, 3, 2]  # K = 8
+    assert group_slots(30, 8, 3) == [1, 1, 1]  # K = 3
+    assert engine_shares(["http://a", "http://b"], "http://r", 3) == [
+        (("http://a",), None),
+        (("http://b",), None),
+        (("http://a",), None),
+    ]
+    assert (
+        engine_shares(["http://a", "http://b", "http://c"], "http://r", 2)
+        == [(("http://a", "http://b", "http://c"), "http://r")] * 2
+    )
+    assert engine_shares([], "http://r", 2) == [((), "http://r")] * 2
+
+
+# -- end to end: sync, partial, async -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "partial"), [("sync", False), ("sync", True), ("async", False)])
+async def test_runs_end_to_end_on_three_producers(cluster, tmp_path, mode, partial) -> None:
+    plan = plan_for(mode, partial=partial)
+    run = Run(tmp_path)
+    try:
+        await run.go(plan)
+        run.check_exactly_once(plan)
+        rp = run.producers
+        assert rp is not None and len(rp.producers) == NODES
+        assert len({p.node for p in rp.producers}) == NODES  # one per logical node
+        assert rp.metrics()["producers/lost"] == 0 and rp.metrics()["producers/fenced_results"] == 0
+        assert all(p.handed > 0 for p in rp.producers)  # work went to every producer
+    finally:
+        run.close()
+
+
+# -- a producer killed mid-run -------------------------------------------------------------------
+
+
+async def test_a_killed_producer_loses_nothing_and_its_prefixes_are_continued(cluster, tmp_path) -> None:
+    plan = plan_for("sync", partial=True, steps=5)
+    snapshot: dict[str, Group] = {}
+
+    async def kill_one_holding_a_prefix(run: Run) -> None:
+        while run.steps < 1:
+            await run.stepped.wait()
+        rp = run.producers
+        assert rp is not None
+        victim = rp.producers[0]
+        # Wait (on the producers' own change events) until the victim holds a group that was
+        # already continued from a stored prefix: that prefix must survive the kill.
+        with anyio.fail_after(60):
+            while True:
+                for gid in list(victim.in_hand):
+                    found = await run.astore.get(gid)
+                    if found is not None and any(s.response_len for s in found[1].samples):
+                        snapshot[gid] = found[1]
+                # Still in the victim's hands now (no await from here to the kill)?
+                if any(gid in victim.in_hand for gid in snapshot):
+                    break
+                snapshot.clear()
+                await rp.wait_slot_freed()
+        ray.kill(victim.actor, no_restart=True)
+
+    run = Run(tmp_path)
+    try:
+        # Slow decoding (a 48-token answer takes about a second), so the group the victim holds at
+        # the kill is still generating when the kill lands.
+        await run.go(plan, time_scale=1.0, during=kill_one_holding_a_prefix)
+        run.check_exactly_once(plan)
+        rp = run.producers
+        assert rp is not None
+        metrics = rp.metrics()
+        assert metrics["producers/lost"] == 1 and metrics["producers/live"] == NODES - 1
+        assert metrics["producers/reclaimed_groups"] >= 1
+        assert rp.producers[0].lost is not None
+        # The groups the dead producer held continue from the prefixes it had returned.
+        for gid, before in snapshot.items():
+            found = run.store.get(gid)
+            assert found is not None
+            for old, new in zip(before.samples, found[1].samples, strict=True):
+                assert new.response_ids[: old.response_len] == old.response_ids
+                assert new.response_len >= old.response_len
+    finally:
+        run.close()
+
+
+async def test_a_producer_that_stops_answering_in_async_mode_is_given_up_and_the_run_goes_on(cluster, tmp_path) -> None:
+    plan = plan_for("async", steps=6)
+    frozen: list[int] = []
+
+    async def freeze_one(run: Run) -> None:
+        while run.steps < 1:
+            await run.stepped.wait()
+        assert run.producers is not None
+        pid = await run.producers.producers[2].actor.pid.remote()
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: no heartbeat, no publish answer, no result
+        frozen.append(pid)
+
+    run = Run(tmp_path)
+    try:
+        await run.go(plan, during=freeze_one)
+        run.check_exactly_once(plan)
+        rp = run.producers
+        assert rp is not None and frozen
+        assert rp.metrics()["producers/lost"] == 1 and rp.producers[2].lost is not None
+        # Given up on by whichever call missed its deadline first: a heartbeat, a submit, a publish.
+        assert "TimeoutError" in rp.producers[2].lost or "not answered" in rp.producers[2].lost
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # it was killed while stopped: let it die
+        run.close()
+
+
+# -- a zombie's late result ----------------------------------------------------------------------
+
+
+async def test_a_result_whose_lease_was_reassigned_is_fenced_and_counted(cluster, tmp_path) -> None:
+    store = LmdbStore(tmp_path / "rollout")
+    astore = AsyncStore(store)
+    admission = Admission()
+    plan = plan_for("sync")
+    group = Group.fresh(dataset()[0], epoch=0, n_samples=G, version=0, seq=0)
+    async with FakeSGLang(weight_version="0") as fake:
+        fake.hold(2)  # the producer's requests park after two tokens
+        settings1 = settings(num_producers=1)
+        async with open_ray_producers(settings1, spec_for(fake.url, plan), store=astore, n_samples=G) as make:
+            rp = make(admission)
+            to_send, to_receive = anyio.create_memory_object_stream[Group](0)
+            out_send, out = anyio.create_memory_object_stream[Group](4)
+            async with anyio.create_task_group() as tg:
+                await tg.start(rp.run, to_receive, out_send)
+                await astore.admit([group], Cursor(0, 1, 1))
+                admission.grant(1)
+                await admission.take_ticket()
+                await to_send.send(group)
+                with anyio.fail_after(30):
+                    await fake.wait_until(lambda: fake.held == G)
+                # The producer's lease runs out behind its back, and another owner takes the group.
+                assert await astore.reclaim_expired(time.time() + 1e6) == 1
+                (taken,) = await astore.claim_partial(1, owner="someone-else", lease_seconds=1e6)
+                fake.release()
+                with anyio.fail_after(30):
+                    while not rp.metrics()["producers/fenced_results"]:
+                        await rp.wait_slot_freed()
+                tg.cancel_scope.cancel()
+            to_send.close()
+            out.close()
+    try:
+        assert rp.metrics()["producers/fenced_results"] == 1
+        # Refused by the store: the group is still the other owner's, its record untouched, and the
+        # late result never reached the collector.
+        assert store.get(group.group_id) == (GroupState.RUNNING, taken)
+        assert store.lease(group.group_id).owner == "someone-else"
+        assert admission.outstanding == 0 and store.count(GroupState.READY) == 0
+    finally:
+        store.close()
+
+
+# -- a publish with a producer that never answers ------------------------------------------------
+
+
+async def test_a_publish_with_a_frozen_producer_ends_within_its_deadline(cluster, tmp_path) -> None:
+    store = LmdbStore(tmp_path / "rollout")
+    astore = AsyncStore(store)
+    plan = plan_for("async")
+    clock = VersionClock()
+    frozen = None
+    async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=8) as fleet:
+        async with open_ray_producers(settings(), spec_for(fake.url, plan), store=astore, n_samples=G) as make:
+            rp = make(Admission())
+            to_send, to_receive = anyio.create_memory_object_stream[Group](0)
+            out_send, out = anyio.create_memory_object_stream[Group](4)
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(rp.run, to_receive, out_send)
+                    frozen = await rp.producers[1].actor.pid.remote()
+                    os.kill(frozen, signal.SIGSTOP)  # stops answering anything, as a hung node would
+                    (tmp_path / "v1").mkdir()
+                    started = time.perf_counter()
+                    with anyio.fail_after(DEADLINE * 3):
+                        report = await publish_weights(
+                            clock, fleet, tmp_path / "v1", pause_mode=PauseMode.ABORT, gates=rp.gates
+                        )
+                    took = time.perf_counter() - started
+                    tg.cancel_scope.cancel()
+            finally:
+                if frozen is not None:
+                    os.kill(frozen, signal.SIGCONT)
+                to_send.close()
+                out.close()
+    store.close()
+    assert report.version == 1 and clock.version == 1 and fake.loaded_paths == [str(tmp_path / "v1")]
+    # Given up on at the deadline (the close), not waited on: one deadline, plus a margin.
+    assert took < DEADLINE + 2.0, took
+    assert rp.producers[1].lost is not None and "begin_publish" in rp.producers[1].lost
+    assert [p.lost for p in rp.producers if p is not rp.producers[1]] == [None] * (NODES - 1)
+
+
+# -- a reward path a producer cannot import ------------------------------------------------------
+
+
+async def test_a_reward_path_a_producer_cannot_import_fails_at_start_naming_it(cluster, tmp_path) -> None:
+    plan = plan_for("sync")
+    store = LmdbStore(tmp_path / "rollout")
+    try:
+        with pytest.raises(PipelineError, match=r"no_such_module:reward.*producer node"):
+            async with open_ray_producers(
+                settings(num_producers=1),
+                spec_for("http://127.0.0.1:9", plan, reward_path="no_such_module:reward"),
+                store=AsyncStore(store),
+                n_samples=G,
+            ):
+                pass
+    finally:
+        store.close()
+
+
+# -- the launcher ---------------------------------------------------------------------------------
+
+
+def test_the_launcher_runs_async_on_ray_producers_with_the_real_trainer(cluster, tmp_path) -> None:
+    """`python -m pipeline.launch --rollout-producers ray`: the built-in engine and torch trainer,
+    the toy task's reward imported by path on each producer, one producer per node of the cluster
+    this process already joined."""
+    import json
+
+    from launch.cli import main
+
+    out = tmp_path / "run"
+    flags = "--rollout-producers ray --rollout-mode async --num-rollout 4 --rollout-data-transport lmdb"
+    code = main(["--output-dir", str(out), "--no-progress", "--log-level", "warning", *flags.split()])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["producers/live"] == NODES and r["producers/fenced_results"] == 0 for r in records)
+    assert records[-1]["tokens/generated_total"] > 0  # the producers' counters reach the record
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        counts = {s: store.count(s) for s in GroupState}
+        assert counts[GroupState.TRAINED] == 4 * 8 and counts[GroupState.RUNNING] == 0
+        assert sum(counts.values()) == store.cursor().next_seq
+
+
+def test_the_launcher_refuses_more_producers_than_group_slots_once_ray_says_how_many(cluster, tmp_path, capsys) -> None:
+    """One producer per node: 3 nodes x 4 samples need 12 sample slots; 8 x 1 engine is refused."""
+    from launch.cli import main
+
+    flags = "--rollout-producers ray --sglang-server-concurrency 8 --n-samples-per-prompt 4 --num-rollout 1"
+    code = main(["--output-dir", str(tmp_path / "run"), "--no-progress", "--log-level", "warning", *flags.split()])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "--rollout-producers=ray with 3 producers" in err and "C*E >= W*G" in err and "8 x 1 = 8" in err
+
+
+def test_the_tool_agent_runs_on_the_producers_through_its_path(cluster, tmp_path) -> None:
+    """`--task tool`: the built-in agent, imported by its `module:function` path on every producer,
+    drives multi-turn samples there; its tool turns (loss mask 0) reach the trained batches."""
+    from launch.cli import main
+
+    out = tmp_path / "run"
+    flags = "--rollout-producers ray --task tool --num-rollout 2 --rollout-data-transport lmdb"
+    assert main(["--output-dir", str(out), "--no-progress", "--log-level", "warning", *flags.split()]) == 0
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        samples = [s for step in range(2) for g in store.batch(step).groups for s in g.samples]
+    assert len(samples) == 2 * 8 * 8
+    assert any(0 in s.loss_mask for s in samples), "no tool turn in any trained sample"
+
+
+# -- a node lost with its raylet (last: it changes the module's cluster, then restores its size) ----
+
+
+async def test_a_node_whose_raylet_dies_loses_its_producer_and_the_run_goes_on(cluster, tmp_path) -> None:
+    plan = plan_for("sync", partial=True, steps=5)
+    removed: list[object] = []
+
+    async def remove_a_worker_node(run: Run) -> None:
+        while run.steps < 1:
+            await run.stepped.wait()
+        assert run.producers is not None
+        head = cluster.head_node.node_id
+        by_id = {n.node_id: n for n in cluster.list_all_nodes()}
+        victim = next(p for p in run.producers.producers if head[:8] not in p.node)
+        node = next(n for nid, n in by_id.items() if nid[:8] in victim.node)
+        cluster.remove_node(node, allow_graceful=False)  # the raylet and every worker on it die
+        removed.append(victim)
+
+    run = Run(tmp_path)
+    try:
+        await run.go(plan, during=remove_a_worker_node)
+        run.check_exactly_once(plan)
+        assert run.producers is not None and removed
+        assert removed[0].lost is not None
+        assert run.producers.metrics()["producers/live"] == NODES - 1
+    finally:
+        run.close()
+        if removed:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
