@@ -124,6 +124,7 @@ def open_run_state(config: Config) -> RunState:
                 seed=config.rollout.seed,
                 log_dir=out / "logs",
                 loss=loss_settings(settings),
+                global_batch_size=t.global_batch_size,
                 lr=t.lr,
                 temperature=config.rollout.temperature,
                 max_grad_norm=t.max_grad_norm,

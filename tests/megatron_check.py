@@ -1,6 +1,7 @@
 """Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
 
-`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS]]]` writes OUT_DIR/result.json with both
+`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS [GLOBAL_BATCH]]]]` writes
+OUT_DIR/result.json with both
 trainers' metrics, log-probs before the step, and the largest difference between their published
 weights. A process of its own, because megatron's parallel state and the process group are global.
 """
@@ -63,7 +64,9 @@ def _settings(variant: str):
     return LossSettings(**raw)
 
 
-def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> None:
+def main(
+    out: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default", gbs: int | None = None
+) -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
@@ -72,7 +75,7 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)
-    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings)
+    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings, global_batch_size=gbs)
     batch = fixed_batch(torch_trainer)
     torch_lp = torch_trainer.logprobs(batch.samples)
     torch_metrics = torch_trainer.train_step(batch)
@@ -87,6 +90,7 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
         loss=settings,
         lr=1e-2,
         micro_batch_size=micro,
+        global_batch_size=gbs,
     )
     try:
         mg_lp = mg.logprobs(batch.samples)
@@ -118,4 +122,5 @@ if __name__ == "__main__":
         int(sys.argv[4]) if len(sys.argv) > 4 else 8,
         sys.argv[5] if len(sys.argv) > 5 else "cpu",
         sys.argv[6] if len(sys.argv) > 6 else "default",
+        int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None,
     )

@@ -80,7 +80,15 @@ def test_uneven_tensor_parallel_split_is_refused_with_the_numbers(tmp_path):
         shape.check_tensor_parallel(3)
 
 
-def _check(tmp_path: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> dict:
+def _check(
+    tmp_path: Path,
+    world: int,
+    tp: int,
+    micro: int,
+    device: str = "cpu",
+    variant: str = "default",
+    gbs: int | None = None,
+) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
         [
@@ -92,6 +100,7 @@ def _check(tmp_path: Path, world: int, tp: int, micro: int, device: str = "cpu",
             str(micro),
             device,
             variant,
+            str(gbs or "none"),
         ],
         env=env,
         capture_output=True,
@@ -132,6 +141,25 @@ def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant)
     assert r["optimizer_files"] == sorted(f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
 
 
+@pytest.mark.parametrize(
+    ("world", "tp", "micro", "variant"),
+    [(1, 1, 3, "default"), (2, 2, 2, "default"), (2, 1, 3, "icepop-seqmean-opsm"), (2, 1, 2, "seqmask-tokenmean")],
+    ids=["tp1", "tp2", "dp2-icepop-seqmean-opsm", "dp2-seqmask"],
+)
+def test_half_batch_steps_match_the_torch_trainer(tmp_path, world, tp, micro, variant):
+    """--global-batch-size = half the batch: two optimizer steps, the second clipped against the
+    proximal log-probs computed before the first; both backends agree on every metric and weight."""
+    r = _check(tmp_path, world, tp, micro, variant=variant, gbs=4)
+    torch_m, mg = r["torch"], r["megatron"]
+    assert set(mg) == set(torch_m)
+    for key, value in torch_m.items():
+        assert mg[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert torch_m["optimizer_steps"] == 2
+    # The second step's ratio against the proximal policy left the trust region for some tokens.
+    assert torch_m["pg_clipfrac"] > 0
+    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+
+
 def test_parallel_flags_are_checked_at_config_load():
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
@@ -150,6 +178,10 @@ def test_parallel_flags_are_checked_at_config_load():
     )
     t = config.trainer
     assert (t.backend, t.num_ranks, t.tensor_model_parallel_size, t.micro_batch_size) == ("megatron", 4, 2, 4)
+    # The same trust region as the torch backend by default: two optimizer steps per rollout batch.
+    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    assert t.global_batch_size == samples // 2 == load_config([]).trainer.global_batch_size
+    assert load_config(["--train-backend", "megatron", "--global-batch-size", "3"]).trainer.global_batch_size == 3
     with pytest.raises(ConfigError) as err:
         load_config(
             [

@@ -409,7 +409,7 @@ class TrainerConfig:
         "--global-batch-size",
         "int",
         ge=1,
-        default_help="half a rollout batch's samples (two optimizer steps; the megatron backend takes one)",
+        default_help="half a rollout batch's samples (two optimizer steps, either backend)",
         help="samples per optimizer step; a smaller value splits each rollout batch into several steps, "
         "with the PPO clip acting against the log-probs recomputed before the first (the trust region that "
         "keeps partial and async rollout stable: BENCHMARKS.md section 8)",

@@ -13,15 +13,18 @@ so their collectives meet. Rank 0 alone does what needs the Batch (advantages, m
 metrics), so followers receive plain rows of numbers.
 
 The loss is `stages.trainer.loss`, run on each micro-batch by `rows.micro_batch_loss` exactly as
-the torch trainer runs it on a minibatch. One optimizer step per rollout batch
-(`--global-batch-size` is refused at config load for this backend).
+the torch trainer runs it on a minibatch. A rollout batch takes one optimizer step per
+`global_batch_size` samples (`--global-batch-size`, half the batch by default, as for the torch
+trainer); with several, the proximal log-probs are recomputed once before the first, and the PPO
+clip of the later steps acts against them.
 
 Parallelism: tensor parallel from megatron-core's `parallel_state`, data parallel = world / TP.
-Each DP rank takes every DP-th row; the loss is normalised by the whole batch's token count, and
-gradients are summed over the DP group, so the step equals the single-process step. Pipeline
-parallel is refused at config load. Micro-batches of `micro_batch_size` rows are packed into one
-sequence (no padding to the longest) with a block-diagonal causal mask; RoPE only sees position
-differences, so packing leaves every token's log-prob unchanged. Optimizer: torch AdamW on each
+Each DP rank takes every DP-th row of each minibatch; the loss is normalised by the minibatch's
+token count, and gradients are summed over the DP group (`grads.py`), so each step equals the
+single-process step. Pipeline parallel is refused at config load. Micro-batches of
+`micro_batch_size` rows are packed into one sequence (no padding to the longest) with a
+block-diagonal causal mask; RoPE only sees position differences, so packing leaves every token's
+log-prob unchanged. Optimizer: torch AdamW on each
 rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see the README).
 """
 
@@ -49,7 +52,8 @@ from stages.trainer.megatron.checkpoint import (
     save_optimizer_shard,
     write_hf_weights,
 )
-from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, is_sharded
+from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model
 from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
 
 __all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
@@ -60,6 +64,16 @@ class _Command(IntEnum):
     TRAIN = 1
     SAVE = 2
     LOGPROBS = 3
+
+
+@dataclass(slots=True)
+class _StepTotals:
+    """What one `train_step` adds up over its minibatches (the same on every rank)."""
+
+    totals: defaultdict[str, float]
+    grad_norm_sum: float
+    optimizer_steps: int
+    minibatches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +99,7 @@ class MegatronTrainer:
         model_path: str | os.PathLike[str],
         *,
         loss: LossSettings | None = None,
+        global_batch_size: int | None = None,
         lr: float = 5e-3,
         temperature: float = 1.0,
         max_grad_norm: float = 1.0,
@@ -100,6 +115,8 @@ class MegatronTrainer:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
@@ -107,6 +124,7 @@ class MegatronTrainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
         self.device = torch.device(device)
         self.layout = _Layout(
             rank=dist.get_rank(),
@@ -137,8 +155,10 @@ class MegatronTrainer:
             raise ValueError(f"batch {batch.step} has no samples")
         rows, trains, versions = batch_rows(batch, self.loss)
         self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
-        totals, grad_norm, stepped = self._train(rows)
-        return step_metrics(batch, rows, trains, versions, totals, grad_norm, stepped)
+        step = self._train(rows)
+        return step_metrics(
+            batch, rows, trains, versions, step.totals, step.grad_norm_sum, step.optimizer_steps, step.minibatches
+        )
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
@@ -199,45 +219,91 @@ class MegatronTrainer:
 
     # ---- the step, on every rank --------------------------------------------------------------
 
-    def _train(self, rows: list[Row]) -> tuple[defaultdict[str, float], float, bool]:
+    def _train(self, rows: list[Row]) -> _StepTotals:
+        """The batch's optimizer steps: one per minibatch of `global_batch_size` rows, in order.
+
+        With several, the proximal log-probs are computed once first, under the weights the batch
+        was given to (the torch trainer's decoupled objective): the PPO clip of the later steps acts
+        against them. Each rank computes them for its own micro-batches only.
+        """
+        size = self.global_batch_size or len(rows)
+        minibatches = [rows[i : i + size] for i in range(0, len(rows), size)]
+        plans = [self._micro_batches(mb) for mb in minibatches]
+        self.model.train()
+        proximal: list[list[torch.Tensor]] | None = None
+        if len(minibatches) > 1:
+            with torch.no_grad():
+                proximal = [[self._packed_logprobs(c)[0] for c in chunks] for chunks in plans]
+        step = _StepTotals(defaultdict(float), 0.0, 0, len(minibatches))
+        for i, (mb, chunks) in enumerate(zip(minibatches, plans, strict=True)):
+            totals, grad_norm, stepped = self._minibatch_step(mb, chunks, None if proximal is None else proximal[i])
+            for key, value in totals.items():
+                step.totals[key] = max(step.totals[key], value) if key == "weight_max" else step.totals[key] + value
+            if stepped:
+                step.grad_norm_sum += grad_norm
+                step.optimizer_steps += 1
+        self.steps += 1
+        return step
+
+    def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
+        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`."""
+        mine = minibatch[self.layout.dp_rank :: self.layout.dp]
+        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+
+    def _minibatch_step(
+        self, minibatch: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None
+    ) -> tuple[defaultdict[str, float], float, bool]:
         """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
 
         Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
-        a batch with no signal (no token trains, or every advantage is 0) takes none, as in the
-        torch trainer, since AdamW's momentum would move the weights anyway.
+        a minibatch with no signal (no token trains, or every advantage is 0) takes none, as in the
+        torch trainer, since AdamW's momentum would move the weights anyway. Every rank reaches the
+        same decision, from the DP-summed totals.
         """
-        mine = rows[self.layout.dp_rank :: self.layout.dp]
-        chunks = [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
-        batch_tokens = self._batch_tokens(rows, chunks)
-        self.model.train()
+        batch_tokens = self._batch_tokens(minibatch, chunks, proximal)
         self.optimizer.zero_grad(set_to_none=False)
         totals: defaultdict[str, float] = defaultdict(float)
-        for chunk in chunks:
+        for j, chunk in enumerate(chunks):
             logp, entropy = self._packed_logprobs(chunk)
             micro_batch_loss(
-                self.loss, chunk, logp, entropy, batch_tokens=batch_tokens, batch_samples=len(rows), totals=totals
+                self.loss,
+                chunk,
+                logp,
+                entropy,
+                batch_tokens=batch_tokens,
+                batch_samples=len(minibatch),
+                totals=totals,
+                proximal_flat=None if proximal is None else proximal[j],
             ).backward()
-        if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
+        if not chunks:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
         totals = self._sum_over_dp(totals)
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        stepped = totals["signal"] > 0
-        if stepped:
-            self.optimizer.step()
-        self.steps += 1
-        return totals, grad_norm, stepped
+        if totals["signal"] <= 0:
+            return totals, 0.0, False
+        from megatron.core import parallel_state as ps
 
-    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]]) -> float:
-        """The token-mean denominator: the batch's trainable tokens, after log-prob-dependent drops."""
+        tp_group = ps.get_tensor_model_parallel_group()
+        lay = self.layout
+        reduce_gradients(self.model, tp=lay.tp, dp=lay.dp, tp_group=tp_group, dp_group=self._dp_group())
+        grad_norm = clip_gradients(self.model, self.max_grad_norm, tp=lay.tp, tp_rank=lay.tp_rank, tp_group=tp_group)
+        self.optimizer.step()
+        return totals, grad_norm, True
+
+    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None) -> float:
+        """The token-mean denominator: the minibatch's trainable tokens, after log-prob-dependent drops."""
         s = self.loss
         drops = s.use_opsm or s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
         if s.aggregation is not LossAggregation.TOKEN_MEAN or not drops:
             return float(sum(sum(r.mask) for r in rows))
+        count = 0.0
         with torch.no_grad():
-            count = sum(trained_token_count(s, c, self._packed_logprobs(c)[0]) for c in chunks)
-        total = torch.tensor([float(count)], dtype=torch.float64, device=self._comm_device)
+            for j, c in enumerate(chunks):
+                prox = None if proximal is None else proximal[j]
+                # IcePop and seq-mask drop by the proximal log-probs; only OPSM needs the current ones.
+                logp = self._packed_logprobs(c)[0] if prox is None or s.use_opsm else prox
+                count += trained_token_count(s, c, logp, prox)
+        total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
         if self.layout.dp > 1:
             dist.all_reduce(total, group=self._dp_group())
         return float(total[0])
@@ -316,52 +382,6 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group()
-
-    def _reduce_gradients(self) -> None:
-        """Sum gradients over data-parallel replicas (each loss was already divided by the global count).
-
-        Also over the TP group for the q/k norms: they are replicated, but each TP rank applies
-        them to its own heads only, so each rank holds a part of their gradient (megatron's
-        finalize_model_grads does the same for such parameters).
-        """
-        from megatron.core import parallel_state as ps
-
-        if self.layout.tp > 1:
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        if self.layout.dp == 1:
-            return
-        group = self._dp_group()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-
-    def _clip_gradients(self) -> float:
-        """Clip to `max_grad_norm` by the norm over the whole model; return that norm (before clipping).
-
-        A tensor-parallel shard counts on its rank; a replicated parameter (norms) counts once, on TP
-        rank 0, so the sum over the TP group is the full model's.
-        """
-        from megatron.core import parallel_state as ps
-
-        square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            # By name, not megatron's `tensor_model_parallel` attribute: it is not set on CPU-initialised
-            # parameters when `perform_initialization` is off.
-            if is_sharded(name) or self.layout.tp_rank == 0:
-                square += p.grad.double().pow(2).sum()
-        if self.layout.tp > 1:
-            dist.all_reduce(square, group=ps.get_tensor_model_parallel_group())
-        norm = float(square.sqrt())
-        coef = self.max_grad_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
 
     # ---- weights and optimizer (stages.trainer.megatron.checkpoint) ---------------------------
 
