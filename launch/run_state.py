@@ -121,6 +121,7 @@ def open_run_state(config: Config) -> RunState:
                 tp=t.tensor_model_parallel_size,
                 pp=t.pipeline_model_parallel_size,
                 device=t.device,
+                dtype=t.dtype,
                 seed=config.rollout.seed,
                 log_dir=out / "logs",
                 loss=loss_settings(settings),

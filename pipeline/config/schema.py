@@ -472,6 +472,14 @@ class TrainerConfig:
         "str",
         help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)",
     )
+    dtype: str = _opt(
+        "float32",
+        "--trainer-dtype",
+        "choice",
+        choices=("float32", "bfloat16"),
+        help="what the trainer computes in; bfloat16 keeps fp32 master weights, gradients and optimizer state "
+        "(torch: autocast; megatron: bf16 parameters with fp32 masters)",
+    )
     backend: str = _opt(
         "torch",
         "--train-backend",

@@ -53,10 +53,14 @@ from stages.trainer.megatron.checkpoint import (
     write_hf_weights,
 )
 from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
+from stages.trainer.megatron.master import MasterWeights
 from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model
 from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
 
 __all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
+
+# `--trainer-dtype`: what the model computes in; the optimizer always steps fp32 weights (master.py).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class _Command(IntEnum):
@@ -106,6 +110,7 @@ class MegatronTrainer:
         weight_decay: float = 0.0,
         micro_batch_size: int = 8,
         device: str = "cpu",
+        dtype: str = "float32",
         num_threads: int | None = 1,
     ) -> None:
         from megatron.core import parallel_state as ps
@@ -113,6 +118,8 @@ class MegatronTrainer:
 
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if global_batch_size is not None and global_batch_size < 1:
@@ -136,15 +143,17 @@ class MegatronTrainer:
         )
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
-        self.model = build_gpt_model(
-            self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu"
-        )
-        load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.dtype = _DTYPES[dtype]
+        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=self.dtype, on_cpu=self.device.type == "cpu")
+        fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
+        self.master = MasterWeights(self.model, fp32)
+        del fp32
+        self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
         self.steps = 0
         if (self.model_path / OPTIMIZER_DIR).is_dir():
             self.steps = load_optimizer_shard(
-                self.optimizer, self.model, self.model_path / OPTIMIZER_DIR, layout=self._layout_dict
+                self.optimizer, self.master.named(), self.model_path / OPTIMIZER_DIR, layout=self._layout_dict
             )
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
@@ -275,19 +284,21 @@ class MegatronTrainer:
                 totals=totals,
                 proximal_flat=None if proximal is None else proximal[j],
             ).backward()
+            self.master.accumulate_grads()  # bf16: into the fp32 masters, after every micro-batch
         if not chunks:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
+            self.master.accumulate_grads()
         totals = self._sum_over_dp(totals)
         if totals["signal"] <= 0:
             return totals, 0.0, False
         from megatron.core import parallel_state as ps
 
-        tp_group = ps.get_tensor_model_parallel_group()
-        lay = self.layout
-        reduce_gradients(self.model, tp=lay.tp, dp=lay.dp, tp_group=tp_group, dp_group=self._dp_group())
-        grad_norm = clip_gradients(self.model, self.max_grad_norm, tp=lay.tp, tp_rank=lay.tp_rank, tp_group=tp_group)
+        tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, self.master.named()
+        reduce_gradients(named, tp=lay.tp, dp=lay.dp, tp_group=tp_group, dp_group=self._dp_group())
+        grad_norm = clip_gradients(named, self.max_grad_norm, tp=lay.tp, tp_rank=lay.tp_rank, tp_group=tp_group)
         self.optimizer.step()
+        self.master.copy_to_model()
         return totals, grad_norm, True
 
     def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None) -> float:
@@ -389,14 +400,14 @@ class MegatronTrainer:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
         from megatron.core import parallel_state as ps
 
-        full = gather_full_state(self.model, tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = gather_full_state(self.master.named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
         if self.layout.rank == 0:
             write_hf_weights(folder, full, self.shape, self.model_path)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
         save_optimizer_shard(
-            self.optimizer, self.model, folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
+            self.optimizer, self.master.named(), folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
         )
         if self.layout.world > 1:
             dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
