@@ -177,6 +177,23 @@ def test_bf16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path):
     assert r["weights_moved"] > 5e-3
 
 
+def test_a_distributed_publish_from_tp2_ranks_gives_the_engine_the_saved_weights(tmp_path):
+    """--update-weight-transport distributed with the megatron backend: rank 0 gathers the TP
+    shards, converts them to HF names and shapes, and broadcasts them in buckets over a gloo group
+    to a built-in engine process; afterwards every tensor of the engine equals the saved folder's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    script = str(ROOT / "tests" / "megatron_publish_check.py")
+    done = subprocess.run(
+        [sys.executable, script, str(tmp_path), "2", "2"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    r = orjson.loads((tmp_path / "result.json").read_bytes())
+    assert r["versions"] == ["1"] and r["buckets"] > 2 and r["optimizer_steps"] >= 1
+    assert r["sent"] == sorted(r["equal"])  # the same names as the saved HF folder, no more
+    assert all(r["equal"].values()), [name for name, ok in r["equal"].items() if not ok]
+    assert any(r["moved"].values())  # the step changed the weights the engine now serves
+
+
 def test_parallel_flags_are_checked_at_config_load():
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
@@ -215,6 +232,8 @@ def test_parallel_flags_are_checked_at_config_load():
     text = str(err.value)
     assert "--pipeline-model-parallel-size=2: pipeline parallelism is not supported" in text
     assert "--tensor-model-parallel-size=2: must divide --actor-num-gpus-per-node=3" in text
+    distributed = ["--train-backend", "megatron", "--update-weight-transport", "distributed"]
+    assert load_config(distributed).rollout.update_weight_transport == "distributed"
     with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size=2 with --train-backend=torch"):
         load_config(["--tensor-model-parallel-size", "2"])
 
@@ -255,8 +274,16 @@ def _launch(tmp_path: Path, *flags: str) -> list[dict]:
         (),
         ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--micro-batch-size", "16"),
         ("--trainer-dtype", "bfloat16"),
+        (
+            "--actor-num-gpus-per-node",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--update-weight-transport",
+            "distributed",
+        ),
     ],
-    ids=["tp1", "tp2", "tp1-bf16"],
+    ids=["tp1", "tp2", "tp1-bf16", "tp2-distributed-publish"],
 )
 def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     """End to end: built-in engine, megatron ranks, a publish per step; reward rises in 12 steps.

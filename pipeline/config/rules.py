@@ -124,11 +124,6 @@ def _megatron_rules(draft: Draft) -> None:
                     "one process; add --train-backend megatron"
                 )
         return
-    if get("rollout", "update_weight_transport") == "distributed":
-        problem(
-            "--update-weight-transport=distributed with --train-backend=megatron: the distributed "
-            "publish sends the torch trainer's weights; the megatron backend publishes from disk for now"
-        )
     if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
         problem(
             f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "

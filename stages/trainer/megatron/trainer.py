@@ -3,14 +3,14 @@
 Same protocol as `stages.trainer.GRPOTrainer` (`train_step(batch) -> metrics`,
 `save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
 that engines load with `update_weights_from_disk`, written whole or not at all, plus the
-optimizer state, saved before the controller commits the step.
+optimizer state, saved before the controller commits the step. For `--update-weight-transport
+distributed`, `hf_weights()` hands the publisher the same HF tensors, gathered over TP.
 
 Ranks. Every rank is one process with this object in it. Rank 0 lives in the controller's
 process; the others run `follow()` (started by `launch.megatron_ranks`). Rank 0 turns each
-request into a command and broadcasts it over the world group (a header tensor `[command,
-length]`, then the payload as bytes: orjson, never pickle); then every rank runs the same code,
-so their collectives meet. Rank 0 alone does what needs the Batch (advantages, masks, reward
-metrics), so followers receive plain rows of numbers.
+request into a command and broadcasts it over the world group (`commands.py`: orjson, never
+pickle); then every rank runs the same code, so their collectives meet. Rank 0 alone does what
+needs the Batch (advantages, masks, reward metrics), so followers receive plain rows of numbers.
 
 The loss is `stages.trainer.loss`, run on each micro-batch by `rows.micro_batch_loss` exactly as
 the torch trainer runs it on a minibatch. A rollout batch takes one optimizer step per
@@ -34,11 +34,9 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, cast
 
-import orjson
 import torch
 import torch.distributed as dist
 
@@ -52,22 +50,17 @@ from stages.trainer.megatron.checkpoint import (
     save_optimizer_shard,
     write_hf_weights,
 )
+from stages.trainer.megatron.commands import Command as _Command
+from stages.trainer.megatron.commands import broadcast_command, receive_command
 from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
 from stages.trainer.megatron.master import MasterWeights
-from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, megatron_to_hf
 from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
 
 __all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
 
 # `--trainer-dtype`: what the model computes in; the optimizer always steps fp32 weights (master.py).
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class _Command(IntEnum):
-    STOP = 0
-    TRAIN = 1
-    SAVE = 2
-    LOGPROBS = 3
 
 
 @dataclass(slots=True)
@@ -184,6 +177,16 @@ class MegatronTrainer:
         self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
         return self._logprobs(rows)
 
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The whole model under Hugging Face names and shapes, fp32, on CPU (rank 0; all ranks take part).
+
+        What the distributed publish sends (`stages.publish_distributed`, `--update-weight-transport
+        distributed`): the TP shards of the master weights gathered to rank 0 and converted exactly
+        as for a saved folder, so an engine holds the same tensors either way.
+        """
+        self._broadcast(_Command.GATHER, None)
+        return list(self._gather_hf().items())
+
     def close(self) -> None:
         """Release the followers (rank 0); they leave `follow()`."""
         if self.layout.rank == 0 and self.layout.world > 1:
@@ -194,7 +197,7 @@ class MegatronTrainer:
     def follow(self) -> None:
         """Run rank 0's commands until it says stop (ranks > 0)."""
         while True:
-            command, payload = self._receive()
+            command, payload = receive_command(self._comm_device)
             if command is _Command.STOP:
                 return
             if command is _Command.TRAIN:
@@ -203,24 +206,12 @@ class MegatronTrainer:
                 self._save(Path(payload))
             elif command is _Command.LOGPROBS:
                 self._logprobs([Row.from_json(r) for r in payload])
+            elif command is _Command.GATHER:
+                self._gather_hf()
 
     def _broadcast(self, command: _Command, payload: Any) -> None:
-        if self.layout.world == 1:
-            return
-        data = orjson.dumps(payload)
-        header = torch.tensor([int(command), len(data)], dtype=torch.int64, device=self._comm_device)
-        dist.broadcast(header, src=0)
-        if data:
-            body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
-            dist.broadcast(body, src=0)
-
-    def _receive(self) -> tuple[_Command, Any]:
-        header = torch.zeros(2, dtype=torch.int64, device=self._comm_device)
-        dist.broadcast(header, src=0)
-        command, length = _Command(int(header[0])), int(header[1])
-        body = torch.empty(length, dtype=torch.uint8, device=self._comm_device)
-        dist.broadcast(body, src=0)
-        return command, orjson.loads(body.cpu().numpy().tobytes())
+        if self.layout.world > 1:
+            broadcast_command(command, payload, self._comm_device)
 
     @property
     def _comm_device(self) -> torch.device:
@@ -395,6 +386,13 @@ class MegatronTrainer:
         return ps.get_data_parallel_group()
 
     # ---- weights and optimizer (stages.trainer.megatron.checkpoint) ---------------------------
+
+    def _gather_hf(self) -> dict[str, torch.Tensor]:
+        """Every rank joins the TP gather; rank 0 converts to HF names (the others return nothing)."""
+        from megatron.core import parallel_state as ps
+
+        full = gather_full_state(self.master.named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        return megatron_to_hf(full, self.shape) if self.layout.rank == 0 else {}
 
     def _save(self, folder: Path) -> None:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
