@@ -22,10 +22,13 @@ Parallelism: tensor parallel from megatron-core's `parallel_state`, data paralle
 Each DP rank takes every DP-th row of each minibatch; the loss is normalised by the minibatch's
 token count, and gradients are summed over the DP group (`grads.py`), so each step equals the
 single-process step. Pipeline parallel is refused at config load. Micro-batches of
-`micro_batch_size` rows are packed into one sequence (no padding to the longest) with a
-block-diagonal causal mask; RoPE only sees position differences, so packing leaves every token's
-log-prob unchanged. Optimizer: torch AdamW on each
-rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see the README).
+`micro_batch_size` rows are packed into one sequence (`packing.py`).
+
+Precision (`dtype`, `--trainer-dtype`): float32, or bfloat16 parameters with fp32 master weights,
+fp32 gradient accumulation and fp32 AdamW state (`master.py`), megatron's mixed-precision recipe.
+Optimizer: torch AdamW on each rank's shard. megatron-core's DDP wrapper and distributed
+optimizer are not used: under 0.16.1 (the CPU ranks CI runs) both allocate their buffers on CUDA
+(`param_and_grad_buffer.py`, `optimizer.py`), so they cannot serve the CPU ranks; see the README.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from stages.trainer.megatron.commands import Command as _Command
 from stages.trainer.megatron.commands import broadcast_command, receive_command
 from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
 from stages.trainer.megatron.master import MasterWeights
+from stages.trainer.megatron.packing import packed_logprobs
 from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, megatron_to_hf
 from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
 
@@ -336,49 +340,13 @@ class MegatronTrainer:
         return out
 
     def _packed_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the response tokens of `rows` and the entropy at each, packed: [sum of responses].
-
-        The sequence is every row's prompt+response back to back; a block-diagonal causal mask keeps
-        each row to itself. Only the positions that predict a response token go through the
-        vocab-parallel softmax.
-        """
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        ids: list[int] = []
-        predict: list[int] = []
-        blocks: list[int] = []
-        targets: list[int] = []
-        for r in rows:
-            p = len(r.prompt_ids)
-            predict += range(len(ids) + p - 1, len(ids) + p - 1 + len(r.response_ids))
-            ids += r.prompt_ids + r.response_ids
-            targets += r.response_ids
-            blocks.append(p + len(r.response_ids))
-        owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
-        position = torch.arange(len(ids))
-        hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = masked
-        tokens = torch.tensor(ids, device=self.device)[None]
-        logits = self.model(tokens, position.to(self.device)[None], attention_mask=hidden.to(self.device)[None, None])
-        picked = logits[0, torch.tensor(predict, device=self.device)].float() / self.temperature  # [R, V / tp]
-        target = torch.tensor(targets, device=self.device)
-        # -log softmax(logits)[target] over the whole vocabulary, each TP rank holding a slice of it.
-        logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), target[:, None])[:, 0]
-        return logp, self._entropy(picked.detach())
-
-    @torch.no_grad()
-    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy of softmax(logits) per row, the vocabulary split over the TP group: [R]."""
+        """Log-probs and entropies of the response tokens of `rows`, packed in one sequence (`packing.py`)."""
         from megatron.core import parallel_state as ps
 
-        peak = logits.max(dim=-1, keepdim=True).values
-        if self.layout.tp > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-        shifted = logits - peak
-        weights = shifted.exp()
-        parts = torch.stack([weights.sum(-1), (weights * shifted).sum(-1)])
-        if self.layout.tp > 1:
-            dist.all_reduce(parts, group=ps.get_tensor_model_parallel_group())
-        return parts[0].log() - parts[1] / parts[0]  # log Z - E[shifted]
+        group = ps.get_tensor_model_parallel_group()
+        return packed_logprobs(
+            self.model, rows, temperature=self.temperature, device=self.device, tp_group=group, tp=self.layout.tp
+        )
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps
