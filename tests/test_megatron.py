@@ -194,6 +194,21 @@ def test_a_distributed_publish_from_tp2_ranks_gives_the_engine_the_saved_weights
     assert any(r["moved"].values())  # the step changed the weights the engine now serves
 
 
+def test_a_bf16_run_resumes_from_its_fp32_master_weights_and_adam_state(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    script = str(ROOT / "tests" / "megatron_resume_check.py")
+    for mode in ("train", "resume"):
+        done = subprocess.run(
+            [sys.executable, script, str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+    r = orjson.loads((tmp_path / "result.json").read_bytes())
+    assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert r["steps"] == 1 and r["steps_after"] == 2 and r["next_step_loss_finite"]
+    assert r["masters_equal_saved"] and r["params_are_rounded_masters"]
+    assert r["adam_state_restored"] and r["adam_entries"] > 0
+
+
 def test_parallel_flags_are_checked_at_config_load():
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
