@@ -8,7 +8,7 @@ and runs exactly the torch trainer's minibatch body (`stages.trainer.grpo`): imp
 OPSM, PPO clip, aggregation. Aggregation over micro-batches and data-parallel ranks is composed
 exactly: each micro-batch's `aggregate` is scaled by its share of its minibatch's tokens
 (token-mean) or samples (the two per-sequence modes); a minibatch is the samples of one optimizer
-step (`--global-batch-size`), the whole rollout batch by default of the trainer.
+step (`--global-batch-size`; the trainer's own default, None, is the whole rollout batch).
 """
 
 from __future__ import annotations
