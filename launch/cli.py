@@ -197,8 +197,11 @@ async def _weight_transfer(
     engines: join it now (a failure shows at start, not at the first publish), leave it at exit."""
     if config.rollout.update_weight_transport != WeightTransport.DISTRIBUTED:
         return None
+    # The torch trainer's parameters carry HF names already; the megatron backend gathers its
+    # tensor-parallel shards and converts them (`MegatronTrainer.hf_weights`).
+    weights = getattr(trainer, "hf_weights", None) or trainer.model.named_parameters
     sender = DistributedWeightSender(
-        trainer.model.named_parameters,
+        weights,
         engines,
         device=trainer.device,
         bucket_bytes=config.rollout.update_weight_buffer_size,

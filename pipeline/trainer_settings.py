@@ -73,5 +73,6 @@ def build_trainer(
         max_grad_norm=t.max_grad_norm,
         seed=r.seed if seed is None else seed,
         device=t.device if device is None else device,
+        dtype=t.dtype,
         num_threads=num_threads,
     )

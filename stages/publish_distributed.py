@@ -261,7 +261,9 @@ class DistributedWeightSender:
             await self.connect()
         group = self._group
         assert group is not None
-        for bucket in self.buckets():
+        # Off the event loop: reading the weights copies them, and a megatron trainer gathers its
+        # tensor-parallel shards from the other ranks first.
+        for bucket in await anyio.to_thread.run_sync(self.buckets):
             specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in bucket]
             broken: list[BaseException] = []
             failure: EngineError | None = None

@@ -1,6 +1,7 @@
 """Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
 
-`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS]]]` writes OUT_DIR/result.json with both
+`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS [GLOBAL_BATCH [DTYPE]]]]]` writes
+OUT_DIR/result.json with both
 trainers' metrics, log-probs before the step, and the largest difference between their published
 weights. A process of its own, because megatron's parallel state and the process group are global.
 """
@@ -63,7 +64,16 @@ def _settings(variant: str):
     return LossSettings(**raw)
 
 
-def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", variant: str = "default") -> None:
+def main(
+    out: Path,
+    world: int,
+    tp: int,
+    micro: int,
+    device: str = "cpu",
+    variant: str = "default",
+    gbs: int | None = None,
+    dtype: str = "float32",
+) -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
@@ -72,7 +82,7 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)
-    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings)
+    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings, global_batch_size=gbs, device=device, dtype=dtype)
     batch = fixed_batch(torch_trainer)
     torch_lp = torch_trainer.logprobs(batch.samples)
     torch_metrics = torch_trainer.train_step(batch)
@@ -87,8 +97,11 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
         loss=settings,
         lr=1e-2,
         micro_batch_size=micro,
+        global_batch_size=gbs,
+        dtype=dtype,
     )
     try:
+        model_dtypes = sorted({str(p.dtype) for p in mg.model.parameters()})
         mg_lp = mg.logprobs(batch.samples)
         mg_metrics = mg.train_step(batch)
         mg.save_weights(out / "megatron")
@@ -106,6 +119,10 @@ def main(out: Path, world: int, tp: int, micro: int, device: str = "cpu", varian
         "weights_moved": max(float((a[k] - base[k]).abs().max()) for k in a),
         "names": [sorted(a), sorted(b)],
         "optimizer_files": sorted(p.name for p in (out / "megatron" / "optimizer").iterdir()),
+        "model_dtypes": model_dtypes,
+        "saved_dtypes": sorted({str(t.dtype) for t in b.values()}),
+        # The published weights are the fp32 masters, not their bf16 rounding.
+        "saved_beyond_bf16": any(bool((t != t.bfloat16().float()).any()) for t in b.values()),
     }
     (out / "result.json").write_bytes(orjson.dumps(result))
 
@@ -118,4 +135,6 @@ if __name__ == "__main__":
         int(sys.argv[4]) if len(sys.argv) > 4 else 8,
         sys.argv[5] if len(sys.argv) > 5 else "cpu",
         sys.argv[6] if len(sys.argv) > 6 else "default",
+        int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None,
+        sys.argv[8] if len(sys.argv) > 8 else "float32",
     )

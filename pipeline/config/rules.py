@@ -132,16 +132,6 @@ def _megatron_rules(draft: Draft) -> None:
                     "one process; add --train-backend megatron"
                 )
         return
-    if get("rollout", "update_weight_transport") == "distributed":
-        problem(
-            "--update-weight-transport=distributed with --train-backend=megatron: the distributed "
-            "publish sends the torch trainer's weights; the megatron backend publishes from disk for now"
-        )
-    if draft.given("trainer", "global_batch_size"):
-        problem(
-            f"{show('trainer', 'global_batch_size')} with --train-backend=megatron: the megatron "
-            "backend takes one optimizer step per rollout batch (leave --global-batch-size out)"
-        )
     if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
         problem(
             f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
@@ -290,9 +280,9 @@ def derive_defaults(draft: Draft) -> None:
         # Each engine takes --rollout-num-gpus-per-engine of the listed GPUs (checked in the rules).
         e["num_engines"] = max(1, len(devices.split(",")) // (e["gpus_per_engine"] or 1))
     batch_ok = draft.ok("rollout", "rollout_batch_size") and draft.ok("rollout", "n_samples_per_prompt")
-    if t["global_batch_size"] is None and t.get("backend") != "megatron" and batch_ok:
+    if t["global_batch_size"] is None and batch_ok:
         # Two optimizer steps per rollout batch: the second is clipped against the proximal log-probs,
-        # which is what keeps off-policy modes from dipping (BENCHMARKS.md section 8).
+        # which is what keeps off-policy modes from dipping (BENCHMARKS.md section 8). Both backends.
         samples = r["rollout_batch_size"] * r["n_samples_per_prompt"]
         t["global_batch_size"] = max(1, samples // 2)
     if t["use_opsm"] is None and draft.ok("rollout", "mode") and draft.ok("rollout", "partial_rollout"):

@@ -449,7 +449,7 @@ class TrainerConfig:
         "--global-batch-size",
         "int",
         ge=1,
-        default_help="half a rollout batch's samples (two optimizer steps; the megatron backend takes one)",
+        default_help="half a rollout batch's samples (two optimizer steps, either backend)",
         help="samples per optimizer step; a smaller value splits each rollout batch into several steps, "
         "with the PPO clip acting against the log-probs recomputed before the first (the trust region that "
         "keeps partial and async rollout stable: BENCHMARKS.md section 8)",
@@ -513,6 +513,14 @@ class TrainerConfig:
         "--trainer-device",
         "str",
         help="torch device for the built-in trainer: cpu, cuda, cuda:N (ROCm builds of torch call AMD GPUs cuda too)",
+    )
+    dtype: str = _opt(
+        "float32",
+        "--trainer-dtype",
+        "choice",
+        choices=("float32", "bfloat16"),
+        help="what the trainer computes in; bfloat16 keeps fp32 master weights, gradients and optimizer state "
+        "(torch: autocast; megatron: bf16 parameters with fp32 masters)",
     )
     backend: str = _opt(
         "torch",

@@ -112,9 +112,13 @@ class GRPOTrainer:
         weight_decay: float = 0.0,
         seed: int = 0,
         device: str = "cpu",
+        dtype: str = "float32",
         num_threads: int | None = 1,
     ) -> None:
         from transformers import AutoModelForCausalLM
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
         if temperature <= 0:
             raise ValueError(
@@ -134,6 +138,9 @@ class GRPOTrainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.device = torch.device(device)
+        # bf16 computes the forward and backward under torch.autocast; the weights, their gradients
+        # and AdamW's state stay fp32 (master weights), whichever dtype.
+        self.autocast = dtype == "bfloat16"
         # fp32 master weights: the tiny model trains on CPU, where bf16 buys nothing.
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         # `PreTrainedModel.to` is a `functools.wraps` wrapper that mypy cannot bind to its instance;
@@ -357,7 +364,8 @@ class GRPOTrainer:
             targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
         ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
 
-        logits = self.model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
         full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         logp = full.gather(-1, targets[..., None]).squeeze(-1)

@@ -2,6 +2,11 @@
 
     trainer.py     MegatronTrainer: the Trainer protocol on megatron ranks (rank 0 leads, others follow)
     rows.py        a Batch as rows for the ranks, and the shared loss (stages.trainer.loss) on them
+    commands.py    rank 0's commands to the other ranks (train, save, log-probs, gather, stop)
+    packing.py     samples packed into one sequence, log-probs and entropy over the TP-split vocabulary
+    grads.py       gradients across ranks: DP sum, TP sum of the q/k norms, the global norm clip
+    master.py      fp32 master weights for a bf16 model (--trainer-dtype bfloat16)
+    checkpoint.py  HF weights in and out, one AdamW shard per rank
     qwen3.py       the Qwen3-shaped GPTModel, and HF <-> megatron weight conversion (exact)
     cpu_patches.py the runtime patches megatron-core 0.16.1 needs on CPU, applied only there
 

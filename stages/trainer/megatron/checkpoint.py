@@ -10,6 +10,7 @@ anything else is refused with both layouts named. Never pickle.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -22,10 +23,16 @@ from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_t
 __all__ = ["gather_full_state", "load_hf_weights", "load_optimizer_shard", "save_optimizer_shard", "write_hf_weights"]
 
 FORMAT = 1
+Named = Sequence[tuple[str, torch.nn.Parameter]]  # megatron name, the parameter the optimizer steps
 
 
-def load_hf_weights(model: torch.nn.Module, folder: Path, shape: Qwen3Shape, *, tp_rank: int, tp: int) -> None:
-    """Copy this rank's shard of the HF weights in `folder` (every top-level *.safetensors) into `model`."""
+def load_hf_weights(
+    model: torch.nn.Module, folder: Path, shape: Qwen3Shape, *, tp_rank: int, tp: int
+) -> dict[str, torch.Tensor]:
+    """Copy this rank's shard of the HF weights in `folder` (every top-level *.safetensors) into `model`.
+
+    Returns the shards as read (fp32 for the folders this backend writes), by megatron name: a bf16
+    model's master weights start from them, not from their rounding."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -36,17 +43,20 @@ def load_hf_weights(model: torch.nn.Module, folder: Path, shape: Qwen3Shape, *, 
         with safe_open(str(f), framework="pt") as fh:
             hf.update({k: fh.get_tensor(k) for k in fh.keys()})
     full = hf_to_megatron(hf, shape)
+    shards: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in full:
                 raise PipelineError(f"{folder}: no weight converts to megatron parameter {name!r}")
-            param.copy_(shard(name, full[name], tp_rank, tp).to(param.dtype))
+            shards[name] = shard(name, full[name], tp_rank, tp).float()
+            param.copy_(shards[name].to(param.dtype))
+    return shards
 
 
-def gather_full_state(model: torch.nn.Module, *, tp: int, group: object) -> dict[str, torch.Tensor]:
+def gather_full_state(named: Named, *, tp: int, group: object) -> dict[str, torch.Tensor]:
     """Every parameter joined over the TP `group` (a collective: every TP rank calls it), on CPU."""
     out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in named:
         local = param.detach().contiguous()
         parts = [local]
         if tp > 1:
@@ -70,11 +80,11 @@ def write_hf_weights(folder: Path, full: dict[str, torch.Tensor], shape: Qwen3Sh
 
 
 def save_optimizer_shard(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *, layout: dict[str, int], steps: int
+    optimizer: torch.optim.Optimizer, named: Named, folder: Path, *, layout: dict[str, int], steps: int
 ) -> None:
     from safetensors.torch import save_file
 
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in named}
     tensors: dict[str, torch.Tensor] = {}
     for param, state in optimizer.state.items():
         for key, value in state.items():
@@ -92,7 +102,7 @@ def save_optimizer_shard(
 
 
 def load_optimizer_shard(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path, *, layout: dict[str, int]
+    optimizer: torch.optim.Optimizer, named: Named, folder: Path, *, layout: dict[str, int]
 ) -> int:
     """Restore this rank's AdamW shard; return the trainer steps it had taken."""
     from safetensors import SafetensorError
@@ -113,7 +123,7 @@ def load_optimizer_shard(
     expected = {"format": FORMAT, "backend": "megatron", "world": layout["world"], "tp": layout["tp"]}
     if {k: meta.get(k) for k in expected} != expected:
         raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
-    for name, param in model.named_parameters():
+    for name, param in named:
         # AdamW keeps `step` on the CPU (non-capturable); the moments live beside the parameter.
         state = {
             key.rsplit(".", 1)[1]: t if key.endswith(".step") else t.to(param.device)

@@ -6,8 +6,9 @@ the loss mask, truncated samples, the newest-version and staleness masks. Follow
 rows (orjson). On every rank, `micro_batch_loss` lays a packed micro-batch out [sample, position]
 and runs exactly the torch trainer's minibatch body (`stages.trainer.grpo`): importance weights,
 OPSM, PPO clip, aggregation. Aggregation over micro-batches and data-parallel ranks is composed
-exactly: each micro-batch's `aggregate` is scaled by its share of the batch's tokens (token-mean)
-or samples (the two per-sequence modes).
+exactly: each micro-batch's `aggregate` is scaled by its share of its minibatch's tokens
+(token-mean) or samples (the two per-sequence modes); a minibatch is the samples of one optimizer
+step (`--global-batch-size`; the trainer's own default, None, is the whole rollout batch).
 """
 
 from __future__ import annotations
@@ -133,6 +134,16 @@ def _padded(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _row_tensors(
+    rows: Sequence[Row], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Behaviour log-probs and the token mask [B, width], and the advantages [B]."""
+    behaviour = torch.tensor([r.behaviour + [0.0] * (width - len(r.behaviour)) for r in rows], device=device)
+    mask = torch.tensor([r.mask + [False] * (width - len(r.mask)) for r in rows], dtype=torch.bool, device=device)
+    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device)
+    return behaviour, mask, adv
+
+
 def micro_batch_loss(
     settings: LossSettings,
     rows: Sequence[Row],
@@ -142,15 +153,19 @@ def micro_batch_loss(
     batch_tokens: float,
     batch_samples: int,
     totals: defaultdict[str, float],
+    proximal_flat: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This micro-batch's part of the batch loss (backward it), adding its sums to `totals`."""
+    """This micro-batch's part of its minibatch's loss (backward it), adding its sums to `totals`.
+
+    `batch_tokens` and `batch_samples` are the minibatch's (one optimizer step's) token count and
+    sample count. `proximal_flat`: the log-probs recomputed before the rollout batch's first
+    optimizer step (several steps per batch); None means one step, where the proximal policy is
+    the current one.
+    """
     s, device = settings, logp_flat.device
     logp, entropy = _padded(rows, logp_flat), _padded(rows, entropy_flat)
-    width = logp.shape[1]
-    behaviour = torch.tensor([r.behaviour + [0.0] * (width - len(r.behaviour)) for r in rows], device=device)
-    mask = torch.tensor([r.mask + [False] * (width - len(r.mask)) for r in rows], dtype=torch.bool, device=device)
-    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device)
-    prox = logp.detach()  # one optimizer step per batch: the proximal policy is the current one
+    behaviour, mask, adv = _row_tensors(rows, logp.shape[1], device)
+    prox = logp.detach() if proximal_flat is None else _padded(rows, proximal_flat)
 
     iw = L.importance_weights(prox, behaviour, mask, s)
     train = mask & ~iw.dropped
@@ -192,10 +207,14 @@ def step_metrics(
     trains: Sequence[bool],
     versions: Sequence[Sequence[int]],
     totals: defaultdict[str, float],
-    grad_norm: float,
-    stepped: bool,
+    grad_norm_sum: float,
+    optimizer_steps: int,
+    n_minibatches: int,
 ) -> dict[str, float]:
-    """The torch trainer's metrics (`stages.trainer.metrics`) from the ranks' summed totals."""
+    """The torch trainer's metrics (`stages.trainer.metrics`) from the ranks' summed totals.
+
+    `grad_norm_sum` adds the norm of every optimizer step taken (`optimizer_steps` of them) over the
+    batch's `n_minibatches`, as the torch trainer counts them."""
     from stages.trainer.metrics import step_metrics as shared
 
     width = max((len(r.response_ids) for r in rows), default=0)
@@ -208,24 +227,27 @@ def step_metrics(
         mask[i, :n] = torch.tensor(r.mask, dtype=torch.bool)
         token_versions[i, :n] = torch.tensor(list(v), dtype=torch.long)
     summed: defaultdict[str, float] = defaultdict(float, totals)
-    summed["grad_norm"] = grad_norm if stepped else 0.0
-    summed["optimizer_steps"] = float(stepped)
-    return shared(batch.samples, trains, [r.advantage for r in rows], valid, mask, token_versions, summed, 1)
+    summed["grad_norm"] = grad_norm_sum
+    summed["optimizer_steps"] = float(optimizer_steps)
+    return shared(
+        batch.samples, trains, [r.advantage for r in rows], valid, mask, token_versions, summed, n_minibatches
+    )
 
 
-def trained_token_count(settings: LossSettings, rows: Sequence[Row], logp_flat: torch.Tensor) -> float:
+def trained_token_count(
+    settings: LossSettings, rows: Sequence[Row], logp_flat: torch.Tensor, proximal_flat: torch.Tensor | None = None
+) -> float:
     """How many tokens of these rows the loss keeps once IcePop, seq-mask and OPSM have dropped theirs.
 
-    The token-mean denominator when those drops are on: they depend on the log-probs, so the ranks
-    count in a forward pass before the one that trains.
+    The token-mean denominator when those drops are on: they depend on the log-probs (IcePop and
+    seq-mask on the proximal ones, OPSM on the current ones), so the ranks count in a forward pass
+    before the one that trains.
     """
     s, device = settings, logp_flat.device
     logp = _padded(rows, logp_flat)
-    width = logp.shape[1]
-    behaviour = torch.tensor([r.behaviour + [0.0] * (width - len(r.behaviour)) for r in rows], device=device)
-    mask = torch.tensor([r.mask + [False] * (width - len(r.mask)) for r in rows], dtype=torch.bool, device=device)
-    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device)
-    train = mask & ~L.importance_weights(logp, behaviour, mask, s).dropped
+    prox = logp if proximal_flat is None else _padded(rows, proximal_flat)
+    behaviour, mask, adv = _row_tensors(rows, logp.shape[1], device)
+    train = mask & ~L.importance_weights(prox, behaviour, mask, s).dropped
     if s.use_opsm:
         train = train & L.opsm_mask(logp, behaviour, train, adv, s.opsm_delta)[:, None]
     return float(train.sum())

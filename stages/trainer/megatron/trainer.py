@@ -3,26 +3,32 @@
 Same protocol as `stages.trainer.GRPOTrainer` (`train_step(batch) -> metrics`,
 `save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
 that engines load with `update_weights_from_disk`, written whole or not at all, plus the
-optimizer state, saved before the controller commits the step.
+optimizer state, saved before the controller commits the step. For `--update-weight-transport
+distributed`, `hf_weights()` hands the publisher the same HF tensors, gathered over TP.
 
 Ranks. Every rank is one process with this object in it. Rank 0 lives in the controller's
 process; the others run `follow()` (started by `launch.megatron_ranks`). Rank 0 turns each
-request into a command and broadcasts it over the world group (a header tensor `[command,
-length]`, then the payload as bytes: orjson, never pickle); then every rank runs the same code,
-so their collectives meet. Rank 0 alone does what needs the Batch (advantages, masks, reward
-metrics), so followers receive plain rows of numbers.
+request into a command and broadcasts it over the world group (`commands.py`: orjson, never
+pickle); then every rank runs the same code, so their collectives meet. Rank 0 alone does what
+needs the Batch (advantages, masks, reward metrics), so followers receive plain rows of numbers.
 
 The loss is `stages.trainer.loss`, run on each micro-batch by `rows.micro_batch_loss` exactly as
-the torch trainer runs it on a minibatch. One optimizer step per rollout batch
-(`--global-batch-size` is refused at config load for this backend).
+the torch trainer runs it on a minibatch. A rollout batch takes one optimizer step per
+`global_batch_size` samples (`--global-batch-size`, half the batch by default, as for the torch
+trainer); with several, the proximal log-probs are recomputed once before the first, and the PPO
+clip of the later steps acts against them.
 
 Parallelism: tensor parallel from megatron-core's `parallel_state`, data parallel = world / TP.
-Each DP rank takes every DP-th row; the loss is normalised by the whole batch's token count, and
-gradients are summed over the DP group, so the step equals the single-process step. Pipeline
-parallel is refused at config load. Micro-batches of `micro_batch_size` rows are packed into one
-sequence (no padding to the longest) with a block-diagonal causal mask; RoPE only sees position
-differences, so packing leaves every token's log-prob unchanged. Optimizer: torch AdamW on each
-rank's shard (megatron's distributed optimizer and DDP wrapper are not used: see the README).
+Each DP rank takes every DP-th row of each minibatch; the loss is normalised by the minibatch's
+token count, and gradients are summed over the DP group (`grads.py`), so each step equals the
+single-process step. Pipeline parallel is refused at config load. Micro-batches of
+`micro_batch_size` rows are packed into one sequence (`packing.py`).
+
+Precision (`dtype`, `--trainer-dtype`): float32, or bfloat16 parameters with fp32 master weights,
+fp32 gradient accumulation and fp32 AdamW state (`master.py`), megatron's mixed-precision recipe.
+Optimizer: torch AdamW on each rank's shard. megatron-core's DDP wrapper and distributed
+optimizer are not used: under 0.16.1 (the CPU ranks CI runs) both allocate their buffers on CUDA
+(`param_and_grad_buffer.py`, `optimizer.py`), so they cannot serve the CPU ranks; see the README.
 """
 
 from __future__ import annotations
@@ -31,11 +37,9 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, cast
 
-import orjson
 import torch
 import torch.distributed as dist
 
@@ -49,17 +53,28 @@ from stages.trainer.megatron.checkpoint import (
     save_optimizer_shard,
     write_hf_weights,
 )
-from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, is_sharded
+from stages.trainer.megatron.commands import Command as _Command
+from stages.trainer.megatron.commands import broadcast_command, receive_command
+from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
+from stages.trainer.megatron.master import MasterWeights
+from stages.trainer.megatron.packing import packed_logprobs
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, megatron_to_hf
 from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
 
 __all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
 
+# `--trainer-dtype`: what the model computes in; the optimizer always steps fp32 weights (master.py).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-class _Command(IntEnum):
-    STOP = 0
-    TRAIN = 1
-    SAVE = 2
-    LOGPROBS = 3
+
+@dataclass(slots=True)
+class _StepTotals:
+    """What one `train_step` adds up over its minibatches (the same on every rank)."""
+
+    totals: defaultdict[str, float]
+    grad_norm_sum: float
+    optimizer_steps: int
+    minibatches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +100,14 @@ class MegatronTrainer:
         model_path: str | os.PathLike[str],
         *,
         loss: LossSettings | None = None,
+        global_batch_size: int | None = None,
         lr: float = 5e-3,
         temperature: float = 1.0,
         max_grad_norm: float = 1.0,
         weight_decay: float = 0.0,
         micro_batch_size: int = 8,
         device: str = "cpu",
+        dtype: str = "float32",
         num_threads: int | None = 1,
     ) -> None:
         from megatron.core import parallel_state as ps
@@ -98,8 +115,12 @@ class MegatronTrainer:
 
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
@@ -107,6 +128,7 @@ class MegatronTrainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
         self.device = torch.device(device)
         self.layout = _Layout(
             rank=dist.get_rank(),
@@ -118,15 +140,17 @@ class MegatronTrainer:
         )
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
-        self.model = build_gpt_model(
-            self.shape, tp=self.layout.tp, dtype=torch.float32, on_cpu=self.device.type == "cpu"
-        )
-        load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.dtype = _DTYPES[dtype]
+        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=self.dtype, on_cpu=self.device.type == "cpu")
+        fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
+        self.master = MasterWeights(self.model, fp32)
+        del fp32
+        self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
         self.steps = 0
         if (self.model_path / OPTIMIZER_DIR).is_dir():
             self.steps = load_optimizer_shard(
-                self.optimizer, self.model, self.model_path / OPTIMIZER_DIR, layout=self._layout_dict
+                self.optimizer, self.master.named(), self.model_path / OPTIMIZER_DIR, layout=self._layout_dict
             )
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
@@ -137,8 +161,10 @@ class MegatronTrainer:
             raise ValueError(f"batch {batch.step} has no samples")
         rows, trains, versions = batch_rows(batch, self.loss)
         self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
-        totals, grad_norm, stepped = self._train(rows)
-        return step_metrics(batch, rows, trains, versions, totals, grad_norm, stepped)
+        step = self._train(rows)
+        return step_metrics(
+            batch, rows, trains, versions, step.totals, step.grad_norm_sum, step.optimizer_steps, step.minibatches
+        )
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
@@ -155,6 +181,16 @@ class MegatronTrainer:
         self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
         return self._logprobs(rows)
 
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The whole model under Hugging Face names and shapes, fp32, on CPU (rank 0; all ranks take part).
+
+        What the distributed publish sends (`stages.publish_distributed`, `--update-weight-transport
+        distributed`): the TP shards of the master weights gathered to rank 0 and converted exactly
+        as for a saved folder, so an engine holds the same tensors either way.
+        """
+        self._broadcast(_Command.GATHER, None)
+        return list(self._gather_hf().items())
+
     def close(self) -> None:
         """Release the followers (rank 0); they leave `follow()`."""
         if self.layout.rank == 0 and self.layout.world > 1:
@@ -165,7 +201,7 @@ class MegatronTrainer:
     def follow(self) -> None:
         """Run rank 0's commands until it says stop (ranks > 0)."""
         while True:
-            command, payload = self._receive()
+            command, payload = receive_command(self._comm_device)
             if command is _Command.STOP:
                 return
             if command is _Command.TRAIN:
@@ -174,24 +210,12 @@ class MegatronTrainer:
                 self._save(Path(payload))
             elif command is _Command.LOGPROBS:
                 self._logprobs([Row.from_json(r) for r in payload])
+            elif command is _Command.GATHER:
+                self._gather_hf()
 
     def _broadcast(self, command: _Command, payload: Any) -> None:
-        if self.layout.world == 1:
-            return
-        data = orjson.dumps(payload)
-        header = torch.tensor([int(command), len(data)], dtype=torch.int64, device=self._comm_device)
-        dist.broadcast(header, src=0)
-        if data:
-            body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
-            dist.broadcast(body, src=0)
-
-    def _receive(self) -> tuple[_Command, Any]:
-        header = torch.zeros(2, dtype=torch.int64, device=self._comm_device)
-        dist.broadcast(header, src=0)
-        command, length = _Command(int(header[0])), int(header[1])
-        body = torch.empty(length, dtype=torch.uint8, device=self._comm_device)
-        dist.broadcast(body, src=0)
-        return command, orjson.loads(body.cpu().numpy().tobytes())
+        if self.layout.world > 1:
+            broadcast_command(command, payload, self._comm_device)
 
     @property
     def _comm_device(self) -> torch.device:
@@ -199,45 +223,93 @@ class MegatronTrainer:
 
     # ---- the step, on every rank --------------------------------------------------------------
 
-    def _train(self, rows: list[Row]) -> tuple[defaultdict[str, float], float, bool]:
+    def _train(self, rows: list[Row]) -> _StepTotals:
+        """The batch's optimizer steps: one per minibatch of `global_batch_size` rows, in order.
+
+        With several, the proximal log-probs are computed once first, under the weights the batch
+        was given to (the torch trainer's decoupled objective): the PPO clip of the later steps acts
+        against them. Each rank computes them for its own micro-batches only.
+        """
+        size = self.global_batch_size or len(rows)
+        minibatches = [rows[i : i + size] for i in range(0, len(rows), size)]
+        plans = [self._micro_batches(mb) for mb in minibatches]
+        self.model.train()
+        proximal: list[list[torch.Tensor]] | None = None
+        if len(minibatches) > 1:
+            with torch.no_grad():
+                proximal = [[self._packed_logprobs(c)[0] for c in chunks] for chunks in plans]
+        step = _StepTotals(defaultdict(float), 0.0, 0, len(minibatches))
+        for i, (mb, chunks) in enumerate(zip(minibatches, plans, strict=True)):
+            totals, grad_norm, stepped = self._minibatch_step(mb, chunks, None if proximal is None else proximal[i])
+            for key, value in totals.items():
+                step.totals[key] = max(step.totals[key], value) if key == "weight_max" else step.totals[key] + value
+            if stepped:
+                step.grad_norm_sum += grad_norm
+                step.optimizer_steps += 1
+        self.steps += 1
+        return step
+
+    def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
+        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`."""
+        mine = minibatch[self.layout.dp_rank :: self.layout.dp]
+        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+
+    def _minibatch_step(
+        self, minibatch: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None
+    ) -> tuple[defaultdict[str, float], float, bool]:
         """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
 
         Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
-        a batch with no signal (no token trains, or every advantage is 0) takes none, as in the
-        torch trainer, since AdamW's momentum would move the weights anyway.
+        a minibatch with no signal (no token trains, or every advantage is 0) takes none, as in the
+        torch trainer, since AdamW's momentum would move the weights anyway. Every rank reaches the
+        same decision, from the DP-summed totals.
         """
-        mine = rows[self.layout.dp_rank :: self.layout.dp]
-        chunks = [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
-        batch_tokens = self._batch_tokens(rows, chunks)
-        self.model.train()
+        batch_tokens = self._batch_tokens(minibatch, chunks, proximal)
         self.optimizer.zero_grad(set_to_none=False)
         totals: defaultdict[str, float] = defaultdict(float)
-        for chunk in chunks:
+        for j, chunk in enumerate(chunks):
             logp, entropy = self._packed_logprobs(chunk)
             micro_batch_loss(
-                self.loss, chunk, logp, entropy, batch_tokens=batch_tokens, batch_samples=len(rows), totals=totals
+                self.loss,
+                chunk,
+                logp,
+                entropy,
+                batch_tokens=batch_tokens,
+                batch_samples=len(minibatch),
+                totals=totals,
+                proximal_flat=None if proximal is None else proximal[j],
             ).backward()
-        if not mine:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
+            self.master.accumulate_grads()  # bf16: into the fp32 masters, after every micro-batch
+        if not chunks:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
+            self.master.accumulate_grads()
         totals = self._sum_over_dp(totals)
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        stepped = totals["signal"] > 0
-        if stepped:
-            self.optimizer.step()
-        self.steps += 1
-        return totals, grad_norm, stepped
+        if totals["signal"] <= 0:
+            return totals, 0.0, False
+        from megatron.core import parallel_state as ps
 
-    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]]) -> float:
-        """The token-mean denominator: the batch's trainable tokens, after log-prob-dependent drops."""
+        tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, self.master.named()
+        reduce_gradients(named, tp=lay.tp, dp=lay.dp, tp_group=tp_group, dp_group=self._dp_group())
+        grad_norm = clip_gradients(named, self.max_grad_norm, tp=lay.tp, tp_rank=lay.tp_rank, tp_group=tp_group)
+        self.optimizer.step()
+        self.master.copy_to_model()
+        return totals, grad_norm, True
+
+    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None) -> float:
+        """The token-mean denominator: the minibatch's trainable tokens, after log-prob-dependent drops."""
         s = self.loss
         drops = s.use_opsm or s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
         if s.aggregation is not LossAggregation.TOKEN_MEAN or not drops:
             return float(sum(sum(r.mask) for r in rows))
+        count = 0.0
         with torch.no_grad():
-            count = sum(trained_token_count(s, c, self._packed_logprobs(c)[0]) for c in chunks)
-        total = torch.tensor([float(count)], dtype=torch.float64, device=self._comm_device)
+            for j, c in enumerate(chunks):
+                prox = None if proximal is None else proximal[j]
+                # IcePop and seq-mask drop by the proximal log-probs; only OPSM needs the current ones.
+                logp = self._packed_logprobs(c)[0] if prox is None or s.use_opsm else prox
+                count += trained_token_count(s, c, logp, prox)
+        total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
         if self.layout.dp > 1:
             dist.all_reduce(total, group=self._dp_group())
         return float(total[0])
@@ -268,115 +340,40 @@ class MegatronTrainer:
         return out
 
     def _packed_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the response tokens of `rows` and the entropy at each, packed: [sum of responses].
-
-        The sequence is every row's prompt+response back to back; a block-diagonal causal mask keeps
-        each row to itself. Only the positions that predict a response token go through the
-        vocab-parallel softmax.
-        """
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        ids: list[int] = []
-        predict: list[int] = []
-        blocks: list[int] = []
-        targets: list[int] = []
-        for r in rows:
-            p = len(r.prompt_ids)
-            predict += range(len(ids) + p - 1, len(ids) + p - 1 + len(r.response_ids))
-            ids += r.prompt_ids + r.response_ids
-            targets += r.response_ids
-            blocks.append(p + len(r.response_ids))
-        owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
-        position = torch.arange(len(ids))
-        hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = masked
-        tokens = torch.tensor(ids, device=self.device)[None]
-        logits = self.model(tokens, position.to(self.device)[None], attention_mask=hidden.to(self.device)[None, None])
-        picked = logits[0, torch.tensor(predict, device=self.device)].float() / self.temperature  # [R, V / tp]
-        target = torch.tensor(targets, device=self.device)
-        # -log softmax(logits)[target] over the whole vocabulary, each TP rank holding a slice of it.
-        logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), target[:, None])[:, 0]
-        return logp, self._entropy(picked.detach())
-
-    @torch.no_grad()
-    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy of softmax(logits) per row, the vocabulary split over the TP group: [R]."""
+        """Log-probs and entropies of the response tokens of `rows`, packed in one sequence (`packing.py`)."""
         from megatron.core import parallel_state as ps
 
-        peak = logits.max(dim=-1, keepdim=True).values
-        if self.layout.tp > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-        shifted = logits - peak
-        weights = shifted.exp()
-        parts = torch.stack([weights.sum(-1), (weights * shifted).sum(-1)])
-        if self.layout.tp > 1:
-            dist.all_reduce(parts, group=ps.get_tensor_model_parallel_group())
-        return parts[0].log() - parts[1] / parts[0]  # log Z - E[shifted]
+        group = ps.get_tensor_model_parallel_group()
+        return packed_logprobs(
+            self.model, rows, temperature=self.temperature, device=self.device, tp_group=group, tp=self.layout.tp
+        )
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group()
 
-    def _reduce_gradients(self) -> None:
-        """Sum gradients over data-parallel replicas (each loss was already divided by the global count).
-
-        Also over the TP group for the q/k norms: they are replicated, but each TP rank applies
-        them to its own heads only, so each rank holds a part of their gradient (megatron's
-        finalize_model_grads does the same for such parameters).
-        """
-        from megatron.core import parallel_state as ps
-
-        if self.layout.tp > 1:
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        if self.layout.dp == 1:
-            return
-        group = self._dp_group()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-
-    def _clip_gradients(self) -> float:
-        """Clip to `max_grad_norm` by the norm over the whole model; return that norm (before clipping).
-
-        A tensor-parallel shard counts on its rank; a replicated parameter (norms) counts once, on TP
-        rank 0, so the sum over the TP group is the full model's.
-        """
-        from megatron.core import parallel_state as ps
-
-        square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            # By name, not megatron's `tensor_model_parallel` attribute: it is not set on CPU-initialised
-            # parameters when `perform_initialization` is off.
-            if is_sharded(name) or self.layout.tp_rank == 0:
-                square += p.grad.double().pow(2).sum()
-        if self.layout.tp > 1:
-            dist.all_reduce(square, group=ps.get_tensor_model_parallel_group())
-        norm = float(square.sqrt())
-        coef = self.max_grad_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
     # ---- weights and optimizer (stages.trainer.megatron.checkpoint) ---------------------------
+
+    def _gather_hf(self) -> dict[str, torch.Tensor]:
+        """Every rank joins the TP gather; rank 0 converts to HF names (the others return nothing)."""
+        from megatron.core import parallel_state as ps
+
+        full = gather_full_state(self.master.named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        return megatron_to_hf(full, self.shape) if self.layout.rank == 0 else {}
 
     def _save(self, folder: Path) -> None:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
         from megatron.core import parallel_state as ps
 
-        full = gather_full_state(self.model, tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = gather_full_state(self.master.named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
         if self.layout.rank == 0:
             write_hf_weights(folder, full, self.shape, self.model_path)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
         save_optimizer_shard(
-            self.optimizer, self.model, folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
+            self.optimizer, self.master.named(), folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
         )
         if self.layout.world > 1:
             dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
