@@ -9,12 +9,21 @@ transaction half-seen by its caller would lose work, e.g. groups claimed but nev
 the cancellation is delivered at the caller's next checkpoint. A call cancelled before it starts
 does nothing.
 
+Group commit: a store with `run_grouped` (the LMDB store) gets the calls that queue up while its
+previous transaction commits as one batch, run in one transaction with one fsync
+(`_GroupWriter`). Each caller still gets its own result or its own error, and its await returns
+only once the transaction holding its call is committed (synced, when the store syncs). There is
+no writer task to start or stop: whichever waiting caller finds the store idle drives the next
+batch, and hands the turn on when it is done (or cancelled while queued).
+
 Lease arguments are passed on only when given, so a store written against the older signatures
 (`admit(groups, cursor)`, `put_ready(group)`) keeps working behind `AsyncStore`.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -34,6 +43,93 @@ T = TypeVar("T")
 _CLOSE_DEADLINE_S = 30.0
 
 
+class _Stage(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class _Call:
+    """One call waiting for, or in, a group."""
+
+    __slots__ = ("error", "fn", "stage", "value", "wake")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.stage = _Stage.QUEUED
+        self.value: Any = None
+        self.error: Exception | None = None
+        self.wake: anyio.Event | None = None
+
+
+class _GroupWriter:
+    """Batches the calls queued while a group commits into the next group (see the module docstring)."""
+
+    def __init__(
+        self,
+        run_grouped: Callable[[list[Callable[[], Any]]], list[tuple[Any, Exception | None]]],
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        self._run_grouped = run_grouped
+        self._limiter = limiter
+        self._queue: list[_Call] = []
+        self._running = False
+        self.groups = 0  # batches run (each one transaction when it holds more than one call)
+        self.calls = 0
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        call = _Call(fn)
+        self._queue.append(call)
+        try:
+            while call.stage is not _Stage.DONE:
+                if call.stage is _Stage.QUEUED and not self._running:
+                    await self._drive()
+                else:
+                    call.wake = anyio.Event()
+                    await call.wake.wait()
+        except anyio.get_cancelled_exc_class():
+            if call.stage is _Stage.QUEUED:  # never started: it does nothing
+                self._queue.remove(call)
+                self._hand_on()
+                raise
+            # Started: it runs to the end and its caller gets the outcome, as a worker-thread call
+            # would; the caller's cancel scope delivers the cancellation again at its next checkpoint.
+            with anyio.CancelScope(shield=True):
+                while call.stage is not _Stage.DONE:
+                    call.wake = anyio.Event()
+                    await call.wake.wait()
+        if call.error is not None:
+            raise call.error
+        return call.value  # type: ignore[no-any-return]
+
+    async def _drive(self) -> None:
+        """Run everything queued now as one group, then wake its callers and the next queued one."""
+        batch, self._queue = self._queue, []
+        for call in batch:
+            call.stage = _Stage.RUNNING
+        self._running = True
+        self.groups += 1
+        self.calls += len(batch)
+        try:
+            with anyio.CancelScope(shield=True):  # a started group is never abandoned
+                outcomes = await anyio.to_thread.run_sync(
+                    self._run_grouped, [c.fn for c in batch], limiter=self._limiter
+                )
+        except Exception as exc:  # the group as a whole failed (not one call): each caller hears it
+            outcomes = [(None, exc)] * len(batch)
+        finally:
+            self._running = False
+        for call, (value, error) in zip(batch, outcomes, strict=True):
+            call.value, call.error, call.stage = value, error, _Stage.DONE
+            if call.wake is not None:
+                call.wake.set()
+        self._hand_on()
+
+    def _hand_on(self) -> None:
+        if self._queue and not self._running and (head := self._queue[0]).wake is not None:
+            head.wake.set()
+
+
 class AsyncStore:
     """A `Store` for async code: every call runs on one worker thread, so the store stays single-writer
     and the event loop never blocks on a transaction."""
@@ -42,6 +138,13 @@ class AsyncStore:
         self._store = store
         self._inline = isinstance(store, MemoryStore)
         self._limiter = anyio.CapacityLimiter(1)
+        # Looked up on the class: a wrapper that forwards every attribute is not a grouping store.
+        run_grouped = getattr(type(store), "run_grouped", None)
+        self._writer = (
+            _GroupWriter(functools.partial(run_grouped, store), self._limiter)
+            if run_grouped is not None and not self._inline
+            else None
+        )
 
     @property
     def store(self) -> Store:
@@ -55,6 +158,8 @@ class AsyncStore:
             # A checkpoint before, never after: a caller cancelled here loses nothing.
             await anyio.lowlevel.checkpoint()
             return fn(*args)
+        if self._writer is not None:
+            return await self._writer.call(functools.partial(fn, *args))
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     async def read_meta(self) -> RunMeta | None:
@@ -135,7 +240,10 @@ class AsyncStore:
     async def aclose(self) -> None:
         """Closes the store after any call in flight; runs even if the caller is being cancelled."""
         with anyio.move_on_after(_CLOSE_DEADLINE_S, shield=True):
-            await self._call(self._store.close)
+            if self._writer is None:
+                await self._call(self._store.close)
+            else:  # never inside a group: it waits for the group in flight (the same limiter)
+                await anyio.to_thread.run_sync(self._store.close, limiter=self._limiter)
 
     async def __aenter__(self) -> AsyncStore:
         return self
