@@ -2,6 +2,7 @@
 
     python -m benchmarks.controller_overhead [--steps 20] [--batch 64] [--group 8] [--tokens 1024]
         [--modes sync,async] [--stores memory,lmdb-sync,lmdb-nosync] [--profile /tmp/overhead.prof]
+        [--clients aiohttp,lean] [--commits single,group] [--repeats 3]
 
 The engine is `launch.engines.instant` in its own process (pinned to `--engine-cpu`): it answers
 every `/generate` at once with exactly `--tokens` tokens and their log-probs, over real HTTP. The
@@ -17,6 +18,13 @@ Figures, per (mode, store), over the steps after the first (start-up excluded):
 - samples per CPU second of the controller process (all its threads): the same figure measured
   against the work done rather than the clock, so it holds even when other processes share the
   core; on an otherwise idle core the two agree.
+
+Old and new paths side by side, in one run: `--clients` picks how `/generate` goes out (`aiohttp`,
+today's client before issue 13, or `lean`, `stages.sglang.http1`), `--commits` how the LMDB store
+commits (`single`: one transaction per store call, as before; `group`: group commit, see
+`storage.async_store`). Every combination runs `--repeats` times, interleaved (each repeat runs
+them all once, in turn), and the table gives medians, so a load that comes and goes on a shared
+machine hits them alike.
 
 `--profile FILE` runs one extra (mode, store) under cProfile (`--profile-run`, default async with
 LMDB sync=False): the event loop's thread and, separately, the store's worker thread (FILE.store).
@@ -107,6 +115,14 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class _ProfiledGroupStore(_ProfiledStore):
+    """`_ProfiledStore` for a store with group commit: `AsyncStore` finds `run_grouped` on the class."""
+
+    def run_grouped(self, calls: list[Any]) -> Any:
+        with self._lock:
+            return self._profile.runcall(self._store.run_grouped, calls)
+
+
 def open_store(kind: str, folder: Path) -> Any:
     if kind == "memory":
         return MemoryStore()
@@ -116,6 +132,7 @@ def open_store(kind: str, folder: Path) -> Any:
 async def run_one(
     mode: str,
     store_kind: str,
+    commit: str,
     args: argparse.Namespace,
     fleet: EngineFleet,
     work: Path,
@@ -126,7 +143,10 @@ async def run_one(
     await fleet.update_weight_version("0")  # each run starts its own clock at version 0
     folder = Path(tempfile.mkdtemp(prefix=f"overhead-{store_kind}-", dir=args.work))
     raw = open_store(store_kind, folder)
-    store = AsyncStore(_ProfiledStore(raw, profile[1]) if profile and store_kind != "memory" else raw)
+    group_commit = commit == "group"
+    if profile and store_kind != "memory":
+        raw = (_ProfiledGroupStore if group_commit else _ProfiledStore)(raw, profile[1])
+    store = AsyncStore(raw, group_commit=group_commit)
     plan = RolloutPlan(
         mode=mode,
         batch_size=args.batch,
@@ -207,29 +227,47 @@ async def main(args: argparse.Namespace) -> None:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     if args.gc_freeze:
         gc.freeze()
-    modes = args.modes.split(",")
-    stores = args.stores.split(",")
+    configs = [
+        (mode, store, client, commit)
+        for mode in args.modes.split(",")
+        for store in args.stores.split(",")
+        for client in args.clients.split(",")
+        for commit in (["-"] if store == "memory" else args.commits.split(","))
+    ]
     print(
         f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
         f"{args.slots} slots, prompt {args.prompt_len} tokens; controller on CPU {args.cpu}, "
-        f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats, medians"
+        f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats "
+        "(interleaved), medians"
     )
     cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s"]
-    print(f"{'mode':8}{'store':14}" + "".join(f"{c:>15}" for c in cols), flush=True)
-    async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
-        for mode in modes:
-            for store_kind in stores:
-                one = (mode, store_kind, args, fleet, work, engine.pid, dataset)
-                runs = [await run_one(*one) for _ in range(args.repeats)]
-                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                print(f"{mode:8}{store_kind:14}" + "".join(f"{med[c]:>15,.2f}" for c in cols), flush=True)
-        print(f"client: {fleet.statistics()}")
+    async with (
+        engine,
+        EngineFleet([engine.url], concurrency=args.slots, lean_generate=False) as old_fleet,
+        EngineFleet([engine.url], concurrency=args.slots, lean_generate=True) as lean_fleet,
+    ):
+        fleets = {"aiohttp": old_fleet, "lean": lean_fleet}
+        runs: dict[tuple[str, ...], list[dict[str, float]]] = {c: [] for c in configs}
+        for _ in range(args.repeats):
+            for mode, store_kind, client, commit in configs:
+                one = (mode, store_kind, commit, args, fleets[client], work, engine.pid, dataset)
+                runs[(mode, store_kind, client, commit)].append(await run_one(*one))
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        print(f"{'mode':7}{'store':13}{'client':9}{'commit':8}" + "".join(f"{c:>15}" for c in cols))
+        for (mode, store_kind, client, commit), done in runs.items():
+            med = {k: statistics.median(r[k] for r in done) for k in done[0]}
+            row = f"{mode:7}{store_kind:13}{client:9}{commit:8}" + "".join(f"{med[c]:>15,.2f}" for c in cols)
+            print(row, flush=True)
+        print(f"client: {lean_fleet.statistics()}")
         if args.profile:
-            mode, store_kind = args.profile_run.split(":")
+            mode, store_kind, client, commit = [*args.profile_run.split(":"), "lean", "group"][:4]
             loop_prof, store_prof = cProfile.Profile(), cProfile.Profile()
-            one = (mode, store_kind, args, fleet, work, engine.pid, dataset)
+            one = (mode, store_kind, commit, args, fleets[client], work, engine.pid, dataset)
             res = await run_one(*one, profile=(loop_prof, store_prof))
-            print(f"\nprofiled run ({mode}, {store_kind}): {res['samples/s']:,.0f} samples/s under cProfile")
+            print(
+                f"\nprofiled run ({mode}, {store_kind}, {client}, {commit}): "
+                f"{res['samples/s']:,.0f} samples/s under cProfile"
+            )
             out = Path(args.profile)
             out.parent.mkdir(parents=True, exist_ok=True)
             print_profile(loop_prof, "event loop thread", out.with_suffix(".txt"))
@@ -249,11 +287,13 @@ if __name__ == "__main__":
     parser.add_argument("--dataset", type=int, default=0, help="prompts (default: enough for every step)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--clients", default="aiohttp,lean", help="/generate over aiohttp (before), lean (after)")
+    parser.add_argument("--commits", default="single,group", help="LMDB: one transaction per call, or group commit")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--cpu", type=int, default=0, help="pin the controller here (-1: no pinning)")
     parser.add_argument("--engine-cpu", type=int, default=1, help="pin the engine here (-1: no pinning)")
     parser.add_argument("--profile", default=None, help="write a cProfile summary of one extra run here")
-    parser.add_argument("--profile-run", default="async:lmdb-nosync", help="MODE:STORE to profile")
+    parser.add_argument("--profile-run", default="async:lmdb-nosync", help="MODE:STORE[:CLIENT:COMMIT] to profile")
     parser.add_argument("--gc-threshold", type=int, default=0, help="CPython gen-0 GC threshold (0: default)")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up")
     parser.add_argument("--work", default=tempfile.gettempdir() + "/bench-overhead")

@@ -134,7 +134,8 @@ class AsyncStore:
     """A `Store` for async code: every call runs on one worker thread, so the store stays single-writer
     and the event loop never blocks on a transaction."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, group_commit: bool = True) -> None:
+        """`group_commit=False` runs one call per transaction even on a store that can group them."""
         self._store = store
         self._inline = isinstance(store, MemoryStore)
         self._limiter = anyio.CapacityLimiter(1)
@@ -142,7 +143,7 @@ class AsyncStore:
         run_grouped = getattr(type(store), "run_grouped", None)
         self._writer = (
             _GroupWriter(functools.partial(run_grouped, store), self._limiter)
-            if run_grouped is not None and not self._inline
+            if group_commit and run_grouped is not None and not self._inline
             else None
         )
 
