@@ -184,6 +184,7 @@ async def run_one(
             profile[0].disable()
         await store.aclose()
         shutil.rmtree(folder, ignore_errors=True)
+    grouping = store.group_commit_statistics()
     # Steady state: from the end of step 0 to the end of the last step.
     (w0, p0, e0), (w1, p1, e1) = marks[0], marks[-1]
     samples = (len(marks) - 1) * args.batch * args.group
@@ -195,6 +196,8 @@ async def run_one(
         "cpu share": (p1 - p0) / (w1 - w0),
         "engine share": (e1 - e0) / (w1 - w0),
         "startup s": marks[0][0] - t0,
+        # Store calls per transaction under group commit (whole run, start-up included).
+        "calls/txn": grouping.calls / max(grouping.groups, 1) if grouping is not None else 1.0,
     }
 
 
@@ -240,7 +243,7 @@ async def main(args: argparse.Namespace) -> None:
         f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats "
         "(interleaved), medians"
     )
-    cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s"]
+    cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s", "calls/txn"]
     async with (
         engine,
         EngineFleet([engine.url], concurrency=args.slots, lean_generate=False) as old_fleet,

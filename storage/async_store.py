@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -36,11 +37,21 @@ from pipeline.types import Batch, Group
 from .memory import MemoryStore
 from .protocol import Cursor, GroupState, Lease, RecoveryReport, RunMeta, Store, StoreStatistics
 
-__all__ = ["AsyncStore"]
+__all__ = ["AsyncStore", "GroupCommitStatistics"]
 
 T = TypeVar("T")
 
 _CLOSE_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCommitStatistics:
+    """How well group commit groups: `calls` store calls went out in `groups` batches (a batch of
+    one call is a transaction of its own), the largest holding `largest` calls."""
+
+    groups: int
+    calls: int
+    largest: int
 
 
 class _Stage(enum.Enum):
@@ -76,6 +87,7 @@ class _GroupWriter:
         self._running = False
         self.groups = 0  # batches run (each one transaction when it holds more than one call)
         self.calls = 0
+        self.largest = 0
 
     async def call(self, fn: Callable[[], T]) -> T:
         call = _Call(fn)
@@ -110,6 +122,7 @@ class _GroupWriter:
         self._running = True
         self.groups += 1
         self.calls += len(batch)
+        self.largest = max(self.largest, len(batch))
         try:
             with anyio.CancelScope(shield=True):  # a started group is never abandoned
                 outcomes = await anyio.to_thread.run_sync(
@@ -237,6 +250,11 @@ class AsyncStore:
     def statistics(self) -> StoreStatistics:
         """Synchronous: a writing store answers from memory, without a transaction."""
         return self._store.statistics()
+
+    def group_commit_statistics(self) -> GroupCommitStatistics | None:
+        """None when calls are not grouped (a memory store, or `group_commit=False`)."""
+        w = self._writer
+        return None if w is None else GroupCommitStatistics(w.groups, w.calls, w.largest)
 
     async def aclose(self) -> None:
         """Closes the store after any call in flight; runs even if the caller is being cancelled."""

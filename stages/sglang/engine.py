@@ -121,10 +121,11 @@ class EngineClient:
         duplicate behind it).
         """
         url = self.url + "/generate"
+        # orjson writes tuples and dicts as they are: copy only what it cannot write.
         body = orjson.dumps(
             {
-                "input_ids": list(input_ids),
-                "sampling_params": dict(sampling_params),
+                "input_ids": input_ids if type(input_ids) in (tuple, list) else list(input_ids),
+                "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
                 "rid": rid,
                 "return_logprob": return_logprob,
             }
