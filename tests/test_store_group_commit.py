@@ -229,3 +229,19 @@ anyio.run(main)
         assert set(states.values()) <= {RUNNING, PARTIAL}
         assert store.count(PARTIAL) + store.count(RUNNING) == 40
         assert store.get(fresh(3).group_id) in ((RUNNING, fresh(3)), (PARTIAL, generated(fresh(3), 0)))
+
+
+@pytest.mark.anyio
+async def test_a_claim_with_nothing_partial_is_answered_without_a_transaction(tmp_path: Path) -> None:
+    store = GatedStore(tmp_path / "s")
+    astore = AsyncStore(store)
+    g = [fresh(i) for i in range(2)]
+    await astore.admit(g, cursor_after(2))
+    groups_before = len(store.sizes)
+    assert await astore.claim_partial(4) == []
+    assert len(store.sizes) == groups_before  # never went to the writer thread
+    await astore.put_partial(generated(g[1], 0))  # acknowledged: the next claim must see it
+    assert await astore.claim_partial(4) == [generated(g[1], 0)]
+    assert await astore.claim_partial(4, owner="p", lease_seconds=5.0) == []  # with a lease: asks the store
+    assert len(store.sizes) == groups_before + 3
+    await astore.aclose()
