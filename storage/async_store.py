@@ -32,6 +32,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from pipeline.errors import StoreError
 from pipeline.types import Batch, Group
 
 from .memory import MemoryStore
@@ -128,10 +129,15 @@ class _GroupWriter:
                 outcomes = await anyio.to_thread.run_sync(
                     self._run_grouped, [c.fn for c in batch], limiter=self._limiter
                 )
-        except Exception as exc:  # the group as a whole failed (not one call): each caller hears it
-            outcomes = [(None, exc)] * len(batch)
-        finally:
-            self._running = False
+        except BaseException as exc:  # the group as a whole failed (not one call): each caller hears it
+            self._settle(batch, [(None, exc if isinstance(exc, Exception) else StoreError(repr(exc)))] * len(batch))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._settle(batch, outcomes)
+
+    def _settle(self, batch: list[_Call], outcomes: list[tuple[Any, Exception | None]]) -> None:
+        self._running = False
         for call, (value, error) in zip(batch, outcomes, strict=True):
             call.value, call.error, call.stage = value, error, _Stage.DONE
             if call.wake is not None:

@@ -245,3 +245,42 @@ async def test_a_claim_with_nothing_partial_is_answered_without_a_transaction(tm
     assert await astore.claim_partial(4, owner="p", lease_seconds=5.0) == []  # with a lease: asks the store
     assert len(store.sizes) == groups_before + 3
     await astore.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_group_that_fails_as_a_whole_fails_each_of_its_callers_and_the_next_group_runs(
+    tmp_path: Path,
+) -> None:
+    class Failing(GatedStore):
+        fail_next = False
+
+        def run_grouped(self, calls):  # type: ignore[no-untyped-def]
+            if self.fail_next and len(calls) > 1:
+                self.fail_next = False
+                raise RuntimeError("the disk went away")
+            return super().run_grouped(calls)
+
+    store = Failing(tmp_path / "s")
+    astore = AsyncStore(store)
+    g = [fresh(i) for i in range(4)]
+    await astore.admit(g, cursor_after(4))
+    errors: list[str] = []
+
+    async def put(i: int) -> None:
+        try:
+            await astore.put_ready(finished(g[i], 0))
+        except RuntimeError as exc:
+            errors.append(f"{i}: {exc}")
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await _hold_first_group(store, astore, tg, lambda: put(0))
+            store.fail_next = True
+            for i in (1, 2, 3):
+                tg.start_soon(put, i)
+            await anyio.wait_all_tasks_blocked()
+            store.gate.set()
+    assert sorted(errors) == [f"{i}: the disk went away" for i in (1, 2, 3)]
+    await astore.put_ready(finished(g[1], 0))  # the writer goes on with the next group
+    assert await astore.count(READY) == 2
+    await astore.aclose()
