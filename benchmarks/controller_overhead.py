@@ -96,6 +96,7 @@ class _ProfiledStore:
     def __init__(self, store: Any, profile: cProfile.Profile) -> None:
         self._store, self._profile = store, profile
         self._lock = threading.Lock()
+        self._grouping = False  # set by `_ProfiledGroupStore` on its worker thread, while a group runs
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -103,6 +104,8 @@ class _ProfiledStore:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if self._grouping:  # a call inside a profiled group: already under the profiler
+                return attr(*args, **kwargs)
             with self._lock:
                 return self._profile.runcall(attr, *args, **kwargs)
 
@@ -120,7 +123,11 @@ class _ProfiledGroupStore(_ProfiledStore):
 
     def run_grouped(self, calls: list[Any]) -> Any:
         with self._lock:
-            return self._profile.runcall(self._store.run_grouped, calls)
+            self._grouping = True
+            try:
+                return self._profile.runcall(self._store.run_grouped, calls)
+            finally:
+                self._grouping = False
 
 
 def open_store(kind: str, folder: Path) -> Any:
