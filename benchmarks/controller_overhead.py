@@ -104,7 +104,9 @@ class _ProfiledStore:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if self._grouping:  # a call inside a profiled group: already under the profiler
+            # Inside a profiled group it is already profiled; on the event loop's thread (the
+            # synchronous `statistics()`) this profiler would take the place of the loop's own.
+            if self._grouping or threading.current_thread() is threading.main_thread():
                 return attr(*args, **kwargs)
             with self._lock:
                 return self._profile.runcall(attr, *args, **kwargs)
