@@ -55,9 +55,9 @@ import structlog
 from launch.engine_process import start_engine
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from pipeline.types import PromptTask
+from pipeline.types import FinishReason, Group, PromptTask, Segment
 from stages.sglang import EngineFleet
-from storage import AsyncStore, LmdbStore, MemoryStore
+from storage import AsyncStore, Cursor, LmdbStore, MemoryStore
 
 STORES = ("memory", "lmdb-sync", "lmdb-nosync")
 MODES = ("sync", "async")
@@ -210,6 +210,59 @@ async def run_one(
     }
 
 
+def aborted_group(task: PromptTask, *, n: int, tokens: int) -> Group:
+    """A group as an abort stores it: `n` samples with `tokens` generated tokens each."""
+    group = Group.fresh(task, epoch=0, n_samples=n, version=0, seq=task.index)
+    lps = tuple(-0.001 * (i % 97) for i in range(tokens))
+    samples = [
+        s.resumed().extended(
+            Segment(tuple(1000 + (task.index * 31 + s.index * 7 + i) % 50_000 for i in range(tokens)),
+                    lps, FinishReason.ABORT, 0),
+            max_response_len=tokens * 2,
+        )
+        for s in group.samples
+    ]  # fmt: skip
+    return group.with_samples(samples)
+
+
+async def store_burst(args: argparse.Namespace, commit: str, groups: list[Group]) -> tuple[float, int]:
+    """Wall seconds and transactions for storing `groups` all at once as partial groups (what an
+    abort does with the groups in flight), with LMDB sync on: where group commit pays."""
+    folder = Path(tempfile.mkdtemp(prefix="overhead-burst-", dir=args.work))
+    store = AsyncStore(LmdbStore(folder / "store", sync=True), group_commit=commit == "group")
+    try:
+        fresh = [Group.fresh(g.task, epoch=0, n_samples=len(g.samples), version=0, seq=g.seq) for g in groups]
+        await store.admit(fresh, Cursor(0, len(groups), len(groups)))
+        before = store.statistics().transactions
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for g in groups:
+                tg.start_soon(store.put_partial, g)
+        return time.perf_counter() - t0, store.statistics().transactions - before
+    finally:
+        await store.aclose()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def print_bursts(args: argparse.Namespace) -> None:
+    tasks = workload(args.burst, args.prompt_len)
+    groups = [aborted_group(t, n=args.group, tokens=args.tokens) for t in tasks]
+    commits = args.commits.split(",")
+    done: dict[str, list[tuple[float, int]]] = {c: [] for c in commits}
+    for _ in range(args.repeats):
+        for commit in commits:
+            done[commit].append(await store_burst(args, commit, groups))
+    print(
+        f"\n{args.burst} groups stored at once (put_partial, {args.group} x {args.tokens} tokens each), "
+        "lmdb-sync; medians"
+    )
+    print(f"{'commit':8}{'ms':>10}{'transactions':>14}{'groups/s':>12}")
+    for commit, runs in done.items():
+        wall = statistics.median(r[0] for r in runs)
+        txns = statistics.median(r[1] for r in runs)
+        print(f"{commit:8}{wall * 1e3:>10.1f}{txns:>14.0f}{args.burst / wall:>12,.0f}")
+
+
 def print_profile(profile: cProfile.Profile, title: str, out: Path, top: int = 15) -> None:
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
@@ -271,6 +324,8 @@ async def main(args: argparse.Namespace) -> None:
             row = f"{mode:7}{store_kind:13}{client:9}{commit:8}" + "".join(f"{med[c]:>15,.2f}" for c in cols)
             print(row, flush=True)
         print(f"client: {lean_fleet.statistics()}")
+        if args.burst and any(st != "memory" for st in args.stores.split(",")):
+            await print_bursts(args)
         if args.profile:
             mode, store_kind, client, commit = [*args.profile_run.split(":"), "lean", "group"][:4]
             loop_prof, store_prof = cProfile.Profile(), cProfile.Profile()
@@ -302,6 +357,9 @@ if __name__ == "__main__":
     parser.add_argument("--clients", default="aiohttp,lean", help="/generate over aiohttp (before), lean (after)")
     parser.add_argument("--commits", default="single,group", help="LMDB: one transaction per call, or group commit")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--burst", type=int, default=64, help="groups stored at once in the group-commit table (0: none)"
+    )
     parser.add_argument("--cpu", type=int, default=0, help="pin the controller here (-1: no pinning)")
     parser.add_argument("--engine-cpu", type=int, default=1, help="pin the engine here (-1: no pinning)")
     parser.add_argument("--profile", default=None, help="write a cProfile summary of one extra run here")
