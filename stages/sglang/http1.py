@@ -26,7 +26,6 @@ from urllib.parse import urlsplit
 
 import anyio
 import anyio.lowlevel
-import sniffio
 
 __all__ = ["GeneratePool", "HttpProtocolError"]
 
@@ -305,6 +304,6 @@ def _inflate(body: bytes, encoding: bytes) -> bytes:
 
 def _on_asyncio() -> bool:
     try:
-        return sniffio.current_async_library() == "asyncio"
-    except sniffio.AsyncLibraryNotFoundError:  # asked outside any event loop: the fleet asks inside
+        return asyncio.current_task() is not None
+    except RuntimeError:  # no asyncio loop running here (trio, or outside any loop): aiohttp decides
         return False
