@@ -2,6 +2,7 @@
 
     python -m benchmarks.controller_overhead [--steps 20] [--batch 64] [--group 8] [--tokens 1024]
         [--modes sync,async] [--stores memory,lmdb-sync,lmdb-nosync] [--profile /tmp/overhead.prof]
+        [--clients aiohttp,lean] [--commits single,group] [--repeats 3]
 
 The engine is `launch.engines.instant` in its own process (pinned to `--engine-cpu`): it answers
 every `/generate` at once with exactly `--tokens` tokens and their log-probs, over real HTTP. The
@@ -17,6 +18,13 @@ Figures, per (mode, store), over the steps after the first (start-up excluded):
 - samples per CPU second of the controller process (all its threads): the same figure measured
   against the work done rather than the clock, so it holds even when other processes share the
   core; on an otherwise idle core the two agree.
+
+Old and new paths side by side, in one run: `--clients` picks how `/generate` goes out (`aiohttp`,
+today's client before issue 13, or `lean`, `stages.sglang.http1`), `--commits` how the LMDB store
+commits (`single`: one transaction per store call, as before; `group`: group commit, see
+`storage.async_store`). Every combination runs `--repeats` times, interleaved (each repeat runs
+them all once, in turn), and the table gives medians, so a load that comes and goes on a shared
+machine hits them alike.
 
 `--profile FILE` runs one extra (mode, store) under cProfile (`--profile-run`, default async with
 LMDB sync=False): the event loop's thread and, separately, the store's worker thread (FILE.store).
@@ -47,9 +55,9 @@ import structlog
 from launch.engine_process import start_engine
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from pipeline.types import PromptTask
+from pipeline.types import FinishReason, Group, PromptTask, Segment
 from stages.sglang import EngineFleet
-from storage import AsyncStore, LmdbStore, MemoryStore
+from storage import AsyncStore, Cursor, LmdbStore, MemoryStore
 
 STORES = ("memory", "lmdb-sync", "lmdb-nosync")
 MODES = ("sync", "async")
@@ -88,6 +96,7 @@ class _ProfiledStore:
     def __init__(self, store: Any, profile: cProfile.Profile) -> None:
         self._store, self._profile = store, profile
         self._lock = threading.Lock()
+        self._grouping = False  # set by `_ProfiledGroupStore` on its worker thread, while a group runs
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -95,6 +104,10 @@ class _ProfiledStore:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            # Inside a profiled group it is already profiled; on the event loop's thread (the
+            # synchronous `statistics()`) this profiler would take the place of the loop's own.
+            if self._grouping or threading.current_thread() is threading.main_thread():
+                return attr(*args, **kwargs)
             with self._lock:
                 return self._profile.runcall(attr, *args, **kwargs)
 
@@ -107,6 +120,18 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class _ProfiledGroupStore(_ProfiledStore):
+    """`_ProfiledStore` for a store with group commit: `AsyncStore` finds `run_grouped` on the class."""
+
+    def run_grouped(self, calls: list[Any]) -> Any:
+        with self._lock:
+            self._grouping = True
+            try:
+                return self._profile.runcall(self._store.run_grouped, calls)
+            finally:
+                self._grouping = False
+
+
 def open_store(kind: str, folder: Path) -> Any:
     if kind == "memory":
         return MemoryStore()
@@ -116,6 +141,7 @@ def open_store(kind: str, folder: Path) -> Any:
 async def run_one(
     mode: str,
     store_kind: str,
+    commit: str,
     args: argparse.Namespace,
     fleet: EngineFleet,
     work: Path,
@@ -126,7 +152,10 @@ async def run_one(
     await fleet.update_weight_version("0")  # each run starts its own clock at version 0
     folder = Path(tempfile.mkdtemp(prefix=f"overhead-{store_kind}-", dir=args.work))
     raw = open_store(store_kind, folder)
-    store = AsyncStore(_ProfiledStore(raw, profile[1]) if profile and store_kind != "memory" else raw)
+    group_commit = commit == "group"
+    if profile and store_kind != "memory":
+        raw = (_ProfiledGroupStore if group_commit else _ProfiledStore)(raw, profile[1])
+    store = AsyncStore(raw, group_commit=group_commit)
     plan = RolloutPlan(
         mode=mode,
         batch_size=args.batch,
@@ -164,6 +193,7 @@ async def run_one(
             profile[0].disable()
         await store.aclose()
         shutil.rmtree(folder, ignore_errors=True)
+    grouping = store.group_commit_statistics()
     # Steady state: from the end of step 0 to the end of the last step.
     (w0, p0, e0), (w1, p1, e1) = marks[0], marks[-1]
     samples = (len(marks) - 1) * args.batch * args.group
@@ -175,7 +205,62 @@ async def run_one(
         "cpu share": (p1 - p0) / (w1 - w0),
         "engine share": (e1 - e0) / (w1 - w0),
         "startup s": marks[0][0] - t0,
+        # Store calls per transaction under group commit (whole run, start-up included).
+        "calls/txn": grouping.calls / max(grouping.groups, 1) if grouping is not None else 1.0,
     }
+
+
+def aborted_group(task: PromptTask, *, n: int, tokens: int) -> Group:
+    """A group as an abort stores it: `n` samples with `tokens` generated tokens each."""
+    group = Group.fresh(task, epoch=0, n_samples=n, version=0, seq=task.index)
+    lps = tuple(-0.001 * (i % 97) for i in range(tokens))
+    samples = [
+        s.resumed().extended(
+            Segment(tuple(1000 + (task.index * 31 + s.index * 7 + i) % 50_000 for i in range(tokens)),
+                    lps, FinishReason.ABORT, 0),
+            max_response_len=tokens * 2,
+        )
+        for s in group.samples
+    ]  # fmt: skip
+    return group.with_samples(samples)
+
+
+async def store_burst(args: argparse.Namespace, commit: str, groups: list[Group]) -> tuple[float, int]:
+    """Wall seconds and transactions for storing `groups` all at once as partial groups (what an
+    abort does with the groups in flight), with LMDB sync on: where group commit pays."""
+    folder = Path(tempfile.mkdtemp(prefix="overhead-burst-", dir=args.work))
+    store = AsyncStore(LmdbStore(folder / "store", sync=True), group_commit=commit == "group")
+    try:
+        fresh = [Group.fresh(g.task, epoch=0, n_samples=len(g.samples), version=0, seq=g.seq) for g in groups]
+        await store.admit(fresh, Cursor(0, len(groups), len(groups)))
+        before = store.statistics().transactions
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for g in groups:
+                tg.start_soon(store.put_partial, g)
+        return time.perf_counter() - t0, store.statistics().transactions - before
+    finally:
+        await store.aclose()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def print_bursts(args: argparse.Namespace) -> None:
+    tasks = workload(args.burst, args.prompt_len)
+    groups = [aborted_group(t, n=args.group, tokens=args.tokens) for t in tasks]
+    commits = args.commits.split(",")
+    done: dict[str, list[tuple[float, int]]] = {c: [] for c in commits}
+    for _ in range(args.repeats):
+        for commit in commits:
+            done[commit].append(await store_burst(args, commit, groups))
+    print(
+        f"\n{args.burst} groups stored at once (put_partial, {args.group} x {args.tokens} tokens each), "
+        "lmdb-sync; medians"
+    )
+    print(f"{'commit':8}{'ms':>10}{'transactions':>14}{'groups/s':>12}")
+    for commit, runs in done.items():
+        wall = statistics.median(r[0] for r in runs)
+        txns = statistics.median(r[1] for r in runs)
+        print(f"{commit:8}{wall * 1e3:>10.1f}{txns:>14.0f}{args.burst / wall:>12,.0f}")
 
 
 def print_profile(profile: cProfile.Profile, title: str, out: Path, top: int = 15) -> None:
@@ -207,29 +292,49 @@ async def main(args: argparse.Namespace) -> None:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     if args.gc_freeze:
         gc.freeze()
-    modes = args.modes.split(",")
-    stores = args.stores.split(",")
+    configs = [
+        (mode, store, client, commit)
+        for mode in args.modes.split(",")
+        for store in args.stores.split(",")
+        for client in args.clients.split(",")
+        for commit in (["-"] if store == "memory" else args.commits.split(","))
+    ]
     print(
         f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
         f"{args.slots} slots, prompt {args.prompt_len} tokens; controller on CPU {args.cpu}, "
-        f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats, medians"
+        f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats "
+        "(interleaved), medians"
     )
-    cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s"]
-    print(f"{'mode':8}{'store':14}" + "".join(f"{c:>15}" for c in cols), flush=True)
-    async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
-        for mode in modes:
-            for store_kind in stores:
-                one = (mode, store_kind, args, fleet, work, engine.pid, dataset)
-                runs = [await run_one(*one) for _ in range(args.repeats)]
-                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                print(f"{mode:8}{store_kind:14}" + "".join(f"{med[c]:>15,.2f}" for c in cols), flush=True)
-        print(f"client: {fleet.statistics()}")
+    cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s", "calls/txn"]
+    async with (
+        engine,
+        EngineFleet([engine.url], concurrency=args.slots, lean_generate=False) as old_fleet,
+        EngineFleet([engine.url], concurrency=args.slots, lean_generate=True) as lean_fleet,
+    ):
+        fleets = {"aiohttp": old_fleet, "lean": lean_fleet}
+        runs: dict[tuple[str, ...], list[dict[str, float]]] = {c: [] for c in configs}
+        for _ in range(args.repeats):
+            for mode, store_kind, client, commit in configs:
+                one = (mode, store_kind, commit, args, fleets[client], work, engine.pid, dataset)
+                runs[(mode, store_kind, client, commit)].append(await run_one(*one))
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        print(f"{'mode':7}{'store':13}{'client':9}{'commit':8}" + "".join(f"{c:>15}" for c in cols))
+        for (mode, store_kind, client, commit), done in runs.items():
+            med = {k: statistics.median(r[k] for r in done) for k in done[0]}
+            row = f"{mode:7}{store_kind:13}{client:9}{commit:8}" + "".join(f"{med[c]:>15,.2f}" for c in cols)
+            print(row, flush=True)
+        print(f"client: {lean_fleet.statistics()}")
+        if args.burst and any(st != "memory" for st in args.stores.split(",")):
+            await print_bursts(args)
         if args.profile:
-            mode, store_kind = args.profile_run.split(":")
+            mode, store_kind, client, commit = [*args.profile_run.split(":"), "lean", "group"][:4]
             loop_prof, store_prof = cProfile.Profile(), cProfile.Profile()
-            one = (mode, store_kind, args, fleet, work, engine.pid, dataset)
+            one = (mode, store_kind, commit, args, fleets[client], work, engine.pid, dataset)
             res = await run_one(*one, profile=(loop_prof, store_prof))
-            print(f"\nprofiled run ({mode}, {store_kind}): {res['samples/s']:,.0f} samples/s under cProfile")
+            print(
+                f"\nprofiled run ({mode}, {store_kind}, {client}, {commit}): "
+                f"{res['samples/s']:,.0f} samples/s under cProfile"
+            )
             out = Path(args.profile)
             out.parent.mkdir(parents=True, exist_ok=True)
             print_profile(loop_prof, "event loop thread", out.with_suffix(".txt"))
@@ -249,11 +354,16 @@ if __name__ == "__main__":
     parser.add_argument("--dataset", type=int, default=0, help="prompts (default: enough for every step)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--clients", default="aiohttp,lean", help="/generate over aiohttp (before), lean (after)")
+    parser.add_argument("--commits", default="single,group", help="LMDB: one transaction per call, or group commit")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--burst", type=int, default=64, help="groups stored at once in the group-commit table (0: none)"
+    )
     parser.add_argument("--cpu", type=int, default=0, help="pin the controller here (-1: no pinning)")
     parser.add_argument("--engine-cpu", type=int, default=1, help="pin the engine here (-1: no pinning)")
     parser.add_argument("--profile", default=None, help="write a cProfile summary of one extra run here")
-    parser.add_argument("--profile-run", default="async:lmdb-nosync", help="MODE:STORE to profile")
+    parser.add_argument("--profile-run", default="async:lmdb-nosync", help="MODE:STORE[:CLIENT:COMMIT] to profile")
     parser.add_argument("--gc-threshold", type=int, default=0, help="CPython gen-0 GC threshold (0: default)")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up")
     parser.add_argument("--work", default=tempfile.gettempdir() + "/bench-overhead")

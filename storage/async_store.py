@@ -9,39 +9,162 @@ transaction half-seen by its caller would lose work, e.g. groups claimed but nev
 the cancellation is delivered at the caller's next checkpoint. A call cancelled before it starts
 does nothing.
 
+Group commit: a store with `run_grouped` (the LMDB store) gets the calls that queue up while its
+previous transaction commits as one batch, run in one transaction with one fsync
+(`_GroupWriter`). Each caller still gets its own result or its own error, and its await returns
+only once the transaction holding its call is committed (synced, when the store syncs). There is
+no writer task to start or stop: whichever waiting caller finds the store idle drives the next
+batch, and hands the turn on when it is done (or cancelled while queued).
+
 Lease arguments are passed on only when given, so a store written against the older signatures
 (`admit(groups, cursor)`, `put_ready(group)`) keeps working behind `AsyncStore`.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from pipeline.errors import StoreError
 from pipeline.types import Batch, Group
 
 from .memory import MemoryStore
 from .protocol import Cursor, GroupState, Lease, RecoveryReport, RunMeta, Store, StoreStatistics
 
-__all__ = ["AsyncStore"]
+__all__ = ["AsyncStore", "GroupCommitStatistics"]
 
 T = TypeVar("T")
 
 _CLOSE_DEADLINE_S = 30.0
 
 
+@dataclass(frozen=True, slots=True)
+class GroupCommitStatistics:
+    """How well group commit groups: `calls` store calls went out in `groups` batches (a batch of
+    one call is a transaction of its own), the largest holding `largest` calls."""
+
+    groups: int
+    calls: int
+    largest: int
+
+
+class _Stage(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class _Call:
+    """One call waiting for, or in, a group."""
+
+    __slots__ = ("error", "fn", "stage", "value", "wake")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.stage = _Stage.QUEUED
+        self.value: Any = None
+        self.error: Exception | None = None
+        self.wake: anyio.Event | None = None
+
+
+class _GroupWriter:
+    """Batches the calls queued while a group commits into the next group (see the module docstring)."""
+
+    def __init__(
+        self,
+        run_grouped: Callable[[list[Callable[[], Any]]], list[tuple[Any, Exception | None]]],
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        self._run_grouped = run_grouped
+        self._limiter = limiter
+        self._queue: list[_Call] = []
+        self._running = False
+        self.groups = 0  # batches run (each one transaction when it holds more than one call)
+        self.calls = 0
+        self.largest = 0
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        call = _Call(fn)
+        self._queue.append(call)
+        try:
+            while call.stage is not _Stage.DONE:
+                if call.stage is _Stage.QUEUED and not self._running:
+                    await self._drive()
+                else:
+                    call.wake = anyio.Event()
+                    await call.wake.wait()
+        except anyio.get_cancelled_exc_class():
+            if call.stage is _Stage.QUEUED:  # never started: it does nothing
+                self._queue.remove(call)
+                self._hand_on()
+                raise
+            # Started: it runs to the end and its caller gets the outcome, as a worker-thread call
+            # would; the caller's cancel scope delivers the cancellation again at its next checkpoint.
+            with anyio.CancelScope(shield=True):
+                while call.stage is not _Stage.DONE:
+                    call.wake = anyio.Event()
+                    await call.wake.wait()
+        if call.error is not None:
+            raise call.error
+        return call.value  # type: ignore[no-any-return]
+
+    async def _drive(self) -> None:
+        """Run everything queued now as one group, then wake its callers and the next queued one."""
+        batch, self._queue = self._queue, []
+        for call in batch:
+            call.stage = _Stage.RUNNING
+        self._running = True
+        self.groups += 1
+        self.calls += len(batch)
+        self.largest = max(self.largest, len(batch))
+        try:
+            with anyio.CancelScope(shield=True):  # a started group is never abandoned
+                outcomes = await anyio.to_thread.run_sync(
+                    self._run_grouped, [c.fn for c in batch], limiter=self._limiter
+                )
+        except BaseException as exc:  # the group as a whole failed (not one call): each caller hears it
+            self._settle(batch, [(None, exc if isinstance(exc, Exception) else StoreError(repr(exc)))] * len(batch))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._settle(batch, outcomes)
+
+    def _settle(self, batch: list[_Call], outcomes: list[tuple[Any, Exception | None]]) -> None:
+        self._running = False
+        for call, (value, error) in zip(batch, outcomes, strict=True):
+            call.value, call.error, call.stage = value, error, _Stage.DONE
+            if call.wake is not None:
+                call.wake.set()
+        self._hand_on()
+
+    def _hand_on(self) -> None:
+        if self._queue and not self._running and (head := self._queue[0]).wake is not None:
+            head.wake.set()
+
+
 class AsyncStore:
     """A `Store` for async code: every call runs on one worker thread, so the store stays single-writer
     and the event loop never blocks on a transaction."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, group_commit: bool = True) -> None:
+        """`group_commit=False` runs one call per transaction even on a store that can group them."""
         self._store = store
         self._inline = isinstance(store, MemoryStore)
         self._limiter = anyio.CapacityLimiter(1)
+        # Looked up on the class: a wrapper that forwards every attribute is not a grouping store.
+        run_grouped = getattr(type(store), "run_grouped", None)
+        self._writer = (
+            _GroupWriter(functools.partial(run_grouped, store), self._limiter)
+            if group_commit and run_grouped is not None and not self._inline
+            else None
+        )
 
     @property
     def store(self) -> Store:
@@ -55,6 +178,8 @@ class AsyncStore:
             # A checkpoint before, never after: a caller cancelled here loses nothing.
             await anyio.lowlevel.checkpoint()
             return fn(*args)
+        if self._writer is not None:
+            return await self._writer.call(functools.partial(fn, *args))
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     async def read_meta(self) -> RunMeta | None:
@@ -74,7 +199,17 @@ class AsyncStore:
     async def claim_partial(
         self, limit: int, *, owner: str | None = None, lease_seconds: float | None = None
     ) -> list[Group]:
+        if self._writer is not None and owner is None and lease_seconds is None and self._nothing_partial():
+            # The dispenser asks before every new group and there is usually nothing to resume:
+            # answer from the committed counters instead of a round trip to the writer thread.
+            # A put_partial still in flight is concurrent with this call, so either order is right.
+            await anyio.lowlevel.checkpoint()
+            return []
         return await self._call(self._store.claim_partial, limit, **_given(owner=owner, lease_seconds=lease_seconds))
+
+    def _nothing_partial(self) -> bool:
+        # `statistics()` of a writing store reads its committed counters (never a group in flight).
+        return self._store.statistics().counts[GroupState.PARTIAL] == 0
 
     async def put_partial(self, group: Group, *, owner: str | None = None) -> None:
         await self._call(self._store.put_partial, group, **_given(owner=owner))
@@ -135,10 +270,18 @@ class AsyncStore:
         """Synchronous: a writing store answers from memory, without a transaction."""
         return self._store.statistics()
 
+    def group_commit_statistics(self) -> GroupCommitStatistics | None:
+        """None when calls are not grouped (a memory store, or `group_commit=False`)."""
+        w = self._writer
+        return None if w is None else GroupCommitStatistics(w.groups, w.calls, w.largest)
+
     async def aclose(self) -> None:
         """Closes the store after any call in flight; runs even if the caller is being cancelled."""
         with anyio.move_on_after(_CLOSE_DEADLINE_S, shield=True):
-            await self._call(self._store.close)
+            if self._writer is None:
+                await self._call(self._store.close)
+            else:  # never inside a group: it waits for the group in flight (the same limiter)
+                await anyio.to_thread.run_sync(self._store.close, limiter=self._limiter)
 
     async def __aenter__(self) -> AsyncStore:
         return self

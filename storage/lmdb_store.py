@@ -32,6 +32,14 @@ them again: a group is encoded once on its way in and never decoded in a process
 
 Leases live in their own database (see `storage.keys`); `clock` (default `time.time`) is what
 lease expiry is measured against, injectable so tests can stand exactly on an expiry boundary.
+
+Group commit (`run_grouped`): several calls share one write transaction and so one fsync, which
+is what a synced store spends most of its time on. Each call stays all-or-nothing: a call that
+raises after writing aborts the shared transaction, which is then run again without it (the
+others are deterministic in the store's state, so their second run writes what the first did);
+every other call gets its own result, and nothing is acknowledged before the commit is on disk.
+Reads and counters inside a group see the writes of the calls before them, as they would one
+transaction after another.
 """
 
 from __future__ import annotations
@@ -89,6 +97,8 @@ _StateEntry = tuple[GroupState, int, int]
 # Ready groups kept decoded for `take_batch`; past this many the rest are read back from the map.
 _READY_CACHE_MAX = 4096
 _SCALARS = (str, int, float, bool, bytes)
+# One call's outcome in a group: (its result, None) or (None, what it raised).
+Outcome = tuple[Any, Exception | None]
 
 
 class _Write:
@@ -188,6 +198,17 @@ class _Write:
         return out
 
 
+class _Group:
+    """The write transaction that several calls share (`LmdbStore.run_grouped`)."""
+
+    __slots__ = ("committed", "w", "wrote")
+
+    def __init__(self, w: _Write) -> None:
+        self.w = w
+        self.wrote = False  # whether the call running now entered a write (else its failure aborts nothing)
+        self.committed: list[tuple[Callable[[Any], None], Any]] = []
+
+
 class LmdbStore:
     """The durable store. Thread-safe: every method holds one lock for its transaction."""
 
@@ -206,7 +227,9 @@ class LmdbStore:
         self._collected = (0, -1)
         # Group id -> the group as put in READY by this writer (see the module docstring).
         self._ready_cache: dict[str, Group] = {}
-        self._lock = threading.Lock()
+        # Reentrant: `run_grouped` holds it across the calls it runs, which take it again.
+        self._lock = threading.RLock()
+        self._group: _Group | None = None
         self._lock_fd: int | None = None
         self._transactions = 0
         self._bytes_used = 0
@@ -694,6 +717,17 @@ class LmdbStore:
         if self._readonly:
             raise StoreError(f"the rollout store {self._path} is open read-only")
         with self._lock:
+            if (group := self._group) is not None:
+                group.wrote = True
+                try:
+                    result = fn(group.w)
+                except lmdb.MapFullError:
+                    raise  # `run_grouped` grows the map and runs the group again
+                except lmdb.Error as exc:
+                    raise self._translate(exc) from exc
+                if committed is not None:
+                    group.committed.append((committed, result))
+                return result
             env = self._open_env()
             while True:
                 try:
@@ -717,6 +751,11 @@ class LmdbStore:
 
     def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         with self._lock:
+            if self._group is not None:  # read the group's own transaction: it sees the calls before
+                try:
+                    return fn(self._group.w.txn)
+                except lmdb.Error as exc:
+                    raise self._translate(exc) from exc
             env = self._open_env()
             for _ in range(3):
                 try:
@@ -727,6 +766,68 @@ class LmdbStore:
                 except lmdb.Error as exc:
                     raise self._translate(exc) from exc
             raise StoreError(f"rollout store {self._path}: the map keeps being resized under a reader")
+
+    def run_grouped(self, calls: Sequence[Callable[[], Any]]) -> list[Outcome]:
+        """Run `calls` (this store's methods, bound to their arguments) in order in one write
+        transaction, committed (and synced) once. Returns each call's (result, None) or (None,
+        error); see "Group commit" in the module docstring for what a failing call does."""
+        if self._readonly or len(calls) < 2:
+            return [_outcome(call) for call in calls]
+        failed: dict[int, Exception] = {}
+        with self._lock:
+            while True:
+                outcomes = self._try_group(self._open_env(), calls, failed)
+                if outcomes is not None:
+                    return outcomes
+
+    def _try_group(
+        self, env: lmdb.Environment, calls: Sequence[Callable[[], Any]], failed: dict[int, Exception]
+    ) -> list[Outcome] | None:
+        """One attempt at the group. None: it was aborted (a call failed after writing, or the
+        map was full and has grown) and must run again; `failed` then holds the calls left out."""
+        outcomes: list[Outcome] = []
+        txn = env.begin(write=True)
+        self._group = group = _Group(_Write(txn, self._dbs, self))
+        try:
+            for i, call in enumerate(calls):
+                if i in failed:
+                    outcomes.append((None, failed[i]))
+                    continue
+                group.wrote = False
+                try:
+                    outcomes.append((call(), None))
+                except lmdb.MapFullError:
+                    raise
+                except Exception as exc:
+                    outcomes.append((None, exc))
+                    if group.wrote:  # it may have written part of itself: run the rest without it
+                        failed[i] = exc
+                        txn.abort()
+                        return None
+            if group.w.counts != self._counts:
+                group.w.put(keys.META, keys.META_COUNTS, keys.counts_value(group.w.counts))
+            txn.commit()
+        except lmdb.MapFullError:
+            txn.abort()
+            self._grow(env)
+            return None
+        except lmdb.Error as exc:  # the commit itself failed: no call in the group happened
+            txn.abort()
+            error = self._translate(exc)
+            return [(None, error if e is None else e) for _, e in outcomes]
+        except BaseException:
+            txn.abort()
+            raise
+        finally:
+            self._group = None
+        w = group.w
+        self._counts, self._cursor, self._trained_step = w.counts, w.cursor, w.trained_step
+        self._collected = w.collected
+        self._transactions += 1
+        self._bytes_used = self._used_bytes(env)
+        for committed, result in group.committed:
+            committed(result)
+        return outcomes
 
     def _grow(self, env: lmdb.Environment) -> None:
         size = env.info()["map_size"]
@@ -816,6 +917,8 @@ class LmdbStore:
         if self._readonly:
             return self._read(self._load_counters)
         self._open_env()
+        if (group := self._group) is not None:
+            return group.w.counts, group.w.cursor, group.w.trained_step
         return self._counts, self._cursor, self._trained_step
 
     def _put(self, group: Group, to: GroupState, owner: str | None) -> None:
@@ -893,6 +996,13 @@ class LmdbStore:
                 os.ftruncate(fd, 0)  # no stale holder shown after a clean close
             finally:
                 os.close(fd)  # closing the descriptor releases the flock
+
+
+def _outcome(call: Callable[[], Any]) -> Outcome:
+    try:
+        return call(), None
+    except Exception as exc:
+        return None, exc
 
 
 def _readable(

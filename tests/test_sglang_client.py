@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import anyio
@@ -12,6 +12,7 @@ import pytest
 from pipeline.errors import EngineError, EngineUnavailableError
 from pipeline.types import FinishReason
 from stages.sglang import EngineClient, EngineFleet, EngineLoad, GenerateResult
+from stages.sglang.http1 import GeneratePool
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio
@@ -23,6 +24,9 @@ PROMPT = [11, 12, 13]
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
+    for pool in _LEAN:  # the lean connections `client` opened, closed with the session
+        await pool.aclose()
+    _LEAN.clear()
 
 
 @pytest.fixture
@@ -31,9 +35,26 @@ async def fake() -> AsyncIterator[FakeSGLang]:
         yield f
 
 
+# Every test here runs twice: `/generate` over aiohttp, and over the fleet's lean connections
+# (`stages.sglang.http1`); control calls take aiohttp either way.
+_LEAN: list[GeneratePool] = []
+_TRANSPORT = ["aiohttp"]
+
+
+@pytest.fixture(params=["aiohttp", "lean"], autouse=True)
+def transport(request: pytest.FixtureRequest) -> Iterator[str]:
+    _TRANSPORT[0] = request.param
+    yield request.param
+    _TRANSPORT[0] = "aiohttp"
+
+
 def client(url: str, session: aiohttp.ClientSession, **kw: float) -> EngineClient:
     opts = dict(request_timeout=10.0, control_timeout=5.0, max_retries=3, retry_backoff=0.001) | kw
-    return EngineClient(url, session, **opts)  # type: ignore[arg-type]
+    pool = None
+    if _TRANSPORT[0] == "lean":
+        pool = GeneratePool(url)
+        _LEAN.append(pool)
+    return EngineClient(url, session, generate_pool=pool, **opts)  # type: ignore[arg-type]
 
 
 def scripted(tokens: list[int]):
@@ -391,7 +412,8 @@ def fleet_for(*fakes: FakeSGLang, **kw) -> EngineFleet:
     # No router here: the first engine stands in for /generate; control calls reach every engine.
     urls = [f.url for f in fakes]
     return EngineFleet(urls, router_url=urls[0] if len(urls) > 1 else None, concurrency=4,
-                       request_timeout=10, control_timeout=5, retry_backoff=0.001, **kw)  # fmt: skip
+                       request_timeout=10, control_timeout=5, retry_backoff=0.001,
+                       lean_generate=_TRANSPORT[0] == "lean", **kw)  # fmt: skip
 
 
 async def test_fleet_with_one_engine_generates_and_counts(fake):

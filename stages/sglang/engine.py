@@ -20,6 +20,7 @@ import orjson
 
 from pipeline.errors import EngineError, EngineUnavailableError
 from pipeline.types import FinishReason, PauseMode
+from stages.sglang.http1 import GeneratePool
 from stages.sglang.wire import (
     PAUSE_MODES,
     EngineLoad,
@@ -82,9 +83,13 @@ class EngineClient:
         retry_backoff: float = 0.5,
         max_backoff: float = 8.0,
         counters: RequestCounters | None = None,
+        generate_pool: GeneratePool | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self._session = session
+        # With a pool, `/generate` goes over its lean keep-alive connections (see http1.py); the
+        # pool's owner (the fleet) closes it. Every other call uses the aiohttp session.
+        self._generate_pool = generate_pool
         self._request_timeout = request_timeout
         self._control_timeout = control_timeout
         self._max_retries = max_retries
@@ -116,10 +121,11 @@ class EngineClient:
         duplicate behind it).
         """
         url = self.url + "/generate"
+        # orjson writes tuples and dicts as they are: copy only what it cannot write.
         body = orjson.dumps(
             {
-                "input_ids": list(input_ids),
-                "sampling_params": dict(sampling_params),
+                "input_ids": input_ids if type(input_ids) in (tuple, list) else list(input_ids),
+                "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
                 "rid": rid,
                 "return_logprob": return_logprob,
             }
@@ -128,7 +134,7 @@ class EngineClient:
         while True:
             self._counters.requests += 1
             try:
-                status, data = await self._send("POST", "/generate", body, self._request_timeout)
+                status, data = await self._post_generate(url, body)
             except EngineUnavailableError as exc:
                 if isinstance(exc.__cause__, TimeoutError) or attempt >= self._max_retries:
                     self._counters.errors += 1
@@ -145,6 +151,16 @@ class EngineClient:
             attempt += 1
             self._counters.retries += 1
             await anyio.sleep(min(self._max_backoff, self._retry_backoff * 2 ** (attempt - 1)))
+
+    async def _post_generate(self, url: str, body: bytes) -> tuple[int, bytes]:
+        if self._generate_pool is None:
+            return await self._send("POST", "/generate", body, self._request_timeout)
+        try:
+            return await self._generate_pool.post(body, self._request_timeout)
+        except TimeoutError as exc:  # before OSError, which it subclasses; cancellation is neither
+            raise EngineUnavailableError(url, f"no answer within {self._request_timeout:g} s") from exc
+        except OSError as exc:
+            raise EngineUnavailableError(url, f"{type(exc).__name__}: {exc}") from exc
 
     def _parse_generate(self, url: str, data: bytes, rid: str) -> GenerateResult:
         # The parsed body holds one small list per token, 1k per answer: enough to set off

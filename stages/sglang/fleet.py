@@ -20,6 +20,7 @@ from pipeline.types import PauseMode
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
+from stages.sglang.http1 import GeneratePool
 from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
@@ -36,6 +37,7 @@ class _FleetState:
     session: aiohttp.ClientSession
     generator: EngineClient
     workers: tuple[EngineClient, ...] = field(default=())  # the live ones: evicted engines leave
+    generate_pool: GeneratePool | None = None  # lean /generate connections (None: aiohttp's)
 
 
 class EngineFleet:
@@ -63,6 +65,7 @@ class EngineFleet:
         api_key: str | None = None,
         fault_policy: FaultPolicy | None = None,
         restarter: EngineRestarter | None = None,
+        lean_generate: bool = True,
     ) -> None:
         if not worker_urls and router_url is None:
             raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
@@ -83,6 +86,8 @@ class EngineFleet:
         # SGLang's --api-key: every request (engines and router alike) carries it.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._state: _FleetState | None = None
+        # `/generate` over `GeneratePool` (plain http on asyncio); False: over aiohttp, as before.
+        self._lean_generate = lean_generate
         # With a fault policy, engine faults evict instead of failing the call (see faults.py).
         self._faults = FleetFaults(self, fault_policy, restarter) if fault_policy is not None else None
 
@@ -93,7 +98,13 @@ class EngineFleet:
         session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         try:
             generate_url = self._router_url or self._given_workers[0]  # type: ignore[index]
-            self._state = _FleetState(session, self._client(session, generate_url))
+            pool = None
+            if self._lean_generate and GeneratePool.supports(generate_url):
+                pool = GeneratePool(generate_url, headers=self._headers, max_idle=self._concurrency)
+            generator = EngineClient(
+                generate_url, session, counters=self._counters, generate_pool=pool, **self._client_kw
+            )
+            self._state = _FleetState(session, generator, generate_pool=pool)
             if self._given_workers is not None:
                 self._state.workers = tuple(self._client(session, u) for u in self._given_workers)
             else:
@@ -101,8 +112,11 @@ class EngineFleet:
             if self._faults is not None:
                 await self._faults.__aenter__()
         except BaseException:
+            pool = self._state.generate_pool if self._state is not None else None
             self._state = None
             with anyio.move_on_after(5, shield=True):
+                if pool is not None:
+                    await pool.aclose()
                 await session.close()
             raise
         return self
@@ -117,6 +131,8 @@ class EngineFleet:
             state, self._state = self._state, None
             if state is not None:
                 with anyio.move_on_after(5, shield=True):
+                    if state.generate_pool is not None:
+                        await state.generate_pool.aclose()
                     await state.session.close()
 
     def _client(self, session: aiohttp.ClientSession, url: str) -> EngineClient:

@@ -6,7 +6,6 @@ Pure functions and frozen results, no I/O, so a parser can be tested on a dict. 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -174,7 +173,6 @@ def _parse_finish_reason(raw: object, url: str) -> tuple[FinishReason, int | str
     raise EngineError(url, f"unknown finish_reason {dict(raw)!r}")
 
 
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _INT_ONLY = frozenset({int})
 _NUMBERS = frozenset({int, float})
 _FLOAT_ONLY = frozenset({float})
@@ -202,19 +200,23 @@ def _parse_logprobs(entries: object, url: str) -> tuple[tuple[int, ...], tuple[f
 
 
 def _transpose_logprobs(entries: list[Any]) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
-    """The hot path of the whole controller (1k entries per sample): pick the two columns in C,
-    then check each column's set of exact types, about a quarter of the cost of a Python loop.
+    """The hot path of the whole controller (1k entries per sample): split the entries into
+    columns in C (one `zip`), then check each column's set of exact types, about a fifth of the
+    cost of a Python loop.
 
     None when anything is off (a short or non-list entry, a null log-prob, a bool token id): the
-    loop then finds the entry and says what is wrong with it. Exact `type` checks refuse bools,
-    which `isinstance(x, int)` would let through. A JSON body holds no subscriptable entries besides
-    lists, strings and objects; a string yields strings here and an object fails the lookup.
+    loop then finds the entry and says what is wrong with it. `zip` stops at the shortest entry,
+    so fewer than two columns means some entry is short. Exact `type` checks refuse bools, which
+    `isinstance(x, int)` would let through. A JSON body holds no iterable entries besides lists,
+    strings and objects; a string yields strings here, an object its string keys.
     """
     try:
-        logprobs = tuple(map(_FIRST, entries))
-        token_ids = tuple(map(_SECOND, entries))
-    except (LookupError, TypeError):  # a short entry, an object, or a number
+        columns = tuple(zip(*entries, strict=False))
+    except TypeError:  # a number or a null entry
         return None
+    if len(columns) < 2:
+        return None
+    logprobs, token_ids = columns[0], columns[1]
     if not set(map(type, token_ids)) <= _INT_ONLY:
         return None
     kinds = set(map(type, logprobs))
