@@ -17,42 +17,18 @@ import argparse
 import os
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import anyio
 
+from benchmarks.controller_overhead import NullTrainer, reward, workload
 from launch.engine_process import start_engine
 from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from pipeline.types import PromptTask
 from stages.sglang import EngineFleet
 from storage import AsyncStore, MemoryStore
-
-
-class NullTrainer:
-    def __init__(self, weights: Path) -> None:
-        self._weights = weights
-
-    def train_step(self, batch):
-        return {}
-
-    def save_weights(self, path: Path) -> Path:
-        return self._weights
-
-
-def reward(task, sample) -> float:
-    """Imported by path on every producer."""
-    return float(sample.response_ids[-1] & 1)
-
-
-def workload(n: int) -> list[PromptTask]:
-    return [
-        PromptTask(index=i, prompt_ids=tuple(1000 + zlib.crc32(f"{i}:{j}".encode()) % 50000 for j in range(128)))
-        for i in range(n)
-    ]
 
 
 async def run_one(producers: int, args: argparse.Namespace, fleet: EngineFleet, work: Path) -> dict[str, float]:
@@ -78,7 +54,7 @@ async def run_one(producers: int, args: argparse.Namespace, fleet: EngineFleet, 
             engines=fleet,
             store=store,
             trainer=NullTrainer(work),
-            dataset=workload(args.batch * (args.steps + 4)),
+            dataset=workload(args.batch * (args.steps + 4), 128),
             reward_fn=reward,
             filter_fn=None,
             weights_dir=work,
@@ -100,7 +76,7 @@ async def run_one(producers: int, args: argparse.Namespace, fleet: EngineFleet, 
                 n_samples=plan.n_samples,
                 sampling_params=plan.sampling_params,
                 max_response_len=plan.max_response_len,
-                reward_path="benchmarks.ray_producers:reward",
+                reward_path="benchmarks.controller_overhead:reward",
             )
 
         settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0)
