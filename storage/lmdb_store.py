@@ -2,7 +2,8 @@
 
 (Over 400 lines on purpose, about 1,100 with group commit: one class, each public method one
 transaction over the same private helpers; group commit (`_Write`, `_Group`, `run_grouped`) drives
-those helpers' transactions and is the piece to move out next if it grows. What does not need those helpers lives beside it: `transitions` (the rules and their
+those helpers' transactions and is the piece to move out next if it grows.
+What does not need those helpers lives beside it: `transitions` (the rules and their
 messages), `seal` (checksums), `lmdb_pages` (LMDB's own pages), `lmdb_verify`, `migrate`, `salvage`.)
 
 Integrity: every value is sealed (`storage.seal`: layout version + CRC-32 over key and payload)
