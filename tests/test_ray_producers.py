@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -464,8 +465,23 @@ async def test_a_node_whose_raylet_dies_loses_its_producer_and_the_run_goes_on(c
         by_id = {n.node_id: n for n in cluster.list_all_nodes()}
         victim = next(p for p in run.producers.producers if head[:8] not in p.node)
         node = next(n for nid, n in by_id.items() if nid[:8] in victim.node)
-        cluster.remove_node(node, allow_graceful=False)  # the raylet and every worker on it die
-        removed.append(victim)
+        # Training waits until the controller has seen the loss: on a fast machine the remaining
+        # steps could otherwise end before a heartbeat misses its deadline.
+        released, train_step = threading.Event(), run.trainer.train_step
+
+        def held(batch):
+            released.wait(timeout=120)
+            return train_step(batch)
+
+        run.trainer.train_step = held
+        try:
+            cluster.remove_node(node, allow_graceful=False)  # the raylet and every worker on it die
+            removed.append(victim)
+            with anyio.fail_after(60):
+                while victim.lost is None:
+                    await run.producers.wait_slot_freed()  # woken by every change, a loss included
+        finally:
+            released.set()
 
     run = Run(tmp_path)
     try:
