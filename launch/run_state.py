@@ -130,6 +130,7 @@ def open_run_state(config: Config) -> RunState:
                 temperature=config.rollout.temperature,
                 max_grad_norm=t.max_grad_norm,
                 micro_batch_size=t.micro_batch_size,
+                distributed_optimizer=t.use_distributed_optimizer,
             )
         return build_trainer(start_from, settings)
 

@@ -131,6 +131,11 @@ def _megatron_rules(draft: Draft) -> None:
                     f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
                     "one process; add --train-backend megatron"
                 )
+        if get("trainer", "use_distributed_optimizer"):
+            problem(
+                f"{show('trainer', 'use_distributed_optimizer')} with --train-backend=torch: megatron's "
+                "distributed optimizer is the megatron backend's; add --train-backend megatron"
+            )
         return
     if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
         problem(
@@ -142,6 +147,11 @@ def _megatron_rules(draft: Draft) -> None:
         problem(
             f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
             f"{show('trainer', 'num_ranks')} (data parallel = ranks / TP)"
+        )
+    if get("trainer", "use_distributed_optimizer") and get("trainer", "device") == "cpu":
+        problem(
+            f"{show('trainer', 'use_distributed_optimizer')} with {show('trainer', 'device')}: megatron-core "
+            "allocates its DDP buffers on the GPU; use a GPU trainer device or drop the flag"
         )
 
 

@@ -553,6 +553,13 @@ class TrainerConfig:
         ge=1,
         help="--train-backend megatron: samples per micro-batch, packed into one sequence",
     )
+    use_distributed_optimizer: bool = _opt(
+        False,
+        "--use-distributed-optimizer",
+        "bool",
+        help="--train-backend megatron on GPU ranks: megatron-core's DDP and distributed optimizer "
+        "(optimizer state sharded over data parallel)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,11 @@ single-process step. Pipeline parallel is refused at config load. Micro-batches 
 
 Precision (`dtype`, `--trainer-dtype`): float32, or bfloat16 parameters with fp32 master weights,
 fp32 gradient accumulation and fp32 AdamW state (`master.py`), megatron's mixed-precision recipe.
-Optimizer: torch AdamW on each rank's shard. megatron-core's DDP wrapper and distributed
-optimizer are not used: under 0.16.1 (the CPU ranks CI runs) both allocate their buffers on CUDA
-(`param_and_grad_buffer.py`, `optimizer.py`), so they cannot serve the CPU ranks; see the README.
+Optimizer: by default torch AdamW on each rank's shard, with the gradient collectives of
+`grads.py`. With `distributed_optimizer` (`--use-distributed-optimizer`, GPU ranks only: under
+0.16.1, the CPU ranks CI runs, megatron allocates these buffers on CUDA) the model is wrapped in
+megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the same step, with
+the optimizer state sharded over data parallel.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from stages.trainer.megatron.checkpoint import (
 )
 from stages.trainer.megatron.commands import Command as _Command
 from stages.trainer.megatron.commands import broadcast_command, receive_command
+from stages.trainer.megatron.distopt import DistributedOptimizer
 from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
 from stages.trainer.megatron.master import MasterWeights
 from stages.trainer.megatron.packing import packed_logprobs
@@ -109,6 +112,7 @@ class MegatronTrainer:
         device: str = "cpu",
         dtype: str = "float32",
         num_threads: int | None = 1,
+        distributed_optimizer: bool = False,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -121,6 +125,11 @@ class MegatronTrainer:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        if distributed_optimizer and torch.device(device).type == "cpu":
+            raise ValueError(
+                "distributed_optimizer needs GPU ranks (device='cuda'): megatron-core allocates its "
+                f"DDP buffers on the GPU; got device={device!r}"
+            )
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
@@ -143,15 +152,28 @@ class MegatronTrainer:
         self.dtype = _DTYPES[dtype]
         self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=self.dtype, on_cpu=self.device.type == "cpu")
         fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        self.steps = 0
+        resume = self.model_path / OPTIMIZER_DIR
+        self.distopt: DistributedOptimizer | None = None
+        if distributed_optimizer:
+            del fp32  # megatron builds its fp32 masters from the model's weights
+            self.distopt = DistributedOptimizer(
+                self.model,
+                lr=lr,
+                weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm,
+                bf16=self.dtype != torch.float32,
+            )
+            self.model = self.distopt.module  # forward and backward through megatron's DDP wrapper
+            if resume.is_dir():
+                self.steps = self.distopt.load(resume, layout=self._layout_dict)
+            return
         # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
         self.master = MasterWeights(self.model, fp32)
         del fp32
         self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
-        self.steps = 0
-        if (self.model_path / OPTIMIZER_DIR).is_dir():
-            self.steps = load_optimizer_shard(
-                self.optimizer, self.master.named(), self.model_path / OPTIMIZER_DIR, layout=self._layout_dict
-            )
+        if resume.is_dir():
+            self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self._layout_dict)
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -265,7 +287,10 @@ class MegatronTrainer:
         same decision, from the DP-summed totals.
         """
         batch_tokens = self._batch_tokens(minibatch, chunks, proximal)
-        self.optimizer.zero_grad(set_to_none=False)
+        if self.distopt is not None:
+            self.distopt.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=False)
         totals: defaultdict[str, float] = defaultdict(float)
         for j, chunk in enumerate(chunks):
             logp, entropy = self._packed_logprobs(chunk)
@@ -279,14 +304,16 @@ class MegatronTrainer:
                 totals=totals,
                 proximal_flat=None if proximal is None else proximal[j],
             ).backward()
-            self.master.accumulate_grads()  # bf16: into the fp32 masters, after every micro-batch
+            self._accumulate_grads()
         if not chunks:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
-            self.master.accumulate_grads()
+            self._accumulate_grads()
         totals = self._sum_over_dp(totals)
         if totals["signal"] <= 0:
             return totals, 0.0, False
+        if self.distopt is not None:
+            return totals, self.distopt.step(), True
         from megatron.core import parallel_state as ps
 
         tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, self.master.named()
@@ -295,6 +322,17 @@ class MegatronTrainer:
         self.optimizer.step()
         self.master.copy_to_model()
         return totals, grad_norm, True
+
+    def _accumulate_grads(self) -> None:
+        """bf16, hand-rolled path: into the fp32 masters after every micro-batch (megatron's DDP
+        accumulates into its fp32 buffer in its own backward hooks)."""
+        if self.distopt is None:
+            self.master.accumulate_grads()
+
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The weights a publish or a saved folder reads, by megatron name (fp32 masters, or the
+        distributed optimizer's model weights)."""
+        return self.distopt.named() if self.distopt is not None else self.master.named()
 
     def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None) -> float:
         """The token-mean denominator: the minibatch's trainable tokens, after log-prob-dependent drops."""
@@ -359,22 +397,25 @@ class MegatronTrainer:
         """Every rank joins the TP gather; rank 0 converts to HF names (the others return nothing)."""
         from megatron.core import parallel_state as ps
 
-        full = gather_full_state(self.master.named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
         return megatron_to_hf(full, self.shape) if self.layout.rank == 0 else {}
 
     def _save(self, folder: Path) -> None:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
         from megatron.core import parallel_state as ps
 
-        full = gather_full_state(self.master.named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
         if self.layout.rank == 0:
             write_hf_weights(folder, full, self.shape, self.model_path)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
-        save_optimizer_shard(
-            self.optimizer, self.master.named(), folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
-        )
+        if self.distopt is not None:
+            self.distopt.save(folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps)
+        else:
+            save_optimizer_shard(
+                self.optimizer, self.master.named(), folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
+            )
         if self.layout.world > 1:
             dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
 
