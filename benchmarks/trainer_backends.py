@@ -12,7 +12,9 @@ per batch for both (`--global-batch-size` left at the whole batch). The batch is
 `--groups` x `--samples` samples of `--prompt-len` + `--response-len` random tokens, with
 behaviour log-probs and rewards that give every token a gradient. The megatron backend runs one
 rank (TP=1) in this process with `--micro-batch-size` samples packed per micro-batch. The first
-step of each backend is a warm-up and is reported apart. Prints one JSON line per `--dtype`.
+step of each backend is a warm-up and is reported apart. On a GPU the megatron backend runs a
+second time with `--use-distributed-optimizer` (`megatron_distopt`: megatron-core's DDP and
+distributed optimizer instead of the hand-rolled step). Prints one JSON line per `--dtype`.
 """
 
 from __future__ import annotations
@@ -87,23 +89,28 @@ def _compare(model: Path, batch: Batch, args: argparse.Namespace, dtype: str, lo
         result["torch"]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    mg = start_megatron_trainer(
-        model,
-        world_size=1,
-        tp=1,
-        device=args.device,
-        dtype=dtype,
-        log_dir=logs,
-        micro_batch_size=args.micro_batch_size,
-        num_threads=None,
-    )
-    try:
-        result["megatron"] = _time(mg, batch, args.steps, args.device)
-    finally:
-        mg.close()
-    if cuda:
-        result["megatron"]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    _release_megatron(mg, cuda)
+    # The megatron backend as is, then (GPU only) with megatron's DDP and distributed optimizer.
+    for key, distributed in (("megatron", False), ("megatron_distopt", True)):
+        if distributed and not cuda:
+            continue
+        mg = start_megatron_trainer(
+            model,
+            world_size=1,
+            tp=1,
+            device=args.device,
+            dtype=dtype,
+            log_dir=logs,
+            micro_batch_size=args.micro_batch_size,
+            num_threads=None,
+            distributed_optimizer=distributed,
+        )
+        try:
+            result[key] = _time(mg, batch, args.steps, args.device)
+        finally:
+            mg.close()
+        if cuda:
+            result[key]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        _release_megatron(mg, cuda)
     return result
 
 
@@ -112,7 +119,7 @@ def _release_megatron(trainer: Any, cuda: bool) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    trainer.model = trainer.optimizer = trainer.master = None
+    trainer.model = trainer.optimizer = trainer.master = trainer.distopt = None
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if cuda:
