@@ -1,6 +1,6 @@
 """Megatron ranks: one process per device, torchrun-style; rank 0 is the controller's process.
 
-    trainer = start_megatron_trainer(model_dir, world_size=2, tp=2, log_dir=..., **trainer_kwargs)
+    trainer = start_megatron_trainer(model_dir, world_size=4, tp=2, pp=2, log_dir=..., **trainer_kwargs)
     ...  trainer.train_step(batch); trainer.save_weights(path)  ...
     trainer.close()     # releases the followers and waits for them to exit
 
@@ -41,10 +41,13 @@ def init_rank(*, rank: int, world_size: int, tp: int, pp: int = 1, device: str =
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if pp != 1:
-        raise ConfigError([f"--pipeline-model-parallel-size={pp}: pipeline parallelism is not supported yet (use 1)"])
-    if world_size % tp:
-        raise ConfigError([f"--tensor-model-parallel-size={tp}: must divide the {world_size} megatron ranks"])
+    if world_size % (tp * pp):
+        raise ConfigError(
+            [
+                f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp}: must divide "
+                f"the {world_size} megatron ranks (data parallel = ranks / (TP x PP))"
+            ]
+        )
     on_gpu = device != "cpu"
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

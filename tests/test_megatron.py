@@ -245,8 +245,17 @@ def test_parallel_flags_are_checked_at_config_load():
             ]
         )
     text = str(err.value)
-    assert "--pipeline-model-parallel-size=2: pipeline parallelism is not supported" in text
     assert "--tensor-model-parallel-size=2: must divide --actor-num-gpus-per-node=3" in text
+    pipelined = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2"]
+    assert load_config(pipelined).trainer.pipeline_model_parallel_size == 2
+    with pytest.raises(ConfigError) as err:
+        load_config([*pipelined, "--tensor-model-parallel-size", "4", "--use-distributed-optimizer"])
+    text = str(err.value)
+    assert (
+        "--tensor-model-parallel-size=4 x --pipeline-model-parallel-size=2: must divide --actor-num-gpus-per-node=4"
+        in text
+    )
+    assert "--use-distributed-optimizer=True with --pipeline-model-parallel-size=2" in text
     distributed = ["--train-backend", "megatron", "--update-weight-transport", "distributed"]
     assert load_config(distributed).rollout.update_weight_transport == "distributed"
     with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size=2 with --train-backend=torch"):
@@ -329,7 +338,7 @@ def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    layout = {"rank": 0, "world": 1, "tp": 1}
+    layout = {"rank": 0, "world": 1, "tp": 1, "pp": 1}
     named = list(model.named_parameters())
     save_optimizer_shard(optimizer, named, tmp_path, layout=layout, steps=7)
 
@@ -338,7 +347,12 @@ def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path
     for p in model.parameters():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(fresh.state[p][key], optimizer.state[p][key])
-    with pytest.raises(PipelineError, match=r"this run is \{'format': 1, 'backend': 'megatron', 'world': 2, 'tp': 2\}"):
-        load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 0, "world": 2, "tp": 2})
+    with pytest.raises(
+        PipelineError, match=r"this run is \{'format': 1, 'backend': 'megatron', 'world': 2, 'tp': 2, 'pp': 1\}"
+    ):
+        load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 0, "world": 2, "tp": 2, "pp": 1})
     with pytest.raises(PipelineError, match="no shard for megatron rank 1: it was saved by the torch backend"):
-        load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 1, "world": 2, "tp": 2})
+        load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 1, "world": 2, "tp": 2, "pp": 1})
+    # The same ranks as two pipeline stages are another layout: the shard holds other parameters.
+    with pytest.raises(PipelineError, match=r"'pp': 1, 'trainer_steps': 7\}; this run is .*'pp': 2\}"):
+        load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 0, "world": 1, "tp": 1, "pp": 2})

@@ -137,16 +137,23 @@ def _megatron_rules(draft: Draft) -> None:
                 "distributed optimizer is the megatron backend's; add --train-backend megatron"
             )
         return
-    if (get("trainer", "pipeline_model_parallel_size") or 1) > 1:
-        problem(
-            f"{show('trainer', 'pipeline_model_parallel_size')}: pipeline parallelism is not "
-            "supported by the megatron backend yet; use 1 (tensor and data parallel work)"
-        )
     ranks, tp = get("trainer", "num_ranks"), get("trainer", "tensor_model_parallel_size")
+    pp = get("trainer", "pipeline_model_parallel_size")
     if ranks and tp and ranks % tp:
         problem(
             f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
-            f"{show('trainer', 'num_ranks')} (data parallel = ranks / TP)"
+            f"{show('trainer', 'num_ranks')} (data parallel = ranks / (TP x PP))"
+        )
+    elif ranks and tp and pp and ranks % (tp * pp):
+        problem(
+            f"{show('trainer', 'tensor_model_parallel_size')} x {show('trainer', 'pipeline_model_parallel_size')}: "
+            f"must divide {show('trainer', 'num_ranks')} (data parallel = ranks / (TP x PP))"
+        )
+    if get("trainer", "use_distributed_optimizer") and (pp or 1) > 1:
+        problem(
+            f"{show('trainer', 'use_distributed_optimizer')} with {show('trainer', 'pipeline_model_parallel_size')}: "
+            "the pipeline runs its own schedule, without megatron's DDP hooks across stages; "
+            "drop one of the two"
         )
     if get("trainer", "use_distributed_optimizer") and get("trainer", "device") == "cpu":
         problem(

@@ -544,7 +544,7 @@ class TrainerConfig:
         "--pipeline-model-parallel-size",
         "int",
         ge=1,
-        help="--train-backend megatron: pipeline parallel size (only 1 is supported yet)",
+        help="--train-backend megatron: pipeline parallel size (stages of num_layers / PP layers each)",
     )
     micro_batch_size: int = _opt(
         8,

@@ -4,7 +4,8 @@
     rows.py        a Batch as rows for the ranks, and the shared loss (stages.trainer.loss) on them
     commands.py    rank 0's commands to the other ranks (train, save, log-probs, gather, stop)
     packing.py     samples packed into one sequence, log-probs and entropy over the TP-split vocabulary
-    grads.py       gradients across ranks: DP sum, TP sum of the q/k norms, the global norm clip
+    schedule.py    micro-batches through pipeline stages: all forwards, then all backwards
+    grads.py       gradients across ranks: DP sum, TP sum of the q/k norms, tied embedding over PP, the norm clip
     master.py      fp32 master weights for a bf16 model (--trainer-dtype bfloat16)
     checkpoint.py  HF weights in and out, one AdamW shard per rank
     qwen3.py       the Qwen3-shaped GPTModel, and HF <-> megatron weight conversion (exact)

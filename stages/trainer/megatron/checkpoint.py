@@ -3,8 +3,12 @@
 A checkpoint folder is what the torch backend writes (`stages.trainer.checkpoint`: a Hugging Face
 folder, written whole or not at all), except that `optimizer/` holds `rank<r>.safetensors` (the
 AdamW state of rank r's parameter shards, keyed `<megatron name>.<state>`) and `rank<r>.json`
-(format, layout, trainer steps). A shard is only loaded into the same layout (world size, TP);
-anything else is refused with both layouts named. Never pickle.
+(format, layout, trainer steps). A shard is only loaded into the same layout (world size, TP,
+PP); anything else is refused with both layouts named. Never pickle.
+
+Pipeline stages: each loads only its own parameters (`qwen3.global_names` says which full-model
+tensor each is); a save joins each stage's tensors over TP, then sends them to the first stage
+(`gather_stages`), so rank 0 writes the same HF folder as a run without PP.
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ import torch
 import torch.distributed as dist
 
 from pipeline.errors import PipelineError
-from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
+from stages.trainer.megatron.qwen3 import Qwen3Shape, global_names, hf_to_megatron, megatron_to_hf, shard, unshard
 
-__all__ = ["gather_full_state", "load_hf_weights", "load_optimizer_shard", "save_optimizer_shard", "write_hf_weights"]
+__all__ = [
+    "gather_full_state",
+    "gather_stages",
+    "load_hf_weights",
+    "load_optimizer_shard",
+    "save_optimizer_shard",
+    "write_hf_weights",
+]
 
 FORMAT = 1
 Named = Sequence[tuple[str, torch.nn.Parameter]]  # megatron name, the parameter the optimizer steps
@@ -29,7 +40,8 @@ Named = Sequence[tuple[str, torch.nn.Parameter]]  # megatron name, the parameter
 def load_hf_weights(
     model: torch.nn.Module, folder: Path, shape: Qwen3Shape, *, tp_rank: int, tp: int
 ) -> dict[str, torch.Tensor]:
-    """Copy this rank's shard of the HF weights in `folder` (every top-level *.safetensors) into `model`.
+    """Copy this rank's shard of the HF weights in `folder` (every top-level *.safetensors) into
+    `model` (this pipeline stage's parameters only).
 
     Returns the shards as read (fp32 for the folders this backend writes), by megatron name: a bf16
     model's master weights start from them, not from their rounding."""
@@ -43,12 +55,13 @@ def load_hf_weights(
         with safe_open(str(f), framework="pt") as fh:
             hf.update({k: fh.get_tensor(k) for k in fh.keys()})
     full = hf_to_megatron(hf, shape)
+    names = global_names(model, shape)
     shards: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in full:
-                raise PipelineError(f"{folder}: no weight converts to megatron parameter {name!r}")
-            shards[name] = shard(name, full[name], tp_rank, tp).float()
+            if names[name] not in full:
+                raise PipelineError(f"{folder}: no weight converts to megatron parameter {names[name]!r}")
+            shards[name] = shard(name, full[names[name]], tp_rank, tp).float()
             param.copy_(shards[name].to(param.dtype))
     return shards
 
@@ -63,6 +76,39 @@ def gather_full_state(named: Named, *, tp: int, group: object) -> dict[str, torc
             parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local, group=group)
         out[name] = unshard(name, [p.cpu() for p in parts])
+    return out
+
+
+def gather_stages(
+    state: dict[str, torch.Tensor], *, ranks: Sequence[int], rank: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's full tensors (by full-model name) joined on the first stage's rank.
+
+    A collective over `ranks` (one pipeline's ranks, first stage first; `rank` is this one's):
+    each later stage sends a JSON header of names and shapes (never pickle), then its tensors as
+    one flat fp32 tensor. Returns the whole model's tensors, fp32 on CPU, on `ranks[0]`; {} elsewhere.
+    """
+    if len(ranks) == 1:
+        return state
+    if rank != ranks[0]:
+        header = orjson.dumps([[name, list(t.shape)] for name, t in state.items()])
+        dist.send(torch.tensor([len(header)], dtype=torch.int64, device=device), dst=ranks[0])
+        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst=ranks[0])
+        flat = torch.cat([t.detach().float().reshape(-1) for t in state.values()]) if state else torch.zeros(0)
+        dist.send(flat.to(device), dst=ranks[0])
+        return {}
+    out = {name: t.float() for name, t in state.items()}
+    for src in ranks[1:]:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.recv(length, src=src)
+        body = torch.empty(int(length[0]), dtype=torch.uint8, device=device)
+        dist.recv(body, src=src)
+        shapes = orjson.loads(body.cpu().numpy().tobytes())
+        flat = torch.empty(sum(torch.Size(s).numel() for _, s in shapes), dtype=torch.float32, device=device)
+        dist.recv(flat, src=src)
+        parts = flat.cpu().split([torch.Size(s).numel() for _, s in shapes])
+        for (name, s), part in zip(shapes, parts, strict=True):
+            out[name] = part.view(s)
     return out
 
 
@@ -96,6 +142,7 @@ def save_optimizer_shard(
         "backend": "megatron",
         "world": layout["world"],
         "tp": layout["tp"],
+        "pp": layout["pp"],
         "trainer_steps": steps,
     }
     (folder / f"rank{rank}.json").write_bytes(orjson.dumps(meta))
@@ -120,7 +167,14 @@ def load_optimizer_shard(
         tensors = load_file(str(folder / f"rank{rank}.safetensors"))
     except (OSError, orjson.JSONDecodeError, SafetensorError) as exc:
         raise PipelineError(f"optimizer checkpoint {folder} is unreadable for rank {rank}: {exc}") from exc
-    expected = {"format": FORMAT, "backend": "megatron", "world": layout["world"], "tp": layout["tp"]}
+    expected = {
+        "format": FORMAT,
+        "backend": "megatron",
+        "world": layout["world"],
+        "tp": layout["tp"],
+        "pp": layout["pp"],
+    }
+    meta.setdefault("pp", 1)  # saved before pipeline parallelism: one stage
     if {k: meta.get(k) for k in expected} != expected:
         raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
     for name, param in named:

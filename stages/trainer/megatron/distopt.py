@@ -132,6 +132,7 @@ class DistributedOptimizer:
         except (OSError, orjson.JSONDecodeError, SafetensorError) as exc:
             raise PipelineError(f"optimizer checkpoint {folder} is unreadable for rank {rank}: {exc}") from exc
         expected = {"format": FORMAT, "backend": KIND, **layout}
+        meta.setdefault("pp", 1)  # saved before pipeline parallelism: one stage
         if {k: meta.get(k) for k in expected} != expected:
             raise PipelineError(
                 f"optimizer checkpoint {folder} was saved as "

@@ -4,11 +4,16 @@ The sequence is every row's prompt+response back to back (no padding to the long
 block-diagonal causal mask keeps each row to itself, and RoPE only sees position differences, so
 packing leaves every token's log-prob unchanged. Only the positions that predict a response token
 go through the vocab-parallel softmax: each TP rank holds a slice of the logits.
+
+`pack` builds the model's inputs (every pipeline stage builds the same ones from the rows: the
+mask on each, the tokens for the first); `head_logprobs` turns the last stage's logits into
+log-probs and entropies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,15 +21,26 @@ import torch.distributed as dist
 
 from stages.trainer.megatron.rows import Row
 
-__all__ = ["packed_logprobs"]
+__all__ = ["Packed", "head_logprobs", "pack"]
 
 
-def packed_logprobs(
-    model: torch.nn.Module, rows: Sequence[Row], *, temperature: float, device: torch.device, tp_group: Any, tp: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the response tokens of `rows` and the entropy at each, packed: [sum of responses]."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """One packed micro-batch: the model's inputs, and which logits predict which response token."""
 
+    tokens: torch.Tensor  # [1, S]
+    position: torch.Tensor  # [1, S]
+    mask: torch.Tensor  # [1, 1, S, S], True = masked
+    predict: torch.Tensor  # [R]: the positions whose logits predict a response token
+    target: torch.Tensor  # [R]: those tokens
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def pack(rows: Sequence[Row], device: torch.device) -> Packed:
+    """The rows' prompts and responses as one sequence, each row attending only to itself."""
     ids: list[int] = []
     predict: list[int] = []
     blocks: list[int] = []
@@ -37,13 +53,25 @@ def packed_logprobs(
         blocks.append(p + len(r.response_ids))
     owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
     position = torch.arange(len(ids))
-    hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])  # True = masked
-    tokens = torch.tensor(ids, device=device)[None]
-    logits = model(tokens, position.to(device)[None], attention_mask=hidden.to(device)[None, None])
-    picked = logits[0, torch.tensor(predict, device=device)].float() / temperature  # [R, V / tp]
-    target = torch.tensor(targets, device=device)
+    hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])
+    return Packed(
+        tokens=torch.tensor(ids, device=device)[None],
+        position=position.to(device)[None],
+        mask=hidden.to(device)[None, None],
+        predict=torch.tensor(predict, device=device, dtype=torch.long),
+        target=torch.tensor(targets, device=device, dtype=torch.long),
+    )
+
+
+def head_logprobs(
+    logits: torch.Tensor, packed: Packed, *, temperature: float, tp_group: Any, tp: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens and the entropy at each, from the logits [1, S, V / tp]: [R] each."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    picked = logits[0, packed.predict].float() / temperature  # [R, V / tp]
     # -log softmax(logits)[target] over the whole vocabulary, each TP rank holding a slice of it.
-    logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), target[:, None])[:, 0]
+    logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), packed.target[:, None])[:, 0]
     return logp, _entropy(picked.detach(), tp_group, tp)
 
 

@@ -24,6 +24,15 @@ back (`unshard`): vocab rows of the embedding and output layer, query groups of 
 gate and the up half of `linear_fc1` each, and the input columns of `linear_proj` and `linear_fc2`.
 Norms are replicated. Every conversion is a pure reshuffle of the same numbers, so a round trip
 is exact.
+
+Pipeline parallelism gives each stage `num_layers / pp` consecutive layers (megatron's own
+offset logic: a layer's `layer_number` is global), the embedding to the first stage and the final
+norm and output layer to the last. A stage's parameters are named locally (`decoder.layers.0` is
+its first layer); `global_names` maps them to the full model's names that the conversion uses.
+Tied embeddings under PP > 1: the last stage holds its own copy of the embedding as
+`output_layer.weight` (megatron's recipe: both copies start equal and their gradients are summed
+over the embedding group, `grads.py`, so they stay equal); it is built untied so that megatron
+does not move it to CUDA to synchronise it at construction, and a save reads the first stage's.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from pipeline.errors import ConfigError
 __all__ = [
     "Qwen3Shape",
     "build_gpt_model",
+    "global_names",
     "hf_to_megatron",
     "is_sharded",
     "megatron_to_hf",
@@ -105,10 +115,23 @@ class Qwen3Shape:
         if problems:
             raise ConfigError(problems)
 
+    def check_pipeline_parallel(self, pp: int) -> None:
+        """Every stage gets the same number of layers."""
+        if self.num_layers % pp:
+            raise ConfigError(
+                [
+                    f"--pipeline-model-parallel-size={pp}: the model's {self.num_layers} layers are not "
+                    "divisible by it (each pipeline stage takes the same number of layers)"
+                ]
+            )
 
-def build_gpt_model(shape: Qwen3Shape, *, tp: int, dtype: torch.dtype, on_cpu: bool) -> torch.nn.Module:
-    """The megatron `GPTModel` for `shape` on this rank. `initialize_model_parallel` must have run."""
+
+def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dtype, on_cpu: bool) -> torch.nn.Module:
+    """The megatron `GPTModel` for `shape` on this rank: its pipeline stage's share of it.
+
+    `initialize_model_parallel` must have run (it says which stage this rank is)."""
     import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -130,6 +153,7 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, dtype: torch.dtype, on_cpu: b
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -151,10 +175,29 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, dtype: torch.dtype, on_cpu: b
         max_sequence_length=shape.max_positions,
         position_embedding_type="rope",
         rotary_base=rotary_base,
-        share_embeddings_and_output_weights=shape.tied,
+        # Tied under PP > 1: the last stage's copy is our own to keep equal (module docstring).
+        share_embeddings_and_output_weights=shape.tied and pp == 1,
         parallel_output=True,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
     )
     return model if on_cpu else model.cuda()
+
+
+def global_names(model: torch.nn.Module, shape: Qwen3Shape) -> dict[str, str]:
+    """This stage's parameter names -> the full model's: layers renumbered by their global
+    `layer_number`; the last stage's copy of a tied embedding is the embedding."""
+    layers: Any = model.decoder.layers  # type: ignore[union-attr]
+    out: dict[str, str] = {}
+    for name, _ in model.named_parameters():
+        full = name
+        if name.startswith("decoder.layers."):
+            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            full = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+        elif name == "output_layer.weight" and shape.tied:
+            full = "embedding.word_embeddings.weight"
+        out[name] = full
+    return out
 
 
 # ---- names and layouts -----------------------------------------------------------------------

@@ -18,11 +18,19 @@ the torch trainer runs it on a minibatch. A rollout batch takes one optimizer st
 trainer); with several, the proximal log-probs are recomputed once before the first, and the PPO
 clip of the later steps acts against them.
 
-Parallelism: tensor parallel from megatron-core's `parallel_state`, data parallel = world / TP.
-Each DP rank takes every DP-th row of each minibatch; the loss is normalised by the minibatch's
-token count, and gradients are summed over the DP group (`grads.py`), so each step equals the
-single-process step. Pipeline parallel is refused at config load. Micro-batches of
-`micro_batch_size` rows are packed into one sequence (`packing.py`).
+Parallelism: tensor and pipeline parallel from megatron-core's `parallel_state`, data parallel
+= world / (TP x PP). Each DP rank takes every DP-th row of each minibatch; the loss is normalised
+by the minibatch's token count, and gradients are summed over the DP group (`grads.py`), so each
+step equals the single-process step. Micro-batches of `micro_batch_size` rows are packed into one
+sequence (`packing.py`). Pipeline parallel (`--pipeline-model-parallel-size`): each stage holds
+`num_layers / pp` layers (`qwen3.py`); a minibatch's micro-batches go through the stages forward,
+then backward (`schedule.py`: our own schedule, since megatron-core's allocates on CUDA; the
+docstring says where). The loss, the log-probs and the step's totals exist on the last stage; the
+totals and log-probs are broadcast from it over the pipeline group, so rank 0 (first stage,
+the controller's process) reports them and every stage makes the same step-or-skip decision. The
+gradient norm is summed over TP and PP ranks. A save joins the stages on rank 0 (`checkpoint.py`),
+so the HF folder is the one a run without PP writes. A tied embedding is kept as two equal copies
+on the first and last stage (their gradients summed, `grads.py`).
 
 Precision (`dtype`, `--trainer-dtype`): float32, or bfloat16 parameters with fp32 master weights,
 fp32 gradient accumulation and fp32 AdamW state (`master.py`), megatron's mixed-precision recipe.
@@ -30,7 +38,8 @@ Optimizer: by default torch AdamW on each rank's shard, with the gradient collec
 `grads.py`. With `distributed_optimizer` (`--use-distributed-optimizer`, GPU ranks only: under
 0.16.1, the CPU ranks CI runs, megatron allocates these buffers on CUDA) the model is wrapped in
 megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the same step, with
-the optimizer state sharded over data parallel.
+the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
+it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from stages.trainer.checkpoint import OPTIMIZER_DIR, write_folder_atomically
 from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
 from stages.trainer.megatron.checkpoint import (
     gather_full_state,
+    gather_stages,
     load_hf_weights,
     load_optimizer_shard,
     save_optimizer_shard,
@@ -60,9 +70,17 @@ from stages.trainer.megatron.commands import broadcast_command, receive_command
 from stages.trainer.megatron.distopt import DistributedOptimizer
 from stages.trainer.megatron.grads import clip_gradients, reduce_gradients
 from stages.trainer.megatron.master import MasterWeights
-from stages.trainer.megatron.packing import packed_logprobs
-from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, megatron_to_hf
-from stages.trainer.megatron.rows import Row, batch_rows, micro_batch_loss, step_metrics, trained_token_count
+from stages.trainer.megatron.packing import Packed, head_logprobs, pack
+from stages.trainer.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
+from stages.trainer.megatron.rows import (
+    TOTALS,
+    Row,
+    batch_rows,
+    micro_batch_loss,
+    step_metrics,
+    trained_token_count,
+)
+from stages.trainer.megatron.schedule import InFlight, Stage, backward, forward
 
 __all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
 
@@ -88,6 +106,7 @@ class _Layout:
     tp_rank: int
     dp: int
     dp_rank: int
+    pp: int
 
 
 class MegatronTrainer:
@@ -125,6 +144,11 @@ class MegatronTrainer:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        if distributed_optimizer and ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError(
+                "distributed_optimizer with pipeline parallel is not supported: the pipeline runs "
+                "its own schedule, without megatron's DDP hooks across stages; use one of the two"
+            )
         if distributed_optimizer and torch.device(device).type == "cpu":
             raise ValueError(
                 "distributed_optimizer needs GPU ranks (device='cuda'): megatron-core allocates its "
@@ -146,11 +170,20 @@ class MegatronTrainer:
             tp_rank=ps.get_tensor_model_parallel_rank(),
             dp=ps.get_data_parallel_world_size(),
             dp_rank=ps.get_data_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
         )
+        self.stage = Stage.current()
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
+        self.shape.check_pipeline_parallel(self.layout.pp)
         self.dtype = _DTYPES[dtype]
-        self.model = build_gpt_model(self.shape, tp=self.layout.tp, dtype=self.dtype, on_cpu=self.device.type == "cpu")
+        self.model = build_gpt_model(
+            self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
+        )
+        # This stage's parameter names -> the full model's; the last stage's copy of a tied
+        # embedding (PP > 1) is neither saved nor counted twice in the gradient norm.
+        self._names = global_names(self.model, self.shape)
+        self._tied_copy = frozenset(n for n, full in self._names.items() if n == "output_layer.weight" and full != n)
         fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
         self.steps = 0
         resume = self.model_path / OPTIMIZER_DIR
@@ -259,7 +292,7 @@ class MegatronTrainer:
         proximal: list[list[torch.Tensor]] | None = None
         if len(minibatches) > 1:
             with torch.no_grad():
-                proximal = [[self._packed_logprobs(c)[0] for c in chunks] for chunks in plans]
+                proximal = [[self._forward_logprobs(c)[0] for c in chunks] for chunks in plans]
         step = _StepTotals(defaultdict(float), 0.0, 0, len(minibatches))
         for i, (mb, chunks) in enumerate(zip(minibatches, plans, strict=True)):
             totals, grad_norm, stepped = self._minibatch_step(mb, chunks, None if proximal is None else proximal[i])
@@ -284,7 +317,11 @@ class MegatronTrainer:
         Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
         a minibatch with no signal (no token trains, or every advantage is 0) takes none, as in the
         torch trainer, since AdamW's momentum would move the weights anyway. Every rank reaches the
-        same decision, from the DP-summed totals.
+        same decision, from the DP-summed totals of the last stage.
+
+        Without PP each micro-batch's backward follows its forward at once (its activations are
+        freed before the next); with PP every forward runs first, then the backwards in reverse
+        (`schedule.py`).
         """
         batch_tokens = self._batch_tokens(minibatch, chunks, proximal)
         if self.distopt is not None:
@@ -292,24 +329,31 @@ class MegatronTrainer:
         else:
             self.optimizer.zero_grad(set_to_none=False)
         totals: defaultdict[str, float] = defaultdict(float)
+        pending: list[InFlight] = []
         for j, chunk in enumerate(chunks):
-            logp, entropy = self._packed_logprobs(chunk)
-            micro_batch_loss(
-                self.loss,
-                chunk,
-                logp,
-                entropy,
-                batch_tokens=batch_tokens,
-                batch_samples=len(minibatch),
-                totals=totals,
-                proximal_flat=None if proximal is None else proximal[j],
-            ).backward()
-            self._accumulate_grads()
+            packed, flight = self._forward(chunk, train=True)
+            if self.stage.last:  # the loss, on the logits
+                logp, entropy = self._head(flight.output, packed)
+                flight.loss = micro_batch_loss(
+                    self.loss,
+                    chunk,
+                    logp,
+                    entropy,
+                    batch_tokens=batch_tokens,
+                    batch_samples=len(minibatch),
+                    totals=totals,
+                    proximal_flat=None if proximal is None else proximal[j],
+                )
+            pending.append(flight)
+            if self.stage.pp == 1:
+                self._backward(pending.pop())
+        for flight in reversed(pending):
+            self._backward(flight)
         if not chunks:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
             self._accumulate_grads()
-        totals = self._sum_over_dp(totals)
+        totals = self._from_last_stage(self._sum_over_dp(totals))
         if totals["signal"] <= 0:
             return totals, 0.0, False
         if self.distopt is not None:
@@ -317,11 +361,67 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, self.master.named()
-        reduce_gradients(named, tp=lay.tp, dp=lay.dp, tp_group=tp_group, dp_group=self._dp_group())
-        grad_norm = clip_gradients(named, self.max_grad_norm, tp=lay.tp, tp_rank=lay.tp_rank, tp_group=tp_group)
+        # A tied embedding under PP: its two copies, on the first and the last stage.
+        tied = self.shape.tied and lay.pp > 1 and (self.stage.first or self.stage.last)
+        reduce_gradients(
+            named,
+            tp=lay.tp,
+            dp=lay.dp,
+            tp_group=tp_group,
+            dp_group=self._dp_group(),
+            embedding_group=ps.get_embedding_group() if tied else None,
+        )
+        grad_norm = clip_gradients(
+            named,
+            self.max_grad_norm,
+            tp=lay.tp,
+            tp_rank=lay.tp_rank,
+            tp_group=tp_group,
+            pp=lay.pp,
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            not_counted=self._tied_copy,
+        )
         self.optimizer.step()
         self.master.copy_to_model()
         return totals, grad_norm, True
+
+    def _forward(self, rows: Sequence[Row], *, train: bool) -> tuple[Packed, InFlight]:
+        """This stage's forward of one packed micro-batch (the output is the logits on the last stage)."""
+        packed = pack(rows, self.device)
+        return packed, forward(self.model, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+
+    def _backward(self, flight: InFlight) -> None:
+        backward(self.stage, flight)
+        self._accumulate_grads()
+
+    def _head(self, logits: torch.Tensor, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens, from the last stage's logits."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        return head_logprobs(logits, packed, temperature=self.temperature, tp_group=group, tp=self.layout.tp)
+
+    def _forward_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens of `rows` through every stage, no grad:
+        on the last stage; other stages return empty tensors (they only pass hidden states on)."""
+        with torch.no_grad():
+            packed, flight = self._forward(rows, train=False)
+            if self.stage.last:
+                return self._head(flight.output, packed)
+        empty = torch.empty(0, device=self.device)
+        return empty, empty
+
+    def _from_last_stage(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
+        """The last stage's totals (where the loss is), on every stage of the pipeline."""
+        if self.layout.pp == 1:
+            return totals
+        from megatron.core import parallel_state as ps
+
+        keys = (*TOTALS, "weight_max")
+        values = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self._comm_device)
+        last, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        dist.broadcast(values, src=last, group=group)
+        return defaultdict(float, zip(keys, map(float, values.tolist()), strict=True))
 
     def _accumulate_grads(self) -> None:
         """bf16, hand-rolled path: into the fp32 masters after every micro-batch (megatron's DDP
@@ -345,8 +445,10 @@ class MegatronTrainer:
             for j, c in enumerate(chunks):
                 prox = None if proximal is None else proximal[j]
                 # IcePop and seq-mask drop by the proximal log-probs; only OPSM needs the current ones.
-                logp = self._packed_logprobs(c)[0] if prox is None or s.use_opsm else prox
-                count += trained_token_count(s, c, logp, prox)
+                # Every stage runs the same forwards; the loss, and so this count, is the last's.
+                logp = self._forward_logprobs(c)[0] if prox is None or s.use_opsm else prox
+                if self.stage.last:
+                    count += trained_token_count(s, c, logp, prox)
         total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
         if self.layout.dp > 1:
             dist.all_reduce(total, group=self._dp_group())
@@ -355,8 +457,6 @@ class MegatronTrainer:
     def _sum_over_dp(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
         if self.layout.dp == 1:
             return totals
-        from stages.trainer.megatron.rows import TOTALS
-
         sums = torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(sums, group=self._dp_group())
         peak = torch.tensor([totals["weight_max"]], dtype=torch.float64, device=self._comm_device)
@@ -367,24 +467,27 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def _logprobs(self, rows: list[Row]) -> list[list[float]]:
+        """Every row's response log-probs, computed on the last stage and broadcast over the pipeline."""
+        parts = [
+            self._forward_logprobs(rows[start : start + self.micro_batch_size])[0]
+            for start in range(0, len(rows), self.micro_batch_size)
+        ]
+        flat = torch.cat(parts) if parts else torch.empty(0, device=self.device)
+        if self.layout.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            if not self.stage.last:
+                flat = torch.empty(sum(len(r.response_ids) for r in rows), device=self.device)
+            flat = flat.float().to(self._comm_device)
+            last, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+            dist.broadcast(flat, src=last, group=group)
+        values = flat.tolist()
         out: list[list[float]] = []
-        for start in range(0, len(rows), self.micro_batch_size):
-            chunk = rows[start : start + self.micro_batch_size]
-            logp, _ = self._packed_logprobs(chunk)
-            at = 0
-            for r in chunk:
-                out.append(logp[at : at + len(r.response_ids)].tolist())
-                at += len(r.response_ids)
+        at = 0
+        for r in rows:
+            out.append(values[at : at + len(r.response_ids)])
+            at += len(r.response_ids)
         return out
-
-    def _packed_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of the response tokens of `rows`, packed in one sequence (`packing.py`)."""
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-        return packed_logprobs(
-            self.model, rows, temperature=self.temperature, device=self.device, tp_group=group, tp=self.layout.tp
-        )
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps
@@ -394,17 +497,28 @@ class MegatronTrainer:
     # ---- weights and optimizer (stages.trainer.megatron.checkpoint) ---------------------------
 
     def _gather_hf(self) -> dict[str, torch.Tensor]:
-        """Every rank joins the TP gather; rank 0 converts to HF names (the others return nothing)."""
+        """Every rank joins the gather; rank 0 converts to HF names (the others return nothing)."""
+        full = self._gather_full()
+        return megatron_to_hf(full, self.shape) if self.layout.rank == 0 else {}
+
+    def _gather_full(self) -> dict[str, torch.Tensor]:
+        """The whole model's full tensors by full-model name, on rank 0 (a collective of every rank).
+
+        Each stage joins its parameters over TP; then the stages of rank 0's pipeline (TP rank 0,
+        DP rank 0) send theirs to it. Other ranks return what they hold, which nobody reads."""
         from megatron.core import parallel_state as ps
 
-        full = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
-        return megatron_to_hf(full, self.shape) if self.layout.rank == 0 else {}
+        joined = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = {self._names[n]: t for n, t in joined.items() if n not in self._tied_copy}
+        if self.layout.pp == 1 or self.layout.tp_rank != 0 or self.layout.dp_rank != 0:
+            return full
+        first = ps.get_pipeline_model_parallel_first_rank()
+        others = [r for r in dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if r != first]
+        return gather_stages(full, ranks=[first, *others], rank=self.layout.rank, device=self._comm_device)
 
     def _save(self, folder: Path) -> None:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
-        from megatron.core import parallel_state as ps
-
-        full = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = self._gather_full()
         if self.layout.rank == 0:
             write_hf_weights(folder, full, self.shape, self.model_path)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
@@ -421,4 +535,4 @@ class MegatronTrainer:
 
     @property
     def _layout_dict(self) -> dict[str, int]:
-        return {"rank": self.layout.rank, "world": self.layout.world, "tp": self.layout.tp}
+        return {"rank": self.layout.rank, "world": self.layout.world, "tp": self.layout.tp, "pp": self.layout.pp}
