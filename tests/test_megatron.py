@@ -306,8 +306,9 @@ def _launch(tmp_path: Path, *flags: str) -> list[dict]:
             "--update-weight-transport",
             "distributed",
         ),
+        ("--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"),
     ],
-    ids=["tp1", "tp2", "tp1-bf16", "tp2-distributed-publish"],
+    ids=["tp1", "tp2", "tp1-bf16", "tp2-distributed-publish", "pp2"],
 )
 def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     """End to end: built-in engine, megatron ranks, a publish per step; reward rises in 12 steps.
