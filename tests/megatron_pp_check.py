@@ -1,7 +1,8 @@
 """Run in a fresh process by tests/test_megatron_pp.py: one GRPO step of megatron ranks in a given layout.
 
-`python tests/megatron_pp_check.py OUT NAME WORLD TP PP [START]` starts WORLD ranks (TP x PP, the
-rest data parallel) from START (default OUT/model, the built-in tiny model, made if missing),
+`python tests/megatron_pp_check.py OUT NAME WORLD TP PP [START [DTYPE]]` starts WORLD ranks (TP x PP,
+the rest data parallel) from START (`none` or left out: OUT/model, the built-in tiny model, made if
+missing), computing in DTYPE (default float32),
 computes the fixed batch's log-probs, trains one rollout batch (two optimizer steps: the
 proximal log-probs go through the pipeline too), saves OUT/NAME and writes OUT/NAME.json: the
 metrics, the log-probs, the trainer's steps, and whether `hf_weights()` equals the saved folder.
@@ -16,7 +17,7 @@ import orjson
 import torch
 
 
-def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None) -> None:
+def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None, dtype: str) -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
@@ -34,6 +35,7 @@ def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None)
         lr=1e-2,
         micro_batch_size=3,
         global_batch_size=4,
+        dtype=dtype,
     )
     try:
         batch = fixed_batch(trainer)
@@ -63,5 +65,6 @@ if __name__ == "__main__":
         int(sys.argv[3]),
         int(sys.argv[4]),
         int(sys.argv[5]),
-        Path(sys.argv[6]) if len(sys.argv) > 6 else None,
+        Path(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "none" else None,
+        sys.argv[7] if len(sys.argv) > 7 else "float32",
     )
