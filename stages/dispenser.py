@@ -6,7 +6,10 @@ so a crash can neither skip nor repeat a prompt. Nothing is admitted while the c
 
 When several tickets are free at once (a round starts, or a refill), it takes up to `batch` of
 them and admits their groups in one store call: one transaction, one fsync with LMDB synced,
-instead of one each. It hands them to the pool one by one, as slots free, as before.
+instead of one each. It hands them to the pool one by one, as slots free, as before. A stop (the
+end of a partial-rollout round) returns those not handed over yet through the pool as partial
+groups without tokens, served first next round: the same prompts, in the same order, where one
+at a time they would have stayed unadmitted tickets, revoked. `batch=1` is the old behaviour.
 """
 
 from __future__ import annotations
