@@ -20,7 +20,7 @@ from stages.collector import Collector
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.streams import drain_nowait
-from storage import AsyncStore, Cursor, GroupState, LmdbStore
+from storage import AsyncStore, Cursor, GroupState, LmdbStore, MemoryStore
 from tests.test_store import finished, fresh
 
 pytestmark = pytest.mark.anyio
@@ -181,3 +181,13 @@ def test_drain_nowait_takes_only_what_is_there() -> None:
     with pytest.raises(anyio.EndOfStream):
         receive.receive_nowait()
     receive.close()
+
+
+def test_a_store_batch_below_one_is_refused_naming_the_value() -> None:
+    from pipeline.controller import RolloutPlan
+
+    assert RolloutPlan(mode="sync", batch_size=2, n_samples=2, num_steps=1).store_batch == 64  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"store_batch=0: must be an integer >= 1"):
+        RolloutPlan(mode="sync", batch_size=2, n_samples=2, num_steps=1, store_batch=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="the collector's batch is at least 1 group, got 0"):
+        Collector(store=AsyncStore(MemoryStore()), admission=Admission(), capacity=1, batch=0)
