@@ -191,3 +191,14 @@ def test_a_store_batch_below_one_is_refused_naming_the_value() -> None:
         RolloutPlan(mode="sync", batch_size=2, n_samples=2, num_steps=1, store_batch=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="the collector's batch is at least 1 group, got 0"):
         Collector(store=AsyncStore(MemoryStore()), admission=Admission(), capacity=1, batch=0)
+
+
+def test_the_store_batch_flag_reaches_the_plan() -> None:
+    from launch.cli import _plan
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    assert _plan(load_config([])).store_batch == 64
+    assert _plan(load_config(["--rollout-store-batch", "1"])).store_batch == 1
+    with pytest.raises(ConfigError, match="--rollout-store-batch"):
+        load_config(["--rollout-store-batch", "0"])
