@@ -2,7 +2,7 @@
 
     python -m benchmarks.controller_overhead [--steps 20] [--batch 64] [--group 8] [--tokens 1024]
         [--modes sync,async] [--stores memory,lmdb-sync,lmdb-nosync] [--profile /tmp/overhead.prof]
-        [--clients aiohttp,lean] [--commits single,group] [--repeats 3]
+        [--clients aiohttp,lean] [--commits single,group] [--batches single,batch] [--repeats 3]
 
 The engine is `launch.engines.instant` in its own process (pinned to `--engine-cpu`): it answers
 every `/generate` at once with exactly `--tokens` tokens and their log-probs, over real HTTP. The
@@ -22,7 +22,10 @@ Figures, per (mode, store), over the steps after the first (start-up excluded):
 Old and new paths side by side, in one run: `--clients` picks how `/generate` goes out (`aiohttp`,
 today's client before issue 13, or `lean`, `stages.sglang.http1`), `--commits` how the LMDB store
 commits (`single`: one transaction per store call, as before; `group`: group commit, see
-`storage.async_store`). Every combination runs `--repeats` times, interleaved (each repeat runs
+`storage.async_store`), `--batches` how many groups one store call carries (`single`: one group
+per `admit` and per `put_ready`, `RolloutPlan.store_batch=1`, as before; `batch`: the dispenser
+admits every free ticket's group in one call and the collector stores every group already
+waiting in one, `store_batch=64`). Every combination runs `--repeats` times, interleaved (each repeat runs
 them all once, in turn), and the table gives medians, so a load that comes and goes on a shared
 machine hits them alike.
 
@@ -60,6 +63,7 @@ from stages.sglang import EngineFleet
 from storage import AsyncStore, Cursor, LmdbStore, MemoryStore
 
 STORES = ("memory", "lmdb-sync", "lmdb-nosync")
+BATCHES = {"single": 1, "batch": 64}  # RolloutPlan.store_batch
 MODES = ("sync", "async")
 
 
@@ -142,6 +146,7 @@ async def run_one(
     mode: str,
     store_kind: str,
     commit: str,
+    batch: str,
     args: argparse.Namespace,
     fleet: EngineFleet,
     work: Path,
@@ -165,6 +170,7 @@ async def run_one(
         max_response_len=args.tokens,
         sampling_params={"temperature": 1.0},
         prefetch=args.batch,
+        store_batch=BATCHES[batch],
     )
     marks: list[tuple[float, float]] = []
 
@@ -188,6 +194,7 @@ async def run_one(
             on_step=on_step,
         )
         t1 = time.perf_counter()
+        transactions = store.statistics().transactions
     finally:
         if profile:
             profile[0].disable()
@@ -207,6 +214,8 @@ async def run_one(
         "startup s": marks[0][0] - t0,
         # Store calls per transaction under group commit (whole run, start-up included).
         "calls/txn": grouping.calls / max(grouping.groups, 1) if grouping is not None else 1.0,
+        # Store transactions per group trained (whole run): what batching and group commit cut.
+        "txn/group": transactions / (args.steps * args.batch),
     }
 
 
@@ -293,11 +302,12 @@ async def main(args: argparse.Namespace) -> None:
     if args.gc_freeze:
         gc.freeze()
     configs = [
-        (mode, store, client, commit)
+        (mode, store, client, commit, batch)
         for mode in args.modes.split(",")
         for store in args.stores.split(",")
         for client in args.clients.split(",")
         for commit in (["-"] if store == "memory" else args.commits.split(","))
+        for batch in args.batches.split(",")
     ]
     print(
         f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
@@ -305,7 +315,16 @@ async def main(args: argparse.Namespace) -> None:
         f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats "
         "(interleaved), medians"
     )
-    cols = ["samples/s", "tokens/s", "samples/cpu-s", "cpu share", "engine share", "startup s", "calls/txn"]
+    cols = [
+        "samples/s",
+        "tokens/s",
+        "samples/cpu-s",
+        "cpu share",
+        "engine share",
+        "startup s",
+        "calls/txn",
+        "txn/group",
+    ]
     async with (
         engine,
         EngineFleet([engine.url], concurrency=args.slots, lean_generate=False) as old_fleet,
@@ -314,25 +333,27 @@ async def main(args: argparse.Namespace) -> None:
         fleets = {"aiohttp": old_fleet, "lean": lean_fleet}
         runs: dict[tuple[str, ...], list[dict[str, float]]] = {c: [] for c in configs}
         for _ in range(args.repeats):
-            for mode, store_kind, client, commit in configs:
-                one = (mode, store_kind, commit, args, fleets[client], work, engine.pid, dataset)
-                runs[(mode, store_kind, client, commit)].append(await run_one(*one))
+            for mode, store_kind, client, commit, batch in configs:
+                one = (mode, store_kind, commit, batch, args, fleets[client], work, engine.pid, dataset)
+                runs[(mode, store_kind, client, commit, batch)].append(await run_one(*one))
         print(f"load average after: {os.getloadavg()[0]:.2f}")
-        print(f"{'mode':7}{'store':13}{'client':9}{'commit':8}" + "".join(f"{c:>15}" for c in cols))
-        for (mode, store_kind, client, commit), done in runs.items():
+        head = f"{'mode':7}{'store':13}{'client':9}{'commit':8}{'batches':9}"
+        print(head + "".join(f"{c:>15}" for c in cols))
+        for (mode, store_kind, client, commit, batch), done in runs.items():
             med = {k: statistics.median(r[k] for r in done) for k in done[0]}
-            row = f"{mode:7}{store_kind:13}{client:9}{commit:8}" + "".join(f"{med[c]:>15,.2f}" for c in cols)
+            row = f"{mode:7}{store_kind:13}{client:9}{commit:8}{batch:9}" + "".join(f"{med[c]:>15,.2f}" for c in cols)
             print(row, flush=True)
         print(f"client: {lean_fleet.statistics()}")
         if args.burst and any(st != "memory" for st in args.stores.split(",")):
             await print_bursts(args)
         if args.profile:
-            mode, store_kind, client, commit = [*args.profile_run.split(":"), "lean", "group"][:4]
+            parts = args.profile_run.split(":")
+            mode, store_kind, client, commit, batch = parts + ["lean", "group", "batch"][len(parts) - 2 :]
             loop_prof, store_prof = cProfile.Profile(), cProfile.Profile()
-            one = (mode, store_kind, commit, args, fleets[client], work, engine.pid, dataset)
+            one = (mode, store_kind, commit, batch, args, fleets[client], work, engine.pid, dataset)
             res = await run_one(*one, profile=(loop_prof, store_prof))
             print(
-                f"\nprofiled run ({mode}, {store_kind}, {client}, {commit}): "
+                f"\nprofiled run ({mode}, {store_kind}, {client}, {commit}, {batch}): "
                 f"{res['samples/s']:,.0f} samples/s under cProfile"
             )
             out = Path(args.profile)
@@ -356,6 +377,9 @@ if __name__ == "__main__":
     parser.add_argument("--stores", default=",".join(STORES))
     parser.add_argument("--clients", default="aiohttp,lean", help="/generate over aiohttp (before), lean (after)")
     parser.add_argument("--commits", default="single,group", help="LMDB: one transaction per call, or group commit")
+    parser.add_argument(
+        "--batches", default="single,batch", help="one group per store call (before), or what waits, up to 64"
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--burst", type=int, default=64, help="groups stored at once in the group-commit table (0: none)"
@@ -363,7 +387,9 @@ if __name__ == "__main__":
     parser.add_argument("--cpu", type=int, default=0, help="pin the controller here (-1: no pinning)")
     parser.add_argument("--engine-cpu", type=int, default=1, help="pin the engine here (-1: no pinning)")
     parser.add_argument("--profile", default=None, help="write a cProfile summary of one extra run here")
-    parser.add_argument("--profile-run", default="async:lmdb-nosync", help="MODE:STORE[:CLIENT:COMMIT] to profile")
+    parser.add_argument(
+        "--profile-run", default="async:lmdb-nosync", help="MODE:STORE[:CLIENT:COMMIT:BATCHES] to profile"
+    )
     parser.add_argument("--gc-threshold", type=int, default=0, help="CPython gen-0 GC threshold (0: default)")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up")
     parser.add_argument("--work", default=tempfile.gettempdir() + "/bench-overhead")

@@ -352,6 +352,7 @@ def _plan(config: Config) -> RolloutPlan:
         sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout,
         seed=r.seed,
+        store_batch=r.store_batch,
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -139,7 +139,7 @@ class _Results:
 class _Outbox(AsyncStore):
     """The store as the producer's stages see it: each write goes back to the controller instead.
 
-    Only the four moves out of RUNNING are used by the pool, reward and filter; anything else
+    Only the moves out of RUNNING (one group or many) are used by the pool, reward and filter; anything else
     would be a stage reading state the producer does not have, and fails loudly (the memory store
     underneath is empty)."""
 
@@ -158,6 +158,14 @@ class _Outbox(AsyncStore):
 
     async def put_failed(self, group: Group, *, owner: str | None = None) -> None:
         self._results.put(ResultKind.FAILED, group)
+
+    async def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        for group in groups:
+            self._results.put(ResultKind.ACCEPTED, group)
+
+    async def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        for group in groups:
+            self._results.put(ResultKind.REJECTED, group)
 
 
 def where() -> str:

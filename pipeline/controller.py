@@ -93,8 +93,13 @@ class RolloutPlan:
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
     reward_timeout: float = 30.0
     seed: int = 0
+    # The most groups one store call admits, or stores as ready or rejected, of those already
+    # waiting: one transaction (one fsync with LMDB synced) for them all. Nothing waits to fill it.
+    store_batch: int = 64
 
     def __post_init__(self) -> None:
+        if not isinstance(self.store_batch, int) or self.store_batch < 1:
+            raise ValueError(f"RolloutPlan store_batch={self.store_batch!r}: must be an integer >= 1")
         for name, kind in (("mode", RolloutMode), ("pause_mode", PauseMode)):
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -279,7 +284,13 @@ class _Graph:
             admission=admission,
             times=times,
             dispenser=Dispenser(
-                store, dataset, n_samples=plan.n_samples, clock=clock, admission=admission, on_admit=times.admitted
+                store,
+                dataset,
+                n_samples=plan.n_samples,
+                clock=clock,
+                admission=admission,
+                on_admit=times.admitted,
+                batch=plan.store_batch,
             ),
             producers=producers(admission)
             if producers is not None
@@ -298,10 +309,12 @@ class _Graph:
                     agent=agent,
                 ),
                 RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
-                FilterStage(filter_fn, store=store, admission=admission),
+                FilterStage(filter_fn, store=store, admission=admission, batch=plan.store_batch),
                 buffer=plan.batch_size,
             ),
-            collector=Collector(store=store, admission=admission, capacity=capacity, on_ready=times.ready),
+            collector=Collector(
+                store=store, admission=admission, capacity=capacity, on_ready=times.ready, batch=plan.store_batch
+            ),
         )
 
     @asynccontextmanager

@@ -78,10 +78,20 @@ class Admission:
 
     # -- the dispenser's side ---------------------------------------------------------------
     async def take_ticket(self) -> None:
+        await self.take_tickets(1)
+
+    async def take_tickets(self, limit: int) -> int:
+        """Wait for a ticket, then take every granted one up to `limit`; returns how many (>= 1).
+
+        The dispenser admits that many groups in one store call instead of one call each."""
+        if limit < 1:
+            raise ValueError(f"take_tickets(limit={limit}): the limit is at least 1")
         while not self._tickets:
             await self._changed.wait()
-        self._tickets -= 1
+        n = min(limit, self._tickets)
+        self._tickets -= n
         self._notify()
+        return n
 
     # -- the stages' side -------------------------------------------------------------------
     def settle(self, outcome: Outcome) -> None:

@@ -3,6 +3,9 @@
 It keeps at most `capacity` (demand + prefetch) ready groups ahead of the trainer: when the ready
 set is full it stops receiving, its input stream fills, and generation slows down behind it. That
 bound is the only brake on producers in async mode.
+
+Groups that are already waiting when it receives one are stored with it in one store call (up to
+`batch`, and never past the bound): one transaction for all of them, never a wait for more.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from pipeline.types import Group
 from stages.admission import Admission, Outcome
+from stages.streams import drain_nowait
 from storage import AsyncStore, GroupState
 
 __all__ = ["Collector", "CollectorStatistics"]
@@ -37,7 +41,12 @@ class Collector:
         admission: Admission,
         capacity: float,
         on_ready: Callable[[str], None] | None = None,
+        batch: int = 1,
     ) -> None:
+        """`batch`: the most groups stored in one store call, of those already waiting."""
+        if batch < 1:
+            raise ValueError(f"the collector's batch is at least 1 group, got {batch}")
+        self._batch = batch
         self._store = store
         self._admission = admission
         self._capacity = capacity
@@ -54,12 +63,17 @@ class Collector:
             async for group in receive:
                 while self._ready >= self._capacity:
                     await self._taken.wait()
-                await self._store.put_ready(group)
-                self._ready += 1
-                self._collected += 1
-                self._admission.settle(Outcome.READY)
-                if self._on_ready is not None:
-                    self._on_ready(group.group_id)
+                # With the group in hand, whatever else is already waiting goes into the same
+                # store call, as far as the bound leaves room; never wait for more to come.
+                room = min(self._batch, self._capacity - self._ready)
+                groups = [group, *drain_nowait(receive, int(room) - 1)]
+                await self._store.put_ready_groups(groups)
+                self._ready += len(groups)
+                self._collected += len(groups)
+                for g in groups:
+                    self._admission.settle(Outcome.READY)
+                    if self._on_ready is not None:
+                        self._on_ready(g.group_id)
                 self._added.set()
                 self._added = anyio.Event()
 

@@ -3,6 +3,8 @@
 The user's function is `(group: Group) -> bool | FilterVerdict`-like: a bool, or any object with a
 `keep` attribute and an optional `reason`. A rejected group is stored as rejected (its prompt is
 used up and it is never trained) and counted by reason; the rollout policy refills for it.
+Rejected groups that come together (what is already waiting, up to `batch`) are stored in one
+store call.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.types import Group
 from stages.admission import Admission, Outcome
+from stages.streams import drain_nowait
 from storage import AsyncStore
 
 __all__ = ["FilterStage", "FilterStatistics", "reward_std_nonzero"]
@@ -38,7 +42,11 @@ def reward_std_nonzero(group: Group) -> bool:
 
 
 class FilterStage:
-    def __init__(self, filter_fn: FilterFn | None, *, store: AsyncStore, admission: Admission) -> None:
+    def __init__(self, filter_fn: FilterFn | None, *, store: AsyncStore, admission: Admission, batch: int = 1) -> None:
+        """`batch`: the most rejected groups stored in one store call, of those already waiting."""
+        if batch < 1:
+            raise ValueError(f"the filter's batch is at least 1 group, got {batch}")
+        self._batch = batch
         self._fn = filter_fn
         self._store = store
         self._admission = admission
@@ -54,15 +62,33 @@ class FilterStage:
     ) -> None:
         task_status.started()
         async with receive, send:
-            async for group in receive:
-                keep, reason = self._verdict(group)
-                if keep:
-                    self._accepted += 1
-                    await send.send(group)
-                else:
-                    self._rejected[reason] += 1
-                    await self._store.put_rejected(dataclasses.replace(group, rejected_reason=reason))
-                    self._admission.settle(Outcome.REJECTED)
+            async for first in receive:
+                # Judge what is already waiting too, one group at a time (only one accepted group
+                # is ever in hand), and store its rejected groups together in one store call.
+                rejected: list[Group] = []
+                group: Group | None = first
+                while group is not None:
+                    keep, reason = self._verdict(group)
+                    if keep:
+                        self._accepted += 1
+                        try:
+                            send.send_nowait(group)
+                        except anyio.WouldBlock:
+                            # The collector is full: store the rejected before waiting for it.
+                            await self._store_rejected(rejected)
+                            rejected = []
+                            await send.send(group)
+                    else:
+                        self._rejected[reason] += 1
+                        rejected.append(dataclasses.replace(group, rejected_reason=reason))
+                    more = drain_nowait(receive, 1) if len(rejected) < self._batch else []
+                    group = more[0] if more else None
+                await self._store_rejected(rejected)
+
+    async def _store_rejected(self, groups: list[Group]) -> None:
+        await self._store.put_rejected_groups(groups)
+        for _ in groups:
+            self._admission.settle(Outcome.REJECTED)
 
     def _verdict(self, group: Group) -> tuple[bool, str]:
         if self._fn is None:

@@ -223,6 +223,16 @@ class AsyncStore:
     async def put_failed(self, group: Group, *, owner: str | None = None) -> None:
         await self._call(self._store.put_failed, group, **_given(owner=owner))
 
+    async def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        """Many groups READY in one store call (one transaction): what the collector found waiting."""
+        if groups:
+            await self._call(self._store.put_ready_groups, groups, **_given(owner=owner))
+
+    async def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        """Many groups REJECTED in one store call (one transaction): what the filter turned down together."""
+        if groups:
+            await self._call(self._store.put_rejected_groups, groups, **_given(owner=owner))
+
     async def lease(self, group_id: str) -> Lease | None:
         return await self._call(self._store.lease, group_id)
 

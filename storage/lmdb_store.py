@@ -359,16 +359,22 @@ class LmdbStore:
         return self._write(fn)
 
     def put_partial(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, _PARTIAL, owner)
+        self._put((group,), _PARTIAL, owner)
 
     def put_ready(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, _READY, owner)
+        self._put((group,), _READY, owner)
 
     def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, GroupState.REJECTED, owner)
+        self._put((group,), GroupState.REJECTED, owner)
 
     def put_failed(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, GroupState.FAILED, owner)
+        self._put((group,), GroupState.FAILED, owner)
+
+    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._put(groups, _READY, owner)
+
+    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._put(groups, GroupState.REJECTED, owner)
 
     # --- leases ---------------------------------------------------------------------------------
 
@@ -923,23 +929,33 @@ class LmdbStore:
             return group.w.counts, group.w.cursor, group.w.trained_step
         return self._counts, self._cursor, self._trained_step
 
-    def _put(self, group: Group, to: GroupState, owner: str | None) -> None:
-        gid = group.group_id
-        key = keys.group_key(gid)
-        data = codec.encode_group(group)
-        version, seq = group.oldest_version, group.seq
+    def _put(self, groups: Sequence[Group], to: GroupState, owner: str | None) -> None:
+        """Every group RUNNING -> `to` in one transaction: a refused one raises inside it, and the
+        transaction, with whatever it wrote of the groups before, is aborted."""
+        if not groups:
+            return
+        if len(groups) > 1:
+            tr.check_distinct(groups, to)
+        # Encode before the transaction: the write lock is held only for the writes themselves.
+        records = [
+            (g.group_id, keys.group_key(g.group_id), codec.encode_group(g), g.oldest_version, g.seq) for g in groups
+        ]
 
         def fn(w: _Write) -> None:
-            old = w.state_of(gid)
-            holder = w.lease_of(gid) if owner is not None and old is not None and old[0] is _RUNNING else None
-            tr.check_put(gid, None if old is None else old[0], to, owner, None if holder is None else holder[0])
-            assert old is not None
-            w.put(keys.GROUPS, key, data)
-            w.move(gid, old, to, version, seq)
+            for gid, key, data, version, seq in records:
+                old = w.state_of(gid)
+                holder = w.lease_of(gid) if owner is not None and old is not None and old[0] is _RUNNING else None
+                tr.check_put(gid, None if old is None else old[0], to, owner, None if holder is None else holder[0])
+                assert old is not None
+                w.put(keys.GROUPS, key, data)
+                w.move(gid, old, to, version, seq)
 
         def committed(_: None) -> None:
-            if to is _READY and len(self._ready_cache) < _READY_CACHE_MAX and _decodes_equal(group):
-                self._ready_cache[gid] = group
+            if to is not _READY:
+                return
+            for group in groups:
+                if len(self._ready_cache) < _READY_CACHE_MAX and _decodes_equal(group):
+                    self._ready_cache[group.group_id] = group
 
         self._write(fn, committed)
 

@@ -134,16 +134,22 @@ class MemoryStore:
         return claimed
 
     def put_partial(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, _PARTIAL, owner)
+        self._put((group,), _PARTIAL, owner)
 
     def put_ready(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, _READY, owner)
+        self._put((group,), _READY, owner)
 
     def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, GroupState.REJECTED, owner)
+        self._put((group,), GroupState.REJECTED, owner)
 
     def put_failed(self, group: Group, *, owner: str | None = None) -> None:
-        self._put(group, GroupState.FAILED, owner)
+        self._put((group,), GroupState.FAILED, owner)
+
+    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._put(groups, _READY, owner)
+
+    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._put(groups, GroupState.REJECTED, owner)
 
     # --- leases ---------------------------------------------------------------------------------
 
@@ -355,13 +361,20 @@ class MemoryStore:
         if self._closed:
             raise StoreError("the memory store is closed")
 
-    def _put(self, group: Group, to: GroupState, owner: str | None) -> None:
+    def _put(self, groups: Sequence[Group], to: GroupState, owner: str | None) -> None:
+        """Every group RUNNING -> `to`, or none: all are checked before the first one moves."""
         self._check_open()
-        gid = group.group_id
-        entry = self._groups.get(gid)
-        held = self._leases.get(gid)
-        tr.check_put(gid, None if entry is None else entry[0], to, owner, None if held is None else held.owner)
-        self._move(gid, _RUNNING, to, group)
+        if len(groups) > 1:
+            tr.check_distinct(groups, to)
+        for group in groups:
+            gid = group.group_id
+            entry = self._groups.get(gid)
+            held = self._leases.get(gid)
+            tr.check_put(gid, None if entry is None else entry[0], to, owner, None if held is None else held.owner)
+        if not groups:
+            return
+        for group in groups:
+            self._move(group.group_id, _RUNNING, to, group)
         self._transactions += 1
 
     def _set(self, group: Group, state: GroupState) -> None:

@@ -9,6 +9,7 @@ A group moves through these states; every arrow is one store method and one tran
                  ▼  │                                          ▼                   (id kept as a tombstone)
                PARTIAL ◄──────── recover (crash while RUNNING)  READY
                  RUNNING ──put_rejected──► REJECTED    RUNNING ──put_failed──► FAILED
+     (put_ready_groups and put_rejected_groups: the same moves for many groups, one transaction)
      any state but TRAINED ──(its record fails its checksum)──► QUARANTINED
 
 `storage.transitions` holds this table and every message a refused move gives; both stores use it.
@@ -193,6 +194,16 @@ class Store(Protocol):
 
     def put_failed(self, group: Group, *, owner: str | None = None) -> None:
         """RUNNING -> FAILED: a sample failed for good. Kept, visible, never trained."""
+        ...
+
+    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        """`put_ready` of every group in `groups`, in one transaction: all of them move, or none does
+        (StoreError naming the group that cannot). A group named twice is refused, nothing stored.
+        No groups, no transaction. This is how the collector stores what arrived together."""
+        ...
+
+    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        """`put_rejected` of every group in `groups`, in one transaction; as `put_ready_groups`."""
         ...
 
     def lease(self, group_id: str) -> Lease | None:

@@ -13,6 +13,7 @@ stores checked a lost lease differently). The shared store suite holds both to i
     put_ready        RUNNING                    READY
     put_rejected     RUNNING                    REJECTED
     put_failed       RUNNING                    FAILED
+    put_*_groups     RUNNING                    READY / REJECTED   many groups, one transaction
     reclaim_expired  RUNNING                    PARTIAL
     hand_over        RUNNING                    RUNNING      the lease moves to another owner
     take_batch       READY                      BATCHED
@@ -31,9 +32,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from pipeline.errors import StoreError
+from pipeline.types import Group
 
 from .protocol import GroupState
 
@@ -45,6 +47,7 @@ __all__ = [
     "already_trained",
     "check_batch_size",
     "check_collect",
+    "check_distinct",
     "check_hand_over",
     "check_lease",
     "check_move",
@@ -135,6 +138,17 @@ def check_hand_over(gid: str, state: GroupState | None, owner: str, holder: str 
             f"group {gid!r} is leased to {held}, not {owner!r}; it cannot be handed to {to!r} "
             "(its lease expired, or was never theirs)"
         )
+
+
+def check_distinct(groups: Sequence[Group], to: GroupState) -> None:
+    """A put of many groups names each group once: the same group twice in one transaction would
+    move RUNNING -> `to` and then find it no longer RUNNING, so it is refused up front, whole."""
+    seen: set[str] = set()
+    for group in groups:
+        gid = group.group_id
+        if gid in seen:
+            raise StoreError(f"group {gid!r} appears twice in one put of {to.value} groups; nothing was stored")
+        seen.add(gid)
 
 
 def duplicate_in_admit(gid: str) -> StoreError:

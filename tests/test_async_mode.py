@@ -268,6 +268,10 @@ class WatchedStore(MemoryStore):
         super().put_ready(group)
         self._notify()
 
+    def put_ready_groups(self, groups):  # the collector stores what arrived together in one call
+        super().put_ready_groups(groups)
+        self._notify()
+
     def put_failed(self, group):
         super().put_failed(group)
         self._notify()
@@ -366,6 +370,9 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
 class BrokenStore(MemoryStore):
     def put_ready(self, group):
         raise StoreError(f"cannot write ready group {group.group_id}: disk is read-only")
+
+    def put_ready_groups(self, groups):
+        raise StoreError(f"cannot write ready groups {[g.group_id for g in groups]}: disk is read-only")
 
 
 def broken_filter(group):

@@ -180,6 +180,14 @@ class RolloutConfig:
     request_timeout: float = _opt(600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
     max_retries: int = _opt(3, "--rollout-max-retries", "int", ge=0, help="retries of a failed engine request")
     reward_timeout: float = _opt(30.0, "--reward-timeout", "float", gt=0, help="seconds per reward call")
+    store_batch: int = _opt(
+        64,
+        "--rollout-store-batch",
+        "int",
+        ge=1,
+        help="the most groups one store call admits, or stores as ready or rejected, of those already "
+        "waiting (one transaction, one fsync); 1 = one call per group",
+    )
     eval_interval: int | None = _opt(
         None, "--eval-interval", "int", ge=1, help="inline evaluation every N steps (sync mode only)"
     )

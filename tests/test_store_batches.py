@@ -1,0 +1,225 @@
+"""Many groups in one store call: `put_ready_groups` and `put_rejected_groups`.
+
+Held against both stores (real LMDB files under tmp_path): a batch put leaves the store exactly as
+the same puts one by one would, in one transaction; a batch with any bad group (named twice, not
+running, leased to someone else) stores nothing and names that group; a batch survives a reopen;
+and a process SIGKILLed in the middle of a batch's transaction leaves every group as it was, so
+`recover()` requeues them all and nothing is half-stored (the exactly-once argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pipeline.errors import StoreError
+from pipeline.types import Group
+from storage import AsyncStore, Cursor, GroupState, LmdbStore, MemoryStore, Store
+from tests.test_store import finished, fresh
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNING, PARTIAL, READY, REJECTED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.REJECTED
+
+
+def _open(kind: str, path: Path) -> Store:
+    return MemoryStore() if kind == "memory" else LmdbStore(path, map_size=1 << 24)
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def stores(kind: str, tmp_path: Path) -> Iterator[tuple[Store, Store]]:
+    a, b = _open(kind, tmp_path / "a"), _open(kind, tmp_path / "b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _admitted(store: Store, n: int) -> list[Group]:
+    groups = [fresh(i) for i in range(n)]
+    store.admit(groups, Cursor(0, n, n))
+    return [finished(g, 0) for g in groups]
+
+
+def _rejected(group: Group) -> Group:
+    return dataclasses.replace(group, rejected_reason="same rewards")
+
+
+def _snapshot(store: Store) -> tuple[object, ...]:
+    counts = {s: store.count(s) for s in GroupState}
+    ready = list(store.groups(READY))
+    rejected = sorted(store.groups(REJECTED), key=lambda g: g.group_id)
+    return counts, ready, rejected, store.lease(fresh(0).group_id)
+
+
+def test_a_batch_put_equals_the_same_puts_one_by_one(stores: tuple[Store, Store]) -> None:
+    batched, single = stores
+    groups = _admitted(batched, 6)
+    assert _admitted(single, 6) == groups
+    before = batched.statistics().transactions
+
+    batched.put_ready_groups([groups[3], groups[0], groups[5]])
+    batched.put_rejected_groups([_rejected(groups[1]), _rejected(groups[4])])
+    for g in (groups[3], groups[0], groups[5]):
+        single.put_ready(g)
+    for g in (groups[1], groups[4]):
+        single.put_rejected(_rejected(g))
+
+    assert batched.statistics().transactions - before == 2  # one per call, not one per group
+    assert _snapshot(batched) == _snapshot(single)
+    assert [g.group_id for g in batched.groups(READY)] == [groups[i].group_id for i in (0, 3, 5)]  # FIFO by seq
+    assert batched.get(groups[2].group_id) == (RUNNING, fresh(2))  # not in any batch: untouched
+    assert batched.take_batch(0, 3) == single.take_batch(0, 3)
+
+
+def test_a_group_named_twice_in_one_batch_is_refused_and_nothing_is_stored(stores: tuple[Store, Store]) -> None:
+    store, _ = stores
+    groups = _admitted(store, 3)
+    before = _snapshot(store)
+    with pytest.raises(StoreError, match=re.escape(f"{groups[1].group_id!r} appears twice in one put of ready groups")):
+        store.put_ready_groups([groups[0], groups[1], groups[2], groups[1]])
+    with pytest.raises(StoreError, match=re.escape(f"{groups[0].group_id!r} appears twice in one put of rejected")):
+        store.put_rejected_groups([_rejected(groups[0]), _rejected(groups[0])])
+    assert _snapshot(store) == before
+    assert all(store.get(g.group_id) == (RUNNING, fresh(i)) for i, g in enumerate(groups))
+
+
+@pytest.mark.parametrize("bad", ["ready", "unknown", "leased"])
+def test_one_bad_group_refuses_the_whole_batch_naming_it(stores: tuple[Store, Store], bad: str) -> None:
+    store, _ = stores
+    groups = _admitted(store, 4)
+    owner = None
+    if bad == "ready":  # already moved on: it is not running any more
+        store.put_ready(groups[2])
+        culprit, message = groups[2], "is ready, not running"
+    elif bad == "unknown":
+        culprit, message = finished(fresh(99), 0), "is not in the store"
+    else:  # its lease went to another owner: the batch's owner may not store it
+        store.reclaim_expired(float("inf"))
+        claimed = store.claim_partial(4, owner="p1", lease_seconds=60.0)
+        assert {g.group_id for g in claimed} == {g.group_id for g in groups}
+        store.hand_over(groups[2].group_id, owner="p1", to="p2", lease_seconds=60.0)
+        culprit, message, owner = groups[2], "is leased to 'p2', not 'p1'", "p1"
+    before = _snapshot(store)
+    batch = [groups[0], groups[1], culprit, groups[3]]
+    with pytest.raises(StoreError, match=re.escape(f"{culprit.group_id!r} {message}")):
+        store.put_ready_groups(batch, owner=owner)
+    assert _snapshot(store) == before
+    assert store.count(READY) == (1 if bad == "ready" else 0)
+
+
+def test_an_empty_batch_is_no_transaction(stores: tuple[Store, Store]) -> None:
+    store, _ = stores
+    _admitted(store, 1)
+    before = store.statistics().transactions
+    store.put_ready_groups([])
+    store.put_rejected_groups([])
+    assert store.statistics().transactions == before
+
+
+def test_a_batch_survives_a_reopen_and_a_refused_one_left_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStore(path) as store:
+        groups = _admitted(store, 5)
+        store.put_ready_groups(groups[:3])
+        with pytest.raises(StoreError, match="appears twice"):
+            store.put_rejected_groups([_rejected(groups[3]), _rejected(groups[3])])
+    with LmdbStore(path) as store:
+        assert store.verify().ok
+        assert list(store.groups(READY)) == groups[:3]  # read back from disk, not the ready cache
+        assert store.count(RUNNING) == 2 and store.count(REJECTED) == 0
+        store.put_rejected_groups([_rejected(groups[3]), _rejected(groups[4])])
+    with LmdbStore(path, readonly=True) as store:
+        assert store.count(REJECTED) == 2 and store.count(RUNNING) == 0
+        assert store.verify().ok
+
+
+@pytest.mark.anyio
+async def test_a_refused_batch_in_a_commit_group_leaves_the_others_committed(tmp_path: Path) -> None:
+    """Group commit: a batch call that fails after writing aborts the shared transaction, which
+    runs again without it; the other callers' batches are stored, the refused one is not."""
+    store = LmdbStore(tmp_path / "store")
+    groups = _admitted(store, 6)
+    astore = AsyncStore(store)
+    outcomes: dict[str, str] = {}
+
+    async def put(name: str, batch: list[Group]) -> None:
+        try:
+            await astore.put_ready_groups(batch)
+            outcomes[name] = "stored"
+        except StoreError as exc:
+            outcomes[name] = str(exc)
+
+    async with astore:
+        store.put_ready(groups[5])  # so the middle batch fails inside the transaction, after writing
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(put, "first", groups[0:2])
+            tg.start_soon(put, "bad", [groups[2], groups[5]])
+            tg.start_soon(put, "last", groups[3:5])
+        assert outcomes["first"] == outcomes["last"] == "stored"
+        assert f"{groups[5].group_id!r} is ready, not running" in outcomes["bad"]
+        assert await astore.get(groups[2].group_id) == (RUNNING, fresh(2))
+        assert await astore.count(READY) == 5
+        grouping = astore.group_commit_statistics()
+        assert grouping is not None and grouping.largest >= 2  # the refused batch did share a transaction
+
+
+_KILLED_MID_BATCH = """
+    import os, signal, sys
+    import storage.lmdb_store as lmdb_store
+    from storage import LmdbStore
+    from tests.test_store import finished, fresh
+
+    moves = 0
+    real_move = lmdb_store._Write.move
+
+    def move(self, *args, **kwargs):
+        # The third group of the batch: two are written into the open transaction, not committed.
+        global moves
+        moves += 1
+        if moves == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_move(self, *args, **kwargs)
+
+    lmdb_store._Write.move = move
+    store = LmdbStore(sys.argv[1])
+    store.put_ready_groups([finished(fresh(i), 0) for i in range(5)])
+    print("the batch committed: the kill never came")
+"""
+
+
+def test_a_sigkill_in_the_middle_of_a_batch_stores_none_of_it_and_recover_requeues_all(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStore(path) as store:
+        groups = _admitted(store, 5)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_MID_BATCH), str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    with LmdbStore(path) as store:
+        assert store.verify().ok
+        assert store.count(READY) == 0 and store.count(RUNNING) == 5  # not one of the batch is ready
+        report = store.recover()
+        assert report.running_to_partial == 5
+        # Every group comes back once, as it was admitted (no tokens stored from the lost batch).
+        assert sorted(g.group_id for g in store.groups(PARTIAL)) == sorted(g.group_id for g in groups)
+        assert store.take_batch(0, 1) is None
