@@ -226,12 +226,28 @@ class AsyncStore:
     async def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
         """Many groups READY in one store call (one transaction): what the collector found waiting."""
         if groups:
-            await self._call(self._store.put_ready_groups, groups, **_given(owner=owner))
+            await self._call(self._many("put_ready_groups", "put_ready"), groups, **_given(owner=owner))
 
     async def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
         """Many groups REJECTED in one store call (one transaction): what the filter turned down together."""
         if groups:
-            await self._call(self._store.put_rejected_groups, groups, **_given(owner=owner))
+            await self._call(self._many("put_rejected_groups", "put_rejected"), groups, **_given(owner=owner))
+
+    def _many(self, batched: str, single: str) -> Callable[..., None]:
+        """The store's batched move, or, for a store written before it existed, its single move
+        once per group in one worker call: a transaction each, so a crash between them leaves the
+        rest RUNNING, which recovery requeues (exactly-once holds; only the one-transaction
+        batch is lost)."""
+        fn: Callable[..., None] | None = getattr(self._store, batched, None)
+        if fn is not None:
+            return fn
+        one: Callable[..., None] = getattr(self._store, single)
+
+        def each(groups: Sequence[Group], **kwargs: Any) -> None:
+            for group in groups:
+                one(group, **kwargs)
+
+        return each
 
     async def lease(self, group_id: str) -> Lease | None:
         return await self._call(self._store.lease, group_id)

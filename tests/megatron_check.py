@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 
 
-def fixed_batch(reference):
+def fixed_batch(reference, shift: float = 0.0):
     from pipeline.types import Batch, FinishReason, Group, Sample, Segment
     from stages.tasks.tiny_model import EOS_ID
     from stages.tasks.toy import encode, toy_dataset
@@ -29,7 +29,11 @@ def fixed_batch(reference):
             for s, t in zip(blank, tokens, strict=True)
         ]
         # Behaviour log-probs a little off the trainer's, so TIS weights are not all 1 (some hit the cap).
-        behaviour = [[x - 0.9 * ((j + g) % 3 - 1) for j, x in enumerate(lp)] for lp in reference.logprobs(drafts)]
+        # `shift` moves every token's further, so that a sample's mean divergence is never 0 plus float
+        # noise: OPSM at a small delta then decides the same on both backends, not by rounding.
+        behaviour = [
+            [x + shift - 0.9 * ((j + g) % 3 - 1) for j, x in enumerate(lp)] for lp in reference.logprobs(drafts)
+        ]
         samples = [
             dataclasses.replace(
                 s.extended(Segment(t, tuple(lp), FinishReason.STOP, 0), max_response_len=16), reward=float(i % 3)
@@ -47,7 +51,7 @@ VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on b
         "tis_clip_low": 0.5,
         "aggregation": "seq-mean-token-mean",
         "use_opsm": True,
-        "opsm_delta": 0.0,
+        "opsm_delta": 1e-3,
     },
     "seqmask-tokenmean": {"correction": "seq-mask", "tis_clip_low": 0.3, "tis_clip": 1.5},
 }
@@ -83,7 +87,8 @@ def main(
     model = make_model_folder(out / "model")
     settings = _settings(variant)
     torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings, global_batch_size=gbs, device=device, dtype=dtype)
-    batch = fixed_batch(torch_trainer)
+    # OPSM needs samples whose divergence is clearly above its delta (see fixed_batch).
+    batch = fixed_batch(torch_trainer, shift=0.05 if VARIANTS[variant].get("use_opsm") else 0.0)
     torch_lp = torch_trainer.logprobs(batch.samples)
     torch_metrics = torch_trainer.train_step(batch)
     torch_trainer.save_weights(out / "torch")

@@ -177,6 +177,42 @@ async def test_a_refused_batch_in_a_commit_group_leaves_the_others_committed(tmp
         assert grouping is not None and grouping.largest >= 2  # the refused batch did share a transaction
 
 
+class _StoreBeforeBatches:
+    """A custom store written before the batched moves existed: every method but those two."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.moves: list[str] = []
+
+    def put_ready(self, group: Group, **kwargs: object) -> None:
+        self.moves.append(f"ready {group.group_id}")
+        self.inner.put_ready(group, **kwargs)  # type: ignore[arg-type]
+
+    def put_rejected(self, group: Group, **kwargs: object) -> None:
+        self.moves.append(f"rejected {group.group_id}")
+        self.inner.put_rejected(group, **kwargs)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        if name.endswith("_groups"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.anyio
+async def test_a_store_without_batched_moves_gets_them_one_by_one() -> None:
+    """The collector and filter always call the batched moves; a store that lacks them still works
+    (each group its own move, in order) instead of failing mid-run."""
+    old = _StoreBeforeBatches()
+    groups = _admitted(old.inner, 4)
+    astore = AsyncStore(old)  # type: ignore[arg-type]
+    async with astore:
+        await astore.put_ready_groups([groups[2], groups[0]])
+        await astore.put_rejected_groups([_rejected(groups[3])])
+        assert old.inner.count(READY) == 2 and old.inner.count(REJECTED) == 1 and old.inner.count(RUNNING) == 1
+    ids = [g.group_id for g in groups]
+    assert old.moves == [f"ready {ids[2]}", f"ready {ids[0]}", f"rejected {ids[3]}"]
+
+
 _KILLED_MID_BATCH = """
     import os, signal, sys
     import storage.lmdb_store as lmdb_store
