@@ -5,11 +5,19 @@
     trainer.close()     # releases the followers and waits for them to exit
 
 Rank 0 runs in the controller's process, so the controller talks to the trainer as it does to
-the torch one; ranks 1..N-1 are `python -m launch.megatron_ranks` subprocesses (guarded: they
-die with the controller) that build the same trainer and run its `follow()` loop. All meet in
-`torch.distributed` over loopback (`MASTER_ADDR=127.0.0.1`, a free port): gloo on CPU, NCCL on
-GPU with rank r on device r (`LOCAL_RANK`). Environment variables are torchrun's (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `torchrun` can start followers as well.
+the torch one. On the controller's node (node 0), ranks 1..N-1 are `python -m launch.megatron_ranks`
+subprocesses (guarded: they die with the controller). On each other node k of a multi-node run
+(`--actor-num-nodes M`), one command started by the user,
+
+    python -m launch.megatron_ranks --node-rank K <the controller's flags, or --config the same file>
+
+derives the same trainer spec from the same config, starts that node's N ranks (global rank
+K*N + local, LOCAL_RANK = local) and waits for them. Every rank builds the same trainer and runs
+its `follow()` loop. They meet at rank 0's address (`--trainer-master-addr`, loopback by default;
+`--trainer-master-port`, a free port on one node): a handshake first (`trainer_group.py`: same
+spec, same model folder, everyone present within `--trainer-join-timeout`), then `torch.distributed`,
+gloo on CPU, NCCL on GPU with local rank r on device r. Environment variables are torchrun's (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 """
 
 from __future__ import annotations
@@ -25,18 +33,26 @@ import orjson
 
 from launch.engine_process import free_port
 from launch.orphan_guard import guarded
+from launch.trainer_group import host_group, join_group
 from pipeline.errors import ConfigError, PipelineError
 
 if TYPE_CHECKING:  # the trainer imports megatron-core and torch: only when a rank starts
+    from pipeline.config import Config
     from stages.trainer.megatron.trainer import MegatronTrainer
 
-__all__ = ["MegatronRanks", "init_rank", "start_megatron_trainer"]
+__all__ = ["MegatronRanks", "init_rank", "megatron_settings", "start_megatron_trainer"]
 
 _STOP_TIMEOUT = 30.0
+# What collectives run under once the group exists (a step, a save); joining has its own timeout.
+_COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+_JOIN_TIMEOUT = 600.0
 
 
-def init_rank(*, rank: int, world_size: int, tp: int, pp: int = 1, device: str = "cpu", seed: int = 0) -> str:
-    """Join the process group and set up megatron's parallel state; return this rank's device."""
+def init_rank(
+    *, rank: int, world_size: int, tp: int, pp: int = 1, device: str = "cpu", seed: int = 0, store: Any = None
+) -> str:
+    """Join the process group (over `store` when given, else the env variables) and set up
+    megatron's parallel state; return this rank's device."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -54,7 +70,7 @@ def init_rank(*, rank: int, world_size: int, tp: int, pp: int = 1, device: str =
         device = f"cuda:{torch.cuda.current_device()}"
     if not dist.is_initialized():
         dist.init_process_group(
-            "nccl" if on_gpu else "gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
+            "nccl" if on_gpu else "gloo", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT, store=store
         )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if on_gpu:
@@ -89,6 +105,36 @@ class MegatronRanks:
                 raise PipelineError(f"megatron rank (pid {p.pid}) exited with {p.returncode}; log {log}:\n{tail}")
 
 
+def megatron_settings(config: Config) -> dict[str, Any]:
+    """`start_megatron_trainer`'s arguments from the config (all but the model folder and log folder).
+
+    The controller and every `--node-rank` command call this on the same config, so their specs
+    agree; the handshake checks that they do."""
+    from pipeline.config import config_to_dict
+    from pipeline.trainer_settings import loss_settings
+
+    t = config.trainer
+    return {
+        "world_size": t.num_nodes * t.num_ranks,
+        "nodes": t.num_nodes,
+        "tp": t.tensor_model_parallel_size,
+        "pp": t.pipeline_model_parallel_size,
+        "device": t.device,
+        "seed": config.rollout.seed,
+        "master_addr": t.master_addr,
+        "master_port": t.master_port,
+        "join_timeout": t.join_timeout,
+        "dtype": t.dtype,
+        "loss": loss_settings(config_to_dict(config)),
+        "global_batch_size": t.global_batch_size,
+        "lr": t.lr,
+        "temperature": config.rollout.temperature,
+        "max_grad_norm": t.max_grad_norm,
+        "micro_batch_size": t.micro_batch_size,
+        "distributed_optimizer": t.use_distributed_optimizer,
+    }
+
+
 def start_megatron_trainer(
     model_path: Path,
     *,
@@ -98,39 +144,48 @@ def start_megatron_trainer(
     device: str = "cpu",
     seed: int = 0,
     log_dir: Path,
+    nodes: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    join_timeout: float = _JOIN_TIMEOUT,
     **trainer_kwargs: Any,
 ) -> MegatronTrainer:
-    """Start ranks 1..N-1, become rank 0, and return rank 0's `MegatronTrainer` (its `close()` stops them)."""
+    """Start this node's ranks 1..N-1, become rank 0, wait for every node's ranks, and return rank 0's
+    `MegatronTrainer` (its `close()` stops the followers)."""
     from stages.trainer.megatron.trainer import MegatronTrainer
 
-    port = free_port()
+    if world_size % nodes:
+        raise ConfigError([f"{world_size} megatron ranks do not split over {nodes} nodes"])
+    if nodes > 1 and master_port is None:
+        raise ConfigError([f"--actor-num-nodes={nodes}: needs --trainer-master-port (the other nodes must know it)"])
+    port = master_port if master_port is not None else free_port()
+    per_node = world_size // nodes
+    spec = _spec(world_size=world_size, nodes=nodes, tp=tp, pp=pp, device=device, seed=seed, **trainer_kwargs)
     log_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "model_path": str(model_path),
-        "tp": tp,
-        "pp": pp,
-        "device": device,
-        "seed": seed,
-        "trainer": trainer_kwargs,
-    }
-    env = _rank_env(world_size, port)
+    env = _rank_env(world_size, master_addr, port)
     processes, logs = [], []
-    for rank in range(1, world_size):
+    for rank in range(1, per_node):
         log = log_dir / f"megatron-rank{rank}.log"
         with log.open("wb") as fh:
-            processes.append(
-                subprocess.Popen(
-                    [*guarded(), sys.executable, "-m", "launch.megatron_ranks", orjson.dumps(spec).decode()],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            processes.append(_start_rank(spec, join_timeout, env, rank=rank, local=rank, stdout=fh))
         logs.append(log)
     ranks = MegatronRanks(processes, logs)
     try:
         os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT")})
-        device = init_rank(rank=0, world_size=world_size, tp=tp, pp=pp, device=device, seed=seed)
+        try:
+            store = host_group(
+                addr=master_addr,
+                port=port,
+                world=world_size,
+                per_node=per_node,
+                spec=spec,
+                model_path=model_path,
+                timeout=join_timeout,
+            )
+        except PipelineError:
+            ranks.check()  # a local rank that died says why, with its log
+            raise
+        device = init_rank(rank=0, world_size=world_size, tp=tp, pp=pp, device=device, seed=seed, store=store)
         trainer = MegatronTrainer(model_path, device=device, **trainer_kwargs)
     except BaseException:
         for p in processes:
@@ -147,11 +202,36 @@ def start_megatron_trainer(
     return trainer
 
 
-def _rank_env(world_size: int, port: int) -> dict[str, str]:
+def _spec(*, world_size: int, nodes: int, tp: int, pp: int, device: str, seed: int, **trainer: Any) -> dict[str, Any]:
+    """What every rank must agree on, as JSON (a LossSettings as its fields, enums by value)."""
+    return {
+        "world": world_size,
+        "nodes": nodes,
+        "tp": tp,
+        "pp": pp,
+        "device": device,
+        "seed": seed,
+        "trainer": orjson.loads(orjson.dumps(trainer)),
+    }
+
+
+def _start_rank(
+    spec: dict[str, Any], join_timeout: float, env: dict[str, str], *, rank: int, local: int, stdout: Any
+) -> subprocess.Popen[bytes]:
+    payload = orjson.dumps({"spec": spec, "join_timeout": join_timeout}).decode()
+    return subprocess.Popen(
+        [*guarded(), sys.executable, "-m", "launch.megatron_ranks", "--rank", payload],
+        env={**env, "RANK": str(rank), "LOCAL_RANK": str(local)},
+        stdout=stdout,
+        stderr=subprocess.STDOUT if stdout is not None else None,
+    )
+
+
+def _rank_env(world_size: int, addr: str, port: int) -> dict[str, str]:
     root = str(Path(__file__).resolve().parent.parent)  # this checkout's code, as engines get it
     return {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
@@ -169,19 +249,96 @@ def _loss_settings(raw: dict[str, Any]) -> Any:
     return LossSettings(**raw)
 
 
-def _follower_main(raw_spec: str) -> None:
+def _rank_main(raw: str) -> None:
+    """One follower rank: join, build the same trainer from rank 0's model folder, follow."""
     from stages.trainer.megatron.trainer import MegatronTrainer
 
-    spec = orjson.loads(raw_spec)
-    if spec["trainer"].get("loss") is not None:  # a LossSettings, sent as JSON (enums by value)
-        spec["trainer"]["loss"] = _loss_settings(spec["trainer"]["loss"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = init_rank(
-        rank=rank, world_size=world, tp=spec["tp"], pp=spec["pp"], device=spec["device"], seed=spec["seed"]
+    payload = orjson.loads(raw)
+    spec = payload["spec"]
+    rank = int(os.environ["RANK"])
+    store, model_path = join_group(
+        addr=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        rank=rank,
+        spec=spec,
+        timeout=payload["join_timeout"],
     )
-    trainer = MegatronTrainer(Path(spec["model_path"]), device=device, **spec["trainer"])
-    trainer.follow()
+    trainer_kwargs = dict(spec["trainer"])
+    if trainer_kwargs.get("loss") is not None:  # a LossSettings, sent as JSON (enums by value)
+        trainer_kwargs["loss"] = _loss_settings(trainer_kwargs["loss"])
+    device = init_rank(
+        rank=rank,
+        world_size=spec["world"],
+        tp=spec["tp"],
+        pp=spec["pp"],
+        device=spec["device"],
+        seed=spec["seed"],
+        store=store,
+    )
+    MegatronTrainer(model_path, device=device, **trainer_kwargs).follow()
+
+
+def _node_main(argv: list[str]) -> int:
+    """`--node-rank K <flags>`: start node K's ranks of a multi-node run and wait for them."""
+    from pipeline.config import load_config
+
+    try:
+        node = int(argv[0])
+    except (IndexError, ValueError):
+        print(f"--node-rank needs an integer, got {argv[:1]}", file=sys.stderr)
+        return 2
+    flags = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
+    try:
+        config = load_config(flags)
+        t = config.trainer
+        if t.backend != "megatron":
+            raise ConfigError([f"--node-rank={node}: the controller's flags need --train-backend megatron"])
+        if not 0 < node < t.num_nodes:
+            raise ConfigError(
+                [
+                    f"--node-rank={node}: must be 1..{t.num_nodes - 1} for --actor-num-nodes={t.num_nodes} "
+                    "(node 0 is the controller's)"
+                ]
+            )
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    settings = megatron_settings(config)
+    group = {k: settings.pop(k) for k in ("master_addr", "master_port", "join_timeout")}
+    spec = _spec(**settings)
+    env = _rank_env(spec["world"], group["master_addr"], group["master_port"])
+    per_node = t.num_ranks
+    processes = {
+        p.pid: p
+        for p in (
+            _start_rank(spec, group["join_timeout"], env, rank=node * per_node + local, local=local, stdout=None)
+            for local in range(per_node)
+        )
+    }
+    # Wait for whichever rank ends first; one that fails takes its node's others down with it
+    # (they would wait in a collective for it until the 30-minute timeout).
+    code = 0
+    while processes:
+        pid, status = os.wait()
+        ended = processes.pop(pid, None)
+        if ended is None:
+            continue
+        exit_code = ended.returncode = os.waitstatus_to_exitcode(status)
+        if exit_code and not code:
+            code = exit_code
+            for p in processes.values():
+                p.kill()
+    return code
 
 
 if __name__ == "__main__":
-    _follower_main(sys.argv[1])
+    if sys.argv[1:2] == ["--rank"]:
+        try:
+            _rank_main(sys.argv[2])
+        except PipelineError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(1)
+    elif sys.argv[1:2] == ["--node-rank"]:
+        sys.exit(_node_main(sys.argv[2:]))
+    else:
+        sys.exit("usage: python -m launch.megatron_ranks --node-rank K <the controller's pipeline.launch flags>")

@@ -43,7 +43,7 @@ from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
 from pipeline.errors import IncompatibleStoreError, StoreError
-from pipeline.trainer_settings import build_trainer, loss_settings
+from pipeline.trainer_settings import build_trainer
 from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
 from storage import (
@@ -112,26 +112,11 @@ def open_run_state(config: Config) -> RunState:
 
     def make_trainer() -> Trainer:
         if t.backend == "megatron":
-            from launch.megatron_ranks import start_megatron_trainer
+            from launch.megatron_ranks import megatron_settings, start_megatron_trainer
 
-            # Rank 0 is this process; ranks 1.. are started here and stopped by the trainer's close().
-            return start_megatron_trainer(
-                start_from,
-                world_size=t.num_ranks,
-                tp=t.tensor_model_parallel_size,
-                pp=t.pipeline_model_parallel_size,
-                device=t.device,
-                dtype=t.dtype,
-                seed=config.rollout.seed,
-                log_dir=out / "logs",
-                loss=loss_settings(settings),
-                global_batch_size=t.global_batch_size,
-                lr=t.lr,
-                temperature=config.rollout.temperature,
-                max_grad_norm=t.max_grad_norm,
-                micro_batch_size=t.micro_batch_size,
-                distributed_optimizer=t.use_distributed_optimizer,
-            )
+            # Rank 0 is this process; this node's ranks 1.. are started here and stopped by the
+            # trainer's close(); other nodes' ranks are started there (`--node-rank K`) and wait for it.
+            return start_megatron_trainer(start_from, log_dir=out / "logs", **megatron_settings(config))
         return build_trainer(start_from, settings)
 
     agent = None

@@ -123,7 +123,7 @@ def _trainer_rules(draft: Draft) -> None:
 
 def _megatron_rules(draft: Draft) -> None:
     get, show, problem = draft.get, draft.show, draft.problems.append
-    parallel = ("num_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    parallel = ("num_ranks", "num_nodes", "tensor_model_parallel_size", "pipeline_model_parallel_size")
     if get("trainer", "backend") != "megatron":
         for name in parallel:
             if (get("trainer", name) or 1) > 1:
@@ -131,23 +131,44 @@ def _megatron_rules(draft: Draft) -> None:
                     f"{show('trainer', name)} with --train-backend=torch: the torch trainer is "
                     "one process; add --train-backend megatron"
                 )
+        for name in ("master_addr", "master_port", "join_timeout"):
+            if draft.given("trainer", name):
+                draft.warnings.append(f"{show('trainer', name)} without --train-backend megatron: ignored")
         if get("trainer", "use_distributed_optimizer"):
             problem(
                 f"{show('trainer', 'use_distributed_optimizer')} with --train-backend=torch: megatron's "
                 "distributed optimizer is the megatron backend's; add --train-backend megatron"
             )
         return
-    ranks, tp = get("trainer", "num_ranks"), get("trainer", "tensor_model_parallel_size")
-    pp = get("trainer", "pipeline_model_parallel_size")
+    per_node, nodes = get("trainer", "num_ranks"), get("trainer", "num_nodes")
+    tp, pp = get("trainer", "tensor_model_parallel_size"), get("trainer", "pipeline_model_parallel_size")
+    ranks = per_node * nodes if per_node and nodes else None
+    world = (
+        show("trainer", "num_ranks")
+        if nodes == 1
+        else f"the {ranks} ranks of {show('trainer', 'num_nodes')} x {show('trainer', 'num_ranks')}"
+    )
     if ranks and tp and ranks % tp:
         problem(
-            f"{show('trainer', 'tensor_model_parallel_size')}: must divide "
-            f"{show('trainer', 'num_ranks')} (data parallel = ranks / (TP x PP))"
+            f"{show('trainer', 'tensor_model_parallel_size')}: must divide {world} (data parallel = ranks / (TP x PP))"
         )
     elif ranks and tp and pp and ranks % (tp * pp):
         problem(
             f"{show('trainer', 'tensor_model_parallel_size')} x {show('trainer', 'pipeline_model_parallel_size')}: "
-            f"must divide {show('trainer', 'num_ranks')} (data parallel = ranks / (TP x PP))"
+            f"must divide {world} (data parallel = ranks / (TP x PP))"
+        )
+    port = get("trainer", "master_port")
+    if port is not None and draft.ok("trainer", "master_port") and port > 65535:
+        problem(f"{show('trainer', 'master_port')}: must be a TCP port, 1..65535")
+    if nodes and nodes > 1 and port is None:
+        problem(
+            f"{show('trainer', 'num_nodes')} without --trainer-master-port: the other nodes' ranks must know "
+            "the port rank 0 listens on (a free port is picked only for one node)"
+        )
+    if nodes and nodes > 1 and get("trainer", "master_addr") in _LOOPBACK:
+        draft.warnings.append(
+            f"{show('trainer', 'num_nodes')} with {show('trainer', 'master_addr')}: only ranks on this host can "
+            "reach rank 0; give an address of this host the other nodes reach"
         )
     if get("trainer", "use_distributed_optimizer") and (pp or 1) > 1:
         problem(

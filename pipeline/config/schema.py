@@ -542,7 +542,41 @@ class TrainerConfig:
         "--actor-num-gpus-per-node",
         "int",
         ge=1,
-        help="--train-backend megatron: trainer ranks on this host, one process per device (gloo processes on CPU)",
+        help="--train-backend megatron: trainer ranks per node, one process per device (gloo processes on CPU)",
+    )
+    num_nodes: int = _opt(
+        1,
+        "--actor-num-nodes",
+        "int",
+        ge=1,
+        help="--train-backend megatron: nodes of trainer ranks; this host is node 0, each other node runs "
+        "`python -m launch.megatron_ranks --node-rank K` with the same flags",
+    )
+    master_addr: str = _opt(
+        "127.0.0.1",
+        "--trainer-master-addr",
+        "str",
+        metavar="HOST",
+        help="--train-backend megatron: where the other ranks reach rank 0 (this host); another node needs an "
+        "address of this host it can reach",
+    )
+    master_port: int | None = _opt(
+        None,
+        "--trainer-master-port",
+        "int",
+        ge=1,
+        metavar="PORT",
+        default_help="a free port (one node only)",
+        help="--train-backend megatron: the port rank 0 listens on for the trainer group",
+    )
+    join_timeout: float = _opt(
+        600.0,
+        "--trainer-join-timeout",
+        "float",
+        gt=0,
+        metavar="SECONDS",
+        help="--train-backend megatron: how long rank 0 waits for every rank to join (and a rank for rank 0) "
+        "before the run stops, naming the ranks missing",
     )
     tensor_model_parallel_size: int = _opt(
         1, "--tensor-model-parallel-size", "int", ge=1, help="--train-backend megatron: tensor parallel size"
