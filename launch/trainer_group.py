@@ -121,9 +121,9 @@ def join_group(*, addr: str, port: int, rank: int, spec: dict[str, Any], timeout
     store.set(f"trainer/answer/{rank}", _OK)
     try:
         store.wait(["trainer/go"])
-    except DistStoreError as exc:
-        raise PipelineError(f"megatron rank {rank}: {where} never said go within {timeout:g} s") from exc
-    go = store.get("trainer/go").decode()
+        go = store.get("trainer/go").decode()
+    except (DistStoreError, RuntimeError) as exc:  # RuntimeError: rank 0's store went away
+        raise PipelineError(f"megatron rank {rank}: {where} never said go within {timeout:g} s: {exc}") from exc
     if go != _OK:
         raise PipelineError(f"megatron rank {rank}: rank 0 gave up: {go}")
     return store, model_path

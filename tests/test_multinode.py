@@ -138,6 +138,59 @@ def test_a_rank_that_never_joins_stops_rank_0_with_its_number_and_releases_the_o
     assert "ranks [2] never joined (nodes [2]" in str(host.error)
 
 
+def test_a_node_rank_started_twice_is_refused(tmp_path):
+    port, model = free_port(), _model(tmp_path)
+    host = _Host(port, model, world=3, timeout=30.0)
+    host.start()
+    errors: list[BaseException | None] = []
+
+    def claim_rank_1() -> None:
+        try:
+            join_group(addr="127.0.0.1", port=port, rank=1, spec=_spec(world=3), timeout=30)
+            errors.append(None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    twins = [threading.Thread(target=claim_rank_1) for _ in range(2)]
+    for t in twins:
+        t.start()
+    join_group(addr="127.0.0.1", port=port, rank=2, spec=_spec(world=3), timeout=30)
+    for t in (*twins, host):
+        t.join(timeout=30)
+    # Whichever claimed rank 1 first joins; the other is refused.
+    assert sorted(str(e) for e in errors if e is not None) == [
+        "1 problem(s) in the config:\n  - megatron rank 1 is already taken: is another node running with the "
+        "same --node-rank?"
+    ]
+    assert errors.count(None) == 1
+    assert host.error is None and host.store is not None
+
+
+def test_the_node_command_refuses_a_node_rank_outside_the_run():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.megatron_ranks",
+            "--node-rank",
+            "2",
+            "--",
+            *MEGATRON,
+            "--actor-num-nodes",
+            "2",
+            "--trainer-master-port",
+            "29500",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--node-rank=2: must be 1..1 for --actor-num-nodes=2 (node 0 is the controller's)" in done.stderr
+
+
 def test_a_rank_that_cannot_reach_rank_0_says_where_it_looked():
     port = free_port()
     with pytest.raises(PipelineError, match=rf"megatron rank 1: could not reach megatron rank 0 at 127.0.0.1:{port}"):
@@ -194,16 +247,21 @@ def _two_nodes(tmp_path: Path, node1_extra: tuple[str, ...] = ()) -> tuple[subpr
         stderr=subprocess.PIPE,
         text=True,
     )
-    # Node 1 may start before the controller listens: its rank retries until the join timeout.
-    node1 = subprocess.run(
-        [sys.executable, "-m", "launch.megatron_ranks", "--node-rank", "1", "--", *flags, *node1_extra],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out, err = controller.communicate(timeout=600)
+    try:
+        # Node 1 may start before the controller listens: its rank retries until the join timeout.
+        node1 = subprocess.run(
+            [sys.executable, "-m", "launch.megatron_ranks", "--node-rank", "1", "--", *flags, *node1_extra],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        out, err = controller.communicate(timeout=600)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.communicate()
     return subprocess.CompletedProcess(controller.args, controller.returncode, out, err), node1
 
 
