@@ -364,6 +364,8 @@ class MemoryStore:
     def _put(self, groups: Sequence[Group], to: GroupState, owner: str | None) -> None:
         """Every group RUNNING -> `to`, or none: all are checked before the first one moves."""
         self._check_open()
+        if not groups:
+            return
         if len(groups) > 1:
             tr.check_distinct(groups, to)
         for group in groups:
@@ -371,8 +373,6 @@ class MemoryStore:
             entry = self._groups.get(gid)
             held = self._leases.get(gid)
             tr.check_put(gid, None if entry is None else entry[0], to, owner, None if held is None else held.owner)
-        if not groups:
-            return
         for group in groups:
             self._move(group.group_id, _RUNNING, to, group)
         self._transactions += 1
