@@ -48,7 +48,7 @@ from stages.trainer.checkpoint import (
     write_folder_atomically,
 )
 from stages.trainer.loss import ImportanceCorrection, LossSettings, group_advantages
-from stages.trainer.metrics import step_metrics
+from stages.trainer.metrics import step_metrics, tally_minibatch
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -221,21 +221,19 @@ class GRPOTrainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
             self.optimizer.step()
             totals["optimizer_steps"] += 1
-        with torch.no_grad():
-            kl = L.approx_kl_k3(prox, behaviour, mask)
-            totals["loss"] += float(loss)
-            totals["grad_norm"] += grad_norm
-            totals["trained_tokens"] += float(train.sum())
-            totals["masked_tokens"] += float(mask.sum())
-            totals["clipped"] += float((clipped & train).sum())
-            totals["entropy"] += float((entropy * mask).sum())
-            totals["kl_k3"] += float((kl * mask).sum())
-            totals["abs_diff"] += float((prox - behaviour).abs().masked_fill(~mask, 0.0).sum())
-            totals["weight_sum"] += float((iw.raw * mask).sum())
-            totals["weight_max"] = max(totals["weight_max"], float(iw.raw.masked_fill(~mask, 0.0).max()))
-            totals["tis_clipped"] += float((iw.clipped & mask).sum())
-            totals["is_dropped"] += float((iw.dropped & mask).sum())
-            totals["applied_weight"] += float((weight * train_f).sum())
+        totals["grad_norm"] += grad_norm
+        tally_minibatch(
+            totals,
+            loss=loss,
+            proximal=prox,
+            behaviour=behaviour,
+            mask=mask,
+            train=train,
+            weight=weight,
+            clipped=clipped,
+            entropy=entropy,
+            iw=iw,
+        )
 
     # ---- what trains, and with which advantage ------------------------------------------------
 

@@ -14,7 +14,44 @@ import torch
 
 from pipeline.types import Sample, SampleStatus
 
-__all__ = ["step_metrics"]
+from .loss import ImportanceWeights, approx_kl_k3
+
+__all__ = ["step_metrics", "tally_minibatch"]
+
+
+@torch.no_grad()
+def tally_minibatch(
+    totals: defaultdict[str, float],
+    *,
+    loss: torch.Tensor,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    train: torch.Tensor,
+    weight: torch.Tensor,
+    clipped: torch.Tensor,
+    entropy: torch.Tensor,
+    iw: ImportanceWeights,
+) -> None:
+    """Add one minibatch's sums to `totals`, which `step_metrics` turns into the step's metrics.
+
+    Every backend calls this with its padded [rows, tokens] tensors, so the torch and megatron
+    trainers report the same metric from the same sum. `mask` is the tokens the masks let count,
+    `train` those that train after the importance correction and OPSM dropped theirs."""
+    kl = approx_kl_k3(proximal, behaviour, mask)
+    train_f = train.float()
+    totals["loss"] += float(loss)
+    totals["trained_tokens"] += float(train.sum())
+    totals["masked_tokens"] += float(mask.sum())
+    totals["clipped"] += float((clipped & train).sum())
+    totals["entropy"] += float((entropy * mask).sum())
+    totals["kl_k3"] += float((kl * mask).sum())
+    totals["abs_diff"] += float((proximal - behaviour).abs().masked_fill(~mask, 0.0).sum())
+    totals["weight_sum"] += float((iw.raw * mask).sum())
+    totals["weight_max"] = max(totals["weight_max"], float(iw.raw.masked_fill(~mask, 0.0).max()))
+    totals["tis_clipped"] += float((iw.clipped & mask).sum())
+    totals["is_dropped"] += float((iw.dropped & mask).sum())
+    totals["applied_weight"] += float((weight * train_f).sum())
 
 
 def step_metrics(

@@ -23,6 +23,7 @@ import torch
 from pipeline.types import Batch, Sample, SampleStatus
 from stages.trainer import loss as L
 from stages.trainer.loss import LossAggregation, LossSettings
+from stages.trainer.metrics import tally_minibatch
 
 __all__ = ["Row", "batch_rows", "micro_batch_loss", "step_metrics"]
 
@@ -183,21 +184,19 @@ def micro_batch_loss(
         else len(rows) / batch_samples
     )
     loss = loss * share
-    with torch.no_grad():
-        kl = L.approx_kl_k3(prox, behaviour, mask)
-        totals["loss"] += float(loss)
-        totals["signal"] += float((train & (adv[:, None] != 0)).sum())
-        totals["trained_tokens"] += float(train.sum())
-        totals["masked_tokens"] += float(mask.sum())
-        totals["clipped"] += float((clipped & train).sum())
-        totals["entropy"] += float((entropy * mask).sum())
-        totals["kl_k3"] += float((kl * mask).sum())
-        totals["abs_diff"] += float((prox - behaviour).abs().masked_fill(~mask, 0.0).sum())
-        totals["weight_sum"] += float((iw.raw * mask).sum())
-        totals["weight_max"] = max(totals["weight_max"], float(iw.raw.masked_fill(~mask, 0.0).max()))
-        totals["tis_clipped"] += float((iw.clipped & mask).sum())
-        totals["is_dropped"] += float((iw.dropped & mask).sum())
-        totals["applied_weight"] += float((weight * train_f).sum())
+    totals["signal"] += float((train & (adv[:, None] != 0)).sum())
+    tally_minibatch(
+        totals,
+        loss=loss,
+        proximal=prox,
+        behaviour=behaviour,
+        mask=mask,
+        train=train,
+        weight=weight,
+        clipped=clipped,
+        entropy=entropy,
+        iw=iw,
+    )
     return loss
 
 
