@@ -70,9 +70,11 @@ async def run_one(
     folder = Path(tempfile.mkdtemp(prefix=f"ray-producers-{store_kind}-", dir=work))
     store = AsyncStore(open_store(store_kind, folder))
     marks: list[tuple[float, float]] = []
+    last: dict[str, Any] = {}
 
     def on_step(record: dict[str, Any]) -> None:
         marks.append((time.perf_counter(), time.process_time()))
+        last.update(record)
 
     async def go(factory: Any = None) -> None:
         await run_pipeline(
@@ -122,6 +124,9 @@ async def run_one(
         "cpu-ms/sample": 1000 * (p1 - p0) / samples,
         # Store transactions per group trained (whole run): what the batched moves cut.
         "txn/group": transactions / (args.steps * args.batch),
+        # Groups per Ray call (whole run): 1 when nothing waits, growing as the controller gets busy.
+        "per submit": last.get("producers/groups_per_submit", 0.0),
+        "per take": last.get("producers/results_per_take", 0.0),
     }
 
 
@@ -141,7 +146,7 @@ async def main(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     try:
         async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
-            for w in (0, *args.producers):
+            for w in ((0,) if args.local else ()) + tuple(args.producers):
                 for store_kind in stores:
                     for _ in range(args.repeats):
                         for b in batches:  # interleaved: single and batch see the same machine
@@ -157,12 +162,16 @@ async def main(args: argparse.Namespace) -> None:
         f"{args.slots} slots, {os.cpu_count()} cores, median of {args.repeats}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
     )
-    print(f"{'store':>10} {'batches':>8} {'producers':>10} {'samples/s':>11} {'cpu-ms/sample':>14} {'txn/group':>10}")
+    print(
+        f"{'store':>10} {'batches':>8} {'producers':>10} {'samples/s':>11} {'cpu-ms/sample':>14} {'txn/group':>10} "
+        f"{'groups/submit':>14} {'results/take':>13}"
+    )
     for (store_kind, b, w), results in rows.items():
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
         print(
             f"{store_kind:>10} {b:>8} {'local' if w == 0 else w:>10} {med['samples/s']:>11,.1f} "
-            f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f}"
+            f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f} "
+            f"{med['per submit']:>14.2f} {med['per take']:>13.2f}"
         )
 
 
@@ -177,4 +186,5 @@ if __name__ == "__main__":
     p.add_argument("--stores", default="memory,lmdb-sync", help=f"comma-separated, of {', '.join(STORES)}")
     p.add_argument("--batches", default="single,batch", help="comma-separated: single (store_batch=1), batch (64)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-local", dest="local", action="store_false", help="leave out the local mode (for a profile)")
     anyio.run(main, p.parse_args())

@@ -24,12 +24,13 @@ The controller stays the single store writer and the single version clock; this 
   comes back as partial) before the engines pause, and tells them the new version after.
 
 Where the cost hides: a Ray actor call costs the driver about a millisecond of CPU, far more than
-handling a group, so calls carry batches. The dispatcher hands a producer every group already
-waiting (up to `store_batch` and the producer's free slots) in one store call and one Ray call,
-and takes back everything a producer has finished in one Ray call, committed `store_batch` at a
-time. It never waits for more to arrive: at light load each batch is one group, and under load the
-batches grow, so the controller's CPU per sample falls as producers are added. `store_batch=1` is
-one call per group, as before.
+handling a group, so calls carry batches, as group commit does for the store. The dispatcher
+takes every group already waiting and leases each producer its share in one store call; one Ray
+call at a time goes to each producer, carrying everything leased to it meanwhile; one call takes
+back everything a producer has finished, committed in one store call. Each is bounded by
+`store_batch` (and a producer's free slots). Nothing waits for more to arrive: at light load a
+call carries one group, and the busier the controller, the more each carries, so its CPU per
+sample falls as producers are added. `store_batch=1` is one call per group, as before.
 
 Groups cross as `storage.codec` bytes; the actor side is `launch.ray_producer.ProducerCore`.
 """
@@ -91,6 +92,8 @@ class ProducerHandle:
     handed: int = 0  # groups handed to it over the run
     lost: str | None = None  # why it was given up on
     stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat's answer
+    outbox: list[bytes] = field(default_factory=list)  # leased to it, waiting for the Ray call in flight
+    sending: bool = False  # a submit call to it is in flight
 
 
 class RayProducers:
@@ -129,6 +132,8 @@ class RayProducers:
         self._committing: set[str] = set()
         self._resuming: list[Any] = []
         self._counts = dict(fenced=0, reclaimed=0, accepted=0)
+        # Ray calls that carry groups, and the groups they carried: the batches' mean size.
+        self._calls = dict(submit=0, submitted=0, take=0, taken=0)
         self._tg: TaskGroup | None = None  # the run's, for work started by a loss
 
     # -- the graph's side -----------------------------------------------------------------------
@@ -199,6 +204,9 @@ class RayProducers:
             "producers/lost": len(self.producers) - len(self._live()),
             "producers/fenced_results": self._counts["fenced"],
             "producers/reclaimed_groups": self._counts["reclaimed"],
+            # Groups per Ray call each way: 1 at light load, growing with load (the module docstring).
+            "producers/groups_per_submit": self._calls["submitted"] / max(self._calls["submit"], 1),
+            "producers/results_per_take": self._calls["taken"] / max(self._calls["take"], 1),
         }
 
     # -- handing groups out ---------------------------------------------------------------------
@@ -217,25 +225,54 @@ class RayProducers:
             if not self._live():
                 raise PipelineError(f"every Ray producer is lost: {self._why_lost()}")
             await self._room.wait()
-        # The least loaded for its size, then the one that got least so far: work spreads evenly.
-        p = min(candidates, key=lambda c: (len(c.in_hand) / c.group_slots, c.handed, c.name))
-        # With it, whatever is already waiting, as far as p has room (it holds group_slots + 1 at most).
-        room = p.group_slots + 1 - len(p.in_hand)
+        # With it, whatever is already waiting, as far as the producers have room (each holds
+        # group_slots + 1 at most), spread as one at a time would spread it: each group to the least
+        # loaded for its size, then the one that got least so far. One store call and one Ray call
+        # per producer that gets any.
+        room = sum(c.group_slots + 1 - len(c.in_hand) for c in candidates)
         batch = [group, *drain_nowait(waiting, min(self._batch, room) - 1)]
-        ids = [g.group_id for g in batch]
-        await self._store.hand_over_groups(ids, owner=DEFAULT_OWNER, to=p.name, lease_seconds=self._lease)
-        p.in_hand.update(ids)
-        p.handed += len(batch)
+        load = {c.name: (len(c.in_hand), c.handed) for c in candidates}
+        shares: dict[str, list[Group]] = {}
+        for g in batch:
+            p = min(
+                (c for c in candidates if load[c.name][0] <= c.group_slots),
+                key=lambda c: (load[c.name][0] / c.group_slots, load[c.name][1], c.name),
+            )
+            shares.setdefault(p.name, []).append(g)
+            held, handed = load[p.name]
+            load[p.name] = (held + 1, handed + 1)
+        for p in candidates:
+            if (share := shares.get(p.name)) is not None:
+                ids = [g.group_id for g in share]
+                await self._store.hand_over_groups(ids, owner=DEFAULT_OWNER, to=p.name, lease_seconds=self._lease)
+                p.in_hand.update(ids)
+                p.handed += len(share)
+                p.outbox.extend(encode_group(g) for g in share)
+                if not p.sending:
+                    # Sent in a task of its own: a producer that stops answering holds up only its own groups.
+                    p.sending = True
+                    tg.start_soon(self._submit, p)
         self._notify()  # wakes whoever watches the producers' load (a policy re-checks, a test waits)
-        # Sent in a task of its own: a producer that stops answering holds up only its own groups.
-        tg.start_soon(self._submit, p, [encode_group(g) for g in batch])
 
-    async def _submit(self, p: ProducerHandle, data: list[bytes]) -> None:
+    async def _submit(self, p: ProducerHandle) -> None:
+        """Send p its outbox, one Ray call at a time: what is leased to p while a call is in flight
+        goes in the next one (group commit, as the LMDB store does it), so the calls carry more
+        groups the busier the controller is, and never wait for more to arrive."""
         try:
-            with anyio.fail_after(self._deadline):
-                await p.actor.submit_many.remote(data)
-        except Exception as exc:  # RayActorError, a timeout: the lease runs out, the reaper requeues it
-            self._lose(p, f"submit failed: {exc!r}")
+            while p.outbox and p.lost is None:
+                data, p.outbox = p.outbox[: self._batch], p.outbox[self._batch :]
+                self._calls["submit"] += 1
+                self._calls["submitted"] += len(data)
+                try:
+                    with anyio.fail_after(self._deadline):
+                        await p.actor.submit_many.remote(data)
+                except Exception as exc:  # RayActorError, a timeout: its leases end, the reaper requeues
+                    self._lose(p, f"submit failed: {exc!r}")
+                    return
+        finally:
+            p.sending = False
+            if p.lost is not None:
+                p.outbox.clear()  # leased to p in the store: they come back when its leases end
 
     async def _wait_resumed(self) -> None:
         resuming, self._resuming = self._resuming, []
@@ -257,6 +294,8 @@ class RayProducers:
                     self._lose(p, f"results failed: {exc!r}")
                     return
                 p.stats = orjson.loads(stats)
+                self._calls["take"] += 1
+                self._calls["taken"] += len(batch)
                 results = [
                     (ResultKind(kind), decode_group(data, key=f"result of producer {p.name}")) for kind, data in batch
                 ]
