@@ -171,7 +171,7 @@ async def main(args: argparse.Namespace) -> None:
         print(
             f"{store_kind:>10} {b:>8} {'local' if w == 0 else w:>10} {med['samples/s']:>11,.1f} "
             f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f} "
-            f"{med['per submit']:>14.2f} {med['per take']:>13.2f}"
+            + (f"{'-':>14} {'-':>13}" if w == 0 else f"{med['per submit']:>14.2f} {med['per take']:>13.2f}")
         )
 
 
