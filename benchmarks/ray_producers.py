@@ -1,6 +1,7 @@
 """Controller CPU per trained sample with producers on Ray, W = 1, 2, 4, against the local mode.
 
-    python -m benchmarks.ray_producers [--steps 6] [--batch 16] [--group 8] [--tokens 1024] [--producers 1 2 4]
+    python -m benchmarks.ray_producers [--steps 6] [--batch 16] [--group 8] [--tokens 1024]
+        [--producers 1 2 4] [--stores memory,lmdb-sync] [--batches single,batch] [--repeats 1]
 
 The engine is the instant engine (`launch/engines/instant.py`) in its own process: it answers at
 once, so every CPU second is the pipeline's. The trainer does nothing. What is measured is the
@@ -9,15 +10,25 @@ driver threads) per trained sample, from the end of step 0 to the end of the las
 `local` the controller does everything (HTTP, parsing, reward, filter); with Ray producers it
 hands groups out, takes results back as codec bytes and commits them. Producers share this
 machine's cores, so wall-clock rates with W > cores say little; CPU per sample is the figure.
+
+Axes, run side by side in one process: `--stores` (memory; lmdb-sync is LMDB with fsync on, in a
+temporary folder), `--batches` (`single`: `RolloutPlan.store_batch=1`, one store call and one Ray
+call per group, the path before batching; `batch`: the default 64, whatever is waiting goes in one
+call). For each W and store, single and batch alternate, `--repeats` times; the table shows the
+median. Only Ray and this package are needed, so the same command runs on a bigger machine, e.g.
+`--producers 1 2 4 8`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -28,11 +39,24 @@ from launch.ray_producer import ProducerSpec
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang import EngineFleet
-from storage import AsyncStore, MemoryStore
+from storage import AsyncStore, LmdbStore, MemoryStore
+
+BATCHES = {"single": 1, "batch": 64}  # RolloutPlan.store_batch
+STORES = ("memory", "lmdb-sync")
 
 
-async def run_one(producers: int, args: argparse.Namespace, fleet: EngineFleet, work: Path) -> dict[str, float]:
-    await fleet.update_weight_version("0")
+def open_store(kind: str, folder: Path) -> Any:
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "lmdb-sync":
+        return LmdbStore(folder / "store", sync=True)
+    raise ValueError(f"--stores: {kind!r} is not one of {', '.join(STORES)}")
+
+
+async def run_one(
+    producers: int, store_kind: str, batch: str, args: argparse.Namespace, fleet: EngineFleet, work: Path
+) -> dict[str, float]:
+    await fleet.update_weight_version("0")  # each run starts its own clock at version 0
     plan = RolloutPlan(
         mode="sync",
         batch_size=args.batch,
@@ -41,14 +65,18 @@ async def run_one(producers: int, args: argparse.Namespace, fleet: EngineFleet, 
         slots=args.slots,
         max_response_len=args.tokens,
         sampling_params={"temperature": 1.0},
+        store_batch=BATCHES[batch],
     )
-    store = AsyncStore(MemoryStore())
+    folder = Path(tempfile.mkdtemp(prefix=f"ray-producers-{store_kind}-", dir=work))
+    store = AsyncStore(open_store(store_kind, folder))
     marks: list[tuple[float, float]] = []
+    last: dict[str, Any] = {}
 
-    def on_step(record: dict) -> None:
+    def on_step(record: dict[str, Any]) -> None:
         marks.append((time.perf_counter(), time.process_time()))
+        last.update(record)
 
-    async def go(factory=None) -> None:
+    async def go(factory: Any = None) -> None:
         await run_pipeline(
             plan,
             engines=fleet,
@@ -63,51 +91,88 @@ async def run_one(producers: int, args: argparse.Namespace, fleet: EngineFleet, 
             producers=factory,
         )
 
-    if producers == 0:
-        await go()
-    else:
+    try:
+        if producers == 0:
+            await go()
+        else:
 
-        def spec_for(i: int, count: int) -> ProducerSpec:
-            return ProducerSpec(
-                name=f"producer-{i}",
-                engine_urls=(fleet.worker_urls[0],),
-                router_url=None,
-                group_slots=group_slots(plan.slots, plan.n_samples, count)[i],
-                n_samples=plan.n_samples,
-                sampling_params=plan.sampling_params,
-                max_response_len=plan.max_response_len,
-                reward_path="benchmarks.controller_overhead:reward",
-            )
+            def spec_for(i: int, count: int) -> ProducerSpec:
+                return ProducerSpec(
+                    name=f"producer-{i}",
+                    engine_urls=(fleet.worker_urls[0],),
+                    router_url=None,
+                    group_slots=group_slots(plan.slots, plan.n_samples, count)[i],
+                    n_samples=plan.n_samples,
+                    sampling_params=plan.sampling_params,
+                    max_response_len=plan.max_response_len,
+                    reward_path="benchmarks.controller_overhead:reward",
+                )
 
-        settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0)
-        async with open_ray_producers(settings, spec_for, store=store, n_samples=plan.n_samples) as make:
-            await go(make)
+            settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0)
+            async with open_ray_producers(
+                settings, spec_for, store=store, n_samples=plan.n_samples, store_batch=plan.store_batch
+            ) as make:
+                await go(make)
+        transactions = store.statistics().transactions
+    finally:
+        await store.aclose()
+        shutil.rmtree(folder, ignore_errors=True)
     (w0, p0), (w1, p1) = marks[0], marks[-1]
     samples = (len(marks) - 1) * args.batch * args.group
-    return {"samples/s": samples / (w1 - w0), "controller cpu-ms/sample": 1000 * (p1 - p0) / samples}
+    return {
+        "samples/s": samples / (w1 - w0),
+        "cpu-ms/sample": 1000 * (p1 - p0) / samples,
+        # Store transactions per group trained (whole run): what the batched moves cut.
+        "txn/group": transactions / (args.steps * args.batch),
+        # Groups per Ray call (whole run): 1 when nothing waits, growing as the controller gets busy.
+        "per submit": last.get("producers/groups_per_submit", 0.0),
+        "per take": last.get("producers/results_per_take", 0.0),
+    }
 
 
 async def main(args: argparse.Namespace) -> None:
     import ray
 
+    stores = args.stores.split(",")
+    batches = args.batches.split(",")
+    for b in batches:
+        if b not in BATCHES:
+            raise SystemExit(f"--batches: {b!r} is not one of {', '.join(BATCHES)}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=max(args.producers), include_dashboard=False, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="ray-producers-"))
     engine = await start_engine("instant", module="launch.engines.instant", extra_args=["--tokens", str(args.tokens)])
-    rows = []
+    rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+    load_before = os.getloadavg()
     try:
         async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
-            for w in (0, *args.producers):
-                rows.append((w, await run_one(w, args, fleet, work)))
+            for w in ((0,) if args.local else ()) + tuple(args.producers):
+                for store_kind in stores:
+                    for _ in range(args.repeats):
+                        for b in batches:  # interleaved: single and batch see the same machine
+                            result = await run_one(w, store_kind, b, args, fleet, work)
+                            rows.setdefault((store_kind, b, w), []).append(result)
+                            print(f"  {store_kind} {b} W={w or 'local'}: {result}", flush=True)
     finally:
         ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
     print(
-        f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, {args.slots} slots, "
-        f"memory store, {os.cpu_count()} cores"
+        f"\n{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
+        f"{args.slots} slots, {os.cpu_count()} cores, median of {args.repeats}; "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
     )
-    print(f"{'producers':>10} {'samples/s':>12} {'controller cpu-ms/sample':>26}")
-    for w, r in rows:
-        print(f"{'local' if w == 0 else w:>10} {r['samples/s']:>12,.1f} {r['controller cpu-ms/sample']:>26.3f}")
+    print(
+        f"{'store':>10} {'batches':>8} {'producers':>10} {'samples/s':>11} {'cpu-ms/sample':>14} {'txn/group':>10} "
+        f"{'groups/submit':>14} {'results/take':>13}"
+    )
+    for (store_kind, b, w), results in rows.items():
+        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        print(
+            f"{store_kind:>10} {b:>8} {'local' if w == 0 else w:>10} {med['samples/s']:>11,.1f} "
+            f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f} "
+            + (f"{'-':>14} {'-':>13}" if w == 0 else f"{med['per submit']:>14.2f} {med['per take']:>13.2f}")
+        )
 
 
 if __name__ == "__main__":
@@ -118,4 +183,8 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--slots", type=int, default=128)
     p.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--stores", default="memory,lmdb-sync", help=f"comma-separated, of {', '.join(STORES)}")
+    p.add_argument("--batches", default="single,batch", help="comma-separated: single (store_batch=1), batch (64)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-local", dest="local", action="store_false", help="leave out the local mode (for a profile)")
     anyio.run(main, p.parse_args())

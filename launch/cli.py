@@ -181,7 +181,7 @@ async def _producers(
         r.ray_address, r.num_producers, r.producer_lease_seconds, r.producer_deadline_seconds, r.overlap_weight_transfer
     )
     return await stack.enter_async_context(
-        open_ray_producers(settings, spec_for, store=store, n_samples=plan.n_samples)
+        open_ray_producers(settings, spec_for, store=store, n_samples=plan.n_samples, store_batch=plan.store_batch)
     )
 
 

@@ -90,6 +90,9 @@ class ProducerActor:
     async def submit(self, data: bytes) -> None:
         await self._ok().submit(data)
 
+    async def submit_many(self, data: list[bytes]) -> None:
+        await self._ok().submit_many(data)
+
     async def take_results(self, limit: int) -> tuple[list[tuple[str, bytes]], bytes]:
         """Up to `limit` results once there is one, with the statistics as of now (so the step
         record counts the work behind these results, not the last heartbeat's)."""
@@ -178,6 +181,7 @@ async def open_ray_producers(
     *,
     store: AsyncStore,
     n_samples: int,
+    store_batch: int = 64,
 ) -> AsyncIterator[Callable[[Admission], RayProducers]]:
     """Start the producers (`spec_for(i, W)` is producer i's spec); yield the graph's factory.
 
@@ -222,6 +226,7 @@ async def open_ray_producers(
                 deadline_seconds=settings.deadline_seconds,
                 overlap_publish=settings.overlap_publish,
                 kill=ray.kill,
+                store_batch=store_batch,
             )
 
         yield make

@@ -1,7 +1,7 @@
 """One producer: the generator pool, reward and filter of `pipeline.producers.LocalProducers`, run
 inside a Ray actor on its node, with no store of its own.
 
-    controller ── submit(group bytes) ──► inbox ─► pool ─► reward ─► filter ─┐
+    controller ── submit_many(group bytes) ─► inbox ─► pool ─► reward ─► filter ─┐
         ▲                                                                   │ accepted
         └──── take_results() ◄── results: (outcome, group bytes) ◄──────────┘ partial / failed / rejected
 
@@ -248,6 +248,15 @@ class ProducerCore:
         self.admission.grant(1)
         await self.admission.take_ticket()
         await self._inbox.send(group)
+
+    async def submit_many(self, data: Sequence[bytes]) -> None:
+        """Groups leased to this producer together, as codec bytes, in the order they came."""
+        groups = [decode_group(d, key=f"group for producer {self.spec.name}") for d in data]
+        assert self._inbox is not None, "submit before run"
+        self.admission.grant(len(groups))
+        for group in groups:
+            await self.admission.take_ticket()
+            await self._inbox.send(group)
 
     async def take_results(self, limit: int = 64) -> list[tuple[str, bytes]]:
         return await self.results.take(limit)

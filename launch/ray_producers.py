@@ -8,18 +8,29 @@ work from the controller's store (issue 13).
 The controller stays the single store writer and the single version clock; this is the
 `pipeline.producers.Producers` the graph hands groups to. The rules that keep work exactly-once:
 
-- A group handed to producer p is leased to p (`Store.hand_over`), expiring `lease_seconds` after
+- A group handed to producer p is leased to p (`Store.hand_over_groups`), expiring `lease_seconds` after
   p's last answered heartbeat (`renew_leases`). A producer that dies or stops answering is lost:
   it gets no more work, is killed, and its leases end at once (or, had that failed, expire);
   `reclaim_expired` puts its groups back as PARTIAL with every prefix it had returned, and the
   dispenser serves them again.
-- Results are fenced: each is committed with `owner=p` (a `put_*`, or `hand_over` back to the
-  controller for an accepted group that the collector then makes ready), so a late result from a
-  producer whose lease expired or was reassigned is refused by the store, counted
-  (`producers/fenced_results`) and dropped, never trained twice.
+- Results are fenced: each is committed with `owner=p` (a `put_*`, or its lease handed back to
+  the controller for an accepted group that the collector then makes ready), so a late result
+  from a producer whose lease expired or was reassigned is refused by the store, counted
+  (`producers/fenced_results`) and dropped, never trained twice. A batch of results is one
+  `Store.accept_results` (one transaction): the store fences each group on its own, so one
+  refused group never holds back the others, and a crash mid-batch stores none of it.
 - Every call to a producer has a deadline (`deadline_seconds`); one that passes it is lost, never
   waited on forever. A publish closes every producer's admission (abort mode: every group in hand
   comes back as partial) before the engines pause, and tells them the new version after.
+
+Where the cost hides: a Ray actor call costs the driver about a millisecond of CPU, far more than
+handling a group, so calls carry batches, as group commit does for the store. The dispatcher
+takes every group already waiting and leases each producer its share in one store call; one Ray
+call at a time goes to each producer, carrying everything leased to it meanwhile; one call takes
+back everything a producer has finished, committed in one store call. Each is bounded by
+`store_batch` (and a producer's free slots). Nothing waits for more to arrive: at light load a
+call carries one group, and the busier the controller, the more each carries, so its CPU per
+sample falls as producers are added. `store_batch=1` is one call per group, as before.
 
 Groups cross as `storage.codec` bytes; the actor side is `launch.ray_producer.ProducerCore`.
 """
@@ -38,20 +49,34 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from launch.ray_producer import ResultKind
-from pipeline.errors import PipelineError, StoreError
+from pipeline.errors import PipelineError
 from pipeline.types import Group, PauseMode
 from stages.admission import Admission, Outcome
 from stages.filter import FilterStatistics
 from stages.generator import GeneratorStatistics
 from stages.publisher import AdmissionGates
-from storage import DEFAULT_LEASE_SECONDS, DEFAULT_OWNER, AsyncStore
+from stages.streams import drain_nowait
+from storage import DEFAULT_OWNER, AsyncStore, GroupState
 from storage.codec import decode_group, encode_group
 
 __all__ = ["ProducerHandle", "RayProducers"]
 
 log = structlog.get_logger("producers")
 
-RESULTS_PER_CALL = 64
+RESULTS_PER_CALL = 64  # the least a Ray call takes back when there is that much waiting
+# How each kind of result is committed: an accepted group's lease comes back (it stays RUNNING
+# until the collector makes it ready); the others are stored as they are.
+_COMMIT_AS = {
+    ResultKind.ACCEPTED: GroupState.RUNNING,
+    ResultKind.PARTIAL: GroupState.PARTIAL,
+    ResultKind.FAILED: GroupState.FAILED,
+    ResultKind.REJECTED: GroupState.REJECTED,
+}
+_OUTCOME = {
+    ResultKind.PARTIAL: Outcome.PARTIAL,
+    ResultKind.FAILED: Outcome.FAILED,
+    ResultKind.REJECTED: Outcome.REJECTED,
+}
 _AT_ONCE = 1e-6  # seconds: a lease renewed for this long has expired by the next reclaim
 
 
@@ -67,6 +92,8 @@ class ProducerHandle:
     handed: int = 0  # groups handed to it over the run
     lost: str | None = None  # why it was given up on
     stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat's answer
+    outbox: list[bytes] = field(default_factory=list)  # leased to it, waiting for the Ray call in flight
+    sending: bool = False  # a submit call to it is in flight
 
 
 class RayProducers:
@@ -83,9 +110,15 @@ class RayProducers:
         deadline_seconds: float,
         overlap_publish: bool = False,
         kill: Any = None,
+        store_batch: int = 64,
     ) -> None:
+        """`store_batch`: the most groups handed out, or results committed, in one store call."""
         if not producers:
             raise PipelineError("no producer to run: Ray found no eligible node")
+        if store_batch < 1:
+            raise ValueError(f"RayProducers store_batch={store_batch!r}: must be at least 1")
+        self._batch = store_batch
+        self._take = max(RESULTS_PER_CALL, store_batch)
         self.producers = list(producers)
         self._admission = admission
         self._store = store
@@ -99,6 +132,8 @@ class RayProducers:
         self._committing: set[str] = set()
         self._resuming: list[Any] = []
         self._counts = dict(fenced=0, reclaimed=0, accepted=0)
+        # Ray calls that carry groups, and the groups they carried: the batches' mean size.
+        self._calls = dict(submit=0, submitted=0, take=0, taken=0)
         self._tg: TaskGroup | None = None  # the run's, for work started by a loss
 
     # -- the graph's side -----------------------------------------------------------------------
@@ -109,15 +144,19 @@ class RayProducers:
         *,
         task_status: TaskStatus[None],
     ) -> None:
-        async with receive, send, anyio.create_task_group() as tg:
+        # The dispenser hands over with no buffer, one group at a time; this buffer holds what it
+        # has already admitted, so the dispatcher can hand it all to a producer in one call.
+        waiting_send, waiting = anyio.create_memory_object_stream[Group](self._batch)
+        async with receive, send, waiting, anyio.create_task_group() as tg:
             self._tg = tg
             for p in self.producers:
                 tg.start_soon(self._receive_results, p, send.clone())
                 tg.start_soon(self._heartbeats, p)
             tg.start_soon(self._reap)
+            tg.start_soon(_forward, receive, waiting_send)
             task_status.started()
-            async for group in receive:
-                await self._dispatch(group, tg)
+            async for group in waiting:
+                await self._dispatch(group, waiting, tg)
             tg.cancel_scope.cancel()
 
     @property
@@ -165,10 +204,14 @@ class RayProducers:
             "producers/lost": len(self.producers) - len(self._live()),
             "producers/fenced_results": self._counts["fenced"],
             "producers/reclaimed_groups": self._counts["reclaimed"],
+            # Groups per Ray call each way: 1 at light load, growing with load (the module docstring).
+            "producers/groups_per_submit": self._calls["submitted"] / max(self._calls["submit"], 1),
+            "producers/results_per_take": self._calls["taken"] / max(self._calls["take"], 1),
         }
 
     # -- handing groups out ---------------------------------------------------------------------
-    async def _dispatch(self, group: Group, tg: TaskGroup) -> None:
+    async def _dispatch(self, group: Group, waiting: MemoryObjectReceiveStream[Group], tg: TaskGroup) -> None:
+        """Hand `group`, and the groups waiting behind it, to the least loaded producer."""
         while True:
             if self._stopping:
                 # The round is over: the group goes back untouched, first in line next round.
@@ -182,21 +225,54 @@ class RayProducers:
             if not self._live():
                 raise PipelineError(f"every Ray producer is lost: {self._why_lost()}")
             await self._room.wait()
-        # The least loaded for its size, then the one that got least so far: work spreads evenly.
-        p = min(candidates, key=lambda c: (len(c.in_hand) / c.group_slots, c.handed, c.name))
-        await self._store.hand_over(group.group_id, owner=DEFAULT_OWNER, to=p.name, lease_seconds=self._lease)
-        p.in_hand.add(group.group_id)
-        p.handed += 1
+        # With it, whatever is already waiting, as far as the producers have room (each holds
+        # group_slots + 1 at most), spread as one at a time would spread it: each group to the least
+        # loaded for its size, then the one that got least so far. One store call and one Ray call
+        # per producer that gets any.
+        room = sum(c.group_slots + 1 - len(c.in_hand) for c in candidates)
+        batch = [group, *drain_nowait(waiting, min(self._batch, room) - 1)]
+        load = {c.name: (len(c.in_hand), c.handed) for c in candidates}
+        shares: dict[str, list[Group]] = {}
+        for g in batch:
+            p = min(
+                (c for c in candidates if load[c.name][0] <= c.group_slots),
+                key=lambda c: (load[c.name][0] / c.group_slots, load[c.name][1], c.name),
+            )
+            shares.setdefault(p.name, []).append(g)
+            held, handed = load[p.name]
+            load[p.name] = (held + 1, handed + 1)
+        for p in candidates:
+            if (share := shares.get(p.name)) is not None:
+                ids = [g.group_id for g in share]
+                await self._store.hand_over_groups(ids, owner=DEFAULT_OWNER, to=p.name, lease_seconds=self._lease)
+                p.in_hand.update(ids)
+                p.handed += len(share)
+                p.outbox.extend(encode_group(g) for g in share)
+                if not p.sending:
+                    # Sent in a task of its own: a producer that stops answering holds up only its own groups.
+                    p.sending = True
+                    tg.start_soon(self._submit, p)
         self._notify()  # wakes whoever watches the producers' load (a policy re-checks, a test waits)
-        # Sent in a task of its own: a producer that stops answering holds up only its own groups.
-        tg.start_soon(self._submit, p, encode_group(group))
 
-    async def _submit(self, p: ProducerHandle, data: bytes) -> None:
+    async def _submit(self, p: ProducerHandle) -> None:
+        """Send p its outbox, one Ray call at a time: what is leased to p while a call is in flight
+        goes in the next one (group commit, as the LMDB store does it), so the calls carry more
+        groups the busier the controller is, and never wait for more to arrive."""
         try:
-            with anyio.fail_after(self._deadline):
-                await p.actor.submit.remote(data)
-        except Exception as exc:  # RayActorError, a timeout: the lease runs out, the reaper requeues it
-            self._lose(p, f"submit failed: {exc!r}")
+            while p.outbox and p.lost is None:
+                data, p.outbox = p.outbox[: self._batch], p.outbox[self._batch :]
+                self._calls["submit"] += 1
+                self._calls["submitted"] += len(data)
+                try:
+                    with anyio.fail_after(self._deadline):
+                        await p.actor.submit_many.remote(data)
+                except Exception as exc:  # RayActorError, a timeout: its leases end, the reaper requeues
+                    self._lose(p, f"submit failed: {exc!r}")
+                    return
+        finally:
+            p.sending = False
+            if p.lost is not None:
+                p.outbox.clear()  # leased to p in the store: they come back when its leases end
 
     async def _wait_resumed(self) -> None:
         resuming, self._resuming = self._resuming, []
@@ -212,58 +288,59 @@ class RayProducers:
         async with send:
             while p.lost is None:
                 try:
-                    batch, stats = await p.actor.take_results.remote(RESULTS_PER_CALL)
+                    # Everything p has finished by now, in one call: the busier the controller, the more.
+                    batch, stats = await p.actor.take_results.remote(self._take)
                 except Exception as exc:  # the actor died, or its stages failed
                     self._lose(p, f"results failed: {exc!r}")
                     return
                 p.stats = orjson.loads(stats)
-                for kind, data in batch:
-                    group = decode_group(data, key=f"result of producer {p.name}")
-                    await self._commit(p, ResultKind(kind), group, send)
+                self._calls["take"] += 1
+                self._calls["taken"] += len(batch)
+                results = [
+                    (ResultKind(kind), decode_group(data, key=f"result of producer {p.name}")) for kind, data in batch
+                ]
+                for start in range(0, len(results), self._batch):
+                    await self._accept(p, results[start : start + self._batch], send)
 
-    async def _commit(
-        self, p: ProducerHandle, kind: ResultKind, group: Group, send: MemoryObjectSendStream[Group] | None
+    async def _accept(
+        self,
+        p: ProducerHandle,
+        results: Sequence[tuple[ResultKind, Group]],
+        send: MemoryObjectSendStream[Group] | None,
     ) -> None:
-        """Store `group` under p's lease; refused (fenced) if p no longer holds it."""
-        gid = group.group_id
-        self._committing.add(gid)
+        """Commit `results` under p's lease in one store call; the store refuses (fences) each one
+        p no longer holds, and commits the rest."""
+        ids = [group.group_id for _, group in results]
+        self._committing.update(ids)
         try:
-            if kind is ResultKind.ACCEPTED:
-                # The collector's put_ready runs as the controller: the lease comes back first.
-                await self._store.hand_over(gid, owner=p.name, to=DEFAULT_OWNER, lease_seconds=DEFAULT_LEASE_SECONDS)
-            elif kind is ResultKind.PARTIAL:
-                await self._store.put_partial(group, owner=p.name)
-            elif kind is ResultKind.FAILED:
-                await self._store.put_failed(group, owner=p.name)
-            else:
-                await self._store.put_rejected(group, owner=p.name)
-        except StoreError as exc:
-            self._counts["fenced"] += 1
-            log.warning("late result fenced", producer=p.name, group=gid, reason=str(exc))
-            if gid in p.in_hand:  # reclaimed behind our back: it is partial in the store now
-                self._settle(p, gid, Outcome.PARTIAL)
-            return
+            # The collector's put_ready runs as the controller: an accepted group's lease comes back first.
+            refused = await self._store.accept_results(p.name, [(_COMMIT_AS[kind], group) for kind, group in results])
         finally:
-            self._committing.discard(gid)
-        if kind is ResultKind.ACCEPTED:
+            self._committing.difference_update(ids)
+        accepted = []
+        for kind, group in results:
+            gid = group.group_id
+            if gid in refused:
+                self._counts["fenced"] += 1
+                log.warning("late result fenced", producer=p.name, group=gid, reason=refused[gid])
+                self._settle(p, gid, Outcome.PARTIAL)  # if still ours: reclaimed behind our back, partial now
+            elif kind is ResultKind.ACCEPTED:
+                accepted.append(group)
+                p.in_hand.discard(gid)
+            else:
+                self._settle(p, gid, _OUTCOME[kind])
+        self._counts["accepted"] += len(accepted)
+        self._notify()
+        if accepted:
             assert send is not None, "accepted groups come with the results stream"
-            self._counts["accepted"] += 1
-            p.in_hand.discard(gid)
-            self._notify()
-            await send.send(group)  # the collector settles it as ready
-            return
-        outcome = {
-            ResultKind.PARTIAL: Outcome.PARTIAL,
-            ResultKind.FAILED: Outcome.FAILED,
-            ResultKind.REJECTED: Outcome.REJECTED,
-        }
-        self._settle(p, gid, outcome[kind])
+            for group in accepted:
+                await send.send(group)  # the collector settles it as ready
 
     def _settle(self, p: ProducerHandle, gid: str, outcome: Outcome) -> None:
+        """Settle a group p held (the caller notifies once for all it settled)."""
         if gid in p.in_hand:
             p.in_hand.discard(gid)
             self._admission.settle(outcome)
-            self._notify()
 
     # -- liveness -------------------------------------------------------------------------------
     async def _heartbeats(self, p: ProducerHandle) -> None:
@@ -297,6 +374,7 @@ class RayProducers:
                 if gid in p.in_hand and gid not in self._committing and (lease is None or lease.owner != p.name):
                     self._counts["reclaimed"] += 1
                     self._settle(p, gid, Outcome.PARTIAL)
+        self._notify()
 
     def _lose(self, p: ProducerHandle, why: str) -> None:
         if p.lost is not None:
@@ -341,8 +419,9 @@ class RayProducers:
             except Exception as exc:
                 self._lose(p, f"begin_publish not answered within {self._deadline:g}s: {exc!r}")
                 return
-            for kind, data in partial:
-                await self._commit(p, ResultKind(kind), decode_group(data, key=f"partial of {p.name}"), None)
+            results = [(ResultKind(kind), decode_group(data, key=f"partial of {p.name}")) for kind, data in partial]
+            for start in range(0, len(results), self._batch):
+                await self._accept(p, results[start : start + self._batch], None)
 
         async with anyio.create_task_group() as tg:
             for p in self._live():
@@ -361,6 +440,12 @@ class RayProducers:
         async with anyio.create_task_group() as tg:
             for p in self._live():
                 tg.start_soon(one, p)
+
+
+async def _forward(receive: MemoryObjectReceiveStream[Group], send: MemoryObjectSendStream[Group]) -> None:
+    async with send:
+        async for group in receive:
+            await send.send(group)
 
 
 class _PublishGates:

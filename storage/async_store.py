@@ -36,7 +36,17 @@ from pipeline.errors import StoreError
 from pipeline.types import Batch, Group
 
 from .memory import MemoryStore
-from .protocol import Cursor, GroupState, Lease, RecoveryReport, RunMeta, Store, StoreStatistics
+from .protocol import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_OWNER,
+    Cursor,
+    GroupState,
+    Lease,
+    RecoveryReport,
+    RunMeta,
+    Store,
+    StoreStatistics,
+)
 
 __all__ = ["AsyncStore", "GroupCommitStatistics"]
 
@@ -258,6 +268,39 @@ class AsyncStore:
     async def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
         await self._call(self._store.hand_over, group_id, owner=owner, to=to, lease_seconds=lease_seconds)
 
+    async def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
+        """Many leases moved in one store call (one transaction): the groups handed to a producer together."""
+        if not group_ids:
+            return
+        fn = getattr(self._store, "hand_over_groups", None)
+        if fn is None:  # a store written before it existed: one hand_over each, in one worker call
+            single = self._store.hand_over
+
+            def fn(group_ids: Sequence[str], **kwargs: Any) -> None:
+                for gid in group_ids:
+                    single(gid, **kwargs)
+
+        await self._call(fn, group_ids, owner=owner, to=to, lease_seconds=lease_seconds)
+
+    async def accept_results(
+        self,
+        owner: str,
+        results: Sequence[tuple[GroupState, Group]],
+        *,
+        to: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> dict[str, str]:
+        """A producer's results in one store call (one transaction), each fenced on its own;
+        returns {group id: why} of those refused. A store without `accept_results` gets the single
+        moves one by one in one worker call (a transaction each: a crash between them leaves the
+        rest RUNNING under the producer's lease, which expires and requeues them)."""
+        if not results:
+            return {}
+        fn = getattr(self._store, "accept_results", None)
+        if fn is None:
+            fn = functools.partial(_results_one_by_one, self._store)
+        return await self._call(fn, owner, results, **_given(to=to, lease_seconds=lease_seconds))
+
     async def reclaim_expired(self, now: float | None = None) -> int:
         return await self._call(self._store.reclaim_expired, now)
 
@@ -314,6 +357,35 @@ class AsyncStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _results_one_by_one(
+    store: Store,
+    owner: str,
+    results: Sequence[tuple[GroupState, Group]],
+    *,
+    to: str = DEFAULT_OWNER,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+) -> dict[str, str]:
+    """`accept_results` from a store's single moves, each fenced by the store as it refuses it."""
+    refused: dict[str, str] = {}
+    for state, group in results:
+        try:
+            if state is GroupState.RUNNING:
+                store.hand_over(group.group_id, owner=owner, to=to, lease_seconds=lease_seconds)
+            else:
+                getattr(store, _PUT_BY_STATE[state])(group, owner=owner)
+        except StoreError as exc:
+            refused[group.group_id] = str(exc)
+    return refused
+
+
+_PUT_BY_STATE = {
+    GroupState.PARTIAL: "put_partial",
+    GroupState.READY: "put_ready",
+    GroupState.REJECTED: "put_rejected",
+    GroupState.FAILED: "put_failed",
+}
 
 
 def _given(**kwargs: Any) -> dict[str, Any]:

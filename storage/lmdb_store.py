@@ -408,6 +408,76 @@ class LmdbStore:
 
         self._write(fn)
 
+    def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
+        check_lease(to, lease_seconds)
+        if not group_ids:
+            return
+        tr.check_distinct_ids(group_ids, f"hand-over to {to!r}")
+
+        def fn(w: _Write) -> None:
+            # A refused group raises here, and the transaction with the leases moved before it aborts.
+            value = keys.lease_value(to, self._clock() + lease_seconds)
+            for gid in group_ids:
+                old = w.state_of(gid)
+                held = w.lease_of(gid) if old is not None and old[0] is _RUNNING else None
+                check_hand_over(gid, None if old is None else old[0], owner, None if held is None else held[0], to)
+                w.put(keys.LEASES, keys.group_key(gid), value)
+
+        self._write(fn)
+
+    def accept_results(
+        self,
+        owner: str,
+        results: Sequence[tuple[GroupState, Group]],
+        *,
+        to: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> dict[str, str]:
+        check_lease(to, lease_seconds)
+        if not results:
+            return {}
+        tr.check_distinct_ids([g.group_id for _, g in results], f"batch of results from {owner!r}")
+        for state, group in results:
+            tr.check_result_state(group.group_id, state)
+        # Encode before the transaction (a lease handed back keeps its record: nothing to encode).
+        records = [
+            (state, g, keys.group_key(g.group_id), None if state is _RUNNING else codec.encode_group(g))
+            for state, g in results
+        ]
+
+        def fn(w: _Write) -> dict[str, str]:
+            refused: dict[str, str] = {}
+            lease = keys.lease_value(to, self._clock() + lease_seconds)
+            for state, group, key, data in records:
+                gid = group.group_id
+                old = w.state_of(gid)
+                held = w.lease_of(gid) if old is not None and old[0] is _RUNNING else None
+                now, holder = None if old is None else old[0], None if held is None else held[0]
+                try:
+                    if data is None:
+                        check_hand_over(gid, now, owner, holder, to)
+                    else:
+                        tr.check_put(gid, now, state, owner, holder)
+                except StoreError as exc:  # fenced: left out, written nothing; the others go on
+                    refused[gid] = str(exc)
+                    continue
+                assert old is not None
+                if data is None:
+                    w.put(keys.LEASES, key, lease)
+                else:
+                    w.put(keys.GROUPS, key, data)
+                    w.move(gid, old, state, group.oldest_version, group.seq)
+            return refused
+
+        def committed(refused: dict[str, str]) -> None:
+            for state, group in results:
+                gid = group.group_id
+                if state is _READY and gid not in refused and len(self._ready_cache) < _READY_CACHE_MAX:
+                    if _decodes_equal(group):
+                        self._ready_cache[gid] = group
+
+        return self._write(fn, committed)
+
     def reclaim_expired(self, now: float | None = None) -> int:
         def fn(w: _Write) -> int:
             at = self._clock() if now is None else now

@@ -176,6 +176,58 @@ class MemoryStore:
         self._leases[group_id] = Lease(to, self._clock() + lease_seconds)
         self._transactions += 1
 
+    def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
+        self._check_open()
+        check_lease(to, lease_seconds)
+        if not group_ids:
+            return
+        tr.check_distinct_ids(group_ids, f"hand-over to {to!r}")
+        for gid in group_ids:  # every check before the first lease moves: all or nothing
+            entry = self._groups.get(gid)
+            held = self._leases.get(gid)
+            check_hand_over(gid, None if entry is None else entry[0], owner, None if held is None else held.owner, to)
+        lease = Lease(to, self._clock() + lease_seconds)
+        for gid in group_ids:
+            self._leases[gid] = lease
+        self._transactions += 1
+
+    def accept_results(
+        self,
+        owner: str,
+        results: Sequence[tuple[GroupState, Group]],
+        *,
+        to: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> dict[str, str]:
+        self._check_open()
+        check_lease(to, lease_seconds)
+        if not results:
+            return {}
+        tr.check_distinct_ids([g.group_id for _, g in results], f"batch of results from {owner!r}")
+        for state, group in results:
+            tr.check_result_state(group.group_id, state)
+        refused: dict[str, str] = {}
+        lease = Lease(to, self._clock() + lease_seconds)
+        for state, group in results:
+            gid = group.group_id
+            entry = self._groups.get(gid)
+            held = self._leases.get(gid)
+            now, holder = None if entry is None else entry[0], None if held is None else held.owner
+            try:
+                if state is _RUNNING:
+                    check_hand_over(gid, now, owner, holder, to)
+                else:
+                    tr.check_put(gid, now, state, owner, holder)
+            except StoreError as exc:  # fenced: this one is left out, the others go on
+                refused[gid] = str(exc)
+                continue
+            if state is _RUNNING:
+                self._leases[gid] = lease
+            else:
+                self._move(gid, _RUNNING, state, group)
+        self._transactions += 1
+        return refused
+
     def reclaim_expired(self, now: float | None = None) -> int:
         self._check_open()
         at = self._clock() if now is None else now

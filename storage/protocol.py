@@ -9,7 +9,9 @@ A group moves through these states; every arrow is one store method and one tran
                  ▼  │                                          ▼                   (id kept as a tombstone)
                PARTIAL ◄──────── recover (crash while RUNNING)  READY
                  RUNNING ──put_rejected──► REJECTED    RUNNING ──put_failed──► FAILED
-     (put_ready_groups and put_rejected_groups: the same moves for many groups, one transaction)
+     (put_ready_groups and put_rejected_groups: the same moves for many groups, one transaction;
+      hand_over_groups: many leases moved, one transaction; accept_results: a producer's results,
+      each a put_* or its lease handed back, one transaction, each fenced on its own)
      any state but TRAINED ──(its record fails its checksum)──► QUARANTINED
 
 `storage.transitions` holds this table and every message a refused move gives; both stores use it.
@@ -220,6 +222,31 @@ class Store(Protocol):
         clock; the group stays RUNNING with its record unchanged. Refused (StoreError, nothing changes)
         unless `owner` holds the lease: the controller hands a group to a producer, and takes a
         producer's result back, through this fence."""
+        ...
+
+    def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
+        """`hand_over` of every group in `group_ids`, in one transaction: all leases move, or none
+        does (StoreError naming the group that cannot; a group named twice is refused, nothing
+        changed). No groups, no transaction. This is how the controller hands a producer the groups
+        waiting together."""
+        ...
+
+    def accept_results(
+        self,
+        owner: str,
+        results: Sequence[tuple[GroupState, Group]],
+        *,
+        to: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> dict[str, str]:
+        """A producer's results in one transaction, each fenced on its own by `owner`'s lease.
+
+        `(RUNNING, group)`: the lease comes back from `owner` to `to` (as `hand_over`; the record
+        is unchanged, the group stays RUNNING). `(PARTIAL | READY | REJECTED | FAILED, group)`:
+        that `put_*` with `owner`. A result `owner` may not commit (its lease expired or was
+        reassigned, the group is no longer RUNNING) is left out and everything else is committed:
+        returns {group id: why} of those left out, empty when all were. A group named twice is
+        refused whole (StoreError, nothing changed). No results, no transaction."""
         ...
 
     def reclaim_expired(self, now: float | None = None) -> int:

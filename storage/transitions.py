@@ -16,6 +16,8 @@ stores checked a lost lease differently). The shared store suite holds both to i
     put_*_groups     RUNNING                    READY / REJECTED   many groups, one transaction
     reclaim_expired  RUNNING                    PARTIAL
     hand_over        RUNNING                    RUNNING      the lease moves to another owner
+    hand_over_groups RUNNING                    RUNNING      many leases, one transaction
+    accept_results   RUNNING                    any put target, or RUNNING handed back: each fenced alone
     take_batch       READY                      BATCHED
     finish_batch     BATCHED                    TRAINED
     recover          RUNNING / BATCHED          PARTIAL / READY
@@ -48,10 +50,12 @@ __all__ = [
     "check_batch_size",
     "check_collect",
     "check_distinct",
+    "check_distinct_ids",
     "check_hand_over",
     "check_lease",
     "check_move",
     "check_put",
+    "check_result_state",
     "duplicate_in_admit",
     "no_batch",
     "out_of_order",
@@ -149,6 +153,22 @@ def check_distinct(groups: Sequence[Group], to: GroupState) -> None:
         if gid in seen:
             raise StoreError(f"group {gid!r} appears twice in one put of {to.value} groups; nothing was stored")
         seen.add(gid)
+
+
+def check_distinct_ids(group_ids: Sequence[str], what: str) -> None:
+    """A batch of `what` names each group once (the same rule as `check_distinct`)."""
+    seen: set[str] = set()
+    for gid in group_ids:
+        if gid in seen:
+            raise StoreError(f"group {gid!r} appears twice in one {what}; nothing was stored")
+        seen.add(gid)
+
+
+def check_result_state(gid: str, to: GroupState) -> None:
+    """`accept_results` takes RUNNING (the lease handed back) or a put target, nothing else."""
+    if to is not _R and to not in _PUT_TARGETS:
+        allowed = sorted(s.value for s in (_R, *_PUT_TARGETS))
+        raise ValueError(f"result for group {gid!r}: state {to.value!r} is not one of {allowed}")
 
 
 def duplicate_in_admit(gid: str) -> StoreError:

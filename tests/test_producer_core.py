@@ -75,6 +75,29 @@ async def test_results_come_back_as_codec_bytes_and_a_publish_returns_the_partia
             tg.cancel_scope.cancel()
 
 
+async def test_groups_submitted_together_come_back_together_in_one_take() -> None:
+    """The controller hands out what is waiting in one call and takes back all that is finished in
+    one call: three groups in, each once, and, once all are done, all three from one take."""
+    async with FakeSGLang(weight_version="0") as fake:
+        core = ProducerCore(spec(fake.url, group_slots=3), node="here")
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            fake.hold(2)  # every request parks after two tokens, so all three finish at once
+            await core.submit_many([encode_group(group(i)) for i in range(3)])
+            with anyio.fail_after(10):
+                await fake.wait_until(lambda: fake.held == 3 * G)
+                assert core.statistics()["in_hand"] == 3
+                fake.release()
+                await core.admission.wait_settled()  # each one settled READY as it left
+                taken = await core.take_results(64)
+            assert [kind for kind, _ in taken] == [ResultKind.ACCEPTED.value] * 3
+            assert sorted(decode_group(data).group_id for _, data in taken) == sorted(
+                group(i).group_id for i in range(3)
+            )
+            assert len(core.results) == 0
+            tg.cancel_scope.cancel()
+
+
 async def test_a_reward_path_that_does_not_import_names_the_node() -> None:
     core = ProducerCore(spec("http://127.0.0.1:9", reward_path="tests.no_such_module:reward"), node="node-7")
     with pytest.raises(PluginError, match=r"reward function cannot be imported on producer node node-7: module"):

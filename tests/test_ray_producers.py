@@ -341,6 +341,55 @@ async def test_a_result_whose_lease_was_reassigned_is_fenced_and_counted(cluster
         store.close()
 
 
+async def test_a_batch_holding_a_reassigned_group_commits_the_others_and_fences_that_one(cluster, tmp_path) -> None:
+    """Three groups waiting together, handed to one producer; while they run, the lease of the middle
+    one is reassigned. The producer's results come back: the two it still holds go on to the
+    collector, the third is refused by the store and counted, and stays the other owner's."""
+    store = LmdbStore(tmp_path / "rollout")
+    astore = AsyncStore(store)
+    admission = Admission()
+    plan = plan_for("sync")
+    groups = [Group.fresh(dataset()[i], epoch=0, n_samples=G, version=0, seq=i) for i in range(3)]
+    ids = [g.group_id for g in groups]
+    async with FakeSGLang(weight_version="0") as fake:
+        fake.hold(2)
+        async with open_ray_producers(
+            settings(num_producers=1), spec_for(fake.url, plan), store=astore, n_samples=G
+        ) as make:
+            rp = make(admission)
+            to_send, to_receive = anyio.create_memory_object_stream[Group](3)
+            out_send, out = anyio.create_memory_object_stream[Group](4)
+            async with anyio.create_task_group() as tg:
+                await astore.admit(groups, Cursor(0, 3, 3))
+                admission.grant(3)
+                for g in groups:  # queued before the producers start: the dispatcher finds all three waiting
+                    await admission.take_ticket()
+                    await to_send.send(g)
+                await tg.start(rp.run, to_receive, out_send)
+                with anyio.fail_after(30):
+                    await fake.wait_until(lambda: fake.held == 3 * G)
+                (p,) = rp.producers
+                assert p.handed == 3 and p.in_hand == set(ids)
+                await astore.hand_over(ids[1], owner=p.name, to="someone-else", lease_seconds=1e6)
+                fake.release()
+                with anyio.fail_after(30):
+                    came = sorted([(await out.receive()).group_id for _ in range(2)])
+                    while not rp.metrics()["producers/fenced_results"]:
+                        await rp.wait_slot_freed()
+                tg.cancel_scope.cancel()
+            to_send.close()
+            out.close()
+    try:
+        assert came == sorted([ids[0], ids[2]])  # only these go on to be trained
+        assert rp.metrics()["producers/fenced_results"] == 1 and not p.in_hand
+        assert store.get(ids[1]) == (GroupState.RUNNING, groups[1])  # the late tokens never landed
+        assert store.lease(ids[1]).owner == "someone-else"
+        assert [store.lease(i).owner for i in (ids[0], ids[2])] == ["controller", "controller"]
+        assert admission.outstanding == 2  # the accepted two, for the collector to settle
+    finally:
+        store.close()
+
+
 # -- a publish with a producer that never answers ------------------------------------------------
 
 
