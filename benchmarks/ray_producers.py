@@ -1,7 +1,7 @@
 """Controller CPU per trained sample with producers on Ray, W = 1, 2, 4, against the local mode.
 
     python -m benchmarks.ray_producers [--steps 6] [--batch 16] [--group 8] [--tokens 1024]
-        [--producers 1 2 4] [--stores memory,lmdb-sync] [--batches single,batch] [--repeats 1]
+        [--producers 1 2 4] [--stores memory,lmdb-sync] [--batches single,batch,paced] [--repeats 1]
 
 The engine is the instant engine (`launch/engines/instant.py`) in its own process: it answers at
 once, so every CPU second is the pipeline's. The trainer does nothing. What is measured is the
@@ -13,15 +13,18 @@ machine's cores, so wall-clock rates with W > cores say little; CPU per sample i
 
 Axes, run side by side in one process: `--stores` (memory; lmdb-sync is LMDB with fsync on, in a
 temporary folder), `--batches` (`single`: `RolloutPlan.store_batch=1`, one store call and one Ray
-call per group, the path before batching; `batch`: the default 64, whatever is waiting goes in one
-call). For each W and store, single and batch alternate, `--repeats` times; the table shows the
-median. Only Ray and this package are needed, so the same command runs on a bigger machine, e.g.
-`--producers 1 2 4 8`.
+call per group, the path before batching; `batch`: 64, whatever is waiting goes in one call, each
+producer's results taken back as soon as it has one; `paced`, the default path: as `batch`, with the
+results of all producers taken back at most `--producer-takes-per-second` (100) times a second, so a
+busy run's calls carry more groups, not more calls). For each W and store, the batches alternate,
+`--repeats` times; the table shows the median. Only Ray and this package are needed, so the same
+command runs on a bigger machine, e.g. `--producers 1 2 4 8`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -36,12 +39,14 @@ from benchmarks.controller_overhead import NullTrainer, reward, workload
 from launch.engine_process import start_engine
 from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
+from launch.ray_producers import DEFAULT_TAKES_PER_SECOND
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang import EngineFleet
 from storage import AsyncStore, LmdbStore, MemoryStore
 
-BATCHES = {"single": 1, "batch": 64}  # RolloutPlan.store_batch
+# (RolloutPlan.store_batch, RayProducers takes_per_second): `paced` is the default path.
+BATCHES = {"single": (1, math.inf), "batch": (64, math.inf), "paced": (64, DEFAULT_TAKES_PER_SECOND)}
 STORES = ("memory", "lmdb-sync")
 
 
@@ -65,7 +70,7 @@ async def run_one(
         slots=args.slots,
         max_response_len=args.tokens,
         sampling_params={"temperature": 1.0},
-        store_batch=BATCHES[batch],
+        store_batch=BATCHES[batch][0],
     )
     folder = Path(tempfile.mkdtemp(prefix=f"ray-producers-{store_kind}-", dir=work))
     store = AsyncStore(open_store(store_kind, folder))
@@ -108,7 +113,8 @@ async def run_one(
                     reward_path="benchmarks.controller_overhead:reward",
                 )
 
-            settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0)
+            takes = args.takes_per_second if batch == "paced" else BATCHES[batch][1]
+            settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0, takes_per_second=takes)
             async with open_ray_producers(
                 settings, spec_for, store=store, n_samples=plan.n_samples, store_batch=plan.store_batch
             ) as make:
@@ -184,7 +190,13 @@ if __name__ == "__main__":
     p.add_argument("--slots", type=int, default=128)
     p.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--stores", default="memory,lmdb-sync", help=f"comma-separated, of {', '.join(STORES)}")
-    p.add_argument("--batches", default="single,batch", help="comma-separated: single (store_batch=1), batch (64)")
+    p.add_argument(
+        "--batches",
+        default="single,batch,paced",
+        help="comma-separated: single (store_batch=1), batch (64), paced (64, results taken back at most "
+        f"{DEFAULT_TAKES_PER_SECOND:g} times a second: the default)",
+    )
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--takes-per-second", type=float, default=DEFAULT_TAKES_PER_SECOND, help="of the paced path")
     p.add_argument("--no-local", dest="local", action="store_false", help="leave out the local mode (for a profile)")
     anyio.run(main, p.parse_args())

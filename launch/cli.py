@@ -178,7 +178,12 @@ async def _producers(
         )
 
     settings = RaySettings(
-        r.ray_address, r.num_producers, r.producer_lease_seconds, r.producer_deadline_seconds, r.overlap_weight_transfer
+        r.ray_address,
+        r.num_producers,
+        r.producer_lease_seconds,
+        r.producer_deadline_seconds,
+        r.overlap_weight_transfer,
+        takes_per_second=r.producer_takes_per_second,
     )
     return await stack.enter_async_context(
         open_ray_producers(settings, spec_for, store=store, n_samples=plan.n_samples, store_batch=plan.store_batch)

@@ -30,7 +30,7 @@ import orjson
 import structlog
 
 from launch.ray_producer import ProducerCore, ProducerSpec
-from launch.ray_producers import ProducerHandle, RayProducers
+from launch.ray_producers import DEFAULT_TAKES_PER_SECOND, ProducerHandle, RayProducers
 from pipeline.errors import PipelineError
 from stages.admission import Admission
 from storage import AsyncStore
@@ -50,6 +50,7 @@ class RaySettings:
     lease_seconds: float
     deadline_seconds: float
     overlap_publish: bool = False
+    takes_per_second: float = DEFAULT_TAKES_PER_SECOND  # results taken back, all producers together
 
 
 class ProducerActor:
@@ -227,6 +228,7 @@ async def open_ray_producers(
                 overlap_publish=settings.overlap_publish,
                 kill=ray.kill,
                 store_batch=store_batch,
+                takes_per_second=settings.takes_per_second,
             )
 
         yield make

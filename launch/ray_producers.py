@@ -64,6 +64,12 @@ __all__ = ["ProducerHandle", "RayProducers"]
 log = structlog.get_logger("producers")
 
 RESULTS_PER_CALL = 64  # the least a Ray call takes back when there is that much waiting
+# A Ray call costs the controller about 1 ms of CPU whatever it carries (BENCHMARKS.md section 11).
+# Taking results back as soon as each producer has one makes that a cost per group once W producers
+# share the work; taking them at most this often in all (each producer every W/100 s at the most)
+# caps it at about a tenth of a core, so a busier run's calls carry more groups, not more calls.
+# A result waits at most W/100 s longer: nothing beside generations that take seconds.
+DEFAULT_TAKES_PER_SECOND = 100.0
 # How each kind of result is committed: an accepted group's lease comes back (it stays RUNNING
 # until the collector makes it ready); the others are stored as they are.
 _COMMIT_AS = {
@@ -111,12 +117,18 @@ class RayProducers:
         overlap_publish: bool = False,
         kill: Any = None,
         store_batch: int = 64,
+        takes_per_second: float = DEFAULT_TAKES_PER_SECOND,
     ) -> None:
-        """`store_batch`: the most groups handed out, or results committed, in one store call."""
+        """`store_batch`: the most groups handed out, or results committed, in one store call.
+        `takes_per_second`: how often, at most, the controller takes results back from all its
+        producers together (math.inf: as soon as each has one)."""
         if not producers:
             raise PipelineError("no producer to run: Ray found no eligible node")
         if store_batch < 1:
             raise ValueError(f"RayProducers store_batch={store_batch!r}: must be at least 1")
+        if not takes_per_second > 0:
+            raise ValueError(f"RayProducers takes_per_second={takes_per_second!r}: must be above 0")
+        self._takes_per_second = takes_per_second
         self._batch = store_batch
         self._take = max(RESULTS_PER_CALL, store_batch)
         self.producers = list(producers)
@@ -287,6 +299,7 @@ class RayProducers:
     async def _receive_results(self, p: ProducerHandle, send: MemoryObjectSendStream[Group]) -> None:
         async with send:
             while p.lost is None:
+                began = anyio.current_time()
                 try:
                     # Everything p has finished by now, in one call: the busier the controller, the more.
                     batch, stats = await p.actor.take_results.remote(self._take)
@@ -301,6 +314,7 @@ class RayProducers:
                 ]
                 for start in range(0, len(results), self._batch):
                     await self._accept(p, results[start : start + self._batch], send)
+                await anyio.sleep(self._take_pause(anyio.current_time() - began))
 
     async def _accept(
         self,
@@ -335,6 +349,13 @@ class RayProducers:
             assert send is not None, "accepted groups come with the results stream"
             for group in accepted:
                 await send.send(group)  # the collector settles it as ready
+
+    def _take_pause(self, since_last_take: float) -> float:
+        """How long a producer's next take waits: its share of the takes per second (the live
+        producers share them), less the time since its last take began. A take that waited for
+        its first result (a light load) has used its turn up and the next goes at once."""
+        turn = len(self._live()) / self._takes_per_second
+        return max(0.0, turn - since_last_take)
 
     def _settle(self, p: ProducerHandle, gid: str, outcome: Outcome) -> None:
         """Settle a group p held (the caller notifies once for all it settled)."""

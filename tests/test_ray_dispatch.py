@@ -100,3 +100,64 @@ async def test_groups_leased_while_a_submit_is_in_flight_go_in_the_next_call(
             tg.cancel_scope.cancel()
     assert actor.calls == [[groups[i].group_id for i in call] for call in expected]
     assert rp.metrics()["producers/groups_per_submit"] == 5 / len(expected)
+
+
+class EagerActor(FakeActor):
+    """A producer that always has results ready: each take answers at once (with none, which the
+    controller handles as any batch) and records when it was asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.takes: list[float] = []
+        self.took = anyio.Event()
+        self.take_results = _Method(self._take)
+
+    async def _take(self, limit: int) -> tuple[list[tuple[str, bytes]], bytes]:
+        self.takes.append(anyio.current_time())
+        self.took.set()
+        self.took = anyio.Event()
+        return [], orjson.dumps({})
+
+
+def producers_of(actors: list[Any], takes_per_second: float) -> RayProducers:
+    return RayProducers(
+        [ProducerHandle(f"producer-{i}", a, "here", group_slots=8) for i, a in enumerate(actors)],
+        admission=Admission(),
+        store=AsyncStore(MemoryStore()),
+        n_samples=G,
+        lease_seconds=60.0,
+        deadline_seconds=30.0,
+        takes_per_second=takes_per_second,
+    )
+
+
+@pytest.mark.parametrize("producers", [1, 2])
+async def test_results_are_taken_back_at_most_takes_per_second_in_all(producers: int) -> None:
+    """With results always ready, each producer's takes are W/rate apart at the least: the
+    controller's Ray calls stay at `takes_per_second` in all however many producers share them."""
+    actors = [EagerActor() for _ in range(producers)]
+    rp = producers_of(actors, takes_per_second=40.0)
+    turn = producers / 40.0
+    out_send, out = anyio.create_memory_object_stream[Group](8)
+    with anyio.fail_after(10):
+        async with out, out_send, anyio.create_task_group() as tg:
+            for p in rp.producers:
+                tg.start_soon(rp._receive_results, p, out_send.clone())
+            for a in actors:
+                while len(a.takes) < 4:
+                    await a.took.wait()
+            tg.cancel_scope.cancel()
+    for a in actors:
+        gaps = [b - a_ for a_, b in zip(a.takes, a.takes[1:], strict=False)]
+        assert min(gaps) >= turn * 0.999, (gaps, turn)
+
+
+def test_the_pause_is_the_turn_left_and_nothing_after_a_wait() -> None:
+    rp = producers_of([FakeActor(), FakeActor()], takes_per_second=100.0)
+    assert rp._take_pause(0.005) == pytest.approx(0.015)  # two producers share 100 takes a second
+    assert rp._take_pause(0.5) == 0.0  # a take that waited for its first result used its turn up
+    rp.producers[1].lost = "gone"
+    assert rp._take_pause(0.0) == pytest.approx(0.01)  # the live ones share the rate
+    assert producers_of([FakeActor()], takes_per_second=float("inf"))._take_pause(0.0) == 0.0
+    with pytest.raises(ValueError, match="takes_per_second=0"):
+        producers_of([FakeActor()], takes_per_second=0)

@@ -231,6 +231,15 @@ class RolloutConfig:
         help="--rollout-producers ray: a producer that does not answer a stop or publish within this is "
         "treated as dead",
     )
+    producer_takes_per_second: float = _opt(
+        100.0,
+        "--producer-takes-per-second",
+        "float",
+        gt=0,
+        help="--rollout-producers ray: the controller takes finished groups back from all producers together "
+        "at most this often (a Ray call costs it about 1 ms of CPU whatever it carries; a result waits at most "
+        "W/this seconds longer); inf: at once",
+    )
 
     @property
     def resumes_partial_groups(self) -> bool:
