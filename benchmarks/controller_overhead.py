@@ -29,6 +29,10 @@ waiting in one, `store_batch=64`). Every combination runs `--repeats` times, int
 them all once, in turn), and the table gives medians, so a load that comes and goes on a shared
 machine hits them alike.
 
+`--gc` sets the collector as the launcher does once start-up is done (`launcher`, the default:
+`launch.gc_settings.settle_gc`, start-up heap frozen and a gen-0 threshold of 100,000) or leaves
+CPython's defaults (`python`; the tables in BENCHMARKS.md before the lean-path subsection ran so).
+
 `--profile FILE` runs one extra (mode, store) under cProfile (`--profile-run`, default async with
 LMDB sync=False): the event loop's thread and, separately, the store's worker thread (FILE.store).
 The top 15 functions by cumulative time are printed; the full text summary goes to FILE.txt.
@@ -56,6 +60,7 @@ import anyio
 import structlog
 
 from launch.engine_process import start_engine
+from launch.gc_settings import settle_gc
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from pipeline.types import FinishReason, Group, PromptTask, Segment
@@ -297,6 +302,8 @@ async def main(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if args.cpu >= 0:
         os.sched_setaffinity(0, {args.cpu})
+    if args.gc == "launcher":
+        settle_gc()  # as `launch.cli` does once start-up is done
     if args.gc_threshold:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     if args.gc_freeze:
@@ -312,7 +319,8 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
         f"{args.slots} slots, prompt {args.prompt_len} tokens; controller on CPU {args.cpu}, "
-        f"engine on CPU {args.engine_cpu}; load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats "
+        f"engine on CPU {args.engine_cpu}; gc {args.gc} (gen-0 threshold {gc.get_threshold()[0]}, "
+        f"{gc.get_freeze_count()} frozen); load average {os.getloadavg()[0]:.2f}; {args.repeats} repeats "
         "(interleaved), medians"
     )
     cols = [
@@ -389,6 +397,12 @@ if __name__ == "__main__":
     parser.add_argument("--profile", default=None, help="write a cProfile summary of one extra run here")
     parser.add_argument(
         "--profile-run", default="async:lmdb-nosync", help="MODE:STORE[:CLIENT:COMMIT:BATCHES] to profile"
+    )
+    parser.add_argument(
+        "--gc",
+        choices=["launcher", "python"],
+        default="launcher",
+        help="the collector as the launcher sets it (launch.gc_settings), or CPython's defaults",
     )
     parser.add_argument("--gc-threshold", type=int, default=0, help="CPython gen-0 GC threshold (0: default)")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up")

@@ -9,7 +9,6 @@ them on exit.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import statistics
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 import anyio
 import structlog
 
+from launch.gc_settings import settle_gc
 from launch.run_state import RunState, open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
@@ -98,10 +98,9 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         if callable(close := getattr(trainer, "close", None)):
             stack.callback(close)  # the megatron backend: releases and waits for ranks 1..N-1
         transfer = await _weight_transfer(config, trainer, engines, stack)
-        # Everything built so far (torch, transformers, the model) lives for the whole run: keep
-        # it out of the collector's scans. Each engine answer allocates a thousand small objects,
-        # and full scans over the start-up heap were a measurable share of the controller's time.
-        gc.freeze()
+        # Start-up's heap out of the collector's scans, and a young generation large enough that
+        # samples are trained and freed before a collection walks their 1k-token tuples.
+        settle_gc()
         sink = _metrics_sink(config, out, restored, state.store)
         stack.callback(sink.close)
         # Engine slots, training steps and publishes, for `python -m pipeline.timeline`.

@@ -124,10 +124,14 @@ class GeneratorPool:
         # the one-request-per-continuation loop below; both send requests through `_request`.
         self._agent = agent
         self._tokenizer = tokenizer
-        self._slots = anyio.Semaphore(slots)
+        # fast_acquire: a free slot is taken without a trip through the event loop (the default
+        # yields on every acquire, once per request and once per group); every request then awaits
+        # the network, which is the checkpoint. A full pool still blocks and is cancellable.
+        self._slots = anyio.Semaphore(slots, fast_acquire=True)
         # Which slot a request runs in, for the timeline; the semaphore guarantees one is free.
         self._free_slots = list(range(slots - 1, -1, -1))
-        self._slot_freed = anyio.Event()
+        # Made only while someone waits (`wait_slot_freed`): an Event per request cost 6 us.
+        self._slot_freed: anyio.Event | None = None
         self._events = events
         self._n_slots = slots
         self._params = dict(sampling_params)
@@ -187,6 +191,8 @@ class GeneratorPool:
         return self._slots.value
 
     async def wait_slot_freed(self) -> None:
+        if self._slot_freed is None:
+            self._slot_freed = anyio.Event()
         await self._slot_freed.wait()
 
     def resume(self) -> None:
@@ -197,10 +203,14 @@ class GeneratorPool:
         samples = list(group.samples)
         async with send:
             try:
-                async with anyio.create_task_group() as tg:
-                    for i, sample in enumerate(samples):
-                        if not sample.status.finished:
+                todo = [i for i, sample in enumerate(samples) if not sample.status.finished]
+                if todo:
+                    async with anyio.create_task_group() as tg:
+                        # The group's own task runs the last sample instead of idling in the task
+                        # group: one task fewer per group (an anyio task costs about 40 us).
+                        for i in todo[:-1]:
                             tg.start_soon(self._run_sample, group, samples, i)
+                        await self._run_sample(group, samples, todo[-1])
                 await self._dispose(group.with_samples(samples), send)
             except BaseException:
                 # The pipeline is going down (a stage crashed, or no engine is left). What this
@@ -366,8 +376,9 @@ class GeneratorPool:
         finally:
             self._running -= 1
             self._free_slots.append(slot)
-            self._slot_freed.set()
-            self._slot_freed = anyio.Event()
+            if self._slot_freed is not None:
+                self._slot_freed.set()
+                self._slot_freed = None
             ended = time.perf_counter()
             self._busy += ended - started
         if result is not None:

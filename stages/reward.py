@@ -51,28 +51,48 @@ class RewardStage:
         task_status.started()
         async with receive, send:
             async for group in receive:
-                group = group.with_samples([await self._score(group.task, s) for s in group.samples])
+                samples = []
+                for sample in group.samples:
+                    scored = self._score(group.task, sample)
+                    if not isinstance(scored, Sample):  # an async reward: awaited under its deadline
+                        scored = await self._score_later(sample, scored)
+                    samples.append(scored)
+                group = group.with_samples(samples)
                 if group.failed:
                     await self._store.put_failed(group)
                     self._admission.settle(Outcome.FAILED)
                 else:
                     await send.send(group)
 
-    async def _score(self, task: PromptTask, sample: Sample) -> Sample:
+    def _score(self, task: PromptTask, sample: Sample) -> Sample | Awaitable[object]:
+        """The scored sample, or what an async reward returned, still to be awaited. A sync reward
+        is scored here, without a coroutine per sample (a plain call is most rewards' case)."""
         if sample.reward is not None:  # scored in an earlier round, before its group was requeued
             return sample
         try:
             value = self._fn(task, sample)
-            if inspect.isawaitable(value):  # an `async def` reward: awaited under its deadline
-                with anyio.fail_after(self._timeout):
-                    value = await value
+            if inspect.isawaitable(value):
+                return value
             reward = float(value)
         except Exception as exc:  # a user function's failure is data, recorded on the sample
-            self._failed += 1
-            reason = "timed out" if isinstance(exc, TimeoutError) else repr(exc)
-            return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")
+            return self._failed_sample(sample, exc)
         self._scored += 1
-        return dataclasses.replace(sample, reward=reward)
+        return sample.with_reward(reward)
+
+    async def _score_later(self, sample: Sample, pending: Awaitable[object]) -> Sample:
+        try:
+            with anyio.fail_after(self._timeout):
+                value = await pending
+            reward = float(value)  # type: ignore[arg-type]
+        except Exception as exc:
+            return self._failed_sample(sample, exc)
+        self._scored += 1
+        return sample.with_reward(reward)
+
+    def _failed_sample(self, sample: Sample, exc: Exception) -> Sample:
+        self._failed += 1
+        reason = "timed out" if isinstance(exc, TimeoutError) else repr(exc)
+        return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")
 
     def statistics(self) -> RewardStatistics:
         return RewardStatistics(self._scored, self._failed)

@@ -92,3 +92,26 @@ def test_group_staleness_uses_the_oldest_token():
     a = g.samples[0].extended(Segment((9,), (-1.0,), FinishReason.ABORT, 2), max_response_len=5)
     g = g.with_samples([a, g.samples[1]])
     assert g.oldest_version == 2 and g.staleness(5) == 3
+
+
+def test_with_reward_is_replace_with_every_other_field_kept():
+    # `with_reward` lists the fields by hand for speed: a field added to Sample and missed there
+    # would be dropped silently, so compare against `dataclasses.replace` with every field set.
+    import dataclasses
+
+    sample = Sample(
+        index=3,
+        prompt_ids=(1, 2),
+        response_ids=(5, 6, 7),
+        logprobs=(-0.5, -0.25, -1.0),
+        loss_mask=(1, 0, 1),
+        spans=(VersionSpan(0, 2, 1), VersionSpan(2, 3, 2)),
+        status=SampleStatus.COMPLETED,
+        finish_reason=FinishReason.STOP,
+        error="kept",
+        resumed_at=(2,),
+        metadata={"turns": 2},
+    )
+    unset = [f.name for f in dataclasses.fields(Sample) if getattr(sample, f.name) == f.default]
+    assert unset == ["reward"], "set every other field, so that a dropped one shows"
+    assert sample.with_reward(0.75) == dataclasses.replace(sample, reward=0.75)

@@ -1,0 +1,100 @@
+"""The reward stage: sync rewards scored inline, async ones awaited under their deadline, failures
+recorded on the sample and the group stored as failed. Real parts: the memory store behind
+`AsyncStore`, anyio memory streams, the real stage."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus
+from stages.admission import Admission
+from stages.reward import RewardFn, RewardStage
+from storage import AsyncStore, Cursor, GroupState, MemoryStore
+from tests.test_store import fresh, generated
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[AsyncStore]:
+    async with AsyncStore(MemoryStore()) as astore:
+        yield astore
+
+
+async def _scored(store: AsyncStore, fn: RewardFn, groups: list[Group], *, timeout: float = 5.0) -> list[Group]:
+    """Run `groups` (admitted, finished, unscored) through a RewardStage; what comes out downstream."""
+    admission = Admission()
+    admission.grant(len(groups))
+    assert await admission.take_tickets(len(groups)) == len(groups)
+    await store.admit([fresh(g.task.index) for g in groups], Cursor(0, len(groups), len(groups)))
+    stage = RewardStage(fn, timeout=timeout, store=store, admission=admission)
+    send_in, receive_in = anyio.create_memory_object_stream[Group](len(groups))
+    send_out, receive_out = anyio.create_memory_object_stream[Group](len(groups))
+    async with anyio.create_task_group() as tg:
+        await tg.start(stage.run, receive_in, send_out)
+        async with send_in:
+            for g in groups:
+                await send_in.send(g)
+        with anyio.fail_after(5):
+            async with receive_out:
+                return [g async for g in receive_out]
+
+
+def _unscored(index: int) -> Group:
+    return generated(fresh(index), 0, reason=FinishReason.STOP)
+
+
+def _length(task: PromptTask, sample: Sample) -> float:
+    return float(sample.response_len + sample.index)
+
+
+async def _async_length(task: PromptTask, sample: Sample) -> float:
+    await anyio.lowlevel.checkpoint()
+    return float(sample.response_len + sample.index)
+
+
+@pytest.mark.parametrize("fn", [_length, _async_length], ids=["sync", "async"])
+async def test_every_sample_gets_its_reward(store: AsyncStore, fn: RewardFn) -> None:
+    out = await _scored(store, fn, [_unscored(0), _unscored(1)])
+    assert [[s.reward for s in g.samples] for g in out] == [[3.0, 4.0], [3.0, 4.0]]
+    assert all(s.status is SampleStatus.COMPLETED for g in out for s in g.samples)
+
+
+async def test_a_sample_scored_before_keeps_its_reward(store: AsyncStore) -> None:
+    group = _unscored(0)
+    group = group.with_samples([group.samples[0].with_reward(-7.0), group.samples[1]])
+    (out,) = await _scored(store, _length, [group])
+    assert [s.reward for s in out.samples] == [-7.0, 4.0]
+
+
+def _fails_on_second(task: PromptTask, sample: Sample) -> float:
+    if sample.index == 1:
+        raise RuntimeError("no verdict")
+    return 1.0
+
+
+async def _never(task: PromptTask, sample: Sample) -> float:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    ("fn", "error"),
+    [
+        (_fails_on_second, "reward: RuntimeError('no verdict')"),
+        (lambda task, sample: "high" if sample.index == 1 else 1.0, "reward: ValueError("),
+        (_never, "reward: timed out"),
+    ],
+    ids=["raises", "not-a-number", "timeout"],
+)
+async def test_a_failed_reward_fails_its_sample_and_stores_the_group_as_failed(
+    store: AsyncStore, fn: RewardFn, error: str
+) -> None:
+    stage_out = await _scored(store, fn, [_unscored(0)], timeout=0.05)
+    assert stage_out == []  # nothing downstream: the group went to the failed set
+    (stored,) = await store.groups(GroupState.FAILED)
+    failed = [s for s in stored.samples if s.status is SampleStatus.FAILED]
+    assert failed and all(s.error is not None and s.error.startswith(error) for s in failed)
