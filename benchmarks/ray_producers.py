@@ -63,7 +63,7 @@ async def run_one(
 ) -> dict[str, float]:
     await fleet.update_weight_version("0")  # each run starts its own clock at version 0
     plan = RolloutPlan(
-        mode="sync",
+        mode=args.mode,
         batch_size=args.batch,
         n_samples=args.group,
         num_steps=args.steps,
@@ -164,7 +164,7 @@ async def main(args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
     load_after = os.getloadavg()
     print(
-        f"\n{args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
+        f"\n{args.mode}, {args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
         f"{args.slots} slots, {os.cpu_count()} cores, median of {args.repeats}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
     )
@@ -197,6 +197,12 @@ if __name__ == "__main__":
         f"{DEFAULT_TAKES_PER_SECOND:g} times a second: the default)",
     )
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--mode",
+        choices=["sync", "async"],
+        default="sync",
+        help="async: no round ends, so the calls each producer makes per step do not grow with W",
+    )
     p.add_argument("--takes-per-second", type=float, default=DEFAULT_TAKES_PER_SECOND, help="of the paced path")
     p.add_argument("--no-local", dest="local", action="store_false", help="leave out the local mode (for a profile)")
     anyio.run(main, p.parse_args())
