@@ -29,6 +29,7 @@ import anyio
 import orjson
 import structlog
 
+from launch.gc_settings import settle_gc
 from launch.ray_producer import ProducerCore, ProducerSpec
 from launch.ray_producers import DEFAULT_TAKES_PER_SECOND, ProducerHandle, RayProducers
 from pipeline.errors import PipelineError
@@ -65,6 +66,9 @@ class ProducerActor:
 
     async def start(self) -> bytes:
         """Run the stages; answer JSON with the node and, if they could not start, why."""
+        # The actor's process parses every answer of its producer, as the controller does in the
+        # local mode: the same collector settings spare it the same walks (launch.gc_settings).
+        settle_gc()
         core = ProducerCore(self._spec, node=self._node)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
