@@ -92,9 +92,6 @@ class ProducerActor:
             raise RuntimeError(f"producer {self._spec.name} on {self._node} failed: {self._failure}")
         return self._core
 
-    async def submit(self, data: bytes) -> None:
-        await self._ok().submit(data)
-
     async def submit_many(self, data: list[bytes]) -> None:
         await self._ok().submit_many(data)
 

@@ -243,11 +243,7 @@ class ProducerCore:
     # -- the controller's calls ---------------------------------------------------------------
     async def submit(self, data: bytes) -> None:
         """A group leased to this producer, as codec bytes."""
-        group = decode_group(data, key=f"group for producer {self.spec.name}")
-        assert self._inbox is not None, "submit before run"
-        self.admission.grant(1)
-        await self.admission.take_ticket()
-        await self._inbox.send(group)
+        await self.submit_many([data])
 
     async def submit_many(self, data: Sequence[bytes]) -> None:
         """Groups leased to this producer together, as codec bytes, in the order they came."""

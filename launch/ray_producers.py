@@ -29,8 +29,11 @@ takes every group already waiting and leases each producer its share in one stor
 call at a time goes to each producer, carrying everything leased to it meanwhile; one call takes
 back everything a producer has finished, committed in one store call. Each is bounded by
 `store_batch` (and a producer's free slots). Nothing waits for more to arrive: at light load a
-call carries one group, and the busier the controller, the more each carries, so its CPU per
-sample falls as producers are added. `store_batch=1` is one call per group, as before.
+call carries one group, and the busier the controller, the more each carries. Results are taken
+back at most `takes_per_second` times a second from all producers together, so more producers do
+not mean more takes. What each producer still costs on its own (a submit and a take per round, its
+heartbeats) is why the controller's CPU per sample does not fall as producers are added (BENCHMARKS.md
+section 11). `store_batch=1` is one call per group, as before.
 
 Groups cross as `storage.codec` bytes; the actor side is `launch.ray_producer.ProducerCore`.
 """
@@ -309,12 +312,21 @@ class RayProducers:
                 p.stats = orjson.loads(stats)
                 self._calls["take"] += 1
                 self._calls["taken"] += len(batch)
-                results = [
-                    (ResultKind(kind), decode_group(data, key=f"result of producer {p.name}")) for kind, data in batch
-                ]
-                for start in range(0, len(results), self._batch):
-                    await self._accept(p, results[start : start + self._batch], send)
+                await self._accept_all(p, batch, send, what=f"result of producer {p.name}")
                 await anyio.sleep(self._take_pause(anyio.current_time() - began))
+
+    async def _accept_all(
+        self,
+        p: ProducerHandle,
+        batch: Sequence[tuple[str, bytes]],
+        send: MemoryObjectSendStream[Group] | None,
+        *,
+        what: str,
+    ) -> None:
+        """Decode what p sent back and commit it, `store_batch` results a store call."""
+        results = [(ResultKind(kind), decode_group(data, key=what)) for kind, data in batch]
+        for start in range(0, len(results), self._batch):
+            await self._accept(p, results[start : start + self._batch], send)
 
     async def _accept(
         self,
@@ -440,9 +452,7 @@ class RayProducers:
             except Exception as exc:
                 self._lose(p, f"begin_publish not answered within {self._deadline:g}s: {exc!r}")
                 return
-            results = [(ResultKind(kind), decode_group(data, key=f"partial of {p.name}")) for kind, data in partial]
-            for start in range(0, len(results), self._batch):
-                await self._accept(p, results[start : start + self._batch], None)
+            await self._accept_all(p, partial, None, what=f"partial of {p.name}")
 
         async with anyio.create_task_group() as tg:
             for p in self._live():

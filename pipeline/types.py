@@ -203,22 +203,8 @@ class Sample:
         )
 
     def with_reward(self, reward: float) -> Sample:
-        """This sample scored with `reward`: `dataclasses.replace(self, reward=reward)` built directly,
-        which skips replace's walk over the fields (3 us instead of 5, once per sample)."""
-        return Sample(
-            index=self.index,
-            prompt_ids=self.prompt_ids,
-            response_ids=self.response_ids,
-            logprobs=self.logprobs,
-            loss_mask=self.loss_mask,
-            spans=self.spans,
-            status=self.status,
-            finish_reason=self.finish_reason,
-            reward=reward,
-            error=self.error,
-            resumed_at=self.resumed_at,
-            metadata=self.metadata,
-        )
+        """This sample scored with `reward`."""
+        return dataclasses.replace(self, reward=reward)
 
     def with_environment(self, token_ids: Sequence[int], *, version: int) -> Sample:
         """This sample with environment/tool tokens appended (an agent's `ctx.append`).

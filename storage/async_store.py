@@ -245,17 +245,17 @@ class AsyncStore:
 
     def _many(self, batched: str, single: str) -> Callable[..., None]:
         """The store's batched move, or, for a store written before it existed, its single move
-        once per group in one worker call: a transaction each, so a crash between them leaves the
-        rest RUNNING, which recovery requeues (exactly-once holds; only the one-transaction
-        batch is lost)."""
+        once per group (or group id) in one worker call: a transaction each, so a crash between
+        them leaves the rest RUNNING, which recovery or lease expiry requeues (exactly-once holds;
+        only the one-transaction batch is lost)."""
         fn: Callable[..., None] | None = getattr(self._store, batched, None)
         if fn is not None:
             return fn
         one: Callable[..., None] = getattr(self._store, single)
 
-        def each(groups: Sequence[Group], **kwargs: Any) -> None:
-            for group in groups:
-                one(group, **kwargs)
+        def each(items: Sequence[Any], **kwargs: Any) -> None:
+            for item in items:
+                one(item, **kwargs)
 
         return each
 
@@ -270,17 +270,9 @@ class AsyncStore:
 
     async def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
         """Many leases moved in one store call (one transaction): the groups handed to a producer together."""
-        if not group_ids:
-            return
-        fn = getattr(self._store, "hand_over_groups", None)
-        if fn is None:  # a store written before it existed: one hand_over each, in one worker call
-            single = self._store.hand_over
-
-            def fn(group_ids: Sequence[str], **kwargs: Any) -> None:
-                for gid in group_ids:
-                    single(gid, **kwargs)
-
-        await self._call(fn, group_ids, owner=owner, to=to, lease_seconds=lease_seconds)
+        if group_ids:
+            fn = self._many("hand_over_groups", "hand_over")
+            await self._call(fn, group_ids, owner=owner, to=to, lease_seconds=lease_seconds)
 
     async def accept_results(
         self,

@@ -1,6 +1,6 @@
 """`LmdbStore`: the `Store` protocol in one LMDB environment, durable across crashes and restarts.
 
-(Over 400 lines on purpose, about 1,100 with group commit: one class, each public method one
+(Over 400 lines on purpose, about 1,150 with group commit and the batched moves: one class, each public method one
 transaction over the same private helpers; group commit (`_Write`, `_Group`, `run_grouped`) drives
 those helpers' transactions and is the piece to move out next if it grows.
 What does not need those helpers lives beside it: `transitions` (the rules and their
@@ -398,15 +398,7 @@ class LmdbStore:
         return self._write(fn)
 
     def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
-        check_lease(to, lease_seconds)
-
-        def fn(w: _Write) -> None:
-            old = w.state_of(group_id)
-            held = w.lease_of(group_id) if old is not None and old[0] is _RUNNING else None
-            check_hand_over(group_id, None if old is None else old[0], owner, None if held is None else held[0], to)
-            w.put(keys.LEASES, keys.group_key(group_id), keys.lease_value(to, self._clock() + lease_seconds))
-
-        self._write(fn)
+        self.hand_over_groups([group_id], owner=owner, to=to, lease_seconds=lease_seconds)
 
     def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
         check_lease(to, lease_seconds)

@@ -168,13 +168,7 @@ class MemoryStore:
         return len(mine)
 
     def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
-        self._check_open()
-        check_lease(to, lease_seconds)
-        entry = self._groups.get(group_id)
-        held = self._leases.get(group_id)
-        check_hand_over(group_id, None if entry is None else entry[0], owner, None if held is None else held.owner, to)
-        self._leases[group_id] = Lease(to, self._clock() + lease_seconds)
-        self._transactions += 1
+        self.hand_over_groups([group_id], owner=owner, to=to, lease_seconds=lease_seconds)
 
     def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
         self._check_open()

@@ -147,16 +147,11 @@ def check_hand_over(gid: str, state: GroupState | None, owner: str, holder: str 
 def check_distinct(groups: Sequence[Group], to: GroupState) -> None:
     """A put of many groups names each group once: the same group twice in one transaction would
     move RUNNING -> `to` and then find it no longer RUNNING, so it is refused up front, whole."""
-    seen: set[str] = set()
-    for group in groups:
-        gid = group.group_id
-        if gid in seen:
-            raise StoreError(f"group {gid!r} appears twice in one put of {to.value} groups; nothing was stored")
-        seen.add(gid)
+    check_distinct_ids([group.group_id for group in groups], f"put of {to.value} groups")
 
 
 def check_distinct_ids(group_ids: Sequence[str], what: str) -> None:
-    """A batch of `what` names each group once (the same rule as `check_distinct`)."""
+    """A batch of `what` names each group once (as `check_distinct` for puts)."""
     seen: set[str] = set()
     for gid in group_ids:
         if gid in seen:

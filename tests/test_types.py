@@ -95,8 +95,8 @@ def test_group_staleness_uses_the_oldest_token():
 
 
 def test_with_reward_is_replace_with_every_other_field_kept():
-    # `with_reward` lists the fields by hand for speed: a field added to Sample and missed there
-    # would be dropped silently, so compare against `dataclasses.replace` with every field set.
+    # `with_reward` must keep every other field, including any added to Sample later: compare it
+    # against `dataclasses.replace` with every field set.
     import dataclasses
 
     sample = Sample(

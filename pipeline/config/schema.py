@@ -9,7 +9,7 @@ schema, `rules` checks the values, and `load` runs the one step that touches the
 To add a setting, add one field line to a section below; the flag, its help, TOML key, bounds
 and `config_to_dict` follow from it.
 
-Why about 600 lines: it is a table, one field per flag with its help text, in the sections users
+Why over 700 lines: it is a table, one field per flag with its help text, in the sections users
 see in `--help` and TOML; split further it would be no easier to scan.
 """
 
