@@ -24,11 +24,13 @@ command runs on a bigger machine, e.g. `--producers 1 2 4 8`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,8 +79,14 @@ async def run_one(
     marks: list[tuple[float, float]] = []
     last: dict[str, Any] = {}
 
+    threads: list[dict[str, float]] = []
+
     def on_step(record: dict[str, Any]) -> None:
         marks.append((time.perf_counter(), time.process_time()))
+        if args.threads:
+            threads[1:] = [thread_cpu()]  # the first step's and the latest
+            if len(marks) == 1:
+                threads.insert(0, threads.pop())
         last.update(record)
 
     async def go(factory: Any = None) -> None:
@@ -124,6 +132,11 @@ async def run_one(
         await store.aclose()
         shutil.rmtree(folder, ignore_errors=True)
     (w0, p0), (w1, p1) = marks[0], marks[-1]
+    if args.threads and len(threads) == 2:
+        samples_run = (len(marks) - 1) * args.batch * args.group
+        spent = {name: 1000 * (cpu - threads[0].get(name, 0.0)) / samples_run for name, cpu in threads[1].items()}
+        top = sorted(spent.items(), key=lambda kv: -kv[1])[:8]
+        print("    cpu-ms/sample by thread: " + ", ".join(f"{name} {ms:.3f}" for name, ms in top if ms > 0.001))
     samples = (len(marks) - 1) * args.batch * args.group
     return {
         "samples/s": samples / (w1 - w0),
@@ -136,6 +149,49 @@ async def run_one(
     }
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, summed by thread name (Linux /proc; Ray's own
+    threads included, which no Python profiler sees)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name.split(" ")[0] for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+async def idle_cost(producers: int, args: argparse.Namespace, fleet: EngineFleet, work: Path) -> float:
+    """The controller's CPU share (cores) while W started producers sit idle for `--idle` seconds:
+    what Ray's driver spends per producer (connections, heartbeats, leases) with no work at all."""
+    store = AsyncStore(MemoryStore())
+    spec = ProducerSpec(
+        name="idle",
+        engine_urls=(fleet.worker_urls[0],),
+        router_url=None,
+        group_slots=1,
+        n_samples=args.group,
+        sampling_params={},
+        max_response_len=args.tokens,
+        reward_path="benchmarks.controller_overhead:reward",
+    )
+    settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0)
+    try:
+        async with open_ray_producers(
+            settings, lambda i, _: dataclasses.replace(spec, name=f"idle-{i}"), store=store, n_samples=args.group
+        ):
+            await anyio.sleep(1.0)  # start-up settles
+            w0, p0 = time.perf_counter(), time.process_time()
+            await anyio.sleep(args.idle)
+            return (time.process_time() - p0) / (time.perf_counter() - w0)
+    finally:
+        await store.aclose()
+
+
 async def main(args: argparse.Namespace) -> None:
     import ray
 
@@ -145,7 +201,8 @@ async def main(args: argparse.Namespace) -> None:
         if b not in BATCHES:
             raise SystemExit(f"--batches: {b!r} is not one of {', '.join(BATCHES)}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=max(args.producers), include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of its own, never one that happens to run on this machine
+    ray.init(address="local", num_cpus=max(args.producers), include_dashboard=False, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="ray-producers-"))
     engine = await start_engine("instant", module="launch.engines.instant", extra_args=["--tokens", str(args.tokens)])
     rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
@@ -159,6 +216,7 @@ async def main(args: argparse.Namespace) -> None:
                             result = await run_one(w, store_kind, b, args, fleet, work)
                             rows.setdefault((store_kind, b, w), []).append(result)
                             print(f"  {store_kind} {b} W={w or 'local'}: {result}", flush=True)
+            idle = {w: await idle_cost(w, args, fleet, work) for w in args.producers} if args.idle > 0 else {}
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
@@ -179,6 +237,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f} "
             + (f"{'-':>14} {'-':>13}" if w == 0 else f"{med['per submit']:>14.2f} {med['per take']:>13.2f}")
         )
+    for w, share in idle.items():
+        print(f"idle, {w} producers: controller CPU {share:.3f} cores over {args.idle:g} s")
 
 
 if __name__ == "__main__":
@@ -205,4 +265,11 @@ if __name__ == "__main__":
     )
     p.add_argument("--takes-per-second", type=float, default=DEFAULT_TAKES_PER_SECOND, help="of the paced path")
     p.add_argument("--no-local", dest="local", action="store_false", help="leave out the local mode (for a profile)")
+    p.add_argument("--threads", action="store_true", help="print each run's CPU per sample by thread name (Linux)")
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="also measure the controller's CPU share with W producers started and no work, over this many seconds",
+    )
     anyio.run(main, p.parse_args())

@@ -134,7 +134,7 @@ def _model_dir(run_dir: Path, meta: RunMeta | None) -> Path | None:
     return None
 
 
-def _decoder(model_dir: Path | None) -> Callable[[tuple[int, ...]], str] | None:
+def _decoder(model_dir: Path | None) -> Callable[[Sequence[int]], str] | None:
     if model_dir is None:
         return None
     from transformers import AutoTokenizer
@@ -144,7 +144,7 @@ def _decoder(model_dir: Path | None) -> Callable[[tuple[int, ...]], str] | None:
     except (OSError, ValueError):  # a model folder without a usable tokenizer: show ids only
         return None
 
-    def decode(ids: tuple[int, ...]) -> str:
+    def decode(ids: Sequence[int]) -> str:
         return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
     return decode

@@ -12,7 +12,7 @@ step `s` was trained by policy version `s`, so its groups' staleness is `s - old
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from storage import Cursor, GroupState, RunMeta, Store
 
 __all__ = ["RunSummary", "format_group", "format_summary", "group_record", "recorded_batches", "summarize"]
 
-Decode = Callable[[tuple[int, ...]], str]
+Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass(frozen=True, slots=True)

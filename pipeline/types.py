@@ -1,8 +1,11 @@
 """The vocabulary every stage speaks: prompts, samples, groups, version spans, batches.
 
 Everything here is a frozen, slotted dataclass. A stage never mutates a sample; it builds the
-next one with `Sample.extended(...)` or `dataclasses.replace`. Per-token arrays are tuples so a
-sample can be hashed, compared and shared between tasks without copies going stale.
+next one with `Sample.extended(...)` or `dataclasses.replace`. Per-token columns (a segment's and a
+sample's token ids, log-probs and loss mask) are read-only arrays (`pipeline.columns`): compact, and
+they compare, hash and concatenate as the tuples they stand for, so a sample can still be hashed,
+compared and shared between tasks without copies going stale. Any sequence of numbers is accepted
+where a column is built and stored as the column type.
 
 The central invariant: `response_ids`, `logprobs` and `loss_mask` always have the same length,
 and `spans` tile `[0, len(response_ids))` exactly, in order, with no gaps. `Sample.extended` is
@@ -16,6 +19,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .columns import LogProbs, LossMask, TokenIds
 
 __all__ = [
     "Batch",
@@ -85,8 +90,8 @@ class PromptTask:
 class Segment:
     """What one engine call added to a sample: new tokens, their log-probs, and how it ended."""
 
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    token_ids: TokenIds
+    logprobs: LogProbs
     finish_reason: FinishReason
     version: int  # the weight version of these tokens (of the last ones, when `spans` says more)
     error: str | None = None
@@ -95,6 +100,8 @@ class Segment:
     spans: tuple[VersionSpan, ...] = ()
 
     def __post_init__(self) -> None:
+        _as_column(self, "token_ids", TokenIds)
+        _as_column(self, "logprobs", LogProbs)
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"a segment needs one log-prob per token, got {len(self.token_ids)} tokens "
@@ -122,9 +129,9 @@ class Sample:
 
     index: int  # position inside its group, 0..G-1
     prompt_ids: tuple[int, ...]
-    response_ids: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()  # behaviour log-prob of each response token, as the engine reported it
-    loss_mask: tuple[int, ...] = ()  # 1 = the token trains
+    response_ids: TokenIds = TokenIds()
+    logprobs: LogProbs = LogProbs()  # behaviour log-prob of each response token, as the engine reported it
+    loss_mask: LossMask = LossMask()  # 1 = the token trains
     spans: tuple[VersionSpan, ...] = ()
     status: SampleStatus = SampleStatus.PENDING
     finish_reason: FinishReason | None = None
@@ -136,6 +143,9 @@ class Sample:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _as_column(self, "response_ids", TokenIds)
+        _as_column(self, "logprobs", LogProbs)
+        _as_column(self, "loss_mask", LossMask)
         n = len(self.response_ids)
         if len(self.logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(
@@ -195,7 +205,7 @@ class Sample:
             self,
             response_ids=response_ids,
             logprobs=self.logprobs + segment.logprobs,
-            loss_mask=self.loss_mask + (1,) * len(segment.token_ids),
+            loss_mask=self.loss_mask + LossMask.ones(len(segment.token_ids)),
             spans=tuple(spans),
             status=status,
             finish_reason=segment.finish_reason,
@@ -227,8 +237,8 @@ class Sample:
         return dataclasses.replace(
             self,
             response_ids=self.response_ids + tokens,
-            logprobs=self.logprobs + (0.0,) * len(tokens),
-            loss_mask=self.loss_mask + (0,) * len(tokens),
+            logprobs=self.logprobs + LogProbs.zeros(len(tokens)),
+            loss_mask=self.loss_mask + LossMask.zeros(len(tokens)),
             spans=tuple(spans),
         )
 
@@ -237,6 +247,16 @@ class Sample:
         if self.response_len == 0 or (self.resumed_at and self.resumed_at[-1] == self.response_len):
             return self
         return dataclasses.replace(self, resumed_at=(*self.resumed_at, self.response_len))
+
+
+def _as_column(obj: object, name: str, column: type[TokenIds] | type[LogProbs] | type[LossMask]) -> None:
+    value = getattr(obj, name)
+    if type(value) is not column:  # a tuple or list given by the caller: stored as the column
+        try:
+            converted = column(value)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"{type(obj).__name__}.{name} cannot be stored: {exc}") from exc
+        object.__setattr__(obj, name, converted)
 
 
 def _status_after(reason: FinishReason, response_len: int, max_response_len: int) -> SampleStatus:

@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pipeline.columns import LogProbs, TokenIds
 from pipeline.errors import (
     AgentError,
     AgentInterrupted,
@@ -62,8 +63,8 @@ _STATE_RULE = "ctx.state must be JSON (dict/list/str/int/float/bool/None with st
 class Turn:
     """One finished model turn: the tokens `ctx.generate` appended and how the engine ended them."""
 
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    token_ids: TokenIds
+    logprobs: LogProbs
     finish_reason: FinishReason  # STOP (EOS or a stop string) or LENGTH (turn or sample budget)
 
 
@@ -131,7 +132,7 @@ class AgentContext:
         return self._group
 
     @property
-    def transcript(self) -> tuple[int, ...]:
+    def transcript(self) -> TokenIds:
         """Prompt and response tokens: what the next model turn sees."""
         s = self.sample
         return s.prompt_ids + s.response_ids

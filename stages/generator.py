@@ -38,6 +38,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.clock import VersionClock
+from pipeline.columns import LogProbs, TokenIds
 from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
 from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
@@ -370,9 +371,9 @@ class GeneratorPool:
             result = None
             if exc.status is not None and exc.status < 500:
                 self._stats["failed"] += 1
-                segment = Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+                segment = Segment(TokenIds(), LogProbs(), FinishReason.ERROR, self._clock.version, error=str(exc))
             else:
-                segment = Segment((), (), FinishReason.ABORT, self._clock.version, error=str(exc))
+                segment = Segment(TokenIds(), LogProbs(), FinishReason.ABORT, self._clock.version, error=str(exc))
         finally:
             self._running -= 1
             self._free_slots.append(slot)
@@ -444,7 +445,7 @@ class GeneratorPool:
         except VersionMismatchError as exc:
             self._stats["failed"] += 1
             log.warning("answer from an unpublished version", rid=result.rid, reason=str(exc))
-            return Segment((), (), FinishReason.ERROR, self._clock.version, error=str(exc))
+            return Segment(TokenIds(), LogProbs(), FinishReason.ERROR, self._clock.version, error=str(exc))
 
     def _stop_at_boundary(self, sample: Sample, segment: Segment) -> Segment:
         """End a continuation where a stop string that started in its prefix ends, as SGLang would

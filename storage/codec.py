@@ -1,12 +1,13 @@
 """Records to bytes and back: msgpack for structure, raw little-endian arrays for per-token data.
 
 Every record is a msgpack array that starts `[SCHEMA_VERSION, kind, ...]`, so a record of another
-schema or another kind is refused instead of misread. Per-token arrays are packed as raw bytes
-(response and prompt ids int32, log-probs float64 so they round-trip bit for bit, loss mask uint8,
-or nil when it is all ones): that is both the smallest form and, with cached `struct.Struct`s, the
-fastest way to turn a tuple of Python numbers into bytes and back. Where the cost hides: a group of
-8 samples x 1k tokens encodes in about 0.1 ms; decoding takes about twice that, nearly all of it
-CPython building the 16k int and float objects the tuples hold.
+schema or another kind is refused instead of misread. Per-token arrays are packed as raw
+little-endian bytes (response and prompt ids int32, log-probs float64 so they round-trip bit for
+bit, loss mask uint8, or nil when it is all ones): the smallest form, and a sample's columns
+(`pipeline.columns`) are already arrays of exactly that layout, so each is written and read back
+with one copy. Prompt ids stay tuples (one per group) and are packed with cached `struct.Struct`s.
+Where the cost hides now: msgpack and the dataclasses, a few microseconds a sample; before the
+columns, decoding a group of 8 x 1k tokens built 16k int and float objects (0.6 ms on a slow core).
 
 Never pickle: a record must stay readable by a later version of this code and must not execute
 anything when read.
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from pipeline.columns import LogProbs, LossMask, TokenIds
 from pipeline.errors import CorruptRecordError, StoreError
 from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
 
@@ -85,29 +87,11 @@ def _pack_i32(values: Sequence[int]) -> bytes:
     return _struct("i", len(values)).pack(*values)
 
 
-def _pack_f64(values: Sequence[float]) -> bytes:
-    return _struct("d", len(values)).pack(*values)
-
-
 def _unpack(code: str, width: int, data: bytes) -> tuple[Any, ...]:
     n, rest = divmod(len(data), width)
     if rest:
         raise _Malformed(f"an array of {len(data)} bytes is not a whole number of {width}-byte items")
     return _struct(code, n).unpack(data)
-
-
-def _pack_mask(mask: Sequence[int]) -> bytes | None:
-    # Almost every mask is all ones: store None for that (counting is 4x cheaper than bytes()).
-    return None if mask.count(1) == len(mask) else bytes(mask)
-
-
-def _unpack_mask(data: bytes | None, n: int) -> tuple[int, ...]:
-    # `(1,) * n` is a C-level repeat, far cheaper than building a tuple from bytes.
-    if data is None:
-        return (1,) * n
-    if data.count(1) == len(data):
-        return (1,) * len(data)
-    return tuple(data)
 
 
 # --- groups -----------------------------------------------------------------------------------
@@ -123,9 +107,9 @@ def _sample_record(s: Sample, task_prompt: tuple[int, ...]) -> list[Any]:
     return [
         s.index,
         None if same_prompt else _pack_i32(s.prompt_ids),
-        _pack_i32(s.response_ids),
-        _pack_f64(s.logprobs),
-        _pack_mask(s.loss_mask),
+        s.response_ids.to_bytes(),
+        s.logprobs.to_bytes(),
+        None if s.loss_mask.all_ones() else s.loss_mask.to_bytes(),  # almost every mask is all ones
         [x for span in s.spans for x in (span.start, span.end, span.version)],
         s.status.value,
         None if s.finish_reason is None else s.finish_reason.value,
@@ -169,13 +153,13 @@ def _sample_from(rec: Any, task_prompt: tuple[int, ...]) -> Sample:
     if len(flat_spans) % 3:
         raise _Malformed(f"{len(flat_spans)} span numbers is not a multiple of 3")
     spans = tuple(VersionSpan(*flat_spans[i : i + 3]) for i in range(0, len(flat_spans), 3))
-    response_ids = _unpack("i", 4, response)
+    response_ids = TokenIds.from_bytes(response)
     return Sample(
         index=index,
         prompt_ids=task_prompt if prompt is None else _unpack("i", 4, prompt),
         response_ids=response_ids,
-        logprobs=_unpack("d", 8, logprobs),
-        loss_mask=_unpack_mask(mask, len(response_ids)),
+        logprobs=LogProbs.from_bytes(logprobs),
+        loss_mask=LossMask.ones(len(response_ids)) if mask is None else LossMask.from_bytes(mask),
         spans=spans,
         status=_STATUS[status],
         finish_reason=None if finish is None else _FINISH[finish],

@@ -195,9 +195,9 @@ def test_wrong_schema_and_wrong_kind_are_refused() -> None:
 
 def test_unstorable_values_raise_store_error_naming_the_group() -> None:
     group = _big_group(1, 4)
-    too_big = dataclasses.replace(group.samples[0], response_ids=(2**31, 1, 2, 3))
-    with pytest.raises(StoreError, match="e0000-p000000007"):
-        encode_group(group.with_samples([too_big]))
+    # A token id outside int32 is refused where the sample is built, before anything could store it.
+    with pytest.raises(ValueError, match=r"Sample.response_ids cannot be stored: TokenIds holds int32 token ids"):
+        dataclasses.replace(group.samples[0], response_ids=(2**31, 1, 2, 3))
     not_json = dataclasses.replace(group.samples[0], metadata={"x": {1, 2}})
     with pytest.raises(StoreError, match="cannot be encoded"):
         encode_group(group.with_samples([not_json]))

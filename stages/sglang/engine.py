@@ -10,6 +10,7 @@ the partial output.
 from __future__ import annotations
 
 import gc
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,10 +122,13 @@ class EngineClient:
         duplicate behind it).
         """
         url = self.url + "/generate"
-        # orjson writes tuples and dicts as they are: copy only what it cannot write.
+        # orjson writes tuples and dicts as they are: copy only what it cannot write (a column,
+        # pipeline.columns, is an array: `tolist` copies it in C).
+        if type(input_ids) not in (tuple, list):
+            input_ids = input_ids.tolist() if isinstance(input_ids, array) else list(input_ids)
         body = orjson.dumps(
             {
-                "input_ids": input_ids if type(input_ids) in (tuple, list) else list(input_ids),
+                "input_ids": input_ids,
                 "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
                 "rid": rid,
                 "return_logprob": return_logprob,

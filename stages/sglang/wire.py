@@ -12,6 +12,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
+from pipeline.columns import LogProbs, TokenIds
 from pipeline.errors import EngineError
 from pipeline.types import FinishReason, PauseMode, Segment, VersionSpan
 
@@ -51,8 +52,8 @@ class GenerateResult:
     """
 
     rid: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    token_ids: TokenIds
+    logprobs: LogProbs  # empty for a call sent without return_logprob
     finish_reason: FinishReason
     matched: int | str | None  # the stop token id or stop string, for `stop`
     finish_message: str | None  # the abort message, for `abort`
@@ -77,7 +78,7 @@ class GenerateResult:
         if entries is not None:
             token_ids, logprobs = _parse_logprobs(entries, url)
         else:
-            token_ids, logprobs = _int_tuple(payload.get("output_ids", ()), url, "output_ids"), ()
+            token_ids, logprobs = TokenIds(_int_tuple(payload.get("output_ids", ()), url, "output_ids")), LogProbs()
         completion = meta.get("completion_tokens")
         completion = len(token_ids) if completion is None else int(completion)
         spans = _parse_version_spans(meta.get("weight_versions"), completion, len(token_ids), url)
@@ -176,27 +177,32 @@ def _parse_finish_reason(raw: object, url: str) -> tuple[FinishReason, int | str
 _INT_ONLY = frozenset({int})
 _NUMBERS = frozenset({int, float})
 _FLOAT_ONLY = frozenset({float})
+_INT32 = (-(2**31), 2**31 - 1)  # a token id is stored as int32 (pipeline.columns.TokenIds)
 
 
-def _parse_logprobs(entries: object, url: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def _parse_logprobs(entries: object, url: str) -> tuple[TokenIds, LogProbs]:
     # Real SGLang sends [logprob, token_id, text|null]; some fakes send [logprob, token_id].
     if not isinstance(entries, list):
         raise EngineError(url, f"output_token_logprobs is not a list: {preview(entries)}")
     fast = _transpose_logprobs(entries)
     if fast is not None:
-        return fast
+        try:
+            # From here on a token is 4 + 8 bytes, not two Python objects (pipeline.columns).
+            return TokenIds(fast[0]), LogProbs(fast[1])
+        except OverflowError:
+            pass  # a token id outside int32: the loop below names it
     token_ids: list[int] = []
     logprobs: list[float] = []
     for i, item in enumerate(entries):
         if not isinstance(item, (list, tuple)) or len(item) < 2:
             raise EngineError(url, f"output_token_logprobs[{i}] is not [logprob, token_id, ...]: {item!r}")
         lp, tid = item[0], item[1]
-        if not _is_number(lp) or isinstance(tid, bool) or not isinstance(tid, int):
+        if not _is_number(lp) or isinstance(tid, bool) or not isinstance(tid, int) or not _INT32[0] <= tid <= _INT32[1]:
             # orjson writes NaN as null, so a null here is a NaN or a missing value: either way unusable.
             raise EngineError(url, f"output_token_logprobs[{i}] has no usable logprob/token id: {item!r}")
         token_ids.append(tid)
         logprobs.append(float(lp))
-    return tuple(token_ids), tuple(logprobs)
+    return TokenIds(token_ids), LogProbs(logprobs)
 
 
 def _transpose_logprobs(entries: list[Any]) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
@@ -232,8 +238,10 @@ def _is_number(value: object) -> bool:
 
 
 def _int_tuple(raw: object, url: str, name: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(isinstance(x, int) for x in raw):
-        raise EngineError(url, f"{name} is not a list of token ids: {preview(raw)}")
+    if not isinstance(raw, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and _INT32[0] <= x <= _INT32[1] for x in raw
+    ):
+        raise EngineError(url, f"{name} is not a list of int32 token ids: {preview(raw)}")
     return tuple(raw)
 
 

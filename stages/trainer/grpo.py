@@ -47,6 +47,7 @@ from stages.trainer.checkpoint import (
     save_optimizer,
     write_folder_atomically,
 )
+from stages.trainer.columns import column_tensor
 from stages.trainer.loss import ImportanceCorrection, LossSettings, group_advantages
 from stages.trainer.metrics import step_metrics, tally_minibatch
 
@@ -279,11 +280,11 @@ class GRPOTrainer:
         for i, (s, t) in enumerate(zip(samples, trains, strict=True)):
             r = s.response_len
             valid[i, :r] = True
-            behaviour[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+            behaviour[i, :r] = column_tensor(s.logprobs, torch.float32)
             versions[i, :r] = torch.tensor(s.token_versions(), dtype=torch.long)
             truncated_out = self.loss.mask_truncated_samples and s.status is SampleStatus.TRUNCATED
             if t and not truncated_out:
-                loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.bool)
+                loss_mask[i, :r] = column_tensor(s.loss_mask, torch.bool)
         mask = self.token_mask(versions, valid, loss_mask, train_version)
         adv = torch.tensor(advantages, dtype=torch.float32)
         return _Tensors(*(x.to(self.device) for x in (behaviour, versions, valid, mask, adv)))
@@ -306,7 +307,7 @@ class GRPOTrainer:
         r = sample.response_len
         versions = torch.tensor([sample.token_versions()], dtype=torch.long).reshape(1, r)
         valid = torch.ones((1, r), dtype=torch.bool)
-        loss_mask = torch.tensor([sample.loss_mask], dtype=torch.bool).reshape(1, r)
+        loss_mask = column_tensor(sample.loss_mask, torch.bool).reshape(1, r)
         newest = max((sp.version for sp in sample.spans), default=0)
         mask = self.token_mask(versions, valid, loss_mask, newest if train_version is None else train_version)
         return [int(x) for x in mask[0].tolist()]
@@ -356,10 +357,11 @@ class GRPOTrainer:
             if not s.prompt_ids:
                 raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
             p, r = len(s.prompt_ids), s.response_len
-            ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+            ids[i, :p] = torch.tensor(s.prompt_ids)
+            ids[i, p : p + r] = column_tensor(s.response_ids, torch.long)
             attention[i, : p + r] = 1
             rows[i, :r] = torch.arange(p - 1, p - 1 + r)
-            targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
+            targets[i, :r] = column_tensor(s.response_ids, torch.long)
         ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):

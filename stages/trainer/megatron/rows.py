@@ -22,6 +22,7 @@ import torch
 
 from pipeline.types import Batch, Sample, SampleStatus
 from stages.trainer import loss as L
+from stages.trainer.columns import column_tensor
 from stages.trainer.loss import LossAggregation, LossSettings
 from stages.trainer.metrics import tally_minibatch
 
@@ -58,8 +59,8 @@ class Row:
             raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
         return cls(
             list(s.prompt_ids),
-            list(s.response_ids),
-            [float(x) for x in s.logprobs],
+            s.response_ids.tolist(),
+            s.logprobs.tolist(),
             list(mask) if mask is not None else [False] * s.response_len,
             advantage,
         )
@@ -110,7 +111,7 @@ def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bo
         for x, reward, adv in zip(group.samples, rewards, advantages, strict=True):
             v = torch.tensor([x.token_versions()], dtype=torch.long).reshape(1, x.response_len)
             valid = torch.ones_like(v, dtype=torch.bool)
-            mask = torch.tensor([x.loss_mask], dtype=torch.bool).reshape(1, x.response_len) & valid
+            mask = column_tensor(x.loss_mask, torch.bool).reshape(1, x.response_len) & valid
             if reward is None or (s.mask_truncated_samples and x.status is SampleStatus.TRUNCATED):
                 mask &= False
             if s.mask_offpolicy_in_partial_rollout:
