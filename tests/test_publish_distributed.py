@@ -198,7 +198,7 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     # depends on timing, and a row's float32 matmul changes in the last bits with the batch's
     # size, so runs agree for the first dozen steps, then take their own paths, some with a few
     # low steps. The second half's mean shows the learning with room on any path (first 5 steps
-    # 0.12; second half 0.37-0.50 in 10 runs, 0.39-0.61 with 8 other seeds), where the last 5
+    # 0.12; second half 0.33-0.50 in 20 runs, 0.39-0.61 with 8 other seeds), where the last 5
     # steps alone once gave 0.19 under load.
     first = sum(r["reward/mean"] for r in records[:5]) / 5
     second_half = sum(r["reward/mean"] for r in records[20:]) / 20
