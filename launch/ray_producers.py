@@ -16,7 +16,8 @@ The controller stays the single store writer and the single version clock; this 
 - Results are fenced: each is committed with `owner=p` (a `put_*`, or its lease handed back to
   the controller for an accepted group that the collector then makes ready), so a late result
   from a producer whose lease expired or was reassigned is refused by the store, counted
-  (`producers/fenced_results`) and dropped, never trained twice. A batch of results is one
+  (`producers/fenced_results`) and dropped, never trained twice; so is any result of a producer
+  already given up on, refused by the controller before the store has taken its leases back. A batch of results is one
   `Store.accept_results` (one transaction): the store fences each group on its own, so one
   refused group never holds back the others, and a crash mid-batch stores none of it.
 - Every call to a producer has a deadline (`deadline_seconds`); one that passes it is lost, never
@@ -100,6 +101,9 @@ class ProducerHandle:
     in_hand: set[str] = field(default_factory=set)  # group ids leased to it, not yet settled
     handed: int = 0  # groups handed to it over the run
     lost: str | None = None  # why it was given up on
+    # Groups it held when given up on, less those whose results were already being committed:
+    # each of them is settled once, by the reclaim (`reclaimed`) or as a fenced result (`fenced`).
+    given_up: int = 0
     stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat's answer
     outbox: list[bytes] = field(default_factory=list)  # leased to it, waiting for the Ray call in flight
     sending: bool = False  # a submit call to it is in flight
@@ -337,12 +341,20 @@ class RayProducers:
         """Commit `results` under p's lease in one store call; the store refuses (fences) each one
         p no longer holds, and commits the rest."""
         ids = [group.group_id for _, group in results]
-        self._committing.update(ids)
-        try:
-            # The collector's put_ready runs as the controller: an accepted group's lease comes back first.
-            refused = await self._store.accept_results(p.name, [(_COMMIT_AS[kind], group) for kind, group in results])
-        finally:
-            self._committing.difference_update(ids)
+        if p.lost is not None:
+            # Given up on: its leases are ending (`_reclaim_now`), so nothing more of it is committed,
+            # whether or not the store has taken them back yet. Checked here, with no await before
+            # the store call below: a group p held when lost is settled once, reclaimed or fenced.
+            refused = dict.fromkeys(ids, f"producer {p.name} was given up on: {p.lost}")
+        else:
+            self._committing.update(ids)
+            try:
+                # The collector's put_ready runs as the controller: an accepted group's lease comes back first.
+                refused = await self._store.accept_results(
+                    p.name, [(_COMMIT_AS[kind], group) for kind, group in results]
+                )
+            finally:
+                self._committing.difference_update(ids)
         accepted = []
         for kind, group in results:
             gid = group.group_id
@@ -413,6 +425,7 @@ class RayProducers:
         if p.lost is not None:
             return
         p.lost = why
+        p.given_up = len(p.in_hand - self._committing)
         log.warning("producer lost; its leases expire and its groups are served again", producer=p.name, why=why)
         if self._kill is not None:
             try:

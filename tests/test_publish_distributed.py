@@ -194,9 +194,15 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == list(range(40))
+    # Seeded (--rollout-seed), but not bit-reproducible: which requests share an engine step
+    # depends on timing, and a row's float32 matmul changes in the last bits with the batch's
+    # size, so runs agree for the first dozen steps, then take their own paths, some with a few
+    # low steps. The second half's mean shows the learning with room on any path (first 5 steps
+    # 0.12; second half 0.33-0.50 in 20 runs, 0.39-0.61 with 8 other seeds), where the last 5
+    # steps alone once gave 0.19 under load.
     first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
-    assert last > first + 0.1, (first, last)
+    second_half = sum(r["reward/mean"] for r in records[20:]) / 20
+    assert second_half > first + 0.1, (first, second_half)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
     assert all(r["time/publish_update"] > 0 for r in records)
 
