@@ -79,14 +79,13 @@ async def run_one(
     marks: list[tuple[float, float]] = []
     last: dict[str, Any] = {}
 
-    threads: list[dict[str, float]] = []
+    threads: list[dict[str, float]] = []  # CPU by thread at the first step and at the latest
 
     def on_step(record: dict[str, Any]) -> None:
         marks.append((time.perf_counter(), time.process_time()))
         if args.threads:
-            threads[1:] = [thread_cpu()]  # the first step's and the latest
-            if len(marks) == 1:
-                threads.insert(0, threads.pop())
+            now = thread_cpu()
+            threads[:] = [threads[0] if threads else now, now]
         last.update(record)
 
     async def go(factory: Any = None) -> None:
@@ -132,7 +131,7 @@ async def run_one(
         await store.aclose()
         shutil.rmtree(folder, ignore_errors=True)
     (w0, p0), (w1, p1) = marks[0], marks[-1]
-    if args.threads and len(threads) == 2:
+    if threads:
         samples_run = (len(marks) - 1) * args.batch * args.group
         spent = {name: 1000 * (cpu - threads[0].get(name, 0.0)) / samples_run for name, cpu in threads[1].items()}
         top = sorted(spent.items(), key=lambda kv: -kv[1])[:8]

@@ -5,7 +5,7 @@ schema or another kind is refused instead of misread. Per-token arrays are packe
 little-endian bytes (response and prompt ids int32, log-probs float64 so they round-trip bit for
 bit, loss mask uint8, or nil when it is all ones): the smallest form, and a sample's columns
 (`pipeline.columns`) are already arrays of exactly that layout, so each is written and read back
-with one copy. Prompt ids stay tuples (one per group) and are packed with cached `struct.Struct`s.
+with one copy. Prompt ids stay tuples (one per group) and are packed the same way.
 Where the cost hides now: msgpack and the dataclasses, a few microseconds a sample; before the
 columns, decoding a group of 8 x 1k tokens built 16k int and float objects (0.6 ms on a slow core).
 
@@ -22,7 +22,6 @@ float, str, bytes, lists and str-keyed dicts. Tuples inside them come back as li
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -58,12 +57,6 @@ class _Malformed(Exception):
     """A record that parsed as msgpack but is not what this code writes."""
 
 
-# --- per-token arrays -------------------------------------------------------------------------
-# One compiled Struct per (kind, length): building the format string and looking it up in struct's
-# own cache costs as much as packing 1k numbers, so keep our own. Bounded: lengths are few.
-_STRUCT_CACHE: dict[str, dict[int, struct.Struct]] = {"i": {}, "d": {}}
-
-
 _T = TypeVar("_T")
 
 
@@ -73,25 +66,13 @@ def _packb(obj: object, **options: Any) -> bytes:
     return data
 
 
-def _struct(code: str, n: int) -> struct.Struct:
-    cache = _STRUCT_CACHE[code]
-    compiled = cache.get(n)
-    if compiled is None:
-        if len(cache) >= 4096:
-            cache.clear()
-        compiled = cache[n] = struct.Struct(f"<{n}{code}")
-    return compiled
+def _pack_prompt(prompt_ids: Sequence[int]) -> bytes:
+    # Prompt ids stay a tuple in a sample (one a group, shared); packed the way the columns are.
+    return TokenIds(prompt_ids).to_bytes()
 
 
-def _pack_i32(values: Sequence[int]) -> bytes:
-    return _struct("i", len(values)).pack(*values)
-
-
-def _unpack(code: str, width: int, data: bytes) -> tuple[Any, ...]:
-    n, rest = divmod(len(data), width)
-    if rest:
-        raise _Malformed(f"an array of {len(data)} bytes is not a whole number of {width}-byte items")
-    return _struct(code, n).unpack(data)
+def _prompt_from(data: bytes) -> tuple[int, ...]:
+    return tuple(TokenIds.from_bytes(data).tolist())
 
 
 # --- groups -----------------------------------------------------------------------------------
@@ -106,7 +87,7 @@ def _sample_record(s: Sample, task_prompt: tuple[int, ...]) -> list[Any]:
     same_prompt = s.prompt_ids is task_prompt or s.prompt_ids == task_prompt
     return [
         s.index,
-        None if same_prompt else _pack_i32(s.prompt_ids),
+        None if same_prompt else _pack_prompt(s.prompt_ids),
         s.response_ids.to_bytes(),
         s.logprobs.to_bytes(),
         None if s.loss_mask.all_ones() else s.loss_mask.to_bytes(),  # almost every mask is all ones
@@ -135,14 +116,14 @@ def encode_group(group: Group) -> bytes:
                 group.seq,
                 group.rejected_reason,
                 task.index,
-                _pack_i32(prompt),
+                _pack_prompt(prompt),
                 task.label,
                 _plain(task.metadata),
                 [_sample_record(s, prompt) for s in group.samples],
             ],
             use_bin_type=True,
         )
-    except (TypeError, ValueError, OverflowError, struct.error) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise StoreError(f"group {group.group_id!r} cannot be encoded: {exc}") from exc
 
 
@@ -156,7 +137,7 @@ def _sample_from(rec: Any, task_prompt: tuple[int, ...]) -> Sample:
     response_ids = TokenIds.from_bytes(response)
     return Sample(
         index=index,
-        prompt_ids=task_prompt if prompt is None else _unpack("i", 4, prompt),
+        prompt_ids=task_prompt if prompt is None else _prompt_from(prompt),
         response_ids=response_ids,
         logprobs=LogProbs.from_bytes(logprobs),
         loss_mask=LossMask.ones(len(response_ids)) if mask is None else LossMask.from_bytes(mask),
@@ -190,7 +171,7 @@ def _group_from(rec: Any) -> Group:
     _, _, group_id, epoch, admitted, seq, rejected, t_index, t_prompt, label, t_meta, samples = _header(rec, _GROUP, 12)
     if type(samples) is not list:
         raise _Malformed("samples are not an array")
-    prompt = _unpack("i", 4, t_prompt)
+    prompt = _prompt_from(t_prompt)
     task = PromptTask(index=t_index, prompt_ids=prompt, label=label, metadata=t_meta)
     return Group(
         group_id=group_id,

@@ -176,7 +176,6 @@ def _parse_finish_reason(raw: object, url: str) -> tuple[FinishReason, int | str
 
 _INT_ONLY = frozenset({int})
 _NUMBERS = frozenset({int, float})
-_FLOAT_ONLY = frozenset({float})
 _INT32 = (-(2**31), 2**31 - 1)  # a token id is stored as int32 (pipeline.columns.TokenIds)
 
 
@@ -226,10 +225,8 @@ def _transpose_logprobs(entries: list[Any]) -> tuple[tuple[int, ...], tuple[floa
     if not set(map(type, token_ids)) <= _INT_ONLY:
         return None
     kinds = set(map(type, logprobs))
-    if kinds <= _FLOAT_ONLY:
+    if kinds <= _NUMBERS:  # ints among them are packed as float64 by LogProbs like the floats
         return token_ids, logprobs
-    if kinds <= _NUMBERS:
-        return token_ids, tuple(map(float, logprobs))
     return None
 
 
