@@ -85,7 +85,7 @@ from .protocol import (
     encode_step_metrics,
 )
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, seal, unseal
-from .transitions import check_hand_over, check_lease
+from .transitions import PutMoves, check_hand_over, check_lease
 
 __all__ = ["LmdbStore"]
 
@@ -211,7 +211,7 @@ class _Group:
         self.committed: list[tuple[Callable[[Any], None], Any]] = []
 
 
-class LmdbStore:
+class LmdbStore(PutMoves):
     """The durable store. Thread-safe: every method holds one lock for its transaction."""
 
     def __init__(
@@ -358,23 +358,7 @@ class LmdbStore:
 
         return self._write(fn)
 
-    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), _PARTIAL, owner)
-
-    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), _READY, owner)
-
-    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), GroupState.REJECTED, owner)
-
-    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), GroupState.FAILED, owner)
-
-    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
-        self._put(groups, _READY, owner)
-
-    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
-        self._put(groups, GroupState.REJECTED, owner)
+    # put_partial, put_ready, ...: transitions.PutMoves, through `_put`
 
     # --- leases ---------------------------------------------------------------------------------
 

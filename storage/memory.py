@@ -38,7 +38,7 @@ from .protocol import (
     decode_step_metrics,
     encode_step_metrics,
 )
-from .transitions import check_hand_over, check_lease
+from .transitions import PutMoves, check_hand_over, check_lease
 
 __all__ = ["MemoryStore"]
 
@@ -46,7 +46,7 @@ _RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, G
 _Order = tuple[int, int, str]
 
 
-class MemoryStore:
+class MemoryStore(PutMoves):
     """Synchronous, one process, not thread-safe on its own (`AsyncStore` calls it from one task at a time)."""
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
@@ -133,23 +133,7 @@ class MemoryStore:
         self._transactions += 1
         return claimed
 
-    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), _PARTIAL, owner)
-
-    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), _READY, owner)
-
-    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), GroupState.REJECTED, owner)
-
-    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
-        self._put((group,), GroupState.FAILED, owner)
-
-    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
-        self._put(groups, _READY, owner)
-
-    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
-        self._put(groups, GroupState.REJECTED, owner)
+    # put_partial, put_ready, ...: transitions.PutMoves, through `_put`
 
     # --- leases ---------------------------------------------------------------------------------
 

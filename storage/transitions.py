@@ -214,3 +214,29 @@ def check_seed(trained_step: int, held: int, current_step: int) -> None:
 def requeue_id(gid: str) -> str:
     """The id a quarantined group's prompt is generated again under: never one the store held."""
     return f"{gid}.requeued"
+
+
+class PutMoves:
+    """The `put_*` moves of a store, written once: each is RUNNING -> a state, for one group or
+    many, and a store supplies `_put`, which moves every group or none in one transaction."""
+
+    def _put(self, groups: Sequence[Group], to: GroupState, owner: str | None) -> None:
+        raise NotImplementedError
+
+    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        self._put((group,), GroupState.PARTIAL, owner)
+
+    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
+        self._put((group,), GroupState.READY, owner)
+
+    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
+        self._put((group,), GroupState.REJECTED, owner)
+
+    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+        self._put((group,), GroupState.FAILED, owner)
+
+    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._put(groups, GroupState.READY, owner)
+
+    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._put(groups, GroupState.REJECTED, owner)
