@@ -424,6 +424,8 @@ class GeneratorPool:
         A version the clock never published (from the future, or not a version at all) fails this
         request like an answer the engine refused: the sample fails visibly, the run goes on.
         """
+        if result.weight_version is None:  # an abort before prefill: no token to stamp
+            return result.to_segment(sent_version)
         try:
             if result.weight_versions is not None:
                 spans = tuple(

@@ -306,3 +306,29 @@ def test_groups_staler_than_the_bound_are_reported_as_overtaken():
     assert batch_metrics(batch, version=3, max_staleness=1)["staleness/overtaken_groups"] == 1
     assert batch_metrics(batch, version=3, max_staleness=3)["staleness/overtaken_groups"] == 0
     assert batch_metrics(batch, version=3)["staleness/overtaken_groups"] == 0  # no bound, nothing overtaken
+
+
+async def test_an_abort_publish_with_requests_waiting_on_an_older_engine_loses_no_sample(tmp_path):
+    """SGLang up to late 2025 answers a request aborted in its waiting queue with no weight_version
+    ("Abort before prefill"); such a request goes back for its turn like any aborted one."""
+    store, clock = MemoryStore(), VersionClock()
+    async with FakeSGLang(weight_version="0", max_running=1, legacy_waiting_abort=True) as fake:
+        async with EngineFleet([fake.url], concurrency=16) as fleet, anyio.create_task_group() as tg:
+            rig = Rig(fleet, store, clock)
+            await rig.start(tg)
+            fake.hold(1)
+            rig.admission.grant(1)
+            with anyio.fail_after(10):
+                await fake.wait_until(lambda: fake.held == 1 and fake.waiting == N_SAMPLES - 1)
+                await publish_weights(clock, fleet, tmp_path / "v1", pause_mode="abort")
+                fake.release()
+                await rig.admission.wait_settled()
+            tg.cancel_scope.cancel()
+            engine_stats = fleet.statistics()
+    # An answer, not an engine error: a sample whose turn found "no engine" too often would fail.
+    assert engine_stats.errors == 0 and engine_stats.aborts == N_SAMPLES
+    [group] = rig.ready_groups()
+    assert all(s.status is SampleStatus.TRUNCATED and s.response_len == MAX_LEN for s in group.samples)
+    assert any(r.sampling_params and r.aborted and not r.output_ids for r in fake.finished)  # some waited
+    stats = rig.pool.statistics()
+    assert stats.failed_samples == 0 and stats.aborted_requests >= 1

@@ -126,16 +126,22 @@ class EngineClient:
         # pipeline.columns, is an array: `tolist` copies it in C).
         if type(input_ids) not in (tuple, list):
             input_ids = input_ids.tolist() if isinstance(input_ids, array) else list(input_ids)
-        body = orjson.dumps(
-            {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
-                "rid": rid,
-                "return_logprob": return_logprob,
-            }
-        )
+        doc = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
+            "rid": rid,
+            "return_logprob": return_logprob,
+        }
+        body = orjson.dumps(doc)
         attempt = 0
         while True:
+            if attempt:
+                # A resend is a new request to the engine: the one before may still be running there
+                # (SGLang notices a hung-up client only seconds later), and a second request under
+                # its rid is refused as a duplicate or shares its state. The suffix keeps `rid` a
+                # prefix, so `abort(rid)` (a prefix match) still reaches every attempt.
+                doc["rid"] = f"{rid}.retry{attempt}"
+                body = orjson.dumps(doc)
             self._counters.requests += 1
             try:
                 status, data = await self._post_generate(url, body)

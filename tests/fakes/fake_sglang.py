@@ -16,7 +16,11 @@ It is scriptable without sleeps:
 - `hold_at = k` parks every request before its k-th new token until `release()` or an abort,
   and `wait_until(predicate)` wakes on every state change (token, hold, finish, abort, pause);
 - `max_running` keeps extra requests in a waiting queue;
-- `fail(path, status, times)` and `drop(path, times)` inject 5xx answers and dropped connections.
+- `fail(path, status, times)` and `drop(path, times)` inject 5xx answers and dropped connections;
+  `drop_admitted(times)` drops a `/generate` connection after admitting its request, whose rid the
+  engine then keeps (as SGLang does until it notices the hang-up) until an abort;
+- `legacy_waiting_abort=True` answers a request aborted in the waiting queue as SGLang did up to
+  late 2025 ("Abort before prefill": no weight_version, no output_ids, no log-probs).
 
 Run it with `async with FakeSGLang() as fake:` and point a client at `fake.url` (127.0.0.1, port 0).
 """
@@ -140,11 +144,16 @@ class FakeSGLang:
         model_path: str = "fake-sglang-model",
         legacy_model_info: bool = False,
         legacy_versions: bool = False,
+        legacy_waiting_abort: bool = False,
     ) -> None:
         self._requests: dict[str, FakeRequest] = {}
         self._weight_version = weight_version
         # Older servers (before the late-2026 spans) send only `meta_info.weight_version`.
         self.legacy_versions = legacy_versions
+        # SGLang up to late 2025 answers a request aborted before prefill with `meta_info` holding
+        # only id, finish_reason ("Abort before prefill"), prompt_tokens 0 and completion_tokens 0:
+        # no weight_version, no output_ids, no log-probs.
+        self.legacy_waiting_abort = legacy_waiting_abort
         self.token_fn = token_fn or default_token_fn(eos_token_id=eos_token_id)
         self.eos_token_id = eos_token_id
         self.max_running = max_running
@@ -167,6 +176,10 @@ class FakeSGLang:
 
         self.paused: str | None = None
         self._faults: dict[str, deque[_Fault]] = {}
+        # Requests whose client hung up after they were admitted: SGLang keeps such a request (and
+        # its rid) until it notices the disconnect, seconds later; the fake until an abort.
+        self._orphans: set[str] = set()
+        self._orphan_next = 0
         self._cache: deque[tuple[int, ...]] = deque(maxlen=_CACHE_ENTRIES)
         self._changed = anyio.Event()
         self._closing = False
@@ -258,6 +271,11 @@ class FakeSGLang:
         """The next `times` calls to `path` get their connection closed without an answer."""
         self._faults.setdefault(path, deque()).extend([_Fault(None, "")] * times)
 
+    def drop_admitted(self, *, times: int = 1) -> None:
+        """The next `times` `/generate` calls are admitted, then lose their connection; the engine
+        keeps each such request's rid (a resend with the same rid is a duplicate) until an abort."""
+        self._orphan_next += times
+
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds; it is re-checked after every change in the fake, so it
         must read the fake's state (a client's result lands later, after the HTTP answer)."""
@@ -325,8 +343,14 @@ class FakeSGLang:
         if problem:
             return _error(400, problem)
         rid = body.get("rid") or uuid.uuid4().hex
-        if rid in self._requests:
+        if rid in self._requests or rid in self._orphans:
             return _error(400, f"Duplicate request ID {rid}")
+        if self._orphan_next > 0:
+            self._orphan_next -= 1
+            self._orphans.add(rid)
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)  # never reaches the client
         params = dict(body.get("sampling_params") or {})
         # New requests wait in the tokenizer manager while paused: not tracked, not in loads.
         await self.wait_until(lambda: self.paused is None or self._closing)
@@ -366,6 +390,9 @@ class FakeSGLang:
 
         await self.wait_until(admitted)
         if req.aborted:
+            if self.legacy_waiting_abort:
+                meta = {"id": req.rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"}}
+                return {"text": "", "meta_info": meta | {"prompt_tokens": 0, "completion_tokens": 0}}
             return self._output(req, {"type": "abort", "message": "Abort in waiting queue"}, waiting=True)
         req.state = "running"
         cached = self._cached_prefix(req.input_ids)
@@ -438,6 +465,7 @@ class FakeSGLang:
         return min(best, max(0, len(input_ids) - 1))  # the last prompt token is always computed
 
     def _abort(self, rid: str, abort_all: bool) -> None:
+        self._orphans = {r for r in self._orphans if not (abort_all or (rid and r.startswith(rid)))}
         for req in self._requests.values():
             # SGLang matches a rid by prefix; an empty rid aborts nothing (as newer builds do).
             if abort_all or (rid and req.rid.startswith(rid)):
