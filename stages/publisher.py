@@ -39,7 +39,9 @@ class WeightTarget(Protocol):
 class WeightTransfer(Protocol):
     """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`)."""
 
-    async def send(self, weight_version: str) -> None: ...
+    async def send(self, weight_version: str, *, flush_cache: bool) -> None:
+        """Move the weights and stamp `weight_version`; `flush_cache` only while the engines hold
+        no request (SGLang's scheduler asserts the flush after the update, and refuses it then)."""
 
 
 class AdmissionGates(Protocol):
@@ -131,7 +133,9 @@ async def _move_weights(
         if transfer is None:
             await engines.update_weights_from_disk(str(weights), weight_version=str(version))
         else:
-            await transfer.send(str(version))
+            # Only an abort pause empties the engines. The prefix cache keeps entries computed by
+            # the old weights otherwise, as the requests kept in place keep their KV cache.
+            await transfer.send(str(version), flush_cache=pause_mode == PauseMode.ABORT and not overlap)
         update_seconds = time.perf_counter() - t0
     except EngineError as exc:
         raise PublishError(version, str(exc)) from exc

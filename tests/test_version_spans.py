@@ -332,3 +332,41 @@ async def test_an_abort_publish_with_requests_waiting_on_an_older_engine_loses_n
     assert any(r.sampling_params and r.aborted and not r.output_ids for r in fake.finished)  # some waited
     stats = rig.pool.statistics()
     assert stats.failed_samples == 0 and stats.aborted_requests >= 1
+
+
+class RecordingTransfer:
+    """A `WeightTransfer` that announces one empty bucket to every engine, as the distributed
+    sender's last bucket does, and records the flush it was told to ask for."""
+
+    def __init__(self, fleet: EngineFleet) -> None:
+        self.fleet, self.flushes = fleet, []
+
+    async def send(self, weight_version: str, *, flush_cache: bool) -> None:
+        self.flushes.append(flush_cache)
+        await self.fleet.update_weights_from_distributed(
+            [], group_name="g", weight_version=weight_version, flush_cache=flush_cache
+        )
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+async def test_a_distributed_publish_asks_for_a_flush_only_when_the_engines_hold_no_request(mode, tmp_path):
+    """SGLang's scheduler asserts that the flush after `update_weights_from_distributed` succeeded,
+    and refuses to flush while it holds requests: a flush asked for under a retract or in_place
+    pause kills the engine. Requests survive those pauses and finish under the new version."""
+    async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url]) as fleet:
+        transfer = RecordingTransfer(fleet)
+        fake.hold(2)
+        results: list[GenerateResult] = []
+
+        async def run() -> None:
+            results.append(await fleet.generate([1, 2], {"max_new_tokens": 4}, rid="held"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await fake.wait_until(lambda: fake.held == 1)
+                await publish_weights(VersionClock(), fleet, tmp_path / "v1", pause_mode=mode, transfer=transfer)
+                fake.release()
+        assert fake.healthy and fake.weight_version == "1"
+    assert transfer.flushes == [mode == "abort"]
+    assert results[0].finish_reason is (FinishReason.ABORT if mode == "abort" else FinishReason.LENGTH)

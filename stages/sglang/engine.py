@@ -264,7 +264,7 @@ class EngineClient:
         self._check_success("/init_weights_update_group", doc)
 
     async def update_weights_from_distributed(
-        self, specs: Sequence[Any], *, group_name: str, weight_version: str, flush_cache: bool = True
+        self, specs: Sequence[Any], *, group_name: str, weight_version: str | None, flush_cache: bool = True
     ) -> None:
         """Receive one bucket of tensors (`TensorSpec`s: name, dtype, shape) that rank 0 broadcasts
         while this call is pending; the plural batched form of SGLang >= mid-2025."""

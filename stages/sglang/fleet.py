@@ -271,7 +271,7 @@ class EngineFleet:
         )
 
     async def update_weights_from_distributed(
-        self, specs: Sequence[Any], *, group_name: str, weight_version: str, flush_cache: bool
+        self, specs: Sequence[Any], *, group_name: str, weight_version: str | None, flush_cache: bool
     ) -> None:
         await self._fan_out(
             "update_weights_from_distributed",

@@ -529,6 +529,12 @@ class FakeSGLang:
         body = await _body(request)
         if self.weight_update_error is not None:
             return _json({"success": False, "message": self.weight_update_error}, status=400)
+        updates = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+        if request.path in updates and body.get("flush_cache", True) and self._requests:
+            # SGLang's scheduler asserts that the flush after the update succeeded; it refuses
+            # while it holds requests (an in_place or retract pause, or none), and the engine dies.
+            self.healthy = False
+            return _error(500, "AssertionError: Cache flush failed after updating weights")
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         return _json({"success": True, "message": "Succeeded."})
