@@ -124,7 +124,7 @@ async def _cross_a_publish(fake: FakeSGLang, mode: str, tmp_path: Path) -> Gener
                 tg.start_soon(run)
                 await fake.wait_until(lambda: fake.held == 1)
                 await engine.pause(mode)
-                await engine.update_weights_from_disk(str(tmp_path), weight_version="1")
+                await engine.update_weights_from_disk(str(tmp_path), weight_version="1", flush_cache=False)
                 fake.release()
                 await engine.continue_generation()
     return results[0]

@@ -231,12 +231,17 @@ class EngineClient:
         self._counters.errors += 1
         raise EngineError(url, f"still busy after {deadline:g} s: {last}", status=400)
 
-    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+    async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None:
         """Load weights from `path` (a folder the engine can read) and stamp `weight_version`.
 
         Bounded by `request_timeout`: loading a real checkpoint takes far longer than a control call.
+        `flush_cache=False` while the engine holds requests (an in_place or retract pause): SGLang
+        asserts that its flush after loading succeeded, and it cannot then. Servers before the
+        field (late 2025) ignore it and always flush.
         """
-        body = {"model_path": str(path), "weight_version": weight_version}
+        body: dict[str, Any] = {"model_path": str(path), "weight_version": weight_version}
+        if not flush_cache:
+            body["flush_cache"] = False
         doc = await self._control("POST", "/update_weights_from_disk", body, timeout=self._request_timeout)
         self._check_success("/update_weights_from_disk", doc)
 

@@ -516,6 +516,11 @@ class FakeSGLang:
             return _error(400, "model_path is required")
         if self.weight_update_error is not None:
             return _json({"success": False, "message": self.weight_update_error, "num_paused_requests": 0}, status=400)
+        if body.get("flush_cache", True) and self._requests:
+            # SGLang flushes after loading (unless told not to, since late 2025) and asserts that
+            # it could; it cannot while it holds requests (an in_place or retract pause).
+            self.healthy = False
+            return _error(500, "AssertionError: Cache flush failed after updating weights")
         self.loaded_paths.append(str(body["model_path"]))
         self._cache.clear()
         message = "Succeeded to update model weights."
