@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
+from urllib.parse import quote, urlencode
 
 import anyio
 import anyio.abc
@@ -37,6 +38,7 @@ __all__ = ["FleetFaults"]
 log = structlog.get_logger(__name__)
 
 _ROUTER_LIST_DEADLINE = 30.0
+_LEGACY = "_legacy"  # marks a row listed by a router up to 0.2.1, which has no /workers
 
 
 class FleetFaults:
@@ -215,22 +217,33 @@ class FleetFaults:
             self.counters.capacity(len(self._fleet.workers), self._total)
         log.warning("engine re-admitted", url=url, version=version, live=len(self._fleet.workers))
 
-    # -- the router's worker API (sglang-router >= 0.2.2: /workers) ---------------------------
+    # -- the router's worker API: /workers (sglang-router >= 0.2.2), else the legacy one ----------
 
     async def _router_rows(self) -> list[dict[str, object]]:
+        """The router's workers; up to 0.2.1 only their URLs (`/list_workers`), marked legacy."""
         router = self._fleet._open.generator
         status, data = await router._control_raw("GET", "/workers", None)
+        if status == 404:  # sglang-router <= 0.2.1
+            doc = router._expect_ok("/list_workers", *await router._control_raw("GET", "/list_workers", None))
+            urls = doc.get("urls") if isinstance(doc, dict) else None
+            return [{"url": u, _LEGACY: True} for u in urls] if isinstance(urls, list) else []
         doc = router._expect_ok("/workers", status, data)
         rows = doc.get("workers") if isinstance(doc, dict) else None
         return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
     async def _router_remove(self, url: str) -> None:
-        """`DELETE /workers/{id}`; best effort: a router that cannot be reached fails generation
-        visibly anyway, and the fan-out no longer reaches the engine either way."""
+        """`DELETE /workers/{id}` (by URL on 2025 routers whose rows have no id, `POST
+        /remove_worker?url=` up to 0.2.1); best effort: a router that cannot be reached fails
+        generation visibly anyway, and the fan-out no longer reaches the engine either way."""
         try:
             for row in await self._router_rows():
-                if str(row.get("url", "")).rstrip("/") == url and row.get("id") is not None:
-                    await self._router_call("DELETE", f"/workers/{row['id']}", None)
+                if str(row.get("url", "")).rstrip("/") != url:
+                    continue
+                if row.get(_LEGACY):
+                    await self._router_call("POST", "/remove_worker?" + urlencode({"url": row["url"]}), None)
+                else:
+                    key = row.get("id") if row.get("id") is not None else row["url"]
+                    await self._router_call("DELETE", "/workers/" + quote(str(key), safe=""), None)
         except EngineError as exc:
             log.warning("router did not remove worker", url=url, error=str(exc))
 
@@ -242,10 +255,19 @@ class FleetFaults:
             router._expect_ok(path, status, data)  # raises, with the router's message
 
     async def _router_add(self, url: str) -> None:
-        """`POST /workers`, then wait until the router lists it healthy (it adds in the background)."""
-        listed = {str(r.get("url", "")).rstrip("/") for r in await self._router_rows()}
-        if url not in listed:
-            await self._router_call("POST", "/workers", {"url": url})
+        """`POST /workers` (`POST /add_worker?url=` up to 0.2.1), then wait until the router lists
+        it healthy (it adds in the background)."""
+        rows = await self._router_rows()
+        if url not in {str(r.get("url", "")).rstrip("/") for r in rows}:
+            legacy = any(r.get(_LEGACY) for r in rows)
+            if not legacy:
+                router = self._fleet._open.generator
+                status, data = await router._control_raw("POST", "/workers", {"url": url})
+                legacy = status == 404  # a router whose /workers lists none, up to 0.2.1
+                if not legacy and not 200 <= status < 300:
+                    router._expect_ok("/workers", status, data)  # raises, with the router's message
+            if legacy:
+                await self._router_call("POST", "/add_worker?" + urlencode({"url": url}), None)
         with anyio.fail_after(_ROUTER_LIST_DEADLINE):
             delay = 0.05
             while True:
