@@ -22,6 +22,7 @@ from stages.sglang.http1 import GeneratePool, HttpProtocolError
 pytestmark = pytest.mark.anyio
 
 HOLD = b"<hold>"  # script entry: read the request, never answer
+CLOSE = b"<close>"  # script entry: read the request, close the connection without an answer
 
 
 class Scripted:
@@ -58,6 +59,8 @@ class Scripted:
                 if answer is HOLD:
                     await reader.read()  # until the client hangs up
                     self.hung_up.set()
+                    return
+                if answer is CLOSE:
                     return
                 writer.write(answer)
                 await writer.drain()
@@ -167,3 +170,19 @@ async def test_an_unreachable_engine_is_a_connection_error(pools):
 def test_only_plain_http_is_spoken():
     with pytest.raises(ValueError, match="plain http"):
         GeneratePool("https://127.0.0.1:1")
+
+
+async def test_a_keep_alive_connection_the_engine_closed_is_resent_on_a_new_one_as_a_new_request(pools):
+    """uvicorn closes a connection idle for 5 s; a request sent on it just then gets no answer. The
+    pool does not resend it by itself (the engine may have started it): the client's retry does,
+    on a new connection and under a new rid."""
+    answer = b'{"meta_info": {"id": "r", "finish_reason": {"type": "length", "length": 0}, "weight_version": "0"}}'
+    async with Scripted(ok(answer), CLOSE, ok(answer)) as server:
+        engine = EngineClient(server.url, None, request_timeout=5, control_timeout=5, max_retries=1,  # type: ignore[arg-type]
+                              retry_backoff=0.001, generate_pool=pool_for(server, pools))  # fmt: skip
+        await engine.generate([1], {}, rid="first")
+        result = await engine.generate([1], {}, rid="second")
+    assert result.finish_reason.value == "length"
+    assert server.connections == 2 and engine.statistics().retries == 1
+    rids = [r.rsplit(b'"rid":', 1)[1].split(b",", 1)[0] for r in server.requests]
+    assert rids == [b'"first"', b'"second"', b'"second.retry1"']
