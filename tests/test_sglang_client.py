@@ -541,3 +541,20 @@ def test_old_module_path_still_imports_with_a_deprecation_warning():
     assert old.EngineFleet is package.EngineFleet
     assert old.GenerateResult is package.GenerateResult
     assert set(old.__all__) <= set(package.__all__)
+
+
+async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine():
+    # SGLang ~0.5.x answers /health like /health_generate, which waits (20 s) for a decode step
+    # that a pause withholds: a liveness probe then times out on a healthy engine.
+    from stages.sglang.health import FaultPolicy
+
+    policy = FaultPolicy(interval=0.05, timeout=0.1)
+    async with FakeSGLang(health_waits_while_paused=True) as fake:
+        async with EngineFleet([fake.url], control_timeout=5, fault_policy=policy) as fleet:
+            with anyio.fail_after(10):
+                await fleet.pause("in_place")
+                probes = fake.calls["/health"]
+                await fake.wait_until(lambda: fake.calls["/health"] >= probes + 3)  # two timed out
+                await fleet.continue_generation()
+            assert fleet.worker_urls == (fake.url,)
+            assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]

@@ -159,6 +159,11 @@ class FleetFaults:
         try:
             status, _ = await worker._send("GET", path, None, self.policy.timeout)
         except EngineUnavailableError as exc:
+            if self.paused and isinstance(exc.__cause__, TimeoutError):
+                # SGLang ~0.5.x serves /health with /health_generate's handler, which waits (20 s)
+                # for a decode step that the pause withholds: no evidence. A dead engine still
+                # refuses the connection, and a hung one is found after the continue.
+                return None
             return f"heartbeat {path}: {exc}"
         if status != 200 and not (self.paused and status == 503):
             return f"heartbeat {path}: HTTP {status}"

@@ -145,6 +145,7 @@ class FakeSGLang:
         legacy_model_info: bool = False,
         legacy_versions: bool = False,
         legacy_waiting_abort: bool = False,
+        health_waits_while_paused: bool = False,
     ) -> None:
         self._requests: dict[str, FakeRequest] = {}
         self._weight_version = weight_version
@@ -154,6 +155,9 @@ class FakeSGLang:
         # only id, finish_reason ("Abort before prefill"), prompt_tokens 0 and completion_tokens 0:
         # no weight_version, no output_ids, no log-probs.
         self.legacy_waiting_abort = legacy_waiting_abort
+        # SGLang ~0.5.x serves /health with /health_generate's handler, which waits (up to 20 s)
+        # for a decode step: while paused, both hang rather than answer.
+        self.health_waits_while_paused = health_waits_while_paused
         self.token_fn = token_fn or default_token_fn(eos_token_id=eos_token_id)
         self.eos_token_id = eos_token_id
         self.max_running = max_running
@@ -587,6 +591,8 @@ class FakeSGLang:
         if self.starting_polls > 0:
             self.starting_polls -= 1
             return web.Response(status=503)
+        if self.health_waits_while_paused and self.paused is not None:
+            await self.wait_until(lambda: self.paused is None or self._closing)
         if not self.healthy or (request.path == "/health_generate" and self.paused is not None):
             return web.Response(status=503)
         return web.Response(status=200)
