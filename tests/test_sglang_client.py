@@ -281,6 +281,16 @@ async def test_a_resend_after_a_dropped_connection_is_a_new_request_to_the_engin
     assert rids[0] == "r-orphan"
 
 
+@pytest.mark.parametrize("status", [408, 429])
+async def test_generate_retries_the_routers_overload_answers(fake, session, status):
+    # sglang-router with --max-concurrent-requests answers 429 (its queue is full) and 408 (a
+    # request waited in its queue past --queue-timeout-secs), both with an empty body.
+    fake.fail("/generate", status=status, times=2)
+    result = await client(fake.url, session, max_retries=3).generate(PROMPT, {"max_new_tokens": 2}, rid="r-busy")
+    assert result.finish_reason is FinishReason.LENGTH
+    assert fake.calls["/generate"] == 3
+
+
 async def test_generate_400_is_not_retried(fake, session):
     with pytest.raises(EngineError, match="input_ids cannot be empty") as info:
         await client(fake.url, session).generate([], {"max_new_tokens": 2}, rid="r-bad")

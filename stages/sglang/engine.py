@@ -2,7 +2,7 @@
 
 Error policy: aiohttp and timeout errors become `EngineUnavailableError`; an engine's non-2xx answer
 becomes `EngineError` carrying the URL and status. Only `generate` retries, and only connection
-failures and overload answers (429, 500, 502, 503, 504): anything else would fail the same way
+failures and overload answers (408, 429, 500, 502, 503, 504): anything else would fail the same way
 again. An HTTP 200 whose `finish_reason.type` is `"abort"` is a result, not an error: it carries
 the partial output.
 """
@@ -39,8 +39,9 @@ _POLL_MAX = 1.0
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 # Answers worth sending the same /generate again for: the engine (or the router's queue) is
-# overloaded or restarting. Any other 4xx would fail the same way again.
-_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# overloaded or restarting. sglang-router answers 429 when its queue is full and 408 when a
+# request waited in it past --queue-timeout-secs. Any other 4xx would fail the same way again.
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,7 @@ class EngineClient:
     ) -> GenerateResult:
         """Generate from `input_ids` (token-in, token-out). An abort comes back as a result.
 
-        Connection failures and overload answers (429, 500, 502, 503, 504) are retried
+        Connection failures and overload answers (408, 429, 500, 502, 503, 504) are retried
         `max_retries` times with exponential backoff; any other status, or a timed-out attempt,
         is raised at once (a timeout means the engine is stuck, and resending would only queue a
         duplicate behind it).
