@@ -568,3 +568,25 @@ async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine()
                 await fleet.continue_generation()
             assert fleet.worker_urls == (fake.url,)
             assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]
+
+
+async def test_a_heartbeat_during_a_long_weight_load_does_not_evict_the_engine(tmp_path):
+    # An overlapped publish does not pause; while SGLang loads a checkpoint it holds the model
+    # update lock, no output arrives, and /health_generate answers 503 after 20 s.
+    from stages.sglang.health import FaultPolicy
+
+    policy = FaultPolicy(interval=0.05, timeout=1.0)
+    async with FakeSGLang() as fake:
+        async with EngineFleet([fake.url], control_timeout=5, fault_policy=policy) as fleet:
+            fake.loading = True
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: fleet.update_weights_from_disk(str(tmp_path), weight_version="1"))
+                    await fake.wait_until(lambda: fake.calls["/update_weights_from_disk"] == 1)
+                    probes = sum(fake.calls[p] for p in ("/health", "/health_generate"))
+                    await fake.wait_until(
+                        lambda: sum(fake.calls[p] for p in ("/health", "/health_generate")) >= probes + 3
+                    )
+                    fake.loading = False
+            assert fleet.worker_urls == (fake.url,) and fake.weight_version == "1"
+            assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]

@@ -38,6 +38,9 @@ __all__ = ["FleetFaults"]
 log = structlog.get_logger(__name__)
 
 _ROUTER_LIST_DEADLINE = 30.0
+# How long SGLang's /health_generate waits for output before it answers 503 (its
+# SGLANG_HEALTH_CHECK_TIMEOUT, default 20 s); ~0.5.x serves /health the same way.
+_SGLANG_HEALTH_WAIT = 20.0
 _LEGACY = "_legacy"  # marks a row listed by a router up to 0.2.1, which has no /workers
 
 
@@ -48,6 +51,7 @@ class FleetFaults:
         self._restarter = restarter
         self.counters = FaultCounters()
         self._paused = False
+        self._updating = 0  # weight updates under way: SGLang's health probes stall meanwhile
         self._unpaused = anyio.Event()
         self._unpaused.set()
         self.weights_lock = anyio.Lock()
@@ -83,6 +87,17 @@ class FleetFaults:
             self._unpaused = anyio.Event()
         elif not value:
             self._unpaused.set()
+
+    @contextmanager
+    def updating_weights(self) -> Iterator[None]:
+        """Around a weight update's fan-out: SGLang holds its model-update lock while it loads, no
+        output arrives, and `/health_generate` answers 503 after 20 s (an overlapped publish
+        does not pause), so the heartbeat treats the engines as it does while paused."""
+        self._updating += 1
+        try:
+            yield
+        finally:
+            self._updating -= 1
 
     def statistics(self) -> FaultStatistics:
         live = len(self._fleet.workers) if self._tg is not None else 0
@@ -154,18 +169,21 @@ class FleetFaults:
 
     async def _unhealthy(self, worker: EngineClient) -> str | None:
         """Why `worker` failed its heartbeat, or None. While a publish has the engines paused,
-        `/health_generate` answers 503 by design, so liveness (`/health`) is what is probed."""
-        path = "/health" if self.paused else "/health_generate"
+        `/health_generate` answers 503 by design, so liveness (`/health`) is what is probed; the
+        same while a weight update is under way."""
+        quiet = self.paused or self._updating > 0
+        path = "/health" if quiet else "/health_generate"
         try:
             status, _ = await worker._send("GET", path, None, self.policy.timeout)
         except EngineUnavailableError as exc:
-            if self.paused and isinstance(exc.__cause__, TimeoutError):
-                # SGLang ~0.5.x serves /health with /health_generate's handler, which waits (20 s)
-                # for a decode step that the pause withholds: no evidence. A dead engine still
-                # refuses the connection, and a hung one is found after the continue.
+            if quiet and self.policy.timeout <= _SGLANG_HEALTH_WAIT and isinstance(exc.__cause__, TimeoutError):
+                # SGLang ~0.5.x serves /health with /health_generate's handler, which waits 20 s
+                # for output that a pause or a weight load withholds, then answers 503: a shorter
+                # probe cannot tell that from a hung engine. A dead engine still refuses the
+                # connection; a longer probe gets the 503 from a live one and times out on a hung one.
                 return None
             return f"heartbeat {path}: {exc}"
-        if status != 200 and not (self.paused and status == 503):
+        if status != 200 and not (quiet and status == 503):
             return f"heartbeat {path}: HTTP {status}"
         return None
 
@@ -192,7 +210,7 @@ class FleetFaults:
         client = self._fleet.client_for(url)
         while True:
             await anyio.sleep(self.policy.interval)
-            if await self._unhealthy(client) is None and not self.paused:
+            if not self.paused and not self._updating and await self._unhealthy(client) is None:
                 try:
                     await self.readmit(url)
                     return

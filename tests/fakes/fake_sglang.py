@@ -171,6 +171,7 @@ class FakeSGLang:
         self.starting_polls = 0  # /health* answer 503 this many more times, like a server still starting
         self.flush_busy_times = 0  # /flush_cache answers 400 this many more times even when idle
         self.weight_update_error: str | None = None  # while set, weight updates fail with this message
+        self._loading = False
 
         # What happened, for assertions.
         self.calls: Counter[str] = Counter()
@@ -189,6 +190,17 @@ class FakeSGLang:
         self._closing = False
         self._runner: web.AppRunner | None = None
         self.url = ""
+
+    @property
+    def loading(self) -> bool:
+        """While set, `/update_weights_from_disk` waits (a checkpoint loading) until it is cleared;
+        meanwhile `/health*` answer 503, as SGLang's do when no output arrives for 20 s."""
+        return self._loading
+
+    @loading.setter
+    def loading(self, value: bool) -> None:
+        self._loading = value
+        self._notify()
 
     @property
     def weight_version(self) -> str:
@@ -525,6 +537,7 @@ class FakeSGLang:
             # it could; it cannot while it holds requests (an in_place or retract pause).
             self.healthy = False
             return _error(500, "AssertionError: Cache flush failed after updating weights")
+        await self.wait_until(lambda: not self.loading or self._closing)
         self.loaded_paths.append(str(body["model_path"]))
         self._cache.clear()
         message = "Succeeded to update model weights."
@@ -593,7 +606,7 @@ class FakeSGLang:
             return web.Response(status=503)
         if self.health_waits_while_paused and self.paused is not None:
             await self.wait_until(lambda: self.paused is None or self._closing)
-        if not self.healthy or (request.path == "/health_generate" and self.paused is not None):
+        if not self.healthy or self.loading or (request.path == "/health_generate" and self.paused is not None):
             return web.Response(status=503)
         return web.Response(status=200)
 
