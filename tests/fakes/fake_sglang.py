@@ -20,7 +20,12 @@ It is scriptable without sleeps:
   `drop_admitted(times)` drops a `/generate` connection after admitting its request, whose rid the
   engine then keeps (as SGLang does until it notices the hang-up) until an abort;
 - `legacy_waiting_abort=True` answers a request aborted in the waiting queue as SGLang did up to
-  late 2025 ("Abort before prefill": no weight_version, no output_ids, no log-probs).
+  late 2025 ("Abort before prefill": no weight_version, no output_ids, no log-probs);
+- `health_waits_while_paused=True` makes `/health` hang while paused (SGLang ~0.5.x serves it with
+  `/health_generate`'s handler); `loading = True` holds `/update_weights_from_disk` (and answers
+  `/health*` 503) until cleared;
+- a weight update that asks for a flush while requests are held answers 500 and leaves the fake
+  unhealthy, as SGLang's scheduler asserts that flush and dies.
 
 Run it with `async with FakeSGLang() as fake:` and point a client at `fake.url` (127.0.0.1, port 0).
 """
