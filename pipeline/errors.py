@@ -121,6 +121,13 @@ class EngineError(PipelineError):
         where = f"{url} (HTTP {status})" if status is not None else url
         super().__init__(f"{where}: {message}")
 
+    @property
+    def refused(self) -> bool:
+        """The engine refused this very request (a 4xx, or a 200 it could not read): sending it
+        again fails the same way. 408 and 429 are not refusals: a router in front of the engines
+        answers them when its queue is full or a request waited in it too long."""
+        return self.status is not None and self.status < 500 and self.status not in (408, 429)
+
 
 class EngineUnavailableError(EngineError):
     """The engine could not be reached, or did not answer within its deadline."""

@@ -365,11 +365,12 @@ class GeneratorPool:
             result = await self._engine.generate(sample.prompt_ids + sample.response_ids, params, rid=rid)
         except EngineError as exc:
             # Retries already happened inside the client. A request the engine refused (4xx) is
-            # this sample's own problem: it fails, visibly. No engine at all (unreachable, 5xx)
-            # is nobody's sample's fault: it keeps its prefix and goes back like an aborted one.
+            # this sample's own problem: it fails, visibly. No engine at all (unreachable, 5xx, an
+            # overloaded router's 408 or 429) is nobody's sample's fault: it keeps its prefix and
+            # goes back like an aborted one.
             self._engines_gone(exc)
             result = None
-            if exc.status is not None and exc.status < 500:
+            if exc.refused:
                 self._stats["failed"] += 1
                 segment = Segment(TokenIds(), LogProbs(), FinishReason.ERROR, self._clock.version, error=str(exc))
             else:
@@ -410,7 +411,7 @@ class GeneratorPool:
         retries): a full round of the slots failing means no engine serves, and failing group after
         group would only burn through the dataset while the trainer waits for a batch forever.
         One bad request (a 4xx) is that sample's problem, and does not count."""
-        if exc.status is not None and exc.status < 500:
+        if exc.refused:
             return
         self._unavailable_run += 1
         if self._unavailable_run >= self._n_slots:
@@ -424,6 +425,8 @@ class GeneratorPool:
         A version the clock never published (from the future, or not a version at all) fails this
         request like an answer the engine refused: the sample fails visibly, the run goes on.
         """
+        if result.weight_version is None:  # an abort before prefill: no token to stamp
+            return result.to_segment(sent_version)
         try:
             if result.weight_versions is not None:
                 spans = tuple(

@@ -144,7 +144,7 @@ class WeightGroupTarget(Protocol):
     ) -> None: ...
 
     async def update_weights_from_distributed(
-        self, specs: Sequence[TensorSpec], *, group_name: str, weight_version: str, flush_cache: bool
+        self, specs: Sequence[TensorSpec], *, group_name: str, weight_version: str | None, flush_cache: bool
     ) -> None: ...
 
     async def destroy_weights_update_group(self, group_name: str) -> None: ...
@@ -255,6 +255,11 @@ class DistributedWeightSender:
         """Publish every parameter (joining the group first if not in it); each engine swaps to
         `weight_version` once the last bucket arrived.
 
+        Only the last bucket carries `weight_version` and `flush_cache`: SGLang loads each bucket
+        as it arrives and stamps (and starts a version span at) any call that carries a version,
+        so tokens decoded mid-transfer (an overlapped publish) keep the older version, the
+        conservative bound; and it flushes after every call asked to, asserting that it could.
+
         Raises EngineError (naming the engines) if any engine refused or the transfer broke; the
         engines then keep their old weights and version."""
         if self._group is None:  # the first publish, or the one after a broken transfer
@@ -263,7 +268,9 @@ class DistributedWeightSender:
         assert group is not None
         # Off the event loop: reading the weights copies them, and a megatron trainer gathers its
         # tensor-parallel shards from the other ranks first.
-        for bucket in await anyio.to_thread.run_sync(self.buckets):
+        buckets = await anyio.to_thread.run_sync(self.buckets)
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
             specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in bucket]
             broken: list[BaseException] = []
             failure: EngineError | None = None
@@ -271,7 +278,10 @@ class DistributedWeightSender:
                 tg.start_soon(_broadcast_bucket, group, [t for _, t in bucket], broken)
                 try:
                     await self._engines.update_weights_from_distributed(
-                        specs, group_name=self.group_name, weight_version=weight_version, flush_cache=flush_cache
+                        specs,
+                        group_name=self.group_name,
+                        weight_version=weight_version if last else None,
+                        flush_cache=flush_cache and last,
                     )
                 except EngineError as exc:
                     # The group is out of step now (an engine stopped receiving): drop it, which

@@ -33,13 +33,15 @@ class WeightTarget(Protocol):
     async def pause(self, mode: PauseMode) -> None: ...
     async def continue_generation(self) -> None: ...
     async def flush_cache(self, deadline: float) -> None: ...
-    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None: ...
+    async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None: ...
 
 
 class WeightTransfer(Protocol):
     """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`)."""
 
-    async def send(self, weight_version: str) -> None: ...
+    async def send(self, weight_version: str, *, flush_cache: bool) -> None:
+        """Move the weights and stamp `weight_version`; `flush_cache` only while the engines hold
+        no request (SGLang's scheduler asserts the flush after the update, and refuses it then)."""
 
 
 class AdmissionGates(Protocol):
@@ -127,11 +129,15 @@ async def _move_weights(
                 await engines.flush_cache(flush_deadline)
             except EngineError:
                 pass
+        # Only an abort pause empties the engines, and SGLang asserts that its flush after an
+        # update succeeded: ask for none otherwise. The prefix cache then keeps entries computed
+        # by the old weights, as the requests kept in place keep their KV cache.
+        flush = pause_mode == PauseMode.ABORT and not overlap
         t0 = time.perf_counter()
         if transfer is None:
-            await engines.update_weights_from_disk(str(weights), weight_version=str(version))
+            await engines.update_weights_from_disk(str(weights), weight_version=str(version), flush_cache=flush)
         else:
-            await transfer.send(str(version))
+            await transfer.send(str(version), flush_cache=flush)
         update_seconds = time.perf_counter() - t0
     except EngineError as exc:
         raise PublishError(version, str(exc)) from exc

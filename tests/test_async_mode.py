@@ -165,10 +165,10 @@ class HeldUpdate:
     async def flush_cache(self, deadline):
         await self._fleet.flush_cache(deadline)
 
-    async def update_weights_from_disk(self, path, *, weight_version):
+    async def update_weights_from_disk(self, path, *, weight_version, flush_cache=True):
         self.entered.set()
         await self.go.wait()
-        await self._fleet.update_weights_from_disk(path, weight_version=weight_version)
+        await self._fleet.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache)
 
 
 async def test_the_gate_admits_nothing_while_publishing(tmp_path):

@@ -149,14 +149,18 @@ class _Killing:
     async def flush_cache(self, deadline: float) -> None:
         await self.fleet.flush_cache(deadline)
 
-    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+    async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None:
         if self.phase != "during_update":
-            await self.fleet.update_weights_from_disk(path, weight_version=weight_version)
+            await self.fleet.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache)
             if self.phase == "before_continue":
                 self.kill()
             return
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: self.fleet.update_weights_from_disk(path, weight_version=weight_version))
+            tg.start_soon(
+                lambda: self.fleet.update_weights_from_disk(
+                    path, weight_version=weight_version, flush_cache=flush_cache
+                )
+            )
             await anyio.wait_all_tasks_blocked()  # the update requests are on the wire
             self.kill()
 

@@ -71,3 +71,42 @@ async def test_a_request_that_never_gets_an_answer_fails_its_sample_visibly():
     sample = failed.samples[0]
     assert sample.status is SampleStatus.FAILED and "no answer after" in sample.error
     assert engine.calls[POISON] == SAMPLE_ATTEMPTS + 1  # bounded, not retried forever
+
+
+class OverloadedRouterEngine(PoisonPromptEngine):
+    """A router over its concurrency limit: the first `busy` requests get 429 (after the client's
+    own retries), the rest an answer."""
+
+    def __init__(self, busy: int) -> None:
+        super().__init__()
+        self.busy = busy
+
+    async def generate(self, input_ids, sampling_params, *, rid):
+        if self.busy > 0:
+            self.busy -= 1
+            raise EngineError("http://router", "request q: (empty body)", status=429)
+        return await super().generate(input_ids, sampling_params, rid=rid)
+
+
+async def test_an_overloaded_router_is_no_fault_of_the_sample():
+    """429 and 408 say the router is saturated, not that the request is bad: the sample is tried
+    again like one that found no engine, rather than failed at once as a refused request is."""
+    store = AsyncStore(MemoryStore())
+    admission, clock, engine = Admission(), VersionClock(), OverloadedRouterEngine(busy=SAMPLE_ATTEMPTS)
+    pool = GeneratorPool(
+        engine, slots=16, sampling_params={}, max_response_len=8, clock=clock, store=store, admission=admission
+    )
+    group = Group.fresh(PromptTask(1, (5, 1)), epoch=0, n_samples=1, version=0, seq=0)
+    await store.admit([group], Cursor(0, 1, 1))
+    admission.grant(1)
+    to_pool_send, to_pool = anyio.create_memory_object_stream(0)
+    out_send, out = anyio.create_memory_object_stream(4)
+    with anyio.fail_after(10), to_pool_send, out:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pool.run, to_pool, out_send)
+            await admission.take_ticket()
+            await to_pool_send.send(group)
+            done = await out.receive()
+            tg.cancel_scope.cancel()
+    assert done.finished and done.samples[0].status is SampleStatus.COMPLETED
+    assert pool.statistics().failed_samples == 0

@@ -257,3 +257,36 @@ async def test_an_overlapped_publish_never_pauses_and_splits_the_spans(folders: 
         spans = result.weight_versions  # type: ignore[attr-defined]
         assert [s.version for s in spans] == ["0", "1"], spans
         assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == 400
+
+
+class RecordingGroupTarget:
+    """A weight-group target with no engine (the trainer alone in the group): records each call."""
+
+    worker_urls: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[int, str | None, bool]] = []
+
+    async def init_weights_update_group(self, **kw: object) -> None:
+        pass
+
+    async def update_weights_from_distributed(
+        self, specs: object, *, group_name: str, weight_version: str | None, flush_cache: bool
+    ) -> None:
+        self.updates.append((len(specs), weight_version, flush_cache))  # type: ignore[arg-type]
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("flush", [True, False])
+async def test_only_the_last_bucket_stamps_the_version_and_asks_for_the_flush(flush: bool) -> None:
+    """SGLang loads each bucket as it arrives and stamps any call that carries a version (a span
+    boundary), and asserts a flush after every call that asks for one."""
+    model = torch.nn.Linear(8, 8)  # weight 256 bytes, bias 32: two buckets of 256 bytes
+    target = RecordingGroupTarget()
+    sender = DistributedWeightSender(model.named_parameters, target, bucket_bytes=256)
+    with anyio.fail_after(30):
+        await sender.send("7", flush_cache=flush)
+        await sender.close()
+    assert target.updates == [(1, None, False), (1, "7", flush)]

@@ -101,3 +101,76 @@ async def test_a_router_whose_workers_never_come_up_times_out_and_is_stopped():
         await start_router(["http://127.0.0.1:9"], startup_timeout=1.0)
     assert "listed [] of ['http://127.0.0.1:9']" in str(info.value)
     assert "\x1b[" not in str(info.value)  # the log tail comes without colour codes
+
+
+class LegacyRouter:
+    """sglang-router up to 0.2.1's worker API (no `/workers`): `GET /list_workers`,
+    `POST /add_worker?url=` and `POST /remove_worker?url=`, answered with text."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = list(urls)
+        self.url = ""
+
+    async def __aenter__(self) -> LegacyRouter:
+        from aiohttp import web
+
+        async def list_workers(request: web.Request) -> web.Response:
+            return web.json_response({"urls": self.urls})
+
+        async def add(request: web.Request) -> web.Response:
+            self.urls.append(request.query["url"])
+            return web.Response(text=f"Successfully added worker: {request.query['url']}")
+
+        async def remove(request: web.Request) -> web.Response:
+            self.urls.remove(request.query["url"])
+            return web.Response(text=f"Successfully removed worker: {request.query['url']}")
+
+        app = web.Application()
+        app.add_routes(
+            [web.get("/list_workers", list_workers), web.post("/add_worker", add), web.post("/remove_worker", remove)]
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._runner.cleanup()
+
+
+async def test_eviction_and_readmission_speak_the_legacy_router_api(engines):
+    """The fleet finds its workers on a router up to 0.2.1 (`/list_workers`); evicting and
+    re-admitting an engine must take it out of and put it back into that router too."""
+    from stages.sglang.health import FaultPolicy
+
+    a, b = engines
+    policy = FaultPolicy(interval=60.0, timeout=5.0)
+    async with LegacyRouter([a.url, b.url]) as legacy:
+        fleet = EngineFleet(router_url=legacy.url, control_timeout=5, fault_policy=policy)
+        with anyio.fail_after(20):
+            async with fleet:
+                assert set(fleet.worker_urls) == {a.url, b.url}
+                await fleet.evict(b.url, "test")
+                assert legacy.urls == [a.url] and fleet.worker_urls == (a.url,)
+                await fleet.readmit(b.url)
+                assert sorted(legacy.urls) == sorted([a.url, b.url]) and set(fleet.worker_urls) == {a.url, b.url}
+
+
+async def test_eviction_and_readmission_reach_the_real_router(engines, router):
+    """sglang-router 0.3.2: `DELETE /workers/{id}` (it refuses a URL there) and `POST /workers`."""
+    from stages.sglang.health import FaultPolicy
+
+    a, b = engines
+    fleet = EngineFleet(router_url=router.url, control_timeout=5, fault_policy=FaultPolicy(interval=60.0))
+    with anyio.fail_after(30):
+        async with fleet:
+            listed = fleet._open.generator.router_workers
+            await fleet.evict(b.url, "test")
+            while True:  # the router removes in the background, telling no one
+                if b.url not in await listed():
+                    break
+                await anyio.sleep(0.05)
+            await fleet.readmit(b.url)
+            assert set(await listed()) == {a.url, b.url} and set(fleet.worker_urls) == {a.url, b.url}

@@ -204,6 +204,40 @@ async def test_abort_in_waiting_queue_has_no_prompt_counts(session):
     assert results["first"].finish_reason is FinishReason.LENGTH and len(results["first"].token_ids) == 4
 
 
+async def test_abort_before_prefill_from_older_servers_is_an_empty_abort_not_an_error(session):
+    # SGLang up to late 2025 answers a request aborted in the waiting queue with no weight_version,
+    # no output_ids and no log-probs ("Abort before prefill"): nothing to stamp, nothing to lose.
+    async with FakeSGLang(max_running=1, legacy_waiting_abort=True) as fake:
+        fake.hold_at = 1
+        engine = client(fake.url, session)
+        results: dict[str, GenerateResult] = {}
+
+        async def run(rid: str) -> None:
+            results[rid] = await engine.generate(PROMPT, {"max_new_tokens": 4}, rid=rid)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "first")
+                await fake.wait_until(lambda: fake.held == 1)
+                tg.start_soon(run, "second")
+                await fake.wait_until(lambda: fake.waiting == 1)
+                await engine.abort_all()
+    waiting = results["second"]
+    assert (waiting.finish_reason, waiting.finish_message) == (FinishReason.ABORT, "Abort before prefill")
+    assert waiting.token_ids == () and waiting.weight_version is None and waiting.weight_versions is None
+    assert waiting.to_segment(7).version == 7
+    assert engine.statistics().errors == 0
+
+
+def test_a_missing_weight_version_is_still_an_error_when_the_answer_has_tokens():
+    meta = {"id": "x", "finish_reason": {"type": "abort", "message": "Aborted"}, "completion_tokens": 1}
+    with pytest.raises(EngineError, match="weight_version"):
+        GenerateResult.from_response({"output_ids": [5], "meta_info": meta}, url="u", rid="x")
+    meta["output_token_logprobs"] = [[-0.1, 5, None]]
+    with pytest.raises(EngineError, match="weight_version"):
+        GenerateResult.from_response({"output_ids": [5], "meta_info": meta}, url="u", rid="x")
+
+
 # -- retries and deadlines ------------------------------------------------------------------
 
 
@@ -233,6 +267,28 @@ async def test_generate_retries_a_dropped_connection(fake, session):
     result = await client(fake.url, session).generate(PROMPT, {"max_new_tokens": 2}, rid="r-drop")
     assert result.finish_reason is FinishReason.LENGTH
     assert fake.calls["/generate"] == 2
+
+
+async def test_a_resend_after_a_dropped_connection_is_a_new_request_to_the_engine(fake, session):
+    # SGLang keeps a request whose client hung up until it notices (seconds later); a resend with
+    # the same rid would be refused as a duplicate, or would share the first one's state.
+    fake.drop_admitted(times=2)
+    result = await client(fake.url, session).generate(PROMPT, {"max_new_tokens": 2}, rid="r-orphan")
+    assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 2
+    rids = [p["rid"] for p in fake.generate_payloads]
+    assert len(rids) == 3 and len(set(rids)) == 3
+    assert all(r.startswith("r-orphan") for r in rids)  # an abort of the rid still reaches every attempt
+    assert rids[0] == "r-orphan"
+
+
+@pytest.mark.parametrize("status", [408, 429])
+async def test_generate_retries_the_routers_overload_answers(fake, session, status):
+    # sglang-router with --max-concurrent-requests answers 429 (its queue is full) and 408 (a
+    # request waited in its queue past --queue-timeout-secs), both with an empty body.
+    fake.fail("/generate", status=status, times=2)
+    result = await client(fake.url, session, max_retries=3).generate(PROMPT, {"max_new_tokens": 2}, rid="r-busy")
+    assert result.finish_reason is FinishReason.LENGTH
+    assert fake.calls["/generate"] == 3
 
 
 async def test_generate_400_is_not_retried(fake, session):
@@ -495,3 +551,42 @@ def test_old_module_path_still_imports_with_a_deprecation_warning():
     assert old.EngineFleet is package.EngineFleet
     assert old.GenerateResult is package.GenerateResult
     assert set(old.__all__) <= set(package.__all__)
+
+
+async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine():
+    # SGLang ~0.5.x answers /health like /health_generate, which waits (20 s) for a decode step
+    # that a pause withholds: a liveness probe then times out on a healthy engine.
+    from stages.sglang.health import FaultPolicy
+
+    policy = FaultPolicy(interval=0.05, timeout=0.1)
+    async with FakeSGLang(health_waits_while_paused=True) as fake:
+        async with EngineFleet([fake.url], control_timeout=5, fault_policy=policy) as fleet:
+            with anyio.fail_after(10):
+                await fleet.pause("in_place")
+                probes = fake.calls["/health"]
+                await fake.wait_until(lambda: fake.calls["/health"] >= probes + 3)  # two timed out
+                await fleet.continue_generation()
+            assert fleet.worker_urls == (fake.url,)
+            assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]
+
+
+async def test_a_heartbeat_during_a_long_weight_load_does_not_evict_the_engine(tmp_path):
+    # An overlapped publish does not pause; while SGLang loads a checkpoint it holds the model
+    # update lock, no output arrives, and /health_generate answers 503 after 20 s.
+    from stages.sglang.health import FaultPolicy
+
+    policy = FaultPolicy(interval=0.05, timeout=1.0)
+    async with FakeSGLang() as fake:
+        async with EngineFleet([fake.url], control_timeout=5, fault_policy=policy) as fleet:
+            fake.loading = True
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: fleet.update_weights_from_disk(str(tmp_path), weight_version="1"))
+                    await fake.wait_until(lambda: fake.calls["/update_weights_from_disk"] == 1)
+                    probes = sum(fake.calls[p] for p in ("/health", "/health_generate"))
+                    await fake.wait_until(
+                        lambda: sum(fake.calls[p] for p in ("/health", "/health_generate")) >= probes + 3
+                    )
+                    fake.loading = False
+            assert fleet.worker_urls == (fake.url,) and fake.weight_version == "1"
+            assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]

@@ -22,6 +22,8 @@ from stages.sglang.http1 import GeneratePool, HttpProtocolError
 pytestmark = pytest.mark.anyio
 
 HOLD = b"<hold>"  # script entry: read the request, never answer
+CLOSE = b"<close>"  # script entry: read the request, close the connection without an answer
+CUT = b"<cut>"  # ends a script entry: send what comes before, then close the connection
 
 
 class Scripted:
@@ -59,9 +61,11 @@ class Scripted:
                     await reader.read()  # until the client hangs up
                     self.hung_up.set()
                     return
-                writer.write(answer)
+                if answer is CLOSE:
+                    return
+                writer.write(answer.removesuffix(CUT))
                 await writer.drain()
-                if b"Connection: close" in answer or b"HTTP/1.0" in answer:
+                if b"Connection: close" in answer or b"HTTP/1.0" in answer or answer.endswith(CUT):
                     return
         finally:
             writer.close()
@@ -167,3 +171,31 @@ async def test_an_unreachable_engine_is_a_connection_error(pools):
 def test_only_plain_http_is_spoken():
     with pytest.raises(ValueError, match="plain http"):
         GeneratePool("https://127.0.0.1:1")
+
+
+async def test_a_keep_alive_connection_the_engine_closed_is_resent_on_a_new_one_as_a_new_request(pools):
+    """uvicorn closes a connection idle for 5 s; a request sent on it just then gets no answer. The
+    pool does not resend it by itself (the engine may have started it): the client's retry does,
+    on a new connection and under a new rid."""
+    answer = b'{"meta_info": {"id": "r", "finish_reason": {"type": "length", "length": 0}, "weight_version": "0"}}'
+    async with Scripted(ok(answer), CLOSE, ok(answer)) as server:
+        engine = EngineClient(server.url, None, request_timeout=5, control_timeout=5, max_retries=1,  # type: ignore[arg-type]
+                              retry_backoff=0.001, generate_pool=pool_for(server, pools))  # fmt: skip
+        await engine.generate([1], {}, rid="first")
+        result = await engine.generate([1], {}, rid="second")
+    assert result.finish_reason.value == "length"
+    assert server.connections == 2 and engine.statistics().retries == 1
+    rids = [r.rsplit(b'"rid":', 1)[1].split(b",", 1)[0] for r in server.requests]
+    assert rids == [b'"first"', b'"second"', b'"second.retry1"']
+
+
+async def test_a_connection_reset_mid_body_is_a_connection_error_and_the_client_resends(pools):
+    answer = b'{"meta_info": {"finish_reason": {"type": "length", "length": 0}, "weight_version": "0"}}'
+    truncated = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(answer), answer[:20]) + CUT
+    async with Scripted(truncated, truncated, ok(answer)) as server:
+        with pytest.raises(ConnectionResetError, match="before its answer was complete"):
+            await pool_for(server, pools).post(b"{}", 5)
+        engine = EngineClient(server.url, None, request_timeout=5, control_timeout=5, max_retries=1,  # type: ignore[arg-type]
+                              retry_backoff=0.001, generate_pool=pool_for(server, pools))  # fmt: skip
+        result = await engine.generate([1], {}, rid="r")
+    assert result.finish_reason.value == "length" and engine.statistics().retries == 1

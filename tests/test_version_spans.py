@@ -124,7 +124,7 @@ async def _cross_a_publish(fake: FakeSGLang, mode: str, tmp_path: Path) -> Gener
                 tg.start_soon(run)
                 await fake.wait_until(lambda: fake.held == 1)
                 await engine.pause(mode)
-                await engine.update_weights_from_disk(str(tmp_path), weight_version="1")
+                await engine.update_weights_from_disk(str(tmp_path), weight_version="1", flush_cache=False)
                 fake.release()
                 await engine.continue_generation()
     return results[0]
@@ -306,3 +306,67 @@ def test_groups_staler_than_the_bound_are_reported_as_overtaken():
     assert batch_metrics(batch, version=3, max_staleness=1)["staleness/overtaken_groups"] == 1
     assert batch_metrics(batch, version=3, max_staleness=3)["staleness/overtaken_groups"] == 0
     assert batch_metrics(batch, version=3)["staleness/overtaken_groups"] == 0  # no bound, nothing overtaken
+
+
+async def test_an_abort_publish_with_requests_waiting_on_an_older_engine_loses_no_sample(tmp_path):
+    """SGLang up to late 2025 answers a request aborted in its waiting queue with no weight_version
+    ("Abort before prefill"); such a request goes back for its turn like any aborted one."""
+    store, clock = MemoryStore(), VersionClock()
+    async with FakeSGLang(weight_version="0", max_running=1, legacy_waiting_abort=True) as fake:
+        async with EngineFleet([fake.url], concurrency=16) as fleet, anyio.create_task_group() as tg:
+            rig = Rig(fleet, store, clock)
+            await rig.start(tg)
+            fake.hold(1)
+            rig.admission.grant(1)
+            with anyio.fail_after(10):
+                await fake.wait_until(lambda: fake.held == 1 and fake.waiting == N_SAMPLES - 1)
+                await publish_weights(clock, fleet, tmp_path / "v1", pause_mode="abort")
+                fake.release()
+                await rig.admission.wait_settled()
+            tg.cancel_scope.cancel()
+            engine_stats = fleet.statistics()
+    # An answer, not an engine error: a sample whose turn found "no engine" too often would fail.
+    assert engine_stats.errors == 0 and engine_stats.aborts == N_SAMPLES
+    [group] = rig.ready_groups()
+    assert all(s.status is SampleStatus.TRUNCATED and s.response_len == MAX_LEN for s in group.samples)
+    assert any(r.sampling_params and r.aborted and not r.output_ids for r in fake.finished)  # some waited
+    stats = rig.pool.statistics()
+    assert stats.failed_samples == 0 and stats.aborted_requests >= 1
+
+
+class RecordingTransfer:
+    """A `WeightTransfer` that announces one empty bucket to every engine, as the distributed
+    sender's last bucket does, and records the flush it was told to ask for."""
+
+    def __init__(self, fleet: EngineFleet) -> None:
+        self.fleet, self.flushes = fleet, []
+
+    async def send(self, weight_version: str, *, flush_cache: bool) -> None:
+        self.flushes.append(flush_cache)
+        await self.fleet.update_weights_from_distributed(
+            [], group_name="g", weight_version=weight_version, flush_cache=flush_cache
+        )
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+async def test_a_distributed_publish_asks_for_a_flush_only_when_the_engines_hold_no_request(mode, tmp_path):
+    """SGLang's scheduler asserts that the flush after `update_weights_from_distributed` succeeded,
+    and refuses to flush while it holds requests: a flush asked for under a retract or in_place
+    pause kills the engine. Requests survive those pauses and finish under the new version."""
+    async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url]) as fleet:
+        transfer = RecordingTransfer(fleet)
+        fake.hold(2)
+        results: list[GenerateResult] = []
+
+        async def run() -> None:
+            results.append(await fleet.generate([1, 2], {"max_new_tokens": 4}, rid="held"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await fake.wait_until(lambda: fake.held == 1)
+                await publish_weights(VersionClock(), fleet, tmp_path / "v1", pause_mode=mode, transfer=transfer)
+                fake.release()
+        assert fake.healthy and fake.weight_version == "1"
+    assert transfer.flushes == [mode == "abort"]
+    assert results[0].finish_reason is (FinishReason.ABORT if mode == "abort" else FinishReason.LENGTH)

@@ -2,7 +2,7 @@
 
 Error policy: aiohttp and timeout errors become `EngineUnavailableError`; an engine's non-2xx answer
 becomes `EngineError` carrying the URL and status. Only `generate` retries, and only connection
-failures and overload answers (429, 500, 502, 503, 504): anything else would fail the same way
+failures and overload answers (408, 429, 500, 502, 503, 504): anything else would fail the same way
 again. An HTTP 200 whose `finish_reason.type` is `"abort"` is a result, not an error: it carries
 the partial output.
 """
@@ -39,8 +39,9 @@ _POLL_MAX = 1.0
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 # Answers worth sending the same /generate again for: the engine (or the router's queue) is
-# overloaded or restarting. Any other 4xx would fail the same way again.
-_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# overloaded or restarting. sglang-router answers 429 when its queue is full and 408 when a
+# request waited in it past --queue-timeout-secs. Any other 4xx would fail the same way again.
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,7 @@ class EngineClient:
     ) -> GenerateResult:
         """Generate from `input_ids` (token-in, token-out). An abort comes back as a result.
 
-        Connection failures and overload answers (429, 500, 502, 503, 504) are retried
+        Connection failures and overload answers (408, 429, 500, 502, 503, 504) are retried
         `max_retries` times with exponential backoff; any other status, or a timed-out attempt,
         is raised at once (a timeout means the engine is stuck, and resending would only queue a
         duplicate behind it).
@@ -126,16 +127,22 @@ class EngineClient:
         # pipeline.columns, is an array: `tolist` copies it in C).
         if type(input_ids) not in (tuple, list):
             input_ids = input_ids.tolist() if isinstance(input_ids, array) else list(input_ids)
-        body = orjson.dumps(
-            {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
-                "rid": rid,
-                "return_logprob": return_logprob,
-            }
-        )
+        doc = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
+            "rid": rid,
+            "return_logprob": return_logprob,
+        }
+        body = orjson.dumps(doc)
         attempt = 0
         while True:
+            if attempt:
+                # A resend is a new request to the engine: the one before may still be running there
+                # (SGLang notices a hung-up client only seconds later), and a second request under
+                # its rid is refused as a duplicate or shares its state. The suffix keeps `rid` a
+                # prefix, so `abort(rid)` (a prefix match) still reaches every attempt.
+                doc["rid"] = f"{rid}.retry{attempt}"
+                body = orjson.dumps(doc)
             self._counters.requests += 1
             try:
                 status, data = await self._post_generate(url, body)
@@ -225,12 +232,17 @@ class EngineClient:
         self._counters.errors += 1
         raise EngineError(url, f"still busy after {deadline:g} s: {last}", status=400)
 
-    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+    async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None:
         """Load weights from `path` (a folder the engine can read) and stamp `weight_version`.
 
         Bounded by `request_timeout`: loading a real checkpoint takes far longer than a control call.
+        `flush_cache=False` while the engine holds requests (an in_place or retract pause): SGLang
+        asserts that its flush after loading succeeded, and it cannot then. Servers before the
+        field (late 2025) ignore it and always flush.
         """
-        body = {"model_path": str(path), "weight_version": weight_version}
+        body: dict[str, Any] = {"model_path": str(path), "weight_version": weight_version}
+        if not flush_cache:
+            body["flush_cache"] = False
         doc = await self._control("POST", "/update_weights_from_disk", body, timeout=self._request_timeout)
         self._check_success("/update_weights_from_disk", doc)
 
@@ -258,7 +270,7 @@ class EngineClient:
         self._check_success("/init_weights_update_group", doc)
 
     async def update_weights_from_distributed(
-        self, specs: Sequence[Any], *, group_name: str, weight_version: str, flush_cache: bool = True
+        self, specs: Sequence[Any], *, group_name: str, weight_version: str | None, flush_cache: bool = True
     ) -> None:
         """Receive one bucket of tensors (`TensorSpec`s: name, dtype, shape) that rank 0 broadcasts
         while this call is pending; the plural batched form of SGLang >= mid-2025."""

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
+from urllib.parse import quote, urlencode
 
 import anyio
 import anyio.abc
@@ -37,6 +38,10 @@ __all__ = ["FleetFaults"]
 log = structlog.get_logger(__name__)
 
 _ROUTER_LIST_DEADLINE = 30.0
+# How long SGLang's /health_generate waits for output before it answers 503 (its
+# SGLANG_HEALTH_CHECK_TIMEOUT, default 20 s); ~0.5.x serves /health the same way.
+_SGLANG_HEALTH_WAIT = 20.0
+_LEGACY = "_legacy"  # marks a row listed by a router up to 0.2.1, which has no /workers
 
 
 class FleetFaults:
@@ -46,6 +51,7 @@ class FleetFaults:
         self._restarter = restarter
         self.counters = FaultCounters()
         self._paused = False
+        self._updating = 0  # weight updates under way: SGLang's health probes stall meanwhile
         self._unpaused = anyio.Event()
         self._unpaused.set()
         self.weights_lock = anyio.Lock()
@@ -81,6 +87,17 @@ class FleetFaults:
             self._unpaused = anyio.Event()
         elif not value:
             self._unpaused.set()
+
+    @contextmanager
+    def updating_weights(self) -> Iterator[None]:
+        """Around a weight update's fan-out: SGLang holds its model-update lock while it loads, no
+        output arrives, and `/health_generate` answers 503 after 20 s (an overlapped publish
+        does not pause), so the heartbeat treats the engines as it does while paused."""
+        self._updating += 1
+        try:
+            yield
+        finally:
+            self._updating -= 1
 
     def statistics(self) -> FaultStatistics:
         live = len(self._fleet.workers) if self._tg is not None else 0
@@ -152,13 +169,21 @@ class FleetFaults:
 
     async def _unhealthy(self, worker: EngineClient) -> str | None:
         """Why `worker` failed its heartbeat, or None. While a publish has the engines paused,
-        `/health_generate` answers 503 by design, so liveness (`/health`) is what is probed."""
-        path = "/health" if self.paused else "/health_generate"
+        `/health_generate` answers 503 by design, so liveness (`/health`) is what is probed; the
+        same while a weight update is under way."""
+        quiet = self.paused or self._updating > 0
+        path = "/health" if quiet else "/health_generate"
         try:
             status, _ = await worker._send("GET", path, None, self.policy.timeout)
         except EngineUnavailableError as exc:
+            if quiet and self.policy.timeout <= _SGLANG_HEALTH_WAIT and isinstance(exc.__cause__, TimeoutError):
+                # SGLang ~0.5.x serves /health with /health_generate's handler, which waits 20 s
+                # for output that a pause or a weight load withholds, then answers 503: a shorter
+                # probe cannot tell that from a hung engine. A dead engine still refuses the
+                # connection; a longer probe gets the 503 from a live one and times out on a hung one.
+                return None
             return f"heartbeat {path}: {exc}"
-        if status != 200 and not (self.paused and status == 503):
+        if status != 200 and not (quiet and status == 503):
             return f"heartbeat {path}: HTTP {status}"
         return None
 
@@ -185,7 +210,7 @@ class FleetFaults:
         client = self._fleet.client_for(url)
         while True:
             await anyio.sleep(self.policy.interval)
-            if await self._unhealthy(client) is None and not self.paused:
+            if not self.paused and not self._updating and await self._unhealthy(client) is None:
                 try:
                     await self.readmit(url)
                     return
@@ -215,22 +240,33 @@ class FleetFaults:
             self.counters.capacity(len(self._fleet.workers), self._total)
         log.warning("engine re-admitted", url=url, version=version, live=len(self._fleet.workers))
 
-    # -- the router's worker API (sglang-router >= 0.2.2: /workers) ---------------------------
+    # -- the router's worker API: /workers (sglang-router >= 0.2.2), else the legacy one ----------
 
     async def _router_rows(self) -> list[dict[str, object]]:
+        """The router's workers; up to 0.2.1 only their URLs (`/list_workers`), marked legacy."""
         router = self._fleet._open.generator
         status, data = await router._control_raw("GET", "/workers", None)
+        if status == 404:  # sglang-router <= 0.2.1
+            doc = router._expect_ok("/list_workers", *await router._control_raw("GET", "/list_workers", None))
+            urls = doc.get("urls") if isinstance(doc, dict) else None
+            return [{"url": u, _LEGACY: True} for u in urls] if isinstance(urls, list) else []
         doc = router._expect_ok("/workers", status, data)
         rows = doc.get("workers") if isinstance(doc, dict) else None
         return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
     async def _router_remove(self, url: str) -> None:
-        """`DELETE /workers/{id}`; best effort: a router that cannot be reached fails generation
-        visibly anyway, and the fan-out no longer reaches the engine either way."""
+        """`DELETE /workers/{id}` (by URL on 2025 routers whose rows have no id, `POST
+        /remove_worker?url=` up to 0.2.1); best effort: a router that cannot be reached fails
+        generation visibly anyway, and the fan-out no longer reaches the engine either way."""
         try:
             for row in await self._router_rows():
-                if str(row.get("url", "")).rstrip("/") == url and row.get("id") is not None:
-                    await self._router_call("DELETE", f"/workers/{row['id']}", None)
+                if str(row.get("url", "")).rstrip("/") != url:
+                    continue
+                if row.get(_LEGACY):
+                    await self._router_call("POST", "/remove_worker?" + urlencode({"url": row["url"]}), None)
+                else:
+                    key = row.get("id") if row.get("id") is not None else row["url"]
+                    await self._router_call("DELETE", "/workers/" + quote(str(key), safe=""), None)
         except EngineError as exc:
             log.warning("router did not remove worker", url=url, error=str(exc))
 
@@ -242,10 +278,19 @@ class FleetFaults:
             router._expect_ok(path, status, data)  # raises, with the router's message
 
     async def _router_add(self, url: str) -> None:
-        """`POST /workers`, then wait until the router lists it healthy (it adds in the background)."""
-        listed = {str(r.get("url", "")).rstrip("/") for r in await self._router_rows()}
-        if url not in listed:
-            await self._router_call("POST", "/workers", {"url": url})
+        """`POST /workers` (`POST /add_worker?url=` up to 0.2.1), then wait until the router lists
+        it healthy (it adds in the background)."""
+        rows = await self._router_rows()
+        if url not in {str(r.get("url", "")).rstrip("/") for r in rows}:
+            legacy = any(r.get(_LEGACY) for r in rows)
+            if not legacy:
+                router = self._fleet._open.generator
+                status, data = await router._control_raw("POST", "/workers", {"url": url})
+                legacy = status == 404  # a router whose /workers lists none, up to 0.2.1
+                if not legacy and not 200 <= status < 300:
+                    router._expect_ok("/workers", status, data)  # raises, with the router's message
+            if legacy:
+                await self._router_call("POST", "/add_worker?" + urlencode({"url": url}), None)
         with anyio.fail_after(_ROUTER_LIST_DEADLINE):
             delay = 0.05
             while True:

@@ -238,19 +238,23 @@ class EngineFleet:
     async def flush_cache(self, deadline: float) -> None:
         await self._fan_out("flush_cache", lambda w: w.flush_cache(deadline))
 
-    async def update_weights_from_disk(self, path: str, *, weight_version: str) -> None:
+    async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None:
         if self._faults is not None:
             # Under the re-admission lock: an engine coming back either is live before this fan-out
             # starts (and takes these weights with it) or loads them itself after it ends.
             async with self._faults.weights_lock:
-                await self._fan_out(
-                    "update_weights_from_disk",
-                    lambda w: w.update_weights_from_disk(path, weight_version=weight_version),
-                )
+                with self._faults.updating_weights():
+                    await self._fan_out(
+                        "update_weights_from_disk",
+                        lambda w: w.update_weights_from_disk(
+                            path, weight_version=weight_version, flush_cache=flush_cache
+                        ),
+                    )
                 self._faults.current_weights = (path, weight_version)
             return
         await self._fan_out(
-            "update_weights_from_disk", lambda w: w.update_weights_from_disk(path, weight_version=weight_version)
+            "update_weights_from_disk",
+            lambda w: w.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache),
         )
 
     async def init_weights_update_group(
@@ -271,8 +275,17 @@ class EngineFleet:
         )
 
     async def update_weights_from_distributed(
-        self, specs: Sequence[Any], *, group_name: str, weight_version: str, flush_cache: bool
+        self, specs: Sequence[Any], *, group_name: str, weight_version: str | None, flush_cache: bool
     ) -> None:
+        if self._faults is not None:
+            with self._faults.updating_weights():
+                await self._fan_out(
+                    "update_weights_from_distributed",
+                    lambda w: w.update_weights_from_distributed(
+                        specs, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+                    ),
+                )
+            return
         await self._fan_out(
             "update_weights_from_distributed",
             lambda w: w.update_weights_from_distributed(

@@ -57,7 +57,9 @@ class GenerateResult:
     finish_reason: FinishReason
     matched: int | str | None  # the stop token id or stop string, for `stop`
     finish_message: str | None  # the abort message, for `abort`
-    weight_version: str  # the engine's version when it assembled this output
+    # The engine's version when it assembled this output; None only for an abort without tokens
+    # from a server that left it out (SGLang's "Abort before prefill" up to late 2025).
+    weight_version: str | None
     prompt_tokens: int | None
     completion_tokens: int
     cached_tokens: int | None
@@ -78,15 +80,19 @@ class GenerateResult:
         if entries is not None:
             token_ids, logprobs = _parse_logprobs(entries, url)
         else:
-            token_ids, logprobs = TokenIds(_int_tuple(payload.get("output_ids", ()), url, "output_ids")), LogProbs()
+            # No log-probs asked for, or an abort before prefill (whose answer may have no ids either).
+            ids = payload.get("output_ids")
+            token_ids, logprobs = TokenIds(() if ids is None else _int_tuple(ids, url, "output_ids")), LogProbs()
         completion = meta.get("completion_tokens")
         completion = len(token_ids) if completion is None else int(completion)
         spans = _parse_version_spans(meta.get("weight_versions"), completion, len(token_ids), url)
         version = meta.get("weight_version")
         if version is None and spans:
             version = spans[-1].version
-        if version is None:
-            # SGLang before ~0.5.1 does not stamp outputs; guessing a version would be worse.
+        if version is None and (len(token_ids) or reason is not FinishReason.ABORT):
+            # SGLang before ~0.5.1 does not stamp outputs; guessing a version would be worse. An
+            # abort without tokens is the one exception: SGLang up to late 2025 answers a request
+            # aborted before prefill with only id, finish_reason and counts, and no token needs one.
             raise EngineError(url, "response has no meta_info.weight_version (SGLang older than 0.5.1?)")
         if spans and str(version) != spans[-1].version:
             raise EngineError(
@@ -101,7 +107,7 @@ class GenerateResult:
             finish_reason=reason,
             matched=matched,
             finish_message=message,
-            weight_version=str(version),
+            weight_version=None if version is None else str(version),
             prompt_tokens=_opt_int(meta.get("prompt_tokens")),
             completion_tokens=completion,
             cached_tokens=_opt_int(meta.get("cached_tokens")),

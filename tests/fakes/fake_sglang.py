@@ -16,7 +16,16 @@ It is scriptable without sleeps:
 - `hold_at = k` parks every request before its k-th new token until `release()` or an abort,
   and `wait_until(predicate)` wakes on every state change (token, hold, finish, abort, pause);
 - `max_running` keeps extra requests in a waiting queue;
-- `fail(path, status, times)` and `drop(path, times)` inject 5xx answers and dropped connections.
+- `fail(path, status, times)` and `drop(path, times)` inject 5xx answers and dropped connections;
+  `drop_admitted(times)` drops a `/generate` connection after admitting its request, whose rid the
+  engine then keeps (as SGLang does until it notices the hang-up) until an abort;
+- `legacy_waiting_abort=True` answers a request aborted in the waiting queue as SGLang did up to
+  late 2025 ("Abort before prefill": no weight_version, no output_ids, no log-probs);
+- `health_waits_while_paused=True` makes `/health` hang while paused (SGLang ~0.5.x serves it with
+  `/health_generate`'s handler); `loading = True` holds `/update_weights_from_disk` (and answers
+  `/health*` 503) until cleared;
+- a weight update that asks for a flush while requests are held answers 500 and leaves the fake
+  unhealthy, as SGLang's scheduler asserts that flush and dies.
 
 Run it with `async with FakeSGLang() as fake:` and point a client at `fake.url` (127.0.0.1, port 0).
 """
@@ -140,11 +149,20 @@ class FakeSGLang:
         model_path: str = "fake-sglang-model",
         legacy_model_info: bool = False,
         legacy_versions: bool = False,
+        legacy_waiting_abort: bool = False,
+        health_waits_while_paused: bool = False,
     ) -> None:
         self._requests: dict[str, FakeRequest] = {}
         self._weight_version = weight_version
         # Older servers (before the late-2026 spans) send only `meta_info.weight_version`.
         self.legacy_versions = legacy_versions
+        # SGLang up to late 2025 answers a request aborted before prefill with `meta_info` holding
+        # only id, finish_reason ("Abort before prefill"), prompt_tokens 0 and completion_tokens 0:
+        # no weight_version, no output_ids, no log-probs.
+        self.legacy_waiting_abort = legacy_waiting_abort
+        # SGLang ~0.5.x serves /health with /health_generate's handler, which waits (up to 20 s)
+        # for a decode step: while paused, both hang rather than answer.
+        self.health_waits_while_paused = health_waits_while_paused
         self.token_fn = token_fn or default_token_fn(eos_token_id=eos_token_id)
         self.eos_token_id = eos_token_id
         self.max_running = max_running
@@ -158,6 +176,7 @@ class FakeSGLang:
         self.starting_polls = 0  # /health* answer 503 this many more times, like a server still starting
         self.flush_busy_times = 0  # /flush_cache answers 400 this many more times even when idle
         self.weight_update_error: str | None = None  # while set, weight updates fail with this message
+        self._loading = False
 
         # What happened, for assertions.
         self.calls: Counter[str] = Counter()
@@ -167,11 +186,26 @@ class FakeSGLang:
 
         self.paused: str | None = None
         self._faults: dict[str, deque[_Fault]] = {}
+        # Requests whose client hung up after they were admitted: SGLang keeps such a request (and
+        # its rid) until it notices the disconnect, seconds later; the fake until an abort.
+        self._orphans: set[str] = set()
+        self._orphan_next = 0
         self._cache: deque[tuple[int, ...]] = deque(maxlen=_CACHE_ENTRIES)
         self._changed = anyio.Event()
         self._closing = False
         self._runner: web.AppRunner | None = None
         self.url = ""
+
+    @property
+    def loading(self) -> bool:
+        """While set, `/update_weights_from_disk` waits (a checkpoint loading) until it is cleared;
+        meanwhile `/health*` answer 503, as SGLang's do when no output arrives for 20 s."""
+        return self._loading
+
+    @loading.setter
+    def loading(self, value: bool) -> None:
+        self._loading = value
+        self._notify()
 
     @property
     def weight_version(self) -> str:
@@ -258,6 +292,11 @@ class FakeSGLang:
         """The next `times` calls to `path` get their connection closed without an answer."""
         self._faults.setdefault(path, deque()).extend([_Fault(None, "")] * times)
 
+    def drop_admitted(self, *, times: int = 1) -> None:
+        """The next `times` `/generate` calls are admitted, then lose their connection; the engine
+        keeps each such request's rid (a resend with the same rid is a duplicate) until an abort."""
+        self._orphan_next += times
+
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds; it is re-checked after every change in the fake, so it
         must read the fake's state (a client's result lands later, after the HTTP answer)."""
@@ -325,8 +364,14 @@ class FakeSGLang:
         if problem:
             return _error(400, problem)
         rid = body.get("rid") or uuid.uuid4().hex
-        if rid in self._requests:
+        if rid in self._requests or rid in self._orphans:
             return _error(400, f"Duplicate request ID {rid}")
+        if self._orphan_next > 0:
+            self._orphan_next -= 1
+            self._orphans.add(rid)
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)  # never reaches the client
         params = dict(body.get("sampling_params") or {})
         # New requests wait in the tokenizer manager while paused: not tracked, not in loads.
         await self.wait_until(lambda: self.paused is None or self._closing)
@@ -366,6 +411,9 @@ class FakeSGLang:
 
         await self.wait_until(admitted)
         if req.aborted:
+            if self.legacy_waiting_abort:
+                meta = {"id": req.rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"}}
+                return {"text": "", "meta_info": meta | {"prompt_tokens": 0, "completion_tokens": 0}}
             return self._output(req, {"type": "abort", "message": "Abort in waiting queue"}, waiting=True)
         req.state = "running"
         cached = self._cached_prefix(req.input_ids)
@@ -438,6 +486,7 @@ class FakeSGLang:
         return min(best, max(0, len(input_ids) - 1))  # the last prompt token is always computed
 
     def _abort(self, rid: str, abort_all: bool) -> None:
+        self._orphans = {r for r in self._orphans if not (abort_all or (rid and r.startswith(rid)))}
         for req in self._requests.values():
             # SGLang matches a rid by prefix; an empty rid aborts nothing (as newer builds do).
             if abort_all or (rid and req.rid.startswith(rid)):
@@ -488,6 +537,12 @@ class FakeSGLang:
             return _error(400, "model_path is required")
         if self.weight_update_error is not None:
             return _json({"success": False, "message": self.weight_update_error, "num_paused_requests": 0}, status=400)
+        if body.get("flush_cache", True) and self._requests:
+            # SGLang flushes after loading (unless told not to, since late 2025) and asserts that
+            # it could; it cannot while it holds requests (an in_place or retract pause).
+            self.healthy = False
+            return _error(500, "AssertionError: Cache flush failed after updating weights")
+        await self.wait_until(lambda: not self.loading or self._closing)
         self.loaded_paths.append(str(body["model_path"]))
         self._cache.clear()
         message = "Succeeded to update model weights."
@@ -501,6 +556,12 @@ class FakeSGLang:
         body = await _body(request)
         if self.weight_update_error is not None:
             return _json({"success": False, "message": self.weight_update_error}, status=400)
+        updates = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+        if request.path in updates and body.get("flush_cache", True) and self._requests:
+            # SGLang's scheduler asserts that the flush after the update succeeded; it refuses
+            # while it holds requests (an in_place or retract pause, or none), and the engine dies.
+            self.healthy = False
+            return _error(500, "AssertionError: Cache flush failed after updating weights")
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         return _json({"success": True, "message": "Succeeded."})
@@ -548,7 +609,9 @@ class FakeSGLang:
         if self.starting_polls > 0:
             self.starting_polls -= 1
             return web.Response(status=503)
-        if not self.healthy or (request.path == "/health_generate" and self.paused is not None):
+        if self.health_waits_while_paused and self.paused is not None:
+            await self.wait_until(lambda: self.paused is None or self._closing)
+        if not self.healthy or self.loading or (request.path == "/health_generate" and self.paused is not None):
             return web.Response(status=503)
         return web.Response(status=200)
 
