@@ -57,6 +57,10 @@ class Rollout:
     partial rollout, async) until a batch is ready; `commit()` records the step as trained;
     `publish()` loads a weights folder into the engines (pausing them per `plan.pause_mode`) and
     bumps the version; leaving stores everything unfinished for the next run.
+
+    Entering recovers the store (groups left RUNNING by an unclean stop go back to PARTIAL, an
+    uncommitted batch back to READY) and, unless a `clock` is given, starts the version at the step
+    after the store's last trained one: the engines must already serve that step's weights.
     """
 
     def __init__(
@@ -84,6 +88,8 @@ class Rollout:
         self.plan = plan
         self.engines = engines
         self.store = store
+        # A clock of our own starts, on entry, at the version the store's last trained step published.
+        self._own_clock = clock is None
         self.clock = clock or VersionClock()
         self.events = events
         self.weight_transfer = weight_transfer  # None: engines load each published folder from disk
@@ -107,7 +113,15 @@ class Rollout:
         self._taken: int | None = None  # the step of the batch handed out and not yet committed
 
     async def __aenter__(self) -> Self:
+        # After an unclean stop (a kill, an error out of the block): groups left RUNNING go back to
+        # PARTIAL with their prefixes, and a batch taken but never committed back to READY. Nothing
+        # else runs on this store now, so whatever is RUNNING was left behind.
+        await self.store.recover()
         self.first_step = self._next_step = await self.store.trained_step() + 1
+        if self._own_clock:
+            # Step N's weights are version N + 1 (commit, then publish): a resumed run's engines serve
+            # them, and its next weights must not overwrite an earlier version's folder.
+            self.clock.start_at(self.first_step)
         stack = AsyncExitStack()
         self._training = await stack.enter_async_context(self.graph.running(self.plan))
         self._stack = stack
