@@ -36,7 +36,7 @@ from pipeline.controller import (
     _step_counters,
     _Training,
 )
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
 from pipeline.producers import ProducersFactory
 from pipeline.types import Batch, PromptTask, RolloutMode
@@ -122,6 +122,7 @@ class Rollout:
             # Step N's weights are version N + 1 (commit, then publish): a resumed run's engines serve
             # them, and its next weights must not overwrite an earlier version's folder.
             self.clock.start_at(self.first_step)
+        await _check_engine_versions(self.engines, self.clock.version)
         stack = AsyncExitStack()
         self._training = await stack.enter_async_context(self.graph.running(self.plan))
         self._stack = stack
@@ -204,3 +205,28 @@ class Rollout:
         if self._training is None or self._stack is None:
             raise PipelineError("the Rollout is not open: use it as `async with Rollout(...) as rollout`")
         return self._training
+
+
+async def _check_engine_versions(engines: Engines, version: int) -> None:
+    """Every engine must report `version` before the first request: an answer from a version the
+    clock did not publish is refused, so an engine that reports another one (a fresh SGLang says
+    "default"; a resumed loop's engines may still serve the base model) would have every request
+    refused, round after round through the whole dataset. Engines that cannot say (a seam of the
+    user's own, without `weight_versions`) are trusted."""
+    weight_versions = getattr(engines, "weight_versions", None)
+    if weight_versions is None:
+        return
+    reported: dict[str, str] = await weight_versions()
+    for url, found in reported.items():
+        if found == str(version):
+            continue
+        if version == 0:
+            fix = "start it with --weight-version 0 (a fresh SGLang says 'default'), or call "
+            fix += "`await engines.update_weight_version('0')` before opening the Rollout"
+        else:
+            fix = (
+                f"the store's last trained step is {version - 1}: load that step's weights first, "
+                f"`await engines.update_weights_from_disk(folder, weight_version='{version}')`, or start "
+                f"SGLang with --weight-version {version} on them"
+            )
+        raise EngineError(url, f"reports weight_version {found!r}, but the rollout starts at version {version}: {fix}")

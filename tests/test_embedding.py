@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline import AsyncStore, EngineFleet, LmdbStore, Rollout, RolloutMode, RolloutPlan
+from pipeline import AsyncStore, EngineError, EngineFleet, LmdbStore, Rollout, RolloutMode, RolloutPlan
 from pipeline.types import Group, PromptTask, Sample
 from storage import Cursor, GroupState
 from tests.fakes import FakeSGLang
@@ -68,3 +68,17 @@ async def test_a_rollout_opened_again_serves_the_version_after_the_last_trained_
     trained, first = await train(tmp_path / "state", 4, start_version="2")
     assert (first, sorted(trained)) == (2, [4, 5, 6, 7])
     assert (tmp_path / "v4").is_dir() and not (tmp_path / "v5").exists()
+
+
+async def test_engines_that_report_another_version_are_refused_on_entry_with_the_fix(tmp_path: Path) -> None:
+    # A fresh real SGLang says "default"; a resumed loop that forgot to load its weights says "0".
+    # Either way every answer would be refused as "from an unpublished version", forever.
+    await train(tmp_path / "state", 1, start_version="0")
+    for reported, expected in (("default", "--weight-version 1"), ("0", "weight_version='1'")):
+        async with FakeSGLang(weight_version=reported) as fake, EngineFleet([fake.url]) as fleet:
+            async with AsyncStore(LmdbStore(tmp_path / "state")) as store:
+                rollout = Rollout(plan(2), engines=fleet, store=store, dataset=DATASET, reward_fn=reward)
+                with pytest.raises(EngineError, match=f"weight_version {reported!r}.*version 1") as err:
+                    await rollout.__aenter__()
+            assert fake.url in str(err.value) and expected in str(err.value)
+            assert not fake.finished, "a request went out before the versions were checked"
