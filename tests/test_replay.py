@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main as launch
-from pipeline.errors import PipelineError
+from pipeline.errors import IncompatibleStoreError, PipelineError
 from pipeline.replay import main, parse_steps
 from pipeline.replay_report import summarize
 from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
@@ -180,6 +180,43 @@ def test_missing_and_memory_runs_are_named(tmp_path, capsys):
         code, _, err = replay(capsys, str(memory_run), *command)
         assert code == 1
         assert str(memory_run / "rollout_data") in err and "memory" in err
+
+
+def _foreign_lmdb(path: Path) -> Path:
+    """An LMDB directory another program wrote: a plain key and a database of its own."""
+    import lmdb
+
+    path.mkdir(parents=True)
+    env = lmdb.open(str(path), max_dbs=2)
+    theirs = env.open_db(b"theirs")
+    with env.begin(write=True) as txn:
+        txn.put(b"hello", b"world")
+        txn.put(b"k", b"v", db=theirs)
+    env.close()
+    (path / "lock.mdb").unlink()
+    return path
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command", [[], ["verify"], ["group", "e0000-p000000000"], ["train"], ["metrics"]])
+def test_a_foreign_lmdb_directory_is_named_and_left_as_it_was(tmp_path, capsys, command):
+    run = tmp_path / "run"
+    _foreign_lmdb(run / "rollout_data")
+    before = _listing(tmp_path)
+    code, out, err = replay(capsys, str(run), *command)
+    assert code == 1 and "not a rollout store" in err and "['hello', 'theirs']" in err, (out, err)
+    assert _listing(tmp_path) == before  # not even LMDB's lock file
+
+
+def test_a_writer_refuses_a_foreign_lmdb_directory_and_leaves_its_data(tmp_path):
+    path = _foreign_lmdb(tmp_path / "theirs")
+    data = (path / "data.mdb").read_bytes()
+    with pytest.raises(IncompatibleStoreError, match="is not a rollout store: it holds \\['hello', 'theirs'\\]"):
+        LmdbStore(path)
+    assert (path / "data.mdb").read_bytes() == data
 
 
 def test_parse_steps():
