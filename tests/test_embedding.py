@@ -9,7 +9,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline import AsyncStore, EngineError, EngineFleet, LmdbStore, Rollout, RolloutMode, RolloutPlan
+from pipeline import (
+    AgentContext,
+    AsyncStore,
+    EngineError,
+    EngineFleet,
+    LmdbStore,
+    MemoryStore,
+    Rollout,
+    RolloutMode,
+    RolloutPlan,
+)
 from pipeline.types import Group, PromptTask, Sample
 from storage import Cursor, GroupState
 from tests.fakes import FakeSGLang
@@ -82,3 +92,32 @@ async def test_engines_that_report_another_version_are_refused_on_entry_with_the
                     await rollout.__aenter__()
             assert fake.url in str(err.value) and expected in str(err.value)
             assert not fake.finished, "a request went out before the versions were checked"
+
+
+async def test_an_agent_that_keeps_generating_past_its_budget_fails_its_sample_not_the_pool() -> None:
+    calls = 0
+
+    async def greedy(ctx: AgentContext, sample: Sample) -> None:
+        nonlocal calls
+        while True:  # a bug: no `ctx.remaining` check; a turn at no budget returned at once, forever
+            calls += 1
+            if calls > 10_000:  # before the fix this agent held the event loop forever: end the test
+                raise RuntimeError("still looping")
+            await ctx.generate(max_new_tokens=3)
+
+    async with (
+        FakeSGLang(weight_version="0") as fake,
+        EngineFleet([fake.url]) as fleet,
+        AsyncStore(MemoryStore()) as store,
+        Rollout(plan(1), engines=fleet, store=store, dataset=DATASET, reward_fn=reward, agent=greedy) as rollout,
+    ):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollout.next_batch)  # a batch never fills: every sample fails
+            with anyio.fail_after(10):
+                while rollout.statistics()["groups/failed_total"] < 1:
+                    await rollout.graph.admission.wait_change()
+            tg.cancel_scope.cancel()
+        first, *_ = await store.groups(GroupState.FAILED)
+    errors = {s.error for s in first.samples}
+    assert len(errors) == 1 and "no token budget left" in str(errors.pop())
+    assert calls < 100
