@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.types import Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission, Outcome
+from stages.failures import FailureLog
 from storage import AsyncStore
 
 __all__ = ["RewardFn", "RewardStage", "RewardStatistics"]
@@ -43,6 +44,7 @@ class RewardStage:
         self._admission = admission
         self._scored = 0
         self._failed = 0
+        self._failures = FailureLog("reward")
 
     async def run(
         self,
@@ -62,6 +64,7 @@ class RewardStage:
                     samples.append(scored)
                 group = group.with_samples(samples)
                 if group.failed:
+                    self._failures.failed(group)
                     await self._store.put_failed(group)
                     self._admission.settle(Outcome.FAILED)
                 else:

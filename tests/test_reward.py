@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 import numpy as np
 import pytest
+import structlog.testing
 
 from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission
@@ -123,3 +124,13 @@ async def test_a_bool_an_int_or_a_numpy_scalar_is_a_reward(store: AsyncStore, va
     (out,) = await _scored(store, lambda task, sample: value, [_unscored(0)])  # type: ignore[arg-type,return-value]
     assert [s.reward for s in out.samples] == [expected, expected]
     assert all(type(s.reward) is float for s in out.samples)
+
+
+async def test_the_first_group_each_error_fails_is_logged_once(store: AsyncStore) -> None:
+    # Failed groups reach the metrics only with a completed step: a reward that fails every sample
+    # must be said at once, and once per distinct error.
+    with structlog.testing.capture_logs() as logs:
+        await _scored(store, _fails_on_second, [_unscored(0), _unscored(1), _unscored(2)])
+    warned = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warned) == 1, warned
+    assert warned[0]["error"] == "reward: RuntimeError('no verdict')" and warned[0]["failed_samples"] == "1/2"
