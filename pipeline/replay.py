@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -312,5 +313,19 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _cli() -> int:
+    """`main` for the shell: a reader that stops early (`| head`) ends replay quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()  # here, where a closed pipe can be caught, not in the interpreter's exit
+    except BrokenPipeError:
+        # What the reader did not take was not wanted. stdout now points at /dev/null, so the
+        # interpreter's own flush at exit finds nothing to fail on; the status is a shell's for
+        # a process ended by SIGPIPE (128 + 13), whether or not replay had its answer yet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())

@@ -397,3 +397,19 @@ def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsy
     code, text, err = replay(capsys, str(out), "train", "--weights", str(out / "weights" / "v4"))
     assert code == 0, err
     assert [json.loads(line)["step"] for line in text.splitlines()] == [4, 5]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    # `python -m pipeline.replay RUN summary | head -3`: head exits before replay writes its output.
+    _build_store(tmp_path / "rollout_data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.replay", str(tmp_path), "summary"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err  # 141: as if killed by SIGPIPE
