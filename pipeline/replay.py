@@ -28,6 +28,7 @@ groups; summary and train see what is left (train's default range starts after t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -224,9 +225,15 @@ def replay_training(
     # the schema's default, the same default the launcher used.
     config = meta.extra.get("config", {}) if (meta := store.read_meta()) else {}
     trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
+    records = store.step_metrics(steps.start)
     for step in steps:
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches
+        # The version the run trained the batch at (what --mask-stale-tokens measures from): its
+        # step record says; a store without records, its step (each step publishes once). Left
+        # out, the trainer would take the batch's newest token, a version early in async mode.
+        version = records.get(step, {}).get("version", step)
+        batch = dataclasses.replace(batch, train_version=int(version))
         yield {"step": step, "groups": len(batch.groups), **trainer.train_step(batch)}
 
 

@@ -413,3 +413,28 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
     err = proc.stderr.read().decode()
     proc.stderr.close()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err  # 141: as if killed by SIGPIPE
+
+
+def test_train_replays_each_step_at_the_version_it_was_trained_at(tmp_path):
+    # Async mode with --mask-stale-tokens 0: step 1 was trained at version 1 and every token of its
+    # batch is from version 0, so the run trained none of them. The replay must agree; it used to
+    # take the batch's newest token (0) as the trained version and train them all.
+    from pipeline.replay import replay_training
+    from stages.tasks.tiny_model import make_model_folder
+    from storage import RunMeta
+
+    model = make_model_folder(tmp_path / "model", hidden_size=32, num_layers=2, seed=0)
+    done = SampleStatus.COMPLETED
+    groups = [_group(i, 0, [_sample(0, [(0, 3, 0)], done), _sample(1, [(0, 2, 0)], done)]) for i in (0, 1)]
+    config = {"trainer": {"mask_stale_tokens": 0}}
+    with LmdbStore(tmp_path / "rollout_data", sync=False) as store:
+        store.write_meta(RunMeta("r", "d", "t", 2, extra={"config": config}))
+        store.admit(groups, Cursor(index=2, next_seq=2))
+        for step, group in enumerate(groups):
+            store.put_ready(group)
+            store.take_batch(step, 1)
+            store.finish_batch(step, {"step": step, "version": step})
+    with LmdbStore(tmp_path / "rollout_data", readonly=True) as store:
+        first, second = replay_training(store, model, range(0, 2), seed=0)
+    assert first["mask_ratio"] == 1.0  # trained at version 0: its tokens are fresh
+    assert second["mask_ratio"] == 0.0
