@@ -257,27 +257,18 @@ def _train(args: argparse.Namespace) -> int:
 
 def write_timeline(run_dir: str | Path, output: str | Path | None = None) -> Path:
     """Render RUN_DIR/events.jsonl to an HTML file (default RUN_DIR/timeline.html); returns its path."""
-    from pipeline.events import read_events
-    from pipeline.timeline import render_timeline
+    from pipeline.timeline import write_html
 
     run_dir = Path(run_dir)
     if (run_dir / "data.mdb").exists():  # the store dir was given, as the other commands accept
         run_dir = run_dir.parent
-    events = run_dir / EVENTS_FILE
     if not run_dir.is_dir():
         raise ReplayError(f"there is no run directory at {run_dir}")
-    if not events.is_file():
-        raise ReplayError(f"{run_dir} has no event log ({events} is missing): is it the --output-dir of a run?")
-    out = Path(output) if output is not None else run_dir / "timeline.html"
-    try:
-        html = render_timeline(read_events(events), title=str(events))
-    except (ValueError, KeyError, TypeError) as exc:  # a line that is not an event this code writes
-        raise ReplayError(f"{events} is not a readable event log: {exc!r}") from exc
-    try:
-        out.write_text(html, encoding="utf-8")
-    except OSError as exc:
-        raise ReplayError(f"cannot write the timeline to {out}: {exc}") from exc
-    return out
+    if not (run_dir / EVENTS_FILE).is_file():
+        raise ReplayError(
+            f"{run_dir} has no event log ({run_dir / EVENTS_FILE} is missing): is it the --output-dir of a run?"
+        )
+    return write_html(run_dir / EVENTS_FILE, Path(output) if output is not None else run_dir / "timeline.html")
 
 
 def _timeline(args: argparse.Namespace) -> int:
