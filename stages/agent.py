@@ -164,6 +164,10 @@ class AgentContext:
     # -- what the agent does ------------------------------------------------------------------
     def append(self, token_ids: Sequence[int]) -> int:
         """Append environment/tool tokens (loss mask 0); returns how many fit in the budget."""
+        if isinstance(token_ids, (str, bytes)):  # iterating it would give characters, not token ids
+            raise AgentError(
+                self._name, token_ids[:40], "ctx.append takes token ids, not text: encode it with the run's tokenizer"
+            )
         tokens = [int(t) for t in token_ids][: self.remaining]
         if self._turn_start is not None:
             raise AgentError(self._name, tokens, "ctx.append during an unfinished model turn")

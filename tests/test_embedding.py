@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from pipeline import (
+    Agent,
     AgentContext,
     AsyncStore,
     EngineError,
@@ -94,6 +95,24 @@ async def test_engines_that_report_another_version_are_refused_on_entry_with_the
             assert not fake.finished, "a request went out before the versions were checked"
 
 
+async def first_failed_group(agent: Agent) -> Group:
+    """Run `agent` until a group fails; that group, as stored."""
+    async with (
+        FakeSGLang(weight_version="0") as fake,
+        EngineFleet([fake.url]) as fleet,
+        AsyncStore(MemoryStore()) as store,
+        Rollout(plan(1), engines=fleet, store=store, dataset=DATASET, reward_fn=reward, agent=agent) as rollout,
+    ):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollout.next_batch)  # a batch never fills: every sample fails
+            with anyio.fail_after(10):
+                while rollout.statistics()["groups/failed_total"] < 1:
+                    await rollout.graph.admission.wait_change()
+            tg.cancel_scope.cancel()
+        first, *_ = await store.groups(GroupState.FAILED)
+    return first
+
+
 async def test_an_agent_that_keeps_generating_past_its_budget_fails_its_sample_not_the_pool() -> None:
     calls = 0
 
@@ -105,19 +124,15 @@ async def test_an_agent_that_keeps_generating_past_its_budget_fails_its_sample_n
                 raise RuntimeError("still looping")
             await ctx.generate(max_new_tokens=3)
 
-    async with (
-        FakeSGLang(weight_version="0") as fake,
-        EngineFleet([fake.url]) as fleet,
-        AsyncStore(MemoryStore()) as store,
-        Rollout(plan(1), engines=fleet, store=store, dataset=DATASET, reward_fn=reward, agent=greedy) as rollout,
-    ):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rollout.next_batch)  # a batch never fills: every sample fails
-            with anyio.fail_after(10):
-                while rollout.statistics()["groups/failed_total"] < 1:
-                    await rollout.graph.admission.wait_change()
-            tg.cancel_scope.cancel()
-        first, *_ = await store.groups(GroupState.FAILED)
-    errors = {s.error for s in first.samples}
+    failed = await first_failed_group(greedy)
+    errors = {s.error for s in failed.samples}
     assert len(errors) == 1 and "no token budget left" in str(errors.pop())
     assert calls < 100
+
+
+async def test_an_agent_that_appends_text_is_told_to_tokenize_it() -> None:
+    async def chatty(ctx: AgentContext, sample: Sample) -> None:
+        ctx.append("the tool says 42")  # type: ignore[arg-type]
+
+    failed = await first_failed_group(chatty)
+    assert all("ctx.append takes token ids, not text" in str(s.error) for s in failed.samples)
