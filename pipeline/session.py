@@ -225,7 +225,7 @@ async def _check_engine_versions(engines: Engines, version: int) -> None:
             fix += "`await engines.update_weight_version('0')` before opening the Rollout"
         else:
             fix = (
-                f"the store's last trained step is {version - 1}: load that step's weights first, "
+                f"load version {version}'s weights first (what step {version - 1} saved), "
                 f"`await engines.update_weights_from_disk(folder, weight_version='{version}')`, or start "
                 f"SGLang with --weight-version {version} on them"
             )
