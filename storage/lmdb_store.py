@@ -1140,14 +1140,15 @@ def _not_a_rollout_store(path: str, main_keys: list[str], *, readonly: bool) -> 
     missing = sorted(ours - set(main_keys)) if readonly else []
     if not others and not missing:
         return None
-    held = f"it holds {others}, which no rollout store writes" if others else f"it lacks {missing}"
-    return IncompatibleStoreError(
-        "databases",
-        sorted(main_keys),
-        sorted(ours),
-        reason=f"{path} is not a rollout store: {held}; point the store at another directory "
-        "(its data was left as it was)",
-    )
+    if others:
+        reason = (
+            f"{path} is not a rollout store: it holds {others}, which no rollout store writes; "
+            "point the store at another directory (its data was left as it was)"
+        )
+    else:  # a store of the first layouts (fewer databases), or an empty LMDB file
+        reason = f"{path} lacks the databases {missing} that a reader of this version opens"
+        reason += " (a store from an early version that no writer has opened since, or not a rollout store)"
+    return IncompatibleStoreError("databases", sorted(main_keys), sorted(ours), reason=reason)
 
 
 def _writer_alive(path: str) -> bool:
