@@ -48,6 +48,14 @@ class VersionClock:
     def version(self) -> int:
         return self._version
 
+    def start_at(self, version: int) -> None:
+        """Serve `version` from now on, without a publish: a resumed run's engines were loaded with
+        the weights of its last trained step, outside the clock."""
+        if self._publishing:
+            publishing = self._version + 1
+            raise RuntimeError(f"the clock cannot start at version {version} while version {publishing} publishes")
+        self._version = version
+
     @property
     def publishing(self) -> bool:
         return self._publishing

@@ -98,6 +98,7 @@ class MetricsSink:
 
     An extra sink that raises (disk full, a library that went missing) is reported once, as a
     warning naming the sink and the reason, and is not called again: a dashboard never ends a run.
+    `with MetricsSink(path) as metrics:` closes the file (and the extra sinks) on leaving.
     """
 
     def __init__(
@@ -127,6 +128,12 @@ class MetricsSink:
         """The extra sinks only: for records the file already has (rebuilt on resume)."""
         for sink in list(self._extras):
             self._guard(sink, "write", partial(sink.write, record))
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._file is not None:

@@ -28,7 +28,9 @@ groups; summary and train see what is left (train's default range starts after t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -223,9 +225,15 @@ def replay_training(
     # the schema's default, the same default the launcher used.
     config = meta.extra.get("config", {}) if (meta := store.read_meta()) else {}
     trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
+    records = store.step_metrics(steps.start)
     for step in steps:
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches
+        # The version the run trained the batch at (what --mask-stale-tokens measures from): its
+        # step record says; a store without records, its step (each step publishes once). Left
+        # out, the trainer would take the batch's newest token, a version early in async mode.
+        version = records.get(step, {}).get("version", step)
+        batch = dataclasses.replace(batch, train_version=int(version))
         yield {"step": step, "groups": len(batch.groups), **trainer.train_step(batch)}
 
 
@@ -249,27 +257,18 @@ def _train(args: argparse.Namespace) -> int:
 
 def write_timeline(run_dir: str | Path, output: str | Path | None = None) -> Path:
     """Render RUN_DIR/events.jsonl to an HTML file (default RUN_DIR/timeline.html); returns its path."""
-    from pipeline.events import read_events
-    from pipeline.timeline import render_timeline
+    from pipeline.timeline import write_html
 
     run_dir = Path(run_dir)
     if (run_dir / "data.mdb").exists():  # the store dir was given, as the other commands accept
         run_dir = run_dir.parent
-    events = run_dir / EVENTS_FILE
     if not run_dir.is_dir():
         raise ReplayError(f"there is no run directory at {run_dir}")
-    if not events.is_file():
-        raise ReplayError(f"{run_dir} has no event log ({events} is missing): is it the --output-dir of a run?")
-    out = Path(output) if output is not None else run_dir / "timeline.html"
-    try:
-        html = render_timeline(read_events(events), title=str(events))
-    except (ValueError, KeyError, TypeError) as exc:  # a line that is not an event this code writes
-        raise ReplayError(f"{events} is not a readable event log: {exc!r}") from exc
-    try:
-        out.write_text(html, encoding="utf-8")
-    except OSError as exc:
-        raise ReplayError(f"cannot write the timeline to {out}: {exc}") from exc
-    return out
+    if not (run_dir / EVENTS_FILE).is_file():
+        raise ReplayError(
+            f"{run_dir} has no event log ({run_dir / EVENTS_FILE} is missing): is it the --output-dir of a run?"
+        )
+    return write_html(run_dir / EVENTS_FILE, Path(output) if output is not None else run_dir / "timeline.html")
 
 
 def _timeline(args: argparse.Namespace) -> int:
@@ -312,5 +311,19 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _cli() -> int:
+    """`main` for the shell: a reader that stops early (`| head`) ends replay quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()  # here, where a closed pipe can be caught, not in the interpreter's exit
+    except BrokenPipeError:
+        # What the reader did not take was not wanted. stdout now points at /dev/null, so the
+        # interpreter's own flush at exit finds nothing to fail on; the status is a shell's for
+        # a process ended by SIGPIPE (128 + 13), whether or not replay had its answer yet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())

@@ -36,7 +36,7 @@ from pipeline.controller import (
     _step_counters,
     _Training,
 )
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
 from pipeline.producers import ProducersFactory
 from pipeline.types import Batch, PromptTask, RolloutMode
@@ -57,6 +57,10 @@ class Rollout:
     partial rollout, async) until a batch is ready; `commit()` records the step as trained;
     `publish()` loads a weights folder into the engines (pausing them per `plan.pause_mode`) and
     bumps the version; leaving stores everything unfinished for the next run.
+
+    Entering recovers the store (groups left RUNNING by an unclean stop go back to PARTIAL, an
+    uncommitted batch back to READY) and, unless a `clock` is given, starts the version at the step
+    after the store's last trained one: the engines must already serve that step's weights.
     """
 
     def __init__(
@@ -84,6 +88,8 @@ class Rollout:
         self.plan = plan
         self.engines = engines
         self.store = store
+        # A clock of our own starts, on entry, at the version the store's last trained step published.
+        self._own_clock = clock is None
         self.clock = clock or VersionClock()
         self.events = events
         self.weight_transfer = weight_transfer  # None: engines load each published folder from disk
@@ -107,7 +113,16 @@ class Rollout:
         self._taken: int | None = None  # the step of the batch handed out and not yet committed
 
     async def __aenter__(self) -> Self:
+        # After an unclean stop (a kill, an error out of the block): groups left RUNNING go back to
+        # PARTIAL with their prefixes, and a batch taken but never committed back to READY. Nothing
+        # else runs on this store now, so whatever is RUNNING was left behind.
+        await self.store.recover()
         self.first_step = self._next_step = await self.store.trained_step() + 1
+        if self._own_clock:
+            # Step N's weights are version N + 1 (commit, then publish): a resumed run's engines serve
+            # them, and its next weights must not overwrite an earlier version's folder.
+            self.clock.start_at(self.first_step)
+        await _check_engine_versions(self.engines, self.clock.version)
         stack = AsyncExitStack()
         self._training = await stack.enter_async_context(self.graph.running(self.plan))
         self._stack = stack
@@ -190,3 +205,28 @@ class Rollout:
         if self._training is None or self._stack is None:
             raise PipelineError("the Rollout is not open: use it as `async with Rollout(...) as rollout`")
         return self._training
+
+
+async def _check_engine_versions(engines: Engines, version: int) -> None:
+    """Every engine must report `version` before the first request: an answer from a version the
+    clock did not publish is refused, so an engine that reports another one (a fresh SGLang says
+    "default"; a resumed loop's engines may still serve the base model) would have every request
+    refused, round after round through the whole dataset. Engines that cannot say (a seam of the
+    user's own, without `weight_versions`) are trusted."""
+    weight_versions = getattr(engines, "weight_versions", None)
+    if weight_versions is None:
+        return
+    reported: dict[str, str] = await weight_versions()
+    for url, found in reported.items():
+        if found == str(version):
+            continue
+        if version == 0:
+            fix = "start it with --weight-version 0 (a fresh SGLang says 'default'), or call "
+            fix += "`await engines.update_weight_version('0')` before opening the Rollout"
+        else:
+            fix = (
+                f"load version {version}'s weights first (what step {version - 1} saved), "
+                f"`await engines.update_weights_from_disk(folder, weight_version='{version}')`, or start "
+                f"SGLang with --weight-version {version} on them"
+            )
+        raise EngineError(url, f"reports weight_version {found!r}, but the rollout starts at version {version}: {fix}")

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import html
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import ReplayError
 from pipeline.events import read_events
 
-__all__ = ["render_timeline", "slot_busy_fraction"]
+__all__ = ["EVENTS_FILE", "render_timeline", "slot_busy_fraction", "write_html"]
+
+EVENTS_FILE = "events.jsonl"  # the launcher's event log in the run dir
 
 FINISH_COLOURS = {"stop": "#4c9a5a", "length": "#e0a030", "abort": "#d04a3a", "error": "#7a2a8a"}
 TOP_LANES = (
@@ -124,15 +128,35 @@ def _page(title: str, body: str) -> str:
     )
 
 
+def write_html(events: Path, output: Path | None = None) -> Path:
+    """Draw the event log `events` (or a run dir's `events.jsonl`) to `output` (default: beside
+    it, `timeline.html`); returns the path. ReplayError names a file that cannot be used."""
+    if events.is_dir():
+        events = events / EVENTS_FILE
+    if not events.is_file():
+        raise ReplayError(f"there is no event log at {events}: give a run's {EVENTS_FILE}, or its --output-dir")
+    out = output if output is not None else events.with_name("timeline.html")
+    try:
+        page = render_timeline(read_events(events), title=str(events))
+    except (ValueError, KeyError, TypeError) as exc:  # a line that is not an event this code writes
+        raise ReplayError(f"{events} is not a readable event log: {exc!r}") from exc
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise ReplayError(f"cannot write the timeline to {out}: {exc}") from exc
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("events", type=Path, help="events.jsonl of a run")
+    parser.add_argument("events", type=Path, help="events.jsonl of a run (or the run dir)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="HTML file (default: beside the events)")
     args = parser.parse_args(argv)
-    if not args.events.exists():
-        parser.error(f"{args.events}: no such file")
-    out = args.output or args.events.with_name("timeline.html")
-    out.write_text(render_timeline(read_events(args.events), title=str(args.events)))
+    try:
+        out = write_html(args.events, args.output)
+    except ReplayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(out)
     return 0
 

@@ -81,9 +81,22 @@ class PromptTask:
     """One dataset row: the prompt already tokenized, plus whatever the reward function needs."""
 
     index: int  # position in the dataset
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # any sequence of ints is taken (a list, a numpy array) and kept as a tuple
     label: Any = None  # ground truth for the reward function (a JSON value)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ids = self.prompt_ids
+        if type(ids) is tuple:  # the loaders' own form: nothing to convert (datasets are large)
+            return
+        # A task is compared with, and stored like, the tuple the store gives back: a list or an
+        # array would compare unequal to its own round trip (or not at all, for an array).
+        if isinstance(ids, (str, bytes)):
+            raise ValueError(f"PromptTask {self.index}: prompt_ids is text ({ids[:40]!r}); tokenize it first")
+        values = ids.tolist() if hasattr(ids, "tolist") else ids
+        if not all(isinstance(t, int) for t in values):
+            raise ValueError(f"PromptTask {self.index}: prompt_ids must be integers, got {values[:8]!r}")
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in values))
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio.lowlevel
+
 from pipeline.columns import LogProbs, TokenIds
 from pipeline.errors import (
     AgentError,
@@ -120,6 +122,7 @@ class AgentContext:
         self._turn_start: int | None = record.get("turn_start")
         self._turns = int(record.get("turns", 0))
         self.last_finish: FinishReason | None = None
+        self._empty_turn = False  # the last ctx.generate had no budget and made no request
 
     # -- what the agent reads -----------------------------------------------------------------
     @property
@@ -161,6 +164,10 @@ class AgentContext:
     # -- what the agent does ------------------------------------------------------------------
     def append(self, token_ids: Sequence[int]) -> int:
         """Append environment/tool tokens (loss mask 0); returns how many fit in the budget."""
+        if isinstance(token_ids, (str, bytes)):  # iterating it would give characters, not token ids
+            raise AgentError(
+                self._name, token_ids[:40], "ctx.append takes token ids, not text: encode it with the run's tokenizer"
+            )
         tokens = [int(t) for t in token_ids][: self.remaining]
         if self._turn_start is not None:
             raise AgentError(self._name, tokens, "ctx.append during an unfinished model turn")
@@ -171,11 +178,26 @@ class AgentContext:
         """One model turn on the transcript, continued across aborts and publishes until the engine
         stops it (EOS, a stop string, or the turn's or sample's token budget). Raises
         `AgentInterrupted` when the pool stops; the turn continues on the sample's resume."""
+        cap = self.remaining if max_new_tokens is None else max_new_tokens
+        if self._turn_start is None and min(cap, self.remaining) <= 0:
+            # A turn with no budget makes no request and returns at once. Once is an answer (the
+            # sample is full); again in a row is an agent looping without `ctx.remaining`, which
+            # would hold the event loop forever: it fails this sample instead.
+            if self._empty_turn:
+                raise AgentError(
+                    self._name,
+                    {"remaining": self.remaining, "max_new_tokens": max_new_tokens},
+                    "ctx.generate again with no token budget left (the last turn made no token either); "
+                    "end the agent when ctx.remaining is 0",
+                )
+            self._empty_turn = True
+            await anyio.lowlevel.checkpoint()
+            return Turn(TokenIds(), LogProbs(), FinishReason.LENGTH)
+        self._empty_turn = False
         if self._turn_start is None:
             self._turn_start = self.sample.response_len
             self._put(self.sample)
         turn_start = self._turn_start
-        cap = self.remaining if max_new_tokens is None else max_new_tokens
         params = dict(self._params, **overrides)
         reason = await self._pool.run_agent_turn(self, params, turn_start, cap)
         s = self.sample

@@ -44,6 +44,7 @@ from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment, V
 from stages.admission import Admission, Outcome
 from stages.agent import Agent, AgentContext, agent_name, run_agent_sample
 from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings
+from stages.failures import FailureLog
 from stages.sglang.wire import GenerateResult
 from storage import AsyncStore
 
@@ -151,6 +152,7 @@ class GeneratorPool:
         self._idle = anyio.Event()
         self._idle.set()
         self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0, unknown_boundary=0)
+        self._failures = FailureLog("generate")
         self._busy = 0.0
         # Requests that failed for want of an engine since the last one that got an answer.
         self._unavailable_run = 0
@@ -233,6 +235,7 @@ class GeneratorPool:
 
     async def _dispose(self, group: Group, send: MemoryObjectSendStream[Group]) -> None:
         if group.failed:
+            self._failures.failed(group)
             await self._store.put_failed(group)
             self._admission.settle(Outcome.FAILED)
         elif group.finished:

@@ -3,13 +3,16 @@
 The function is `(task: PromptTask, sample: Sample) -> float`, sync or async, resolved once when the
 config loads. An async function runs under a deadline; a sync one runs inline (keep it cheap, or
 make it async). An exception or a timeout is recorded on the sample, which then counts as failed:
-its group is stored as failed and shows in the metrics, never silently dropped.
+its group is stored as failed and shows in the metrics, never silently dropped. So is a value that
+is not a finite number (None, a string, NaN, an infinity): a NaN reward would make the group's
+advantages, then the loss, then the weights NaN. A bool, an int or a numpy scalar is a number.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.types import Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission, Outcome
+from stages.failures import FailureLog
 from storage import AsyncStore
 
 __all__ = ["RewardFn", "RewardStage", "RewardStatistics"]
@@ -40,6 +44,7 @@ class RewardStage:
         self._admission = admission
         self._scored = 0
         self._failed = 0
+        self._failures = FailureLog("reward")
 
     async def run(
         self,
@@ -59,6 +64,7 @@ class RewardStage:
                     samples.append(scored)
                 group = group.with_samples(samples)
                 if group.failed:
+                    self._failures.failed(group)
                     await self._store.put_failed(group)
                     self._admission.settle(Outcome.FAILED)
                 else:
@@ -73,7 +79,7 @@ class RewardStage:
             value = self._fn(task, sample)
             if inspect.isawaitable(value):
                 return value
-            reward = float(value)
+            reward = _as_reward(value)
         except Exception as exc:  # a user function's failure is data, recorded on the sample
             return self._failed_sample(sample, exc)
         self._scored += 1
@@ -83,7 +89,7 @@ class RewardStage:
         try:
             with anyio.fail_after(self._timeout):
                 value = await pending
-            reward = float(value)  # type: ignore[arg-type]
+            reward = _as_reward(value)
         except Exception as exc:
             return self._failed_sample(sample, exc)
         self._scored += 1
@@ -91,8 +97,30 @@ class RewardStage:
 
     def _failed_sample(self, sample: Sample, exc: Exception) -> Sample:
         self._failed += 1
-        reason = "timed out" if isinstance(exc, TimeoutError) else repr(exc)
+        if isinstance(exc, TimeoutError):
+            reason = "timed out"
+        else:  # our own message says what was returned; a user exception is shown with its type
+            reason = str(exc) if isinstance(exc, _BadReward) else repr(exc)
         return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")
 
     def statistics(self) -> RewardStatistics:
         return RewardStatistics(self._scored, self._failed)
+
+
+class _BadReward(ValueError):
+    """The reward function returned something that is not a finite number."""
+
+
+def _as_reward(value: object) -> float:
+    """`value` as a float, or _BadReward naming it. `float()` alone would take "1.0" and NaN."""
+    if value is None or isinstance(value, (str, bytes, bytearray)):
+        raise _BadReward(f"the reward function returned {value!r}: a reward is a finite number (float, int or bool)")
+    try:
+        reward = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise _BadReward(
+            f"the reward function returned {value!r}: a reward is a finite number (float, int or bool)"
+        ) from None
+    if not math.isfinite(reward):
+        raise _BadReward(f"the reward function returned {reward}: a reward must be finite")
+    return reward

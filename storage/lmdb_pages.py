@@ -141,12 +141,13 @@ _NODE = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 
 
-def walk_pages(path: str) -> dict[str, str]:
+def walk_pages(path: str, *, main_keys: list[str] | None = None) -> dict[str, str]:
     """Every tree of `path` (a `data.mdb` whose meta pages passed `check_data_file`) walked from the
     newest meta page: {tree name: what is wrong} for each damaged tree, empty if none is.
 
     Tree names are "free-list", "main" and the named databases. A damaged main tree hides the
-    named ones (their roots live in it)."""
+    named ones (their roots live in it). `main_keys`, when given, receives every key of the main
+    tree (the named databases, and any plain key another program put there)."""
     with open(path, "rb") as fh:
         if os.fstat(fh.fileno()).st_size == 0:
             return {}
@@ -155,12 +156,12 @@ def walk_pages(path: str) -> dict[str, str]:
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                return _walk(view)
+                return _walk(view, main_keys)
             finally:
                 view.release()
 
 
-def _walk(data: memoryview) -> dict[str, str]:
+def _walk(data: memoryview, main_keys: list[str] | None = None) -> dict[str, str]:
     psize = _page_size(bytes(data[: 2 * 65536]))
     assert psize is not None, "check_data_file first"
     metas = [bytes(data[p * psize : (p + 1) * psize]) for p in (0, 1)]
@@ -177,6 +178,8 @@ def _walk(data: memoryview) -> dict[str, str]:
         for sub_name, root in subs:
             if (problem := walker.tree(root, None)) is not None:
                 damaged[sub_name] = problem
+    if main_keys is not None:
+        main_keys.extend(walker.main_keys)
     return damaged
 
 
@@ -184,6 +187,7 @@ class _Walker:
     def __init__(self, data: memoryview, psize: int, last_pg: int) -> None:
         self.data, self.psize, self.last_pg = data, psize, last_pg
         self.seen: set[int] = set()
+        self.main_keys: list[str] = []  # every key of the main tree (a handful: it names the databases)
 
     def tree(self, root: int, subs: list[tuple[str, int]] | None) -> str | None:
         """None if every page under `root` is sound, else what is wrong (the first problem)."""
@@ -228,7 +232,7 @@ class _Walker:
                 if end > psize:
                     return f"branch node {i} has a {ksize}-byte key past the page"
                 stack.append((lo | hi << 16 | nflags << 32, depth + 1))
-            elif nflags or end + (lo | hi << 16) > psize:  # the common leaf node: a value inline
+            elif nflags or end + (lo | hi << 16) > psize or subs is not None:  # else a value inline
                 problem = self.leaf_node(i, base, offset, end, lo | hi << 16, nflags, ksize, subs)
                 if problem is not None:
                     return problem
@@ -245,6 +249,8 @@ class _Walker:
         ksize: int,
         subs: list[tuple[str, int]] | None,
     ) -> str | None:
+        if subs is not None:  # the main tree
+            self.main_keys.append(bytes(self.data[base + offset + _NODE.size : base + end]).decode(errors="replace"))
         if nflags & _F_BIGDATA:
             if end + 8 > self.psize:
                 return f"leaf node {i} overruns the page"

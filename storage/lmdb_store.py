@@ -253,11 +253,17 @@ class LmdbStore(PutMoves):
         # The page checks read the file outside LMDB's reader table, so they run only when no writer
         # is changing it: a writer (this one holds the lock), or a reader of a store nobody writes.
         problems = [] if readonly and _writer_alive(self._path) else check_data_file(data_file)
+        main_keys: list[str] | None = None
         if not problems and os.path.exists(data_file) and not (readonly and _writer_alive(self._path)):
-            problems = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
+            main_keys = []
+            walked = walk_pages(data_file, main_keys=main_keys)
+            problems = [f"the {tree} tree is damaged: {why}" for tree, why in walked.items()]
         if problems:
             self.close()
             raise StoreCorruptionError(data_file, "; ".join(problems))
+        if main_keys is not None and (foreign := _not_a_rollout_store(self._path, main_keys, readonly=readonly)):
+            self.close()
+            raise foreign
         try:
             self._env = _open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
             self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
@@ -1106,6 +1112,27 @@ def _open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.E
     # A reader registers itself in lock.mdb, which needs a writable directory. An archived store on
     # read-only media has no writer to guard against: read it without LMDB's reader table.
     return lmdb.open(path, create=False, lock=False, **options)
+
+
+def _not_a_rollout_store(path: str, main_keys: list[str], *, readonly: bool) -> IncompatibleStoreError | None:
+    """The error for an LMDB file another program wrote (its main tree holds keys no rollout store
+    writes), or one a reader cannot use (it lacks the rollout databases); None for a rollout store,
+    or an empty file a writer is about to fill. Checked before LMDB opens it: a writer would add
+    its databases to the other program's file, a reader would fail on LMDB's MDB_NOTFOUND."""
+    ours = {name.decode() for name in keys.DATABASES}
+    others = sorted(set(main_keys) - ours)
+    missing = sorted(ours - set(main_keys)) if readonly else []
+    if not others and not missing:
+        return None
+    if others:
+        reason = (
+            f"{path} is not a rollout store: it holds {others}, which no rollout store writes; "
+            "point the store at another directory (its data was left as it was)"
+        )
+    else:  # a store of the first layouts (fewer databases), or an empty LMDB file
+        reason = f"{path} lacks the databases {missing} that a reader of this version opens"
+        reason += " (a store from an early version that no writer has opened since, or not a rollout store)"
+    return IncompatibleStoreError("databases", sorted(main_keys), sorted(ours), reason=reason)
 
 
 def _writer_alive(path: str) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main as launch
-from pipeline.errors import PipelineError
+from pipeline.errors import IncompatibleStoreError, PipelineError
 from pipeline.replay import main, parse_steps
 from pipeline.replay_report import summarize
 from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
@@ -180,6 +180,43 @@ def test_missing_and_memory_runs_are_named(tmp_path, capsys):
         code, _, err = replay(capsys, str(memory_run), *command)
         assert code == 1
         assert str(memory_run / "rollout_data") in err and "memory" in err
+
+
+def _foreign_lmdb(path: Path) -> Path:
+    """An LMDB directory another program wrote: a plain key and a database of its own."""
+    import lmdb
+
+    path.mkdir(parents=True)
+    env = lmdb.open(str(path), max_dbs=2)
+    theirs = env.open_db(b"theirs")
+    with env.begin(write=True) as txn:
+        txn.put(b"hello", b"world")
+        txn.put(b"k", b"v", db=theirs)
+    env.close()
+    (path / "lock.mdb").unlink()
+    return path
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command", [[], ["verify"], ["group", "e0000-p000000000"], ["train"], ["metrics"]])
+def test_a_foreign_lmdb_directory_is_named_and_left_as_it_was(tmp_path, capsys, command):
+    run = tmp_path / "run"
+    _foreign_lmdb(run / "rollout_data")
+    before = _listing(tmp_path)
+    code, out, err = replay(capsys, str(run), *command)
+    assert code == 1 and "not a rollout store" in err and "['hello', 'theirs']" in err, (out, err)
+    assert _listing(tmp_path) == before  # not even LMDB's lock file
+
+
+def test_a_writer_refuses_a_foreign_lmdb_directory_and_leaves_its_data(tmp_path):
+    path = _foreign_lmdb(tmp_path / "theirs")
+    data = (path / "data.mdb").read_bytes()
+    with pytest.raises(IncompatibleStoreError, match="is not a rollout store: it holds \\['hello', 'theirs'\\]"):
+        LmdbStore(path)
+    assert (path / "data.mdb").read_bytes() == data
 
 
 def test_parse_steps():
@@ -360,3 +397,44 @@ def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsy
     code, text, err = replay(capsys, str(out), "train", "--weights", str(out / "weights" / "v4"))
     assert code == 0, err
     assert [json.loads(line)["step"] for line in text.splitlines()] == [4, 5]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    # `python -m pipeline.replay RUN summary | head -3`: head exits before replay writes its output.
+    _build_store(tmp_path / "rollout_data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.replay", str(tmp_path), "summary"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err  # 141: as if killed by SIGPIPE
+
+
+def test_train_replays_each_step_at_the_version_it_was_trained_at(tmp_path):
+    # Async mode with --mask-stale-tokens 0: step 1 was trained at version 1 and every token of its
+    # batch is from version 0, so the run trained none of them. The replay must agree; it used to
+    # take the batch's newest token (0) as the trained version and train them all.
+    from pipeline.replay import replay_training
+    from stages.tasks.tiny_model import make_model_folder
+    from storage import RunMeta
+
+    model = make_model_folder(tmp_path / "model", hidden_size=32, num_layers=2, seed=0)
+    done = SampleStatus.COMPLETED
+    groups = [_group(i, 0, [_sample(0, [(0, 3, 0)], done), _sample(1, [(0, 2, 0)], done)]) for i in (0, 1)]
+    config = {"trainer": {"mask_stale_tokens": 0}}
+    with LmdbStore(tmp_path / "rollout_data", sync=False) as store:
+        store.write_meta(RunMeta("r", "d", "t", 2, extra={"config": config}))
+        store.admit(groups, Cursor(index=2, next_seq=2))
+        for step, group in enumerate(groups):
+            store.put_ready(group)
+            store.take_batch(step, 1)
+            store.finish_batch(step, {"step": step, "version": step})
+    with LmdbStore(tmp_path / "rollout_data", readonly=True) as store:
+        first, second = replay_training(store, model, range(0, 2), seed=0)
+    assert first["mask_ratio"] == 1.0  # trained at version 0: its tokens are fresh
+    assert second["mask_ratio"] == 0.0

@@ -4,10 +4,13 @@ recorded on the sample and the group stored as failed. Real parts: the memory st
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import anyio
+import numpy as np
 import pytest
+import structlog.testing
 
 from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission
@@ -76,6 +79,11 @@ def _fails_on_second(task: PromptTask, sample: Sample) -> float:
     return 1.0
 
 
+async def _async_nan(task: PromptTask, sample: Sample) -> float:
+    await anyio.lowlevel.checkpoint()
+    return math.nan
+
+
 async def _never(task: PromptTask, sample: Sample) -> float:
     await anyio.sleep_forever()
     raise AssertionError("unreachable")
@@ -85,10 +93,17 @@ async def _never(task: PromptTask, sample: Sample) -> float:
     ("fn", "error"),
     [
         (_fails_on_second, "reward: RuntimeError('no verdict')"),
-        (lambda task, sample: "high" if sample.index == 1 else 1.0, "reward: ValueError("),
+        (lambda task, sample: "high" if sample.index == 1 else 1.0, "reward: the reward function returned 'high'"),
         (_never, "reward: timed out"),
+        # A NaN or infinite reward would turn the group's advantages, the loss and then the weights
+        # into NaN: it fails its sample, as an exception does.
+        (lambda task, sample: math.nan if sample.index == 1 else 1.0, "reward: the reward function returned nan"),
+        (lambda task, sample: -math.inf if sample.index == 1 else 1.0, "reward: the reward function returned -inf"),
+        (_async_nan, "reward: the reward function returned nan"),
+        (lambda task, sample: None, "reward: the reward function returned None"),
+        (lambda task, sample: "1.0", "reward: the reward function returned '1.0'"),
     ],
-    ids=["raises", "not-a-number", "timeout"],
+    ids=["raises", "not-a-number", "timeout", "nan", "inf", "async-nan", "none", "str"],
 )
 async def test_a_failed_reward_fails_its_sample_and_stores_the_group_as_failed(
     store: AsyncStore, fn: RewardFn, error: str
@@ -98,3 +113,24 @@ async def test_a_failed_reward_fails_its_sample_and_stores_the_group_as_failed(
     (stored,) = await store.groups(GroupState.FAILED)
     failed = [s for s in stored.samples if s.status is SampleStatus.FAILED]
     assert failed and all(s.error is not None and s.error.startswith(error) for s in failed)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, 1.0), (False, 0.0), (3, 3.0), (np.float32(0.5), 0.5), (np.float64(-2.0), -2.0), (np.bool_(True), 1.0)],
+    ids=["true", "false", "int", "np.float32", "np.float64", "np.bool_"],
+)
+async def test_a_bool_an_int_or_a_numpy_scalar_is_a_reward(store: AsyncStore, value: object, expected: float) -> None:
+    (out,) = await _scored(store, lambda task, sample: value, [_unscored(0)])  # type: ignore[arg-type,return-value]
+    assert [s.reward for s in out.samples] == [expected, expected]
+    assert all(type(s.reward) is float for s in out.samples)
+
+
+async def test_the_first_group_each_error_fails_is_logged_once(store: AsyncStore) -> None:
+    # Failed groups reach the metrics only with a completed step: a reward that fails every sample
+    # must be said at once, and once per distinct error.
+    with structlog.testing.capture_logs() as logs:
+        await _scored(store, _fails_on_second, [_unscored(0), _unscored(1), _unscored(2)])
+    warned = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warned) == 1, warned
+    assert warned[0]["error"] == "reward: RuntimeError('no verdict')" and warned[0]["failed_samples"] == "1/2"

@@ -54,3 +54,22 @@ def test_a_resumed_run_is_drawn_after_the_first():
     assert "controller restarted" in page
     # the second run's request starts 10 s after the first's, not on top of it
     assert slot_busy_fraction(_on_one_clock(events)) == 2 / 11
+
+
+def test_the_command_names_a_file_that_is_not_an_event_log(tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"  # a near miss: the run's other JSONL file
+    metrics.write_text('{"step": 0, "reward/mean": 0.5}\n')
+    assert main([str(metrics)]) == 1
+    assert "is not a readable event log" in capsys.readouterr().err
+    assert not (tmp_path / "timeline.html").exists()
+
+
+def test_the_command_takes_the_run_dir_too(tmp_path, capsys):
+    log = EventLog(tmp_path / "events.jsonl")
+    with log.span("train", step=0):
+        pass
+    log.close()
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "timeline.html").read_text().startswith("<!doctype html>")
+    assert main([str(tmp_path / "nowhere")]) == 1
+    assert "nowhere" in capsys.readouterr().err

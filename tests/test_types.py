@@ -115,3 +115,25 @@ def test_with_reward_is_replace_with_every_other_field_kept():
     unset = [f.name for f in dataclasses.fields(Sample) if getattr(sample, f.name) == f.default]
     assert unset == ["reward"], "set every other field, so that a dropped one shows"
     assert sample.with_reward(0.75) == dataclasses.replace(sample, reward=0.75)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[5, 6, 7], range(5, 8), (5, 6, 7), "numpy"],
+    ids=["list", "range", "tuple", "numpy"],
+)
+def test_a_prompt_task_keeps_any_sequence_of_token_ids_as_a_tuple_of_ints(ids):
+    if ids == "numpy":  # what a tokenizer called with return_tensors="np" gives
+        import numpy as np
+
+        ids = np.array([5, 6, 7], dtype=np.int64)
+    task = PromptTask(index=0, prompt_ids=ids)
+    assert type(task.prompt_ids) is tuple and task.prompt_ids == (5, 6, 7)
+    assert all(type(t) is int for t in task.prompt_ids)
+    assert task == PromptTask(index=0, prompt_ids=(5, 6, 7))  # as the store gives it back
+
+
+@pytest.mark.parametrize("ids", ["say a x3:", b"say", [1.5, 2]], ids=["text", "bytes", "floats"])
+def test_a_prompt_task_refuses_text_and_non_integer_ids_naming_the_row(ids):
+    with pytest.raises(ValueError, match="PromptTask 4: prompt_ids"):
+        PromptTask(index=4, prompt_ids=ids)
