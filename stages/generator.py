@@ -234,7 +234,7 @@ class GeneratorPool:
     async def _dispose(self, group: Group, send: MemoryObjectSendStream[Group]) -> None:
         if group.failed:
             await self._store.put_failed(group)
-            self._admission.settle(Outcome.FAILED)
+            self._admission.settle(Outcome.FAILED, group)
         elif group.finished:
             await send.send(group)
         else:

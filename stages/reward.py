@@ -60,7 +60,7 @@ class RewardStage:
                 group = group.with_samples(samples)
                 if group.failed:
                     await self._store.put_failed(group)
-                    self._admission.settle(Outcome.FAILED)
+                    self._admission.settle(Outcome.FAILED, group)
                 else:
                     await send.send(group)
 

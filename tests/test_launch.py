@@ -133,3 +133,23 @@ def test_bring_your_own_prompts_and_reward(tmp_path):
     )
     assert len(records) == 3
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+
+
+def test_prompts_that_all_fail_stop_the_run_naming_the_error(tmp_path, capsys):
+    # Every prompt is longer than the built-in model's 512-position context, so the engine refuses
+    # each request (HTTP 400) and every group fails. Before, the run admitted the dataset again and
+    # again, epoch after epoch, without a word and without end.
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "a" * 600, "label": n}) + "\n" for n in range(3)))
+    flags = ["--prompt-data", str(prompts), "--custom-rm-path", "tests.test_launch:short_answer_reward"]
+    flags += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
+    flags += ["--rollout-data-transport", "lmdb"]
+    code = main(["--output-dir", str(tmp_path / "run"), "--no-progress", "--num-rollout", "1", *flags])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "error: the last 64 groups all failed" in err and "maximum context length of 512" in err
+    assert "Traceback" not in err
+    with LmdbStore(tmp_path / "run" / "rollout_data", readonly=True) as store:
+        # each kept with its error (the groups already admitted when the run stopped as well)
+        assert store.count(GroupState.FAILED) >= 64
+        assert store.count(GroupState.TRAINED) == store.count(GroupState.RUNNING) == 0
