@@ -153,3 +153,22 @@ def test_prompts_that_all_fail_stop_the_run_naming_the_error(tmp_path, capsys):
         # each kept with its error (the groups already admitted when the run stopped as well)
         assert store.count(GroupState.FAILED) >= 64
         assert store.count(GroupState.TRAINED) == store.count(GroupState.RUNNING) == 0
+
+
+def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_nothing(tmp_path, capsys):
+    small = ("--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4")
+    lmdb = ("--rollout-data-transport", "lmdb")
+    run(tmp_path, "--num-rollout", "1", *small, *lmdb)
+    out = tmp_path / "run"
+    checkpoint = (out / "weights" / "v1" / "model.safetensors").read_bytes()
+    metrics = (out / "metrics.jsonl").read_text()
+    # A memory run (or an LMDB run on another store) in the same folder would write weights/v1..
+    # over the checkpoints the store counts as trained, and a resume would load them unknowingly.
+    for other in ((), (*lmdb, "--rollout-data-dir", str(tmp_path / "elsewhere"))):
+        code = main(["--output-dir", str(out), "--no-progress", "--num-rollout", "1", "--lr", "0.1", *small, *other])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert f"{out / 'rollout_data'}" in err and "--output-dir" in err and "Traceback" not in err
+    assert (out / "weights" / "v1" / "model.safetensors").read_bytes() == checkpoint
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert [r["step"] for r in run(tmp_path, "--num-rollout", "2", *small, *lmdb)] == [0, 1]  # still resumes
