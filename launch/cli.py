@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: rollout state is in the store; run the same command again to resume", file=sys.stderr)
         return 130
-    _print_summary(summary)
+    _print_summary(summary, config.rollout.num_rollout)
     return 0
 
 
@@ -535,9 +535,9 @@ class _progress:
             self._bar.close()
 
 
-def _print_summary(records: list[dict[str, Any]]) -> None:
+def _print_summary(records: list[dict[str, Any]], num_rollout: int) -> None:
     if not records:
-        print("nothing to do: every step of this run is already trained")
+        print(f"nothing to do: the run has trained all of its --num-rollout={num_rollout} steps")
         return
     k = max(1, min(5, len(records) // 4))
     first = statistics.fmean(r["reward/mean"] for r in records[:k])

@@ -172,3 +172,16 @@ def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_not
     assert (out / "weights" / "v1" / "model.safetensors").read_bytes() == checkpoint
     assert (out / "metrics.jsonl").read_text() == metrics
     assert [r["step"] for r in run(tmp_path, "--num-rollout", "2", *small, *lmdb)] == [0, 1]  # still resumes
+
+
+def test_zero_steps_sets_up_the_run_and_trains_nothing(tmp_path, capsys):
+    # `--num-rollout 0`: the model folder, the store and the engine come up, nothing is trained
+    # (a smoke test of a setup before a long run; a resumed run asked for fewer steps than it has
+    # trained ends the same way).
+    out = tmp_path / "run"
+    code = main(["--output-dir", str(out), "--no-progress", "--num-rollout", "0", "--rollout-data-transport", "lmdb"])
+    assert code == 0
+    assert "nothing to do: the run has trained all of its --num-rollout=0 steps" in capsys.readouterr().out
+    assert (out / "model" / "config.json").exists() and not (out / "metrics.jsonl").read_text()
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        assert store.trained_step() == -1 and store.count(GroupState.TRAINED) == 0
