@@ -341,6 +341,17 @@ def test_a_flag_without_its_value_names_the_flag():
             "its own durable ordering",
         ),
         (
+            # Every group of one has reward std 0: the filter rejects all of them and no batch fills.
+            ["--n-samples-per-prompt", "1", "--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero"],
+            "--dynamic-sampling-filter-path='stages.filter:reward_std_nonzero' with --n-samples-per-prompt=1: "
+            "a group of one has no reward spread",
+        ),
+        (
+            # No stop is allowed before the cap: every sample would end truncated.
+            ["--rollout-min-new-tokens", "64"],
+            "--rollout-min-new-tokens=64 with --rollout-max-response-len=64: must be below it",
+        ),
+        (
             ["--sglang-url", "http://127.0.0.1:1", "--sglang-router-url", "http://127.0.0.1:2"],
             "--sglang-router-url='http://127.0.0.1:2' with --sglang-url: pass engine URLs or one router URL, not both",
         ),
