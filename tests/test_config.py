@@ -142,13 +142,17 @@ def test_other_legal_but_odd_settings_warn():
             "x",
             "--engine-host",
             "0.0.0.0",
+            "--rollout-min-new-tokens",
+            "64",
         ]
     ).warnings
     assert any(w.startswith("--mask-offpolicy-in-partial-rollout without --partial-rollout") for w in warnings)
     assert any(w.startswith("--n-samples-per-prompt=1") for w in warnings)
     assert any(w.startswith("--rollout-data-dir='x' with --rollout-data-transport=memory") for w in warnings)
     assert any(w.startswith("--engine-host='0.0.0.0'") for w in warnings)
-    assert len(warnings) == 4
+    # no stop before the cap (legal: fixed-length generation; before, not a word about it)
+    assert any(w.startswith("--rollout-min-new-tokens=64 with --rollout-max-response-len=64") for w in warnings)
+    assert len(warnings) == 5
 
 
 def test_the_tree_is_frozen():
@@ -345,11 +349,6 @@ def test_a_flag_without_its_value_names_the_flag():
             ["--n-samples-per-prompt", "1", "--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero"],
             "--dynamic-sampling-filter-path='stages.filter:reward_std_nonzero' with --n-samples-per-prompt=1: "
             "a group of one has no reward spread",
-        ),
-        (
-            # No stop is allowed before the cap: every sample would end truncated.
-            ["--rollout-min-new-tokens", "64"],
-            "--rollout-min-new-tokens=64 with --rollout-max-response-len=64: must be below it",
         ),
         (
             ["--sglang-url", "http://127.0.0.1:1", "--sglang-router-url", "http://127.0.0.1:2"],

@@ -60,12 +60,6 @@ def check_rules(draft: Draft) -> None:
             mode = "--partial-rollout" if get("rollout", "partial_rollout") else "--rollout-mode=async"
             problem(f"{draft.show('rollout', name)} with {mode}: {PENALTY_RULE}")
 
-    if draft.ok("rollout", "min_new_tokens") and draft.ok("rollout", "max_response_len"):
-        if r["min_new_tokens"] and r["min_new_tokens"] >= r["max_response_len"]:
-            problem(
-                f"{draft.show('rollout', 'min_new_tokens')} with {draft.show('rollout', 'max_response_len')}: "
-                "must be below it (no sample may stop before the cap, so every sample would end truncated)"
-            )
     _filter_rules(draft)
 
     # The seed's forbidden combinations, each with its rule.
@@ -369,6 +363,13 @@ def warn_odd_settings(draft: Draft) -> None:
         warn(
             "--mask-offpolicy-in-partial-rollout without --partial-rollout in sync mode: "
             "no sample is ever continued, so nothing is masked"
+        )
+    if r["min_new_tokens"] and r["min_new_tokens"] >= r["max_response_len"]:
+        # Legal (fixed-length generation), but usually a mistake: the engine caps it at the limit.
+        warn(
+            f"{draft.show('rollout', 'min_new_tokens')} with {draft.show('rollout', 'max_response_len')}: "
+            "no sample may stop before the cap, so every sample ends truncated (the toy reward scores "
+            "those 0; --mask-truncated-samples would train none)"
         )
     if r["n_samples_per_prompt"] == 1:
         warn(
