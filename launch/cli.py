@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(config: Config) -> list[dict[str, Any]]:
     out = Path(derived(config.output.dir, "output.dir"))
-    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
+    try:
+        await anyio.Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only filesystem
+        raise ConfigError([f"--output-dir={out}: cannot be created ({exc.strerror})"]) from exc
     async with AsyncExitStack() as stack:
         state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
         restored = _restore_metrics(config, state.store)

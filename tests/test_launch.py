@@ -185,3 +185,12 @@ def test_zero_steps_sets_up_the_run_and_trains_nothing(tmp_path, capsys):
     assert (out / "model" / "config.json").exists() and not (out / "metrics.jsonl").read_text()
     with LmdbStore(out / "rollout_data", readonly=True) as store:
         assert store.trained_step() == -1 and store.count(GroupState.TRAINED) == 0
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_error_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = main(["--output-dir", str(blocker / "run"), "--no-progress", "--num-rollout", "0"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"--output-dir={blocker / 'run'}: cannot be created" in err and "Traceback" not in err
