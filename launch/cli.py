@@ -79,10 +79,16 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(config: Config) -> list[dict[str, Any]]:
     out = Path(derived(config.output.dir, "output.dir"))
-    try:
-        await anyio.Path(out).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file in the way, no permission, a read-only filesystem
-        raise ConfigError([f"--output-dir={out}: cannot be created ({exc.strerror})"]) from exc
+    # Checked before anything starts, so that a path that cannot be written is one error line, not
+    # a traceback after the engines came up.
+    metrics_file = Path(derived(config.output.metrics_file, "output.metrics_file"))
+    for flag, path, make in (("--output-dir", out, out), ("--metrics-file", metrics_file, metrics_file.parent)):
+        try:
+            await anyio.Path(make).mkdir(parents=True, exist_ok=True)
+            if path is metrics_file:
+                await anyio.Path(path).touch()
+        except OSError as exc:  # a file in the way, no permission, a read-only filesystem
+            raise ConfigError([f"{flag}={path}: cannot be created ({exc.strerror})"]) from exc
     async with AsyncExitStack() as stack:
         state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
         restored = _restore_metrics(config, state.store)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from launch.cli import main
 from storage import GroupState, LmdbStore
 
@@ -187,10 +189,15 @@ def test_zero_steps_sets_up_the_run_and_trains_nothing(tmp_path, capsys):
         assert store.trained_step() == -1 and store.count(GroupState.TRAINED) == 0
 
 
-def test_an_output_dir_that_cannot_be_made_is_one_error_line(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--output-dir", "--metrics-file"])
+def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, flag):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    code = main(["--output-dir", str(blocker / "run"), "--no-progress", "--num-rollout", "0"])
+    where = blocker / "run"
+    # before any engine starts (the metrics file used to fail only after start-up, with a traceback)
+    paths = {"--output-dir": str(tmp_path / "run"), flag: str(where)}
+    code = main([*(x for kv in paths.items() for x in kv), "--no-progress", "--num-rollout", "0"])
     assert code == 1
     err = capsys.readouterr().err
-    assert f"--output-dir={blocker / 'run'}: cannot be created" in err and "Traceback" not in err
+    assert f"{flag}={where}: cannot be created" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "model").exists()
