@@ -2,7 +2,8 @@
 
 The function is `(task: PromptTask, sample: Sample) -> float`, sync or async, resolved once when the
 config loads. An async function runs under a deadline; a sync one runs inline (keep it cheap, or
-make it async). An exception or a timeout is recorded on the sample, which then counts as failed:
+make it async). An exception, a timeout or a value that is not a finite number (NaN would reach the
+loss and the weights) is recorded on the sample, which then counts as failed:
 its group is stored as failed and shows in the metrics, never silently dropped.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -73,7 +75,7 @@ class RewardStage:
             value = self._fn(task, sample)
             if inspect.isawaitable(value):
                 return value
-            reward = float(value)
+            reward = _finite(value)
         except Exception as exc:  # a user function's failure is data, recorded on the sample
             return self._failed_sample(sample, exc)
         self._scored += 1
@@ -83,7 +85,7 @@ class RewardStage:
         try:
             with anyio.fail_after(self._timeout):
                 value = await pending
-            reward = float(value)  # type: ignore[arg-type]
+            reward = _finite(value)
         except Exception as exc:
             return self._failed_sample(sample, exc)
         self._scored += 1
@@ -91,8 +93,26 @@ class RewardStage:
 
     def _failed_sample(self, sample: Sample, exc: Exception) -> Sample:
         self._failed += 1
-        reason = "timed out" if isinstance(exc, TimeoutError) else repr(exc)
+        if isinstance(exc, TimeoutError):
+            reason = "timed out"
+        elif isinstance(exc, _NotFinite):
+            reason = str(exc)
+        else:
+            reason = repr(exc)
         return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")
 
     def statistics(self) -> RewardStatistics:
         return RewardStatistics(self._scored, self._failed)
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite(value: object) -> float:
+    """The reward as a float. NaN or infinity fails the sample like an exception would: one such
+    reward makes its group's advantages, then the loss and the published weights, NaN."""
+    reward = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(reward):
+        raise _NotFinite(f"{reward} is not a finite number")
+    return reward

@@ -4,6 +4,7 @@ recorded on the sample and the group stored as failed. Real parts: the memory st
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import anyio
@@ -81,14 +82,23 @@ async def _never(task: PromptTask, sample: Sample) -> float:
     raise AssertionError("unreachable")
 
 
+async def _async_inf(task: PromptTask, sample: Sample) -> float:
+    await anyio.lowlevel.checkpoint()
+    return math.inf
+
+
 @pytest.mark.parametrize(
     ("fn", "error"),
     [
         (_fails_on_second, "reward: RuntimeError('no verdict')"),
         (lambda task, sample: "high" if sample.index == 1 else 1.0, "reward: ValueError("),
         (_never, "reward: timed out"),
+        # NaN or infinity would turn the advantages, the loss and then the published weights into
+        # NaN (seen: the engine then answered nothing usable and the run died on "no engine").
+        (lambda task, sample: math.nan if sample.index == 1 else 1.0, "reward: nan is not a finite number"),
+        (_async_inf, "reward: inf is not a finite number"),
     ],
-    ids=["raises", "not-a-number", "timeout"],
+    ids=["raises", "not-a-number", "timeout", "nan", "async-inf"],
 )
 async def test_a_failed_reward_fails_its_sample_and_stores_the_group_as_failed(
     store: AsyncStore, fn: RewardFn, error: str
