@@ -73,13 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: rollout state is in the store; run the same command again to resume", file=sys.stderr)
         return 130
-    _print_summary(summary)
+    _print_summary(summary, config.rollout.num_rollout)
     return 0
 
 
 async def _run(config: Config) -> list[dict[str, Any]]:
     out = Path(derived(config.output.dir, "output.dir"))
-    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
+    # Checked before anything starts, so that a path that cannot be written is one error line, not
+    # a traceback after the engines came up.
+    metrics_file = Path(derived(config.output.metrics_file, "output.metrics_file"))
+    for flag, path, make in (("--output-dir", out, out), ("--metrics-file", metrics_file, metrics_file.parent)):
+        try:
+            await anyio.Path(make).mkdir(parents=True, exist_ok=True)
+            if path is metrics_file:
+                await anyio.Path(path).touch()
+        except OSError as exc:  # a file in the way, no permission, a read-only filesystem
+            raise ConfigError([f"{flag}={path}: cannot be created ({exc.strerror})"]) from exc
     async with AsyncExitStack() as stack:
         state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
         restored = _restore_metrics(config, state.store)
@@ -535,9 +544,9 @@ class _progress:
             self._bar.close()
 
 
-def _print_summary(records: list[dict[str, Any]]) -> None:
+def _print_summary(records: list[dict[str, Any]], num_rollout: int) -> None:
     if not records:
-        print("nothing to do: every step of this run is already trained")
+        print(f"nothing to do: the run has trained all of its --num-rollout={num_rollout} steps")
         return
     k = max(1, min(5, len(records) // 4))
     first = statistics.fmean(r["reward/mean"] for r in records[:k])

@@ -366,7 +366,7 @@ class RayProducers:
                 accepted.append(group)
                 p.in_hand.discard(gid)
             else:
-                self._settle(p, gid, _OUTCOME[kind])
+                self._settle(p, gid, _OUTCOME[kind], group)
         self._counts["accepted"] += len(accepted)
         self._notify()
         if accepted:
@@ -381,11 +381,12 @@ class RayProducers:
         turn = len(self._live()) / self._takes_per_second
         return max(0.0, turn - since_last_take)
 
-    def _settle(self, p: ProducerHandle, gid: str, outcome: Outcome) -> None:
-        """Settle a group p held (the caller notifies once for all it settled)."""
+    def _settle(self, p: ProducerHandle, gid: str, outcome: Outcome, group: Group | None = None) -> None:
+        """Settle a group p held (the caller notifies once for all it settled); a failed `group`
+        is passed on so its error is logged."""
         if gid in p.in_hand:
             p.in_hand.discard(gid)
-            self._admission.settle(outcome)
+            self._admission.settle(outcome, group)
 
     # -- liveness -------------------------------------------------------------------------------
     async def _heartbeats(self, p: ProducerHandle) -> None:

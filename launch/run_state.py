@@ -93,6 +93,7 @@ def open_run_state(config: Config) -> RunState:
     dataset, reward_fn = _dataset(config, tokenizer)
 
     meta = _run_meta(config, dataset, model_path)
+    _claim_weights(out / "weights", config)
     _remove_unfinished_saves(out / "weights")
     if config.storage.transport is StoreTransport.LMDB:
         store = _open_lmdb(config, meta, out / "weights", dataset)
@@ -125,6 +126,60 @@ def open_run_state(config: Config) -> RunState:
 
         agent = lookup_agent
     return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer, agent)
+
+
+_OWNER_FILE = "owner.json"  # in the weights folder: which LMDB store counts these checkpoints
+
+
+def _claim_weights(weights_dir: Path, config: Config) -> None:
+    """Refuse to write checkpoints over those an LMDB store of another run counts as trained.
+
+    A run saves `weights/vN` at every step. In a folder whose checkpoints belong to an LMDB store
+    (a durable run that can still resume), a memory run or an LMDB run on another store would
+    overwrite them, and resuming the durable run would then load weights it never trained. The
+    owner is recorded in `weights/owner.json`, relative to the output dir when the store is inside
+    it (so a run folder moved or copied whole still owns its checkpoints); a folder written before
+    that record existed is owned by `<output dir>/rollout_data` when that store exists.
+    Checkpoints of a memory run, or of a store that is gone, belong to nobody: any run may take
+    the folder over.
+    """
+    out = weights_dir.parent.resolve()
+    ours = (
+        Path(derived(config.storage.data_dir, "storage.data_dir")).resolve()
+        if config.storage.transport is StoreTransport.LMDB
+        else None
+    )
+    record = weights_dir / _OWNER_FILE
+    owner: Path | None
+    if record.exists():
+        try:
+            stored = orjson.loads(record.read_bytes())["lmdb_store"]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise StoreError(
+                f"{record} is not the JSON object a run writes ({exc!r}); remove it if no run owns it"
+            ) from exc
+        owner = out / stored if stored is not None else None  # an absolute `stored` stays as it is
+    else:
+        default = out / "rollout_data"
+        owner = default if any(weights_dir.glob("v*")) and default.is_dir() else None
+    if owner is not None and owner != ours and owner.is_dir():
+        this_run = (
+            f"--rollout-data-transport=lmdb with --rollout-data-dir={ours}"
+            if ours is not None
+            else "--rollout-data-transport=memory"
+        )
+        raise StoreError(
+            f"the output dir {out} holds the checkpoints of the LMDB run whose store is {owner}; "
+            f"this run ({this_run}) would overwrite them, and that run would resume from weights it never "
+            f"trained. Give this run another --output-dir, or resume that run with "
+            f"--rollout-data-transport lmdb --rollout-data-dir {owner}"
+        )
+    if owner != ours or not record.exists():
+        weights_dir.mkdir(parents=True, exist_ok=True)
+        mine = None if ours is None else str(ours.relative_to(out) if ours.is_relative_to(out) else ours)
+        tmp = record.with_name(f".{_OWNER_FILE}.tmp")
+        tmp.write_bytes(orjson.dumps({"lmdb_store": mine}))
+        os.replace(tmp, record)
 
 
 def _remove_unfinished_saves(weights_dir: Path) -> None:

@@ -274,7 +274,7 @@ class _Graph:
         agent: Agent | None = None,
         producers: ProducersFactory | None = None,
     ) -> _Graph:
-        admission = Admission()
+        admission = Admission(failing_limit=failing_limit(plan))
         prefetch = plan.prefetch if plan.prefetch is not None else plan.batch_size
         # In sync mode admission alone bounds the ready set (a round grants exactly the groups its
         # batch lacks, plus bounded refills); the collector's own bound matters only in async mode.
@@ -362,6 +362,17 @@ class _Graph:
         self.admission.revoke()
         await self.producers.stop()
         await self.admission.wait_settled()
+
+
+def failing_limit(plan: RolloutPlan) -> int:
+    """How many groups in a row may fail, none succeeding in between, before the run stops.
+
+    Two rounds' worth, and never fewer than 64: a burst of failures (a reward service down for a
+    moment) loses those groups, counted and logged, but only a cause that fails everything (a
+    prompt set longer than the engine's context) fails this many in a row, and then the run
+    stops with its error instead of turning the dataset into failed groups forever.
+    """
+    return max(64, 2 * plan.batch_size, 2 * (plan.over_sampling or 0))
 
 
 async def _step_record(

@@ -13,6 +13,7 @@
     │   ├── EngineUnavailableError  cannot connect, or timed out
     │   └── VersionMismatchError    an engine reports a weight version the clock did not publish
     ├── PublishError           a weight publish failed; the old version keeps serving
+    ├── GroupsFailingError     every group of a long run of them failed (names the last error)
     ├── AgentError             an agent broke its contract (names the agent and the value)
     │   └── AgentStateError    an agent's `ctx.state` is not JSON-serialisable
     ├── AgentInterrupted       the pool stopped during `ctx.generate`; the agent lets it propagate
@@ -39,6 +40,7 @@ __all__ = [
     "CorruptRecordError",
     "EngineError",
     "EngineUnavailableError",
+    "GroupsFailingError",
     "IncompatibleStoreError",
     "PipelineError",
     "PluginError",
@@ -143,6 +145,20 @@ class PublishError(PipelineError):
     def __init__(self, version: int, reason: str) -> None:
         self.version = version
         super().__init__(f"publishing version {version} failed, version {version - 1} keeps serving: {reason}")
+
+
+class GroupsFailingError(PipelineError):
+    """The last `count` groups to finish all failed, none succeeded in between (a prompt longer
+    than the engine's context, a reward function that always raises, an engine refusing every
+    request). Starting more would only spend the dataset on failures, so the run stops instead.
+    Every failed group is in the store with its error; `last_error` is the newest one."""
+
+    def __init__(self, count: int, last_error: str | None) -> None:
+        self.count, self.last_error = count, last_error
+        super().__init__(
+            f"the last {count} groups all failed, none succeeded in between; the newest failure: "
+            f"{last_error or 'no error recorded'}"
+        )
 
 
 class ReplayError(PipelineError):

@@ -237,7 +237,7 @@ class GeneratorPool:
         if group.failed:
             self._failures.failed(group)
             await self._store.put_failed(group)
-            self._admission.settle(Outcome.FAILED)
+            self._admission.settle(Outcome.FAILED, group)
         elif group.finished:
             await send.send(group)
         else:

@@ -66,7 +66,7 @@ class RewardStage:
                 if group.failed:
                     self._failures.failed(group)
                     await self._store.put_failed(group)
-                    self._admission.settle(Outcome.FAILED)
+                    self._admission.settle(Outcome.FAILED, group)
                 else:
                     await send.send(group)
 

@@ -142,13 +142,17 @@ def test_other_legal_but_odd_settings_warn():
             "x",
             "--engine-host",
             "0.0.0.0",
+            "--rollout-min-new-tokens",
+            "64",
         ]
     ).warnings
     assert any(w.startswith("--mask-offpolicy-in-partial-rollout without --partial-rollout") for w in warnings)
     assert any(w.startswith("--n-samples-per-prompt=1") for w in warnings)
     assert any(w.startswith("--rollout-data-dir='x' with --rollout-data-transport=memory") for w in warnings)
     assert any(w.startswith("--engine-host='0.0.0.0'") for w in warnings)
-    assert len(warnings) == 4
+    # no stop before the cap (legal: fixed-length generation; before, not a word about it)
+    assert any(w.startswith("--rollout-min-new-tokens=64 with --rollout-max-response-len=64") for w in warnings)
+    assert len(warnings) == 5
 
 
 def test_the_tree_is_frozen():
@@ -339,6 +343,12 @@ def test_a_flag_without_its_value_names_the_flag():
             ["--rollout-data-transport", "lmdb", "--buffer-filter-path", "tests.test_config:keep_all"],
             "--buffer-filter-path='tests.test_config:keep_all' with --rollout-data-transport=lmdb: the LMDB store has "
             "its own durable ordering",
+        ),
+        (
+            # Every group of one has reward std 0: the filter rejects all of them and no batch fills.
+            ["--n-samples-per-prompt", "1", "--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero"],
+            "--dynamic-sampling-filter-path='stages.filter:reward_std_nonzero' with --n-samples-per-prompt=1: "
+            "a group of one has no reward spread",
         ),
         (
             ["--sglang-url", "http://127.0.0.1:1", "--sglang-router-url", "http://127.0.0.1:2"],

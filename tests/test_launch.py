@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from launch.cli import main
 from storage import GroupState, LmdbStore
 
@@ -133,3 +135,69 @@ def test_bring_your_own_prompts_and_reward(tmp_path):
     )
     assert len(records) == 3
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+
+
+def test_prompts_that_all_fail_stop_the_run_naming_the_error(tmp_path, capsys):
+    # Every prompt is longer than the built-in model's 512-position context, so the engine refuses
+    # each request (HTTP 400) and every group fails. Before, the run admitted the dataset again and
+    # again, epoch after epoch, without a word and without end.
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "a" * 600, "label": n}) + "\n" for n in range(3)))
+    flags = ["--prompt-data", str(prompts), "--custom-rm-path", "tests.test_launch:short_answer_reward"]
+    flags += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
+    flags += ["--rollout-data-transport", "lmdb"]
+    code = main(["--output-dir", str(tmp_path / "run"), "--no-progress", "--num-rollout", "1", *flags])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "error: the last 64 groups all failed" in err and "maximum context length of 512" in err
+    assert "Traceback" not in err
+    with LmdbStore(tmp_path / "run" / "rollout_data", readonly=True) as store:
+        # each kept with its error (the groups already admitted when the run stopped as well)
+        assert store.count(GroupState.FAILED) >= 64
+        assert store.count(GroupState.TRAINED) == store.count(GroupState.RUNNING) == 0
+
+
+def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_nothing(tmp_path, capsys):
+    small = ("--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4")
+    lmdb = ("--rollout-data-transport", "lmdb")
+    run(tmp_path, "--num-rollout", "1", *small, *lmdb)
+    out = tmp_path / "run"
+    checkpoint = (out / "weights" / "v1" / "model.safetensors").read_bytes()
+    metrics = (out / "metrics.jsonl").read_text()
+    # A memory run (or an LMDB run on another store) in the same folder would write weights/v1..
+    # over the checkpoints the store counts as trained, and a resume would load them unknowingly.
+    for other in ((), (*lmdb, "--rollout-data-dir", str(tmp_path / "elsewhere"))):
+        code = main(["--output-dir", str(out), "--no-progress", "--num-rollout", "1", "--lr", "0.1", *small, *other])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert f"{out / 'rollout_data'}" in err and "--output-dir" in err and "Traceback" not in err
+    assert (out / "weights" / "v1" / "model.safetensors").read_bytes() == checkpoint
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert [r["step"] for r in run(tmp_path, "--num-rollout", "2", *small, *lmdb)] == [0, 1]  # still resumes
+
+
+def test_zero_steps_sets_up_the_run_and_trains_nothing(tmp_path, capsys):
+    # `--num-rollout 0`: the model folder, the store and the engine come up, nothing is trained
+    # (a smoke test of a setup before a long run; a resumed run asked for fewer steps than it has
+    # trained ends the same way).
+    out = tmp_path / "run"
+    code = main(["--output-dir", str(out), "--no-progress", "--num-rollout", "0", "--rollout-data-transport", "lmdb"])
+    assert code == 0
+    assert "nothing to do: the run has trained all of its --num-rollout=0 steps" in capsys.readouterr().out
+    assert (out / "model" / "config.json").exists() and not (out / "metrics.jsonl").read_text()
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        assert store.trained_step() == -1 and store.count(GroupState.TRAINED) == 0
+
+
+@pytest.mark.parametrize("flag", ["--output-dir", "--metrics-file"])
+def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, flag):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    where = blocker / "run"
+    # before any engine starts (the metrics file used to fail only after start-up, with a traceback)
+    paths = {"--output-dir": str(tmp_path / "run"), flag: str(where)}
+    code = main([*(x for kv in paths.items() for x in kv), "--no-progress", "--num-rollout", "0"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"{flag}={where}: cannot be created" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "model").exists()

@@ -89,6 +89,11 @@ async def _never(task: PromptTask, sample: Sample) -> float:
     raise AssertionError("unreachable")
 
 
+async def _async_inf(task: PromptTask, sample: Sample) -> float:
+    await anyio.lowlevel.checkpoint()
+    return math.inf
+
+
 @pytest.mark.parametrize(
     ("fn", "error"),
     [
@@ -100,10 +105,11 @@ async def _never(task: PromptTask, sample: Sample) -> float:
         (lambda task, sample: math.nan if sample.index == 1 else 1.0, "reward: the reward function returned nan"),
         (lambda task, sample: -math.inf if sample.index == 1 else 1.0, "reward: the reward function returned -inf"),
         (_async_nan, "reward: the reward function returned nan"),
+        (_async_inf, "reward: the reward function returned inf"),
         (lambda task, sample: None, "reward: the reward function returned None"),
         (lambda task, sample: "1.0", "reward: the reward function returned '1.0'"),
     ],
-    ids=["raises", "not-a-number", "timeout", "nan", "inf", "async-nan", "none", "str"],
+    ids=["raises", "not-a-number", "timeout", "nan", "inf", "async-nan", "async-inf", "none", "str"],
 )
 async def test_a_failed_reward_fails_its_sample_and_stores_the_group_as_failed(
     store: AsyncStore, fn: RewardFn, error: str

@@ -60,6 +60,8 @@ def check_rules(draft: Draft) -> None:
             mode = "--partial-rollout" if get("rollout", "partial_rollout") else "--rollout-mode=async"
             problem(f"{draft.show('rollout', name)} with {mode}: {PENALTY_RULE}")
 
+    _filter_rules(draft)
+
     # The seed's forbidden combinations, each with its rule.
     if get("rollout", "mode") == RolloutMode.ASYNC and get("rollout", "eval_interval") is not None:
         problem(
@@ -92,6 +94,20 @@ def check_rules(draft: Draft) -> None:
         problem(
             f"{draft.show('storage', 'run_id')}: must be letters, digits, '.', '_' or '-', starting "
             "with a letter or digit (it names folders and store keys)"
+        )
+
+
+# The built-in filters that reject every group of one sample (`stages.filter`), by either path form.
+_SPREAD_FILTERS = ("stages.filter:reward_std_nonzero", "stages.filter.reward_std_nonzero")
+
+
+def _filter_rules(draft: Draft) -> None:
+    path, n = draft.get("data", "dynamic_sampling_filter_path"), draft.get("rollout", "n_samples_per_prompt")
+    if path in _SPREAD_FILTERS and n == 1:
+        group_size = draft.show("rollout", "n_samples_per_prompt")
+        draft.problems.append(
+            f"{draft.show('data', 'dynamic_sampling_filter_path')} with {group_size}: "
+            "a group of one has no reward spread, so the filter would reject every group and no batch would fill"
         )
 
 
@@ -347,6 +363,13 @@ def warn_odd_settings(draft: Draft) -> None:
         warn(
             "--mask-offpolicy-in-partial-rollout without --partial-rollout in sync mode: "
             "no sample is ever continued, so nothing is masked"
+        )
+    if r["min_new_tokens"] and r["min_new_tokens"] >= r["max_response_len"]:
+        # Legal (fixed-length generation), but usually a mistake: the engine caps it at the limit.
+        warn(
+            f"{draft.show('rollout', 'min_new_tokens')} with {draft.show('rollout', 'max_response_len')}: "
+            "no sample may stop before the cap, so every sample ends truncated (the toy reward scores "
+            "those 0; --mask-truncated-samples would train none)"
         )
     if r["n_samples_per_prompt"] == 1:
         warn(

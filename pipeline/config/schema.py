@@ -132,7 +132,7 @@ class RolloutConfig:
     repetition_penalty: float = _opt(
         1.0, "--rollout-repetition-penalty", "float", gt=0, help="SGLang's repetition_penalty; not with partial/async"
     )
-    num_rollout: int = _opt(100, "--num-rollout", "int", ge=1, help="training steps")
+    num_rollout: int = _opt(100, "--num-rollout", "int", ge=0, help="training steps (0: set up the run, train nothing)")
     prefetch: int | None = _opt(
         None,
         "--rollout-prefetch",
