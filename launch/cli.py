@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import statistics
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(config.output.log_level)
     for warning in config.warnings:
         log.warning(warning)
+    terminated = threading.Event()
     try:
-        summary = anyio.run(_run, config)
+        with _sigterm_as_interrupt(terminated):
+            summary = anyio.run(_run, config)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -71,10 +75,35 @@ def main(argv: list[str] | None = None) -> int:
         print("rollout state is in the store; fix the cause and run the same command again to resume", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: rollout state is in the store; run the same command again to resume", file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
+        print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated.is_set() else signal.SIGINT)
     _print_summary(summary, config.rollout.num_rollout)
     return 0
+
+
+@contextmanager
+def _sigterm_as_interrupt(terminated: threading.Event) -> Iterator[None]:
+    """SIGTERM stops the run as Ctrl-C does: a cluster's scheduler preempts a job with SIGTERM (and
+    SIGKILL after a grace period), and Python's default for it is to die on the spot, leaving the
+    engines' in-flight work to be generated again. Here it raises SIGINT, which the event loop's
+    runner turns into cancelling the run (a second one interrupts at once, as a second Ctrl-C
+    does), so the run stops its stages and engines, closes its store and exits 143. Groups in
+    flight are not drained: they come back as partial on resume, as after a kill. Only from the
+    main thread, where signal handlers live; the previous handler comes back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.set()
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 async def _run(config: Config) -> list[dict[str, Any]]:

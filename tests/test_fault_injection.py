@@ -606,6 +606,36 @@ def test_a_dead_engine_stops_the_run_with_a_clear_error_and_it_resumes(tmp_path)
     assert counts[GroupState.FAILED] == 0, f"{counts[GroupState.FAILED]} groups failed because their engine died"
 
 
+@pytest.mark.slow
+def test_sigterm_stops_the_run_like_ctrl_c_and_it_resumes(tmp_path):
+    """A cluster scheduler preempts with SIGTERM: the launcher stops as on Ctrl-C (exit 143, one
+    line, its engine stopped, the store closed), and the same command resumes. Groups in flight are
+    not drained first: they stay RUNNING in the store and come back as partial on resume, as after
+    a kill, with the prefixes stored at their last abort."""
+    out = tmp_path / "run"
+    watch = Watch(out)
+    try:
+        launcher = Launcher(out, 0)
+        launcher.wait_until("a group in flight after the first commit", lambda: (
+            watch.store is not None and watch.store.trained_step() >= 0 and watch.count(GroupState.RUNNING) > 0
+        ))  # fmt: skip
+        engines = launcher.engines()
+        os.kill(launcher.proc.pid, signal.SIGTERM)  # the launcher alone: it stops its engine itself
+        code = launcher.finish(120)
+        log = launcher.log.read_text(errors="replace")
+        assert code == 128 + signal.SIGTERM, log
+        assert "Traceback" not in log and "terminated (SIGTERM): rollout state is in the store" in log, log
+        assert not [pid for pid in engines if Path(f"/proc/{pid}").exists()], "an engine outlived the launcher"
+        watch.close()
+        assert watch.store is not None and watch.store.trained_step() < K - 1
+        watch.snapshot()
+    finally:
+        watch.close()
+    final = Launcher(out, 1)
+    assert final.finish(300) == 0, final.log_tail()
+    _check_exactly_once(out, watch.stored, expect_resumed=False)
+
+
 ASYNC_KILL_POINTS = (
     KillPoint("async: first group ready", _first_ready),
     KillPoint("async: batch taken, training while generation goes on", _batch_taken),
