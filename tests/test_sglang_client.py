@@ -570,6 +570,27 @@ async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine()
             assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]
 
 
+async def test_a_pause_that_begins_while_a_health_probe_waits_does_not_evict_the_engine():
+    # A /health_generate sent before a publish's pause waits for a decode step; the pause aborts or
+    # withholds it, and the probe answers 503. That 503 is the pause's: before, the heartbeat judged
+    # it by the fleet's state when the probe went out, and evicted a healthy engine (seen in a run).
+    from stages.sglang.health import FaultPolicy
+
+    policy = FaultPolicy(interval=0.05, timeout=5.0)
+    async with FakeSGLang() as fake:
+        fake.health_generate_gate = anyio.Event()
+        async with EngineFleet([fake.url], control_timeout=5, fault_policy=policy) as fleet:
+            with anyio.fail_after(10):
+                await fake.wait_until(lambda: fake.calls["/health_generate"] >= 1)  # a probe waits
+                await fleet.pause("abort")
+                answered = fake.calls["/health"]
+                fake.health_generate_gate.set()  # it answers 503 now: the engine is paused
+                await fake.wait_until(lambda: fake.calls["/health"] >= answered + 2)  # heartbeats went on
+                await fleet.continue_generation()
+            assert fleet.worker_urls == (fake.url,)
+            assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]
+
+
 async def test_a_heartbeat_during_a_long_weight_load_does_not_evict_the_engine(tmp_path):
     # An overlapped publish does not pause; while SGLang loads a checkpoint it holds the model
     # update lock, no output arrives, and /health_generate answers 503 after 20 s.

@@ -171,11 +171,11 @@ class FleetFaults:
         """Why `worker` failed its heartbeat, or None. While a publish has the engines paused,
         `/health_generate` answers 503 by design, so liveness (`/health`) is what is probed; the
         same while a weight update is under way."""
-        quiet = self.paused or self._updating > 0
-        path = "/health" if quiet else "/health_generate"
+        path = "/health" if self._quiet else "/health_generate"
         try:
             status, _ = await worker._send("GET", path, None, self.policy.timeout)
         except EngineUnavailableError as exc:
+            quiet = self._quiet or path == "/health"
             if quiet and self.policy.timeout <= _SGLANG_HEALTH_WAIT and isinstance(exc.__cause__, TimeoutError):
                 # SGLang ~0.5.x serves /health with /health_generate's handler, which waits 20 s
                 # for output that a pause or a weight load withholds, then answers 503: a shorter
@@ -183,9 +183,17 @@ class FleetFaults:
                 # connection; a longer probe gets the 503 from a live one and times out on a hung one.
                 return None
             return f"heartbeat {path}: {exc}"
-        if status != 200 and not (quiet and status == 503):
+        # Quiet now or when the probe went out: a pause that began while a `/health_generate` was
+        # under way aborts its probe request (an abort pause) or withholds its output, and the
+        # 503 that follows is the pause's, not the engine's.
+        if status != 200 and not ((self._quiet or path == "/health") and status == 503):
             return f"heartbeat {path}: HTTP {status}"
         return None
+
+    @property
+    def _quiet(self) -> bool:
+        """Paused, or loading weights: SGLang's health probes wait for output that will not come."""
+        return self.paused or self._updating > 0
 
     # -- restart and re-admission -------------------------------------------------------------
 

@@ -22,7 +22,8 @@ It is scriptable without sleeps:
 - `legacy_waiting_abort=True` answers a request aborted in the waiting queue as SGLang did up to
   late 2025 ("Abort before prefill": no weight_version, no output_ids, no log-probs);
 - `health_waits_while_paused=True` makes `/health` hang while paused (SGLang ~0.5.x serves it with
-  `/health_generate`'s handler); `loading = True` holds `/update_weights_from_disk` (and answers
+  `/health_generate`'s handler); `health_generate_gate` (an Event) holds `/health_generate` until
+  set; `loading = True` holds `/update_weights_from_disk` (and answers
   `/health*` 503) until cleared;
 - a weight update that asks for a flush while requests are held answers 500 and leaves the fake
   unhealthy, as SGLang's scheduler asserts that flush and dies.
@@ -163,6 +164,9 @@ class FakeSGLang:
         # SGLang ~0.5.x serves /health with /health_generate's handler, which waits (up to 20 s)
         # for a decode step: while paused, both hang rather than answer.
         self.health_waits_while_paused = health_waits_while_paused
+        # Set to an Event: `/health_generate` waits for it (a probe waiting for its decode step), then
+        # answers as it would at that moment (503 if a pause began meanwhile).
+        self.health_generate_gate: anyio.Event | None = None
         self.token_fn = token_fn or default_token_fn(eos_token_id=eos_token_id)
         self.eos_token_id = eos_token_id
         self.max_running = max_running
@@ -611,6 +615,8 @@ class FakeSGLang:
             return web.Response(status=503)
         if self.health_waits_while_paused and self.paused is not None:
             await self.wait_until(lambda: self.paused is None or self._closing)
+        if request.path == "/health_generate" and (gate := self.health_generate_gate) is not None:
+            await gate.wait()
         if not self.healthy or self.loading or (request.path == "/health_generate" and self.paused is not None):
             return web.Response(status=503)
         return web.Response(status=200)
