@@ -1,24 +1,27 @@
 """Controller CPU per trained sample with producers on Ray, W = 1, 2, 4, against the local mode.
 
     python -m benchmarks.ray_producers [--steps 6] [--batch 16] [--group 8] [--tokens 1024]
-        [--producers 1 2 4] [--stores memory,lmdb-sync] [--batches single,batch,paced] [--repeats 1]
+        [--producers 1 2 4] [--stores memory,lmdb-sync] [--batches paced,mailbox] [--repeats 1]
 
 The engine is the instant engine (`launch/engines/instant.py`) in its own process: it answers at
 once, so every CPU second is the pipeline's. The trainer does nothing. What is measured is the
 controller process's CPU time (all its threads: the event loop, the store's writer thread, Ray's
 driver threads) per trained sample, from the end of step 0 to the end of the last step. With
 `local` the controller does everything (HTTP, parsing, reward, filter); with Ray producers it
-hands groups out, takes results back as codec bytes and commits them. Producers share this
-machine's cores, so wall-clock rates with W > cores say little; CPU per sample is the figure.
+hands groups out, takes results back as codec bytes and commits them. The CPU of the producers'
+processes and of the mailbox's is measured the same way (`/proc`), in columns of their own.
+Producers share this machine's cores, so wall-clock rates with W > cores say little; CPU per
+sample is the figure.
 
 Axes, run side by side in one process: `--stores` (memory; lmdb-sync is LMDB with fsync on, in a
 temporary folder), `--batches` (`single`: `RolloutPlan.store_batch=1`, one store call and one Ray
 call per group, the path before batching; `batch`: 64, whatever is waiting goes in one call, each
-producer's results taken back as soon as it has one; `paced`, the default path: as `batch`, with the
-results of all producers taken back at most `--producer-takes-per-second` (100) times a second, so a
-busy run's calls carry more groups, not more calls). For each W and store, the batches alternate,
-`--repeats` times; the table shows the median. Only Ray and this package are needed, so the same
-command runs on a bigger machine, e.g. `--producers 1 2 4 8`.
+producer's results taken back as soon as it has one; `paced` (`--no-producer-mailbox`): as `batch`,
+with the results of all producers taken back at most `--producer-takes-per-second` (100) times a
+second, so a busy run's calls carry more groups, not more calls; `mailbox`, the default path: as
+`paced`, through the producers' mailbox, one call each way for all producers). For each W and
+store, the batches alternate, `--repeats` times; the table shows the median. Only Ray and this
+package are needed, so the same command runs on a bigger machine, e.g. `--producers 1 2 4 8`.
 """
 
 from __future__ import annotations
@@ -47,8 +50,13 @@ from pipeline.metrics import MetricsSink
 from stages.sglang import EngineFleet
 from storage import AsyncStore, LmdbStore, MemoryStore
 
-# (RolloutPlan.store_batch, RayProducers takes_per_second): `paced` is the default path.
-BATCHES = {"single": (1, math.inf), "batch": (64, math.inf), "paced": (64, DEFAULT_TAKES_PER_SECOND)}
+# (RolloutPlan.store_batch, RayProducers takes_per_second, through the mailbox): `mailbox` is the default path.
+BATCHES = {
+    "single": (1, math.inf, False),
+    "batch": (64, math.inf, False),
+    "paced": (64, DEFAULT_TAKES_PER_SECOND, False),
+    "mailbox": (64, DEFAULT_TAKES_PER_SECOND, True),
+}
 STORES = ("memory", "lmdb-sync")
 
 
@@ -81,8 +89,13 @@ async def run_one(
 
     threads: list[dict[str, float]] = []  # CPU by thread at the first step and at the latest
 
+    others: list[dict[str, float]] = []  # CPU of the mailbox and the producers at the first step and the latest
+
     def on_step(record: dict[str, Any]) -> None:
         marks.append((time.perf_counter(), time.process_time()))
+        if producers:
+            now = actor_cpu()
+            others[:] = [others[0] if others else now, now]
         if args.threads:
             now = thread_cpu()
             threads[:] = [threads[0] if threads else now, now]
@@ -120,8 +133,11 @@ async def run_one(
                     reward_path="benchmarks.controller_overhead:reward",
                 )
 
-            takes = args.takes_per_second if batch == "paced" else BATCHES[batch][1]
-            settings = RaySettings(None, producers, lease_seconds=30.0, deadline_seconds=60.0, takes_per_second=takes)
+            _, takes, mailbox = BATCHES[batch]
+            takes = args.takes_per_second if takes == DEFAULT_TAKES_PER_SECOND else takes
+            settings = RaySettings(
+                None, producers, lease_seconds=30.0, deadline_seconds=60.0, takes_per_second=takes, mailbox=mailbox
+            )
             async with open_ray_producers(
                 settings, spec_for, store=store, n_samples=plan.n_samples, store_batch=plan.store_batch
             ) as make:
@@ -137,9 +153,14 @@ async def run_one(
         top = sorted(spent.items(), key=lambda kv: -kv[1])[:8]
         print("    cpu-ms/sample by thread: " + ", ".join(f"{name} {ms:.3f}" for name, ms in top if ms > 0.001))
     samples = (len(marks) - 1) * args.batch * args.group
+    spent = {k: 1000 * (others[1].get(k, 0.0) - others[0].get(k, 0.0)) / samples for k in ACTORS} if others else {}
     return {
         "samples/s": samples / (w1 - w0),
         "cpu-ms/sample": 1000 * (p1 - p0) / samples,
+        # The other side of the calls, measured the same way: the mailbox's process, and the producers'
+        # together (their parsing and rewards, which the local mode does on the controller).
+        "mailbox ms": spent.get("Mailbox", 0.0),
+        "producers ms": spent.get("ProducerActor", 0.0),
         # Store transactions per group trained (whole run): what the batched moves cut.
         "txn/group": transactions / (args.steps * args.batch),
         # Groups per Ray call (whole run): 1 when nothing waits, growing as the controller gets busy.
@@ -161,6 +182,30 @@ def thread_cpu() -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+ACTORS = ("Mailbox", "ProducerActor")
+
+
+def actor_cpu() -> dict[str, float]:
+    """CPU seconds so far of this machine's Ray actor processes, summed by actor class (Ray titles an
+    actor's worker `ray::Class` or `ray::Class.method`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            if not title.startswith("ray::"):
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        actor = title.removeprefix("ray::").split(".")[0].split(" ")[0]
+        if actor in ACTORS:
+            out[actor] = out.get(actor, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -227,14 +272,19 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(
         f"{'store':>10} {'batches':>8} {'producers':>10} {'samples/s':>11} {'cpu-ms/sample':>14} {'txn/group':>10} "
-        f"{'groups/submit':>14} {'results/take':>13}"
+        f"{'groups/submit':>14} {'results/take':>13} {'mailbox ms':>11} {'producers ms':>13}"
     )
     for (store_kind, b, w), results in rows.items():
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
         print(
             f"{store_kind:>10} {b:>8} {'local' if w == 0 else w:>10} {med['samples/s']:>11,.1f} "
             f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f} "
-            + (f"{'-':>14} {'-':>13}" if w == 0 else f"{med['per submit']:>14.2f} {med['per take']:>13.2f}")
+            + (
+                f"{'-':>14} {'-':>13} {'-':>11} {'-':>13}"
+                if w == 0
+                else f"{med['per submit']:>14.2f} {med['per take']:>13.2f} {med['mailbox ms']:>11.3f} "
+                f"{med['producers ms']:>13.3f}"
+            )
         )
     for w, share in idle.items():
         print(f"idle, {w} producers: controller CPU {share:.3f} cores over {args.idle:g} s")
@@ -251,9 +301,10 @@ if __name__ == "__main__":
     p.add_argument("--stores", default="memory,lmdb-sync", help=f"comma-separated, of {', '.join(STORES)}")
     p.add_argument(
         "--batches",
-        default="single,batch,paced",
+        default="paced,mailbox",
         help="comma-separated: single (store_batch=1), batch (64), paced (64, results taken back at most "
-        f"{DEFAULT_TAKES_PER_SECOND:g} times a second: the default)",
+        f"{DEFAULT_TAKES_PER_SECOND:g} times a second), mailbox (as paced, through the producers' mailbox: "
+        "one call each way for all producers; the default path)",
     )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument(

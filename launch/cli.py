@@ -221,6 +221,7 @@ async def _producers(
         r.producer_deadline_seconds,
         r.overlap_weight_transfer,
         takes_per_second=r.producer_takes_per_second,
+        mailbox=r.producer_mailbox,
     )
     return await stack.enter_async_context(
         open_ray_producers(settings, spec_for, store=store, n_samples=plan.n_samples, store_batch=plan.store_batch)

@@ -18,6 +18,8 @@ same code as the controller; on other nodes the path is absent and their install
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -30,6 +32,7 @@ import orjson
 import structlog
 
 from launch.gc_settings import settle_gc
+from launch.ray_mailbox import Mailbox
 from launch.ray_producer import ProducerCore, ProducerSpec
 from launch.ray_producers import DEFAULT_TAKES_PER_SECOND, ProducerHandle, RayProducers
 from pipeline.errors import PipelineError
@@ -52,6 +55,7 @@ class RaySettings:
     deadline_seconds: float
     overlap_publish: bool = False
     takes_per_second: float = DEFAULT_TAKES_PER_SECOND  # results taken back, all producers together
+    mailbox: bool = True  # groups and results go through one mailbox actor (launch.ray_mailbox)
 
 
 class ProducerActor:
@@ -64,8 +68,10 @@ class ProducerActor:
         self._failure: str | None = None
         self._main: asyncio.Task[None] | None = None
 
-    async def start(self) -> bytes:
-        """Run the stages; answer JSON with the node and, if they could not start, why."""
+    async def start(self, mailbox: Any = None, deliveries_per_second: float = math.inf) -> bytes:
+        """Run the stages; answer JSON with the node and, if they could not start, why. With a
+        `mailbox` (`launch.ray_mailbox`), collect groups from it and deliver results to it, at most
+        `deliveries_per_second`; without, the controller calls `submit_many` and `take_results`."""
         # The actor's process parses every answer of its producer, as the controller does in the
         # local mode: the same collector settings spare it the same walks (launch.gc_settings).
         settle_gc()
@@ -77,15 +83,36 @@ class ProducerActor:
                 async with anyio.create_task_group() as tg:
                     await tg.start(core.run)
                     started.set_result(None)
+                    if mailbox is not None:
+                        tg.start_soon(self._collect, core, mailbox)
+                        tg.start_soon(self._deliver, core, mailbox, 1.0 / deliveries_per_second)
             except Exception as exc:  # kept for every later call: the controller loses us with it
                 self._failure = _describe(exc)
                 if not started.done():
                     started.set_result(None)
+                elif mailbox is not None:  # the controller hears it with the next take, not a heartbeat later
+                    with contextlib.suppress(Exception):
+                        await mailbox.deliver.remote(self._spec.name, [], b"{}", self._failure)
 
         self._main = asyncio.ensure_future(main())
         await started
         self._core = core
         return orjson.dumps({"node": self._node, "error": self._failure})
+
+    async def _collect(self, core: ProducerCore, mailbox: Any) -> None:
+        """The groups the controller leased to this producer, as the mailbox gets them."""
+        while data := await mailbox.collect.remote(self._spec.name):
+            await core.submit_many(data)
+        # An empty answer: the controller gave this producer up (it is being killed); nothing more comes.
+
+    async def _deliver(self, core: ProducerCore, mailbox: Any, interval: float) -> None:
+        """Everything finished, with the statistics as of now, one call in flight; the results that
+        finish meanwhile go in the next, which leaves at most every `interval` seconds."""
+        while True:
+            began = anyio.current_time()
+            results = await core.take_results(None)
+            await mailbox.deliver.remote(self._spec.name, results, orjson.dumps(core.statistics()))
+            await anyio.sleep(max(0.0, interval - (anyio.current_time() - began)))
 
     def _ok(self) -> ProducerCore:
         if self._failure is not None or self._core is None:
@@ -198,6 +225,7 @@ async def open_ray_producers(
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
     handles: list[ProducerHandle] = []
+    mailbox: Any = None
     try:
         nodes = eligible_nodes(ray.nodes())  # type: ignore[no-untyped-call]
         count = settings.num_producers or len(nodes)
@@ -205,6 +233,19 @@ async def open_ray_producers(
             raise PipelineError("Ray has no alive node with CPUs to run a producer on")
         remote = ray.remote(num_cpus=0, max_restarts=0)(ProducerActor)
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [_CODE_ROOT, os.environ.get("PYTHONPATH")]))}
+        if settings.mailbox:
+            # On the controller's node, so that it shares the controller's fate (and not by a soft
+            # affinity: Ray places a soft one with no CPU on any node).
+            mailbox = (
+                ray.remote(num_cpus=0, max_restarts=0)(Mailbox)
+                .options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        ray.get_runtime_context().get_node_id(), soft=False
+                    ),
+                    runtime_env={"env_vars": env},
+                )
+                .remote()
+            )
         for i in range(count):
             node = nodes[i % len(nodes)]
             spec = spec_for(i, count)
@@ -215,7 +256,7 @@ async def open_ray_producers(
                 runtime_env={"env_vars": env},
             ).remote(spec.to_json(), where)
             handles.append(ProducerHandle(spec.name, actor, where, spec.group_slots))
-        await _start_all(handles)
+        await _start_all(handles, mailbox, settings.takes_per_second)
         log.info("producers started", producers=[(h.name, h.node, h.group_slots) for h in handles])
 
         def make(admission: Admission) -> RayProducers:
@@ -230,26 +271,30 @@ async def open_ray_producers(
                 kill=ray.kill,
                 store_batch=store_batch,
                 takes_per_second=settings.takes_per_second,
+                mailbox=mailbox,
             )
 
         yield make
     finally:
-        for h in handles:
+        actors = [(h.name, h.actor) for h in handles]
+        if mailbox is not None:
+            actors.append(("mailbox", mailbox))
+        for name, actor in actors:
             try:
-                ray.kill(h.actor, no_restart=True)
+                ray.kill(actor, no_restart=True)
             except Exception as exc:  # already dead
-                log.debug("kill at exit failed", producer=h.name, reason=repr(exc))
+                log.debug("kill at exit failed", producer=name, reason=repr(exc))
         if started_here:
             ray.shutdown()
 
 
-async def _start_all(handles: Sequence[ProducerHandle]) -> None:
+async def _start_all(handles: Sequence[ProducerHandle], mailbox: Any, deliveries_per_second: float) -> None:
     problems: list[str] = []
 
     async def one(h: ProducerHandle) -> None:
         try:
             with anyio.fail_after(START_DEADLINE):
-                answer = orjson.loads(await h.actor.start.remote())
+                answer = orjson.loads(await h.actor.start.remote(mailbox, deliveries_per_second))
         except Exception as exc:
             problems.append(f"producer {h.name} on {h.node} did not start: {exc!r}")
             return

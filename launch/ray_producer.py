@@ -111,12 +111,13 @@ class _Results:
         if self._drained.is_set():
             self._drained = anyio.Event()
 
-    async def take(self, limit: int) -> list[tuple[str, bytes]]:
-        """Wait for at least one result; return up to `limit` of them."""
+    async def take(self, limit: int | None) -> list[tuple[str, bytes]]:
+        """Wait for at least one result; return up to `limit` of them (None: all)."""
         while not self._items:
             self._added = anyio.Event()
             await self._added.wait()
-        out, self._items = self._items[:limit], self._items[limit:]
+        cut = len(self._items) if limit is None else limit
+        out, self._items = self._items[:cut], self._items[cut:]
         if not self._items:
             self._drained.set()
         return out
@@ -254,7 +255,7 @@ class ProducerCore:
             await self.admission.take_ticket()
             await self._inbox.send(group)
 
-    async def take_results(self, limit: int = 64) -> list[tuple[str, bytes]]:
+    async def take_results(self, limit: int | None = 64) -> list[tuple[str, bytes]]:
         return await self.results.take(limit)
 
     async def stop(self) -> None:

@@ -1,9 +1,10 @@
 """`--rollout-producers ray`: the generator pool, reward and filter in one Ray actor per node, leasing
 work from the controller's store (issue 13).
 
-    dispenser ─► RayProducers ──hand_over(controller → p)──► actor p: pool ─► reward ─► filter
-                     ▲                                                │
-                     └── commit under p's lease (fenced) ◄── results ─┘   heartbeats renew p's leases
+    dispenser ─► RayProducers ──hand_over(controller → p)──► [mailbox] ──► actor p: pool ─► reward ─► filter
+                     ▲                                                                │
+                     └── commit under p's lease (fenced) ◄── [mailbox] ◄── results ───┘
+                                                                heartbeats renew p's leases
 
 The controller stays the single store writer and the single version clock; this is the
 `pipeline.producers.Producers` the graph hands groups to. The rules that keep work exactly-once:
@@ -26,15 +27,20 @@ The controller stays the single store writer and the single version clock; this 
 
 Where the cost hides: a Ray actor call costs the driver about a millisecond of CPU, far more than
 handling a group, so calls carry batches, as group commit does for the store. The dispatcher
-takes every group already waiting and leases each producer its share in one store call; one Ray
-call at a time goes to each producer, carrying everything leased to it meanwhile; one call takes
-back everything a producer has finished, committed in one store call. Each is bounded by
-`store_batch` (and a producer's free slots). Nothing waits for more to arrive: at light load a
-call carries one group, and the busier the controller, the more each carries. Results are taken
-back at most `takes_per_second` times a second from all producers together, so more producers do
-not mean more takes. What each producer still costs on its own (a submit and a take per round, its
-heartbeats) is why the controller's CPU per sample does not fall as producers are added (BENCHMARKS.md
-section 11). `store_batch=1` is one call per group, as before.
+takes every group already waiting and leases each producer its share in one store call. Through
+the producers' mailbox (`launch.ray_mailbox`, the default) one Ray call at a time posts every
+producer's share, carrying everything leased meanwhile, and one call takes back everything every
+producer has delivered, at most `takes_per_second` times a second; each producer's results are
+committed in a store call of its own, under its lease, and the store's group commit makes them
+one transaction. So the controller's calls do not grow with the number of producers, and the busier
+the run, the more each carries: its CPU per sample falls as producers are added, where calls to
+each producer made it rise (BENCHMARKS.md section 11). Without the mailbox (`mailbox=None`), one
+call at a time goes to each producer with its share, and one takes back what it has finished, the
+producers sharing `takes_per_second`; cheaper for one or two producers, whose slow answers batch
+their calls by themselves. Each is bounded by `store_batch` (and a producer's free slots). Nothing
+waits for more to arrive: at light load a call carries one group. Heartbeats, stops and publishes
+still go to each producer: they come once a step or a few times a lease, not once a group.
+`store_batch=1` is one call per group, as before.
 
 Groups cross as `storage.codec` bytes; the actor side is `launch.ray_producer.ProducerCore`.
 """
@@ -125,10 +131,13 @@ class RayProducers:
         kill: Any = None,
         store_batch: int = 64,
         takes_per_second: float = DEFAULT_TAKES_PER_SECOND,
+        mailbox: Any = None,
     ) -> None:
         """`store_batch`: the most groups handed out, or results committed, in one store call.
         `takes_per_second`: how often, at most, the controller takes results back from all its
-        producers together (math.inf: as soon as each has one)."""
+        producers together (math.inf: as soon as each has one). `mailbox`: the producers' mailbox
+        actor (`launch.ray_mailbox`), through which groups go out and results come back in one call
+        each way for all producers; None: calls to each producer."""
         if not producers:
             raise PipelineError("no producer to run: Ray found no eligible node")
         if store_batch < 1:
@@ -146,6 +155,8 @@ class RayProducers:
         self._deadline = deadline_seconds
         self._overlap = overlap_publish
         self._kill = kill  # ray.kill; given so this module never imports Ray at the top
+        self._mailbox = mailbox
+        self._posting = False  # a post to the mailbox is in flight
         self._stopping = False
         self._room = anyio.Event()
         self._committing: set[str] = set()
@@ -168,8 +179,11 @@ class RayProducers:
         waiting_send, waiting = anyio.create_memory_object_stream[Group](self._batch)
         async with receive, send, waiting, anyio.create_task_group() as tg:
             self._tg = tg
+            if self._mailbox is not None:
+                tg.start_soon(self._take_from_mailbox, send.clone())
             for p in self.producers:
-                tg.start_soon(self._receive_results, p, send.clone())
+                if self._mailbox is None:
+                    tg.start_soon(self._receive_results, p, send.clone())
                 tg.start_soon(self._heartbeats, p)
             tg.start_soon(self._reap)
             tg.start_soon(_forward, receive, waiting_send)
@@ -177,6 +191,11 @@ class RayProducers:
             async for group in waiting:
                 await self._dispatch(group, waiting, tg)
             tg.cancel_scope.cancel()
+
+    @property
+    def mailbox(self) -> Any:
+        """The producers' mailbox actor, or None when calls go to each producer."""
+        return self._mailbox
 
     @property
     def idle_slots(self) -> int:
@@ -267,7 +286,11 @@ class RayProducers:
                 p.in_hand.update(ids)
                 p.handed += len(share)
                 p.outbox.extend(encode_group(g) for g in share)
-                if not p.sending:
+                if self._mailbox is not None:
+                    if not self._posting:
+                        self._posting = True
+                        tg.start_soon(self._post)
+                elif not p.sending:
                     # Sent in a task of its own: a producer that stops answering holds up only its own groups.
                     p.sending = True
                     tg.start_soon(self._submit, p)
@@ -293,6 +316,32 @@ class RayProducers:
             if p.lost is not None:
                 p.outbox.clear()  # leased to p in the store: they come back when its leases end
 
+    async def _post(self) -> None:
+        """Send every producer's outbox to the mailbox, one Ray call at a time for all of them: what
+        is leased meanwhile goes in the next call."""
+        try:
+            while parcels := self._parcels():
+                self._calls["submit"] += 1
+                self._calls["submitted"] += sum(len(data) for data in parcels.values())
+                try:
+                    with anyio.fail_after(self._deadline):
+                        await self._mailbox.post.remote(parcels)
+                except Exception as exc:  # the mailbox is gone: the run stops, the store keeps the leases
+                    raise PipelineError(f"the producers' mailbox did not take the groups handed out: {exc!r}") from exc
+        finally:
+            self._posting = False
+
+    def _parcels(self) -> dict[str, list[bytes]]:
+        """Up to `store_batch` groups from each live producer's outbox; a lost one's are dropped
+        (leased to it in the store: they come back when its leases end)."""
+        parcels = {}
+        for p in self.producers:
+            if p.lost is not None:
+                p.outbox.clear()
+            elif p.outbox:
+                parcels[p.name], p.outbox = p.outbox[: self._batch], p.outbox[self._batch :]
+        return parcels
+
     async def _wait_resumed(self) -> None:
         resuming, self._resuming = self._resuming, []
         for p, ref in resuming:
@@ -316,15 +365,42 @@ class RayProducers:
                 p.stats = orjson.loads(stats)
                 self._calls["take"] += 1
                 self._calls["taken"] += len(batch)
-                await self._accept_all(p, batch, send, what=f"result of producer {p.name}")
+                await self._accept_all(p, batch, send, f"result of producer {p.name}")
                 await anyio.sleep(self._take_pause(anyio.current_time() - began))
+
+    async def _take_from_mailbox(self, send: MemoryObjectSendStream[Group]) -> None:
+        """Everything every producer has delivered, in one call at most `takes_per_second` times a
+        second, each producer's results committed under its own lease (the store's group commit makes
+        the producers' store calls of one take one transaction)."""
+        by_name = {p.name: p for p in self.producers}
+        async with send:
+            while True:
+                began = anyio.current_time()
+                try:
+                    results, statistics, failures = await self._mailbox.take.remote()
+                except Exception as exc:
+                    raise PipelineError(f"the producers' mailbox failed: {exc!r}") from exc
+                for name, answer in statistics.items():
+                    by_name[name].stats = orjson.loads(answer)
+                for name, why in failures.items():
+                    self._lose(by_name[name], f"results failed: {why}")
+                if results:
+                    self._calls["take"] += 1
+                    self._calls["taken"] += len(results)
+                    each: dict[str, list[tuple[str, bytes]]] = {}
+                    for name, kind, data in results:
+                        each.setdefault(name, []).append((kind, data))
+                    async with anyio.create_task_group() as tg:
+                        for name, batch in each.items():
+                            p = by_name[name]
+                            tg.start_soon(self._accept_all, p, batch, send, f"result of producer {name}")
+                await anyio.sleep(max(0.0, 1.0 / self._takes_per_second - (anyio.current_time() - began)))
 
     async def _accept_all(
         self,
         p: ProducerHandle,
         batch: Sequence[tuple[str, bytes]],
         send: MemoryObjectSendStream[Group] | None,
-        *,
         what: str,
     ) -> None:
         """Decode what p sent back and commit it, `store_batch` results a store call."""
@@ -435,6 +511,8 @@ class RayProducers:
                 log.debug("kill failed", producer=p.name, reason=repr(exc))
         if self._tg is not None:
             self._tg.start_soon(self._reclaim_now, p)
+            if self._mailbox is not None:
+                self._tg.start_soon(self._drop, p)
         self._notify()
 
     async def _reclaim_now(self, p: ProducerHandle) -> None:
@@ -444,6 +522,15 @@ class RayProducers:
         await self._store.renew_leases(p.name, _AT_ONCE)
         if await self._store.reclaim_expired():
             await self._settle_reclaimed()
+
+    async def _drop(self, p: ProducerHandle) -> None:
+        """Nothing more goes to p through the mailbox, and what it still delivers is dropped there
+        (it would be fenced here anyway)."""
+        try:
+            with anyio.fail_after(self._deadline):
+                await self._mailbox.drop.remote(p.name)
+        except Exception as exc:  # the next post or take says what became of the mailbox
+            log.debug("mailbox drop failed", producer=p.name, reason=repr(exc))
 
     def _live(self) -> list[ProducerHandle]:
         return [p for p in self.producers if p.lost is None]
@@ -466,7 +553,7 @@ class RayProducers:
             except Exception as exc:
                 self._lose(p, f"begin_publish not answered within {self._deadline:g}s: {exc!r}")
                 return
-            await self._accept_all(p, partial, None, what=f"partial of {p.name}")
+            await self._accept_all(p, partial, None, f"partial of {p.name}")
 
         async with anyio.create_task_group() as tg:
             for p in self._live():

@@ -95,7 +95,11 @@ def spec_for(url: str, plan: RolloutPlan, reward_path: str = REWARD_PATH):
 
 def settings(**kw) -> RaySettings:
     return RaySettings(
-        address=None, num_producers=kw.get("num_producers"), lease_seconds=LEASE, deadline_seconds=DEADLINE
+        address=None,
+        num_producers=kw.get("num_producers"),
+        lease_seconds=LEASE,
+        deadline_seconds=DEADLINE,
+        mailbox=kw.get("mailbox", True),
     )
 
 
@@ -130,12 +134,14 @@ class Run:
         self.stepped.set()
         self.stepped = anyio.Event()
 
-    async def go(self, plan: RolloutPlan, *, time_scale: float = 0.3, during=None) -> None:
+    async def go(self, plan: RolloutPlan, *, time_scale: float = 0.3, during=None, mailbox: bool = True) -> None:
         timing = DecodeTimeModel(weight_update=0.05)
         async with (
             open_sim_server(time_scale=time_scale, timing=timing, max_running_requests=64) as engine,
             EngineFleet([engine.url], concurrency=plan.slots) as fleet,
-            open_ray_producers(settings(), spec_for(engine.url, plan), store=self.astore, n_samples=G) as make,
+            open_ray_producers(
+                settings(mailbox=mailbox), spec_for(engine.url, plan), store=self.astore, n_samples=G
+            ) as make,
         ):
 
             def factory(admission: Admission) -> RayProducers:
@@ -201,18 +207,59 @@ def test_group_slots_split_by_quotient_and_remainder_and_engines_round_robin() -
 # -- end to end: sync, partial, async -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("mode", "partial"), [("sync", False), ("sync", True), ("async", False)])
-async def test_runs_end_to_end_on_three_producers(cluster, tmp_path, mode, partial) -> None:
+@pytest.mark.parametrize(
+    ("mode", "partial", "mailbox"),
+    [
+        ("sync", False, True),
+        ("sync", True, True),
+        ("async", False, True),
+        # Calls to each producer instead of through the mailbox (--no-producer-mailbox).
+        ("sync", True, False),
+        ("async", False, False),
+    ],
+)
+async def test_runs_end_to_end_on_three_producers(cluster, tmp_path, mode, partial, mailbox) -> None:
     plan = plan_for(mode, partial=partial)
     run = Run(tmp_path)
     try:
-        await run.go(plan)
+        await run.go(plan, mailbox=mailbox)
         run.check_exactly_once(plan)
         rp = run.producers
         assert rp is not None and len(rp.producers) == NODES
         assert len({p.node for p in rp.producers}) == NODES  # one per logical node
         assert rp.metrics()["producers/lost"] == 0 and rp.metrics()["producers/fenced_results"] == 0
         assert all(p.handed > 0 for p in rp.producers)  # work went to every producer
+        assert (rp.mailbox is not None) == mailbox
+    finally:
+        run.close()
+
+
+async def test_a_killed_mailbox_stops_the_run_naming_it_and_loses_nothing(cluster, tmp_path) -> None:
+    plan = plan_for("async", steps=6)
+
+    async def kill_the_mailbox(run: Run) -> None:
+        while run.steps < 1:
+            await run.stepped.wait()
+        assert run.producers is not None and run.producers.mailbox is not None
+        ray.kill(run.producers.mailbox, no_restart=True)
+
+    run = Run(tmp_path)
+    try:
+        with pytest.raises(Exception) as caught:  # wrapped by the run's task groups
+            await run.go(plan, during=kill_the_mailbox)
+        errors = [caught.value]
+        while isinstance(errors[0], BaseExceptionGroup) and len(errors) == 1:
+            errors = list(errors[0].exceptions)
+        assert any(isinstance(e, PipelineError) and "producers' mailbox" in str(e) for e in errors), errors
+        trained = [g.group_id for b in run.trainer.batches for g in b.groups]
+        assert 1 <= len(run.trainer.batches) < plan.num_steps and len(trained) == len(set(trained))
+        # Nothing lost: every admitted group is stored, those in flight still RUNNING under their
+        # leases, which the next start's recovery turns back into PARTIAL to be served again.
+        stats = run.store.statistics()
+        assert sum(stats.counts.values()) == stats.cursor.next_seq
+        in_flight = stats.counts[GroupState.RUNNING]
+        assert run.store.recover().running_to_partial == in_flight
+        assert run.store.count(GroupState.RUNNING) == 0
     finally:
         run.close()
 
@@ -527,9 +574,12 @@ async def test_a_node_whose_raylet_dies_loses_its_producer_and_the_run_goes_on(c
         while run.steps < 1:
             await run.stepped.wait()
         assert run.producers is not None
-        head = cluster.head_node.node_id
+        # Not the head, nor the node this process's Ray driver is attached to (one of the logical
+        # nodes, whichever Ray picked): the producers' mailbox lives there, on the controller's node,
+        # and shares its fate, as on a real cluster where that node is the controller's machine.
+        spared = {cluster.head_node.node_id[:8], ray.get_runtime_context().get_node_id()[:8]}
         by_id = {n.node_id: n for n in cluster.list_all_nodes()}
-        victim = next(p for p in run.producers.producers if head[:8] not in p.node)
+        victim = next(p for p in run.producers.producers if not any(s in p.node for s in spared))
         node = next(n for nid, n in by_id.items() if nid[:8] in victim.node)
         # Training waits until the controller has seen the loss: on a fast machine the remaining
         # steps could otherwise end before a heartbeat misses its deadline.

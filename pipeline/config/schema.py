@@ -240,6 +240,14 @@ class RolloutConfig:
         "at most this often (a Ray call costs it about 1 ms of CPU whatever it carries; a result waits at most "
         "W/this seconds longer); inf: at once",
     )
+    producer_mailbox: bool = _opt(
+        True,
+        "--producer-mailbox",
+        "bool",
+        help="--rollout-producers ray: groups go out and results come back through one mailbox actor on this "
+        "node, one Ray call each way for all producers, so the controller's calls do not grow with the producers "
+        "(--no-producer-mailbox: calls to each producer, cheaper for one or two)",
+    )
 
     @property
     def resumes_partial_groups(self) -> bool:
