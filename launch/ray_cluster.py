@@ -92,7 +92,7 @@ class ProducerActor:
                     started.set_result(None)
                 elif mailbox is not None:  # the controller hears it with the next take, not a heartbeat later
                     with contextlib.suppress(Exception):
-                        await mailbox.deliver.remote(self._spec.name, [], b"{}", self._failure)
+                        await mailbox.deliver.remote(self._spec.name, [], None, self._failure)
 
         self._main = asyncio.ensure_future(main())
         await started

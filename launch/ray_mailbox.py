@@ -81,14 +81,15 @@ class Mailbox:
         return self._parcels.pop(name, [])
 
     async def deliver(
-        self, name: str, results: list[tuple[str, bytes]], statistics: bytes, failure: str | None = None
+        self, name: str, results: list[tuple[str, bytes]], statistics: bytes | None, failure: str | None = None
     ) -> None:
-        """Producer `name`'s finished groups as (outcome, bytes), its statistics as of now, and, when its
-        stages failed, why (the controller gives it up)."""
+        """Producer `name`'s finished groups as (outcome, bytes), its statistics as of now (None: none
+        to give, its stages having failed), and, when its stages failed, why (the controller gives it up)."""
         if name in self._dropped:
             return  # anything of it would be fenced anyway
         self._results.extend((name, kind, data) for kind, data in results)
-        self._statistics[name] = statistics
+        if statistics is not None:
+            self._statistics[name] = statistics
         if failure is not None:
             self._failures[name] = failure
         self._delivered.set()

@@ -92,8 +92,8 @@ async def test_one_take_returns_every_producers_results_and_their_statistics() -
     results, statistics, failures = await answer_of(box.take, deliver)
     assert results == [("a", "accepted", b"g1"), ("b", "partial", b"g2"), ("b", "failed", b"g3")]
     assert statistics == {"a": b'{"n": 1}', "b": b'{"n": 2}'} and failures == {}
-    await box.deliver("a", [], b"{}", "RuntimeError: the reward stage failed")
-    assert await box.take() == ([], {"a": b"{}"}, {"a": "RuntimeError: the reward stage failed"})
+    await box.deliver("a", [], None, "RuntimeError: the reward stage failed")
+    assert await box.take() == ([], {}, {"a": "RuntimeError: the reward stage failed"})
 
 
 async def test_a_dropped_producer_gets_nothing_more_and_what_it_delivers_is_dropped() -> None:
@@ -233,7 +233,7 @@ async def test_a_result_whose_lease_was_reassigned_is_fenced_and_the_rest_of_the
 async def test_a_producer_whose_stages_failed_is_given_up_at_the_next_take_and_its_mail_dropped() -> None:
     async with running(2, 2) as h:
         failing, other = h.rp.producers
-        await h.handle.box.deliver(failing.name, [], b"{}", "ValueError: the reward stage failed")
+        await h.handle.box.deliver(failing.name, [], None, "ValueError: the reward stage failed")
         while failing.lost is None:
             await h.rp.wait_slot_freed()
         assert "the reward stage failed" in failing.lost and other.lost is None
