@@ -57,6 +57,11 @@ def reward(task: PromptTask, sample) -> float:
 REWARD_PATH = "tests.test_ray_producers:reward"
 
 
+def exploding_filter(group: Group) -> bool:
+    """Imported by path on every producer: its filter stage fails at the first group it judges."""
+    raise RuntimeError("the filter exploded")
+
+
 def dataset(n: int = 256) -> list[PromptTask]:
     return [PromptTask(index=i, prompt_ids=(1000 + i, 2000 + 7 * i, 3000 + i % 5)) for i in range(n)]
 
@@ -76,7 +81,7 @@ def cluster() -> Iterator[object]:
     c.shutdown()
 
 
-def spec_for(url: str, plan: RolloutPlan, reward_path: str = REWARD_PATH):
+def spec_for(url: str, plan: RolloutPlan, reward_path: str = REWARD_PATH, filter_path: str | None = None):
     def make(i: int, count: int) -> ProducerSpec:
         return ProducerSpec(
             name=f"producer-{i}",
@@ -87,6 +92,7 @@ def spec_for(url: str, plan: RolloutPlan, reward_path: str = REWARD_PATH):
             sampling_params={},
             max_response_len=plan.max_response_len,
             reward_path=reward_path,
+            filter_path=filter_path,
             seed=plan.seed,
         )
 
@@ -97,7 +103,7 @@ def settings(**kw) -> RaySettings:
     return RaySettings(
         address=None,
         num_producers=kw.get("num_producers"),
-        lease_seconds=LEASE,
+        lease_seconds=kw.get("lease_seconds", LEASE),
         deadline_seconds=DEADLINE,
         mailbox=kw.get("mailbox", True),
     )
@@ -134,13 +140,18 @@ class Run:
         self.stepped.set()
         self.stepped = anyio.Event()
 
-    async def go(self, plan: RolloutPlan, *, time_scale: float = 0.3, during=None, mailbox: bool = True) -> None:
+    async def go(
+        self, plan: RolloutPlan, *, time_scale: float = 0.3, during=None, mailbox: bool = True, **ray_kw
+    ) -> None:
         timing = DecodeTimeModel(weight_update=0.05)
         async with (
             open_sim_server(time_scale=time_scale, timing=timing, max_running_requests=64) as engine,
             EngineFleet([engine.url], concurrency=plan.slots) as fleet,
             open_ray_producers(
-                settings(mailbox=mailbox), spec_for(engine.url, plan), store=self.astore, n_samples=G
+                settings(mailbox=mailbox, **ray_kw),
+                spec_for(engine.url, plan, filter_path=ray_kw.get("filter_path")),
+                store=self.astore,
+                n_samples=G,
             ) as make,
         ):
 
@@ -230,6 +241,31 @@ async def test_runs_end_to_end_on_three_producers(cluster, tmp_path, mode, parti
         assert rp.metrics()["producers/lost"] == 0 and rp.metrics()["producers/fenced_results"] == 0
         assert all(p.handed > 0 for p in rp.producers)  # work went to every producer
         assert (rp.mailbox is not None) == mailbox
+    finally:
+        run.close()
+
+
+async def test_producers_whose_stages_fail_are_given_up_through_the_mailbox_not_a_heartbeat_later(
+    cluster, tmp_path
+) -> None:
+    """Every producer's filter fails at its first group: each tells the mailbox why, the controller
+    gives each up at its next take, and the run stops naming them, long before a heartbeat (every
+    40 s with these leases) could have noticed; nothing is lost or trained."""
+    plan = plan_for("sync")
+    run = Run(tmp_path)
+    try:
+        with anyio.fail_after(20), pytest.raises(Exception) as caught:  # wrapped by the run's task groups
+            await run.go(plan, lease_seconds=120.0, filter_path="tests.test_ray_producers:exploding_filter")
+        errors = [caught.value]
+        while isinstance(errors[0], BaseExceptionGroup) and len(errors) == 1:
+            errors = list(errors[0].exceptions)
+        assert any(isinstance(e, PipelineError) and "every Ray producer is lost" in str(e) for e in errors), errors
+        assert run.producers is not None
+        for p in run.producers.producers:
+            assert p.lost is not None and "results failed" in p.lost and "the filter exploded" in p.lost
+        assert run.trainer.batches == []
+        stats = run.store.statistics()
+        assert sum(stats.counts.values()) == stats.cursor.next_seq  # every admitted group is stored
     finally:
         run.close()
 
