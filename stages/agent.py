@@ -48,7 +48,7 @@ from pipeline.errors import (
     EngineUnavailableError,
 )
 from pipeline.types import FinishReason, Group, Sample, SampleStatus
-from stages.continuation import Detokenize
+from stages.continuation import N_RULE, Detokenize
 
 if TYPE_CHECKING:
     from stages.generator import GeneratorPool
@@ -199,6 +199,8 @@ class AgentContext:
             self._put(self.sample)
         turn_start = self._turn_start
         params = dict(self._params, **overrides)
+        if params.get("n", 1) != 1:
+            raise AgentError(self._name, {"n": params["n"]}, f"ctx.generate's n {N_RULE}")
         reason = await self._pool.run_agent_turn(self, params, turn_start, cap)
         s = self.sample
         self._turn_start = None

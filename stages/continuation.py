@@ -14,6 +14,9 @@ prompt. Three sampling parameters then mean something else than for the uninterr
   continuation would penalise as if the prefix had never been generated. There is no faithful
   correction over HTTP; with partial rollout or async (the modes that continue) they are refused
   (`sampling_problems`).
+
+`sampling_problems` also refuses `n` other than 1 for every run: it is not a continuation rule,
+but the same check at the same place (before anything starts) is where a user looks for it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from pipeline.types import FinishReason, Segment, VersionSpan
 
 __all__ = [
+    "N_RULE",
     "PENALTY_RULE",
     "Detokenize",
     "continuation_params",
@@ -45,6 +49,11 @@ PENALTY_RULE = (
     "penalties cannot be combined with partial rollout or async rollout: a continued request "
     "resends the prefix as prompt, and the engine counts penalised tokens in the output alone, so "
     "the continuation would not see the prefix's counts"
+)
+
+N_RULE = (
+    "must be 1: each sample is a request of its own (the group's size is the plan's n_samples), and "
+    "SGLang answers n > 1 with a list of n answers, which the pipeline does not take"
 )
 
 # Tokens of slack past a stop string's length in characters, for tokens that decode to nothing
@@ -71,11 +80,13 @@ def stop_strings(params: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def sampling_problems(params: Mapping[str, Any], *, continues: bool, can_detokenize: bool) -> list[str]:
-    """What is wrong with `params` for a run whose samples are continued (`continues`: partial
-    rollout or async). Each problem names the value and the rule."""
+    """What is wrong with `params`: for any run, `n` other than 1; for a run whose samples are
+    continued (`continues`: partial rollout or async), what a continuation would apply wrongly.
+    Each problem names the value and the rule."""
+    problems = [f"sampling_params['n']={n!r}: {N_RULE}" for n in [params.get("n", 1)] if n != 1]
     if not continues:
-        return []
-    problems = [f"sampling_params[{name!r}]={value!r}: {PENALTY_RULE}" for name, value in penalties_in(params).items()]
+        return problems
+    problems += [f"sampling_params[{name!r}]={value!r}: {PENALTY_RULE}" for name, value in penalties_in(params).items()]
     stops = stop_strings(params)
     if stops and not can_detokenize:
         problems.append(

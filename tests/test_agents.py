@@ -105,7 +105,7 @@ class Rig:
 @asynccontextmanager
 async def rig(model_dir: Path, store: AsyncStore, agent: Agent, n_prompts: int = 1) -> AsyncIterator[Rig]:
     clock, admission = VersionClock(), Admission()
-    dataset = [PromptTask(index=k, prompt_ids=PROMPT + encode("abc"[k])) for k in range(n_prompts)]
+    dataset = [PromptTask(index=k, prompt_ids=PROMPT + encode("abcd"[k])) for k in range(n_prompts)]
     async with (
         open_server(model_dir, port=0, weight_version="0", health_check_timeout=0.5) as server,
         EngineFleet([server.url], concurrency=8) as fleet,
@@ -236,18 +236,21 @@ async def broken(ctx: AgentContext, sample: Sample) -> None:
     if ctx.group.task.index == 2 and sample.index == 0:
         ctx.state["handle"] = object()
         ctx.append(TOOL)
+    if ctx.group.task.index == 3 and sample.index == 0:
+        await ctx.generate(max_new_tokens=2, n=2)  # SGLang would answer a list of two
 
 
 async def test_agent_failures_are_recorded_on_the_sample_and_the_pool_keeps_going(model_dir: Path) -> None:
     store = MemoryStore()
-    async with rig(model_dir, AsyncStore(store), broken, n_prompts=3) as r:
+    async with rig(model_dir, AsyncStore(store), broken, n_prompts=4) as r:
         with anyio.fail_after(120):
-            r.admission.grant(3)
+            r.admission.grant(4)
             await r.admission.wait_settled()
     [ready] = store.groups(GroupState.READY)
     assert ready.task.index == 0 and all(s.status is SampleStatus.COMPLETED for s in ready.samples)
     failed = {g.task.index: g.samples[0] for g in store.groups(GroupState.FAILED)}
-    assert set(failed) == {1, 2}
+    assert set(failed) == {1, 2, 3}
+    assert "{'n': 2}" in failed[3].error and "must be 1" in failed[3].error and failed[3].response_len == 2
     assert "tests.test_agents:broken" in failed[1].error and "ValueError: the tool is down" in failed[1].error
     assert "tests.test_agents:broken" in failed[2].error and "ctx.state['handle']" in failed[2].error
     assert "<object object" in failed[2].error

@@ -24,6 +24,7 @@ from pipeline.types import (
 from stages.admission import Admission
 from stages.collector import Collector
 from stages.continuation import (
+    N_RULE,
     PENALTY_RULE,
     continuation_params,
     cut_at,
@@ -56,6 +57,14 @@ def test_min_new_tokens_shrinks_by_the_prefix_and_never_passes_max_new_tokens():
     assert continuation_params({"min_new_tokens": 5}, 1, 2)["min_new_tokens"] == 2  # SGLang's 400 otherwise
     assert "min_new_tokens" not in continuation_params({}, 3, 5)
     assert params["min_new_tokens"] == 5  # the pool's own params are untouched
+
+
+def test_n_other_than_1_is_refused_in_every_mode():
+    for continues in (False, True):
+        assert sampling_problems({"n": 4}, continues=continues, can_detokenize=True) == [
+            f"sampling_params['n']=4: {N_RULE}"
+        ]
+        assert sampling_problems({"n": 1}, continues=continues, can_detokenize=True) == []
 
 
 def test_penalties_are_refused_only_when_samples_continue():
