@@ -16,8 +16,9 @@
     ├── GroupsFailingError     every group of a long run of them failed (names the last error)
     ├── AgentError             an agent broke its contract (names the agent and the value)
     │   └── AgentStateError    an agent's `ctx.state` is not JSON-serialisable
-    ├── AgentInterrupted       the pool stopped during `ctx.generate`; the agent lets it propagate
     └── ReplayError            a run directory, step range or group that replay cannot use
+
+    AgentInterrupted (a BaseException, as CancelledError is) the pool stopped during `ctx.generate`
 
 A stage that dies takes the pipeline's task group down with it: `run_pipeline` raises the
 original error (inside anyio's ExceptionGroup), and `python -m pipeline.launch` prints it as one
@@ -179,10 +180,14 @@ class AgentStateError(AgentError):
     """`ctx.state` holds something that is not JSON (it is stored with the sample, never pickled)."""
 
 
-class AgentInterrupted(PipelineError):
+class AgentInterrupted(BaseException):
     """The pool stopped (partial rollout's "enough", an abort-mode publish, shutdown) while the
     agent awaited `ctx.generate`. The transcript and `ctx.state` are already stored with the sample;
-    the agent must let this propagate (not catch it) and is re-entered with them on resume."""
+    the agent must let this propagate (not catch it) and is re-entered with them on resume.
+
+    A BaseException, not a PipelineError, for the reason asyncio's CancelledError is one: agent code
+    wraps its tool calls and turns in `except Exception`, and an interruption caught there would
+    have the agent call `ctx.generate` again, be interrupted again, and hold the stop forever."""
 
     def __init__(self, sample: str) -> None:
         self.sample = sample

@@ -13,7 +13,8 @@ transcript turn by turn:
   stored with the sample (`Sample.metadata["agent"]`, in the msgpack record, never pickled).
 
 Abort contract. When the pool stops (partial rollout's "enough", an abort-mode publish, shutdown),
-`ctx.generate` raises `AgentInterrupted`; the agent lets it propagate. The transcript so far (with
+`ctx.generate` raises `AgentInterrupted`; the agent lets it propagate (it is a BaseException, as
+asyncio's CancelledError is, so an `except Exception` around a turn does not catch it). The transcript so far (with
 the interrupted turn's tokens) and `ctx.state` are what is stored, and the resumed sample re-enters
 the agent from the top with them: the agent reads `ctx.state` to see where it was and continues,
 and its next `ctx.generate` continues an interrupted turn token-exactly (the turn's token budget
@@ -238,27 +239,35 @@ async def run_agent_sample(ctx: AgentContext, agent: Agent) -> None:
     name = ctx._name
     try:
         await agent(ctx, ctx.sample)
-    except AgentInterrupted:
-        _save_quietly(ctx)
-        return
-    except EngineUnavailableError:  # no engine serves at all: the pool ends, as on the single-turn path
-        _save_quietly(ctx)
-        raise
-    except Exception as exc:
+    except BaseException as exc:
+        if _interrupted(exc):
+            _save_quietly(ctx)
+            return
+        if isinstance(exc, EngineUnavailableError):
+            _save_quietly(ctx)  # no engine serves at all: the pool ends, as on the single-turn path
+            raise
+        if not isinstance(exc, Exception):  # cancelled: the pipeline is going down; keep what the agent has
+            _save_quietly(ctx)
+            raise
         error = str(exc) if isinstance(exc, AgentError) else f"agent {name!r} raised {type(exc).__name__}: {exc}"
         ctx._samples[ctx._i] = dataclasses.replace(
             ctx.sample, status=SampleStatus.FAILED, finish_reason=FinishReason.ERROR, error=error
         )
         return
-    except BaseException:  # cancelled: the pipeline is going down; keep what the agent has
-        _save_quietly(ctx)
-        raise
     truncated = ctx.remaining == 0
     status = SampleStatus.TRUNCATED if truncated else SampleStatus.COMPLETED
     ctx._put(ctx.sample, status=status)
     ctx._samples[ctx._i] = dataclasses.replace(
         ctx.sample, finish_reason=FinishReason.LENGTH if truncated else FinishReason.STOP, error=None
     )
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """An interruption, alone or as every error of a group (an agent that runs turns in a task
+    group of its own gets them wrapped)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(AgentInterrupted)[1] is None
+    return isinstance(exc, AgentInterrupted)
 
 
 def _save_quietly(ctx: AgentContext) -> None:

@@ -6,6 +6,7 @@ the sample. Ordering comes from the engine's own state and from events the agent
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -227,6 +228,54 @@ async def test_aborts_mid_turn_and_between_turns_continue_the_same_conversation(
         state = sample.metadata[AGENT_KEY]["state"]
         assert state["done"] == list(range(STEPS)) and state["entries"] >= 2  # re-entered, never redone
     assert any(s.resumed_at for s in group.samples)  # a turn was continued mid-way
+
+
+async def careless(ctx: AgentContext, sample: Sample) -> None:
+    """`scripted`, with every step in an `except Exception`, as tool-calling code often has it; and
+    the second sample runs its model turns in a task group of its own."""
+    while (step := ctx.state.get("step", 0)) < STEPS:
+        try:
+            if step % 2 == 1:
+                ctx.append(TOOL)
+            elif sample.index == 0:
+                await ctx.generate(max_new_tokens=TURN_LEN)
+            else:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(ctx.generate, max_new_tokens=TURN_LEN))
+        except Exception:
+            ctx.state["swallowed"] = ctx.state.get("swallowed", 0) + 1
+            continue
+        ctx.state["step"] = step + 1
+
+
+async def test_an_interruption_gets_through_an_agents_except_exception_and_its_task_groups(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Were `AgentInterrupted` an Exception, the careless agent would catch it, call `ctx.generate`
+    again, be interrupted again, and the stop would never end."""
+    lmdb = LmdbStore(tmp_path / "store")
+    store = AsyncStore(lmdb)
+    try:
+        async with rig(model_dir, store, careless) as r:
+            with anyio.fail_after(60):
+                r.admission.grant(1)
+                while r.server.core.statistics().num_running < N_SAMPLES:
+                    await r.server.core.wait_step()
+                await r.server.core.wait_step()
+                await r.pool.stop()
+                await r.admission.wait_settled()
+                [partial] = lmdb.groups(GroupState.PARTIAL)
+                assert any(0 < s.response_len < TURN_LEN for s in partial.samples)  # stopped mid-turn
+                r.pool.resume()
+                r.admission.grant(1)
+                await r.admission.wait_settled()
+        [group] = lmdb.groups(GroupState.READY)
+    finally:
+        await store.aclose()
+    for sample in group.samples:
+        assert sample.status is SampleStatus.COMPLETED
+        check_alignment(sample)
+        assert "swallowed" not in sample.metadata[AGENT_KEY]["state"]
 
 
 async def broken(ctx: AgentContext, sample: Sample) -> None:
