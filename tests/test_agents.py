@@ -176,6 +176,20 @@ async def test_a_multi_turn_transcript_keeps_every_model_token_and_masks_the_too
             assert sample.logprobs[start : start + TURN_LEN] == tuple(res.logprobs)
 
 
+async def stop_mid_turn(r: Rig, lmdb: LmdbStore) -> Group:
+    """Admit one group and stop the pool once both samples' first turns are decoding; the partial
+    group it stored, each sample part way through its turn or before it."""
+    r.admission.grant(1)
+    while r.server.core.statistics().num_running < N_SAMPLES:
+        await r.server.core.wait_step()
+    await r.server.core.wait_step()
+    await r.pool.stop()
+    await r.admission.wait_settled()
+    [partial] = lmdb.groups(GroupState.PARTIAL)
+    assert any(0 < s.response_len < TURN_LEN for s in partial.samples)
+    return partial
+
+
 async def test_aborts_mid_turn_and_between_turns_continue_the_same_conversation(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -187,15 +201,8 @@ async def test_aborts_mid_turn_and_between_turns_continue_the_same_conversation(
     try:
         async with rig(model_dir, store, scripted) as r:
             with anyio.fail_after(120):
-                r.admission.grant(1)
-                # 1. mid-turn: stop once both samples' first turns are decoding.
-                while r.server.core.statistics().num_running < N_SAMPLES:
-                    await r.server.core.wait_step()
-                await r.server.core.wait_step()
-                await r.pool.stop()
-                await r.admission.wait_settled()
-                [partial] = lmdb.groups(GroupState.PARTIAL)
-                assert any(0 < s.response_len < TURN_LEN for s in partial.samples)
+                # 1. mid-turn.
+                partial = await stop_mid_turn(r, lmdb)
                 # 2. between turns: sample 0 stops inside its tool call.
                 r.pool.resume()
                 r.admission.grant(1)
@@ -258,14 +265,7 @@ async def test_an_interruption_gets_through_an_agents_except_exception_and_its_t
     try:
         async with rig(model_dir, store, careless) as r:
             with anyio.fail_after(60):
-                r.admission.grant(1)
-                while r.server.core.statistics().num_running < N_SAMPLES:
-                    await r.server.core.wait_step()
-                await r.server.core.wait_step()
-                await r.pool.stop()
-                await r.admission.wait_settled()
-                [partial] = lmdb.groups(GroupState.PARTIAL)
-                assert any(0 < s.response_len < TURN_LEN for s in partial.samples)  # stopped mid-turn
+                await stop_mid_turn(r, lmdb)
                 r.pool.resume()
                 r.admission.grant(1)
                 await r.admission.wait_settled()
