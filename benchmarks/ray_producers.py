@@ -89,13 +89,13 @@ async def run_one(
 
     threads: list[dict[str, float]] = []  # CPU by thread at the first step and at the latest
 
-    others: list[dict[str, float]] = []  # CPU of the mailbox and the producers at the first step and the latest
+    others: list[dict[str, float]] = []  # CPU of the mailbox and the producers at the first step and the last
 
     def on_step(record: dict[str, Any]) -> None:
         marks.append((time.perf_counter(), time.process_time()))
-        if producers:
-            now = actor_cpu()
-            others[:] = [others[0] if others else now, now]
+        if producers and len(marks) in (1, args.steps):
+            # Only where the figures are read: a scan of /proc runs in this process, whose CPU is measured.
+            others.append(actor_cpu())
         if args.threads:
             now = thread_cpu()
             threads[:] = [threads[0] if threads else now, now]
@@ -153,7 +153,7 @@ async def run_one(
         top = sorted(spent.items(), key=lambda kv: -kv[1])[:8]
         print("    cpu-ms/sample by thread: " + ", ".join(f"{name} {ms:.3f}" for name, ms in top if ms > 0.001))
     samples = (len(marks) - 1) * args.batch * args.group
-    spent = {k: 1000 * (others[1].get(k, 0.0) - others[0].get(k, 0.0)) / samples for k in ACTORS} if others else {}
+    spent = {k: 1000 * (others[-1].get(k, 0.0) - others[0].get(k, 0.0)) / samples for k in ACTORS} if others else {}
     return {
         "samples/s": samples / (w1 - w0),
         "cpu-ms/sample": 1000 * (p1 - p0) / samples,

@@ -83,7 +83,9 @@ def sampling_problems(params: Mapping[str, Any], *, continues: bool, can_detoken
     """What is wrong with `params`: for any run, `n` other than 1; for a run whose samples are
     continued (`continues`: partial rollout or async), what a continuation would apply wrongly.
     Each problem names the value and the rule."""
-    problems = [f"sampling_params['n']={n!r}: {N_RULE}" for n in [params.get("n", 1)] if n != 1]
+    problems = []
+    if (n := params.get("n", 1)) != 1:
+        problems.append(f"sampling_params['n']={n!r}: {N_RULE}")
     if not continues:
         return problems
     problems += [f"sampling_params[{name!r}]={value!r}: {PENALTY_RULE}" for name, value in penalties_in(params).items()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import aiohttp
 import anyio
@@ -177,25 +178,33 @@ async def test_abort_in_flight_returns_the_partial_output(fake, session):
     assert engine.statistics().aborts == 1
 
 
+@asynccontextmanager
+async def one_held_one_waiting(fake: FakeSGLang, engine: EngineClient) -> AsyncIterator[dict[str, GenerateResult]]:
+    """Request "first" held after one token (the fake runs one request at a time) and "second" in the
+    waiting queue behind it; the body acts on them; on exit both have answered, into the dict."""
+    fake.hold_at = 1
+    results: dict[str, GenerateResult] = {}
+
+    async def run(rid: str) -> None:
+        results[rid] = await engine.generate(PROMPT, {"max_new_tokens": 4}, rid=rid)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "first")
+            await fake.wait_until(lambda: fake.held == 1)
+            tg.start_soon(run, "second")
+            await fake.wait_until(lambda: fake.waiting == 1)
+            yield results
+
+
 async def test_abort_in_waiting_queue_has_no_prompt_counts(session):
     async with FakeSGLang(max_running=1) as fake:
-        fake.hold_at = 1
         engine = client(fake.url, session)
-        results: dict[str, GenerateResult] = {}
-
-        async def run(rid: str) -> None:
-            results[rid] = await engine.generate(PROMPT, {"max_new_tokens": 4}, rid=rid)
-
-        with anyio.fail_after(5):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run, "first")
-                await fake.wait_until(lambda: fake.held == 1)
-                tg.start_soon(run, "second")
-                await fake.wait_until(lambda: fake.waiting == 1)
-                assert await engine.loads() == EngineLoad(running=1, waiting=1)
-                await engine.abort("second")
-                await fake.wait_until(lambda: [r.rid for r in fake.finished] == ["second"])
-                fake.release()
+        async with one_held_one_waiting(fake, engine) as results:
+            assert await engine.loads() == EngineLoad(running=1, waiting=1)
+            await engine.abort("second")
+            await fake.wait_until(lambda: [r.rid for r in fake.finished] == ["second"])
+            fake.release()
 
     waiting = results["second"]
     assert waiting.finish_reason is FinishReason.ABORT
@@ -208,20 +217,9 @@ async def test_abort_before_prefill_from_older_servers_is_an_empty_abort_not_an_
     # SGLang up to late 2025 answers a request aborted in the waiting queue with no weight_version,
     # no output_ids and no log-probs ("Abort before prefill"): nothing to stamp, nothing to lose.
     async with FakeSGLang(max_running=1, legacy_waiting_abort=True) as fake:
-        fake.hold_at = 1
         engine = client(fake.url, session)
-        results: dict[str, GenerateResult] = {}
-
-        async def run(rid: str) -> None:
-            results[rid] = await engine.generate(PROMPT, {"max_new_tokens": 4}, rid=rid)
-
-        with anyio.fail_after(5):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run, "first")
-                await fake.wait_until(lambda: fake.held == 1)
-                tg.start_soon(run, "second")
-                await fake.wait_until(lambda: fake.waiting == 1)
-                await engine.abort_all()
+        async with one_held_one_waiting(fake, engine) as results:
+            await engine.abort_all()
     waiting = results["second"]
     assert (waiting.finish_reason, waiting.finish_message) == (FinishReason.ABORT, "Abort before prefill")
     assert waiting.token_ids == () and waiting.weight_version is None and waiting.weight_versions is None
