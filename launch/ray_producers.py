@@ -177,20 +177,26 @@ class RayProducers:
         # The dispenser hands over with no buffer, one group at a time; this buffer holds what it
         # has already admitted, so the dispatcher can hand it all to a producer in one call.
         waiting_send, waiting = anyio.create_memory_object_stream[Group](self._batch)
-        async with receive, send, waiting, anyio.create_task_group() as tg:
-            self._tg = tg
-            if self._mailbox is not None:
-                tg.start_soon(self._take_from_mailbox, send.clone())
-            for p in self.producers:
-                if self._mailbox is None:
-                    tg.start_soon(self._receive_results, p, send.clone())
-                tg.start_soon(self._heartbeats, p)
-            tg.start_soon(self._reap)
-            tg.start_soon(_forward, receive, waiting_send)
-            task_status.started()
-            async for group in waiting:
-                await self._dispatch(group, waiting, tg)
-            tg.cancel_scope.cancel()
+        try:
+            async with receive, send, waiting, anyio.create_task_group() as tg:
+                self._tg = tg
+                if self._mailbox is not None:
+                    tg.start_soon(self._take_from_mailbox, send.clone())
+                for p in self.producers:
+                    if self._mailbox is None:
+                        tg.start_soon(self._receive_results, p, send.clone())
+                    tg.start_soon(self._heartbeats, p)
+                tg.start_soon(self._reap)
+                tg.start_soon(_forward, receive, waiting_send)
+                task_status.started()
+                async for group in waiting:
+                    await self._dispatch(group, waiting, tg)
+                tg.cancel_scope.cancel()
+        finally:
+            # A publish still under way when this ends (the run is stopping) may lose a producer
+            # after it: the run's leases are left to expire, or to the next start's recovery, as
+            # a start_soon on a finished task group would raise over the error that stopped it.
+            self._tg = None
 
     @property
     def mailbox(self) -> Any:
@@ -532,6 +538,11 @@ class RayProducers:
         except Exception as exc:  # the next post or take says what became of the mailbox
             log.debug("mailbox drop failed", producer=p.name, reason=repr(exc))
 
+    def _unanswered(self, method: str, exc: Exception) -> str:
+        if isinstance(exc, TimeoutError):
+            return f"{method} not answered within {self._deadline:g}s"
+        return f"{method} failed: {exc!r}"
+
     def _live(self) -> list[ProducerHandle]:
         return [p for p in self.producers if p.lost is None]
 
@@ -551,7 +562,7 @@ class RayProducers:
                 with anyio.fail_after(self._deadline):
                     partial = await p.actor.begin_publish.remote(version, pause_mode.value, self._overlap)
             except Exception as exc:
-                self._lose(p, f"begin_publish not answered within {self._deadline:g}s: {exc!r}")
+                self._lose(p, self._unanswered("begin_publish", exc))
                 return
             await self._accept_all(p, partial, None, f"partial of {p.name}")
 
@@ -567,7 +578,7 @@ class RayProducers:
                 with anyio.fail_after(self._deadline):
                     await getattr(p.actor, method).remote(*args)
             except Exception as exc:
-                self._lose(p, f"{method} not answered within {self._deadline:g}s: {exc!r}")
+                self._lose(p, self._unanswered(method, exc))
 
         async with anyio.create_task_group() as tg:
             for p in self._live():
