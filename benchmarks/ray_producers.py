@@ -27,6 +27,7 @@ package are needed, so the same command runs on a bigger machine, e.g. `--produc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -42,6 +43,7 @@ import anyio
 
 from benchmarks.controller_overhead import NullTrainer, reward, workload
 from launch.engine_process import start_engine
+from launch.gc_settings import settle_gc
 from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
 from launch.ray_producers import DEFAULT_TAKES_PER_SECOND
@@ -157,6 +159,8 @@ async def run_one(
     return {
         "samples/s": samples / (w1 - w0),
         "cpu-ms/sample": 1000 * (p1 - p0) / samples,
+        # The controller's CPU over the wall clock: near 1 with `--cpu`, its one core is what limits the run.
+        "cpu share": (p1 - p0) / (w1 - w0),
         # The other side of the calls, measured the same way: the mailbox's process, and the producers'
         # together (their parsing and rewards, which the local mode does on the controller).
         "mailbox ms": spent.get("Mailbox", 0.0),
@@ -167,6 +171,14 @@ async def run_one(
         "per submit": last.get("producers/groups_per_submit", 0.0),
         "per take": last.get("producers/results_per_take", 0.0),
     }
+
+
+def pin_process(cpu: int) -> None:
+    """Every thread of this process onto `cpu` (the event loop, the store's writer, Ray's driver
+    threads); threads started later inherit it from the thread that starts them."""
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(task.name), {cpu})
 
 
 def thread_cpu() -> dict[str, float]:
@@ -245,10 +257,18 @@ async def main(args: argparse.Namespace) -> None:
         if b not in BATCHES:
             raise SystemExit(f"--batches: {b!r} is not one of {', '.join(BATCHES)}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.cpu >= 0:
+        # Everything started from here (Ray's processes, the producers, the mailbox, the engine)
+        # inherits this mask and stays off the controller's core; the controller moves onto it below.
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {args.cpu})
     # address="local": a cluster of its own, never one that happens to run on this machine
     ray.init(address="local", num_cpus=max(args.producers), include_dashboard=False, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="ray-producers-"))
     engine = await start_engine("instant", module="launch.engines.instant", extra_args=["--tokens", str(args.tokens)])
+    if args.cpu >= 0:
+        pin_process(args.cpu)
+    if args.gc == "launcher":
+        settle_gc()  # as `launch.cli` does once start-up is done (and each producer does in its actor)
     rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     load_before = os.getloadavg()
     try:
@@ -268,17 +288,20 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"\n{args.mode}, {args.steps} steps x {args.batch} groups x {args.group} samples x {args.tokens} tokens, "
         f"{args.slots} slots, {os.cpu_count()} cores, median of {args.repeats}; "
-        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
+        + (f"controller on CPU {args.cpu}, everything else off it; " if args.cpu >= 0 else "")
+        + f"gc {args.gc}; "
+        + f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
     )
     print(
-        f"{'store':>10} {'batches':>8} {'producers':>10} {'samples/s':>11} {'cpu-ms/sample':>14} {'txn/group':>10} "
+        f"{'store':>10} {'batches':>8} {'producers':>10} {'samples/s':>11} {'cpu-ms/sample':>14} {'cpu share':>10} "
+        f"{'txn/group':>10} "
         f"{'groups/submit':>14} {'results/take':>13} {'mailbox ms':>11} {'producers ms':>13}"
     )
     for (store_kind, b, w), results in rows.items():
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
         print(
             f"{store_kind:>10} {b:>8} {'local' if w == 0 else w:>10} {med['samples/s']:>11,.1f} "
-            f"{med['cpu-ms/sample']:>14.3f} {med['txn/group']:>10.2f} "
+            f"{med['cpu-ms/sample']:>14.3f} {med['cpu share']:>10.2f} {med['txn/group']:>10.2f} "
             + (
                 f"{'-':>14} {'-':>13} {'-':>11} {'-':>13}"
                 if w == 0
@@ -315,6 +338,20 @@ if __name__ == "__main__":
     )
     p.add_argument("--takes-per-second", type=float, default=DEFAULT_TAKES_PER_SECOND, help="of the paced path")
     p.add_argument("--no-local", dest="local", action="store_false", help="leave out the local mode (for a profile)")
+    p.add_argument(
+        "--cpu",
+        type=int,
+        default=-1,
+        help="pin the controller (every thread) to this CPU and everything else off it: its samples/s is "
+        "then what one controller core sustains (-1: no pinning)",
+    )
+    p.add_argument(
+        "--gc",
+        choices=["launcher", "python"],
+        default="launcher",
+        help="the controller's collector: launcher (as `python -m pipeline.launch` sets it: start-up heap "
+        "frozen, gen-0 threshold 100,000) or python (CPython's defaults)",
+    )
     p.add_argument("--threads", action="store_true", help="print each run's CPU per sample by thread name (Linux)")
     p.add_argument(
         "--idle",

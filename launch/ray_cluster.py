@@ -160,7 +160,7 @@ class ProducerActor:
         return await self._ok().begin_publish(version, pause_mode, overlap)
 
     async def end_publish(self, version: int) -> None:
-        self._ok().end_publish(version)
+        await self._ok().end_publish(version)
 
     def pid(self) -> int:
         """The worker's process id (tests freeze it to play a producer that stops answering)."""

@@ -15,9 +15,12 @@ another schema is refused rather than misread. This module does not import Ray: 
 (`launch.ray_producers`) wraps it, and a test can drive it in-process.
 
 The producer's clock is a copy of the controller's. A publish closes it (`begin_publish`; in abort
-mode every request is aborted and every group in hand goes back to the controller, so a producer
-lost later loses nothing generated before that abort), and `end_publish` tells it the version that
-serves.
+mode every request is aborted and every group in hand with a token generated goes back to the
+controller, so a producer lost later loses nothing generated before that abort), and `end_publish`
+tells it the version that serves. A group none of whose samples had started stays here through the
+publish and runs after it: sending it back would carry nothing the controller's store lacks, and
+would cost a round trip through the store and both Ray calls for each group queued here (half the
+groups that came back at each publish, measured: BENCHMARKS.md section 11).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from anyio.abc import TaskStatus
 from pipeline.clock import VersionClock
 from pipeline.plugins import resolve_function
 from pipeline.producers import LocalProducers
-from pipeline.types import Group, PauseMode
+from pipeline.types import Group, PauseMode, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.filter import FilterStage
 from stages.generator import GeneratorPool
@@ -144,12 +147,14 @@ class _Outbox(AsyncStore):
     would be a stage reading state the producer does not have, and fails loudly (the memory store
     underneath is empty)."""
 
-    def __init__(self, results: _Results) -> None:
+    def __init__(self, results: _Results, keep: Callable[[Group], bool]) -> None:
         super().__init__(MemoryStore())
         self._results = results
+        self._keep = keep
 
     async def put_partial(self, group: Group, *, owner: str | None = None) -> None:
-        self._results.put(ResultKind.PARTIAL, group)
+        if not self._keep(group):
+            self._results.put(ResultKind.PARTIAL, group)
 
     async def put_ready(self, group: Group, *, owner: str | None = None) -> None:
         self._results.put(ResultKind.ACCEPTED, group)
@@ -196,6 +201,10 @@ class ProducerCore:
         self._inbox: anyio.abc.ObjectSendStream[Group] | None = None
         self.clock = VersionClock(spec.version)
         self._stopped_for_publish = False
+        # Between an abort-mode begin_publish and its end_publish: groups that come back from the
+        # pool untouched are held here (`_held`) rather than sent back, and run after the publish.
+        self._holding = False
+        self._held: list[Group] = []
 
     async def run(self, *, task_status: TaskStatus[None]) -> None:
         spec = self.spec
@@ -205,7 +214,7 @@ class ProducerCore:
         agent = _resolve(spec.agent_path, "agent", self.node)
         self.admission = Admission()
         self.results = _Results()
-        outbox = _Outbox(self.results)
+        outbox = _Outbox(self.results, self._hold)
         urls = list(spec.engine_urls)
         async with EngineFleet(
             urls or None,
@@ -248,7 +257,9 @@ class ProducerCore:
 
     async def submit_many(self, data: Sequence[bytes]) -> None:
         """Groups leased to this producer together, as codec bytes, in the order they came."""
-        groups = [decode_group(d, key=f"group for producer {self.spec.name}") for d in data]
+        await self._feed([decode_group(d, key=f"group for producer {self.spec.name}") for d in data])
+
+    async def _feed(self, groups: Sequence[Group]) -> None:
         assert self._inbox is not None, "submit before run"
         self.admission.grant(len(groups))
         for group in groups:
@@ -260,6 +271,10 @@ class ProducerCore:
 
     async def stop(self) -> None:
         """The sync round's "enough": abort everything; return once every group in hand went back."""
+        self._holding = False  # a stop during a publish: the held groups go back too
+        for group in self._held:
+            self.results.put(ResultKind.PARTIAL, group)
+        self._held = []
         await self._open().stop()
         await self.admission.wait_settled()
         await self.results.wait_drained()
@@ -277,25 +292,38 @@ class ProducerCore:
             self.clock.begin_publish()
         if PauseMode(pause_mode) is not PauseMode.ABORT or overlap:
             return []
-        self._stopped_for_publish = True
+        self._stopped_for_publish = self._holding = True
         await self._open().stop()
         await self.admission.wait_settled()
         return self.results.take_partial()
 
-    def end_publish(self, version: int) -> None:
-        """The publish ended with `version` serving (one more than before if it committed)."""
+    async def end_publish(self, version: int) -> None:
+        """The publish ended with `version` serving (one more than before if it committed); the
+        groups held through it run now, in the order they came back."""
         if self.clock.publishing:
             self.clock.end_publish(committed=version == self.clock.version + 1)
         if self._stopped_for_publish:
-            self._stopped_for_publish = False
+            self._stopped_for_publish = self._holding = False
             self.resume()
+            held, self._held = self._held, []
+            await self._feed(held)
+
+    def _hold(self, group: Group) -> bool:
+        """Keep `group` here instead of sending it back as partial, if a publish stopped the pool
+        before any of its samples started: nothing generated is at stake, and it is still leased
+        to this producer (the controller renews the lease, and serves the group again from its
+        store if this producer is lost)."""
+        if not self._holding or any(s.status is not SampleStatus.PENDING for s in group.samples):
+            return False
+        self._held.append(group)
+        return True
 
     def statistics(self) -> dict[str, Any]:
         local = self._open()
         return {
             "node": self.node,
             "version": self.clock.version,
-            "in_hand": self.admission.outstanding,
+            "in_hand": self.admission.outstanding + len(self._held),
             "waiting_results": len(self.results),
             "idle_slots": local.idle_slots,
             "generator": asdict(local.statistics()),
