@@ -9,7 +9,9 @@ every `/generate` at once with exactly `--tokens` tokens and their log-probs, ov
 trainer does nothing and publishes a placeholder path, which the instant engine accepts. So every
 second measured is the controller's own: HTTP client, JSON parsing, building samples, the stages,
 the store (memory, or LMDB with and without fsync), publishing. The controller is pinned to one
-core (`--cpu`).
+core (`--cpu`). This is the local mode, one process doing everything; the same measure with the
+generating side on Ray producers (HTTP, parsing and rewards off the controller's core), the
+`local` row beside it, is `python -m benchmarks.ray_producers --cpu N` (BENCHMARKS.md section 11).
 
 Figures, per (mode, store), over the steps after the first (start-up excluded):
 - samples/s and tokens/s in wall time;

@@ -22,6 +22,12 @@ second, so a busy run's calls carry more groups, not more calls; `mailbox`, the 
 `paced`, through the producers' mailbox, one call each way for all producers). For each W and
 store, the batches alternate, `--repeats` times; the table shows the median. Only Ray and this
 package are needed, so the same command runs on a bigger machine, e.g. `--producers 1 2 4 8`.
+
+`--cpu N` puts the controller (every thread of this process) on CPU N and everything it starts
+(Ray, the mailbox, the producers, the engine) on the other cores: then `samples/s` is what one
+controller core sustains, and `cpu share` near 1 says that core is what limits the run (issue 13's
+"5,000 samples/s on one core with LMDB synced", side by side with the local mode on that core).
+`--gc` sets the controller's collector as the launcher does (the default) or leaves CPython's.
 """
 
 from __future__ import annotations
