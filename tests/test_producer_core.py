@@ -3,6 +3,9 @@ the controller, over real HTTP to the protocol-speaking fake engine."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import anyio
 import orjson
 import pytest
@@ -75,10 +78,10 @@ async def test_results_come_back_as_codec_bytes_and_a_publish_returns_the_partia
             tg.cancel_scope.cancel()
 
 
-async def test_a_publish_keeps_the_groups_that_had_not_started_and_runs_them_after_it() -> None:
-    """One group's slots: A runs (parked after two tokens), B waits its turn here. The abort sends A
-    back with its prefixes; B, which the stopping pool let through untouched, has nothing worth
-    sending back: it stays, still in hand, and runs once the publish ends."""
+@contextlib.asynccontextmanager
+async def publish_with_one_running_one_waiting() -> AsyncIterator[tuple[FakeSGLang, ProducerCore, list]]:
+    """One group's slots: A runs (parked after two tokens), B waits its turn here; then an
+    abort-mode publish begins. Yields the engine, the producer and the publish's answer."""
     async with FakeSGLang(weight_version="0") as fake:
         core = ProducerCore(spec(fake.url, group_slots=1), node="here")
         async with anyio.create_task_group() as tg:
@@ -88,44 +91,43 @@ async def test_a_publish_keeps_the_groups_that_had_not_started_and_runs_them_aft
             with anyio.fail_after(10):
                 await fake.wait_until(lambda: fake.held == G)
                 partial = await core.begin_publish(1, "abort", False)
-            ((kind, data),) = partial  # A alone
-            back = decode_group(data)
-            assert kind == ResultKind.PARTIAL.value and back.group_id == group(0).group_id
-            assert all(s.response_len == 2 for s in back.samples)
-            assert core.statistics()["in_hand"] == 1 and len(core.results) == 0  # B: kept, not sent
+            yield fake, core, partial
             fake.release()
-            fake.weight_version = "1"
-            await core.end_publish(1)
-            with anyio.fail_after(10):
-                ((kind, data),) = await core.take_results(8)
-            done = decode_group(data)
-            assert kind == ResultKind.ACCEPTED.value and done.group_id == group(1).group_id
-            assert all(s.status is SampleStatus.TRUNCATED for s in done.samples)
-            assert {span.version for s in done.samples for span in s.spans} == {1}  # generated after it
-            assert core.statistics()["in_hand"] == 0
             tg.cancel_scope.cancel()
+
+
+async def test_a_publish_keeps_the_groups_that_had_not_started_and_runs_them_after_it() -> None:
+    """The abort sends A back with its prefixes; B, which the stopping pool let through untouched,
+    has nothing worth sending back: it stays, still in hand, and runs once the publish ends."""
+    async with publish_with_one_running_one_waiting() as (fake, core, partial):
+        ((kind, data),) = partial  # A alone
+        back = decode_group(data)
+        assert kind == ResultKind.PARTIAL.value and back.group_id == group(0).group_id
+        assert all(s.response_len == 2 for s in back.samples)
+        assert core.statistics()["in_hand"] == 1 and len(core.results) == 0  # B: kept, not sent
+        fake.release()
+        fake.weight_version = "1"
+        await core.end_publish(1)
+        with anyio.fail_after(10):
+            ((kind, data),) = await core.take_results(8)
+        done = decode_group(data)
+        assert kind == ResultKind.ACCEPTED.value and done.group_id == group(1).group_id
+        assert all(s.status is SampleStatus.TRUNCATED for s in done.samples)
+        assert {span.version for s in done.samples for span in s.spans} == {1}  # generated after it
+        assert core.statistics()["in_hand"] == 0
 
 
 async def test_a_stop_during_a_publish_sends_the_kept_groups_back() -> None:
     """The run ends (or a sync round's stop comes) inside a publish: what the publish kept goes
     back as partial too, so the producer ends with nothing in hand."""
-    async with FakeSGLang(weight_version="0") as fake:
-        core = ProducerCore(spec(fake.url, group_slots=1), node="here")
-        async with anyio.create_task_group() as tg:
-            await tg.start(core.run)
-            fake.hold(2)
-            await core.submit_many([encode_group(group(0)), encode_group(group(1))])
-            with anyio.fail_after(10):
-                await fake.wait_until(lambda: fake.held == G)
-                await core.begin_publish(1, "abort", False)
-                assert core.statistics()["in_hand"] == 1
-                async with anyio.create_task_group() as stopping:
-                    stopping.start_soon(core.stop)  # returns once the controller took everything
-                    ((kind, data),) = await core.take_results(8)
-            assert kind == ResultKind.PARTIAL.value and decode_group(data) == group(1)
-            assert core.statistics()["in_hand"] == 0
-            fake.release()
-            tg.cancel_scope.cancel()
+    async with publish_with_one_running_one_waiting() as (_, core, _):
+        assert core.statistics()["in_hand"] == 1
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as stopping:
+                stopping.start_soon(core.stop)  # returns once the controller took everything
+                ((kind, data),) = await core.take_results(8)
+        assert kind == ResultKind.PARTIAL.value and decode_group(data) == group(1)
+        assert core.statistics()["in_hand"] == 0
 
 
 async def test_groups_submitted_together_come_back_together_in_one_take() -> None:
