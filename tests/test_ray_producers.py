@@ -516,6 +516,8 @@ async def test_a_publish_with_a_frozen_producer_ends_within_its_deadline(cluster
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         async with open_ray_producers(settings(), spec_for(fake.url, plan), store=astore, n_samples=G) as make:
             rp = make(Admission())
+            with pytest.raises(PipelineError, match="makes one producer set, for one run"):
+                make(Admission())  # a second set would share this one's groups in hand and results
             to_send, to_receive = anyio.create_memory_object_stream[Group](0)
             out_send, out = anyio.create_memory_object_stream[Group](4)
             try:
