@@ -127,7 +127,12 @@ class _ProfiledStore:
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of another process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def stat_cpu_seconds(stat: Path) -> float:
+    """User + system CPU seconds from a /proc `stat` file (a process's, or a thread's under task/)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

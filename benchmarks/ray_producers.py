@@ -47,7 +47,7 @@ from typing import Any
 
 import anyio
 
-from benchmarks.controller_overhead import NullTrainer, reward, workload
+from benchmarks.controller_overhead import NullTrainer, reward, stat_cpu_seconds, workload
 from launch.engine_process import start_engine
 from launch.gc_settings import settle_gc
 from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
@@ -190,16 +190,15 @@ def pin_process(cpu: int) -> None:
 def thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's threads so far, summed by thread name (Linux /proc; Ray's own
     threads included, which no Python profiler sees)."""
-    tick = os.sysconf("SC_CLK_TCK")
     python_names = {t.native_id: t.name.split(" ")[0] for t in threading.enumerate()}
     out: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
         try:
             name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            cpu = stat_cpu_seconds(task / "stat")
         except OSError:  # the thread ended meanwhile
             continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 
@@ -209,7 +208,6 @@ ACTORS = ("Mailbox", "ProducerActor")
 def actor_cpu() -> dict[str, float]:
     """CPU seconds so far of this machine's Ray actor processes, summed by actor class (Ray titles an
     actor's worker `ray::Class` or `ray::Class.method`)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -218,12 +216,12 @@ def actor_cpu() -> dict[str, float]:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             if not title.startswith("ray::"):
                 continue
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            cpu = stat_cpu_seconds(proc / "stat")
         except OSError:  # the process ended meanwhile
             continue
         actor = title.removeprefix("ray::").split(".")[0].split(" ")[0]
         if actor in ACTORS:
-            out[actor] = out.get(actor, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            out[actor] = out.get(actor, 0.0) + cpu
     return out
 
 

@@ -259,9 +259,10 @@ async def open_ray_producers(
         await _start_all(handles, mailbox, settings.takes_per_second)
         log.info("producers started", producers=[(h.name, h.node, h.group_slots) for h in handles])
 
-        made: list[RayProducers] = []
+        made = False
 
         def make(admission: Admission) -> RayProducers:
+            nonlocal made
             if made:
                 # The handles (groups in hand, losses) and the mailbox are that run's state: a
                 # second set on them would take the first's results, or start from its leftovers.
@@ -269,22 +270,20 @@ async def open_ray_producers(
                     "open_ray_producers makes one producer set, for one run, and it was made already: "
                     "open it again for another run (or another Rollout)"
                 )
-            made.append(
-                RayProducers(
-                    handles,
-                    admission=admission,
-                    store=store,
-                    n_samples=n_samples,
-                    lease_seconds=settings.lease_seconds,
-                    deadline_seconds=settings.deadline_seconds,
-                    overlap_publish=settings.overlap_publish,
-                    kill=ray.kill,
-                    store_batch=store_batch,
-                    takes_per_second=settings.takes_per_second,
-                    mailbox=mailbox,
-                )
+            made = True
+            return RayProducers(
+                handles,
+                admission=admission,
+                store=store,
+                n_samples=n_samples,
+                lease_seconds=settings.lease_seconds,
+                deadline_seconds=settings.deadline_seconds,
+                overlap_publish=settings.overlap_publish,
+                kill=ray.kill,
+                store_batch=store_batch,
+                takes_per_second=settings.takes_per_second,
+                mailbox=mailbox,
             )
-            return made[0]
 
         yield make
     finally:

@@ -23,24 +23,20 @@ The controller stays the single store writer and the single version clock; this 
   refused group never holds back the others, and a crash mid-batch stores none of it.
 - Every call to a producer has a deadline (`deadline_seconds`); one that passes it is lost, never
   waited on forever. A publish closes every producer's admission (abort mode: every group in hand
-  comes back as partial) before the engines pause, and tells them the new version after.
+  with a token generated comes back as partial; one not started stays) before the engines pause,
+  and tells them the new version after.
 
 Where the cost hides: a Ray actor call costs the driver about a millisecond of CPU, far more than
 handling a group, so calls carry batches, as group commit does for the store. The dispatcher
-takes every group already waiting and leases each producer its share in one store call. Through
-the producers' mailbox (`launch.ray_mailbox`, the default) one Ray call at a time posts every
-producer's share, carrying everything leased meanwhile, and one call takes back everything every
-producer has delivered, at most `takes_per_second` times a second; each producer's results are
-committed in a store call of its own, under its lease, and the store's group commit makes them
-one transaction. So the controller's calls do not grow with the number of producers, and the busier
-the run, the more each carries: its CPU per sample falls as producers are added, where calls to
-each producer made it rise (BENCHMARKS.md section 11). Without the mailbox (`mailbox=None`), one
-call at a time goes to each producer with its share, and one takes back what it has finished, the
-producers sharing `takes_per_second`; cheaper for one or two producers, whose slow answers batch
-their calls by themselves. Each is bounded by `store_batch` (and a producer's free slots). Nothing
-waits for more to arrive: at light load a call carries one group. Heartbeats, stops and publishes
-still go to each producer: they come once a step or a few times a lease, not once a group.
-`store_batch=1` is one call per group, as before.
+leases each producer its share of every group already waiting in one store call. Through the
+producers' mailbox (`launch.ray_mailbox`, the default) one Ray call at a time posts every
+producer's share, and one takes back everything every producer has delivered, at most
+`takes_per_second` times a second (the store's group commit makes the producers' commits of one
+take one transaction): the controller's calls do not grow with the producers, and the busier the
+run, the more each carries (BENCHMARKS.md section 11). Without it (`mailbox=None`) the calls go to
+each producer, which suits one or two, whose slow answers batch their calls by themselves. Each
+call is bounded by `store_batch` and never waits for more to arrive; heartbeats, stops and
+publishes go to each producer (once a step or a few times a lease, not once a group).
 
 Groups cross as `storage.codec` bytes; the actor side is `launch.ray_producer.ProducerCore`.
 """
@@ -74,11 +70,10 @@ __all__ = ["ProducerHandle", "RayProducers"]
 log = structlog.get_logger("producers")
 
 RESULTS_PER_CALL = 64  # the least a Ray call takes back when there is that much waiting
-# A Ray call costs the controller about 1 ms of CPU whatever it carries (BENCHMARKS.md section 11).
-# Taking results back as soon as each producer has one makes that a cost per group once W producers
-# share the work; taking them at most this often in all (each producer every W/100 s at the most)
-# caps it at about a tenth of a core, so a busier run's calls carry more groups, not more calls.
-# A result waits at most W/100 s longer: nothing beside generations that take seconds.
+# A Ray call costs the controller about 1 ms of CPU whatever it carries (BENCHMARKS.md section 11):
+# taking results back at most this often in all caps that at about a tenth of a core, so a busier
+# run's calls carry more groups, not more calls; a result waits at most 10 ms (W x 10 ms without
+# the mailbox) longer, nothing beside generations that take seconds.
 DEFAULT_TAKES_PER_SECOND = 100.0
 # How each kind of result is committed: an accepted group's lease comes back (it stays RUNNING
 # until the collector makes it ready); the others are stored as they are.
@@ -193,9 +188,8 @@ class RayProducers:
                     await self._dispatch(group, waiting, tg)
                 tg.cancel_scope.cancel()
         finally:
-            # A publish still under way when this ends (the run is stopping) may lose a producer
-            # after it: the run's leases are left to expire, or to the next start's recovery, as
-            # a start_soon on a finished task group would raise over the error that stopped it.
+            # A publish still under way as the run stops may lose a producer after this: its leases
+            # are left to expire (a start_soon here would raise over the error that stopped the run).
             self._tg = None
 
     @property
