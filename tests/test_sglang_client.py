@@ -537,20 +537,6 @@ async def test_fleet_control_calls_fan_out_to_all_engines():
             assert f.calls["/flush_cache"] == 1
 
 
-def test_old_module_path_still_imports_with_a_deprecation_warning():
-    import importlib
-    import sys
-
-    import stages.sglang as package
-
-    sys.modules.pop("stages.sglang_client", None)
-    with pytest.warns(DeprecationWarning, match="stages.sglang"):
-        old = importlib.import_module("stages.sglang_client")
-    assert old.EngineFleet is package.EngineFleet
-    assert old.GenerateResult is package.GenerateResult
-    assert set(old.__all__) <= set(package.__all__)
-
-
 async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine():
     # SGLang ~0.5.x answers /health like /health_generate, which waits (20 s) for a decode step
     # that a pause withholds: a liveness probe then times out on a healthy engine.
