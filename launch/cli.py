@@ -116,6 +116,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         restored = _restore_metrics(config, state.store)
         store = AsyncStore(state.store)
         stack.push_async_callback(store.aclose)
+        stack.push(_records_written_back_on_error(config, state.store))
         engines = await stack.enter_async_context(_engines(config, state.model_path))
         clock = VersionClock(state.version)
         # The engines must report the clock's version before the first request: a fresh engine
@@ -306,6 +307,22 @@ def _restore_metrics(config: Config, store: Store) -> RestoredMetrics:
     if restored.missing:
         log.warning("trained steps with no metrics record anywhere", steps=list(restored.missing))
     return restored
+
+
+def _records_written_back_on_error(config: Config, store: Store) -> Callable[..., None]:
+    """An exit hook: a run that ends in an error (or a stop) after committing a step whose record
+    it had not appended yet (the publish after the commit failed) writes that record to the
+    metrics file from the store before it exits, instead of leaving it to the next resume."""
+
+    def on_exit(exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None:
+            return
+        try:
+            _restore_metrics(config, store)
+        except (OSError, PipelineError) as error:  # a full disk says so itself, in the error line
+            log.warning("the metrics records of committed steps were not written back", error=str(error))
+
+    return on_exit
 
 
 def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: Store) -> MetricsSink:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import StoreError
-from storage import LmdbStore
+from storage import GroupState, LmdbStore
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = (
@@ -272,3 +272,62 @@ def test_a_full_disk_under_tensorboard_is_one_warning_and_the_run_goes_on(tmp_pa
     warnings = [line for line in text.splitlines() if "tensorboard" in line]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], text[-4000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# ---- 3. the last committed step's record is in the metrics file when an error ends the run ------
+
+
+def test_an_error_after_a_commit_leaves_that_steps_record_in_the_metrics_file(tmp_path):
+    """The engine is frozen once a batch is taken (training needs no engine): the step commits, and
+    the publish that follows finds the engine gone. The run ends in an error between the commit
+    and the metrics line; the record must be in the file when it exits, not only after a resume."""
+    out = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    flags = ("--rollout-data-transport", "lmdb", "--num-rollout", "5")
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            _launch_command(out, *flags), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=_env(tmp_path / "tmp")
+        )
+    alive = lambda: proc.poll() is None  # noqa: E731
+    armed: dict[str, int] = {}
+    engines: list[int] = []
+
+    def frozen_then_committed() -> bool:
+        store_dir = out / "rollout_data"
+        if "trained" not in armed:
+            if not (store_dir / "data.mdb").exists():
+                return False
+            try:
+                with LmdbStore(store_dir, readonly=True) as store:
+                    stats = store.statistics()
+            except StoreError:
+                return False
+            if stats.counts[GroupState.BATCHED] == 0:
+                return False
+            engines[:] = _descendants(proc.pid)
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
+            if _trained_step(store_dir) != stats.trained_step:  # the step ended before the stop
+                for pid in engines:
+                    os.kill(pid, signal.SIGCONT)
+                return False
+            armed["trained"] = stats.trained_step
+        return _trained_step(store_dir) > armed["trained"]
+
+    try:
+        _wait("a step committed while its engine is frozen", frozen_then_committed, alive, log)
+        for pid in engines:  # gone for good: the publish after the commit fails at once
+            os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            for p in [proc.pid, *_descendants(proc.pid)]:
+                os.kill(p, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log.read_text(errors="replace")
+    assert code == 1, text[-3000:]
+    assert "Traceback" not in text and any(line.startswith("error: ") for line in text.splitlines()), text[-3000:]
+    trained = _trained_step(out / "rollout_data")
+    assert trained == armed["trained"] + 1
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(trained + 1)), (steps, trained)
