@@ -24,6 +24,7 @@ differs) is not damaged, and still stops the run with the difference named.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -39,6 +40,7 @@ import orjson
 import structlog
 
 import storage
+from launch.resume_settings import changed_settings, flag_of, refused_change
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
@@ -240,6 +242,37 @@ def _check_meta(store: Store, meta: RunMeta) -> None:
     for name in ("run_id", "dataset_fingerprint", "tokenizer_fingerprint", "n_samples_per_prompt", "schema_version"):
         if getattr(stored, name) != getattr(meta, name):
             raise IncompatibleStoreError(name, getattr(stored, name), getattr(meta, name))
+    _record_setting_changes(store, stored, meta)
+
+
+def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> None:
+    """Refuse a changed setting that would change what the stored state means, naming both
+    values; record every other change, with the first step it applies to (`launch.resume_settings`)."""
+    before, now = stored.extra.get("config"), meta.extra.get("config")
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return  # a store written before settings were recorded: nothing to compare
+    changes = changed_settings(before, now, step=store.trained_step() + 1)
+    if (refused := refused_change(changes)) is not None:
+        change, why = refused
+        name = flag_of(change["setting"])
+        raise IncompatibleStoreError(
+            name,
+            change["from"],
+            change["to"],
+            reason=f"the store was written with {name}={change['from']!r}, this run has {name}={change['to']!r}: "
+            f"a resume cannot change it ({why}); run it with {name}={change['from']!r} again, or start a new run "
+            "in another --output-dir",
+        )
+    if not changes:
+        return
+    history = list(stored.extra.get("config_changes", ()))
+    extra = {**stored.extra, "config": now, "config_changes": history + changes}
+    store.write_meta(dataclasses.replace(stored, extra=extra))
+    log.warning(
+        "settings changed since the store was written: accepted and recorded in the store (replay summary shows them)",
+        changes=[f"{c['setting']}: {c['from']!r} -> {c['to']!r}" for c in changes],
+        from_step=changes[0]["step"],
+    )
 
 
 # --- the LMDB store: declaration, opening, and what happens when it is unreadable ---------------

@@ -124,6 +124,13 @@ def format_summary(s: RunSummary) -> str:
         if rollout:
             shown = ("mode", "partial_rollout", "rollout_batch_size", "over_sampling_batch_size", "max_staleness")
             lines.append("rollout: " + " ".join(f"{k}={rollout[k]}" for k in shown if k in rollout))
+        # Settings a resume changed (accepted and recorded by the launcher): both values, and
+        # the first step trained with the new one; the lines above show the values now in force.
+        for change in m.extra.get("config_changes", ()):
+            lines.append(
+                f"setting changed from step {change['step']}: {change['setting']} "
+                f"{change['from']!r} -> {change['to']!r}"
+            )
     c = s.cursor
     lines.append(f"cursor: epoch={c.epoch} index={c.index} next_seq={c.next_seq}")
     lines.append(f"trained step: {s.trained_step} ({s.trained_step + 1} steps trained)")
