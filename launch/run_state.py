@@ -46,7 +46,7 @@ from pipeline.config.derived import derived
 from pipeline.controller import Trainer
 from pipeline.errors import IncompatibleStoreError, StoreError
 from pipeline.trainer_settings import build_trainer
-from pipeline.types import Group, PromptTask, StoreTransport
+from pipeline.types import Group, PromptTask, StoreTransport, group_id_for
 from stages.reward import RewardFn
 from storage import (
     Cursor,
@@ -309,7 +309,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
             store.close()
             raise
         return store
-    return _continue_from_salvage(data_dir, options, meta, weights_dir, reason, fresh)
+    return _continue_from_salvage(data_dir, options, meta, weights_dir, reason, fresh, len(dataset))
 
 
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
@@ -335,6 +335,7 @@ def _continue_from_salvage(
     weights_dir: Path,
     reason: str,
     fresh: Callable[[str], Group | None],
+    n_prompts: int,
 ) -> Store:
     """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
     aside = _move_aside(data_dir)
@@ -361,6 +362,8 @@ def _continue_from_salvage(
             weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
     again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
+    if salvage.groups_lost and salvage.cursor is not None:
+        again += _unaccounted_prompts(salvage, salvage.cursor, n_prompts, fresh)
     if salvage.partial or salvage.ready or again:
         log.warning(
             "groups carried over from the unreadable store",
@@ -369,6 +372,9 @@ def _continue_from_salvage(
             damaged_generated_again=len(again),
         )
     store = open_store(StoreTransport.LMDB, data_dir, **options)
+    # Recorded so that replay says where the batches of the steps before the seed are.
+    salvaged_from = {"store": str(aside), "trained_step": trained}
+    meta = dataclasses.replace(meta, extra={**meta.extra, "salvaged_from": salvaged_from})
     try:
         _check_meta(store, meta)
         store.seed(salvage.cursor or Cursor(), trained, partial=(*salvage.partial, *again), ready=salvage.ready)
@@ -376,6 +382,40 @@ def _continue_from_salvage(
         store.close()
         raise
     return store
+
+
+def _unaccounted_prompts(
+    salvage: storage.Salvage, cursor: Cursor, n_prompts: int, fresh: Callable[[str], Group | None]
+) -> list[Group]:
+    """With the groups and their states unreadable, the prompts below the cursor that the batch
+    records of the trained steps do not name were partial, ready, rejected or failed: which, the
+    lost trees would have said. They are generated again (fresh groups), said in one line; when
+    the batch records are gone too, which prompts were trained is unknown, and generating them
+    again could train a prompt twice, so they are not, and the line says so."""
+    admitted = [(epoch, index) for epoch in range(cursor.epoch + 1) for index in range(n_prompts)]
+    admitted = [(e, i) for e, i in admitted if e < cursor.epoch or i < cursor.index]
+    if salvage.trained_ids is None:
+        log.warning(
+            "the groups of the unreadable store cannot be read and which prompts were trained is unknown: "
+            "prompts below the cursor that were unfinished are not generated again",
+            why=salvage.trained_unknown,
+            prompts_below_cursor=len(admitted),
+        )
+        return []
+    trained = set()
+    for gid in salvage.trained_ids:
+        if (match := _GROUP_ID.match(gid)) is not None:
+            trained.add((int(match["epoch"]), int(match["index"])))
+    missing = [group_id_for(e, i) for e, i in admitted if (e, i) not in trained]
+    groups = [g for g in (fresh(gid) for gid in missing) if g is not None]
+    if missing:
+        log.warning(
+            "the groups of the unreadable store cannot be read: prompts below the cursor that no trained batch "
+            "names (they were partial, ready, rejected or failed) are generated again",
+            prompts=len(missing),
+            ids=missing if len(missing) <= 20 else [*missing[:20], f"... {len(missing) - 20} more"],
+        )
+    return groups
 
 
 def _fresh_group_for(dataset: list[PromptTask], n_samples: int) -> Callable[[str], Group | None]:

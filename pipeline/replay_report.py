@@ -134,7 +134,15 @@ def format_summary(s: RunSummary) -> str:
     c = s.cursor
     lines.append(f"cursor: epoch={c.epoch} index={c.index} next_seq={c.next_seq}")
     lines.append(f"trained step: {s.trained_step} ({s.trained_step + 1} steps trained)")
-    if s.collected_step >= 0:
+    salvaged = (s.meta.extra.get("salvaged_from") if s.meta is not None else None) or {}
+    if salvaged:
+        # A fresh store seeded from a damaged one starts at its trained step: the batches and
+        # groups of the steps before are not lost, they are in the store moved aside.
+        lines.append(
+            f"salvaged: steps 0..{salvaged['trained_step']} were trained before this store was seeded from a "
+            f"damaged one; their batches and groups are in the moved-aside store {salvaged['store']}"
+        )
+    if s.collected_step >= 0 and not (salvaged and s.collected == 0):
         lines.append(
             f"garbage collected: {s.collected} trained groups and the batches of steps 0..{s.collected_step}"
             " (not in this summary)"
