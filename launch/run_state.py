@@ -44,7 +44,7 @@ from launch.resume_settings import changed_settings, flag_of, refused_change
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
-from pipeline.errors import IncompatibleStoreError, StoreError
+from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError
 from pipeline.trainer_settings import build_trainer
 from pipeline.types import Group, PromptTask, StoreTransport, group_id_for
 from stages.reward import RewardFn
@@ -305,6 +305,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
     else:
         try:
             _requeue_damaged(store, fresh)
+            _name_damaged_trained(store)
         except BaseException:
             store.close()
             raise
@@ -326,6 +327,34 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
         quarantined=quarantined,
         requeued_now=requeued,
     )
+
+
+def _name_damaged_trained(store: Store) -> None:
+    """Name, once, the damaged records of groups already trained (their data is history, nothing
+    to generate again: `replay verify` lists them, `replay group` cannot show them). Each resume
+    reads the groups trained since the last one checked (`RunMeta.extra["trained_checked_to"]`),
+    so a record is read back once, not at every start; `replay verify` reads everything."""
+    meta = store.read_meta()
+    if meta is None:
+        return
+    checked, trained = int(meta.extra.get("trained_checked_to", -1)), store.trained_step()
+    if trained <= checked:
+        return
+    damaged: list[str] = []
+    for step in range(checked + 1, trained + 1):
+        errors: list[CorruptRecordError] = []
+        try:
+            store.batch(step, damaged=errors)  # None for a collected or seeded step: nothing to read
+        except StoreError as exc:  # the batch record itself
+            damaged.append(str(exc))
+        damaged += [str(e.key if isinstance(e.key, str) else e.key.decode(errors="replace")) for e in errors]
+    if damaged:
+        log.warning(
+            "the rollout store holds damaged records of groups already trained: their data is lost, nothing is "
+            "trained again (said once; `python -m pipeline.replay OUTPUT_DIR verify` lists every damaged record)",
+            records=damaged,
+        )
+    store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
 
 
 def _continue_from_salvage(

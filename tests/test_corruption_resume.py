@@ -184,3 +184,25 @@ def test_with_the_groups_unreadable_the_prompts_no_trained_batch_names_are_gener
     [aside] = [p for p in out.iterdir() if p.name.startswith("rollout_data.unreadable-")]
     assert "steps 0..2 were trained before this store was seeded from a damaged one" in summary, summary
     assert str(aside) in summary and "garbage collected: 0" not in summary, summary
+
+
+def test_a_damaged_record_of_a_trained_group_is_named_once_on_resume(run_copy, capsys):
+    store_dir = run_copy / "rollout_data"
+    with LmdbStore(store_dir, readonly=True) as store:
+        victim = store.batch(1).groups[0].group_id
+    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.GROUPS, txn=txn)
+        value = bytearray(txn.get(victim.encode(), db=db))
+        value[OVERHEAD + 5] ^= 0x01  # one bit, as a disk would flip it
+        txn.put(victim.encode(), bytes(value), db=db)
+    env.close()
+    capsys.readouterr()
+    assert run(run_copy, steps=4) == 0
+    text = "".join(capsys.readouterr())
+    said = [line for line in text.splitlines() if "damaged records of groups already trained" in line]
+    assert len(said) == 1 and victim in said[0], text
+    assert run(run_copy, steps=5) == 0  # named once: the next resume does not say it again
+    assert "already trained" not in "".join(capsys.readouterr())
+    with LmdbStore(store_dir, readonly=True) as store:
+        assert store.trained_step() == 4
