@@ -102,8 +102,9 @@ def report_failure(exc: BaseException, paths: RunPaths) -> int:
     for leaf in leaves:
         message = _explain(leaf, paths)
         if message is None:  # a bug: its own traceback (not the task groups'), then the one line
-            traceback.print_exception(leaf, file=sys.stderr)
             message = f"{type(leaf).__name__}: {leaf} (an unexpected error: please report it with the traceback above)"
+            if message not in lines:
+                traceback.print_exception(leaf, file=sys.stderr)
         lines.append(message)
     for line in dict.fromkeys(lines):  # the same error from many tasks: once
         print(f"error: {line}", file=sys.stderr)
