@@ -63,23 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         # Ctrl-C arrives as KeyboardInterrupt (asyncio's runner); SIGTERM cancels the main task
         # (`StopOnSigterm`), which comes out of the runner as CancelledError.
-        return _stopped(stop.terminated.is_set())
+        return _stopped(stop.terminated.is_set(), config)
     except PipelineError as exc:  # refused before the run started (a store of another run, a path)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (Exception, BaseExceptionGroup) as exc:  # what crossed the task groups, a full disk, a bug
         if stop.terminated.is_set() and isinstance(exc, BaseExceptionGroup) and not error_leaves(exc):
-            return _stopped(True)
+            return _stopped(True, config)
         return report_failure(exc, _run_paths(config))
     if stop.terminated.is_set():  # a SIGTERM the run's end swallowed: it still did not finish by itself
-        return _stopped(True)
+        return _stopped(True, config)
     _print_summary(summary, config.rollout.num_rollout)
     return 0
 
 
-def _stopped(terminated: bool) -> int:
+def _stopped(terminated: bool, config: Config) -> int:
     how = "terminated (SIGTERM)" if terminated else "interrupted"
-    print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+    if config.storage.transport is StoreTransport.LMDB:
+        print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+    else:
+        print(f"{how}: the rollout state was in memory; running the same command again starts over", file=sys.stderr)
     return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
 
