@@ -13,9 +13,8 @@ import logging
 import signal
 import statistics
 import sys
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -24,6 +23,7 @@ import anyio
 import structlog
 
 from launch.gc_settings import settle_gc
+from launch.run_end import RunPaths, StopOnSigterm, error_leaves, report_failure
 from launch.run_state import RunState, open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
@@ -35,7 +35,7 @@ from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from pipeline.producers import ProducersFactory
-from pipeline.types import WeightTransport
+from pipeline.types import StoreTransport, WeightTransport
 from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
@@ -56,54 +56,50 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(config.output.log_level)
     for warning in config.warnings:
         log.warning(warning)
-    terminated = threading.Event()
+    stop = StopOnSigterm()
     try:
-        with _sigterm_as_interrupt(terminated):
-            summary = anyio.run(_run, config)
-    except PipelineError as exc:
+        with stop.installed():
+            summary = anyio.run(_run_stoppable, config, stop)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        # Ctrl-C arrives as KeyboardInterrupt (asyncio's runner); SIGTERM cancels the main task
+        # (`StopOnSigterm`), which comes out of the runner as CancelledError.
+        return _stopped(stop.terminated.is_set(), config)
+    except PipelineError as exc:  # refused before the run started (a store of another run, a path)
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except BaseExceptionGroup as group:
-        # A stage that fails (an engine gone, a publish refused) reaches us wrapped by the task
-        # groups it crossed. The pipeline's own errors are explained, not dumped as a traceback;
-        # anything else is a bug and keeps its traceback.
-        errors = _leaves(group)
-        if not errors or not all(isinstance(e, PipelineError) for e in errors):
-            raise
-        for message in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
-            print(f"error: {message}", file=sys.stderr)
-        print("rollout state is in the store; fix the cause and run the same command again to resume", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
-        print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
-        return 128 + (signal.SIGTERM if terminated.is_set() else signal.SIGINT)
+    except (Exception, BaseExceptionGroup) as exc:  # what crossed the task groups, a full disk, a bug
+        if stop.terminated.is_set() and isinstance(exc, BaseExceptionGroup) and not error_leaves(exc):
+            return _stopped(True, config)
+        return report_failure(exc, _run_paths(config))
+    if stop.terminated.is_set():  # a SIGTERM the run's end swallowed: it still did not finish by itself
+        return _stopped(True, config)
     _print_summary(summary, config.rollout.num_rollout)
     return 0
 
 
-@contextmanager
-def _sigterm_as_interrupt(terminated: threading.Event) -> Iterator[None]:
-    """SIGTERM stops the run as Ctrl-C does: a cluster's scheduler preempts a job with SIGTERM (and
-    SIGKILL after a grace period), and Python's default for it is to die on the spot, leaving the
-    engines' in-flight work to be generated again. Here it raises SIGINT, which the event loop's
-    runner turns into cancelling the run (a second one interrupts at once, as a second Ctrl-C
-    does), so the run stops its stages and engines, closes its store and exits 143. Groups in
-    flight are not drained: they come back as partial on resume, as after a kill. Only from the
-    main thread, where signal handlers live; the previous handler comes back on the way out."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _stopped(terminated: bool, config: Config) -> int:
+    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    if config.storage.transport is StoreTransport.LMDB:
+        print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+    else:
+        print(f"{how}: the rollout state was in memory; running the same command again starts over", file=sys.stderr)
+    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        terminated.set()
-        signal.raise_signal(signal.SIGINT)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _run_paths(config: Config) -> RunPaths:
+    o, s = config.output, config.storage
+    out = Path(derived(o.dir, "output.dir"))
+    return RunPaths(
+        output_dir=out,
+        metrics_file=Path(derived(o.metrics_file, "output.metrics_file")),
+        store_dir=Path(derived(s.data_dir, "storage.data_dir")) if s.transport is StoreTransport.LMDB else None,
+        tensorboard_dir=Path(o.tensorboard_dir) if o.tensorboard_dir else out / "tensorboard",
+    )
+
+
+async def _run_stoppable(config: Config, stop: StopOnSigterm) -> list[dict[str, Any]]:
+    stop.bind()  # this task is the one a SIGTERM cancels
+    return await _run(config)
 
 
 async def _run(config: Config) -> list[dict[str, Any]]:
@@ -123,6 +119,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         restored = _restore_metrics(config, state.store)
         store = AsyncStore(state.store)
         stack.push_async_callback(store.aclose)
+        stack.push(_records_written_back_on_error(config, state.store))
         engines = await stack.enter_async_context(_engines(config, state.model_path))
         clock = VersionClock(state.version)
         # The engines must report the clock's version before the first request: a fresh engine
@@ -315,6 +312,22 @@ def _restore_metrics(config: Config, store: Store) -> RestoredMetrics:
     return restored
 
 
+def _records_written_back_on_error(config: Config, store: Store) -> Callable[..., None]:
+    """An exit hook: a run that ends in an error (or a stop) after committing a step whose record
+    it had not appended yet (the publish after the commit failed) writes that record to the
+    metrics file from the store before it exits, instead of leaving it to the next resume."""
+
+    def on_exit(exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None:
+            return
+        try:
+            _restore_metrics(config, store)
+        except (OSError, PipelineError) as error:  # a full disk says so itself, in the error line
+            log.warning("the metrics records of committed steps were not written back", error=str(error))
+
+    return on_exit
+
+
 def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: Store) -> MetricsSink:
     """The metrics file plus the dashboards asked for; records rebuilt from the store go to them too."""
     o = config.output
@@ -338,19 +351,6 @@ def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: S
         for step in restored.rebuilt:
             sink.write_extras(stored[step])
     return sink
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    """The exceptions inside nested groups, consequences (cancellation, broken streams) left out."""
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            out += _leaves(exc)
-        # Cancellations and broken streams follow the real error: a stage that died closed its
-        # streams, and its neighbours found them closed.
-        elif not isinstance(exc, (asyncio.CancelledError, anyio.BrokenResourceError, anyio.ClosedResourceError)):
-            out.append(exc)
-    return out
 
 
 async def align_weight_versions(engines: EngineFleet, version: int) -> None:

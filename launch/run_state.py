@@ -24,6 +24,7 @@ differs) is not damaged, and still stops the run with the difference named.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -39,12 +40,13 @@ import orjson
 import structlog
 
 import storage
+from launch.resume_settings import changed_settings, flag_of, refused_change
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
-from pipeline.errors import IncompatibleStoreError, StoreError
+from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError
 from pipeline.trainer_settings import build_trainer
-from pipeline.types import Group, PromptTask, StoreTransport
+from pipeline.types import Group, PromptTask, StoreTransport, group_id_for
 from stages.reward import RewardFn
 from storage import (
     Cursor,
@@ -240,6 +242,37 @@ def _check_meta(store: Store, meta: RunMeta) -> None:
     for name in ("run_id", "dataset_fingerprint", "tokenizer_fingerprint", "n_samples_per_prompt", "schema_version"):
         if getattr(stored, name) != getattr(meta, name):
             raise IncompatibleStoreError(name, getattr(stored, name), getattr(meta, name))
+    _record_setting_changes(store, stored, meta)
+
+
+def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> None:
+    """Refuse a changed setting that would change what the stored state means, naming both
+    values; record every other change, with the first step it applies to (`launch.resume_settings`)."""
+    before, now = stored.extra.get("config"), meta.extra.get("config")
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return  # a store written before settings were recorded: nothing to compare
+    changes = changed_settings(before, now, step=store.trained_step() + 1)
+    if (refused := refused_change(changes)) is not None:
+        change, why = refused
+        name = flag_of(change["setting"])
+        raise IncompatibleStoreError(
+            name,
+            change["from"],
+            change["to"],
+            reason=f"the store was written with {name}={change['from']!r}, this run has {name}={change['to']!r}: "
+            f"a resume cannot change it ({why}); run it with {name}={change['from']!r} again, or start a new run "
+            "in another --output-dir",
+        )
+    if not changes:
+        return
+    history = list(stored.extra.get("config_changes", ()))
+    extra = {**stored.extra, "config": now, "config_changes": history + changes}
+    store.write_meta(dataclasses.replace(stored, extra=extra))
+    log.warning(
+        "settings changed since the store was written: accepted and recorded in the store (replay summary shows them)",
+        changes=[f"{c['setting']}: {c['from']!r} -> {c['to']!r}" for c in changes],
+        from_step=changes[0]["step"],
+    )
 
 
 # --- the LMDB store: declaration, opening, and what happens when it is unreadable ---------------
@@ -272,11 +305,12 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
     else:
         try:
             _requeue_damaged(store, fresh)
+            _name_damaged_trained(store)
         except BaseException:
             store.close()
             raise
         return store
-    return _continue_from_salvage(data_dir, options, meta, weights_dir, reason, fresh)
+    return _continue_from_salvage(data_dir, options, meta, weights_dir, reason, fresh, len(dataset))
 
 
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
@@ -295,6 +329,34 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
     )
 
 
+def _name_damaged_trained(store: Store) -> None:
+    """Name, once, the damaged records of groups already trained (their data is history, nothing
+    to generate again: `replay verify` lists them, `replay group` cannot show them). Each resume
+    reads the groups trained since the last one checked (`RunMeta.extra["trained_checked_to"]`),
+    so a record is read back once, not at every start; `replay verify` reads everything."""
+    meta = store.read_meta()
+    if meta is None:
+        return
+    checked, trained = int(meta.extra.get("trained_checked_to", -1)), store.trained_step()
+    if trained <= checked:
+        return
+    damaged: list[str] = []
+    for step in range(checked + 1, trained + 1):
+        errors: list[CorruptRecordError] = []
+        try:
+            store.batch(step, damaged=errors)  # None for a collected or seeded step: nothing to read
+        except StoreError as exc:  # the batch record itself
+            damaged.append(str(exc))
+        damaged += [str(e.key if isinstance(e.key, str) else e.key.decode(errors="replace")) for e in errors]
+    if damaged:
+        log.warning(
+            "the rollout store holds damaged records of groups already trained: their data is lost, nothing is "
+            "trained again (said once; `python -m pipeline.replay OUTPUT_DIR verify` lists every damaged record)",
+            records=damaged,
+        )
+    store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
+
+
 def _continue_from_salvage(
     data_dir: Path,
     options: dict[str, Any],
@@ -302,6 +364,7 @@ def _continue_from_salvage(
     weights_dir: Path,
     reason: str,
     fresh: Callable[[str], Group | None],
+    n_prompts: int,
 ) -> Store:
     """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
     aside = _move_aside(data_dir)
@@ -328,6 +391,8 @@ def _continue_from_salvage(
             weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
         )
     again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
+    if salvage.groups_lost and salvage.cursor is not None:
+        again += _unaccounted_prompts(salvage, salvage.cursor, n_prompts, fresh)
     if salvage.partial or salvage.ready or again:
         log.warning(
             "groups carried over from the unreadable store",
@@ -336,6 +401,9 @@ def _continue_from_salvage(
             damaged_generated_again=len(again),
         )
     store = open_store(StoreTransport.LMDB, data_dir, **options)
+    # Recorded so that replay says where the batches of the steps before the seed are.
+    salvaged_from = {"store": str(aside), "trained_step": trained}
+    meta = dataclasses.replace(meta, extra={**meta.extra, "salvaged_from": salvaged_from})
     try:
         _check_meta(store, meta)
         store.seed(salvage.cursor or Cursor(), trained, partial=(*salvage.partial, *again), ready=salvage.ready)
@@ -343,6 +411,40 @@ def _continue_from_salvage(
         store.close()
         raise
     return store
+
+
+def _unaccounted_prompts(
+    salvage: storage.Salvage, cursor: Cursor, n_prompts: int, fresh: Callable[[str], Group | None]
+) -> list[Group]:
+    """With the groups and their states unreadable, the prompts below the cursor that the batch
+    records of the trained steps do not name were partial, ready, rejected or failed: which, the
+    lost trees would have said. They are generated again (fresh groups), said in one line; when
+    the batch records are gone too, which prompts were trained is unknown, and generating them
+    again could train a prompt twice, so they are not, and the line says so."""
+    admitted = [(epoch, index) for epoch in range(cursor.epoch + 1) for index in range(n_prompts)]
+    admitted = [(e, i) for e, i in admitted if e < cursor.epoch or i < cursor.index]
+    if salvage.trained_ids is None:
+        log.warning(
+            "the groups of the unreadable store cannot be read and which prompts were trained is unknown: "
+            "prompts below the cursor that were unfinished are not generated again",
+            why=salvage.trained_unknown,
+            prompts_below_cursor=len(admitted),
+        )
+        return []
+    trained = set()
+    for gid in salvage.trained_ids:
+        if (match := _GROUP_ID.match(gid)) is not None:
+            trained.add((int(match["epoch"]), int(match["index"])))
+    missing = [group_id_for(e, i) for e, i in admitted if (e, i) not in trained]
+    groups = [g for g in (fresh(gid) for gid in missing) if g is not None]
+    if missing:
+        log.warning(
+            "the groups of the unreadable store cannot be read: prompts below the cursor that no trained batch "
+            "names (they were partial, ready, rejected or failed) are generated again",
+            prompts=len(missing),
+            ids=missing if len(missing) <= 20 else [*missing[:20], f"... {len(missing) - 20} more"],
+        )
+    return groups
 
 
 def _fresh_group_for(dataset: list[PromptTask], n_samples: int) -> Callable[[str], Group | None]:

@@ -75,7 +75,26 @@ class TensorBoardSink:
         self._writer.flush()  # a kill loses at most the step being written
 
     def close(self) -> None:
-        self._writer.close()
+        try:
+            self._writer.close()
+        except Exception:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Drop what could not be written (a full disk): the writer's exit hook (atexit) would
+        try the same flush again and print a traceback at interpreter exit."""
+        for file_writer in getattr(self._writer, "all_writers", {}).values():
+            events = getattr(file_writer, "event_writer", None)
+            if events is None or getattr(events, "_closed", True):
+                continue
+            worker = getattr(events, "_worker", None)
+            try:
+                if worker is not None:
+                    worker.stop()
+            except Exception:  # the worker died on the same full disk: nothing left to stop
+                pass
+            events._closed = True
 
 
 class WandbSink:

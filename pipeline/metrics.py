@@ -19,6 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -150,6 +151,9 @@ class MetricsSink:
             reason = f"{type(exc).__name__}: {exc}"
             self.failed[sink.name] = reason
             self._warn(f"metrics sink {sink.name!r} failed on {what} and is off for the rest of the run ({reason})")
+            if what != "close":
+                with suppress(Exception):  # the same failure again, most likely: said once above
+                    sink.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,10 +124,25 @@ def format_summary(s: RunSummary) -> str:
         if rollout:
             shown = ("mode", "partial_rollout", "rollout_batch_size", "over_sampling_batch_size", "max_staleness")
             lines.append("rollout: " + " ".join(f"{k}={rollout[k]}" for k in shown if k in rollout))
+        # Settings a resume changed (accepted and recorded by the launcher): both values, and
+        # the first step trained with the new one; the lines above show the values now in force.
+        for change in m.extra.get("config_changes", ()):
+            lines.append(
+                f"setting changed from step {change['step']}: {change['setting']} "
+                f"{change['from']!r} -> {change['to']!r}"
+            )
     c = s.cursor
     lines.append(f"cursor: epoch={c.epoch} index={c.index} next_seq={c.next_seq}")
     lines.append(f"trained step: {s.trained_step} ({s.trained_step + 1} steps trained)")
-    if s.collected_step >= 0:
+    salvaged = (s.meta.extra.get("salvaged_from") if s.meta is not None else None) or {}
+    if salvaged:
+        # A fresh store seeded from a damaged one starts at its trained step: the batches and
+        # groups of the steps before are not lost, they are in the store moved aside.
+        lines.append(
+            f"salvaged: steps 0..{salvaged['trained_step']} were trained before this store was seeded from a "
+            f"damaged one; their batches and groups are in the moved-aside store {salvaged['store']}"
+        )
+    if s.collected_step >= 0 and not (salvaged and s.collected == 0):
         lines.append(
             f"garbage collected: {s.collected} trained groups and the batches of steps 0..{s.collected_step}"
             " (not in this summary)"

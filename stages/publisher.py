@@ -11,20 +11,28 @@ serving, and says why.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import anyio
+import structlog
 
 from pipeline.clock import VersionClock
-from pipeline.errors import EngineError, PublishError
+from pipeline.errors import EngineError, EngineUnavailableError, PublishError
 from pipeline.types import PauseMode
 
 __all__ = ["AdmissionGates", "PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
 
-CONTINUE_DEADLINE = 30.0
+# The backstop on telling the engines to continue, which runs shielded (a publish cancelled midway
+# must still leave the engines generating). Each engine's call has its own deadline, the fleet's
+# control timeout (30 s by default), and with fault tolerance an engine that misses it is evicted:
+# the backstop is longer, so that the engine's own timeout, which names it, comes first.
+CONTINUE_DEADLINE = 60.0
+
+log = structlog.get_logger("publisher")
 
 
 class WeightTarget(Protocol):
@@ -143,6 +151,29 @@ async def _move_weights(
         raise PublishError(version, str(exc)) from exc
     finally:
         if not overlap:
-            with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
-                await engines.continue_generation()
+            await _continue(engines, quiet=sys.exc_info()[1] is not None)
     return update_seconds
+
+
+async def _continue(engines: WeightTarget, *, quiet: bool) -> None:
+    """Tell the engines to continue. An engine that does not answer is as loud as one that refuses
+    the connection: an error (with fault tolerance the fleet evicts it instead, and this returns),
+    never a silent shrug; a paused engine holds its requests until they time out. `quiet`: an error
+    already ends the publish (or a cancellation), so this one is logged instead of replacing it."""
+    failure: BaseException | None = None
+    with anyio.move_on_after(CONTINUE_DEADLINE, shield=True) as scope:
+        try:
+            await engines.continue_generation()
+        except EngineError as exc:
+            failure = exc
+    if scope.cancelled_caught:
+        failure = EngineUnavailableError(
+            "continue_generation",
+            f"the engines did not answer within {CONTINUE_DEADLINE:g} s; they stay paused and hold their requests",
+        )
+    if failure is None:
+        return
+    if quiet:
+        log.warning("telling the engines to continue failed as well", error=str(failure))
+        return
+    raise failure

@@ -281,13 +281,14 @@ def decode_meta(data: bytes, *, key: bytes | str = "<meta>") -> RunMeta:
 
 
 def meta_difference(stored: RunMeta, given: RunMeta) -> tuple[str, Any, Any] | None:
-    """The first field in which two run records differ, as (field, stored, given); None if equal.
+    """The first field that names the run in which two run records differ, as (field, stored,
+    given); None if they name the same run.
 
-    Both stores use it so that `write_meta` refuses the same things with the same message.
+    Both stores use it so that `write_meta` refuses the same things with the same message. `extra`
+    (the settings in force and the record of their changes) describes the run and may be
+    rewritten: which changed setting a resume accepts is the launcher's decision.
     """
     for name in ("run_id", "dataset_fingerprint", "tokenizer_fingerprint", "n_samples_per_prompt", "schema_version"):
         if getattr(stored, name) != getattr(given, name):
             return name, getattr(stored, name), getattr(given, name)
-    if dict(stored.extra) != dict(given.extra):
-        return "extra", dict(stored.extra), dict(given.extra)
     return None

@@ -297,7 +297,8 @@ class LmdbStore(PutMoves):
         return self._read(fn)
 
     def write_meta(self, meta: RunMeta) -> None:
-        """Records what the store is for. Refuses (IncompatibleStoreError) to change it once written."""
+        """Records what the store is for. Refuses (IncompatibleStoreError) to change what names the run
+        once written (`codec.meta_difference`); `extra`, the settings and their changes, may change."""
         data = codec.encode_meta(meta)
 
         def fn(w: _Write) -> None:

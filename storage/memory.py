@@ -76,7 +76,8 @@ class MemoryStore(PutMoves):
         return self._meta
 
     def write_meta(self, meta: RunMeta) -> None:
-        """Records what the store is for. Refuses (IncompatibleStoreError) to change it once written."""
+        """Records what the store is for. Refuses (IncompatibleStoreError) to change what names the run
+        once written (`codec.meta_difference`); `extra`, the settings and their changes, may change."""
         self._check_open()
         if self._meta is not None and (diff := meta_difference(self._meta, meta)) is not None:
             raise IncompatibleStoreError(*diff)

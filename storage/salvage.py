@@ -14,6 +14,7 @@ or the one before it). The copy costs one read and one write of the file.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -53,6 +54,13 @@ class Salvage:
     partial: tuple[Group, ...] = ()  # readable unfinished groups (RUNNING and PARTIAL), prefixes kept
     ready: tuple[Group, ...] = ()  # readable finished, untrained groups (READY, and BATCHED of open steps)
     damaged: tuple[str, ...] = ()  # ids of unfinished groups whose records are damaged: their prompts go again
+    # The groups or their states could not be read, so which prompts below the cursor were
+    # unfinished is unknown. `trained_ids` then holds the groups the batch records of steps
+    # 0..trained_step name (the prompts trained for sure), or None where those records are gone
+    # too (`trained_unknown` says why): the launcher decides what to do with the rest.
+    groups_lost: bool = False
+    trained_ids: frozenset[str] | None = None
+    trained_unknown: str = ""
 
 
 def salvage_store(path: str | os.PathLike[str]) -> Salvage:
@@ -65,14 +73,7 @@ def salvage_store(path: str | os.PathLike[str]) -> Salvage:
         return Salvage(None, None, (f"{path} does not open: {exc}",))
     if repaired:
         note = f"{repaired}; read from the other meta page (the last commit or the one before it)"
-        return Salvage(
-            salvage.cursor,
-            salvage.trained_step,
-            (note, *salvage.problems),
-            salvage.partial,
-            salvage.ready,
-            salvage.damaged,
-        )
+        return dataclasses.replace(salvage, problems=(note, *salvage.problems))
     return salvage
 
 
@@ -140,14 +141,7 @@ def _read_env(path: str) -> Salvage:
     finally:
         env.close()
     lost = tuple(f"the {tree} tree is damaged and was not read: {why}" for tree, why in damaged.items())
-    return Salvage(
-        salvage.cursor,
-        salvage.trained_step,
-        (*lost, *salvage.problems),
-        salvage.partial,
-        salvage.ready,
-        salvage.damaged,
-    )
+    return dataclasses.replace(salvage, problems=(*lost, *salvage.problems))
 
 
 def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage:
@@ -190,9 +184,47 @@ def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage
         return Salvage(cursor, trained, tuple(problems))
     if lost & {keys.STATE, keys.GROUPS}:
         problems.append("no group is carried over: the groups or their states cannot be read")
-        return Salvage(cursor, trained, tuple(problems))
+        trained_ids, unknown = _trained_ids(txn, dbs, read, trained, lost)
+        return Salvage(
+            cursor, trained, tuple(problems), groups_lost=True, trained_ids=trained_ids, trained_unknown=unknown
+        )
     partial, ready, damaged = _groups(txn, dbs, read, problems, sealed=sealed)
     return Salvage(cursor, trained, tuple(problems), tuple(partial), tuple(ready), tuple(damaged))
+
+
+def _trained_ids(
+    txn: lmdb.Transaction,
+    dbs: Databases,
+    read: Callable[[bytes, bytes], bytes | None],
+    trained: int | None,
+    lost: set[bytes],
+) -> tuple[frozenset[str] | None, str]:
+    """The groups the batch records of steps 0..`trained` name, or (None, why not)."""
+    if trained is None:
+        return None, "the last trained step is unreadable"
+    if keys.BATCHES in lost:
+        return None, "the batches tree is damaged too"
+    try:
+        raw = read(keys.META, keys.META_COLLECTED)
+        collected = -1 if raw is None else keys.parse_collected(raw)[1]  # batches 0..collected are gone
+    except (StoreError, lmdb.Error) as exc:
+        return None, f"the garbage collection record is unreadable ({exc})"
+    if collected >= 0:
+        return None, (
+            f"the batch records of steps 0..{collected} are not in this store (garbage collected, or in a store "
+            "moved aside before)"
+        )
+    ids: set[str] = set()
+    for step in range(trained + 1):
+        key = keys.step_key(step)
+        try:
+            raw = read(keys.BATCHES, key)
+            if raw is None:
+                return None, f"the batch record of step {step} is missing"
+            ids.update(codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, key))[1])
+        except (StoreError, lmdb.Error) as exc:
+            return None, f"the batch record of step {step} is unreadable ({exc})"
+    return frozenset(ids), ""
 
 
 def _groups(

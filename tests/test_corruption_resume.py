@@ -19,6 +19,7 @@ import lmdb
 import pytest
 
 from launch.cli import main as launch
+from pipeline.replay import main as replay
 from pipeline.types import Group, PromptTask
 from storage import Cursor, GroupState, LmdbStore, keys
 from storage.migrate import layout_value
@@ -37,8 +38,8 @@ FLAGS = (
 )
 
 
-def run(out: Path, *, steps: int) -> int:
-    return launch(["--output-dir", str(out), "--num-rollout", str(steps), "--log-level", "warning", *FLAGS])
+def run(out: Path, *, steps: int, extra: tuple[str, ...] = ()) -> int:
+    return launch(["--output-dir", str(out), "--num-rollout", str(steps), "--log-level", "warning", *FLAGS, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,72 @@ def test_a_damaged_group_is_quarantined_and_its_prompt_trained_once(run_copy, ca
         indexes = [g.task.index for g in trained]
         assert sorted(indexes) == sorted(set(indexes)) and 6 in indexes  # prompt 6 again, once
         assert f"{stand_in.group_id}.requeued" in {g.group_id for g in trained}
+
+
+def _scribble_tree_roots(store_dir: Path, *trees: bytes) -> None:
+    """Overwrite the root page of each named tree, as a disk would: the tree cannot be read."""
+    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES), readonly=True, lock=False)
+    with env.begin() as txn:
+        roots = [struct.unpack_from("<Q", bytes(txn.get(tree)), 40)[0] for tree in trees]  # MDB_db.md_root
+    env.close()
+    with (store_dir / "data.mdb").open("r+b") as fh:
+        for root in roots:
+            fh.seek(root * 4096 + 16)
+            fh.write(b"\xa5" * (4096 - 16))
+
+
+def test_with_the_groups_unreadable_the_prompts_no_trained_batch_names_are_generated_again(tmp_path, capsys):
+    """The groups and state trees are damaged, the batches tree is intact: the prompts below the
+    cursor that no trained batch names (partial or ready when the run stopped) are generated
+    again, said in one line, and replay says the earlier steps' batches are in the store moved
+    aside (not that they were garbage collected)."""
+    out = tmp_path / "run"
+    over = ("--partial-rollout", "--over-sampling-batch-size", "4")  # leaves partial and ready groups
+    assert run(out, steps=3, extra=over) == 0
+    store_dir = out / "rollout_data"
+    with LmdbStore(store_dir, readonly=True) as store:
+        cursor = store.cursor()
+        trained_before = {g.task.index for step in range(3) for g in store.batch(step).groups}
+        left = {g.group_id for state in (GroupState.PARTIAL, GroupState.READY) for g in store.groups(state)}
+    unaccounted = {f"e0000-p{i:09d}" for i in range(cursor.index)} - {f"e0000-p{i:09d}" for i in trained_before}
+    assert cursor.epoch == 0 and left and left <= unaccounted, (left, unaccounted)
+    _scribble_tree_roots(store_dir, keys.GROUPS, keys.STATE)
+
+    capsys.readouterr()
+    assert run(out, steps=5, extra=over) == 0
+    text = "".join(capsys.readouterr())
+    said = [line for line in text.splitlines() if "generated again" in line and "below the cursor" in line]
+    assert len(said) == 1 and f"prompts={len(unaccounted)}" in said[0], text
+    with LmdbStore(store_dir, readonly=True) as store:
+        assert all(store.get(gid) is not None for gid in unaccounted), "a prompt below the cursor was dropped"
+        trained_after = [g.task.index for step in (3, 4) for g in store.batch(step).groups]
+    assert len(trained_after) == len(set(trained_after)) and not set(trained_after) & trained_before
+
+    capsys.readouterr()
+    assert replay([str(out), "summary"]) == 0
+    summary = capsys.readouterr().out
+    [aside] = [p for p in out.iterdir() if p.name.startswith("rollout_data.unreadable-")]
+    assert "steps 0..2 were trained before this store was seeded from a damaged one" in summary, summary
+    assert str(aside) in summary and "garbage collected: 0" not in summary, summary
+
+
+def test_a_damaged_record_of_a_trained_group_is_named_once_on_resume(run_copy, capsys):
+    store_dir = run_copy / "rollout_data"
+    with LmdbStore(store_dir, readonly=True) as store:
+        victim = store.batch(1).groups[0].group_id
+    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.GROUPS, txn=txn)
+        value = bytearray(txn.get(victim.encode(), db=db))
+        value[OVERHEAD + 5] ^= 0x01  # one bit, as a disk would flip it
+        txn.put(victim.encode(), bytes(value), db=db)
+    env.close()
+    capsys.readouterr()
+    assert run(run_copy, steps=4) == 0
+    text = "".join(capsys.readouterr())
+    said = [line for line in text.splitlines() if "damaged records of groups already trained" in line]
+    assert len(said) == 1 and victim in said[0], text
+    assert run(run_copy, steps=5) == 0  # named once: the next resume does not say it again
+    assert "already trained" not in "".join(capsys.readouterr())
+    with LmdbStore(store_dir, readonly=True) as store:
+        assert store.trained_step() == 4

@@ -223,3 +223,61 @@ async def test_eviction_needs_a_fault_policy():
     fleet = EngineFleet(["http://127.0.0.1:9"], concurrency=1)
     with pytest.raises(RuntimeError, match="fault_policy"):
         await fleet.evict("http://127.0.0.1:9", "test")
+
+
+class _StoppingBeforeContinue:
+    """The fleet as a publish target; one engine is stopped (SIGSTOP) once it loaded the weights,
+    before it is told to continue: a hung engine at the one point where it used to go unnoticed."""
+
+    def __init__(self, fleet: EngineFleet, pid: int) -> None:
+        self.fleet, self.pid = fleet, pid
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self.fleet.pause(mode)
+
+    async def flush_cache(self, deadline: float) -> None:
+        await self.fleet.flush_cache(deadline)
+
+    async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None:
+        await self.fleet.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache)
+        os.kill(self.pid, signal.SIGSTOP)
+
+    async def continue_generation(self) -> None:
+        await self.fleet.continue_generation()
+
+
+@pytest.mark.slow
+async def test_without_fault_tolerance_a_hung_continue_is_an_error_naming_the_engine(model):
+    """With the fleet's default control timeout (30 s): the publish used to wait 30 s for the
+    continue, give up silently and report success while the engine sat paused on its requests."""
+    with anyio.fail_after(DEADLINE):
+        (proc,) = await start_engines(1, model, max_running_requests=4)
+    async with proc:
+        try:
+            async with EngineFleet([proc.url], concurrency=4) as fleet:
+                target = _StoppingBeforeContinue(fleet, proc.pid)
+                with anyio.fail_after(2 * DEADLINE), pytest.raises(EngineUnavailableError) as caught:
+                    await publish_weights(VersionClock(), target, model, pause_mode=PauseMode.ABORT)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+    assert proc.url in str(caught.value) and "continue_generation" in str(caught.value), caught.value
+
+
+async def test_with_fault_tolerance_a_hung_continue_evicts_the_engine(managed, model):
+    engines, router = managed
+    a, b = (p.url for p in engines.processes)
+    clock = VersionClock()
+    pid = engines.process(b).pid
+    async with fleet_of(router, None) as fleet:  # engines the user runs: waited for, not restarted
+        try:
+            report = await publish_weights(
+                clock, _StoppingBeforeContinue(fleet, pid), model, pause_mode=PauseMode.ABORT
+            )
+            assert report.version == 1 == clock.version
+            assert fleet.worker_urls == (a,)
+            stats = fleet.fault_statistics()
+            assert stats is not None and stats.evictions_total == 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await until(lambda: _live(fleet, {a, b}), "b re-admitted")
+        assert await fleet.weight_versions() == {a: "1", b: "1"}

@@ -1,0 +1,78 @@
+"""What a resume does with settings that differ from those the store recorded.
+
+Every setting is recorded in the store (`RunMeta.extra["config"]`, the settings in force). On a
+resume each one that changed is either refused, naming both values, or accepted; an accepted
+change is recorded (`RunMeta.extra["config_changes"]`: the setting, both values and the first step
+trained with the new one), `config` is updated to the new values, and `replay summary` shows both.
+
+Refused, because the stored state or the checkpoints would mean something else:
+
+- `--n-samples-per-prompt`: stored groups hold G samples each; advantages are normalised over G.
+- `--rollout-queue-run-id`: the store belongs to one run.
+- `--train-backend`: `weights/vN` holds that backend's optimizer state.
+- The dataset (`--prompt-data`, `--input-key`, `--label-key`, `--num-prompts`, `--task`, and
+  `--rollout-seed` for the built-in tasks), refused by content (the dataset fingerprint), so a
+  prompt file that only moved is accepted: group ids are dataset positions, the cursor counts rows.
+- The tokenizer (`--hf-checkpoint`'s `tokenizer.json`), refused by content (its fingerprint):
+  stored token ids would decode to other text.
+
+Accepted and recorded: every other setting. Rollout shape (`--rollout-batch-size`,
+`--over-sampling-batch-size`, `--rollout-mode`, `--partial-rollout`, `--max-staleness`,
+`--rollout-max-response-len`: a stored partial sample longer than a lowered limit is truncated,
+never regenerated), sampling, the trainer's loss and optimizer settings (the optimizer state is
+loaded, then the new learning rate applies), `--num-rollout` (extending a run is the usual reason
+to resume), engines, timeouts, producers, storage paths and output settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["REFUSED", "SettingChange", "changed_settings", "refused_change"]
+
+# Settings whose change a resume refuses by name (the dataset and tokenizer by their fingerprints).
+REFUSED: Mapping[str, str] = {
+    "rollout.n_samples_per_prompt": "stored groups hold that many samples each",
+    "storage.run_id": "the store belongs to one run",
+    "trainer.backend": "the checkpoints (weights/vN) hold that backend's optimizer state",
+}
+# Values never copied into a change record: a secret stays out of the store's history.
+_SECRET = frozenset({"engine.api_key"})
+
+SettingChange = dict[str, Any]  # {"step": int, "setting": "section.name", "from": old, "to": new}
+
+
+def changed_settings(stored: Mapping[str, Any], now: Mapping[str, Any], *, step: int) -> list[SettingChange]:
+    """Each setting whose value differs between two `config_to_dict` trees, as a change record
+    taking effect at `step`. A setting only one side has (a newer or older version of this
+    library) is a change from or to None."""
+    changes: list[SettingChange] = []
+    for section in sorted(set(stored) | set(now)):
+        old_part, new_part = stored.get(section) or {}, now.get(section) or {}
+        for name in sorted(set(old_part) | set(new_part)):
+            old, new = old_part.get(name), new_part.get(name)
+            if old == new:
+                continue
+            setting = f"{section}.{name}"
+            if setting in _SECRET:
+                old, new = _shown_secret(old), _shown_secret(new)
+            changes.append({"step": step, "setting": setting, "from": old, "to": new})
+    return changes
+
+
+def refused_change(changes: list[SettingChange]) -> tuple[SettingChange, str] | None:
+    """The first change a resume refuses, with the reason; None when all are accepted."""
+    for change in changes:
+        if (why := REFUSED.get(change["setting"])) is not None:
+            return change, why
+    return None
+
+
+def flag_of(setting: str) -> str:
+    """`rollout.rollout_batch_size` -> `rollout_batch_size`, the name the store's errors use."""
+    return setting.split(".", 1)[1]
+
+
+def _shown_secret(value: object) -> str | None:
+    return None if value is None else "<set>"
