@@ -113,6 +113,16 @@ def _filter_rules(draft: Draft) -> None:
 
 def _trainer_rules(draft: Draft) -> None:
     t, r, ok, problem = draft.values["trainer"], draft.values["rollout"], draft.ok, draft.problems.append
+    if not t["use_kl_loss"] and ok("trainer", "kl_loss_coef") and t["kl_loss_coef"] > 0:
+        problem(
+            f"{draft.show('trainer', 'kl_loss_coef')} without --use-kl-loss: the KL term is off, so the "
+            "coefficient would do nothing; add --use-kl-loss"
+        )
+    if not t["use_kl_loss"] and t["ref_load"] is not None:
+        problem(
+            f"{draft.show('trainer', 'ref_load')} without --use-kl-loss: nothing uses the reference model; "
+            "add --use-kl-loss (and --kl-loss-coef)"
+        )
     if ok("trainer", "tis_clip_low") and ok("trainer", "tis_clip") and not t["tis_clip_low"] < t["tis_clip"]:
         problem(
             f"{draft.show('trainer', 'tis_clip_low')}: must be below "

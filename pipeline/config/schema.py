@@ -619,6 +619,34 @@ class TrainerConfig:
         help="--train-backend megatron on GPU ranks: megatron-core's DDP and distributed optimizer "
         "(optimizer state sharded over data parallel)",
     )
+    # Reference KL and entropy (issue 31): slime's flags and semantics (stages.trainer.loss).
+    use_kl_loss: bool = _opt(
+        False,
+        "--use-kl-loss",
+        "bool",
+        help="add --kl-loss-coef x KL(policy || reference) to the loss; the trainer keeps a frozen reference model "
+        "(the run's initial weights, or --ref-load) and scores each batch with it",
+    )
+    kl_loss_coef: float = _opt(0.0, "--kl-loss-coef", "float", ge=0, help="weight of the KL term (--use-kl-loss)")
+    kl_loss_type: str = _opt(
+        "k1",
+        "--kl-loss-type",
+        "choice",
+        choices=("k1", "k2", "k3", "low_var_kl"),
+        help="KL estimator per token, d = log pi - log pi_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, "
+        "low_var_kl = k3 clamped to [-10, 10]",
+    )
+    entropy_coef: float = _opt(
+        0.0, "--entropy-coef", "float", help="subtract this x the mean token entropy from the loss (> 0: explore)"
+    )
+    ref_load: Path | None = _opt(
+        None,
+        "--ref-load",
+        "path",
+        metavar="FOLDER",
+        default_help="the run's initial weights (--hf-checkpoint)",
+        help="HF folder of the reference model for --use-kl-loss",
+    )
 
 
 @dataclass(frozen=True, slots=True)
