@@ -32,7 +32,9 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
+from pipeline.errors import EngineError
 from pipeline.events import EventLog
+from pipeline.metric_names import engine_load_metrics, slime_aliases, throughput_metrics
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.producers import LocalProducers, Producers, ProducersFactory
 from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
@@ -205,6 +207,7 @@ async def _train_one_step(
     # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.
     rollout_seconds = time.perf_counter() - t_rollout
     group_times = graph.times.taken([g.group_id for g in batch.groups])
+    loads = await _engine_loads(rollout.engines)
 
     # Training blocks for seconds; it runs on a worker thread so generation (in async mode) keeps
     # going on the event loop meanwhile.
@@ -225,6 +228,9 @@ async def _train_one_step(
     times = _StepTimes(step_seconds, busy, rollout_seconds, train_seconds)
     record.update(await _step_record(plan, step, timer, times, graph, store, len(batch.groups)))
     record.update(group_times)
+    record.update(loads)
+    record.update(throughput_metrics(record))
+    record.update(slime_aliases(record))
 
     # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record in the
     # same transaction (so the store counts a step as trained exactly when it holds its record; a
@@ -398,6 +404,21 @@ async def _step_record(
         "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
         "queue/in_flight": graph.admission.outstanding,
     }
+
+
+async def _engine_loads(engines: Any) -> dict[str, float]:
+    """Each engine's running and waiting requests as the batch goes to training (in async mode
+    generation goes on meanwhile), for engines that answer `GET /v1/loads`; none otherwise. An
+    engine that fails to answer costs this step's load keys, never the step."""
+    loads = getattr(engines, "loads", None)
+    if loads is None:
+        return {}
+    try:
+        with anyio.fail_after(5):
+            return engine_load_metrics(await loads())
+    except (EngineError, TimeoutError) as exc:
+        log.debug("engine loads unavailable", error=str(exc))
+        return {}
 
 
 def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:
