@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +32,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
-from pipeline.errors import EngineError
+from pipeline.errors import ConfigError, EngineError
 from pipeline.events import EventLog
 from pipeline.metric_names import engine_load_metrics, slime_aliases, throughput_metrics
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
@@ -138,12 +138,24 @@ async def run_pipeline(
     weight_transfer: WeightTransfer | None = None,
     agent: Agent | None = None,
     producers: ProducersFactory | None = None,
+    evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
     The story: build the stage graph, start it, then per step wait for a batch, train it, commit
     it, publish the weights; at the end stop generating and store whatever is unfinished.
+
+    `evaluate(step)` (sync mode: `pipeline.evaluation`) runs after each step's publish, when the
+    engines serve that step's weights and nothing else is in flight; what it returns (nothing on
+    a step that is not due) joins the step's record after the commit, as the publish times do.
     """
+    if evaluate is not None and plan.mode is RolloutMode.ASYNC:
+        raise ConfigError(
+            [
+                "inline evaluation with --rollout-mode=async: generation never pauses there; "
+                "evaluate saved weights with python -m pipeline.eval"
+            ]
+        )
     # The rollout side is the embedding object itself (`pipeline.session.Rollout`); this function
     # adds the built-in trainer loop and the metrics record. Imported here: session builds on this
     # module's graph, so it cannot be imported at the top without a cycle.
@@ -167,6 +179,14 @@ async def run_pipeline(
         timer = _StepTimer(rollout.first_step, rollout.graph.producers.statistics().busy_slot_seconds)
         for step in range(rollout.first_step, plan.num_steps):
             record = await _train_one_step(rollout, trainer, weights_dir, store, timer, step)
+            if evaluate is not None:
+                started = time.perf_counter()
+                evaluated = await evaluate(step)
+                if evaluated:
+                    # Evaluation is no part of the next step: its time is left out of that step's.
+                    seconds = time.perf_counter() - started
+                    timer.step_started += seconds
+                    record.update(evaluated, **{"time/eval": seconds})
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
             # the engines keep such counts (an EngineFleet with --use-fault-tolerance).
             fault_metrics = getattr(engines, "fault_metrics", None)

@@ -31,6 +31,7 @@ from pipeline.types import Batch, SampleStatus
 
 __all__ = [
     "AFTER_COMMIT",
+    "AFTER_COMMIT_PREFIXES",
     "GroupTimes",
     "MetricsSink",
     "RestoredMetrics",
@@ -43,7 +44,9 @@ log = structlog.get_logger("metrics")
 
 # Fields of a step's record measured after its commit (the publish follows the commit), so the
 # record stored with the commit lacks them.
-AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update")
+AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update", "time/eval")
+# Whole families measured after the commit: an inline evaluation runs after the step's publish.
+AFTER_COMMIT_PREFIXES = ("eval/",)
 
 
 def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = None) -> dict[str, float]:

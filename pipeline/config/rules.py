@@ -66,7 +66,8 @@ def check_rules(draft: Draft) -> None:
     if get("rollout", "mode") == RolloutMode.ASYNC and get("rollout", "eval_interval") is not None:
         problem(
             f"{draft.show('rollout', 'eval_interval')} with --rollout-mode=async: async rollout does "
-            "not run inline evaluation; evaluate separately"
+            "not run inline evaluation (generation never pauses, so it would mix policies); evaluate the "
+            "saved weights with python -m pipeline.eval RUN_DIR"
         )
     if get("rollout", "mode") == RolloutMode.ASYNC and get("data", "rollout_all_samples_process_path"):
         problem(
@@ -84,6 +85,7 @@ def check_rules(draft: Draft) -> None:
             f"{draft.show('data', 'prompt_data')}: a JSONL prompt file needs "
             "--custom-rm-path (the built-in reward only scores the toy task)"
         )
+    _eval_rules(draft)
     _engine_rules(draft)
     _producer_rules(draft)
     _trainer_rules(draft)
@@ -108,6 +110,27 @@ def _filter_rules(draft: Draft) -> None:
         draft.problems.append(
             f"{draft.show('data', 'dynamic_sampling_filter_path')} with {group_size}: "
             "a group of one has no reward spread, so the filter would reject every group and no batch would fill"
+        )
+
+
+def _eval_rules(draft: Draft) -> None:
+    get, problem = draft.get, draft.problems.append
+    pairs = get("rollout", "eval_prompt_data") or ()
+    shown = draft.show("rollout", "eval_prompt_data") if pairs else ""
+    if len(pairs) % 2:
+        problem(f"{shown}: must be NAME PATH pairs, got {len(pairs)} values")
+    names = list(pairs[0::2])
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            problem(f"{shown}: set name {name!r} must be letters, digits, '.', '_' or '-' (it names metric keys)")
+    if len(set(names)) != len(names):
+        problem(f"{shown}: set names must be unique, got {names}")
+    if pairs and not get("data", "custom_rm_path"):
+        problem(f"{shown}: evaluation sets need --custom-rm-path (the built-in reward only scores the toy task)")
+    if get("rollout", "eval_interval") is not None and not pairs and get("data", "prompt_data") is not None:
+        problem(
+            f"{draft.show('rollout', 'eval_interval')} with --prompt-data: name the evaluation sets with "
+            "--eval-prompt-data NAME PATH (only the toy task has a built-in held-out set)"
         )
 
 
@@ -410,11 +433,6 @@ def _warn_unbuilt(draft: Draft) -> None:
     # Accepted so slime scripts load and so the seed's forbidden combinations can be named,
     # but not run by this pipeline yet: say so instead of ignoring them in silence.
     r, d, s = (draft.values[k] for k in ("rollout", "data", "storage"))
-    if r["mode"] == RolloutMode.SYNC and r["eval_interval"] is not None:
-        draft.warnings.append(
-            f"{draft.show('rollout', 'eval_interval')}: inline evaluation is not built yet; "
-            "evaluate the saved weights (weights/vN) separately"
-        )
     for name in ("rollout_all_samples_process_path", "buffer_filter_path"):
         forbidden_here = (name == "rollout_all_samples_process_path" and r["mode"] == RolloutMode.ASYNC) or (
             name == "buffer_filter_path" and s["transport"] == StoreTransport.LMDB
