@@ -57,9 +57,13 @@ def test_collapses_of_both_kinds_are_counted():
     assert collapses(*at_cap, cap) == (True, False)
     four_at_cap = ([0.5] * 10 + [0.0] * 4, [10.0] * 10 + [63.0] * 4)
     assert collapses(*four_at_cap, cap) == (False, False)
-    # short answers while the reward falls from its best: a collapse
-    short_falling = ([0.2, 0.4, 0.6, 0.6, 0.6, 0.6, 0.5, 0.4, 0.3, 0.2, 0.17], [5.0] * 6 + [1.5] * 5)
+    # short answers while the reward falls from its best (0.56 -> 0.17, the async run): a collapse
+    climb = [0.1 * i for i in range(6)] + [0.56] * 10
+    short_falling = ([*climb, 0.4, 0.3, 0.2, 0.17, 0.17], [5.0] * 16 + [1.5] * 5)
     assert collapses(*short_falling, cap) == (False, True)
-    # short answers that are right (a task whose answers are short): reward holds, no collapse
-    short_holding = ([0.2, 0.4, 0.6, 0.8, 0.9, 0.9, 0.9, 0.92, 0.9, 0.91, 0.93], [5.0] * 4 + [2.0] * 7)
+    # four such steps are not yet one
+    assert collapses([*climb, 0.3, 0.2, 0.17, 0.17], [5.0] * 16 + [1.5] * 4, cap) == (False, False)
+    # short answers that are right (a task whose answers are short): the reward holds, with noise
+    noisy = [0.6, 0.7, 0.65, 0.74, 0.58, 0.66, 0.7, 0.6, 0.72, 0.68]
+    short_holding = (climb + noisy, [5.0] * 16 + [2.0] * 10)
     assert collapses(*short_holding, cap) == (False, False)
