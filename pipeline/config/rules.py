@@ -66,8 +66,9 @@ def check_rules(draft: Draft) -> None:
     if get("rollout", "mode") == RolloutMode.ASYNC and get("rollout", "eval_interval") is not None:
         problem(
             f"{draft.show('rollout', 'eval_interval')} with --rollout-mode=async: async rollout does "
-            "not run inline evaluation (generation never pauses, so it would mix policies); evaluate the "
-            "saved weights with python -m pipeline.eval RUN_DIR"
+            "not run inline evaluation; evaluate separately: python -m pipeline.eval --output-dir RUN_DIR "
+            "evaluates the saved weights (generation never pauses in async mode, so inline evaluation "
+            "would mix policies)"
         )
     if get("rollout", "mode") == RolloutMode.ASYNC and get("data", "rollout_all_samples_process_path"):
         problem(
