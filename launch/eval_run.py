@@ -41,12 +41,13 @@ log = structlog.get_logger("eval")
 
 EVAL_FILE = "eval.jsonl"
 TOY_EVAL_PROMPTS = 64
-_TOY_EVAL_SEED_OFFSET = 1_000_003  # the held-out toy prompts: another seed than the training set's
+_TOY_EVAL_SEED_OFFSET = 1_000_003  # the toy evaluation draws: another seed than the training set's
 
 
 def eval_sets(config: Config, tokenizer: Any) -> list[EvalSet]:
-    """The evaluation sets the config names (`--eval-prompt-data NAME PATH ...`), or the toy task's
-    held-out set when it names none and the run trains the toy task."""
+    """The evaluation sets the config names (`--eval-prompt-data NAME PATH ...`), or, when it names
+    none and the run trains the toy task, 64 toy prompts drawn with another seed (the toy task has
+    only 12 distinct prompts: this measures the policy on them, not generalisation)."""
     d, r = config.data, config.rollout
     pairs = r.eval_prompt_data
     if pairs:

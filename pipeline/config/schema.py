@@ -201,7 +201,7 @@ class RolloutConfig:
         "--eval-prompt-data",
         "strs",
         metavar="NAME PATH",
-        default_help="the toy task: 64 held-out toy prompts named toy; else required",
+        default_help="the toy task: 64 toy prompts of another seed, named toy; else required",
         help="evaluation sets, as NAME PATH pairs of JSONL prompt files (--input-key/--label-key, "
         "scored by --custom-rm-path)",
     )
