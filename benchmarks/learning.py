@@ -1,7 +1,7 @@
-"""Learning that holds, measured: every rollout mode on two built-in tasks, several seeds each.
+"""Learning that holds, measured: every rollout mode on three built-in tasks, several seeds each.
 
     python -m benchmarks.learning [--steps 100] [--seeds 0,1,2] [--parallel 6] [--quick]
-                                  [--tasks toy,long-tail] [--modes sync,partial,async-s1,async]
+                                  [--tasks toy,long-tail,short-answer] [--modes sync,partial,async-s1,async]
                                   [--out DIR] [-- extra pipeline flags]
 
 Each run is `python -m pipeline.launch` in its own process (built-in engine over real HTTP, the
@@ -12,12 +12,20 @@ real trainer, default flags), so what is measured is what a user runs. Modes:
     async-s1    --rollout-mode async --max-staleness 1
     async       --rollout-mode async, no staleness bound
 
-Tasks: `toy` (the default task) and `long-tail` (`stages.tasks.long_tail`, written as a JSONL file
-and read back through --prompt-data with the toy reward). Per task and mode it prints the mean
-reward over the last quarter of steps (mean over seeds, and its ratio to sync), the first step at
-which the seed-mean reward reaches half of sync's last-quarter reward, and the longest run of
-consecutive steps with the mean response length at the cap (>= 95% of --rollout-max-response-len)
-in any seed. It writes summary.json and learning.png (reward and response length per step) to --out.
+Tasks: `toy` (the default task), `long-tail` (`stages.tasks.long_tail`, written as a JSONL file
+and read back through --prompt-data with the toy reward) and `short-answer`
+(`stages.tasks.short_answer`: "add 3+4:" -> "7<eos>", answers of one or two digits that earn
+nothing without the end token). Per task and mode it prints the mean reward over the last quarter
+of steps (mean over seeds, and its ratio to sync), the first step at which the seed-mean reward
+reaches half of sync's last-quarter reward, the longest run of consecutive steps with the mean
+response length at the cap (>= 95% of --rollout-max-response-len) in any seed, and the collapses:
+how many seeds collapsed, of either kind (`collapses`):
+
+    at the cap   5+ consecutive steps with the mean response length at the cap (the end token lost)
+    short        5+ consecutive steps with mean response length <= 2 while the reward falls (the
+                 window's mean reward more than 25% below the best 10-step mean reward before it)
+
+It writes summary.json and learning.png (reward and response length per step) to --out.
 """
 
 from __future__ import annotations
@@ -41,13 +49,28 @@ MODES: dict[str, tuple[str, ...]] = {
     "async-s1": ("--rollout-mode", "async", "--max-staleness", "1"),
     "async": ("--rollout-mode", "async"),
 }
-TASKS = ("toy", "long-tail")
+TASKS = ("toy", "long-tail", "short-answer")
 AT_CAP = 0.95  # a step's mean response length this close to the cap counts as "at the cap"
+COLLAPSE_STEPS = 5  # consecutive steps that make a collapse, of either kind
+SHORT_LEN = 2.0  # a step's mean response length at or below this counts as "short"
+# "The reward falls": the short window's mean reward is below FALLEN x the best BEST_STEPS-step mean
+# reward before it. Calibrated on the runs of BENCHMARKS.md section 12: a plateau's noise (the
+# short-answer task settles at one-digit answers, length 2) stays above 0.81 of its best, the two
+# collapses seen fell to 0.57-0.71.
+FALLEN = 0.75
+BEST_STEPS = 10
 
 
 def _task_flags(task: str, work: Path) -> tuple[str, ...]:
     if task == "toy":
         return ()
+    if task == "short-answer":
+        from stages.tasks.short_answer import short_answer_rows
+
+        path = work / "short_answer.jsonl"
+        if not path.exists():
+            path.write_text("".join(json.dumps(row) + "\n" for row in short_answer_rows(4096, seed=7)))
+        return ("--prompt-data", str(path), "--custom-rm-path", "stages.tasks.short_answer:short_answer_reward")
     from stages.tasks.long_tail import long_tail_rows
 
     path = work / "long_tail.jsonl"
@@ -92,6 +115,9 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         "length": [r["response_len/mean"] for r in records],
         "staleness_max": max(r["staleness/max"] for r in records),
         "is_weight_max": max(r.get("train/is_weight_max", 0.0) for r in records),
+        "entropy": [r.get("train/entropy", 0.0) for r in records],
+        "train_seconds": sum(r.get("time/train", 0.0) for r in records),
+        "ref_seconds": sum(r.get("train/ref_log_probs_time", 0.0) for r in records),
     }
 
 
@@ -101,6 +127,20 @@ def _longest_at_cap(lengths: list[float], cap: int) -> int:
         run = run + 1 if length >= AT_CAP * cap else 0
         best = max(best, run)
     return best
+
+
+def collapses(reward: list[float], length: list[float], cap: int) -> tuple[bool, bool]:
+    """(collapsed at the cap, collapsed short) for one run, as the module docstring defines them."""
+    at_cap = _longest_at_cap(length, cap) >= COLLAPSE_STEPS
+    short = False
+    for i in range(len(length) - COLLAPSE_STEPS + 1):
+        if i < BEST_STEPS or any(x > SHORT_LEN for x in length[i : i + COLLAPSE_STEPS]):
+            continue
+        before = reward[:i]
+        best = max(statistics.mean(before[j : j + BEST_STEPS]) for j in range(len(before) - BEST_STEPS + 1))
+        if statistics.mean(reward[i : i + COLLAPSE_STEPS]) < FALLEN * best:
+            short = True
+    return at_cap, short
 
 
 def _seed_mean(runs: list[dict[str, Any]], key: str) -> list[float]:
@@ -132,6 +172,9 @@ def summarize(runs: list[dict[str, Any]], cap: int) -> list[dict[str, Any]]:
                     "vs_sync": mean_last / sync_last if sync_last else None,
                     "steps_to_half_sync": half,
                     "longest_at_cap": max(_longest_at_cap(r["length"], cap) for r in rs),
+                    "collapsed_at_cap": sum(collapses(r["reward"], r["length"], cap)[0] for r in rs),
+                    "collapsed_short": sum(collapses(r["reward"], r["length"], cap)[1] for r in rs),
+                    "train_seconds": statistics.mean(r["train_seconds"] for r in rs),
                     "staleness_max": max(r["staleness_max"] for r in rs),
                     "is_weight_max": max(r["is_weight_max"] for r in rs),
                     "minutes": statistics.mean(r["seconds"] for r in rs) / 60,
@@ -143,15 +186,16 @@ def summarize(runs: list[dict[str, Any]], cap: int) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| task | mode | last-quarter reward (± seed std) | vs sync | steps to half sync | longest at cap "
-        "| max staleness |",
-        "|---|---|---|---|---|---|---|",
+        "| collapses (cap / short) | max staleness |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs = f"{r['vs_sync']:.2f}" if r["vs_sync"] is not None else "-"
         half = "never" if r["steps_to_half_sync"] is None else str(r["steps_to_half_sync"])
         lines.append(
             f"| {r['task']} | {r['mode']} | {r['last_quarter_reward']:.3f} ± {r['seed_std']:.3f} | {vs} "
-            f"| {half} | {r['longest_at_cap']} | {r['staleness_max']} |"
+            f"| {half} | {r['longest_at_cap']} | {r['collapsed_at_cap']} / {r['collapsed_short']} "
+            f"| {r['staleness_max']} |"
         )
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import structlog
 
+from launch.eval_run import EVAL_FILE, InlineEvaluator, eval_sets, eval_settings
 from launch.gc_settings import settle_gc
 from launch.run_end import RunPaths, StopOnSigterm, error_leaves, report_failure
 from launch.run_state import RunState, open_run_state
@@ -154,6 +155,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         )
         plan = _plan(config)
         producers = await _producers(config, state, engines, plan, store, stack)
+        evaluate = await _inline_evaluator(config, state, engines, out, sink)
         async with _garbage_collector(store, config.storage.gc_keep_steps, progress.update_step) as on_step:
             summary = await run_pipeline(
                 plan,
@@ -171,8 +173,30 @@ async def _run(config: Config) -> list[dict[str, Any]]:
                 weight_transfer=transfer,
                 agent=config.data.agent_fn or state.agent,
                 producers=producers,
+                evaluate=evaluate,
             )
         return summary.metrics
+
+
+async def _inline_evaluator(
+    config: Config, state: RunState, engines: EngineFleet, out: Path, sink: MetricsSink
+) -> InlineEvaluator | None:
+    """With `--eval-interval` (sync mode; the rules refuse async), the evaluator `run_pipeline` calls
+    after each step; a step the crash left unevaluated is evaluated first (launch/eval_run.py)."""
+    if config.rollout.eval_interval is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(state.model_path)
+    evaluator = InlineEvaluator(
+        engines,
+        eval_sets(config, tokenizer),
+        eval_settings(config),
+        interval=config.rollout.eval_interval,
+        log_path=out / EVAL_FILE,
+    )
+    await evaluator.catch_up(state.start_step - 1, sink)
+    return evaluator
 
 
 async def _producers(

@@ -111,6 +111,7 @@ def megatron_settings(config: Config) -> dict[str, Any]:
     The controller and every `--node-rank` command call this on the same config, so their specs
     agree; the handshake checks that they do."""
     from pipeline.config import config_to_dict
+    from pipeline.config.derived import derived
     from pipeline.trainer_settings import loss_settings
 
     t = config.trainer
@@ -132,6 +133,11 @@ def megatron_settings(config: Config) -> dict[str, Any]:
         "max_grad_norm": t.max_grad_norm,
         "micro_batch_size": t.micro_batch_size,
         "distributed_optimizer": t.use_distributed_optimizer,
+        # The KL term's reference: --ref-load, else the run's initial weights (never a resumed
+        # checkpoint's), as a string so the spec travels as JSON.
+        "ref_path": str(
+            t.ref_load or config.engine.hf_checkpoint or derived(config.output.dir, "output.dir") / "model"
+        ),
     }
 
 
@@ -239,12 +245,13 @@ def _rank_env(world_size: int, addr: str, port: int) -> dict[str, str]:
 
 
 def _loss_settings(raw: dict[str, Any]) -> Any:
-    from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+    from stages.trainer.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
 
     raw = {
         **raw,
         "correction": ImportanceCorrection(raw["correction"]),
         "aggregation": LossAggregation(raw["aggregation"]),
+        "kl_loss_type": KLType(raw.get("kl_loss_type", KLType.K1.value)),
     }
     return LossSettings(**raw)
 

@@ -120,7 +120,7 @@ def open_run_state(config: Config) -> RunState:
             # Rank 0 is this process; this node's ranks 1.. are started here and stopped by the
             # trainer's close(); other nodes' ranks are started there (`--node-rank K`) and wait for it.
             return start_megatron_trainer(start_from, log_dir=out / "logs", **megatron_settings(config))
-        return build_trainer(start_from, settings)
+        return build_trainer(start_from, settings, initial_model=model_path)
 
     agent = None
     if not config.data.prompt_data and config.data.task == "tool":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +32,9 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.clock import VersionClock
+from pipeline.errors import ConfigError, EngineError
 from pipeline.events import EventLog
+from pipeline.metric_names import engine_load_metrics, slime_aliases, throughput_metrics
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
 from pipeline.producers import LocalProducers, Producers, ProducersFactory
 from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
@@ -136,12 +138,24 @@ async def run_pipeline(
     weight_transfer: WeightTransfer | None = None,
     agent: Agent | None = None,
     producers: ProducersFactory | None = None,
+    evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
     The story: build the stage graph, start it, then per step wait for a batch, train it, commit
     it, publish the weights; at the end stop generating and store whatever is unfinished.
+
+    `evaluate(step)` (sync mode: `pipeline.evaluation`) runs after each step's publish, when the
+    engines serve that step's weights and nothing else is in flight; what it returns (nothing on
+    a step that is not due) joins the step's record after the commit, as the publish times do.
     """
+    if evaluate is not None and plan.mode is RolloutMode.ASYNC:
+        raise ConfigError(
+            [
+                "inline evaluation with --rollout-mode=async: generation never pauses there; "
+                "evaluate saved weights with python -m pipeline.eval"
+            ]
+        )
     # The rollout side is the embedding object itself (`pipeline.session.Rollout`); this function
     # adds the built-in trainer loop and the metrics record. Imported here: session builds on this
     # module's graph, so it cannot be imported at the top without a cycle.
@@ -165,6 +179,14 @@ async def run_pipeline(
         timer = _StepTimer(rollout.first_step, rollout.graph.producers.statistics().busy_slot_seconds)
         for step in range(rollout.first_step, plan.num_steps):
             record = await _train_one_step(rollout, trainer, weights_dir, store, timer, step)
+            if evaluate is not None:
+                started = time.perf_counter()
+                evaluated = await evaluate(step)
+                if evaluated:
+                    # Evaluation is no part of the next step: its time is left out of that step's.
+                    seconds = time.perf_counter() - started
+                    timer.step_started += seconds
+                    record.update(evaluated, **{"time/eval": seconds})
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
             # the engines keep such counts (an EngineFleet with --use-fault-tolerance).
             fault_metrics = getattr(engines, "fault_metrics", None)
@@ -205,6 +227,7 @@ async def _train_one_step(
     # The trainer waited this long for its batch: rollout time in sync mode, idle time in async.
     rollout_seconds = time.perf_counter() - t_rollout
     group_times = graph.times.taken([g.group_id for g in batch.groups])
+    loads = await _engine_loads(rollout.engines)
 
     # Training blocks for seconds; it runs on a worker thread so generation (in async mode) keeps
     # going on the event loop meanwhile.
@@ -225,6 +248,9 @@ async def _train_one_step(
     times = _StepTimes(step_seconds, busy, rollout_seconds, train_seconds)
     record.update(await _step_record(plan, step, timer, times, graph, store, len(batch.groups)))
     record.update(group_times)
+    record.update(loads)
+    record.update(throughput_metrics(record))
+    record.update(slime_aliases(record))
 
     # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record in the
     # same transaction (so the store counts a step as trained exactly when it holds its record; a
@@ -398,6 +424,21 @@ async def _step_record(
         "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
         "queue/in_flight": graph.admission.outstanding,
     }
+
+
+async def _engine_loads(engines: Any) -> dict[str, float]:
+    """Each engine's running and waiting requests as the batch goes to training (in async mode
+    generation goes on meanwhile), for engines that answer `GET /v1/loads`; none otherwise. An
+    engine that fails to answer costs this step's load keys, never the step."""
+    loads = getattr(engines, "loads", None)
+    if loads is None:
+        return {}
+    try:
+        with anyio.fail_after(5):
+            return engine_load_metrics(await loads())
+    except (EngineError, TimeoutError) as exc:
+        log.debug("engine loads unavailable", error=str(exc))
+        return {}
 
 
 def _span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:

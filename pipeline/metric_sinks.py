@@ -132,8 +132,17 @@ class WandbSink:
             reinit="create_new",
         )
         self._last_step = -1
+        self._eval_axis = False
 
     def write(self, record: Mapping[str, Any]) -> None:
+        if "eval/step" in record:
+            # An evaluation of an earlier step (`python -m pipeline.eval`): W&B's own step only
+            # grows, so these go on their own axis, eval/step, whatever W&B's step is by now.
+            if not self._eval_axis:
+                self._run.define_metric("eval/*", step_metric="eval/step")
+                self._eval_axis = True
+            self._run.log({k: v for k, v in scalars(record).items() if not math.isnan(v)})
+            return
         step = int(record["step"])
         # W&B ignores (with a warning) a step lower than one it has: a record rebuilt after a
         # resume may be; skip it here instead of flooding the log.

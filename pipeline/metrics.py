@@ -32,6 +32,7 @@ from pipeline.types import Batch, SampleStatus
 
 __all__ = [
     "AFTER_COMMIT",
+    "AFTER_COMMIT_PREFIXES",
     "GroupTimes",
     "MetricsSink",
     "RestoredMetrics",
@@ -44,7 +45,9 @@ log = structlog.get_logger("metrics")
 
 # Fields of a step's record measured after its commit (the publish follows the commit), so the
 # record stored with the commit lacks them.
-AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update")
+AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update", "time/eval")
+# Whole families measured after the commit: an inline evaluation runs after the step's publish.
+AFTER_COMMIT_PREFIXES = ("eval/",)
 
 
 def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = None) -> dict[str, float]:
@@ -62,9 +65,19 @@ def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = Non
     staleness = [g.staleness(version) for g in batch.groups]
     tokens = sum(s.response_len for s in samples)
     off_policy = sum(span.end - span.start for s in samples for span in s.spans if span.version < version)
+    zero_std = 0
+    for g in batch.groups:
+        scored = [float(s.reward) for s in g.samples if s.reward is not None]
+        zero_std += bool(scored) and max(scored) - min(scored) <= 1e-6
     return {
         "reward/mean": _mean(rewards),
+        "reward/std": _pstd([float(r) for r in rewards]),
+        "reward/min": min(rewards, default=math.nan),
+        "reward/max": max(rewards, default=math.nan),
+        # Groups whose rewards are all equal: GRPO gives them advantage 0, so they teach nothing.
+        "reward/zero_std_groups": zero_std,
         "response_len/mean": _mean([s.response_len for s in samples]),
+        "response_len/min": min((s.response_len for s in samples), default=0),
         "response_len/max": max((s.response_len for s in samples), default=0),
         "truncated_ratio": _mean([s.status is SampleStatus.TRUNCATED for s in samples]),
         "staleness/mean": _mean(staleness),
@@ -81,6 +94,14 @@ def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = Non
 
 def _mean(values: list[Any]) -> float:
     return float(sum(values)) / len(values) if values else math.nan
+
+
+def _pstd(values: list[float]) -> float:
+    """The population std (slime's and verl's reward std); nan for no values."""
+    if not values:
+        return math.nan
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
 
 
 class StepSink(Protocol):

@@ -20,7 +20,7 @@ from typing import IO, Any
 import orjson
 
 from pipeline.errors import ReplayError
-from pipeline.metrics import AFTER_COMMIT
+from pipeline.metrics import AFTER_COMMIT, AFTER_COMMIT_PREFIXES
 
 __all__ = ["DEFAULT_COLUMNS", "MetricsTable", "compare_metrics", "format_metrics", "write_csv"]
 
@@ -79,7 +79,7 @@ def _step_problems(
         return [f"step {step}: in the metrics file, not in the store (no record was stored with its commit)"]
     out = []
     for key in sorted(set(line) | set(ours)):
-        if key in AFTER_COMMIT and key not in ours:
+        if (key in AFTER_COMMIT or key.startswith(AFTER_COMMIT_PREFIXES)) and key not in ours:
             continue
         a, b = line.get(key, "<absent>"), ours.get(key, "<absent>")
         if a != b:

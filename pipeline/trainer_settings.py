@@ -30,7 +30,7 @@ def _sections(config: Mapping[str, Mapping[str, Any]]) -> tuple[TrainerConfig, R
 
 def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
     """The `LossSettings` the config asks for (see `stages.trainer.loss`)."""
-    from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+    from stages.trainer.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
 
     t, r = _sections(config)
     return LossSettings(
@@ -49,6 +49,10 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
         mask_truncated_samples=t.mask_truncated_samples,
         mask_offpolicy_in_partial_rollout=r.mask_offpolicy_in_partial_rollout,
         mask_stale_tokens=t.mask_stale_tokens,
+        use_kl_loss=t.use_kl_loss,
+        kl_loss_coef=t.kl_loss_coef,
+        kl_loss_type=KLType(t.kl_loss_type),
+        entropy_coef=t.entropy_coef,
     )
 
 
@@ -59,8 +63,12 @@ def build_trainer(
     seed: int | None = None,
     device: str | None = None,
     num_threads: int | None = 1,
+    initial_model: Path | None = None,
 ) -> GRPOTrainer:
-    """A `GRPOTrainer` on `model_dir` with the config's settings; `seed`/`device` override it."""
+    """A `GRPOTrainer` on `model_dir` with the config's settings; `seed`/`device` override it.
+
+    `initial_model`: the run's starting weights, the KL term's reference unless `--ref-load` names
+    another (None: `model_dir`, right for a trainer that starts from the initial weights)."""
     from stages.trainer import GRPOTrainer
 
     t, r = _sections(config)
@@ -75,4 +83,5 @@ def build_trainer(
         device=t.device if device is None else device,
         dtype=t.dtype,
         num_threads=num_threads,
+        ref_path=t.ref_load or initial_model or model_dir,
     )

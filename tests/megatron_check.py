@@ -54,17 +54,22 @@ VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on b
         "opsm_delta": 1e-3,
     },
     "seqmask-tokenmean": {"correction": "seq-mask", "tis_clip_low": 0.3, "tis_clip": 1.5},
+    # Reference KL against another model (--ref-load) and an entropy bonus, with its gradient.
+    "kl-entropy": {"use_kl_loss": True, "kl_loss_coef": 0.5, "kl_loss_type": "low_var_kl", "entropy_coef": 0.05},
+    "kl-k1-seqmean": {"use_kl_loss": True, "kl_loss_coef": 0.3, "aggregation": "seq-mean-token-mean"},
 }
 
 
 def _settings(variant: str):
-    from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
+    from stages.trainer.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
 
     raw = dict(VARIANTS[variant])
     if "correction" in raw:
         raw["correction"] = ImportanceCorrection(raw["correction"])
     if "aggregation" in raw:
         raw["aggregation"] = LossAggregation(raw["aggregation"])
+    if "kl_loss_type" in raw:
+        raw["kl_loss_type"] = KLType(raw["kl_loss_type"])
     return LossSettings(**raw)
 
 
@@ -86,7 +91,11 @@ def main(
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)
-    torch_trainer = GRPOTrainer(model, lr=1e-2, loss=settings, global_batch_size=gbs, device=device, dtype=dtype)
+    # A reference other than the starting weights, so the KL term and its gradient are not 0 at step 0.
+    ref = make_model_folder(out / "ref", seed=7) if settings.use_kl_loss else None
+    torch_trainer = GRPOTrainer(
+        model, lr=1e-2, loss=settings, global_batch_size=gbs, device=device, dtype=dtype, ref_path=ref
+    )
     # OPSM needs samples whose divergence is clearly above its delta (see fixed_batch).
     batch = fixed_batch(torch_trainer, shift=0.05 if VARIANTS[variant].get("use_opsm") else 0.0)
     torch_lp = torch_trainer.logprobs(batch.samples)
@@ -104,6 +113,7 @@ def main(
         micro_batch_size=micro,
         global_batch_size=gbs,
         dtype=dtype,
+        ref_path=None if ref is None else str(ref),
     )
     try:
         model_dtypes = sorted({str(p.dtype) for p in mg.model.parameters()})

@@ -1,8 +1,10 @@
 """Run in a fresh process by tests/test_megatron_pp.py: one GRPO step of megatron ranks in a given layout.
 
-`python tests/megatron_pp_check.py OUT NAME WORLD TP PP [START [DTYPE]]` starts WORLD ranks (TP x PP,
+`python tests/megatron_pp_check.py OUT NAME WORLD TP PP [START [DTYPE [LOSS]]]` starts WORLD ranks (TP x PP,
 the rest data parallel) from START (`none` or left out: OUT/model, the built-in tiny model, made if
-missing), computing in DTYPE (default float32),
+missing), computing in DTYPE (default float32), with LOSS `default` or `kl` (reference KL against
+OUT/ref, another tiny model, and an entropy bonus: the reference model's forward goes through the
+pipeline too),
 computes the fixed batch's log-probs, trains one rollout batch (two optimizer steps: the
 proximal log-probs go through the pipeline too), saves OUT/NAME and writes OUT/NAME.json: the
 metrics, the log-probs, the trainer's steps, and whether `hf_weights()` equals the saved folder.
@@ -17,7 +19,7 @@ import orjson
 import torch
 
 
-def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None, dtype: str) -> None:
+def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None, dtype: str, loss: str) -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
@@ -26,6 +28,13 @@ def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None,
 
     if start is None:
         start = out / "model" if (out / "model" / "config.json").exists() else make_model_folder(out / "model")
+    extra = {}
+    if loss == "kl":
+        from stages.trainer.loss import KLType, LossSettings
+
+        ref = out / "ref" if (out / "ref" / "config.json").exists() else make_model_folder(out / "ref", seed=7)
+        settings = LossSettings(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type=KLType.K3, entropy_coef=0.05)
+        extra = {"loss": settings, "ref_path": str(ref)}
     trainer = start_megatron_trainer(
         start,
         world_size=world,
@@ -36,6 +45,7 @@ def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None,
         micro_batch_size=3,
         global_batch_size=4,
         dtype=dtype,
+        **extra,
     )
     try:
         batch = fixed_batch(trainer)
@@ -67,4 +77,5 @@ if __name__ == "__main__":
         int(sys.argv[5]),
         Path(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "none" else None,
         sys.argv[7] if len(sys.argv) > 7 else "float32",
+        sys.argv[8] if len(sys.argv) > 8 else "default",
     )

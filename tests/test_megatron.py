@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
+from tests.megatron_check import VARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,8 +122,10 @@ def _check(
         (2, 1, 8, "default"),
         (2, 1, 3, "icepop-seqmean-opsm"),
         (1, 1, 5, "seqmask-tokenmean"),
+        (2, 2, 3, "kl-entropy"),
+        (2, 1, 3, "kl-k1-seqmean"),
     ],
-    ids=["tp1-microbatched", "tp2", "dp2", "dp2-icepop-seqmean-opsm", "seqmask"],
+    ids=["tp1-microbatched", "tp2", "dp2", "dp2-icepop-seqmean-opsm", "seqmask", "tp2-kl-entropy", "dp2-kl-k1"],
 )
 def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant):
     """Same batch, same start, same shared loss: every metric, log-probs and the published weights agree."""
@@ -130,12 +133,22 @@ def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant)
     torch_m, mg = r["torch"], r["megatron"]
     assert set(mg) == set(torch_m)
     for key, value in torch_m.items():
+        if key.endswith("_time"):  # seconds, measured on each
+            continue
         assert mg[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert torch_m["grad_norm"] > 1.0  # the gradient clip is active
     if variant == "default":
         assert torch_m["tis_clip_ratio"] > 0  # the TIS cap is active
     elif "opsm" in variant:
         assert torch_m["is_mask_frac"] > 0 and torch_m["opsm_mask_frac"] > 0  # both dropped tokens
+    elif variant.startswith("kl"):
+        assert torch_m["kl_loss"] != 0 and torch_m["ref_log_probs_time"] > 0  # against another model
+        assert torch_m["loss"] == pytest.approx(
+            torch_m["pg_loss"]
+            + VARIANTS[variant]["kl_loss_coef"] * torch_m["kl_loss"]
+            - VARIANTS[variant].get("entropy_coef", 0.0) * torch_m["entropy_loss"],
+            rel=1e-5,
+        )
     else:
         assert torch_m["is_mask_frac"] > 0  # tokens were dropped
     assert r["logprob_diff"] < 1e-5

@@ -22,9 +22,9 @@ pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None = None) -> dict:
+def _run(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None = None, loss: str = "default") -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    args = [str(out), name, str(world), str(tp), str(pp), *([str(start)] if start else [])]
+    args = [str(out), name, str(world), str(tp), str(pp), str(start or "none"), "float32", loss]
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "megatron_pp_check.py"), *args],
         env=env,
@@ -118,6 +118,18 @@ def test_tensor_and_pipeline_parallel_on_four_ranks_take_the_single_rank_step(si
     assert four["published_equals_saved"]
     # TP splits the sums of each matmul: within 1% of Adam's step of the single rank (3.4e-5 seen).
     _assert_same_folder(out / "pp1", out / "tp2-pp2", moved_from=out / "model", tolerance=1e-4)
+
+
+def test_two_stages_take_the_single_rank_step_with_the_reference_kl_and_entropy(tmp_path):
+    """The reference model's forward goes through the stages like the policy's; its log-probs and
+    the entropy term's gradient land on the last stage, where the loss is."""
+    one = _run(tmp_path, "kl1", 1, 1, 1, loss="kl")
+    two = _run(tmp_path, "kl2", 2, 1, 2, loss="kl")
+    assert one["metrics"]["kl_loss"] != 0 and one["metrics"]["entropy_loss"] > 0
+    for r in (one, two):
+        r["metrics"].pop("ref_log_probs_time")  # seconds, measured on each
+    _assert_same_step(one, two)
+    _assert_same_folder(tmp_path / "kl1", tmp_path / "kl2", moved_from=tmp_path / "model")
 
 
 def test_layers_that_do_not_split_evenly_over_the_stages_are_refused_with_both_numbers():

@@ -191,7 +191,7 @@ def test_offpolicy_mask_covers_a_request_that_crossed_a_publish(model_dir):
     metrics = trainer.train_step(Batch(0, (_group(TASK, [crossed, fresh], [1.0, 0.0]),)))
     assert metrics["tokens"] == 3 + 6
     assert metrics["mask_ratio"] == pytest.approx(9 / 11)
-    assert metrics["versions/tokens_v1"] == 9 and "versions/tokens_v0" not in metrics
+    assert (metrics["versions/oldest"], metrics["versions/newest"], metrics["versions/distinct"]) == (1, 1, 1)
 
 
 def test_stale_tokens_are_masked_against_the_trained_version(model_dir):
@@ -202,7 +202,8 @@ def test_stale_tokens_are_masked_against_the_trained_version(model_dir):
     assert trainer.loss_mask(mixed, train_version=5) == [0, 0, 1, 1, 1]
     metrics = trainer.train_step(batch)
     assert metrics["tokens"] == 3 + 2  # the group and the other tokens still train
-    assert (metrics["versions/tokens_v4"], metrics["versions/tokens_v5"]) == (2, 3)
+    assert (metrics["versions/oldest"], metrics["versions/newest"], metrics["versions/distinct"]) == (4, 5, 2)
+    assert metrics["versions/newest_token_frac"] == pytest.approx(3 / 5)
     # Without a train version the newest token version stands in.
     assert trainer.loss_mask(mixed) == [0, 0, 1, 1, 1]
 

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             if opt.kind == "urls":
                 kwargs["action"] = "append"
+            if opt.kind == "strs":  # slime's nargs="+" lists: --eval-prompt-data NAME PATH [NAME PATH ...]
+                kwargs["action"], kwargs["nargs"] = "extend", "+"
             metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else opt.kind.upper())
             group.add_argument(opt.flag, *opt.aliases, metavar=metavar, **kwargs)
     return parser
@@ -123,7 +125,7 @@ def _is_number(token: str) -> bool:
 def _convert_flag(draft: Draft, opt: Opt, raw: Any) -> Any:
     if opt.kind == "bool":
         return raw  # argparse already made it a bool
-    if opt.kind == "urls":
+    if opt.kind in ("urls", "strs"):
         return tuple(raw)
     try:
         return _parse(opt, raw)
@@ -227,6 +229,10 @@ def _from_toml(opt: Opt, value: Any) -> Any:
     if kind == "urls":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ValueError("must be a list of URL strings")
+        return tuple(value)
+    if kind == "strs":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError("must be a list of strings")
         return tuple(value)
     if not isinstance(value, str):
         raise ValueError(f"must be a string, got {type(value).__name__}")

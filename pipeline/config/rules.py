@@ -66,7 +66,9 @@ def check_rules(draft: Draft) -> None:
     if get("rollout", "mode") == RolloutMode.ASYNC and get("rollout", "eval_interval") is not None:
         problem(
             f"{draft.show('rollout', 'eval_interval')} with --rollout-mode=async: async rollout does "
-            "not run inline evaluation; evaluate separately"
+            "not run inline evaluation; evaluate separately: python -m pipeline.eval --output-dir RUN_DIR "
+            "evaluates the saved weights (generation never pauses in async mode, so inline evaluation "
+            "would mix policies)"
         )
     if get("rollout", "mode") == RolloutMode.ASYNC and get("data", "rollout_all_samples_process_path"):
         problem(
@@ -84,6 +86,7 @@ def check_rules(draft: Draft) -> None:
             f"{draft.show('data', 'prompt_data')}: a JSONL prompt file needs "
             "--custom-rm-path (the built-in reward only scores the toy task)"
         )
+    _eval_rules(draft)
     _engine_rules(draft)
     _producer_rules(draft)
     _trainer_rules(draft)
@@ -111,8 +114,39 @@ def _filter_rules(draft: Draft) -> None:
         )
 
 
+def _eval_rules(draft: Draft) -> None:
+    get, problem = draft.get, draft.problems.append
+    pairs = get("rollout", "eval_prompt_data") or ()
+    shown = draft.show("rollout", "eval_prompt_data") if pairs else ""
+    if len(pairs) % 2:
+        problem(f"{shown}: must be NAME PATH pairs, got {len(pairs)} values")
+    names = list(pairs[0::2])
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            problem(f"{shown}: set name {name!r} must be letters, digits, '.', '_' or '-' (it names metric keys)")
+    if len(set(names)) != len(names):
+        problem(f"{shown}: set names must be unique, got {names}")
+    if pairs and not get("data", "custom_rm_path"):
+        problem(f"{shown}: evaluation sets need --custom-rm-path (the built-in reward only scores the toy task)")
+    if get("rollout", "eval_interval") is not None and not pairs and get("data", "prompt_data") is not None:
+        problem(
+            f"{draft.show('rollout', 'eval_interval')} with --prompt-data: name the evaluation sets with "
+            "--eval-prompt-data NAME PATH (only the toy task has a built-in held-out set)"
+        )
+
+
 def _trainer_rules(draft: Draft) -> None:
     t, r, ok, problem = draft.values["trainer"], draft.values["rollout"], draft.ok, draft.problems.append
+    if not t["use_kl_loss"] and ok("trainer", "kl_loss_coef") and t["kl_loss_coef"] > 0:
+        problem(
+            f"{draft.show('trainer', 'kl_loss_coef')} without --use-kl-loss: the KL term is off, so the "
+            "coefficient would do nothing; add --use-kl-loss"
+        )
+    if not t["use_kl_loss"] and t["ref_load"] is not None:
+        problem(
+            f"{draft.show('trainer', 'ref_load')} without --use-kl-loss: nothing uses the reference model; "
+            "add --use-kl-loss (and --kl-loss-coef)"
+        )
     if ok("trainer", "tis_clip_low") and ok("trainer", "tis_clip") and not t["tis_clip_low"] < t["tis_clip"]:
         problem(
             f"{draft.show('trainer', 'tis_clip_low')}: must be below "
@@ -400,11 +434,6 @@ def _warn_unbuilt(draft: Draft) -> None:
     # Accepted so slime scripts load and so the seed's forbidden combinations can be named,
     # but not run by this pipeline yet: say so instead of ignoring them in silence.
     r, d, s = (draft.values[k] for k in ("rollout", "data", "storage"))
-    if r["mode"] == RolloutMode.SYNC and r["eval_interval"] is not None:
-        draft.warnings.append(
-            f"{draft.show('rollout', 'eval_interval')}: inline evaluation is not built yet; "
-            "evaluate the saved weights (weights/vN) separately"
-        )
     for name in ("rollout_all_samples_process_path", "buffer_filter_path"):
         forbidden_here = (name == "rollout_all_samples_process_path" and r["mode"] == RolloutMode.ASYNC) or (
             name == "buffer_filter_path" and s["transport"] == StoreTransport.LMDB

@@ -47,7 +47,7 @@ class Opt:
     """How one config field is spelled on the command line, parsed, and bounded."""
 
     flag: str
-    kind: str  # int | float | str | path | choice | bool | urls (choice: an enum's values, or plain strings)
+    kind: str  # int | float | str | path | choice | bool | urls | strs (choice: an enum's values, or plain strings)
     help: str
     choices: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
@@ -189,7 +189,44 @@ class RolloutConfig:
         "waiting (one transaction, one fsync); 1 = one call per group",
     )
     eval_interval: int | None = _opt(
-        None, "--eval-interval", "int", ge=1, help="inline evaluation every N steps (sync mode only)"
+        None,
+        "--eval-interval",
+        "int",
+        ge=1,
+        help="evaluate on the engines every N steps, inline (sync mode only; async: python -m pipeline.eval)",
+    )
+    # Evaluation (issue 31): slime's flags; the set is never mixed into training data.
+    eval_prompt_data: tuple[str, ...] = _opt(
+        (),
+        "--eval-prompt-data",
+        "strs",
+        metavar="NAME PATH",
+        default_help="the toy task: 64 toy prompts of another seed, named toy; else required",
+        help="evaluation sets, as NAME PATH pairs of JSONL prompt files (--input-key/--label-key, "
+        "scored by --custom-rm-path)",
+    )
+    n_samples_per_eval_prompt: int = _opt(
+        1, "--n-samples-per-eval-prompt", "int", ge=1, help="responses per eval prompt"
+    )
+    eval_temperature: float | None = _opt(
+        None,
+        "--eval-temperature",
+        "float",
+        ge=0,
+        default_help="--rollout-temperature",
+        help="eval sampling temperature",
+    )
+    eval_top_p: float | None = _opt(
+        None, "--eval-top-p", "float", gt=0, default_help="--rollout-top-p", help="eval top-p"
+    )
+    eval_top_k: int | None = _opt(None, "--eval-top-k", "int", default_help="--rollout-top-k", help="eval top-k")
+    eval_max_response_len: int | None = _opt(
+        None,
+        "--eval-max-response-len",
+        "int",
+        ge=1,
+        default_help="--rollout-max-response-len",
+        help="eval response length cap",
     )
     # Producers on Ray (issue 13): where the generator pool, reward and filter run.
     producers: str = _opt(
@@ -619,6 +656,34 @@ class TrainerConfig:
         help="--train-backend megatron on GPU ranks: megatron-core's DDP and distributed optimizer "
         "(optimizer state sharded over data parallel)",
     )
+    # Reference KL and entropy (issue 31): slime's flags and semantics (stages.trainer.loss).
+    use_kl_loss: bool = _opt(
+        False,
+        "--use-kl-loss",
+        "bool",
+        help="add --kl-loss-coef x KL(policy || reference) to the loss; the trainer keeps a frozen reference model "
+        "(the run's initial weights, or --ref-load) and scores each batch with it",
+    )
+    kl_loss_coef: float = _opt(0.0, "--kl-loss-coef", "float", ge=0, help="weight of the KL term (--use-kl-loss)")
+    kl_loss_type: str = _opt(
+        "k1",
+        "--kl-loss-type",
+        "choice",
+        choices=("k1", "k2", "k3", "low_var_kl"),
+        help="KL estimator per token, d = log pi - log pi_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, "
+        "low_var_kl = k3 clamped to [-10, 10]",
+    )
+    entropy_coef: float = _opt(
+        0.0, "--entropy-coef", "float", help="subtract this x the mean token entropy from the loss (> 0: explore)"
+    )
+    ref_load: Path | None = _opt(
+        None,
+        "--ref-load",
+        "path",
+        metavar="FOLDER",
+        default_help="the run's initial weights (--hf-checkpoint)",
+        help="HF folder of the reference model for --use-kl-loss",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -739,7 +804,7 @@ def section_from_dict(cls: type[_Section], data: Mapping[str, Any]) -> _Section:
         value = data[f.name]
         if opt.kind == "path" and value is not None:
             value = Path(value)
-        elif opt.kind == "urls":
+        elif opt.kind in ("urls", "strs"):
             value = tuple(value)
         kwargs[f.name] = typed(f, value)
     return cls(**kwargs)

@@ -5,9 +5,15 @@ Megatron trainer takes its place behind the same bridge. The math lives in `stag
 (shared by every backend); this module feeds it tensors. One `train_step` reads top to bottom:
 
     rewards (+ overlong penalty)  ->  group advantages  ->  token masks (loss mask, off-policy,
-    stale, truncated)  ->  proximal log-probs, once  ->  for each minibatch of --global-batch-size
-    samples: forward, PPO clip against the proximal policy, importance weight proximal/behaviour,
-    OPSM, aggregation, one AdamW step (skipped when the minibatch carries no signal)
+    stale, truncated)  ->  proximal log-probs, once  ->  reference log-probs, once (--use-kl-loss)
+    ->  for each minibatch of --global-batch-size samples: forward, `loss.policy_loss` (PPO clip
+    against the proximal policy, importance weight proximal/behaviour, OPSM, reference KL, entropy,
+    aggregation), one AdamW step (skipped when the minibatch carries no signal)
+
+The reference model (`--use-kl-loss`) is a frozen second copy of the model on the trainer's device,
+loaded from `ref_path` (the launcher passes the run's initial weights, or `--ref-load`; a resumed
+run rebuilds it from there, it is never saved with a checkpoint). Its log-probs cost one forward
+without gradient per batch; `ref_log_probs_time` reports the seconds.
 
 A partial-rollout sample may carry tokens from several policy versions (`Sample.spans`); each
 token's behaviour log-prob (`Sample.logprobs`) is the one the engine reported for the version that
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,6 +122,7 @@ class GRPOTrainer:
         device: str = "cpu",
         dtype: str = "float32",
         num_threads: int | None = 1,
+        ref_path: str | os.PathLike[str] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -151,7 +159,18 @@ class GRPOTrainer:
         self.model = model
         self.model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
         self.pad_id = self.model.config.pad_token_id or 0
+        self.lr = lr
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        # The frozen reference policy of the KL term: `ref_path`, else the weights this trainer starts from.
+        self.reference: torch.nn.Module | None = None
+        self.ref_path: Path | None = None
+        if self.loss.needs_reference:
+            self.ref_path = Path(ref_path) if ref_path is not None else self.model_path
+            reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(self.ref_path, dtype=torch.float32)
+            reference.to(self.device)
+            reference.train()  # the same mode as the policy, so equal weights give equal log-probs
+            reference.requires_grad_(False)
+            self.reference = reference
         self.steps = 0  # train_step calls, across restarts
         if has_optimizer(self.model_path):
             names = optimizer_param_names(self.model, self.optimizer)
@@ -173,17 +192,30 @@ class GRPOTrainer:
         # The proximal policy: the weights before this batch's first optimizer step. With a single
         # step it equals the step's own (detached) log-probs, so the extra forward is skipped.
         minibatches = self._minibatches(len(samples))
+        width = t.valid.shape[1]
         proximal: torch.Tensor | None = None
         if len(minibatches) > 1:
             with torch.no_grad():
                 proximal = torch.cat(
-                    [self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])[0] for mb in minibatches]
+                    [self._response_logprobs([samples[i] for i in mb], width)[0] for mb in minibatches]
                 )
         totals: defaultdict[str, float] = defaultdict(float)
+        reference: torch.Tensor | None = None
+        if self.reference is not None:
+            started = time.perf_counter()
+            with torch.no_grad():
+                reference = torch.cat(
+                    [
+                        self._response_logprobs([samples[i] for i in mb], width, model=self.reference)[0]
+                        for mb in minibatches
+                    ]
+                )
+            totals["ref_log_probs_time"] = time.perf_counter() - started
         for mb in minibatches:
-            self._minibatch_step(samples, mb, t, proximal, totals)
+            self._minibatch_step(samples, mb, t, proximal, reference, totals)
         self.steps += 1
-        return step_metrics(samples, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
+        totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        return step_metrics(batch, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
 
     def _minibatch_step(
         self,
@@ -191,50 +223,40 @@ class GRPOTrainer:
         mb: list[int],
         t: _Tensors,
         proximal: torch.Tensor | None,
+        reference: torch.Tensor | None,
         totals: defaultdict[str, float],
     ) -> None:
         """Forward, loss and (when there is signal) one optimizer step on the samples `mb`."""
         s = self.loss
         index = torch.tensor(mb, device=self.device)
         behaviour, mask, adv = t.behaviour[index], t.mask[index], t.advantages[index]
-        logp, entropy = self._response_logprobs([samples[i] for i in mb], t.valid.shape[1])
+        logp, entropy = self._response_logprobs(
+            [samples[i] for i in mb], t.valid.shape[1], entropy_grad=s.entropy_coef != 0
+        )
         prox = logp.detach() if proximal is None else proximal[index]
+        pl = L.policy_loss(
+            s,
+            current=logp,
+            entropy=entropy,
+            proximal=prox,
+            behaviour=behaviour,
+            mask=mask,
+            advantages=adv,
+            reference=None if reference is None else reference[index],
+        )
 
-        iw = L.importance_weights(prox, behaviour, mask, s)
-        train = mask & ~iw.dropped  # icepop / seq-mask drop tokens; truncation only bounds them
-        if s.use_opsm:
-            kept = L.opsm_mask(logp, behaviour, train, adv, s.opsm_delta)
-            totals["opsm_dropped"] += float((train & ~kept[:, None]).sum())
-            train = train & kept[:, None]
-        pg, clipped = L.ppo_clip_loss(logp, prox, adv[:, None], eps_clip=s.eps_clip, eps_clip_high=s.clip_high)
-        weight = iw.weight.masked_fill(~train, 0.0)
-        per_token = pg * weight
-        train_f = train.float()
-        loss = L.aggregate(per_token, train_f, s.aggregation, max_response_len=s.max_response_len)
-
-        # A minibatch without signal (no token trains, or every advantage is 0) takes no optimizer
-        # step: AdamW's momentum from earlier steps would otherwise move the weights anyway.
-        has_signal = bool((train & (adv[:, None] != 0)).any())
+        # A minibatch without signal (no token trains, or every advantage is 0 and no KL or entropy
+        # term) takes no optimizer step: AdamW's momentum would otherwise move the weights anyway.
+        has_signal = bool((pl.train & (adv[:, None] != 0)).any()) or (s.regularised and bool(pl.train.any()))
         grad_norm = 0.0
         if has_signal:
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            pl.loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
             self.optimizer.step()
             totals["optimizer_steps"] += 1
         totals["grad_norm"] += grad_norm
-        tally_minibatch(
-            totals,
-            loss=loss,
-            proximal=prox,
-            behaviour=behaviour,
-            mask=mask,
-            train=train,
-            weight=weight,
-            clipped=clipped,
-            entropy=entropy,
-            iw=iw,
-        )
+        tally_minibatch(totals, pl, proximal=prox, behaviour=behaviour, mask=mask, entropy=entropy)
 
     # ---- what trains, and with which advantage ------------------------------------------------
 
@@ -338,7 +360,12 @@ class GRPOTrainer:
         return [iw.weight[i, : s.response_len].tolist() for i, s in enumerate(samples)]
 
     def _response_logprobs(
-        self, samples: Sequence[Sample], width: int | None = None
+        self,
+        samples: Sequence[Sample],
+        width: int | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
 
@@ -346,6 +373,8 @@ class GRPOTrainer:
         changes a real token's logits. Only the R rows that predict response tokens go through the
         softmax: with a real vocabulary (150k), the full [B, L, V] log-softmax is where memory goes.
         `width` pads R to the whole batch's, so minibatches line up with the batch's tensors.
+        `model` is the policy unless given (the reference model); the entropy carries a gradient
+        only with `entropy_grad` (an entropy term in the loss).
         """
         n_resp = max(s.response_len for s in samples) if width is None else width
         n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
@@ -365,7 +394,7 @@ class GRPOTrainer:
         ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = self.model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+            logits = (model or self.model)(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
         full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         logp = full.gather(-1, targets[..., None]).squeeze(-1)
@@ -373,7 +402,7 @@ class GRPOTrainer:
             torch.arange(n_resp, device=self.device)[None, :]
             < torch.tensor([s.response_len for s in samples], device=self.device)[:, None]
         )
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
         return logp.masked_fill(~valid, 0.0), entropy
 

@@ -51,6 +51,23 @@ DAPO overlong penalty (`--overlong-buffer-len L_buf --overlong-penalty-factor f`
     penalty(L) = 0                              if L <= L_max - L_buf
                  -f * (L - (L_max - L_buf)) / L_buf   otherwise (reaching -f at L_max)
 
+Reference KL and entropy (`--use-kl-loss --kl-loss-coef beta --kl-loss-type`, `--entropy-coef e`;
+slime's names and semantics). pi_ref is a frozen reference model (the run's initial weights, or
+`--ref-load`); with d_t = log pi_t - log pi_ref_t (pi_t: the weights being trained, with gradient)
+
+    k1          kl_t = d_t
+    k2          kl_t = d_t^2 / 2
+    k3          kl_t = exp(-d_t) - 1 + d_t                   (Schulman's non-negative estimator)
+    low_var_kl  kl_t = clamp(k3 with d_t clamped to [-20, 20], -10, 10)   (verl's; slime clamps only
+                                                              the result, so a large |d| overflows exp)
+
+    per-token objective:  loss_t = w(r)_t * pg_t + beta * kl_t - e * H_t
+
+where H_t is the entropy of pi's next-token distribution at t (with gradient when e != 0). The
+three terms share the trained-token mask and the aggregation below, so `pg_loss`, `kl_loss` and
+`entropy_loss` (slime's metric names) add up to `loss` = pg_loss + beta kl_loss - e entropy_loss.
+The importance weight multiplies only the policy-gradient term, as in slime.
+
 Aggregation of `loss_t` over a (mini)batch of B samples (`--loss-agg-mode`):
     token-mean             sum_{i,t} m_it loss_it / sum_{i,t} m_it      (slime --calculate-per-token-loss)
     seq-mean-token-mean    1/B sum_i (sum_t m_it loss_it / max(sum_t m_it, 1))   (slime's default)
@@ -68,8 +85,10 @@ import torch
 
 __all__ = [
     "ImportanceCorrection",
+    "KLType",
     "LossAggregation",
     "LossSettings",
+    "PolicyLoss",
     "aggregate",
     "approx_kl_k3",
     "group_advantages",
@@ -77,7 +96,9 @@ __all__ = [
     "newest_version_mask",
     "opsm_mask",
     "overlong_penalty",
+    "policy_loss",
     "ppo_clip_loss",
+    "reference_kl",
     "stale_token_mask",
     "token_entropy",
 ]
@@ -90,6 +111,15 @@ class ImportanceCorrection(enum.Enum):
     TRUNCATE = "truncate"
     ICEPOP = "icepop"
     SEQ_MASK = "seq-mask"
+
+
+class KLType(enum.Enum):
+    """The estimator of KL(pi || pi_ref) per token (`--kl-loss-type`; the module docstring)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+    LOW_VAR_KL = "low_var_kl"
 
 
 class LossAggregation(enum.Enum):
@@ -119,9 +149,17 @@ class LossSettings:
     mask_truncated_samples: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
     mask_stale_tokens: int | None = None  # K; None = no staleness mask
+    use_kl_loss: bool = False  # a KL(pi || pi_ref) term; the trainer then keeps a reference model
+    kl_loss_coef: float = 0.0  # beta
+    kl_loss_type: KLType = KLType.K1
+    entropy_coef: float = 0.0  # e: > 0 rewards entropy (slime's --entropy-coef)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.kl_loss_coef < 0:
+            problems.append(f"kl_loss_coef={self.kl_loss_coef}: must be >= 0")
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            problems.append(f"kl_loss_coef={self.kl_loss_coef} without use_kl_loss: the KL term would be off")
         if self.eps_clip <= 0 or (self.eps_clip_high is not None and self.eps_clip_high <= 0):
             problems.append(f"eps_clip={self.eps_clip}, eps_clip_high={self.eps_clip_high}: both must be > 0")
         if not 0 <= self.tis_clip_low < self.tis_clip:
@@ -145,6 +183,17 @@ class LossSettings:
     @property
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the trainer must compute reference log-probs for each batch."""
+        return self.use_kl_loss
+
+    @property
+    def regularised(self) -> bool:
+        """Whether a term besides the policy gradient has a gradient (then a zero-advantage
+        minibatch still has signal)."""
+        return (self.use_kl_loss and self.kl_loss_coef > 0) or self.entropy_coef != 0
 
 
 # ---- advantages and reward shaping ------------------------------------------------------------
@@ -270,6 +319,93 @@ def aggregate(
     if max_response_len is None:
         raise ValueError(f"{mode.value} needs max_response_len, got None")
     return masked.sum() / (loss.shape[0] * max_response_len)
+
+
+def reference_kl(current: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, kind: KLType) -> torch.Tensor:
+    """[B, R] per-token estimate of KL(pi || pi_ref) (`kind`, module docstring); 0 outside `mask`.
+
+    The difference is zeroed outside the mask before any `exp`, so padding never makes inf or NaN.
+    """
+    d = (current - reference).masked_fill(~mask, 0.0)
+    if kind is KLType.K1:
+        return d
+    if kind is KLType.K2:
+        return d * d / 2
+    if kind is KLType.LOW_VAR_KL:
+        d = d.clamp(-20.0, 20.0)
+        return (torch.expm1(-d) + d).clamp(-10.0, 10.0)
+    return torch.expm1(-d) + d
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLoss:
+    """One (micro/mini)batch's loss and what went into it, for the backward and the metrics."""
+
+    loss: torch.Tensor  # scalar: pg_loss + beta * kl_loss - e * entropy_loss
+    pg_loss: torch.Tensor  # scalar, each term aggregated like the loss (detached)
+    kl_loss: torch.Tensor
+    entropy_loss: torch.Tensor
+    train: torch.Tensor  # [B, R] bool: the tokens that train (masks, then IS and OPSM drops)
+    weight: torch.Tensor  # [B, R] the importance weight applied (0 where not trained)
+    clipped: torch.Tensor  # [B, R] bool: the PPO clip's branch won
+    iw: ImportanceWeights
+    opsm_dropped: torch.Tensor  # [B, R] bool: tokens OPSM took out
+
+
+def policy_loss(
+    settings: LossSettings,
+    *,
+    current: torch.Tensor,
+    entropy: torch.Tensor,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    reference: torch.Tensor | None = None,
+) -> PolicyLoss:
+    """The whole objective on [B, R] tensors: every backend's (mini/micro)batch body, in one place.
+
+    `current` (and `entropy`, when `settings.entropy_coef` != 0) carry the gradient; `proximal`,
+    `behaviour` and `reference` are constants; `mask` (bool) is the token mask after every rule;
+    `advantages` is [B]. `reference` is needed when `settings.use_kl_loss`.
+    """
+    s = settings
+    iw = importance_weights(proximal, behaviour, mask, s)
+    train = mask & ~iw.dropped  # icepop / seq-mask drop tokens; truncation only bounds them
+    opsm_dropped = torch.zeros_like(train)
+    if s.use_opsm:
+        kept = opsm_mask(current, behaviour, train, advantages, s.opsm_delta)
+        opsm_dropped = train & ~kept[:, None]
+        train = train & kept[:, None]
+    pg, clipped = ppo_clip_loss(current, proximal, advantages[:, None], eps_clip=s.eps_clip, eps_clip_high=s.clip_high)
+    weight = iw.weight.masked_fill(~train, 0.0)
+    train_f = train.float()
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        return aggregate(x, train_f, s.aggregation, max_response_len=s.max_response_len)
+
+    pg_loss = agg(pg * weight)
+    total = pg_loss
+    kl_loss = torch.zeros((), device=current.device)
+    if s.use_kl_loss:
+        if reference is None:
+            raise ValueError("use_kl_loss needs the reference log-probs, got None")
+        kl_loss = agg(reference_kl(current, reference, train, s.kl_loss_type))
+        total = total + s.kl_loss_coef * kl_loss
+    entropy_loss = agg(entropy.masked_fill(~train, 0.0))
+    if s.entropy_coef != 0:
+        total = total - s.entropy_coef * entropy_loss
+    return PolicyLoss(
+        total,
+        pg_loss.detach(),
+        kl_loss.detach(),
+        entropy_loss.detach(),
+        train,
+        weight,
+        clipped,
+        iw,
+        opsm_dropped,
+    )
 
 
 # ---- diagnostics -----------------------------------------------------------------------------------

@@ -64,26 +64,36 @@ def pack(rows: Sequence[Row], device: torch.device) -> Packed:
 
 
 def head_logprobs(
-    logits: torch.Tensor, packed: Packed, *, temperature: float, tp_group: Any, tp: int
+    logits: torch.Tensor, packed: Packed, *, temperature: float, tp_group: Any, tp: int, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the response tokens and the entropy at each, from the logits [1, S, V / tp]: [R] each."""
+    """Log-probs of the response tokens and the entropy at each, from the logits [1, S, V / tp]: [R] each.
+
+    The entropy carries a gradient only with `entropy_grad` (an `--entropy-coef` term in the loss)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     picked = logits[0, packed.predict].float() / temperature  # [R, V / tp]
     # -log softmax(logits)[target] over the whole vocabulary, each TP rank holding a slice of it.
     logp = -vocab_parallel_cross_entropy(picked[:, None].clone(), packed.target[:, None])[:, 0]
-    return logp, _entropy(picked.detach(), tp_group, tp)
+    if entropy_grad:
+        return logp, _entropy(picked, tp_group, tp)
+    with torch.no_grad():
+        return logp, _entropy(picked.detach(), tp_group, tp)
 
 
-@torch.no_grad()
 def _entropy(logits: torch.Tensor, tp_group: Any, tp: int) -> torch.Tensor:
-    """Entropy of softmax(logits) per row, the vocabulary split over the TP group: [R]."""
-    peak = logits.max(dim=-1, keepdim=True).values
+    """Entropy of softmax(logits) per row, the vocabulary split over the TP group: [R].
+
+    Differentiable: the sums over the vocabulary slices meet in megatron's all-reduce whose
+    backward is the identity (each TP rank computes the same loss from the same totals). The
+    peak only shifts the logits for a stable exp; it cancels, so it carries no gradient."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    peak = logits.detach().max(dim=-1, keepdim=True).values
     if tp > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - peak
     weights = shifted.exp()
     parts = torch.stack([weights.sum(-1), (weights * shifted).sum(-1)])
     if tp > 1:
-        dist.all_reduce(parts, group=tp_group)
+        parts = reduce_from_tensor_model_parallel_region(parts)
     return parts[0].log() - parts[1] / parts[0]  # log Z - E[shifted]

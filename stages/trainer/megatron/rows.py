@@ -30,6 +30,9 @@ __all__ = ["Row", "batch_rows", "micro_batch_loss", "step_metrics"]
 
 TOTALS = (
     "loss",
+    "pg_loss",
+    "kl_loss",
+    "entropy_loss",
     "trained_tokens",
     "masked_tokens",
     "clipped",
@@ -156,49 +159,38 @@ def micro_batch_loss(
     batch_samples: int,
     totals: defaultdict[str, float],
     proximal_flat: torch.Tensor | None = None,
+    reference_flat: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This micro-batch's part of its minibatch's loss (backward it), adding its sums to `totals`.
 
     `batch_tokens` and `batch_samples` are the minibatch's (one optimizer step's) token count and
     sample count. `proximal_flat`: the log-probs recomputed before the rollout batch's first
     optimizer step (several steps per batch); None means one step, where the proximal policy is
-    the current one.
+    the current one. `reference_flat`: the reference model's log-probs (`--use-kl-loss`).
     """
     s, device = settings, logp_flat.device
     logp, entropy = _padded(rows, logp_flat), _padded(rows, entropy_flat)
     behaviour, mask, adv = _row_tensors(rows, logp.shape[1], device)
     prox = logp.detach() if proximal_flat is None else _padded(rows, proximal_flat)
-
-    iw = L.importance_weights(prox, behaviour, mask, s)
-    train = mask & ~iw.dropped
-    if s.use_opsm:
-        kept = L.opsm_mask(logp, behaviour, train, adv, s.opsm_delta)
-        totals["opsm_dropped"] += float((train & ~kept[:, None]).sum())
-        train = train & kept[:, None]
-    pg, clipped = L.ppo_clip_loss(logp, prox, adv[:, None], eps_clip=s.eps_clip, eps_clip_high=s.clip_high)
-    weight = iw.weight.masked_fill(~train, 0.0)
-    train_f = train.float()
-    loss = L.aggregate(pg * weight, train_f, s.aggregation, max_response_len=s.max_response_len)
-    share = (
-        float(train_f.sum()) / max(batch_tokens, 1.0)
-        if s.aggregation is LossAggregation.TOKEN_MEAN
-        else len(rows) / batch_samples
-    )
-    loss = loss * share
-    totals["signal"] += float((train & (adv[:, None] != 0)).sum())
-    tally_minibatch(
-        totals,
-        loss=loss,
+    pl = L.policy_loss(
+        s,
+        current=logp,
+        entropy=entropy,
         proximal=prox,
         behaviour=behaviour,
         mask=mask,
-        train=train,
-        weight=weight,
-        clipped=clipped,
-        entropy=entropy,
-        iw=iw,
+        advantages=adv,
+        reference=None if reference_flat is None else _padded(rows, reference_flat),
     )
-    return loss
+    share = (
+        float(pl.train.float().sum()) / max(batch_tokens, 1.0)
+        if s.aggregation is LossAggregation.TOKEN_MEAN
+        else len(rows) / batch_samples
+    )
+    signal = pl.train & (adv[:, None] != 0)
+    totals["signal"] += float((pl.train if s.regularised else signal).sum())
+    tally_minibatch(totals, pl, proximal=prox, behaviour=behaviour, mask=mask, entropy=entropy, scale=share)
+    return pl.loss * share
 
 
 def step_metrics(
@@ -229,9 +221,7 @@ def step_metrics(
     summed: defaultdict[str, float] = defaultdict(float, totals)
     summed["grad_norm"] = grad_norm_sum
     summed["optimizer_steps"] = float(optimizer_steps)
-    return shared(
-        batch.samples, trains, [r.advantage for r in rows], valid, mask, token_versions, summed, n_minibatches
-    )
+    return shared(batch, trains, [r.advantage for r in rows], valid, mask, token_versions, summed, n_minibatches)
 
 
 def trained_token_count(

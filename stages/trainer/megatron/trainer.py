@@ -40,11 +40,18 @@ Optimizer: by default torch AdamW on each rank's shard, with the gradient collec
 megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the same step, with
 the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
 it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
+
+Reference model (`--use-kl-loss`): a second GPTModel with the same TP/PP layout, frozen, loaded
+from `ref_path` (the run's initial weights, or `--ref-load`); each rank holds its own shard and
+runs one forward without gradient per micro-batch per rollout batch, before the first optimizer
+step. Its log-probs live on the last stage, where the loss is. It is rebuilt from `ref_path` on
+a restart, never saved.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,6 +139,7 @@ class MegatronTrainer:
         dtype: str = "float32",
         num_threads: int | None = 1,
         distributed_optimizer: bool = False,
+        ref_path: str | os.PathLike[str] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -185,6 +193,15 @@ class MegatronTrainer:
         self._names = global_names(self.model, self.shape)
         self._tied_copy = frozenset(n for n, full in self._names.items() if n == "output_layer.weight" and full != n)
         fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        self.lr = lr
+        self.reference: torch.nn.Module | None = None
+        if self.loss.needs_reference:
+            self.reference = build_gpt_model(
+                self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
+            )
+            ref = Path(ref_path) if ref_path is not None else self.model_path
+            load_hf_weights(self.reference, ref, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+            self.reference.requires_grad_(False)
         self.steps = 0
         resume = self.model_path / OPTIMIZER_DIR
         self.distopt: DistributedOptimizer | None = None
@@ -294,14 +311,22 @@ class MegatronTrainer:
             with torch.no_grad():
                 proximal = [[self._forward_logprobs(c)[0] for c in chunks] for chunks in plans]
         step = _StepTotals(defaultdict(float), 0.0, 0, len(minibatches))
+        reference: list[list[torch.Tensor]] | None = None
+        if self.reference is not None:
+            started = time.perf_counter()
+            reference = [[self._forward_logprobs(c, model=self.reference)[0] for c in chunks] for chunks in plans]
+            step.totals["ref_log_probs_time"] = time.perf_counter() - started
         for i, (mb, chunks) in enumerate(zip(minibatches, plans, strict=True)):
-            totals, grad_norm, stepped = self._minibatch_step(mb, chunks, None if proximal is None else proximal[i])
+            totals, grad_norm, stepped = self._minibatch_step(
+                mb, chunks, None if proximal is None else proximal[i], None if reference is None else reference[i]
+            )
             for key, value in totals.items():
                 step.totals[key] = max(step.totals[key], value) if key == "weight_max" else step.totals[key] + value
             if stepped:
                 step.grad_norm_sum += grad_norm
                 step.optimizer_steps += 1
         self.steps += 1
+        step.totals["lr"] = self.lr
         return step
 
     def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
@@ -310,7 +335,11 @@ class MegatronTrainer:
         return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
 
     def _minibatch_step(
-        self, minibatch: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None
+        self,
+        minibatch: list[Row],
+        chunks: list[list[Row]],
+        proximal: list[torch.Tensor] | None,
+        reference: list[torch.Tensor] | None = None,
     ) -> tuple[defaultdict[str, float], float, bool]:
         """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
 
@@ -343,6 +372,7 @@ class MegatronTrainer:
                     batch_samples=len(minibatch),
                     totals=totals,
                     proximal_flat=None if proximal is None else proximal[j],
+                    reference_flat=None if reference is None else reference[j],
                 )
             pending.append(flight)
             if self.stage.pp == 1:
@@ -385,10 +415,13 @@ class MegatronTrainer:
         self.master.copy_to_model()
         return totals, grad_norm, True
 
-    def _forward(self, rows: Sequence[Row], *, train: bool) -> tuple[Packed, InFlight]:
+    def _forward(
+        self, rows: Sequence[Row], *, train: bool, model: torch.nn.Module | None = None
+    ) -> tuple[Packed, InFlight]:
         """This stage's forward of one packed micro-batch (the output is the logits on the last stage)."""
         packed = pack(rows, self.device)
-        return packed, forward(self.model, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+        module = self.model if model is None else model
+        return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
 
     def _backward(self, flight: InFlight) -> None:
         backward(self.stage, flight)
@@ -399,13 +432,23 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
-        return head_logprobs(logits, packed, temperature=self.temperature, tp_group=group, tp=self.layout.tp)
+        return head_logprobs(
+            logits,
+            packed,
+            temperature=self.temperature,
+            tp_group=group,
+            tp=self.layout.tp,
+            entropy_grad=self.loss.entropy_coef != 0 and torch.is_grad_enabled(),
+        )
 
-    def _forward_logprobs(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of the response tokens of `rows` through every stage, no grad:
-        on the last stage; other stages return empty tensors (they only pass hidden states on)."""
+    def _forward_logprobs(
+        self, rows: Sequence[Row], *, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens of `rows` through every stage (of `model`,
+        the policy unless given), no grad: on the last stage; other stages return empty tensors
+        (they only pass hidden states on)."""
         with torch.no_grad():
-            packed, flight = self._forward(rows, train=False)
+            packed, flight = self._forward(rows, train=False, model=model)
             if self.stage.last:
                 return self._head(flight.output, packed)
         empty = torch.empty(0, device=self.device)
