@@ -2,7 +2,7 @@
 
     python -m launch.engines.builtin --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-running-requests 64] [--context-length N] [--device cpu|cuda|cuda:N]
-        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N]
+        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fuse-norms]
         [--weight-version 0] [--log-level info]
 
 The HTTP surface (`http.py`) and scheduler (`scheduler.py`) are every engine's; this module loads
@@ -61,6 +61,7 @@ async def open_server(
     max_running_requests: int = 64,
     disable_cuda_graph: bool = False,
     cuda_graph_max_bs: int | None = None,
+    fuse_norms: bool = False,
     **options: Any,
 ) -> AsyncIterator[EngineServer]:
     """Load the model, start the decode loop and listen; yield the server (port 0 picks a free port).
@@ -99,6 +100,7 @@ async def open_server(
             max_running_requests=max_running_requests,
             decode=DecodeMode.GRAPHS if graphs else DecodeMode.EAGER,
             graph_max_batch=cuda_graph_max_bs,
+            fuse_norms=fuse_norms,
         )
         if kv_cache == "slots"
         else TorchForward(runner)
@@ -140,6 +142,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cuda-graph-max-bs", type=int, default=None, help="largest batch decoded by a CUDA graph (default: all)"
     )
+    ap.add_argument(
+        "--fuse-norms", action="store_true", help="compile the model's RMSNorms into one kernel each (torch.compile)"
+    )
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
@@ -164,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_cache=args.kv_cache,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        fuse_norms=args.fuse_norms,
     )
     # An unusable model folder or a port taken: say why in a line.
     return run_main(run, log_level=args.log_level, startup_errors=(WeightLoadError, ConfigError, OSError))

@@ -48,6 +48,7 @@ import enum
 import functools
 import heapq
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -62,6 +63,8 @@ from launch.engines.seam import Draw, Row
 from launch.engines.slot_attention import SlotCache, SlotPlan, use_slot_attention
 from launch.engines.torch_model import ModelRunner, TorchForward, draw_tokens
 from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DecodeMode", "KVCacheForward", "SlotCache", "SlotStatistics"]
 
@@ -103,10 +106,12 @@ class KVCacheForward(TorchForward):
         max_running_requests: int,
         decode: DecodeMode | None = None,
         graph_max_batch: int | None = None,
+        fuse_norms: bool = False,
     ) -> None:
         """`decode` defaults to GRAPHS on a cuda device and EAGER elsewhere; `graph_max_batch`
         (SGLang's `--cuda-graph-max-bs`, default `max_running_requests`) is the largest batch a graph
-        serves: larger batches decode eagerly."""
+        serves: larger batches decode eagerly; `fuse_norms` compiles the model's RMSNorms
+        (`fused_norms.py`)."""
         super().__init__(runner)
         device = runner.device
         decode = decode or (DecodeMode.GRAPHS if device.type == "cuda" else DecodeMode.EAGER)
@@ -126,6 +131,8 @@ class KVCacheForward(TorchForward):
             device=device,
         )
         use_slot_attention(runner.model)
+        if fuse_norms:
+            _fuse_norms(runner)
         # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
         params = inspect.signature(runner.model.base_model.forward).parameters
         # Not a bound method: the graphs hold this, and a cycle through them would leave a dropped
@@ -315,6 +322,19 @@ class KVCacheForward(TorchForward):
             "disable_cuda_graph": self.graphs is None or not self.graphs.statistics().capturing,
             "cuda_graph_max_bs": None if self.graphs is None else self.graphs.max_batch,
         }
+
+
+def _fuse_norms(runner: ModelRunner) -> None:
+    from launch.engines.fused_norms import fuse_norms, unfuse_norms
+
+    if not fuse_norms(runner.model):
+        return
+    try:  # compile now, on a small input: a failure keeps the eager norms, it does not stop the engine
+        with torch.inference_mode():
+            runner.model.base_model.norm(torch.ones((1, 1, runner.config.hidden_size), device=runner.device))
+    except Exception:
+        log.exception("compiling the RMSNorms failed; they stay eager")
+        unfuse_norms(runner.model)
 
 
 def _decode_rows(
