@@ -87,6 +87,7 @@ def test_graph_decode_equals_eager_decode_at_fp32(tmp_path: Path) -> None:
     assert stats.graphs >= 3 and stats.replays == kv.statistics().decode_steps
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports warn
 def test_fused_norm_graph_decode_equals_recompute_at_fp32(tmp_path: Path) -> None:
     """The fast path whole (slots read in place, folded GQA heads, compiled norms, CUDA graphs)
     against the recompute forward (transformers' own attention, no cache), token for token at fp32."""

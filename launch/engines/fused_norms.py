@@ -40,7 +40,9 @@ def _norm_forward(module: Any, compiled: Callable[..., torch.Tensor]) -> Callabl
     weight, eps = module.weight, float(module.variance_epsilon)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return compiled(hidden, weight, eps)
+        # Flattened to [tokens, features]: one rank for every norm (the q/k norms see [B, q, H, D]),
+        # so the compile's guards hold for all of them (else recompiles run into dynamo's limit).
+        return compiled(hidden.reshape(-1, hidden.shape[-1]), weight, eps).reshape(hidden.shape)
 
     return forward
 
