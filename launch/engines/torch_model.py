@@ -204,7 +204,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         lp = torch.log_softmax(logits[greedy], dim=-1)
-        _fill(draws, greedy, lp.argmax(dim=-1), lp)
+        _fill(draws, greedy, _ends(lp.argmax(dim=-1), greedy, rows), lp)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         logprobs = _sampling_logprobs(logits[sampled], [rows[i].params for i in sampled])
@@ -218,8 +218,22 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
         # u*total rounded onto the last step lands on a token of zero probability: take the mode.
         landed = logprobs.gather(1, tokens[:, None]).squeeze(1)
         tokens = torch.where(torch.isfinite(landed), tokens, logprobs.argmax(dim=-1))
-        _fill(draws, sampled, tokens, logprobs)
+        _fill(draws, sampled, _ends(tokens, sampled, rows), logprobs)
     return [d for d in draws if d is not None]
+
+
+def _ends(tokens: torch.Tensor, at: Sequence[int], rows: Sequence[Row]) -> torch.Tensor:
+    """`tokens` of rows `at`, with each row that a length tail ends here given its end token."""
+    ends = [(j, rows[i].end_token) for j, i in enumerate(at) if _ends_here(rows[i])]
+    if not ends:
+        return tokens
+    tokens = tokens.clone()
+    tokens[[j for j, _ in ends]] = torch.tensor([t for _, t in ends], dtype=tokens.dtype, device=tokens.device)
+    return tokens
+
+
+def _ends_here(row: Row) -> bool:
+    return row.end_at is not None and row.position >= row.end_at
 
 
 def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
