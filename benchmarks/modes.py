@@ -204,6 +204,12 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", help="builtin: cpu, cuda or cuda:N")
     parser.add_argument("--model-size", default="tiny", choices=["tiny", "0.6b"], help="builtin: the model")
     parser.add_argument("--quick", action="store_true", help="builtin: the tiny model, 3 short steps")
+    parser.add_argument(
+        "--length-tail",
+        default=None,
+        metavar="DIST",
+        help="builtin: end samples at lengths from the simulated engine's distribution (e.g. lognormal:-1.9,0.8)",
+    )
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     parsed = parser.parse_args()
     if parsed.engine == "builtin":

@@ -11,6 +11,12 @@ the quick start's; with `--model-size 0.6b` the model is a random-init Qwen3 of 
 trained and served in fp32, its window cut to 2048 tokens so that the engine's KV cache (slots x
 window) fits beside the trainer. Times are wall seconds.
 
+`--length-tail lognormal:-1.9,0.8` gives the real model the simulated engine's long tail: the
+engine (started here, the pipeline reaching it by `--sglang-url`) ends each sample at a length
+drawn from the simulated engine's distribution, a function of the sample (`launch/engines/
+length_tail.py`), with `--max-len` the response limit; a fourth mode, async with an overlapped
+publish, runs then too.
+
 Columns: groups/s and tokens/s end to end; ratio over sync; slot busy (share of engine slot time
 holding a request, from the run's events); train and publish seconds per step (medians).
 """
@@ -20,8 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,7 @@ MODES: dict[str, list[str]] = {
     "sync+partial": ["--rollout-mode", "sync", "--partial-rollout", "--over-sampling-batch-size", "{double}"],
     "async": ["--rollout-mode", "async"],
 }
+TAIL_MODES = {**MODES, "async+overlap": ["--rollout-mode", "async", "--overlap-weight-transfer"]}
 
 
 def _model(args: argparse.Namespace, root: Path) -> Path:
@@ -58,10 +68,54 @@ def _transport(device: str) -> str:
 
 def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
     out = root / name.replace("+", "-")
-    flags = [f.format(double=2 * args.batch) for f in MODES[name]]
+    flags = [f.format(double=2 * args.batch) for f in TAIL_MODES[name]]
+    engine = None
+    if args.length_tail:
+        flags += ["--rollout-max-response-len", str(args.max_len)]
+        engine = _start_tail_engine(args, model, out)
+        flags += ["--sglang-url", engine[1]]
     transport = _transport(args.device)
     t0 = time.perf_counter()
-    code = launch_main(
+    try:
+        code = _launch(args, model, out, transport, flags)
+    finally:
+        if engine is not None:
+            engine[0].terminate()
+            engine[0].wait(30)
+    wall = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
+    return _summary(name, args, out, wall, transport)
+
+
+def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The built-in engine with the length tail, as the launcher would start it; (process, url)."""
+    from launch.engine_process import free_port
+
+    port = free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "tail-engine.log").open("wb")
+    cmd = [sys.executable, "-m", "launch.engines.builtin", "--model-path", str(model), "--port", str(port)]
+    cmd += ["--device", args.device, "--max-running-requests", "64", "--length-tail", args.length_tail]
+    cmd += ["--length-tail-limit", str(args.max_len)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the tail engine exited ({proc.returncode}); see {out / 'tail-engine.log'}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the tail engine did not answer within 300 s")
+
+
+def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, flags: list[str]) -> int:
+    return launch_main(
         [
             "--output-dir",
             str(out),
@@ -85,9 +139,9 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
             *flags,
         ]
     )
-    wall = time.perf_counter() - t0
-    if code != 0:
-        raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
+
+
+def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transport: str) -> dict[str, Any]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = list(read_events(out / "events.jsonl"))
     if args.timeline_dir:
@@ -110,12 +164,14 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = _model(args, root)
-        results = {name: run_mode(name, args, model, root) for name in MODES}
+        modes = TAIL_MODES if args.length_tail else MODES
+        results = {name: run_mode(name, args, model, root) for name in modes}
     base = results["sync"]["groups/s"]
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
     print(
         f"\nbuilt-in engine, {args.model_size} model on {args.device}; {args.steps} steps of {args.batch} groups x "
         f"{args.group} samples; publish: {results['sync']['transport']}"
+        + (f"; length tail {args.length_tail}, max {args.max_len} tokens" if args.length_tail else "")
     )
     print(f"{'mode':16}" + "".join(f"{c:>11}" for c in cols))
     for name, r in results.items():
