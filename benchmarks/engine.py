@@ -46,7 +46,7 @@ from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
 from stages.tasks.tiny_model import make_model_folder
 
-FUSE_NORMS = False  # --fuse-norms
+FUSE_OPS = False  # --fuse-ops
 
 _PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0)
 
@@ -181,8 +181,8 @@ def qwen3_06b_folder(path: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> None:
-    global FUSE_NORMS
-    FUSE_NORMS = args.fuse_norms
+    global FUSE_OPS
+    FUSE_OPS = args.fuse_ops
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -254,7 +254,7 @@ def main(args: argparse.Namespace) -> None:
 def _kv(runner: ModelRunner, batch: int, context: int, steps: int, mode: DecodeMode) -> tuple[float, list[int], float]:
     """`measure` on a fresh KV forward of `batch` slots, freed afterwards (its cache and graphs),
     plus the time of a graph replay alone (NaN without graphs)."""
-    kv = KVCacheForward(runner, max_running_requests=batch, decode=mode, fuse_norms=FUSE_NORMS)
+    kv = KVCacheForward(runner, max_running_requests=batch, decode=mode, fuse_ops=FUSE_OPS)
     try:
         step, tokens = measure(runner, kv, batch, context, steps)
         replay = math.nan
@@ -306,7 +306,9 @@ if __name__ == "__main__":
     parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU, time the eager KV decode only")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
-    parser.add_argument("--fuse-norms", action="store_true", help="the engine's RMSNorms compiled (fused_norms.py)")
+    parser.add_argument(
+        "--fuse-ops", action="store_true", help="the engine's RMSNorms and rotary embedding compiled (fused_ops.py)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
         "--reference-batches",

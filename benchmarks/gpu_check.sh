@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }   # STEPS="engine modes-builtin": a subset
 want pytest-gpu && step pytest-gpu 170 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py
 want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtype bfloat16 --qwen3-06b --batches 1,16,128 \
-  --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-norms --reference-batches 128
+  --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-ops --reference-batches 128
 want publish-transfer && step publish-transfer 75 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
   --model-size 0.6b --publishes 3
 want modes-builtin && step modes-builtin 300 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b \

@@ -103,7 +103,7 @@ def test_fused_norm_graph_decode_equals_recompute_at_fp32(tmp_path: Path) -> Non
     rng = random.Random(2)
     prompts = [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 120))) for _ in range(13)]
     reference = _run_batched(runner, prompts, len(prompts))
-    kv = KVCacheForward(runner, max_running_requests=6, decode=DecodeMode.GRAPHS, fuse_norms=True)
+    kv = KVCacheForward(runner, max_running_requests=6, decode=DecodeMode.GRAPHS, fuse_ops=True)
     for ref, got in zip(reference, _run_batched(kv, prompts, 6), strict=True):
         assert [t for t, _ in got] == [t for t, _ in ref]
         assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref, strict=True)) < 1e-4

@@ -2,7 +2,7 @@
 
     python -m launch.engines.builtin --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-running-requests 64] [--context-length N] [--device cpu|cuda|cuda:N]
-        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fuse-norms]
+        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fuse-ops]
         [--weight-version 0] [--log-level info]
         [--length-tail lognormal:-1.9,0.8] [--length-tail-truncate-frac 0.1] [--length-tail-limit N]
 
@@ -64,7 +64,7 @@ async def open_server(
     max_running_requests: int = 64,
     disable_cuda_graph: bool = False,
     cuda_graph_max_bs: int | None = None,
-    fuse_norms: bool = False,
+    fuse_ops: bool = False,
     length_tail: LengthTail | None = None,
     **options: Any,
 ) -> AsyncIterator[EngineServer]:
@@ -104,7 +104,7 @@ async def open_server(
             max_running_requests=max_running_requests,
             decode=DecodeMode.GRAPHS if graphs else DecodeMode.EAGER,
             graph_max_batch=cuda_graph_max_bs,
-            fuse_norms=fuse_norms,
+            fuse_ops=fuse_ops,
         )
         if kv_cache == "slots"
         else TorchForward(runner)
@@ -149,7 +149,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--cuda-graph-max-bs", type=int, default=None, help="largest batch decoded by a CUDA graph (default: all)"
     )
     ap.add_argument(
-        "--fuse-norms", action="store_true", help="compile the model's RMSNorms into one kernel each (torch.compile)"
+        "--fuse-ops",
+        action="store_true",
+        help="compile the model's RMSNorms and rotary embedding into one kernel each (torch.compile)",
     )
     ap.add_argument(
         "--length-tail",
@@ -200,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_cache=args.kv_cache,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        fuse_norms=args.fuse_norms,
+        fuse_ops=args.fuse_ops,
         length_tail=tail,
     )
     # An unusable model folder or a port taken: say why in a line.

@@ -144,7 +144,7 @@ class DecodeGraphs:
         )
         with _on(self._device):
             graph = self._graph(batch, kv) if self._capture else None
-            self._inputs[:, :batch].copy_(host)  # after a capture: its warm-up wrote the dummy rows
+            self._inputs[:, :batch].copy_(host, non_blocking=True)  # after a capture: its warm-up wrote the dummy rows
             if graph is not None:
                 graph.replay()
             else:

@@ -61,7 +61,7 @@ import torch
 from launch.engines.decode_graphs import DecodeGraphs, GraphStatistics
 from launch.engines.seam import Draw, Row
 from launch.engines.slot_attention import SlotCache, SlotPlan, use_slot_attention
-from launch.engines.torch_model import ModelRunner, TorchForward, draw_tokens
+from launch.engines.torch_model import ModelRunner, TorchForward, draw_tokens, to_device
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,12 @@ class KVCacheForward(TorchForward):
         max_running_requests: int,
         decode: DecodeMode | None = None,
         graph_max_batch: int | None = None,
-        fuse_norms: bool = False,
+        fuse_ops: bool = False,
     ) -> None:
         """`decode` defaults to GRAPHS on a cuda device and EAGER elsewhere; `graph_max_batch`
         (SGLang's `--cuda-graph-max-bs`, default `max_running_requests`) is the largest batch a graph
-        serves: larger batches decode eagerly; `fuse_norms` compiles the model's RMSNorms
-        (`fused_norms.py`)."""
+        serves: larger batches decode eagerly; `fuse_ops` compiles the model's RMSNorms and
+        rotary embedding (`fused_ops.py`)."""
         super().__init__(runner)
         device = runner.device
         decode = decode or (DecodeMode.GRAPHS if device.type == "cuda" else DecodeMode.EAGER)
@@ -131,8 +131,8 @@ class KVCacheForward(TorchForward):
             device=device,
         )
         use_slot_attention(runner.model)
-        if fuse_norms:
-            _fuse_norms(runner)
+        if fuse_ops:
+            _fuse_ops(runner)
         # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
         params = inspect.signature(runner.model.base_model.forward).parameters
         # Not a bound method: the graphs hold this, and a cycle through them would leave a dropped
@@ -247,9 +247,9 @@ class KVCacheForward(TorchForward):
             kv = max(positions) + 1  # from the host's numbers: no device read back
             hidden = _decode_rows(
                 self._decoder,
-                torch.tensor(ids, device=dev),
-                torch.tensor(positions, device=dev),
-                torch.tensor(writes, device=dev),
+                to_device(ids, torch.long, dev),
+                to_device(positions, torch.long, dev),
+                to_device(writes, torch.long, dev),
                 kv,
             )
         for row in rows:
@@ -257,7 +257,7 @@ class KVCacheForward(TorchForward):
         self._decode_steps += 1
         self._decode_rows += len(rows)
         if width != len(rows) or slots != list(range(width)):
-            hidden = hidden[torch.tensor(slots, device=dev)]  # slot order -> the rows' order
+            hidden = hidden[to_device(slots, torch.long, dev)]  # slot order -> the rows' order
         return self._logits(hidden[: len(rows)])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -324,17 +324,17 @@ class KVCacheForward(TorchForward):
         }
 
 
-def _fuse_norms(runner: ModelRunner) -> None:
-    from launch.engines.fused_norms import fuse_norms, unfuse_norms
+def _fuse_ops(runner: ModelRunner) -> None:
+    from launch.engines.fused_ops import fuse_ops, unfuse_ops
 
-    if not fuse_norms(runner.model):
+    if not fuse_ops(runner.model):
         return
-    try:  # compile now, on a small input: a failure keeps the eager norms, it does not stop the engine
+    try:  # compile now, on a small input: a failure keeps the eager ops, it does not stop the engine
         with torch.inference_mode():
-            runner.model.base_model.norm(torch.ones((1, 1, runner.config.hidden_size), device=runner.device))
+            runner.model(input_ids=torch.ones((1, 2), dtype=torch.long, device=runner.device), use_cache=False)
     except Exception:
-        log.exception("compiling the RMSNorms failed; they stay eager")
-        unfuse_norms(runner.model)
+        log.exception("compiling the norms and the rotary embedding failed; they stay eager")
+        unfuse_ops(runner.model)
 
 
 def _decode_rows(
