@@ -38,7 +38,7 @@ want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtyp
   --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-ops --reference-batches 128
 want publish-transfer && step publish-transfer 75 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
   --model-size 0.6b --publishes 3
-want modes-builtin && step modes-builtin 300 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b \
+want modes-builtin && step modes-builtin 330 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b \
   --steps 4 --length-tail lognormal:-1.9,0.8 --max-len 256 --timeline-dir "$out/timelines"
 want modes-sim && step modes-sim 90 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 256 --slots 64 --train-time 3.5 \
   --only sync --only sync+partial --only async --only "async, overlap" --timeline-dir "$out/timelines"
@@ -46,6 +46,5 @@ printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
 # The verdicts against issue 34's targets, read from the logs.
 {
   grep -h '^target ' "$out/engine.log" 2>/dev/null
-  awk '/^async\+overlap/ {printf "target async busy with an overlapped publish: %s (target >= 0.95): %s\n", $5, ($5 >= 0.95 ? "MET" : "MISSED")}' \
-    "$out/modes-builtin.log" 2>/dev/null
+  sed -n '/within 10%/,$p' "$out/modes-builtin.log" 2>/dev/null
 } | tee -a "$out/summary.txt"

@@ -36,7 +36,7 @@ from typing import Any
 
 from launch.cli import main as launch_main
 from pipeline.events import read_events
-from pipeline.timeline import render_timeline, slot_busy_fraction
+from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
 from stages.tasks.tiny_model import make_model_folder
 
 MODES: dict[str, list[str]] = {
@@ -76,16 +76,60 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
         flags += ["--sglang-url", engine[1]]
     transport = _transport(args.device)
     t0 = time.perf_counter()
+    forward: dict[str, Any] = {}
     try:
         code = _launch(args, model, out, transport, flags)
+        wall = time.perf_counter() - t0
+        if engine is not None:
+            with urllib.request.urlopen(engine[1] + "/server_info", timeout=10) as resp:
+                forward = json.loads(resp.read()).get("forward_statistics", {})
     finally:
         if engine is not None:
             engine[0].terminate()
             engine[0].wait(30)
-    wall = time.perf_counter() - t0
     if code != 0:
         raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
-    return _summary(name, args, out, wall, transport)
+    return {**_summary(name, args, out, wall, transport), "forward": forward}
+
+
+SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "async+overlap": "async, overlap"}
+
+
+def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The same modes on the simulated engine, its time model fitted to the real runs: decode step
+    = a + b x rows (least squares over every decode-only step of every mode), prefill per token,
+    training and publish seconds the real medians; same steps, groups, limit, slots and length
+    distribution. Returns the simulated modes' results by the real modes' names."""
+    import anyio
+
+    from benchmarks import modes as sim
+
+    fs = [r["forward"] for r in results.values() if r["forward"]]
+    n = sum(f["decode_timed_steps"] for f in fs)
+    rows, secs = sum(f["decode_rows"] for f in fs), sum(f["decode_seconds"] for f in fs)
+    rows2, rows_secs = sum(f["decode_rows_squared"] for f in fs), sum(f["decode_rows_seconds"] for f in fs)
+    spread = n * rows2 - rows * rows
+    per_row = max(0.0, (n * rows_secs - rows * secs) / spread) if spread > 0 else 0.0
+    base = max(0.0, (secs - per_row * rows) / max(n, 1))
+    prefill = sum(f["prefill_seconds"] for f in fs) / max(sum(f["prefill_tokens"] for f in fs), 1)
+    train = statistics.median(r["train s"] for r in results.values())
+    publish = results["sync"]["publish s"]
+    print(
+        f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows (from {n} steps), "
+        f"prefill {prefill * 1e6:.1f} us/token, training {train:.2f} s, publish {publish:.2f} s"
+    )
+    twin = argparse.Namespace(
+        batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=0.1,
+        train_time=train, prompt_len=16, timeline_dir=None,
+        sim_flags=[
+            "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", "0",
+            "--prefill-base", "0", "--prefill-per-token", str(prefill), "--weight-update-time", str(publish),
+            "--length-dist", args.length_tail,
+        ],
+    )  # fmt: skip
+    plans = sim.plans(twin)
+    work = Path(tempfile.mkdtemp(prefix="twin-"))
+    return {name: anyio.run(sim.run_mode, SIM_NAMES[name], plans[SIM_NAMES[name]], twin, 0, work) for name in results}
 
 
 def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -152,6 +196,7 @@ def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transp
         "groups/s": args.steps * args.batch / wall,
         "tokens/s": sum(r["batch/tokens"] for r in records) / wall,
         "busy": slot_busy_fraction(events),
+        "span": work_span(events),
         "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
         "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
         "transport": transport,
@@ -177,3 +222,24 @@ def main(args: argparse.Namespace) -> None:
     for name, r in results.items():
         r["ratio"] = r["groups/s"] / base
         print(f"{name:16}" + "".join(f"{r[c]:>11.3f}" for c in cols))
+    if args.length_tail:
+        compare(results, simulated_twin(args, results))
+
+
+def compare(real: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]]) -> None:
+    """Ratios and slot-busy fractions, real beside simulated, and whether each is within 10%. Here the
+    ratio is over each run's work span (first request to last publish), in both: the real runs' wall
+    time also holds the launcher's start-up (trainer build, first compile), which the twin has not."""
+    for side in (real, twin):
+        for r in side.values():
+            r["ratio"] = side["sync"]["span"] / r["span"]
+    print(f"\n{'mode':16}{'ratio':>9}{'sim ratio':>11}{'busy':>9}{'sim busy':>10}  within 10%")
+    for name, r in real.items():
+        t = twin[name]
+        ok = abs(t["ratio"] - r["ratio"]) <= 0.1 * r["ratio"] and abs(t["slot busy"] - r["busy"]) <= 0.1 * r["busy"]
+        cells = f"{r['ratio']:>9.3f}{t['ratio']:>11.3f}{r['busy']:>9.3f}{t['slot busy']:>10.3f}"
+        print(f"{name:16}{cells}  {'yes' if ok else 'NO'}")
+    overlap = real.get("async+overlap")
+    if overlap is not None:
+        verdict = "MET" if overlap["busy"] >= 0.95 else "MISSED"
+        print(f"target async busy with an overlapped publish: {overlap['busy']:.3f} (target >= 0.95): {verdict}")

@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
@@ -88,9 +88,14 @@ class SlotStatistics:
     decode_steps: int
     graphs: GraphStatistics | None = None  # None: decode is eager
     moves: int = 0  # requests moved down a slot to keep the slots in use dense
-    decode_rows: int = 0  # rows over every decode step (their mean is the mean decode batch)
-    decode_seconds: float = 0.0  # wall time of the decode steps, sampling included
+    # The steps that only decoded (no prefill in them), timed: their count, rows and wall seconds.
+    decode_timed_steps: int = 0
+    decode_rows: int = 0
+    decode_seconds: float = 0.0  # sampling included
     prefill_seconds: float = 0.0  # wall time of the prefills, sampling included
+    # For a fit of step time against rows (what the simulated engine's time model needs):
+    decode_rows_squared: int = 0  # sum of rows^2 over decode steps
+    decode_rows_seconds: float = 0.0  # sum of rows x seconds over decode steps
 
 
 class KVCacheForward(TorchForward):
@@ -148,7 +153,8 @@ class KVCacheForward(TorchForward):
         self._released_lock = threading.Lock()
         self._max_in_use = self._prefills = self._prefill_tokens = self._decode_steps = 0
         self._moves = self._decode_rows = 0
-        self._decode_seconds = self._prefill_seconds = 0.0
+        self._decode_seconds = self._prefill_seconds = self._rows_seconds = 0.0
+        self._rows_squared = self._timed_steps = 0
         self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
 
     def _decode_graphs(
@@ -202,6 +208,10 @@ class KVCacheForward(TorchForward):
             self._prefill_seconds += seconds
         else:
             self._decode_seconds += seconds
+            self._timed_steps += 1
+            self._decode_rows += len(rows)
+            self._rows_squared += len(rows) ** 2
+            self._rows_seconds += len(rows) * seconds
         return draws
 
     def _prefill(self, rows: Sequence[Row]) -> torch.Tensor:
@@ -255,7 +265,6 @@ class KVCacheForward(TorchForward):
         for row in rows:
             self._cached[row.key] += 1
         self._decode_steps += 1
-        self._decode_rows += len(rows)
         if width != len(rows) or slots != list(range(width)):
             hidden = hidden[to_device(slots, torch.long, dev)]  # slot order -> the rows' order
         return self._logits(hidden[: len(rows)])
@@ -307,9 +316,12 @@ class KVCacheForward(TorchForward):
             decode_steps=self._decode_steps,
             graphs=None if self.graphs is None else self.graphs.statistics(),
             moves=self._moves,
+            decode_timed_steps=self._timed_steps,
             decode_rows=self._decode_rows,
             decode_seconds=self._decode_seconds,
             prefill_seconds=self._prefill_seconds,
+            decode_rows_squared=self._rows_squared,
+            decode_rows_seconds=self._rows_seconds,
         )
 
     # ---- what differs from the cacheless forward in the rest of the seam ----------------------------
@@ -321,6 +333,7 @@ class KVCacheForward(TorchForward):
             "kv_cache_bytes": self.cache.nbytes,
             "disable_cuda_graph": self.graphs is None or not self.graphs.statistics().capturing,
             "cuda_graph_max_bs": None if self.graphs is None else self.graphs.max_batch,
+            "forward_statistics": asdict(self.statistics()),
         }
 
 
