@@ -14,6 +14,16 @@ same rows, the same sampling (temperature 1, per-request seeds): the only differ
 cache and how the decode step is launched ("same tokens": the share of the graphs' tokens equal
 to the eager KV decode's, which at bf16 may differ in a few).
 
+"bw" is the share of the memory-bandwidth limit a step reaches: the fewest bytes a decode step must
+move (every weight read once, plus each row's K/V up to its length, read once) over the device's
+copy bandwidth measured in the same run (a large device-to-device copy, bytes read plus written),
+divided by the measured step time. 100% is the floor no decode step can beat; on a CPU the
+"bandwidth" is the same copy measured in host memory.
+
+With `--reference-batches`, transformers' static-cache `generate` (compiled) runs beside the
+engine on the same prompts, and the lines end with the targets' verdicts: at batch 128 the
+engine's step no slower than the reference's, at batch 1 a step of at most 3 ms.
+
 The model is the quick start's tiny Qwen3 (built here, random weights) unless `--model-path` names a
 Hugging Face folder; `--device cuda` runs the same table on a GPU. No HTTP or scheduler is timed.
 """
@@ -35,6 +45,8 @@ from launch.engines.kv_forward import DecodeMode, KVCacheForward
 from launch.engines.seam import Row, SamplingParams
 from launch.engines.torch_model import ModelRunner
 from stages.tasks.tiny_model import make_model_folder
+
+FUSE_OPS = False  # --fuse-ops
 
 _PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0)
 
@@ -76,6 +88,34 @@ def measure(runner: ModelRunner, forward: object, batch: int, context: int, step
         outputs = [(*o, d.token_id) for o, d in zip(outputs, draws, strict=True)]
     _sync(runner.device)
     return (time.perf_counter() - start) / steps, [t for o in outputs for t in o[2:]]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (bytes read plus bytes written), median of 5."""
+    n = 1 << 30 if device.type == "cuda" else 1 << 27
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * n / sorted(times[1:])[2]
+
+
+def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+    """The fewest bytes one decode step moves: each weight once, each row's K/V (context tokens) once."""
+    config = runner.config
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # tied: counted once
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    element = runner.model.dtype.itemsize
+    kv = batch * context * int(config.num_hidden_layers) * 2 * kv_heads * head_dim * element
+    return weights + kv
 
 
 def _same(a: list[int], b: list[int]) -> float:
@@ -141,6 +181,8 @@ def qwen3_06b_folder(path: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> None:
+    global FUSE_OPS
+    FUSE_OPS = args.fuse_ops
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,16 +198,23 @@ def main(args: argparse.Namespace) -> None:
             # cuDNN's SDPA builds a graph for every new KV length: a decode step pays it each time.
             torch.backends.cuda.enable_cudnn_sdp(False)
         cases = [(b, t) for t in _ints(args.contexts) for b in _ints(args.batches)]
+        verdicts: list[str] = []
         cases += [(args.sweep_batch, t) for t in _ints(args.sweep_contexts) if (args.sweep_batch, t) not in cases]
         print(
             f"model {runner.config.model_type} ({sum(p.numel() for p in runner.model.parameters()):,} params), "
             f"{args.dtype} on {runner.device}, {torch.get_num_threads()} threads, {args.steps} timed steps"
         )
         graphed = runner.device.type == "cuda" and not args.disable_cuda_graph
+        bandwidth = copy_bandwidth(runner.device)
+        print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); bw = floor / step time")
+
+        def bw(batch: int, context: int, seconds: float) -> str:
+            return f"{step_bytes(runner, batch, context) / bandwidth / seconds:>6.1%}"
+
         print(
             f"{'running':>8} {'context':>8} {'old tok/s':>10} {'old ms':>8} {'eager tok/s':>12} {'eager ms':>9} "
             + (f"{'graphs tok/s':>13} {'graphs ms':>10} {'replay ms':>10} {'same tokens':>12} " if graphed else "")
-            + f"{'speed-up':>9}"
+            + f"{'speed-up':>9} {'bw':>6}"
         )
         for batch, context in cases:
             old = math.nan if args.skip_old else measure(runner, runner, batch, context, args.steps)[0]
@@ -178,7 +227,9 @@ def main(args: argparse.Namespace) -> None:
                 line += f"{batch / best:>13.0f} {best * 1e3:>10.1f} {replay * 1e3:>10.1f} "
                 line += f"{_same(tokens, eager_tokens):>12.1%} "
             # On a GPU: graphs over eager; on a CPU: the KV cache over recompute.
-            print(line + f"{(eager if graphed else old) / best:>8.1f}x", flush=True)
+            print(line + f"{(eager if graphed else old) / best:>8.1f}x {bw(batch, context, best)}", flush=True)
+            if batch == 1:
+                verdicts.append(f"batch 1: {best * 1e3:.2f} ms/step (target <= 3 ms): {_verdict(best <= 3e-3)}")
         for batch in _ints(args.reference_batches):
             context = _ints(args.contexts)[0]
             ref = reference_generate(runner, batch, context, args.steps)
@@ -187,17 +238,23 @@ def main(args: argparse.Namespace) -> None:
             new = _kv(runner, batch, context, args.steps, mode)[0]
             print(
                 f"reference: transformers generate (static cache) B={batch} T={context}: {batch / ref:.0f} tok/s, "
-                f"{ref * 1e3:.1f} ms/step; built-in KV engine, {mode.value}: {batch / new:.0f} tok/s, "
-                f"{new * 1e3:.1f} ms/step ({new / ref:.2f}x the reference's step time; "
-                f"eager {eager * 1e3:.1f} ms/step)",
+                f"{ref * 1e3:.1f} ms/step, bw {bw(batch, context, ref).strip()}; built-in KV engine, {mode.value}: "
+                f"{batch / new:.0f} tok/s, {new * 1e3:.1f} ms/step, bw {bw(batch, context, new).strip()} "
+                f"({new / ref:.2f}x the reference's step time; eager {eager * 1e3:.1f} ms/step)",
                 flush=True,
             )
+            verdicts.append(
+                f"batch {batch}: {new / ref:.2f}x transformers' static-cache generate (target <= 1.0): "
+                f"{_verdict(new <= ref)}"
+            )
+        for line in verdicts:
+            print(f"target {line}")
 
 
 def _kv(runner: ModelRunner, batch: int, context: int, steps: int, mode: DecodeMode) -> tuple[float, list[int], float]:
     """`measure` on a fresh KV forward of `batch` slots, freed afterwards (its cache and graphs),
     plus the time of a graph replay alone (NaN without graphs)."""
-    kv = KVCacheForward(runner, max_running_requests=batch, decode=mode)
+    kv = KVCacheForward(runner, max_running_requests=batch, decode=mode, fuse_ops=FUSE_OPS)
     try:
         step, tokens = measure(runner, kv, batch, context, steps)
         replay = math.nan
@@ -227,6 +284,10 @@ def _replay_time(runner: ModelRunner, kv: KVCacheForward, batch: int, context: i
     return (time.perf_counter() - start) / steps
 
 
+def _verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -245,6 +306,9 @@ if __name__ == "__main__":
     parser.add_argument("--skip-old", action="store_true", help="time only the KV-cache forward")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU, time the eager KV decode only")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
+    parser.add_argument(
+        "--fuse-ops", action="store_true", help="the engine's RMSNorms and rotary embedding compiled (fused_ops.py)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
         "--reference-batches",

@@ -37,7 +37,7 @@ from launch.engine_process import start_engine
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
-from pipeline.timeline import render_timeline
+from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
 from pipeline.types import PromptTask
 from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
@@ -84,7 +84,7 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
         "simulated",
         module="launch.engines.sim",
         max_running_requests=args.slots,
-        extra_args=["--time-scale", str(scale), "--random-seed", str(seed), *staged],
+        extra_args=["--time-scale", str(scale), "--random-seed", str(seed), *staged, *getattr(args, "sim_flags", [])],
     )
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
         store = MemoryStore()
@@ -128,6 +128,8 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
         "stale max": max(r["staleness/max"] for r in sink.records),
         "wasted": max(0, generated - trained - kept),
         "late": after.get("late_forwards", 0) - before.get("late_forwards", 0),
+        "slot busy": slot_busy_fraction(events.events),  # as the built-in engine's benchmark measures it
+        "span": work_span(events.events),
     }
 
 
@@ -204,6 +206,12 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", help="builtin: cpu, cuda or cuda:N")
     parser.add_argument("--model-size", default="tiny", choices=["tiny", "0.6b"], help="builtin: the model")
     parser.add_argument("--quick", action="store_true", help="builtin: the tiny model, 3 short steps")
+    parser.add_argument(
+        "--length-tail",
+        default=None,
+        metavar="DIST",
+        help="builtin: end samples at lengths from the simulated engine's distribution (e.g. lognormal:-1.9,0.8)",
+    )
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     parsed = parser.parse_args()
     if parsed.engine == "builtin":

@@ -11,6 +11,12 @@ the quick start's; with `--model-size 0.6b` the model is a random-init Qwen3 of 
 trained and served in fp32, its window cut to 2048 tokens so that the engine's KV cache (slots x
 window) fits beside the trainer. Times are wall seconds.
 
+`--length-tail lognormal:-1.9,0.8` gives the real model the simulated engine's long tail: the
+engine (started here, the pipeline reaching it by `--sglang-url`) ends each sample at a length
+drawn from the simulated engine's distribution, a function of the sample (`launch/engines/
+length_tail.py`), with `--max-len` the response limit; a fourth mode, async with an overlapped
+publish, runs then too.
+
 Columns: groups/s and tokens/s end to end; ratio over sync; slot busy (share of engine slot time
 holding a request, from the run's events); train and publish seconds per step (medians).
 """
@@ -20,14 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from launch.cli import main as launch_main
 from pipeline.events import read_events
-from pipeline.timeline import render_timeline, slot_busy_fraction
+from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
 from stages.tasks.tiny_model import make_model_folder
 
 MODES: dict[str, list[str]] = {
@@ -35,6 +44,7 @@ MODES: dict[str, list[str]] = {
     "sync+partial": ["--rollout-mode", "sync", "--partial-rollout", "--over-sampling-batch-size", "{double}"],
     "async": ["--rollout-mode", "async"],
 }
+TAIL_MODES = {**MODES, "async+overlap": ["--rollout-mode", "async", "--overlap-weight-transfer"]}
 
 
 def _model(args: argparse.Namespace, root: Path) -> Path:
@@ -58,10 +68,104 @@ def _transport(device: str) -> str:
 
 def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
     out = root / name.replace("+", "-")
-    flags = [f.format(double=2 * args.batch) for f in MODES[name]]
+    flags = [f.format(double=2 * args.batch) for f in TAIL_MODES[name]]
+    engine = None
+    if args.length_tail:
+        flags += ["--rollout-max-response-len", str(args.max_len)]
+        engine = _start_tail_engine(args, model, out)
+        flags += ["--sglang-url", engine[1]]
     transport = _transport(args.device)
     t0 = time.perf_counter()
-    code = launch_main(
+    forward: dict[str, Any] = {}
+    try:
+        code = _launch(args, model, out, transport, flags)
+        wall = time.perf_counter() - t0
+        if engine is not None:
+            with urllib.request.urlopen(engine[1] + "/server_info", timeout=10) as resp:
+                forward = json.loads(resp.read()).get("forward_statistics", {})
+    finally:
+        if engine is not None:
+            engine[0].terminate()
+            engine[0].wait(30)
+    if code != 0:
+        raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
+    return {**_summary(name, args, out, wall, transport), "forward": forward}
+
+
+SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "async+overlap": "async, overlap"}
+
+
+def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The same modes on the simulated engine, its time model fitted to the real runs: decode step
+    = a + b x rows (least squares over every decode-only step of every mode), prefill per token,
+    training and publish seconds the real medians; same steps, groups, limit, slots and length
+    distribution. Returns the simulated modes' results by the real modes' names."""
+    import anyio
+
+    from benchmarks import modes as sim
+
+    fs = [r["forward"] for r in results.values() if r["forward"]]
+    n = sum(f["decode_timed_steps"] for f in fs)
+    rows, secs = sum(f["decode_rows"] for f in fs), sum(f["decode_seconds"] for f in fs)
+    rows2, rows_secs = sum(f["decode_rows_squared"] for f in fs), sum(f["decode_rows_seconds"] for f in fs)
+    spread = n * rows2 - rows * rows
+    per_row = max(0.0, (n * rows_secs - rows * secs) / spread) if spread > 0 else 0.0
+    base = max(0.0, (secs - per_row * rows) / max(n, 1))
+    prefill = sum(f["prefill_seconds"] for f in fs) / max(sum(f["prefill_tokens"] for f in fs), 1)
+    train = statistics.median(r["train s"] for r in results.values())
+    publish = results["sync"]["publish s"]
+    print(
+        f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows (from {n} steps), "
+        f"prefill {prefill * 1e6:.1f} us/token, training {train:.2f} s, publish {publish:.2f} s"
+    )
+    twin = argparse.Namespace(
+        batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=0.25,
+        train_time=train, prompt_len=16, timeline_dir=None,
+        sim_flags=[
+            "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", "0",
+            "--prefill-base", "0", "--prefill-per-token", str(prefill), "--weight-update-time", str(publish),
+            "--length-dist", args.length_tail,
+        ],
+    )  # fmt: skip
+    plans = sim.plans(twin)
+    work = Path(tempfile.mkdtemp(prefix="twin-"))
+    # Time scale 0.25: a real step of a few ms is then ~1 ms of wall time, which the simulated engine
+    # keeps (at 0.1 it ran late on a loaded CPU and its async modes came out slower than sync).
+    out = {name: anyio.run(sim.run_mode, SIM_NAMES[name], plans[SIM_NAMES[name]], twin, 0, work) for name in results}
+    late = sum(r["late"] for r in out.values())
+    if late:
+        print(f"note: the simulated twin ran late on {late} forwards (its timing is then approximate)")
+    return out
+
+
+def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The built-in engine with the length tail, as the launcher would start it; (process, url)."""
+    from launch.engine_process import free_port
+
+    port = free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "tail-engine.log").open("wb")
+    cmd = [sys.executable, "-m", "launch.engines.builtin", "--model-path", str(model), "--port", str(port)]
+    cmd += ["--device", args.device, "--max-running-requests", "64", "--length-tail", args.length_tail]
+    cmd += ["--length-tail-limit", str(args.max_len)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the tail engine exited ({proc.returncode}); see {out / 'tail-engine.log'}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the tail engine did not answer within 300 s")
+
+
+def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, flags: list[str]) -> int:
+    return launch_main(
         [
             "--output-dir",
             str(out),
@@ -85,9 +189,9 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
             *flags,
         ]
     )
-    wall = time.perf_counter() - t0
-    if code != 0:
-        raise SystemExit(f"{name}: the run failed (exit {code}); see {out}")
+
+
+def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transport: str) -> dict[str, Any]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = list(read_events(out / "events.jsonl"))
     if args.timeline_dir:
@@ -98,6 +202,7 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
         "groups/s": args.steps * args.batch / wall,
         "tokens/s": sum(r["batch/tokens"] for r in records) / wall,
         "busy": slot_busy_fraction(events),
+        "span": work_span(events),
         "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
         "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
         "transport": transport,
@@ -110,14 +215,37 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = _model(args, root)
-        results = {name: run_mode(name, args, model, root) for name in MODES}
+        modes = TAIL_MODES if args.length_tail else MODES
+        results = {name: run_mode(name, args, model, root) for name in modes}
     base = results["sync"]["groups/s"]
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
     print(
         f"\nbuilt-in engine, {args.model_size} model on {args.device}; {args.steps} steps of {args.batch} groups x "
         f"{args.group} samples; publish: {results['sync']['transport']}"
+        + (f"; length tail {args.length_tail}, max {args.max_len} tokens" if args.length_tail else "")
     )
     print(f"{'mode':16}" + "".join(f"{c:>11}" for c in cols))
     for name, r in results.items():
         r["ratio"] = r["groups/s"] / base
         print(f"{name:16}" + "".join(f"{r[c]:>11.3f}" for c in cols))
+    if args.length_tail:
+        compare(results, simulated_twin(args, results))
+
+
+def compare(real: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]]) -> None:
+    """Ratios and slot-busy fractions, real beside simulated, and whether each is within 10%. Here the
+    ratio is over each run's work span (first request to last publish), in both: the real runs' wall
+    time also holds the launcher's start-up (trainer build, first compile), which the twin has not."""
+    for side in (real, twin):
+        for r in side.values():
+            r["ratio"] = side["sync"]["span"] / r["span"]
+    print(f"\n{'mode':16}{'ratio':>9}{'sim ratio':>11}{'busy':>9}{'sim busy':>10}  within 10%")
+    for name, r in real.items():
+        t = twin[name]
+        ok = abs(t["ratio"] - r["ratio"]) <= 0.1 * r["ratio"] and abs(t["slot busy"] - r["busy"]) <= 0.1 * r["busy"]
+        cells = f"{r['ratio']:>9.3f}{t['ratio']:>11.3f}{r['busy']:>9.3f}{t['slot busy']:>10.3f}"
+        print(f"{name:16}{cells}  {'yes' if ok else 'NO'}")
+    overlap = real.get("async+overlap")
+    if overlap is not None:
+        verdict = "MET" if overlap["busy"] >= 0.95 else "MISSED"
+        print(f"target async busy with an overlapped publish: {overlap['busy']:.3f} (target >= 0.95): {verdict}")

@@ -22,7 +22,7 @@ from typing import Any
 from pipeline.errors import ReplayError
 from pipeline.events import read_events
 
-__all__ = ["EVENTS_FILE", "render_timeline", "slot_busy_fraction", "write_html"]
+__all__ = ["EVENTS_FILE", "render_timeline", "slot_busy_fraction", "work_span", "write_html"]
 
 EVENTS_FILE = "events.jsonl"  # the launcher's event log in the run dir
 
@@ -34,6 +34,13 @@ TOP_LANES = (
     ("restart", "#000000", "controller restarted"),
 )
 LANE_H, GAP, LEFT, WIDTH = 6, 1, 110, 1400
+
+
+def work_span(events: Sequence[dict[str, Any]]) -> float:
+    """Seconds from the first request, training or publish span's start to the last one's end
+    (the run's work without its start-up), 0.0 if none."""
+    spans = [e for e in events if "start" in e and "end" in e]
+    return max(e["end"] for e in spans) - min(e["start"] for e in spans) if spans else 0.0
 
 
 def slot_busy_fraction(events: Sequence[dict[str, Any]]) -> float:

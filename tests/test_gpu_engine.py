@@ -87,6 +87,30 @@ def test_graph_decode_equals_eager_decode_at_fp32(tmp_path: Path) -> None:
     assert stats.graphs >= 3 and stats.replays == kv.statistics().decode_steps
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports warn
+def test_fused_norm_graph_decode_equals_recompute_at_fp32(tmp_path: Path) -> None:
+    """The fast path whole (slots read in place, folded GQA heads, compiled norms, CUDA graphs)
+    against the recompute forward (transformers' own attention, no cache), token for token at fp32."""
+    import torch
+
+    from launch.engines.kv_forward import DecodeMode, KVCacheForward
+    from launch.engines.torch_model import ModelRunner
+    from tests.test_kv_forward import _run_batched
+
+    _cuda()
+    folder = make_model_folder(tmp_path / "m", hidden_size=256, num_layers=4, num_heads=8, seed=0)
+    runner = ModelRunner(folder, dtype=torch.float32, device="cuda", context_length=160)
+    rng = random.Random(2)
+    prompts = [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 120))) for _ in range(13)]
+    reference = _run_batched(runner, prompts, len(prompts))
+    kv = KVCacheForward(runner, max_running_requests=6, decode=DecodeMode.GRAPHS, fuse_ops=True)
+    for ref, got in zip(reference, _run_batched(kv, prompts, 6), strict=True):
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref, strict=True)) < 1e-4
+    assert "forward" in vars(runner.model.base_model.norm), "the norms were not compiled"
+    assert kv.statistics().moves > 0
+
+
 def test_a_publish_changes_the_graph_decodes_tokens(tmp_path: Path) -> None:
     """Graphs hold the addresses of the weights they read: a publish copies into those tensors, so
     the next replay decodes with the new weights, with no recapture."""

@@ -2,8 +2,9 @@
 
     python -m launch.engines.builtin --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-running-requests 64] [--context-length N] [--device cpu|cuda|cuda:N]
-        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N]
+        [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fuse-ops]
         [--weight-version 0] [--log-level info]
+        [--length-tail lognormal:-1.9,0.8] [--length-tail-truncate-frac 0.1] [--length-tail-limit N]
 
 The HTTP surface (`http.py`) and scheduler (`scheduler.py`) are every engine's; this module loads
 the model folder and picks the forward: `kv_forward.KVCacheForward` (the default: a KV cache of
@@ -40,7 +41,9 @@ from anyio.abc import TaskStatus
 
 from launch.engines.http import EngineServer
 from launch.engines.kv_forward import DecodeMode, KVCacheForward
+from launch.engines.length_tail import LengthTail
 from launch.engines.serving import open_engine, run_main
+from launch.engines.sim_model import LengthModel
 from launch.engines.torch_model import ModelRunner, TorchForward, WeightLoadError
 from launch.engines.weight_group import WeightGroupReceiver
 from pipeline.errors import ConfigError
@@ -61,6 +64,8 @@ async def open_server(
     max_running_requests: int = 64,
     disable_cuda_graph: bool = False,
     cuda_graph_max_bs: int | None = None,
+    fuse_ops: bool = False,
+    length_tail: LengthTail | None = None,
     **options: Any,
 ) -> AsyncIterator[EngineServer]:
     """Load the model, start the decode loop and listen; yield the server (port 0 picks a free port).
@@ -99,11 +104,14 @@ async def open_server(
             max_running_requests=max_running_requests,
             decode=DecodeMode.GRAPHS if graphs else DecodeMode.EAGER,
             graph_max_batch=cuda_graph_max_bs,
+            fuse_ops=fuse_ops,
         )
         if kv_cache == "slots"
         else TorchForward(runner)
     )
-    async with open_engine(forward, max_running_requests=max_running_requests, **options) as server:
+    async with open_engine(
+        forward, max_running_requests=max_running_requests, length_tail=length_tail, **options
+    ) as server:
         server.weight_group = WeightGroupReceiver(runner, server.core)
         log.info("built-in engine serving %s at %s", model_path, server.url)
         yield server
@@ -140,6 +148,25 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cuda-graph-max-bs", type=int, default=None, help="largest batch decoded by a CUDA graph (default: all)"
     )
+    ap.add_argument(
+        "--fuse-ops",
+        action="store_true",
+        help="compile the model's RMSNorms and rotary embedding into one kernel each (torch.compile)",
+    )
+    ap.add_argument(
+        "--length-tail",
+        default=None,
+        metavar="DIST",
+        help="end each request at a length drawn from the simulated engine's distribution (lognormal:MU,SIGMA "
+        "or fixed:FRACTION of the limit), as if it sampled EOS there: a long tail on a real model (benchmarks)",
+    )
+    ap.add_argument("--length-tail-truncate-frac", type=float, default=0.10, help="share that runs to the limit")
+    ap.add_argument(
+        "--length-tail-limit",
+        type=int,
+        default=None,
+        help="the run's response limit, so that a resumed request heads for its first request's end",
+    )
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
@@ -148,6 +175,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    tail = None
+    if args.length_tail:
+        try:
+            tail = LengthTail(
+                LengthModel.parse(args.length_tail, truncate_frac=args.length_tail_truncate_frac),
+                args.length_tail_limit,
+            )
+        except ConfigError as exc:
+            logging.basicConfig(stream=sys.stderr)
+            log.error("%s", exc)
+            return 2
     run = functools.partial(
         serve,
         args.model_path,
@@ -164,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_cache=args.kv_cache,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        fuse_ops=args.fuse_ops,
+        length_tail=tail,
     )
     # An unusable model folder or a port taken: say why in a line.
     return run_main(run, log_level=args.log_level, startup_errors=(WeightLoadError, ConfigError, OSError))

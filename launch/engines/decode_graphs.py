@@ -13,10 +13,11 @@ Shapes are fixed inside a graph, so the decode is padded to a bucket:
   rounded up to a power of two (at least `MIN_KV_BUCKET`), capped at the context length. Each row's
   mask stops at its own position (the mask is computed inside the graph from the positions), so
   reading further changes nothing but the cost of the padding;
-- padding rows decode the pad token at position 0 of a dummy slot one past the real ones: what they
-  write lands there, what they produce is dropped.
+- rows are slots (row j reads slot j in place, `slot_attention.py`); padding rows, like the idle
+  rows of slots not decoding, decode the pad token at position 0 and write into the spare slot
+  one past the real ones; what they produce is dropped.
 
-Inputs live in one static [3, max_bucket] buffer (token ids, positions, slots) filled by one
+Inputs live in one static [3, max_bucket] buffer (token ids, positions, slots written) filled by one
 host-to-device copy per step; the graph's last op copies the final hidden states into a static
 buffer. The LM head and sampling stay eager: two launches, and sampling is per request anyway.
 The cache update inside the graph is the slot cache's index assignment (`index_put_`), which needs
@@ -36,8 +37,9 @@ What it bought (BENCHMARKS.md section 7, 0.6B Qwen3 in bf16 on one H200, T=256):
 running requests fell from 26-28 ms to 6-9 ms; at 128, 28 -> 25 ms (1.7x transformers' compiled
 `generate`, the target being 2x): from there the step is GPU-bound, and a profile puts most of it
 in memory copies around the attention (transformers' `repeat_kv` for GQA with a mask, 8.9 ms; the
-slot gather, 6.0 ms; the kernel itself 3.9 ms). Folding the query heads of a KV head into the
-query axis for one-token decode, and attending over the slots in place, are the next steps.
+slot gather, 6.0 ms; the kernel itself 3.9 ms). Both copies are gone since: the query heads of a
+KV head are folded into the query axis and the attention reads the slots in place
+(`slot_attention.py`).
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ log = logging.getLogger(__name__)
 
 MIN_KV_BUCKET = 64  # below this the attention is a small part of a step; fewer graphs to capture
 
-# (token ids [b, 1], positions [b, 1], 4-D boolean mask [b, 1, 1, kv], slots [b], kv) -> hidden [b, 1, H]
-DecoderCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (token ids [b], positions [b], slots written [b], kv) -> final hidden states [b, H]; row j reads slot j
+DecoderCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -129,9 +131,9 @@ class DecodeGraphs:
         return batch <= self.max_batch
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
-        """Decode one token for each row (its last token `ids[i]` at `positions[i]` of slot `slots[i]`,
-        attending to positions [0, positions[i]]); the final hidden states [n, H], valid until the
-        next call (a view of the static output)."""
+        """Decode one token for each row j (its last token `ids[j]` at `positions[j]`, attending to
+        positions [0, positions[j]] of slot j, its K/V written to slot `slots[j]`); the final hidden
+        states [n, H], valid until the next call (a view of the static output)."""
         n = len(ids)
         batch = bucket_for(n, self.batch_buckets)
         kv = bucket_for(max(positions) + 1, self.kv_buckets)
@@ -142,7 +144,7 @@ class DecodeGraphs:
         )
         with _on(self._device):
             graph = self._graph(batch, kv) if self._capture else None
-            self._inputs[:, :batch].copy_(host)  # after a capture: its warm-up wrote the dummy rows
+            self._inputs[:, :batch].copy_(host, non_blocking=True)  # after a capture: its warm-up wrote the dummy rows
             if graph is not None:
                 graph.replay()
             else:
@@ -167,10 +169,8 @@ class DecodeGraphs:
 
     def _step(self, batch: int, kv: int) -> None:
         """The body a graph holds: everything from the static inputs to the static hidden output."""
-        ids, positions, slots = self._inputs[0, :batch, None], self._inputs[1, :batch, None], self._inputs[2, :batch]
-        mask = torch.arange(kv, device=self._device)[None, :] <= positions
-        hidden = self._decoder(ids, positions, mask[:, None, None, :], slots, kv)
-        self._hidden[:batch].copy_(hidden[:, -1])
+        ids, positions, slots = self._inputs[0, :batch], self._inputs[1, :batch], self._inputs[2, :batch]
+        self._hidden[:batch].copy_(self._decoder(ids, positions, slots, kv))
 
     def _graph(self, batch: int, kv: int) -> torch.cuda.CUDAGraph | None:
         graph = self._graphs.get((batch, kv))

@@ -1,16 +1,20 @@
 """The built-in engine's KV-cache forward: continuous batching over static cache slots.
 
-Each running request owns one slot of a cache allocated once at start:
-per layer, keys and values of shape [max_running_requests, kv_heads, context_length, head_dim].
+Each running request owns one slot of a cache allocated once at start: keys and values of shape
+[layers, max_running_requests + 1, kv_heads, context_length, head_dim] (`slot_attention.SlotCache`;
+the extra slot takes what idle rows write).
 A forward serves every running request:
 
 - requests without a slot (new, resumed after an abort, or retracted by a pause) get one and are
   prefilled together: their whole sequence (prompt + tokens already generated), right-padded, in one
   batched pass that writes their K/V and gives each its next token;
-- requests with a slot decode together: one token each, written at their own position, attending
-  to their own slot only (a boolean 4-D mask per row; SDPA runs the attention);
+- requests with a slot decode together: one token each, written at their own position; the step
+  runs over the slots in order (row j is slot j) so the attention reads the cache in place, with
+  the query heads of each KV head folded together (`slot_attention.py`: no gather, no repeat_kv);
 - a request that leaves the batch (finished, aborted, retracted) frees its slot before the next
-  forward, so the scheduler refills it between steps.
+  forward, and the request in the highest slot moves down into the hole (its K/V copied, a few
+  microseconds on a GPU), so the slots in use stay 0..n-1 and a decode step spans n rows, not the
+  highest slot ever used.
 
 Why static slots rather than paged blocks: the scheduler already bounds running requests and the
 context length bounds each one, so `slots x context` is the exact worst case and is allocated up
@@ -22,9 +26,11 @@ size `--context-length` and `--max-running-requests` to the device.
 
 What was tried: transformers' DynamicCache/StaticCache assume one shared position per batch, so
 rows at different lengths need left padding that moves as requests come and go; a custom `Cache`
-whose `update` writes each row at its own position, plus an explicit 4-D mask, keeps rows
-independent. The model itself is the Hugging Face module (any causal LM whose attention calls
-`cache.update` and takes a 4-D mask), so the same weights serve both forwards.
+whose `update` writes each row at its own position keeps rows independent. The model itself is the
+Hugging Face module (any causal LM whose attention calls `cache.update` and dispatches through
+transformers' attention interface), so the same weights serve both forwards. The first version
+gathered each row's K/V out of its slot every step and let transformers repeat them per query
+head: at batch 128 those copies were 15 of a step's 24 ms on an H200 (BENCHMARKS.md section 7).
 
 Sampling is the recompute forward's (`torch_model.draw_tokens`): a pure function of logits, seed
 and position, so at fp32 the cached path gives the recompute path's tokens, and a request resumed
@@ -32,7 +38,7 @@ as prompt + its k tokens continues exactly. A weight update keeps the cache of r
 place (SGLang does the same): their later tokens attend to K/V computed by the old weights.
 
 On a GPU the decode step is replayed from CUDA graphs (`decode_graphs.py`: padded to batch and
-KV-length buckets, one dummy slot past the real ones for the padding rows); `DecodeMode.EAGER`
+KV-length buckets; padding rows are idle rows); `DecodeMode.EAGER`
 (`--disable-cuda-graph`) turns that off, and on a CPU the step is always eager. Prefill stays eager.
 """
 
@@ -40,20 +46,25 @@ from __future__ import annotations
 
 import enum
 import functools
+import heapq
 import inspect
+import logging
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
 import torch
-from transformers.cache_utils import Cache
 
 from launch.engines.decode_graphs import DecodeGraphs, GraphStatistics
 from launch.engines.seam import Draw, Row
-from launch.engines.torch_model import ModelRunner, TorchForward, draw_tokens
+from launch.engines.slot_attention import SlotCache, SlotPlan, use_slot_attention
+from launch.engines.torch_model import ModelRunner, TorchForward, draw_tokens, to_device
 from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DecodeMode", "KVCacheForward", "SlotCache", "SlotStatistics"]
 
@@ -76,51 +87,15 @@ class SlotStatistics:
     prefill_tokens: int
     decode_steps: int
     graphs: GraphStatistics | None = None  # None: decode is eager
-
-
-class SlotCache(Cache):
-    """Keys and values for `slots` sequences of up to `context` tokens, in place for the whole run.
-
-    Before each model call `plan` says which slot each batch row uses, at which positions its new
-    tokens go, and how many positions the attention reads; `update` (called by every attention
-    layer) writes the new K/V there and returns the batch's K/V for positions [0, kv_len)."""
-
-    def __init__(
-        self,
-        *,
-        layers: int,
-        slots: int,
-        kv_heads: int,
-        context: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(layers=[])
-        shape = (slots, kv_heads, context, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)
-        self._slots = torch.zeros(0, dtype=torch.long, device=device)
-        self._positions = torch.zeros((0, 0), dtype=torch.long, device=device)
-        self._kv_len = 0
-
-    def plan(self, slots: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
-        self._slots, self._positions, self._kv_len = slots, positions, kv_len
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._slots[:, None].expand_as(self._positions)
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        # [B, H, q, D] -> [B, q, H, D], the layout advanced indexing on (slot, position) expects.
-        keys[rows, :, self._positions] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows, :, self._positions] = value_states.transpose(1, 2).to(values.dtype)
-        n = self._kv_len
-        return keys[:, :, :n].index_select(0, self._slots), values[:, :, :n].index_select(0, self._slots)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
+    moves: int = 0  # requests moved down a slot to keep the slots in use dense
+    # The steps that only decoded (no prefill in them), timed: their count, rows and wall seconds.
+    decode_timed_steps: int = 0
+    decode_rows: int = 0
+    decode_seconds: float = 0.0  # sampling included
+    prefill_seconds: float = 0.0  # wall time of the prefills, sampling included
+    # For a fit of step time against rows (what the simulated engine's time model needs):
+    decode_rows_squared: int = 0  # sum of rows^2 over decode steps
+    decode_rows_seconds: float = 0.0  # sum of rows x seconds over decode steps
 
 
 class KVCacheForward(TorchForward):
@@ -136,10 +111,12 @@ class KVCacheForward(TorchForward):
         max_running_requests: int,
         decode: DecodeMode | None = None,
         graph_max_batch: int | None = None,
+        fuse_ops: bool = False,
     ) -> None:
         """`decode` defaults to GRAPHS on a cuda device and EAGER elsewhere; `graph_max_batch`
         (SGLang's `--cuda-graph-max-bs`, default `max_running_requests`) is the largest batch a graph
-        serves: larger batches decode eagerly."""
+        serves: larger batches decode eagerly; `fuse_ops` compiles the model's RMSNorms and
+        rotary embedding (`fused_ops.py`)."""
         super().__init__(runner)
         device = runner.device
         decode = decode or (DecodeMode.GRAPHS if device.type == "cuda" else DecodeMode.EAGER)
@@ -149,16 +126,18 @@ class KVCacheForward(TorchForward):
         text = getattr(config, "get_text_config", lambda: config)()
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        padded = decode is not DecodeMode.EAGER
         self.cache = SlotCache(
             layers=int(text.num_hidden_layers),
-            slots=max_running_requests + padded,  # the padding rows' dummy slot is the last
+            slots=max_running_requests,
             kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
             context=self.context_length,
             head_dim=head_dim,
             dtype=runner.model.dtype,
             device=device,
         )
+        use_slot_attention(runner.model)
+        if fuse_ops:
+            _fuse_ops(runner)
         # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
         params = inspect.signature(runner.model.base_model.forward).parameters
         # Not a bound method: the graphs hold this, and a cycle through them would leave a dropped
@@ -167,12 +146,15 @@ class KVCacheForward(TorchForward):
             _run_decoder, runner.model.base_model, self.cache, "cache" if "cache" in params else "past_key_values"
         )
         self._slots = max_running_requests
-        self._free = list(range(max_running_requests - 1, -1, -1))
+        self._free = list(range(max_running_requests))  # a heap: the lowest free slot is taken first
         self._slot: dict[int, int] = {}  # request key -> slot, for requests whose K/V the cache holds
         self._cached: dict[int, int] = {}  # request key -> positions of K/V held (all tokens but the last)
         self._released: list[int] = []  # keys freed on the event loop, applied at the next forward
         self._released_lock = threading.Lock()
         self._max_in_use = self._prefills = self._prefill_tokens = self._decode_steps = 0
+        self._moves = self._decode_rows = 0
+        self._decode_seconds = self._prefill_seconds = self._rows_seconds = 0.0
+        self._rows_squared = self._timed_steps = 0
         self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
 
     def _decode_graphs(
@@ -181,10 +163,10 @@ class KVCacheForward(TorchForward):
         if decode is DecodeMode.EAGER:
             return None
         return DecodeGraphs(
-            self._decoder,
+            functools.partial(_decode_rows, self._decoder),
             max_batch=min(graph_max_batch or self._slots, self._slots),
             context=self.context_length,
-            dummy_slot=self._slots,
+            dummy_slot=self.cache.spare,
             pad_token_id=self.runner.pad_token_id,
             hidden_size=hidden_size,
             dtype=self.runner.model.dtype,
@@ -210,6 +192,7 @@ class KVCacheForward(TorchForward):
     def _step(self, rows: Sequence[Row]) -> list[Draw]:
         fresh = [i for i, r in enumerate(rows) if self._cached.get(r.key) != r.position - 1]
         held = [i for i, r in enumerate(rows) if self._cached.get(r.key) == r.position - 1]
+        start = time.perf_counter()
         with torch.inference_mode():
             if not fresh:  # the usual decode step: its logits are the batch's, no scatter
                 logits = self._decode(rows)
@@ -219,14 +202,26 @@ class KVCacheForward(TorchForward):
                 if held:
                     logits[held] = self._decode([rows[i] for i in held])
             self._max_in_use = max(self._max_in_use, len(self._slot))
-            return draw_tokens(logits, rows)  # in inference mode too: it edits the logits in place
+            draws = draw_tokens(logits, rows)  # in inference mode too: it edits the logits in place
+        seconds = time.perf_counter() - start  # the draws read the device back: the work is done
+        if fresh:
+            self._prefill_seconds += seconds
+        else:
+            self._decode_seconds += seconds
+            self._timed_steps += 1
+            self._decode_rows += len(rows)
+            self._rows_squared += len(rows) ** 2
+            self._rows_seconds += len(rows) * seconds
+        return draws
 
     def _prefill(self, rows: Sequence[Row]) -> torch.Tensor:
         for row in rows:
             self._free_slot(row.key)  # a stale slot: start over
+        self._compact()
+        for row in rows:
             if not self._free:  # the scheduler admits at most one request per slot: a bug, not load
                 raise RuntimeError(f"no free KV slot for {row.rid!r}: {len(self._slot)} slots held")
-            self._slot[row.key] = self._free.pop()
+            self._slot[row.key] = heapq.heappop(self._free)
         lengths = [len(r.prompt_ids) + len(r.output_ids) for r in rows]
         width = max(lengths)
         dev = self.runner.device
@@ -235,10 +230,9 @@ class KVCacheForward(TorchForward):
             ids[i, : lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
         n = torch.tensor(lengths, device=dev)
         positions = torch.arange(width, device=dev).expand(len(rows), width)
-        # Causal within the row, and nothing past its own length (right padding).
-        mask = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] < n[:, None, None])
         slots = torch.tensor([self._slot[r.key] for r in rows], device=dev)
-        hidden = self._run(ids.to(dev), positions, mask[:, None], slots, width)
+        plan = SlotPlan(write_slots=slots, positions=positions, kv=width, decode=False)
+        hidden = self._decoder(ids.to(dev), plan)
         for row, length in zip(rows, lengths, strict=True):
             self._cached[row.key] = length
         self._prefills += 1
@@ -246,31 +240,34 @@ class KVCacheForward(TorchForward):
         return self._logits(hidden[torch.arange(len(rows), device=dev), n - 1])
 
     def _decode(self, rows: Sequence[Row]) -> torch.Tensor:
+        self._compact()
         dev = self.runner.device
-        cached = [self._cached[r.key] for r in rows]  # the position each row's new token takes
-        last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in rows]
         slots = [self._slot[r.key] for r in rows]
-        if self.graphs is not None and self.graphs.fits(len(rows)):
-            hidden = self.graphs.decode(last, cached, slots)
+        width = max(slots) + 1  # rows are slots: 0 .. the highest slot decoding
+        ids = [self.runner.pad_token_id] * width
+        positions = [0] * width
+        writes = [self.cache.spare] * width  # idle rows write into the spare slot
+        for row, slot in zip(rows, slots, strict=True):
+            ids[slot] = row.output_ids[-1] if row.output_ids else row.prompt_ids[-1]
+            positions[slot] = self._cached[row.key]  # the position the new token takes
+            writes[slot] = slot
+        if self.graphs is not None and self.graphs.fits(width):
+            hidden = self.graphs.decode(ids, positions, writes)
         else:
-            kv_len = max(cached) + 1  # from the host's numbers: no device read back
-            positions = torch.tensor(cached, device=dev)[:, None]
-            mask = torch.arange(kv_len, device=dev)[None, :] <= positions
-            slot_ids = torch.tensor(slots, device=dev)
-            hidden = self._run(
-                torch.tensor(last, device=dev)[:, None], positions, mask[:, None, None, :], slot_ids, kv_len
+            kv = max(positions) + 1  # from the host's numbers: no device read back
+            hidden = _decode_rows(
+                self._decoder,
+                to_device(ids, torch.long, dev),
+                to_device(positions, torch.long, dev),
+                to_device(writes, torch.long, dev),
+                kv,
             )
-            hidden = hidden[:, -1]
         for row in rows:
             self._cached[row.key] += 1
         self._decode_steps += 1
-        return self._logits(hidden)
-
-    def _run(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, kv_len: int
-    ) -> torch.Tensor:
-        """The decoder over `ids` at `positions`, K/V read and written in `slots`; hidden states."""
-        return self._decoder(ids, positions, mask, slots, kv_len)
+        if width != len(rows) or slots != list(range(width)):
+            hidden = hidden[to_device(slots, torch.long, dev)]  # slot order -> the rows' order
+        return self._logits(hidden[: len(rows)])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Sampling in float64 keeps the top-p/CDF arithmetic from adding noise of its own.
@@ -294,7 +291,19 @@ class KVCacheForward(TorchForward):
         slot = self._slot.pop(key, None)
         self._cached.pop(key, None)
         if slot is not None:
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
+
+    def _compact(self) -> None:
+        """Move the requests in the highest slots down into the holes below, so that the slots in
+        use are 0 .. n-1 and a decode step spans n rows."""
+        used = len(self._slot)
+        high = sorted(((s, k) for k, s in self._slot.items() if s >= used), reverse=True)
+        for source, key in high:
+            target = heapq.heappop(self._free)  # below `used`: that many slots are held, one is above
+            self.cache.move(source, target, self._cached[key])
+            self._slot[key] = target
+            heapq.heappush(self._free, source)
+            self._moves += 1
 
     def statistics(self) -> SlotStatistics:
         return SlotStatistics(
@@ -306,6 +315,13 @@ class KVCacheForward(TorchForward):
             prefill_tokens=self._prefill_tokens,
             decode_steps=self._decode_steps,
             graphs=None if self.graphs is None else self.graphs.statistics(),
+            moves=self._moves,
+            decode_timed_steps=self._timed_steps,
+            decode_rows=self._decode_rows,
+            decode_seconds=self._decode_seconds,
+            prefill_seconds=self._prefill_seconds,
+            decode_rows_squared=self._rows_squared,
+            decode_rows_seconds=self._rows_seconds,
         )
 
     # ---- what differs from the cacheless forward in the rest of the seam ----------------------------
@@ -317,21 +333,56 @@ class KVCacheForward(TorchForward):
             "kv_cache_bytes": self.cache.nbytes,
             "disable_cuda_graph": self.graphs is None or not self.graphs.statistics().capturing,
             "cuda_graph_max_bs": None if self.graphs is None else self.graphs.max_batch,
+            "forward_statistics": asdict(self.statistics()),
         }
 
 
-def _run_decoder(
-    decoder: torch.nn.Module,
-    cache: SlotCache,
-    cache_kwarg: str,
+def _fuse_ops(runner: ModelRunner) -> None:
+    from launch.engines.fused_ops import fuse_ops, unfuse_ops
+
+    if not fuse_ops(runner.model):
+        return
+    try:  # compile now, on a small input: a failure keeps the eager ops, it does not stop the engine
+        with torch.inference_mode():
+            runner.model(input_ids=torch.ones((1, 2), dtype=torch.long, device=runner.device), use_cache=False)
+    except Exception:
+        log.exception("compiling the norms and the rotary embedding failed; they stay eager")
+        unfuse_ops(runner.model)
+
+
+def _decode_rows(
+    decoder: functools.partial[torch.Tensor],
     ids: torch.Tensor,
     positions: torch.Tensor,
-    mask: torch.Tensor,
-    slots: torch.Tensor,
-    kv_len: int,
+    writes: torch.Tensor,
+    kv: int,
 ) -> torch.Tensor:
-    """The decoder over `ids` at `positions`, K/V read and written in `slots`; hidden states."""
-    cache.plan(slots, positions, kv_len)
+    """One decode step over rows in slot order (token `ids[j]` at `positions[j]`, K/V written to
+    slot `writes[j]`, keys [0, kv) read from slot j): the final hidden states [rows, H]. The CUDA
+    graphs hold this same function."""
+    reach = torch.arange(kv, device=ids.device)[None, :] <= positions[:, None]
+    bias = torch.zeros(reach.shape, dtype=decoder.args[1].keys.dtype, device=ids.device)
+    bias.masked_fill_(~reach, float("-inf"))
+    plan = SlotPlan(write_slots=writes, positions=positions[:, None], kv=kv, decode=True, bias=bias[:, None, None])
+    return decoder(ids[:, None], plan)[:, -1]
+
+
+def _run_decoder(
+    decoder: torch.nn.Module, cache: SlotCache, cache_kwarg: str, ids: torch.Tensor, plan: SlotPlan
+) -> torch.Tensor:
+    """The decoder over `ids` [B, q] as `plan` says; hidden states [B, q, H]."""
+    cache.plan(plan)
+    # A 4-D mask is passed through as is: transformers builds none (the plan's bias is the mask).
+    mask = plan.bias
+    if mask is None:
+        mask = torch.zeros((ids.shape[0], 1, 1, 1), dtype=torch.bool, device=ids.device)
     kwargs = {cache_kwarg: cache}
-    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+    out = decoder(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=plan.positions,
+        use_cache=True,
+        slot_plan=plan,
+        **kwargs,
+    )
     return out.last_hidden_state  # type: ignore[no-any-return]

@@ -102,6 +102,7 @@ class Request:
     finished_at: float | None = None
     updates: int = 0  # bumped on every change a client could see
     serial: int = 0  # unique per request for the engine's life (rids are reused); set at submit
+    end_at: int | None = None  # where a length tail ends it (length_tail.py); set at submit
     # (first output index, weight version) for each run of tokens decoded under one version;
     # the scheduler adds a mark whenever the serving version changes while it tracks the request.
     version_marks: list[tuple[int, str]] = field(default_factory=list)

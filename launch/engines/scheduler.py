@@ -29,6 +29,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from launch.engines.length_tail import LengthTail
 from launch.engines.request import (
     EngineClosedError,
     Finish,
@@ -39,6 +40,7 @@ from launch.engines.request import (
     RequestState,
 )
 from launch.engines.seam import Draw, ModelForward, Row, SamplingParams
+from pipeline.errors import ConfigError
 
 __all__ = ["CoreStatistics", "EngineCore"]
 
@@ -69,6 +71,7 @@ class EngineCore:
         max_running_requests: int = 64,
         weight_version: str = "0",
         random_seed: int | None = None,
+        length_tail: LengthTail | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -76,6 +79,9 @@ class EngineCore:
         self.max_running_requests = max_running_requests
         self.weight_version = weight_version
         self.model_path = model.model_path
+        self.length_tail = length_tail
+        if length_tail is not None and not model.eos_token_ids:
+            raise ConfigError([f"a length tail ends requests with EOS, and {model.model_path!r} names no EOS id"])
         self._seeds = random.Random(random_seed)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -112,6 +118,8 @@ class EngineCore:
         req.seed = req.params.sampling_seed if req.params.sampling_seed is not None else self._seeds.getrandbits(62)
         self._serials += 1
         req.serial = self._serials
+        if self.length_tail is not None:
+            req.end_at = self.length_tail.end_at(req.seed, req.prompt_ids, req.params)
         req.state = RequestState.WAITING
         req.mark_version(self.weight_version)
         self._tracked[req.rid] = req
@@ -375,6 +383,8 @@ class EngineCore:
             banned=banned,
             rid=req.rid,
             key=req.serial,
+            end_at=req.end_at,
+            end_token=min(self.model.eos_token_ids) if req.end_at is not None else -1,
         )
 
     def _stop_ids(self, p: SamplingParams) -> frozenset[int]:

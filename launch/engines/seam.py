@@ -81,6 +81,8 @@ class Row:
     banned: tuple[int, ...] = ()  # stop tokens masked out while min_new_tokens is not reached
     rid: str = ""
     key: int = 0
+    end_at: int | None = None  # a length tail (length_tail.py): from this position on, draw `end_token`
+    end_token: int = -1
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ import anyio
 from aiohttp import web
 
 from launch.engines.http import EngineServer
+from launch.engines.length_tail import LengthTail
 from launch.engines.scheduler import EngineCore
 from launch.engines.seam import ModelForward
 
@@ -45,6 +46,7 @@ async def open_engine(
     served_model_name: str | None = None,
     health_check_timeout: float = 20.0,
     routes: Callable[[EngineServer], list[web.RouteDef]] | None = None,
+    length_tail: LengthTail | None = None,
 ) -> AsyncIterator[EngineServer]:
     """Schedule `model` behind the HTTP surface on host:port (port 0 picks a free one); yield the server.
 
@@ -55,6 +57,7 @@ async def open_engine(
         max_running_requests=max_running_requests,
         weight_version=weight_version,
         random_seed=random_seed,
+        length_tail=length_tail,
     )
     server = EngineServer(
         core,

@@ -204,22 +204,41 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         lp = torch.log_softmax(logits[greedy], dim=-1)
-        _fill(draws, greedy, lp.argmax(dim=-1), lp)
+        _fill(draws, greedy, _ends(lp.argmax(dim=-1), greedy, rows), lp)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         logprobs = _sampling_logprobs(logits[sampled], [rows[i].params for i in sampled])
         cdf = logprobs.exp().cumsum(dim=-1)
-        u = torch.tensor(
-            [uniform_draw(rows[i].seed, rows[i].position) for i in sampled], dtype=torch.float64, device=logits.device
-        )
+        u = to_device([uniform_draw(rows[i].seed, rows[i].position) for i in sampled], torch.float64, logits.device)
         # First index whose CDF exceeds u * total: zero-probability tokens (flat CDF) are never chosen.
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
         tokens = tokens.clamp(max=logits.shape[1] - 1)
         # u*total rounded onto the last step lands on a token of zero probability: take the mode.
         landed = logprobs.gather(1, tokens[:, None]).squeeze(1)
         tokens = torch.where(torch.isfinite(landed), tokens, logprobs.argmax(dim=-1))
-        _fill(draws, sampled, tokens, logprobs)
+        _fill(draws, sampled, _ends(tokens, sampled, rows), logprobs)
     return [d for d in draws if d is not None]
+
+
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device: a blocking copy would
+    synchronise with the queued forward, and the sampler's launches would then start only after it
+    instead of being queued behind it (at batch 1 that wait was most of the step's host time)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _ends(tokens: torch.Tensor, at: Sequence[int], rows: Sequence[Row]) -> torch.Tensor:
+    """`tokens` of rows `at`, with each row that a length tail ends here given its end token."""
+    ends = [(j, rows[i].end_token) for j, i in enumerate(at) if _ends_here(rows[i])]
+    if not ends:
+        return tokens
+    tokens = tokens.clone()
+    tokens[[j for j, _ in ends]] = to_device([t for _, t in ends], tokens.dtype, tokens.device)
+    return tokens
+
+
+def _ends_here(row: Row) -> bool:
+    return row.end_at is not None and row.position >= row.end_at
 
 
 def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -227,7 +246,7 @@ def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     top-k, top-p and min-p (a sort per row) for the rows that ask for any, renormalised."""
     vocab = logits.shape[1]
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
+    temperature = to_device([p.temperature for p in params], torch.float64, dev)
     scaled = logits / temperature[:, None]
     # Rows that truncate nothing skip the sort, the costliest kernel of a step on a GPU (at top_p=1
     # the sorted cumulative sum could also round to 1 before the tail and drop a possible token).
@@ -237,9 +256,9 @@ def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     if not cut:
         return logprobs
     picked = [params[j] for j in cut]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in picked], device=dev)
-    top_p = torch.tensor([p.top_p for p in picked], dtype=torch.float64, device=dev)
-    min_p = torch.tensor([p.min_p for p in picked], dtype=torch.float64, device=dev)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in picked], torch.long, dev)
+    top_p = to_device([p.top_p for p in picked], torch.float64, dev)
+    min_p = to_device([p.min_p for p in picked], torch.float64, dev)
     sorted_logits, order = scaled[cut].sort(dim=-1, descending=True, stable=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     rank = torch.arange(vocab, device=dev)
