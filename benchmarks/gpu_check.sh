@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (about 15 minutes on one H200 in all; run as two subsets where a call has 10), run from the repository root:
 #
-#   bash /work/shared/tools/gpu-wheels.sh build/wheels-gpu     # here, once: the wheels the GPU image lacks
+#   bash benchmarks/gpu_wheels.sh build/wheels-gpu     # here, once: the wheels the GPU image lacks
 #   bash benchmarks/gpu_check.sh [WHEELS_DIR]                        # there, with WHEELS_DIR carried
 #   STEPS="engine modes-builtin" bash benchmarks/gpu_check.sh DIR    # a subset (two calls of < 10 min)
 #
