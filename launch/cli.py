@@ -35,7 +35,7 @@ from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from pipeline.producers import ProducersFactory
-from pipeline.types import WeightTransport
+from pipeline.types import StoreTransport, WeightTransport
 from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
@@ -72,14 +72,24 @@ def main(argv: list[str] | None = None) -> int:
             raise
         for message in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
             print(f"error: {message}", file=sys.stderr)
-        print("rollout state is in the store; fix the cause and run the same command again to resume", file=sys.stderr)
+        print(f"{_resume_hint(config)}; fix the cause and run the same command again", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
-        print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+        print(f"{how}: {_resume_hint(config)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated.is_set() else signal.SIGINT)
     _print_summary(summary, config.rollout.num_rollout)
     return 0
+
+
+def _resume_hint(config: Config) -> str:
+    """What a second run of the same command does: a memory store keeps nothing to resume from."""
+    if config.storage.transport is StoreTransport.MEMORY:
+        return (
+            "the memory store keeps nothing: the same command starts again at step 0 "
+            "(--rollout-data-transport lmdb keeps the rollout state and resumes)"
+        )
+    return "rollout state is in the store; run the same command again to resume"
 
 
 @contextmanager
@@ -174,6 +184,8 @@ async def _run(config: Config) -> list[dict[str, Any]]:
                 weight_transfer=transfer,
                 agent=config.data.agent_fn or state.agent,
                 producers=producers,
+                checkpoints=state.checkpoints,
+                resume_from=state.replay_from,
             )
         return summary.metrics
 
@@ -208,7 +220,8 @@ async def _producers(
             filter_path=d.dynamic_sampling_filter_path,
             agent_path=d.custom_generate_function_path or (_path_of(state.agent) if state.agent else None),
             seed=plan.seed,
-            version=state.version,
+            # The version the engines serve when producers get work: a replay (if any) has run by then.
+            version=state.start_step,
             request_timeout=r.request_timeout,
             max_retries=r.max_retries,
             api_key=config.engine.api_key or None,
@@ -289,7 +302,9 @@ async def _garbage_collector(
 
     def step_done(record: dict[str, Any]) -> None:
         on_step(record)
-        if (up_to := record["step"] - keep_steps) >= 0:
+        # Never past the newest checkpoint: a resume trains the batches after it again.
+        up_to = min(record["step"] - keep_steps, record.get("checkpoint/step", record["step"]))
+        if up_to >= 0:
             try:
                 send.send_nowait(up_to)
             except anyio.WouldBlock:

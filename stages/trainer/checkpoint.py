@@ -24,8 +24,10 @@ __all__ = [
     "OPTIMIZER_DIR",
     "has_optimizer",
     "load_optimizer",
+    "load_rng_state",
     "optimizer_param_names",
     "save_optimizer",
+    "save_rng_state",
     "write_folder_atomically",
 ]
 
@@ -38,6 +40,9 @@ OPTIMIZER_DIR = "optimizer"
 _OPTIMIZER_TENSORS = "state.safetensors"
 _OPTIMIZER_META = "state.json"
 _OPTIMIZER_FORMAT = 1
+# The trainer's random state (torch's CPU generator), beside the optimizer's: a resumed run draws
+# what the uninterrupted one would have drawn (dropout, if a model config enables it).
+_RNG_TENSORS = "rng.safetensors"
 
 
 def write_folder_atomically(path: Path, original: Path, fill: Callable[[Path], None]) -> Path:
@@ -147,3 +152,26 @@ def load_optimizer(
     except (ValueError, KeyError, RuntimeError) as exc:
         raise PipelineError(f"optimizer checkpoint {folder} does not fit the model: {exc}") from exc
     return int(meta["trainer_steps"])
+
+
+def save_rng_state(folder: Path) -> None:
+    """torch's CPU random state into `folder` (the optimizer subfolder of a checkpoint), as safetensors."""
+    from safetensors.torch import save_file
+
+    save_file({"torch_cpu": torch.get_rng_state()}, str(folder / _RNG_TENSORS))
+
+
+def load_rng_state(folder: Path) -> bool:
+    """Restore the random state `save_rng_state` wrote; False (nothing changed) for a checkpoint
+    written before it was saved."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / _RNG_TENSORS
+    if not path.exists():
+        return False
+    try:
+        torch.set_rng_state(load_file(str(path))["torch_cpu"])
+    except (OSError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise PipelineError(f"random state {path} is unreadable: {exc}") from exc
+    return True
