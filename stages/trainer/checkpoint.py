@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "has_optimizer",
     "load_optimizer",
     "load_rng_state",
+    "model_folder_files",
     "optimizer_param_names",
     "save_optimizer",
     "save_rng_state",
@@ -45,18 +46,29 @@ _OPTIMIZER_FORMAT = 1
 _RNG_TENSORS = "rng.safetensors"
 
 
-def write_folder_atomically(path: Path, original: Path, fill: Callable[[Path], None]) -> Path:
+def model_folder_files(original: Path) -> dict[str, bytes]:
+    """The non-weight files of a model folder (tokenizer, chat template...), read now: a trainer
+    keeps them, since the folder it was loaded from (an old checkpoint) may be deleted by
+    retention before its next save."""
+    return {
+        src.name: src.read_bytes()
+        for src in original.iterdir()
+        if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES)
+    }
+
+
+def write_folder_atomically(path: Path, original: Path | Mapping[str, bytes], fill: Callable[[Path], None]) -> Path:
     """Write a model folder at `path` (replacing one that is there): `fill(tmp)` writes the weights.
 
-    Tokenizer and other non-weight files come from `original`, so the result loads with
-    `from_pretrained` exactly like it.
+    Tokenizer and other non-weight files come from `original` (a folder, or its files as
+    `model_folder_files` read them), so the result loads with `from_pretrained` exactly like it.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    files = model_folder_files(original) if isinstance(original, Path) else original
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        for src in original.iterdir():
-            if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(src, tmp / src.name)
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
         fill(tmp)
         if path.exists():
             # Two renames: a reader sees the old folder or (briefly) none, never a mix.

@@ -44,6 +44,7 @@ from stages.trainer.checkpoint import (
     has_optimizer,
     load_optimizer,
     load_rng_state,
+    model_folder_files,
     optimizer_param_names,
     save_optimizer,
     save_rng_state,
@@ -137,6 +138,7 @@ class GRPOTrainer:
         torch.manual_seed(seed)  # only matters if the model config enables dropout
 
         self.model_path = Path(model_path)
+        self._folder_files = model_folder_files(self.model_path)  # tokenizer etc., for every save
         self.global_batch_size = global_batch_size
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
@@ -403,14 +405,14 @@ class GRPOTrainer:
             )
             save_rng_state(folder / OPTIMIZER_DIR)
 
-        return write_folder_atomically(Path(path), self.model_path, fill)
+        return write_folder_atomically(Path(path), self._folder_files, fill)
 
     def save_model(self, path: str | os.PathLike[str]) -> Path:
         """Write the weights only (what an engine loads; no optimizer state) at `path`, atomically.
 
         A third of a full checkpoint's bytes with AdamW (weights, two moments): what the launcher
         publishes between checkpoints (`--save-interval`)."""
-        return write_folder_atomically(Path(path), self.model_path, self.model.save_pretrained)
+        return write_folder_atomically(Path(path), self._folder_files, self.model.save_pretrained)
 
 
 def _with_legacy_keywords(

@@ -55,9 +55,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline.types import Batch, Sample
-from stages.trainer.checkpoint import OPTIMIZER_DIR, write_folder_atomically
+from stages.trainer.checkpoint import OPTIMIZER_DIR, model_folder_files, write_folder_atomically
 from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
 from stages.trainer.megatron.checkpoint import (
+    config_files,
     gather_full_state,
     gather_stages,
     load_hf_weights,
@@ -157,6 +158,9 @@ class MegatronTrainer:
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
+        # Read now: the folder may be a checkpoint that retention deletes before the next save.
+        self._folder_files = model_folder_files(self.model_path)
+        self._config_files = config_files(self.model_path)
         self.loss = loss or LossSettings()
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
@@ -217,9 +221,13 @@ class MegatronTrainer:
         rows, trains, versions = batch_rows(batch, self.loss)
         self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
         step = self._train(rows)
-        return step_metrics(
+        metrics = step_metrics(
             batch, rows, trains, versions, step.totals, step.grad_norm_sum, step.optimizer_steps, step.minibatches
         )
+        # The split, recorded as the torch trainer records it; a replay here uses the flag's split
+        # (no per-step override reaches the other ranks yet).
+        metrics["minibatch_samples"] = float(min(self.global_batch_size or len(rows), len(rows)))
+        return metrics
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
@@ -228,7 +236,7 @@ class MegatronTrainer:
             self._broadcast(_Command.SAVE, str(folder))
             self._save(folder)
 
-        return write_folder_atomically(Path(path), self.model_path, fill)
+        return write_folder_atomically(Path(path), self._folder_files, fill)
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
@@ -520,7 +528,7 @@ class MegatronTrainer:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
         full = self._gather_full()
         if self.layout.rank == 0:
-            write_hf_weights(folder, full, self.shape, self.model_path)
+            write_hf_weights(folder, full, self.shape, self._config_files)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
