@@ -193,7 +193,7 @@ _OWNER_FILE = "owner.json"  # in the weights folder: which LMDB store counts the
 def _claim_weights(weights_dir: Path, config: Config) -> None:
     """Refuse to write checkpoints over those an LMDB store of another run counts as trained.
 
-    A run saves `weights/vN` at every step. In a folder whose checkpoints belong to an LMDB store
+    A run saves `checkpoints/vN` and `weights/vN`. In a folder whose checkpoints belong to an LMDB store
     (a durable run that can still resume), a memory run or an LMDB run on another store would
     overwrite them, and resuming the durable run would then load weights it never trained. The
     owner is recorded in `weights/owner.json`, relative to the output dir when the store is inside

@@ -229,10 +229,11 @@ async def replay_then_publish(
     *,
     resume_from: int,
     transfer: WeightTransfer | None,
-) -> None:
+) -> StepSave | None:
     """Train the stored batches after the loaded checkpoint (version `resume_from`) again, then
     publish the result: the engines then serve the version the store's last trained step made, as
-    they did before the kill. Runs before the stage graph starts: nothing generates meanwhile."""
+    they did before the kill. Runs before the stage graph starts: nothing generates meanwhile.
+    Returns what was published (None: nothing to replay)."""
     trained = await store.trained_step()
     saved = await replay_stored_batches(
         trainer,
@@ -244,9 +245,10 @@ async def replay_then_publish(
         distributed=transfer is not None,
     )
     if saved is None:
-        return
+        return None
     clock.start_at(trained)
     await publish_weights(clock, engines, saved.folder, pause_mode=plan.pause_mode, transfer=transfer)
+    return saved
 
 
 @dataclass(slots=True)
@@ -269,11 +271,13 @@ class StepSaver:
         num_steps: int,
         first_step: int,
         transfer: WeightTransfer | None,
+        served: StepSave | None = None,
     ) -> StepSaver:
+        """`served`: what a replay published (deleted, if a publish folder, once a later one is served)."""
         if policy is None:
             return cls(None, weights_dir, num_steps, first_step - 1, transfer is not None)
         newest = [v for v in checkpoint_versions(policy.dir, policy.publish_dir) if v <= first_step]
-        return cls(policy, weights_dir, num_steps, max(newest, default=0) - 1, transfer is not None)
+        return cls(policy, weights_dir, num_steps, max(newest, default=0) - 1, transfer is not None, served)
 
     def save(self, trainer: Trainer, step: int) -> StepSave:
         """Blocking: run it off the event loop."""

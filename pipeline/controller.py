@@ -155,9 +155,10 @@ async def run_pipeline(
     step: the stored batches of the steps in between are trained again first (needs `checkpoints`
     and a `clock` at that version).
     """
+    replayed = None
     if resume_from is not None and checkpoints is not None:
         assert clock is not None, "a replay needs the clock the engines were loaded at"
-        await replay_then_publish(
+        replayed = await replay_then_publish(
             plan, trainer, store, engines, clock, checkpoints, resume_from=resume_from, transfer=weight_transfer
         )
     # The rollout side is the embedding object itself (`pipeline.session.Rollout`); this function
@@ -181,7 +182,9 @@ async def run_pipeline(
     )
     async with rollout:
         timer = _StepTimer(rollout.first_step, rollout.graph.producers.statistics().busy_slot_seconds)
-        saving = StepSaver.starting(checkpoints, weights_dir, plan.num_steps, rollout.first_step, weight_transfer)
+        saving = StepSaver.starting(
+            checkpoints, weights_dir, plan.num_steps, rollout.first_step, weight_transfer, replayed
+        )
         for step in range(rollout.first_step, plan.num_steps):
             record = await _train_one_step(rollout, trainer, saving, store, timer, step)
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
