@@ -205,3 +205,26 @@ def test_a_batch_from_the_store_is_the_batch_trained(tmp_path):
     assert isinstance(taken, Batch) and again is not None
     assert [g.group_id for g in again.groups] == [g.group_id for g in taken.groups]
     assert again.samples == taken.samples
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_no_temporary_folder(tmp_path, monkeypatch):
+    """A full disk (or any error) while a checkpoint is written: the folder never appears, its
+    temporary folder is gone, and the previous checkpoint still loads."""
+    import errno
+
+    import stages.trainer.grpo as grpo
+
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
+    trainer.train_step(Batch(0, (_group(0, 0), _group(1, 0))))
+    policy = _policy(tmp_path / "run", interval=1)
+    save_step(trainer, policy, 0, 10, distributed=False)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(grpo, "save_optimizer", disk_full)
+    trainer.train_step(Batch(1, (_group(2, 1), _group(3, 1))))
+    with pytest.raises(OSError, match="No space left"):
+        save_step(trainer, policy, 1, 10, distributed=False)
+    assert sorted(p.name for p in policy.dir.iterdir()) == ["v1"]
+    assert GRPOTrainer(policy.dir / "v1").steps == 1

@@ -79,7 +79,7 @@ def test_a_checkpoint_restores_the_optimizer_so_the_next_step_is_identical(tmp_p
     first.train_step(b0)
     first.train_step(b1)
     saved = first.save_weights(tmp_path / "weights" / "v2")
-    assert {p.name for p in (saved / OPTIMIZER_DIR).iterdir()} == {"state.safetensors", "state.json"}
+    assert {p.name for p in (saved / OPTIMIZER_DIR).iterdir()} == {"state.safetensors", "state.json", "rng.safetensors"}
     meta = json.loads((saved / OPTIMIZER_DIR / "state.json").read_text())
     assert meta["trainer_steps"] == 2 and meta["param_groups"][0]["betas"] == [0.9, 0.999]
 

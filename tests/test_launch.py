@@ -202,3 +202,14 @@ def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert f"{flag}={where}: cannot be created" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_a_memory_run_says_it_keeps_nothing_to_resume_from():
+    """Issue 30: a stopped memory run used to say "run the same command again to resume" and then
+    start at step 0."""
+    from launch.cli import _resume_hint
+    from pipeline.config import load_config
+
+    memory = _resume_hint(load_config(["--rollout-data-transport", "memory"]))
+    assert "keeps nothing" in memory and "step 0" in memory and "to resume" not in memory.split("(")[0]
+    assert "run the same command again to resume" in _resume_hint(load_config(["--rollout-data-transport", "lmdb"]))

@@ -226,3 +226,17 @@ def test_a_declared_network_filesystem_runs_and_says_what_declared_it(nfs_mount,
     text = "".join(capsys.readouterr())
     assert f"declaration {declaration}" in text and "nfs4" in text
     assert "synced_commits=False" in text
+
+
+def test_a_run_folder_of_the_older_layout_resumes_from_its_last_step_without_a_replay(run_copy, capsys):
+    """Before issue 30 every step saved its full checkpoint as weights/vN: such a folder still resumes
+    from the last one, with nothing to train again, and is never deleted as a publish folder."""
+    shutil.rmtree(run_copy / "weights")
+    (run_copy / "weights").mkdir()
+    (run_copy / "checkpoints" / "v3").rename(run_copy / "weights" / "v3")
+    (run_copy / "checkpoints").rmdir()
+    assert run(run_copy, steps=5) == 0
+    assert "replaying stored batches" not in capsys.readouterr().out
+    assert (run_copy / "weights" / "v3" / "optimizer").is_dir()
+    meta = json.loads((run_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
+    assert meta["trainer_steps"] == 5
