@@ -455,7 +455,8 @@ class StorageConfig:
         "int",
         ge=0,
         default_help="keep everything (replay sees the whole run)",
-        help="after each step, delete the trained groups and batches of all but the last N steps",
+        help="after each step, delete the trained groups and batches of all but the last N steps "
+        "(never those after the newest checkpoint: a resume trains them again)",
     )
 
 
