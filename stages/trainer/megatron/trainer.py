@@ -214,19 +214,21 @@ class MegatronTrainer:
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0)."""
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0).
+
+        `minibatch_samples` overrides `global_batch_size` for this step (every rank gets it): a
+        resumed run replays a stored batch with its recorded split (`pipeline.checkpoints`)."""
         if not batch.samples:
             raise ValueError(f"batch {batch.step} has no samples")
         rows, trains, versions = batch_rows(batch, self.loss)
-        self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
-        step = self._train(rows)
+        size = minibatch_samples or self.global_batch_size or len(rows)
+        self._broadcast(_Command.TRAIN, {"rows": [r.to_json() for r in rows], "minibatch_samples": size})
+        step = self._train(rows, size)
         metrics = step_metrics(
             batch, rows, trains, versions, step.totals, step.grad_norm_sum, step.optimizer_steps, step.minibatches
         )
-        # The split, recorded as the torch trainer records it; a replay here uses the flag's split
-        # (no per-step override reaches the other ranks yet).
-        metrics["minibatch_samples"] = float(min(self.global_batch_size or len(rows), len(rows)))
+        metrics["minibatch_samples"] = float(min(size, len(rows)))  # the split, recorded for a replay
         return metrics
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
@@ -268,7 +270,7 @@ class MegatronTrainer:
             if command is _Command.STOP:
                 return
             if command is _Command.TRAIN:
-                self._train([Row.from_json(r) for r in payload])
+                self._train([Row.from_json(r) for r in payload["rows"]], payload["minibatch_samples"])
             elif command is _Command.SAVE:
                 self._save(Path(payload))
             elif command is _Command.LOGPROBS:
@@ -286,14 +288,13 @@ class MegatronTrainer:
 
     # ---- the step, on every rank --------------------------------------------------------------
 
-    def _train(self, rows: list[Row]) -> _StepTotals:
-        """The batch's optimizer steps: one per minibatch of `global_batch_size` rows, in order.
+    def _train(self, rows: list[Row], size: int) -> _StepTotals:
+        """The batch's optimizer steps: one per minibatch of `size` rows, in order.
 
         With several, the proximal log-probs are computed once first, under the weights the batch
         was given to (the torch trainer's decoupled objective): the PPO clip of the later steps acts
         against them. Each rank computes them for its own micro-batches only.
         """
-        size = self.global_batch_size or len(rows)
         minibatches = [rows[i : i + size] for i in range(0, len(rows), size)]
         plans = [self._micro_batches(mb) for mb in minibatches]
         self.model.train()
