@@ -174,6 +174,8 @@ async def _run(config: Config) -> list[dict[str, Any]]:
                 agent=config.data.agent_fn or state.agent,
                 producers=producers,
                 evaluate=evaluate,
+                checkpoints=state.checkpoints,
+                resume_from=state.replay_from,
             )
         return summary.metrics
 
@@ -229,7 +231,8 @@ async def _producers(
             filter_path=d.dynamic_sampling_filter_path,
             agent_path=d.custom_generate_function_path or (_path_of(state.agent) if state.agent else None),
             seed=plan.seed,
-            version=state.version,
+            # The version the engines serve when producers get work: a replay (if any) has run by then.
+            version=state.start_step,
             request_timeout=r.request_timeout,
             max_retries=r.max_retries,
             api_key=config.engine.api_key or None,
@@ -310,7 +313,9 @@ async def _garbage_collector(
 
     def step_done(record: dict[str, Any]) -> None:
         on_step(record)
-        if (up_to := record["step"] - keep_steps) >= 0:
+        # Never past the newest checkpoint: a resume trains the batches after it again.
+        up_to = min(record["step"] - keep_steps, record.get("checkpoint/step", record["step"]))
+        if up_to >= 0:
             try:
                 send.send_nowait(up_to)
             except anyio.WouldBlock:

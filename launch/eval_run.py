@@ -3,7 +3,8 @@
 
     python -m pipeline.eval --output-dir RUN_DIR [the run's flags] [--eval-version N ...]
 
-Without `--eval-version` every saved weights folder (`RUN_DIR/weights/vN`, N >= 1: the weights
+Without `--eval-version` every saved weights folder (`RUN_DIR/checkpoints/vN` or `RUN_DIR/weights/vN`,
+N >= 1: the weights
 step N-1 made) that `RUN_DIR/eval.jsonl` does not hold yet is evaluated, oldest first; with it,
 the versions named (0 = the initial weights), also when already evaluated. The run's flags say
 what to evaluate and how (`--eval-prompt-data`, `--n-samples-per-eval-prompt`, `--eval-temperature`
@@ -27,6 +28,7 @@ from typing import Any
 import anyio
 import structlog
 
+from pipeline.checkpoints import CHECKPOINTS_DIR, PUBLISH_DIR
 from pipeline.config import Config, config_to_dict, load_config
 from pipeline.config.derived import derived
 from pipeline.errors import ConfigError, PipelineError
@@ -134,18 +136,25 @@ class InlineEvaluator:
 # ---- python -m pipeline.eval --------------------------------------------------------------------
 
 
-def _versions(weights_dir: Path) -> list[int]:
-    """The saved weights folders `vN`, complete ones only (a save in progress is `.vN.tmp-*`)."""
-    if not weights_dir.is_dir():
-        return []
-    found = (re.fullmatch(r"v(\d+)", p.name) for p in weights_dir.iterdir() if (p / "config.json").exists())
-    return sorted(int(m.group(1)) for m in found if m)
+def _saved_weights(out: Path) -> dict[int, Path]:
+    """Every complete `vN` folder of the run, by version: the full checkpoints (`checkpoints/vN`,
+    kept by `--save-keep-last`) and the weights-only folders the engines load between them
+    (`weights/vN`, deleted once served past; a run of the older layout keeps every step there).
+    A save in progress is `.vN.tmp-*` and never matches."""
+    saved: dict[int, Path] = {}
+    for folder in (out / PUBLISH_DIR, out / CHECKPOINTS_DIR):  # a checkpoint wins over a copy
+        if folder.is_dir():
+            for p in folder.iterdir():
+                m = re.fullmatch(r"v(\d+)", p.name)
+                if m and (p / "config.json").exists():
+                    saved[int(m.group(1))] = p
+    return dict(sorted(saved.items()))
 
 
 def _parse(argv: Sequence[str]) -> tuple[list[int] | None, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.eval",
-        description="Evaluate a run's saved weights (RUN_DIR/weights/vN) on engines; the run's flags say what "
+        description="Evaluate a run's saved weights (RUN_DIR/checkpoints/vN, RUN_DIR/weights/vN) on engines; the run's flags say what "
         "and how. Results: RUN_DIR/eval.jsonl, TensorBoard, W&B.",
         add_help=True,
     )
@@ -154,7 +163,7 @@ def _parse(argv: Sequence[str]) -> tuple[list[int] | None, list[str]]:
         type=int,
         action="append",
         metavar="N",
-        help="evaluate weights/vN (repeatable; 0 = the initial weights); default: every saved version not yet "
+        help="evaluate the weights of version N (repeatable; 0 = the initial weights); default: every saved version not yet "
         "in eval.jsonl",
     )
     known, rest = parser.parse_known_args(list(argv))
@@ -181,13 +190,18 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     if not (model_path / "config.json").exists() and not config.engine.hf_checkpoint:
         raise ConfigError([f"--output-dir={out}: no model folder {model_path} (is this a run folder?)"])
     eval_log = EvalLog(out / EVAL_FILE)
-    saved = _versions(out / "weights")
+    folders = _saved_weights(out)
+    saved = list(folders)
     if versions is None:
         done = {int(r.get("version", r["step"] + 1)) for r in eval_log.evaluated().values()}
         versions = [v for v in saved if v >= 1 and v not in done]
     missing = [v for v in versions if v != 0 and v not in saved]
     if missing:
-        raise ConfigError([f"--eval-version {missing}: no such weights under {out / 'weights'} (saved: {saved})"])
+        raise ConfigError(
+            [
+                f"--eval-version {missing}: no such weights under {out / CHECKPOINTS_DIR} or {out / PUBLISH_DIR} (saved: {saved})"
+            ]
+        )
     if not versions:
         print(f"nothing to evaluate: every saved version of {out} is in {out / EVAL_FILE}")
         return 0
@@ -200,7 +214,7 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     try:
         async with _engines(config, model_path) as fleet:
             for version in versions:
-                folder = model_path if version == 0 else out / "weights" / f"v{version}"
+                folder = model_path if version == 0 else folders[version]
                 await fleet.update_weights_from_disk(str(folder), weight_version=str(version))
                 step = version - 1
                 metrics = await evaluate(fleet, sets, settings, step=step, on_sample=bar)

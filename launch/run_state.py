@@ -41,6 +41,14 @@ import structlog
 
 import storage
 from launch.resume_settings import changed_settings, flag_of, refused_change
+from pipeline.checkpoints import (
+    CHECKPOINTS_DIR,
+    PUBLISH_DIR,
+    CheckpointPolicy,
+    checkpoint_versions,
+    prune_checkpoints,
+    remove_publish_folders,
+)
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
@@ -73,10 +81,14 @@ class RunState:
     reward_fn: RewardFn
     store: Store
     start_step: int
-    version: int  # the policy version serving at the start
-    weights: Path | None  # weights of `version` to load, None for the base model
+    version: int  # the version of the checkpoint loaded (engines and trainer), 0 for the base model
+    weights: Path | None  # the checkpoint of `version` to load, None for the base model
     make_trainer: Callable[[], Trainer]
     agent: Callable[..., Any] | None = None  # the built-in task's agent (`--task tool`), if any
+    checkpoints: CheckpointPolicy | None = None
+    # When the checkpoint is older than the store's last trained step: the stored batches of steps
+    # `version`..`start_step - 1` are trained again before new work (`pipeline.checkpoints`).
+    replay_from: int | None = None
 
 
 def open_run_state(config: Config) -> RunState:
@@ -95,21 +107,38 @@ def open_run_state(config: Config) -> RunState:
     dataset, reward_fn = _dataset(config, tokenizer)
 
     meta = _run_meta(config, dataset, model_path)
+    policy = CheckpointPolicy(
+        out / CHECKPOINTS_DIR,
+        out / PUBLISH_DIR,
+        interval=config.output.save_interval,
+        keep_last=config.output.save_keep_last,
+    )
     _claim_weights(out / "weights", config)
-    _remove_unfinished_saves(out / "weights")
+    for folder in (policy.publish_dir, policy.dir):
+        _remove_unfinished_saves(folder)
     if config.storage.transport is StoreTransport.LMDB:
-        store = _open_lmdb(config, meta, out / "weights", dataset)
+        store = _open_lmdb(config, meta, policy, dataset)
     else:
         store = open_store(config.storage.transport, None)
         _check_meta(store, meta)
+        if checkpoint_versions(policy.dir, policy.publish_dir):
+            log.warning(
+                "the memory store keeps nothing to resume from: this run starts at step 0 from the base "
+                "model, and its checkpoints replace those in the run folder",
+                checkpoints=str(policy.dir),
+            )
     trained = store.trained_step()
-    version = trained + 1
-    weights = out / "weights" / f"v{version}" if version > 0 else None
-    if weights is not None and not (weights / "config.json").exists():
+    try:
+        version, weights = _resume_point(store, policy, trained)
+    except BaseException:
         store.close()
-        raise StoreError(f"the store says step {trained} was trained, but its weights {weights} are missing")
+        raise
+    # What the engines loaded between checkpoints is never needed again: a resume reloads the
+    # checkpoint. Checkpoints beyond the newest --save-keep-last go too (a kill may have come
+    # between a commit and that deletion).
+    remove_publish_folders(policy)
+    prune_checkpoints(policy, trained + 1)
     start_from = weights or model_path
-
     settings = config_to_dict(config)
     t = config.trainer
 
@@ -127,7 +156,37 @@ def open_run_state(config: Config) -> RunState:
         from stages.tasks.tool_task import lookup_agent
 
         agent = lookup_agent
-    return RunState(model_path, dataset, reward_fn, store, trained + 1, version, weights, make_trainer, agent)
+    replay_from = version if version <= trained else None
+    return RunState(
+        model_path,
+        dataset,
+        reward_fn,
+        store,
+        trained + 1,
+        version,
+        weights,
+        make_trainer,
+        agent,
+        checkpoints=policy,
+        replay_from=replay_from,
+    )
+
+
+def _resume_point(store: Store, policy: CheckpointPolicy, trained: int) -> tuple[int, Path | None]:
+    """The newest full checkpoint the store counts (version <= trained step + 1; a newer one was
+    saved by a step that never committed), and its folder; (0, None) for the base model. The
+    stored batches of the steps after it must still be there, to be trained again."""
+    versions = checkpoint_versions(policy.dir, policy.publish_dir)  # publish_dir: the older layout
+    version = max((v for v in versions if v <= trained + 1), default=0)
+    collected = store.statistics().collected_step
+    if version <= trained and collected >= version:
+        where = f"checkpoint v{version}" if version else "the base model (no checkpoint was saved)"
+        raise StoreError(
+            f"the store's last trained step is {trained}, the newest checkpoint is {where}, and the "
+            f"batches of steps {version}..{collected} to train again were collected; a resume would lose "
+            f"them. Restore a checkpoint of step {collected} or later into {policy.dir}"
+        )
+    return version, versions.get(version)
 
 
 _OWNER_FILE = "owner.json"  # in the weights folder: which LMDB store counts these checkpoints
@@ -136,7 +195,7 @@ _OWNER_FILE = "owner.json"  # in the weights folder: which LMDB store counts the
 def _claim_weights(weights_dir: Path, config: Config) -> None:
     """Refuse to write checkpoints over those an LMDB store of another run counts as trained.
 
-    A run saves `weights/vN` at every step. In a folder whose checkpoints belong to an LMDB store
+    A run saves `checkpoints/vN` and `weights/vN`. In a folder whose checkpoints belong to an LMDB store
     (a durable run that can still resume), a memory run or an LMDB run on another store would
     overwrite them, and resuming the durable run would then load weights it never trained. The
     owner is recorded in `weights/owner.json`, relative to the output dir when the store is inside
@@ -278,7 +337,7 @@ def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> Non
 # --- the LMDB store: declaration, opening, and what happens when it is unreadable ---------------
 
 
-def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[PromptTask]) -> Store:
+def _open_lmdb(config: Config, meta: RunMeta, policy: CheckpointPolicy, dataset: list[PromptTask]) -> Store:
     s = config.storage
     data_dir = Path(derived(s.data_dir, "storage.data_dir"))
     plan = check_storage(
@@ -310,7 +369,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
             store.close()
             raise
         return store
-    return _continue_from_salvage(data_dir, options, meta, weights_dir, reason, fresh, len(dataset))
+    return _continue_from_salvage(data_dir, options, meta, policy, reason, fresh, len(dataset))
 
 
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
@@ -361,7 +420,7 @@ def _continue_from_salvage(
     data_dir: Path,
     options: dict[str, Any],
     meta: RunMeta,
-    weights_dir: Path,
+    policy: CheckpointPolicy,
     reason: str,
     fresh: Callable[[str], Group | None],
     n_prompts: int,
@@ -369,9 +428,18 @@ def _continue_from_salvage(
     """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
     aside = _move_aside(data_dir)
     salvage = storage.salvage_store(aside)
+    # A fresh store holds no trained batch to train again: the run continues from the newest
+    # checkpoint, and steps trained after it (their batches unreadable now) are lost.
+    checkpointed = max(checkpoint_versions(policy.dir, policy.publish_dir), default=0) - 1
     trained = salvage.trained_step
     if trained is None:
-        trained = _newest_weights_step(weights_dir)
+        trained = checkpointed
+    elif trained > checkpointed:
+        log.warning(
+            "steps trained after the newest checkpoint cannot be trained again from the unreadable store",
+            lost_steps=f"{checkpointed + 1}..{trained}",
+        )
+        trained = checkpointed
     log.warning(
         "the rollout store is unreadable; it was moved aside, untouched, and a fresh store continues the run",
         moved_to=str(aside),
@@ -388,7 +456,7 @@ def _continue_from_salvage(
             if trained >= 0
             else "the last trained step is unreadable and no weights were saved: starting from the base model",
             resume_at_step=trained + 1,
-            weights=str(weights_dir / f"v{trained + 1}") if trained >= 0 else None,
+            weights=str(policy.dir / f"v{trained + 1}") if trained >= 0 else None,
         )
     again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
     if salvage.groups_lost and salvage.cursor is not None:
@@ -487,20 +555,6 @@ def _move_aside(data_dir: Path) -> Path:
             f"the rollout store {data_dir} is unreadable and cannot be moved aside to {aside}: {exc}"
         ) from exc
     return aside
-
-
-def _newest_weights_step(weights_dir: Path) -> int:
-    """The step whose complete weights folder `vN` is newest (N - 1), -1 when there is none."""
-    versions = (
-        [
-            int(entry.name[1:])
-            for entry in weights_dir.glob("v*")
-            if entry.name[1:].isdigit() and (entry / "config.json").exists()
-        ]
-        if weights_dir.is_dir()
-        else []
-    )
-    return max(versions, default=0) - 1
 
 
 def __getattr__(name: str) -> Any:

@@ -31,6 +31,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from pipeline.checkpoints import CheckpointPolicy, StepSaver, replay_then_publish
 from pipeline.clock import VersionClock
 from pipeline.errors import ConfigError, EngineError
 from pipeline.events import EventLog
@@ -62,7 +63,11 @@ class Trainer(Protocol):
 
     def train_step(self, batch: Batch) -> Mapping[str, float]: ...
 
-    def save_weights(self, path: Path) -> Path: ...
+    def save_weights(self, path: Path) -> Path:
+        """The full checkpoint (weights, optimizer, random state, step count). A trainer that also
+        has `save_model(path)` (weights only) is given that for the folders published between
+        checkpoints (`pipeline.checkpoints`)."""
+        ...
 
 
 class Engines(GenerateEngine, WeightTarget, Protocol):
@@ -139,6 +144,8 @@ async def run_pipeline(
     agent: Agent | None = None,
     producers: ProducersFactory | None = None,
     evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
+    checkpoints: CheckpointPolicy | None = None,
+    resume_from: int | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
@@ -148,6 +155,12 @@ async def run_pipeline(
     `evaluate(step)` (sync mode: `pipeline.evaluation`) runs after each step's publish, when the
     engines serve that step's weights and nothing else is in flight; what it returns (nothing on
     a step that is not due) joins the step's record after the commit, as the publish times do.
+
+    `checkpoints`: the cadence, retention and folders of `pipeline.checkpoints`; None saves a full
+    checkpoint at every step to `weights_dir/vN` (the older layout). `resume_from`: the version of
+    the checkpoint the trainer and engines were loaded with, when older than the store's trained
+    step: the stored batches of the steps in between are trained again first (needs `checkpoints`
+    and a `clock` at that version).
     """
     if evaluate is not None and plan.mode is RolloutMode.ASYNC:
         raise ConfigError(
@@ -155,6 +168,12 @@ async def run_pipeline(
                 "inline evaluation with --rollout-mode=async: generation never pauses there; "
                 "evaluate saved weights with python -m pipeline.eval"
             ]
+        )
+    replayed = None
+    if resume_from is not None and checkpoints is not None:
+        assert clock is not None, "a replay needs the clock the engines were loaded at"
+        replayed = await replay_then_publish(
+            plan, trainer, store, engines, clock, checkpoints, resume_from=resume_from, transfer=weight_transfer
         )
     # The rollout side is the embedding object itself (`pipeline.session.Rollout`); this function
     # adds the built-in trainer loop and the metrics record. Imported here: session builds on this
@@ -177,8 +196,11 @@ async def run_pipeline(
     )
     async with rollout:
         timer = _StepTimer(rollout.first_step, rollout.graph.producers.statistics().busy_slot_seconds)
+        saving = StepSaver.starting(
+            checkpoints, weights_dir, plan.num_steps, rollout.first_step, weight_transfer, replayed
+        )
         for step in range(rollout.first_step, plan.num_steps):
-            record = await _train_one_step(rollout, trainer, weights_dir, store, timer, step)
+            record = await _train_one_step(rollout, trainer, saving, store, timer, step)
             if evaluate is not None:
                 started = time.perf_counter()
                 evaluated = await evaluate(step)
@@ -218,7 +240,7 @@ class _StepTimer:
 
 
 async def _train_one_step(
-    rollout: Rollout, trainer: Trainer, weights_dir: Path, store: AsyncStore, timer: _StepTimer, step: int
+    rollout: Rollout, trainer: Trainer, saving: StepSaver, store: AsyncStore, timer: _StepTimer, step: int
 ) -> dict[str, Any]:
     """Take a batch, train it and save the weights, commit the step with its record, publish."""
     plan, clock, graph = rollout.plan, rollout.clock, rollout.graph
@@ -239,7 +261,10 @@ async def _train_one_step(
     t_train = time.perf_counter()
     with _span(rollout.events, "train", step=step):
         train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
-        new_weights = await anyio.to_thread.run_sync(trainer.save_weights, weights_dir / f"v{clock.version + 1}")
+        saved = await anyio.to_thread.run_sync(saving.save, trainer, step)
+    # Which checkpoint a resume starts from after this commit, and what the step wrote to disk.
+    record["checkpoint/step"] = saving.checkpoint_step
+    record["checkpoint/bytes_written"] = saved.bytes_written
     train_seconds = time.perf_counter() - t_train
     record.update({f"train/{k}": v for k, v in train_metrics.items()})
     # A step runs from the previous commit to its own, so its time includes the previous publish
@@ -252,15 +277,18 @@ async def _train_one_step(
     record.update(throughput_metrics(record))
     record.update(slime_aliases(record))
 
-    # The checkpoint (weights and optimizer) is on disk: commit the step, its metrics record in the
+    # The weights the engines get are on disk (or in the trainer, for a distributed publish), and
+    # every `--save-interval` steps a checkpoint too: commit the step, its metrics record in the
     # same transaction (so the store counts a step as trained exactly when it holds its record; a
     # kill before the file append is repaired on resume from there). A crash before this line
-    # trains the batch again from the previous checkpoint; a crash after it resumes from this one,
-    # whose weights the restart loads into the engines. Committing before the publish matters in
-    # async mode: tokens stamped with the new version must never outlive a restart that falls back
-    # to the old one. The publish's times are thus the record's only fields measured after the commit.
+    # trains the batch again as a new step; a crash after it resumes from the last checkpoint and
+    # trains this stored batch again exactly (`pipeline.checkpoints`), so the restart reaches these
+    # weights again before it serves them. Committing before the publish matters in async mode:
+    # tokens stamped with the new version must never outlive a restart that cannot rebuild it.
+    # The publish's times are thus the record's only fields measured after the commit.
     await rollout.commit(batch, record)
-    report = await rollout.publish(new_weights)
+    report = await rollout.publish(saved.folder)
+    saving.published(saved, step)
     record["time/publish_gate_closed"] = report.gate_closed_seconds
     record["time/publish_update"] = report.update_seconds
     return record

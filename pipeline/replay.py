@@ -17,7 +17,7 @@ writer lock and cannot write, so a replay can even watch a run that is still goi
 
 `train` is deterministic: the trainer is built with the run's own settings and seed (from the run
 meta), on one CPU thread, so two replays print identical metrics. Replaying from the base model
-reproduces the run's own `train/*` metrics step for step; replaying from `--weights weights/vN`
+reproduces the run's own `train/*` metrics step for step; replaying from `--weights checkpoints/vN`
 starts with a fresh optimizer, so it matches the run only in what the batches were, not in AdamW state.
 
 A run launched with `--rollout-gc-keep-steps N` keeps only the last N steps' batches and trained
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="feed the recorded batches to a fresh trainer, no engine")
     train.add_argument("--steps", default=None, help="A:B replays steps A..B-1 (default: every trained step)")
     train.add_argument(
-        "--weights", type=Path, default=None, help="start from this model folder, e.g. RUN_DIR/weights/v3"
+        "--weights", type=Path, default=None, help="start from this model folder, e.g. RUN_DIR/checkpoints/v3"
     )
     train.add_argument("--seed", type=int, default=None, help="trainer seed (default: the run's --rollout-seed)")
     timeline = sub.add_parser("timeline", help="draw RUN_DIR/events.jsonl as an HTML timeline")

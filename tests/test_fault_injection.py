@@ -79,7 +79,7 @@ def test_a_checkpoint_restores_the_optimizer_so_the_next_step_is_identical(tmp_p
     first.train_step(b0)
     first.train_step(b1)
     saved = first.save_weights(tmp_path / "weights" / "v2")
-    assert {p.name for p in (saved / OPTIMIZER_DIR).iterdir()} == {"state.safetensors", "state.json"}
+    assert {p.name for p in (saved / OPTIMIZER_DIR).iterdir()} == {"state.safetensors", "state.json", "rng.safetensors"}
     meta = json.loads((saved / OPTIMIZER_DIR / "state.json").read_text())
     assert meta["trainer_steps"] == 2 and meta["param_groups"][0]["betas"] == [0.9, 0.999]
 
@@ -257,11 +257,14 @@ class Watch:
         return {g.group_id for g in self.store.groups(state) if any(s.response_ids for s in g.samples)}
 
     def weights_id(self, version: int) -> tuple[int, int] | None:
-        try:
-            st = (self.out / "weights" / f"v{version}").stat()
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_mtime_ns
+        """The folder the engines are given for `version`: a publish folder, or a checkpoint."""
+        for where in ("weights", "checkpoints"):
+            try:
+                st = (self.out / where / f"v{version}").stat()
+            except FileNotFoundError:
+                continue
+            return st.st_ino, st.st_mtime_ns
+        return None
 
     def snapshot(self) -> int:
         """Remember every stored token of every unfinished group (the process is dead: stable)."""
@@ -422,16 +425,17 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
                 )
             )
         # What a kill inside `save_weights` leaves behind (a kill point too narrow to hit by polling).
-        unfinished = out / "weights" / f".v{K}.tmp-killed"
+        unfinished = out / "checkpoints" / f".v{K}.tmp-killed"
         unfinished.mkdir(parents=True)
         (unfinished / "model.safetensors").write_bytes(b"half a file")
         damage = _append_damage(out)
         launcher = Launcher(out, len(KILL_POINTS))
         assert launcher.finish(300) == 0, launcher.log_tail()
         assert (out / "metrics.jsonl.dropped").read_bytes().splitlines() == damage
-        # The finished checkpoints, and the note of which store counts them (launch.run_state).
-        finished = [f"v{v}" for v in range(1, K + 1)]
-        assert sorted(p.name for p in (out / "weights").iterdir()) == ["owner.json", *finished]
+        # The one checkpoint (--save-interval 10: the last step's), no publish folder left, and the
+        # note of which store counts them (launch.run_state).
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"v{K}"]
+        assert sorted(p.name for p in (out / "weights").iterdir()) == ["owner.json"]
     finally:
         watch.close()
         if launcher is not None and launcher.proc.poll() is None:
@@ -513,7 +517,7 @@ def _check_exactly_once(
             _assert_prefixes(gid, before, _per_token(found[1]))
     # The final checkpoint's optimizer took exactly K steps: no batch was trained twice into the
     # weights that survived, however often a step was trained and then killed before it counted.
-    optimizer = out / "weights" / f"v{K}" / OPTIMIZER_DIR
+    optimizer = out / "checkpoints" / f"v{K}" / OPTIMIZER_DIR
     # torch writes state.json; megatron writes rank0.json
     meta_file = optimizer / "state.json" if (optimizer / "state.json").exists() else optimizer / "rank0.json"
     meta = json.loads(meta_file.read_text())
@@ -717,7 +721,7 @@ def test_sigkill_with_megatron_ranks_then_restart_trains_every_group_exactly_onc
             watch.snapshot()
         launcher = Launcher(out, len(MEGATRON_KILL_POINTS), *MEGATRON)
         assert launcher.finish(300) == 0, launcher.log_tail()
-        shards = sorted(p.name for p in (out / "weights" / f"v{K}" / OPTIMIZER_DIR).iterdir())
+        shards = sorted(p.name for p in (out / "checkpoints" / f"v{K}" / OPTIMIZER_DIR).iterdir())
         assert shards == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
     finally:
         watch.close()

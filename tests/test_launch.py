@@ -163,7 +163,7 @@ def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_not
     lmdb = ("--rollout-data-transport", "lmdb")
     run(tmp_path, "--num-rollout", "1", *small, *lmdb)
     out = tmp_path / "run"
-    checkpoint = (out / "weights" / "v1" / "model.safetensors").read_bytes()
+    checkpoint = (out / "checkpoints" / "v1" / "model.safetensors").read_bytes()
     metrics = (out / "metrics.jsonl").read_text()
     # A memory run (or an LMDB run on another store) in the same folder would write weights/v1..
     # over the checkpoints the store counts as trained, and a resume would load them unknowingly.
@@ -172,7 +172,7 @@ def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_not
         assert code == 1
         err = capsys.readouterr().err
         assert f"{out / 'rollout_data'}" in err and "--output-dir" in err and "Traceback" not in err
-    assert (out / "weights" / "v1" / "model.safetensors").read_bytes() == checkpoint
+    assert (out / "checkpoints" / "v1" / "model.safetensors").read_bytes() == checkpoint
     assert (out / "metrics.jsonl").read_text() == metrics
     assert [r["step"] for r in run(tmp_path, "--num-rollout", "2", *small, *lmdb)] == [0, 1]  # still resumes
 
@@ -202,3 +202,14 @@ def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert f"{flag}={where}: cannot be created" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_a_memory_run_says_it_keeps_nothing_to_resume_from():
+    """Issue 30: a stopped memory run used to say "run the same command again to resume" and then
+    start at step 0."""
+    from launch.cli import _resume_hint
+    from pipeline.config import load_config
+
+    memory = _resume_hint(load_config(["--rollout-data-transport", "memory"]))
+    assert "keeps nothing" in memory and "step 0" in memory and "to resume" not in memory.split("(")[0]
+    assert "run the same command again to resume" in _resume_hint(load_config(["--rollout-data-transport", "lmdb"]))

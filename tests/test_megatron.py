@@ -340,7 +340,7 @@ def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     tolerance = 0.05 if "bfloat16" in flags else 1e-4
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < tolerance
     world = 2 if "--actor-num-gpus-per-node" in flags else 1
-    optimizer = tmp_path / "run" / "weights" / "v12" / "optimizer"
+    optimizer = tmp_path / "run" / "checkpoints" / "v12" / "optimizer"
     assert sorted(p.name for p in optimizer.iterdir()) == sorted(
         f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors")
     )

@@ -278,7 +278,7 @@ def test_the_built_in_task_learns_with_ranks_on_two_nodes(tmp_path):
     assert last > first + 0.05, (first, last)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-4
     # Node 1's rank wrote its optimizer shard into the folder rank 0 named (a shared filesystem's job).
-    optimizer = tmp_path / "run" / "weights" / "v12" / "optimizer"
+    optimizer = tmp_path / "run" / "checkpoints" / "v12" / "optimizer"
     assert sorted(p.name for p in optimizer.iterdir()) == [
         "rank0.json",
         "rank0.safetensors",

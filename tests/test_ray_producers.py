@@ -590,6 +590,28 @@ def test_the_launcher_runs_async_on_ray_producers_with_the_real_trainer(cluster,
         assert sum(counts.values()) == store.cursor().next_seq
 
 
+def test_a_resume_on_ray_producers_trains_the_stored_batches_again_then_goes_on(cluster, tmp_path) -> None:
+    """Issue 30: a run whose newest checkpoint is gone resumes from the base model, trains the four
+    stored batches again (before any producer gets work), and the producers then start at the
+    version the replay published."""
+    import json
+    import shutil
+
+    from launch.cli import main
+
+    out = tmp_path / "run"
+    flags = "--rollout-producers ray --rollout-mode async --rollout-data-transport lmdb --save-interval 10"
+    assert main(["--output-dir", str(out), "--no-progress", "--num-rollout", "4", *flags.split()]) == 0
+    shutil.rmtree(out / "checkpoints" / "v4")  # only the last step's was saved (--save-interval 10)
+    assert main(["--output-dir", str(out), "--no-progress", "--num-rollout", "6", *flags.split()]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(6)) and all(r["version"] == r["step"] for r in records)
+    meta = json.loads((out / "checkpoints" / "v6" / "optimizer" / "state.json").read_text())
+    assert meta["trainer_steps"] == 6
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        assert store.count(GroupState.TRAINED) == 6 * 8 and store.count(GroupState.RUNNING) == 0
+
+
 def test_the_launcher_refuses_more_producers_than_group_slots_once_ray_says_how_many(cluster, tmp_path, capsys) -> None:
     """One producer per node: 3 nodes x 4 samples need 12 sample slots; 8 x 1 engine is refused."""
     from launch.cli import main

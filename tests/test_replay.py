@@ -34,6 +34,10 @@ def run_dir(tmp_path_factory) -> Path:
             "--partial-rollout",
             "--num-rollout",
             "3",
+            "--save-interval",  # a checkpoint per step, every one kept: `train --weights` starts from any
+            "1",
+            "--save-keep-last",
+            "0",
             # small enough for seconds on a shared CPU; over-sampling leaves partial groups to resume
             "--rollout-batch-size",
             "2",
@@ -157,7 +161,7 @@ def test_train_replay_is_deterministic_and_reproduces_the_run(run_dir, capsys):
 def test_train_a_step_range_from_saved_weights(run_dir, capsys):
     with unchanged(run_dir / "rollout_data"):
         code, out, _ = replay(
-            capsys, str(run_dir), "train", "--steps", "2:3", "--weights", str(run_dir / "weights" / "v2")
+            capsys, str(run_dir), "train", "--steps", "2:3", "--weights", str(run_dir / "checkpoints" / "v2")
         )
     assert code == 0
     [record] = [json.loads(line) for line in out.splitlines()]
@@ -365,6 +369,10 @@ def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsy
             "lmdb",
             "--num-rollout",
             "6",
+            "--save-interval",
+            "1",
+            "--save-keep-last",
+            "0",
             "--rollout-gc-keep-steps",
             "2",
             "--rollout-batch-size",
@@ -394,7 +402,7 @@ def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsy
     code, text, err = replay(capsys, str(out))
     assert code == 0, err
     assert "trained step: 5" in text and "garbage collected: 8 trained groups and the batches of steps 0..3" in text
-    code, text, err = replay(capsys, str(out), "train", "--weights", str(out / "weights" / "v4"))
+    code, text, err = replay(capsys, str(out), "train", "--weights", str(out / "checkpoints" / "v4"))
     assert code == 0, err
     assert [json.loads(line)["step"] for line in text.splitlines()] == [4, 5]
 

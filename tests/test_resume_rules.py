@@ -156,10 +156,24 @@ def test_a_store_held_by_a_live_controller_is_refused_and_left_in_place(run_copy
     assert not [p for p in run_copy.iterdir() if ".unreadable-" in p.name]
 
 
-def test_missing_weights_of_the_trained_step_name_the_folder(run_copy, capsys):
-    shutil.rmtree(run_copy / "weights" / "v3")
+def test_a_resume_without_the_newest_checkpoint_trains_the_stored_batches_again(run_copy, capsys):
+    """The base run checkpointed only its last step (v3, --save-interval 10): without it the resume
+    starts from the base model and trains the three stored batches again before new work."""
+    shutil.rmtree(run_copy / "checkpoints" / "v3")
+    assert run(run_copy, steps=5) == 0
+    assert "replaying stored batches" in capsys.readouterr().out
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["v5"]
+    meta = json.loads((run_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
+    assert meta["trainer_steps"] == 5  # three replayed, two new: none twice, none lost
+
+
+def test_a_resume_whose_batches_to_train_again_were_collected_names_the_folder(run_copy, capsys):
+    shutil.rmtree(run_copy / "checkpoints" / "v3")
+    with LmdbStore(run_copy / "rollout_data") as store:
+        store.collect_garbage(1)
     assert run(run_copy, steps=5) == 1
-    assert str(run_copy / "weights" / "v3") in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "batches of steps 0..1 to train again were collected" in err and str(run_copy / "checkpoints") in err
 
 
 def test_salvage_of_a_store_that_never_admitted_anything(tmp_path):
@@ -212,3 +226,17 @@ def test_a_declared_network_filesystem_runs_and_says_what_declared_it(nfs_mount,
     text = "".join(capsys.readouterr())
     assert f"declaration {declaration}" in text and "nfs4" in text
     assert "synced_commits=False" in text
+
+
+def test_a_run_folder_of_the_older_layout_resumes_from_its_last_step_without_a_replay(run_copy, capsys):
+    """Before issue 30 every step saved its full checkpoint as weights/vN: such a folder still resumes
+    from the last one, with nothing to train again, and is never deleted as a publish folder."""
+    shutil.rmtree(run_copy / "weights")
+    (run_copy / "weights").mkdir()
+    (run_copy / "checkpoints" / "v3").rename(run_copy / "weights" / "v3")
+    (run_copy / "checkpoints").rmdir()
+    assert run(run_copy, steps=5) == 0
+    assert "replaying stored batches" not in capsys.readouterr().out
+    assert (run_copy / "weights" / "v3" / "optimizer").is_dir()
+    meta = json.loads((run_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
+    assert meta["trainer_steps"] == 5

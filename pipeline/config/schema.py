@@ -492,7 +492,8 @@ class StorageConfig:
         "int",
         ge=0,
         default_help="keep everything (replay sees the whole run)",
-        help="after each step, delete the trained groups and batches of all but the last N steps",
+        help="after each step, delete the trained groups and batches of all but the last N steps "
+        "(never those after the newest checkpoint: a resume trains them again)",
     )
 
 
@@ -693,6 +694,19 @@ class OutputConfig:
     )
     metrics_file: Path | None = _opt(
         None, "--metrics-file", "path", default_help="<output dir>/metrics.jsonl", help="metrics JSONL"
+    )
+    # Checkpoint cadence and retention (pipeline.checkpoints): the engines get weights-only folders
+    # between checkpoints, and a resume trains the stored batches after the last checkpoint again.
+    save_interval: int = _opt(
+        10,
+        "--save-interval",
+        "int",
+        ge=1,
+        help="a full checkpoint (weights, optimizer, RNG state, step) every N steps and at the last "
+        "one; a resume trains the stored batches of the steps since again",
+    )
+    save_keep_last: int = _opt(
+        3, "--save-keep-last", "int", ge=0, help="checkpoints kept, the newest; 0 keeps every one"
     )
     progress: bool = _opt(True, "--progress", "bool", help="progress bar")
     log_level: str = _opt(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,11 @@ __all__ = [
     "OPTIMIZER_DIR",
     "has_optimizer",
     "load_optimizer",
+    "load_rng_state",
+    "model_folder_files",
     "optimizer_param_names",
     "save_optimizer",
+    "save_rng_state",
     "write_folder_atomically",
 ]
 
@@ -38,20 +41,34 @@ OPTIMIZER_DIR = "optimizer"
 _OPTIMIZER_TENSORS = "state.safetensors"
 _OPTIMIZER_META = "state.json"
 _OPTIMIZER_FORMAT = 1
+# The trainer's random state (torch's CPU generator), beside the optimizer's: a resumed run draws
+# what the uninterrupted one would have drawn (dropout, if a model config enables it).
+_RNG_TENSORS = "rng.safetensors"
 
 
-def write_folder_atomically(path: Path, original: Path, fill: Callable[[Path], None]) -> Path:
+def model_folder_files(original: Path) -> dict[str, bytes]:
+    """The non-weight files of a model folder (tokenizer, chat template...), read now: a trainer
+    keeps them, since the folder it was loaded from (an old checkpoint) may be deleted by
+    retention before its next save."""
+    return {
+        src.name: src.read_bytes()
+        for src in original.iterdir()
+        if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES)
+    }
+
+
+def write_folder_atomically(path: Path, original: Path | Mapping[str, bytes], fill: Callable[[Path], None]) -> Path:
     """Write a model folder at `path` (replacing one that is there): `fill(tmp)` writes the weights.
 
-    Tokenizer and other non-weight files come from `original`, so the result loads with
-    `from_pretrained` exactly like it.
+    Tokenizer and other non-weight files come from `original` (a folder, or its files as
+    `model_folder_files` read them), so the result loads with `from_pretrained` exactly like it.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    files = model_folder_files(original) if isinstance(original, Path) else original
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        for src in original.iterdir():
-            if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(src, tmp / src.name)
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
         fill(tmp)
         if path.exists():
             # Two renames: a reader sees the old folder or (briefly) none, never a mix.
@@ -147,3 +164,26 @@ def load_optimizer(
     except (ValueError, KeyError, RuntimeError) as exc:
         raise PipelineError(f"optimizer checkpoint {folder} does not fit the model: {exc}") from exc
     return int(meta["trainer_steps"])
+
+
+def save_rng_state(folder: Path) -> None:
+    """torch's CPU random state into `folder` (the optimizer subfolder of a checkpoint), as safetensors."""
+    from safetensors.torch import save_file
+
+    save_file({"torch_cpu": torch.get_rng_state()}, str(folder / _RNG_TENSORS))
+
+
+def load_rng_state(folder: Path) -> bool:
+    """Restore the random state `save_rng_state` wrote; False (nothing changed) for a checkpoint
+    written before it was saved."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / _RNG_TENSORS
+    if not path.exists():
+        return False
+    try:
+        torch.set_rng_state(load_file(str(path))["torch_cpu"])
+    except (OSError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise PipelineError(f"random state {path} is unreadable: {exc}") from exc
+    return True

@@ -50,8 +50,11 @@ from stages.trainer.checkpoint import (
     OPTIMIZER_DIR,
     has_optimizer,
     load_optimizer,
+    load_rng_state,
+    model_folder_files,
     optimizer_param_names,
     save_optimizer,
+    save_rng_state,
     write_folder_atomically,
 )
 from stages.trainer.columns import column_tensor
@@ -143,6 +146,7 @@ class GRPOTrainer:
         torch.manual_seed(seed)  # only matters if the model config enables dropout
 
         self.model_path = Path(model_path)
+        self._folder_files = model_folder_files(self.model_path)  # tokenizer etc., for every save
         self.global_batch_size = global_batch_size
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
@@ -177,11 +181,17 @@ class GRPOTrainer:
             self.steps = load_optimizer(
                 self.optimizer, names, self.model_path / OPTIMIZER_DIR, self.device, owner=self.model_path
             )
+            load_rng_state(self.model_path / OPTIMIZER_DIR)
 
     # ---- the training step -------------------------------------------------------------------
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One GRPO update on `batch`; returns the step's metrics. Blocking: run it off the event loop."""
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        """One GRPO update on `batch`; returns the step's metrics. Blocking: run it off the event loop.
+
+        `minibatch_samples` overrides `global_batch_size` for this step: a resumed run replays a
+        stored batch with the split it was trained with (`pipeline.checkpoints`), whatever the flag
+        says now. The metrics carry the split used (`minibatch_samples`) for that record.
+        """
         samples = batch.samples
         if not samples:
             raise ValueError(f"batch {batch.step} has no samples")
@@ -191,7 +201,7 @@ class GRPOTrainer:
 
         # The proximal policy: the weights before this batch's first optimizer step. With a single
         # step it equals the step's own (detached) log-probs, so the extra forward is skipped.
-        minibatches = self._minibatches(len(samples))
+        minibatches = self._minibatches(len(samples), minibatch_samples)
         width = t.valid.shape[1]
         proximal: torch.Tensor | None = None
         if len(minibatches) > 1:
@@ -215,7 +225,9 @@ class GRPOTrainer:
             self._minibatch_step(samples, mb, t, proximal, reference, totals)
         self.steps += 1
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
-        return step_metrics(batch, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
+        metrics = step_metrics(batch, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
+        metrics["minibatch_samples"] = float(len(minibatches[0]))  # the split, recorded for a replay
+        return metrics
 
     def _minibatch_step(
         self,
@@ -334,8 +346,8 @@ class GRPOTrainer:
         mask = self.token_mask(versions, valid, loss_mask, newest if train_version is None else train_version)
         return [int(x) for x in mask[0].tolist()]
 
-    def _minibatches(self, n: int) -> list[list[int]]:
-        size = self.global_batch_size or n
+    def _minibatches(self, n: int, size: int | None = None) -> list[list[int]]:
+        size = size or self.global_batch_size or n
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
     # ---- the trainer's view of log-probs -----------------------------------------------------
@@ -409,10 +421,10 @@ class GRPOTrainer:
     # ---- publishing weights ------------------------------------------------------------------
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
-        """Write the checkpoint at `path` (replacing one that is there); return it.
+        """Write the full checkpoint at `path` (replacing one that is there); return it.
 
-        The model as a Hugging Face folder, plus the optimizer state in `path/optimizer/`, written
-        whole or not at all (`stages.trainer.checkpoint`).
+        The model as a Hugging Face folder, plus the optimizer state and the random state in
+        `path/optimizer/`, written whole or not at all (`stages.trainer.checkpoint`).
         """
 
         def fill(folder: Path) -> None:
@@ -420,8 +432,16 @@ class GRPOTrainer:
             save_optimizer(
                 self.optimizer, optimizer_param_names(self.model, self.optimizer), self.steps, folder / OPTIMIZER_DIR
             )
+            save_rng_state(folder / OPTIMIZER_DIR)
 
-        return write_folder_atomically(Path(path), self.model_path, fill)
+        return write_folder_atomically(Path(path), self._folder_files, fill)
+
+    def save_model(self, path: str | os.PathLike[str]) -> Path:
+        """Write the weights only (what an engine loads; no optimizer state) at `path`, atomically.
+
+        A third of a full checkpoint's bytes with AdamW (weights, two moments): what the launcher
+        publishes between checkpoints (`--save-interval`)."""
+        return write_folder_atomically(Path(path), self._folder_files, self.model.save_pretrained)
 
 
 def _with_legacy_keywords(

@@ -13,8 +13,7 @@ tensor each is); a save joins each stage's tensors over TP, then sends them to t
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import orjson
@@ -25,6 +24,7 @@ from pipeline.errors import PipelineError
 from stages.trainer.megatron.qwen3 import Qwen3Shape, global_names, hf_to_megatron, megatron_to_hf, shard, unshard
 
 __all__ = [
+    "config_files",
     "gather_full_state",
     "gather_stages",
     "load_hf_weights",
@@ -112,17 +112,28 @@ def gather_stages(
     return out
 
 
-def write_hf_weights(folder: Path, full: dict[str, torch.Tensor], shape: Qwen3Shape, original: Path) -> None:
-    """The HF weights (fp32 safetensors) and the original config files, into the folder being written."""
+def write_hf_weights(
+    folder: Path, full: dict[str, torch.Tensor], shape: Qwen3Shape, original: Path | Mapping[str, bytes]
+) -> None:
+    """The HF weights (fp32 safetensors) and the original config files (a folder, or `config_files`
+    read from it), into the folder being written."""
     from safetensors.torch import save_file
 
-    for name in ("config.json", "generation_config.json"):  # the architecture does not change
-        if (original / name).exists():
-            shutil.copy2(original / name, folder / name)
+    configs = config_files(original) if isinstance(original, Path) else original
+    for name, data in configs.items():  # the architecture does not change
+        (folder / name).write_bytes(data)
     hf = megatron_to_hf(full, shape)
     save_file(
         {k: v.float().contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
     )
+
+
+def config_files(original: Path) -> dict[str, bytes]:
+    """The config files of a model folder, read now (the folder may be a checkpoint that retention
+    deletes before the trainer's next save)."""
+    return {
+        n: (original / n).read_bytes() for n in ("config.json", "generation_config.json") if (original / n).exists()
+    }
 
 
 def save_optimizer_shard(

@@ -62,9 +62,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline.types import Batch, Sample
-from stages.trainer.checkpoint import OPTIMIZER_DIR, write_folder_atomically
+from stages.trainer.checkpoint import OPTIMIZER_DIR, model_folder_files, write_folder_atomically
 from stages.trainer.loss import ImportanceCorrection, LossAggregation, LossSettings
 from stages.trainer.megatron.checkpoint import (
+    config_files,
     gather_full_state,
     gather_stages,
     load_hf_weights,
@@ -165,6 +166,9 @@ class MegatronTrainer:
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
+        # Read now: the folder may be a checkpoint that retention deletes before the next save.
+        self._folder_files = model_folder_files(self.model_path)
+        self._config_files = config_files(self.model_path)
         self.loss = loss or LossSettings()
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
@@ -227,16 +231,22 @@ class MegatronTrainer:
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0)."""
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0).
+
+        `minibatch_samples` overrides `global_batch_size` for this step (every rank gets it): a
+        resumed run replays a stored batch with its recorded split (`pipeline.checkpoints`)."""
         if not batch.samples:
             raise ValueError(f"batch {batch.step} has no samples")
         rows, trains, versions = batch_rows(batch, self.loss)
-        self._broadcast(_Command.TRAIN, [r.to_json() for r in rows])
-        step = self._train(rows)
-        return step_metrics(
+        size = minibatch_samples or self.global_batch_size or len(rows)
+        self._broadcast(_Command.TRAIN, {"rows": [r.to_json() for r in rows], "minibatch_samples": size})
+        step = self._train(rows, size)
+        metrics = step_metrics(
             batch, rows, trains, versions, step.totals, step.grad_norm_sum, step.optimizer_steps, step.minibatches
         )
+        metrics["minibatch_samples"] = float(min(size, len(rows)))  # the split, recorded for a replay
+        return metrics
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
@@ -245,7 +255,7 @@ class MegatronTrainer:
             self._broadcast(_Command.SAVE, str(folder))
             self._save(folder)
 
-        return write_folder_atomically(Path(path), self.model_path, fill)
+        return write_folder_atomically(Path(path), self._folder_files, fill)
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
@@ -277,7 +287,7 @@ class MegatronTrainer:
             if command is _Command.STOP:
                 return
             if command is _Command.TRAIN:
-                self._train([Row.from_json(r) for r in payload])
+                self._train([Row.from_json(r) for r in payload["rows"]], payload["minibatch_samples"])
             elif command is _Command.SAVE:
                 self._save(Path(payload))
             elif command is _Command.LOGPROBS:
@@ -295,14 +305,13 @@ class MegatronTrainer:
 
     # ---- the step, on every rank --------------------------------------------------------------
 
-    def _train(self, rows: list[Row]) -> _StepTotals:
-        """The batch's optimizer steps: one per minibatch of `global_batch_size` rows, in order.
+    def _train(self, rows: list[Row], size: int) -> _StepTotals:
+        """The batch's optimizer steps: one per minibatch of `size` rows, in order.
 
         With several, the proximal log-probs are computed once first, under the weights the batch
         was given to (the torch trainer's decoupled objective): the PPO clip of the later steps acts
         against them. Each rank computes them for its own micro-batches only.
         """
-        size = self.global_batch_size or len(rows)
         minibatches = [rows[i : i + size] for i in range(0, len(rows), size)]
         plans = [self._micro_batches(mb) for mb in minibatches]
         self.model.train()
@@ -563,7 +572,7 @@ class MegatronTrainer:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
         full = self._gather_full()
         if self.layout.rank == 0:
-            write_hf_weights(folder, full, self.shape, self.model_path)
+            write_hf_weights(folder, full, self.shape, self._config_files)
             (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists

@@ -1,0 +1,230 @@
+"""Checkpoint cadence, retention and the replay of stored batches (`pipeline.checkpoints`), in process:
+a real LMDB store, the real torch trainer on the tiny model, on CPU.
+
+The property: a trainer loaded from the last checkpoint that trains the stored batches of the steps
+after it again ends with the same weights, bit for bit, as the trainer that trained them the first
+time, whatever `--global-batch-size` says now (the split is the recorded one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from pipeline.checkpoints import (
+    CheckpointPolicy,
+    checkpoint_versions,
+    prune_checkpoints,
+    remove_publish_folders,
+    replay_stored_batches,
+    save_step,
+)
+from pipeline.errors import ConfigError, StoreError
+from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
+from stages.tasks.tiny_model import make_model_folder
+from stages.tasks.toy import encode
+from stages.trainer import GRPOTrainer
+from storage import AsyncStore, Cursor, LmdbStore
+
+STEPS = 6
+GROUPS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _group(index: int, step: int) -> Group:
+    task = PromptTask(index=index, prompt_ids=encode(f"say a x{index % 3 + 1}:"), label=None)
+    samples = []
+    for i in range(4):
+        ids = encode("ab"[: (i + index) % 2 + 1] + "a" * (i + step % 3))
+        logprobs = tuple(-1.0 - 0.1 * ((i + j + index) % 5) for j in range(len(ids)))
+        seg = Segment(ids, logprobs, FinishReason.STOP, step)
+        sample = Sample(index=i, prompt_ids=task.prompt_ids).extended(seg, max_response_len=64)
+        samples.append(dataclasses.replace(sample, reward=float((i + index + step) % 3 == 0)))
+    fresh = Group.fresh(task, epoch=0, n_samples=4, version=step, seq=index)
+    return fresh.with_samples(samples)
+
+
+def _train_run(path: Path, model: Path, policy: CheckpointPolicy, split: int) -> dict[str, torch.Tensor]:
+    """The uninterrupted run: every step takes, trains, saves per the policy and commits its batch."""
+    trainer = GRPOTrainer(model, global_batch_size=split)
+    with LmdbStore(path) as store:
+        for step in range(STEPS):
+            groups = [_group(step * GROUPS + k, step) for k in range(GROUPS)]
+            store.admit(
+                [Group.fresh(g.task, epoch=0, n_samples=4, version=step, seq=g.seq) for g in groups],
+                Cursor(index=(step + 1) * GROUPS, next_seq=(step + 1) * GROUPS),
+            )
+            for g in groups:
+                store.put_ready(g)
+            batch = store.take_batch(step, GROUPS)
+            assert batch is not None
+            metrics = trainer.train_step(dataclasses.replace(batch, train_version=step))
+            save_step(trainer, policy, step, STEPS, distributed=False)
+            store.finish_batch(step, {"step": step, "version": step, **{f"train/{k}": v for k, v in metrics.items()}})
+    return _weights(trainer)
+
+
+def _weights(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _policy(out: Path, interval: int, keep: int = 0) -> CheckpointPolicy:
+    return CheckpointPolicy(out / "checkpoints", out / "weights", interval=interval, keep_last=keep)
+
+
+def test_replaying_the_stored_batches_after_the_checkpoint_ends_bit_for_bit_where_the_run_did(tmp_path):
+    model = make_model_folder(tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    policy = _policy(out, interval=4)
+    straight = _train_run(out / "store", model, policy, split=4)
+    # Steps 0..5 at interval 4: a checkpoint after step 3 (v4) and after the last (v6); weights
+    # only (no optimizer) in between.
+    assert sorted(checkpoint_versions(policy.dir)) == [4, 6]
+    assert sorted(p.name for p in policy.publish_dir.iterdir()) == ["v1", "v2", "v3", "v5"]
+    assert not (policy.publish_dir / "v5" / "optimizer").exists()
+
+    # A kill after step 5 committed, before v6 was saved: resume from v4 and replay steps 4 and 5,
+    # with a trainer whose --global-batch-size differs now (the recorded split wins).
+    (policy.dir / "v6").rename(tmp_path / "v6-lost")
+    resumed = GRPOTrainer(policy.dir / "v4", global_batch_size=3)
+    assert resumed.steps == 4
+
+    async def replay() -> None:
+        async with AsyncStore(LmdbStore(out / "store")) as store:
+            saved = await replay_stored_batches(
+                resumed, store, policy, first=4, last=STEPS - 1, num_steps=STEPS, distributed=False
+            )
+            assert saved is not None and saved.checkpoint and saved.folder == policy.dir / "v6"
+
+    anyio.run(replay)
+    assert resumed.steps == STEPS
+    got = _weights(resumed)
+    assert all(torch.equal(straight[k], got[k]) for k in straight)
+    # The replay saved the checkpoint the kill lost, whole.
+    again = GRPOTrainer(policy.dir / "v6")
+    assert again.steps == STEPS and all(torch.equal(straight[k], v) for k, v in _weights(again).items())
+
+
+def test_a_replay_with_the_split_of_today_would_differ(tmp_path):
+    """The recorded split matters: trained with --global-batch-size 3 instead of 4, the same
+    batches land elsewhere (so the equality above is the recorded split's doing)."""
+    model = make_model_folder(tmp_path / "model", seed=0)
+    straight = _train_run(tmp_path / "a" / "store", model, _policy(tmp_path / "a", 100), split=4)
+    other = _train_run(tmp_path / "b" / "store", model, _policy(tmp_path / "b", 100), split=3)
+    assert not all(torch.equal(straight[k], other[k]) for k in straight)
+
+
+def test_a_replay_refuses_a_step_whose_batch_was_collected(tmp_path):
+    model = make_model_folder(tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    policy = _policy(out, interval=100)
+    _train_run(out / "store", model, policy, split=4)
+    with LmdbStore(out / "store") as store:
+        store.collect_garbage(2)
+
+    async def replay() -> None:
+        async with AsyncStore(LmdbStore(out / "store")) as store:
+            await replay_stored_batches(
+                GRPOTrainer(model), store, policy, first=0, last=STEPS - 1, num_steps=STEPS, distributed=False
+            )
+
+    with pytest.raises(StoreError, match="step 0 was trained after the last checkpoint"):
+        anyio.run(replay)
+
+
+def test_retention_keeps_the_newest_counted_checkpoints_and_publish_folders_go(tmp_path):
+    model = make_model_folder(tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    policy = _policy(out, interval=1, keep=2)
+    _train_run(out / "store", model, policy, split=4)
+    assert sorted(checkpoint_versions(policy.dir)) == list(range(1, STEPS + 1))
+    # v6 is saved but its step not counted (committed version 5): it stays, and of the counted
+    # ones the newest two do.
+    assert prune_checkpoints(policy, committed_version=5) == [1, 2, 3]
+    assert sorted(checkpoint_versions(policy.dir)) == [4, 5, 6]
+    assert prune_checkpoints(policy, committed_version=6) == [4]
+    # An older layout's checkpoint in the publish folder (it has an optimizer) is never a publish
+    # folder to delete; a weights-only one is.
+    GRPOTrainer(model).save_weights(policy.publish_dir / "v9")
+    GRPOTrainer(model).save_model(policy.publish_dir / "v10")
+    assert remove_publish_folders(policy) == 1
+    assert sorted(p.name for p in policy.publish_dir.iterdir()) == ["v9"]
+    assert sorted(checkpoint_versions(policy.dir, policy.publish_dir)) == [5, 6, 9]
+
+
+def test_save_step_writes_a_checkpoint_on_cadence_weights_only_between_and_nothing_for_distributed(tmp_path):
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
+    trainer.train_step(Batch(0, (_group(0, 0), _group(1, 0))))  # AdamW's moments exist after a step
+    policy = _policy(tmp_path, interval=3)
+    between = save_step(trainer, policy, 0, 10, distributed=False)
+    due = save_step(trainer, policy, 2, 10, distributed=False)
+    last = save_step(trainer, policy, 9, 10, distributed=False)
+    sent = save_step(trainer, policy, 3, 10, distributed=True)
+    assert (between.checkpoint, due.checkpoint, last.checkpoint, sent.checkpoint) == (False, True, True, False)
+    assert sent.bytes_written == 0 and not sent.folder.exists()
+    # AdamW keeps two moments per weight: a checkpoint is about three times a publish folder.
+    assert 2.5 < due.bytes_written / between.bytes_written < 3.5
+    with pytest.raises(ConfigError, match="--save-interval=0"):
+        _policy(tmp_path, interval=0)
+
+
+def test_a_checkpoint_restores_the_random_state(tmp_path):
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
+    torch.manual_seed(123)
+    saved = trainer.save_weights(tmp_path / "v1")
+    expected = torch.rand(4)
+    torch.manual_seed(999)
+    GRPOTrainer(saved)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_batch_from_the_store_is_the_batch_trained(tmp_path):
+    """What a replay reads back is what was trained: the groups in order, every token, log-prob
+    and version (the codec keeps them exactly)."""
+    with LmdbStore(tmp_path / "store") as store:
+        groups = [_group(k, 0) for k in range(GROUPS)]
+        store.admit(
+            [Group.fresh(g.task, epoch=0, n_samples=4, version=0, seq=g.seq) for g in groups],
+            Cursor(index=GROUPS, next_seq=GROUPS),
+        )
+        for g in groups:
+            store.put_ready(g)
+        taken = store.take_batch(0, GROUPS)
+        store.finish_batch(0, {"step": 0})
+        again = store.batch(0)
+    assert isinstance(taken, Batch) and again is not None
+    assert [g.group_id for g in again.groups] == [g.group_id for g in taken.groups]
+    assert again.samples == taken.samples
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_no_temporary_folder(tmp_path, monkeypatch):
+    """A full disk (or any error) while a checkpoint is written: the folder never appears, its
+    temporary folder is gone, and the previous checkpoint still loads."""
+    import errno
+
+    import stages.trainer.grpo as grpo
+
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
+    trainer.train_step(Batch(0, (_group(0, 0), _group(1, 0))))
+    policy = _policy(tmp_path / "run", interval=1)
+    save_step(trainer, policy, 0, 10, distributed=False)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(grpo, "save_optimizer", disk_full)
+    trainer.train_step(Batch(1, (_group(2, 1), _group(3, 1))))
+    with pytest.raises(OSError, match="No space left"):
+        save_step(trainer, policy, 1, 10, distributed=False)
+    assert sorted(p.name for p in policy.dir.iterdir()) == ["v1"]
+    assert GRPOTrainer(policy.dir / "v1").steps == 1
