@@ -154,7 +154,8 @@ def _saved_weights(out: Path) -> dict[int, Path]:
 def _parse(argv: Sequence[str]) -> tuple[list[int] | None, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.eval",
-        description="Evaluate a run's saved weights (RUN_DIR/checkpoints/vN, RUN_DIR/weights/vN) on engines; the run's flags say what "
+        description="Evaluate a run's saved weights (RUN_DIR/checkpoints/vN, RUN_DIR/weights/vN) on engines; "
+        "the run's flags say what "
         "and how. Results: RUN_DIR/eval.jsonl, TensorBoard, W&B.",
         add_help=True,
     )
@@ -163,8 +164,8 @@ def _parse(argv: Sequence[str]) -> tuple[list[int] | None, list[str]]:
         type=int,
         action="append",
         metavar="N",
-        help="evaluate the weights of version N (repeatable; 0 = the initial weights); default: every saved version not yet "
-        "in eval.jsonl",
+        help="evaluate the weights of version N (repeatable; 0 = the initial weights); default: every saved "
+        "version not yet in eval.jsonl",
     )
     known, rest = parser.parse_known_args(list(argv))
     return known.eval_version, rest
@@ -199,7 +200,8 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     if missing:
         raise ConfigError(
             [
-                f"--eval-version {missing}: no such weights under {out / CHECKPOINTS_DIR} or {out / PUBLISH_DIR} (saved: {saved})"
+                f"--eval-version {missing}: no such weights under {out / CHECKPOINTS_DIR} "
+                f"or {out / PUBLISH_DIR} (saved: {saved})"
             ]
         )
     if not versions:
