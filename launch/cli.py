@@ -24,6 +24,7 @@ import anyio
 import structlog
 
 from launch.gc_settings import settle_gc
+from launch.run_folder import claim_run_folder
 from launch.run_state import RunState, open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _sigterm_as_interrupt(terminated):
             summary = anyio.run(_run, config)
+    except ConfigError as exc:  # found once the run folder, dataset or model are looked at
+        print(exc, file=sys.stderr)
+        return 2
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -108,6 +112,8 @@ def _sigterm_as_interrupt(terminated: threading.Event) -> Iterator[None]:
 
 async def _run(config: Config) -> list[dict[str, Any]]:
     out = Path(derived(config.output.dir, "output.dir"))
+    # Before anything is written: a new run never writes into another run's folder.
+    claim_run_folder(config)
     # Checked before anything starts, so that a path that cannot be written is one error line, not
     # a traceback after the engines came up.
     metrics_file = Path(derived(config.output.metrics_file, "output.metrics_file"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -507,7 +508,8 @@ def test_config_to_dict_is_json_and_complete():
     assert as_dict["data"]["custom_rm_path"] == "tests.test_config:toy_reward"
     assert "reward_fn" not in as_dict["data"]
     assert as_dict["engine"]["urls"] == ["http://h:1"]
-    assert as_dict["output"]["metrics_file"] == "runs/default/metrics.jsonl"
+    # a memory run's default folder is a fresh runs/default-<UTC time> (issue 33: one run, one folder)
+    assert re.fullmatch(r"runs/default-\d{8}-\d{6}(-\d+)?/metrics.jsonl", as_dict["output"]["metrics_file"])
     assert as_dict["rollout"]["over_sampling_batch_size"] == 8
 
 

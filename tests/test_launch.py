@@ -169,7 +169,7 @@ def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_not
     # over the checkpoints the store counts as trained, and a resume would load them unknowingly.
     for other in ((), (*lmdb, "--rollout-data-dir", str(tmp_path / "elsewhere"))):
         code = main(["--output-dir", str(out), "--no-progress", "--num-rollout", "1", "--lr", "0.1", *small, *other])
-        assert code == 1
+        assert code == 2  # refused when the run folder is claimed, before anything is written
         err = capsys.readouterr().err
         assert f"{out / 'rollout_data'}" in err and "--output-dir" in err and "Traceback" not in err
     assert (out / "weights" / "v1" / "model.safetensors").read_bytes() == checkpoint
@@ -198,7 +198,7 @@ def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, 
     # before any engine starts (the metrics file used to fail only after start-up, with a traceback)
     paths = {"--output-dir": str(tmp_path / "run"), flag: str(where)}
     code = main([*(x for kv in paths.items() for x in kv), "--no-progress", "--num-rollout", "0"])
-    assert code == 1
+    assert code == 2  # a config error, as those found when the config loads
     err = capsys.readouterr().err
     assert f"{flag}={where}: cannot be created" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "model").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -30,6 +31,7 @@ from pipeline.config.rules import (
 from pipeline.config.schema import Config, DataConfig
 from pipeline.errors import ConfigError, PluginError
 from pipeline.plugins import resolve_function
+from pipeline.types import StoreTransport
 from storage.declaration import load_declaration
 
 __all__ = ["load_config", "load_step"]
@@ -81,6 +83,34 @@ def load_step(draft: Draft) -> None:
         except ConfigError as exc:
             draft.problems.extend(exc.problems)
     _resolve_plugins(draft)
+    _fresh_run_folder(draft)
+
+
+def _fresh_run_folder(draft: Draft) -> None:
+    """One run, one folder: a memory run given neither --output-dir nor a run id gets a fresh
+    folder, `runs/<run id>-<UTC time>`, since it can never be resumed (its state dies with it).
+
+    An LMDB run keeps `runs/<run id>` (derived in `rules.derive_defaults`): running the same
+    command again must find its store. A folder that already holds another run is refused when
+    the run starts (`launch.run_folder`), naming the flag that fixes it.
+    """
+    if draft.given("output", "dir") or draft.given("storage", "run_id") or not draft.ok("storage", "run_id"):
+        return
+    if draft.get("storage", "transport") != StoreTransport.MEMORY:
+        return
+    if (draft.get("trainer", "num_nodes") or 1) > 1:
+        draft.problems.append(
+            "--actor-num-nodes > 1 with --rollout-data-transport=memory needs --output-dir: every node "
+            "writes into the run folder, so it must be one every node names (a shared filesystem)"
+        )
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = Path("runs") / f"{draft.values['storage']['run_id']}-{stamp}"
+    folder, n = base, 1
+    while folder.exists():  # two runs started within one second
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    draft.values["output"]["dir"] = folder
 
 
 def _check_installed_backends(draft: Draft) -> None:
