@@ -42,7 +42,7 @@ import storage
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
-from pipeline.errors import IncompatibleStoreError, StoreError
+from pipeline.errors import ConfigError, IncompatibleStoreError, StoreError
 from pipeline.trainer_settings import build_trainer
 from pipeline.types import Group, PromptTask, StoreTransport
 from stages.reward import RewardFn
@@ -89,7 +89,19 @@ def open_run_state(config: Config) -> RunState:
         model_path = out / "model"
         if not (model_path / "config.json").exists():
             make_model_folder(model_path, seed=config.rollout.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        # A Hub id with no network (or a typo of one) ends in a long traceback through
+        # huggingface_hub and transformers; its first line says what happened.
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = (
+            f"its tokenizer cannot be loaded ({said})"
+            if model_path.exists()
+            else f"no such local folder, and it cannot be loaded as a Hugging Face Hub id ({said}); "
+            "download it first (huggingface-cli download) and pass its folder"
+        )
+        raise ConfigError([f"--hf-checkpoint={str(model_path)!r}: {why}"]) from exc
     dataset, reward_fn = _dataset(config, tokenizer)
 
     meta = _run_meta(config, dataset, model_path)

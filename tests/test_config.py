@@ -426,6 +426,8 @@ def test_prompt_file_first_record_checks_the_keys(tmp_path):
             "question",
             "--label-key",
             "answer",
+            "--rollout-batch-size",
+            "1",  # one prompt: a bigger batch repeats it, with a warning
         ]
     )
     assert config.data.prompt_data == data and config.data.reward_fn is toy_reward

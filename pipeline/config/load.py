@@ -11,7 +11,6 @@ problems join those of the other steps, so the user still gets one `ConfigError`
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from pipeline.config.draft import Draft
 from pipeline.config.parsing import read_argv, read_toml
+from pipeline.config.prompt_file import check_dataset
 from pipeline.config.rules import (
     check_bounds,
     check_rules,
@@ -72,7 +72,7 @@ def load_step(draft: Draft) -> None:
     device = draft.get("trainer", "device")
     if device is not None and device != "cpu":
         _check_device(draft, device)  # imports torch: only when it matters
-    _check_prompt_file(draft)
+    check_dataset(draft)  # every line of the prompt file; the batch size against the dataset
     _check_installed_backends(draft)
     declaration = draft.get("storage", "declaration")
     if declaration is not None:
@@ -123,6 +123,17 @@ def _check_installed_backends(draft: Draft) -> None:
         draft.problems.append(
             "--train-backend=megatron: megatron-core is not installed (pip install 'rollout-pipeline[megatron]')"
         )
+    e = draft.values["engine"]
+    several = (draft.ok("engine", "urls") and len(e["urls"]) > 1) or (
+        not e["urls"] and not e["router_url"] and draft.ok("engine", "num_engines") and e["num_engines"] > 1
+    )
+    if several and importlib.util.find_spec("sglang_router") is None:
+        # Found here, not 25 s into start-up when the engines are up and the router will not start.
+        given = draft.show("engine", "urls") if e["urls"] else draft.show("engine", "num_engines")
+        draft.problems.append(
+            f"{given}: several engines need the sglang-router in front of them, and it is not installed "
+            "for this Python (pip install 'rollout-pipeline[router]', or one engine)"
+        )
     if draft.get("engine", "launcher") == "sglang" and importlib.util.find_spec("sglang") is None:
         draft.problems.append(
             "--rollout-engine=sglang: SGLang is not installed for this Python "
@@ -172,35 +183,6 @@ def _check_device(draft: Draft, device: str) -> None:
             draft.problems.append(f"{shown}: torch sees {count} GPU(s), numbered from 0")
     elif parsed.type != "cpu":
         draft.problems.append(f"{shown}: the built-in trainer runs on cpu or cuda (ROCm included)")
-
-
-def _check_prompt_file(draft: Draft) -> None:
-    """Read the first record only: enough to catch a wrong --input-key before any engine starts."""
-    path: Path | None = draft.get("data", "prompt_data")
-    if path is None:
-        return
-    shown = draft.show("data", "prompt_data")
-    if not path.is_file():
-        draft.problems.append(f"{shown}: {'is not a file' if path.exists() else 'file not found'}")
-        return
-    try:
-        with path.open("rb") as fh:
-            line = next((ln for ln in fh if ln.strip()), None)
-        record = json.loads(line) if line is not None else None
-    except (OSError, ValueError) as exc:
-        draft.problems.append(f"{shown}: first record is not JSON: {exc}")
-        return
-    if record is None:
-        draft.problems.append(f"{shown}: the file has no records")
-    elif not isinstance(record, dict):
-        draft.problems.append(f"{shown}: records must be JSON objects, the first is a {type(record).__name__}")
-    else:
-        keys = ", ".join(map(repr, record)) or "none"
-        first = f"the first record of {str(path)!r} has no such key (keys: {keys})"
-        if draft.ok("data", "input_key") and draft.values["data"]["input_key"] not in record:
-            draft.problems.append(f"{draft.show('data', 'input_key')}: {first}")
-        if draft.ok("data", "label_key") and draft.values["data"]["label_key"] not in record:
-            draft.warnings.append(f"{draft.show('data', 'label_key')}: {first}; the reward gets no label")
 
 
 def _resolve_plugins(draft: Draft) -> None:

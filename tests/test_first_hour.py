@@ -1,0 +1,114 @@
+"""Late or silent surprises a newcomer hit in the first hour (issue 33, item 4), each now found
+when the config loads or said in one line, through `launch.cli.main` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from launch.cli import main
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+
+REWARD = ("--custom-rm-path", "tests.test_launch:short_answer_reward")
+
+
+def problems_of(argv: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(argv)
+    return caught.value.problems
+
+
+def write_prompts(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_a_bad_line_of_the_prompt_file_is_a_config_error_before_anything_is_written(tmp_path, capsys):
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [json.dumps({"prompt": "say a:", "label": 1}), '{"prompt": "say b:", "label": 2', json.dumps([1, 2])],
+    )
+    out = tmp_path / "run"
+    code = main(["--output-dir", str(out), "--prompt-data", str(prompts), *REWARD, "--rollout-batch-size", "2"])
+    # Before: exit 1 after the model folder and an empty metrics.jsonl were written.
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "2 bad record(s): line 2: not JSON" in err and "line 3: a JSON list, not an object" in err
+    assert not out.exists()
+
+
+def test_prompts_with_characters_the_tiny_tokenizer_lacks_are_refused_by_name(tmp_path):
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [json.dumps({"prompt": p, "label": 1}) for p in ("say a:", "Say B:", "ok", "über:")],
+    )
+    [problem] = problems_of(["--prompt-data", str(prompts), *REWARD, "--rollout-batch-size", "4"])
+    assert "line 2 'Say B:' has 'BS'" in problem and "line 4 'über:' has 'ü'" in problem
+    assert "--hf-checkpoint" in problem and "line 1" not in problem
+
+
+def test_a_batch_larger_than_the_dataset_is_said_when_the_config_loads(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", [json.dumps({"prompt": f"say {c}:", "label": 1}) for c in "abc"])
+    config = load_config(["--prompt-data", str(prompts), *REWARD, "--rollout-batch-size", "8"])
+    [warning] = config.warnings
+    assert "--rollout-batch-size=8 with --prompt-data=" in warning and "(3 prompts)" in warning
+    assert "lower it to 3" in warning
+    [warning] = load_config(["--num-prompts", "4"]).warnings  # the built-in task, batch 8
+    assert "--rollout-batch-size=8 with --num-prompts=4" in warning
+
+
+def test_several_engines_without_the_router_installed_fail_at_config_load(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang_router", None)  # what find_spec sees when it is not installed
+    for flags in (["--rollout-num-engines", "2"], ["--sglang-url", "http://h:1", "--sglang-url", "http://h:2"]):
+        [problem] = problems_of(flags)
+        assert "sglang-router" in problem and "pip install 'rollout-pipeline[router]'" in problem
+    load_config(["--rollout-num-engines", "1"])  # one engine needs no router
+
+
+def test_an_offline_hub_id_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    flags = ["--output-dir", str(tmp_path / "run"), "--no-progress"]
+    code = main([*flags, "--hf-checkpoint", "nobody-here/no-such-model"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--hf-checkpoint='nobody-here/no-such-model': no such local folder" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 2  # the count line and the problem
+
+
+@pytest.fixture
+async def web_app() -> AsyncIterator[str]:
+    """Not SGLang: a web app answering every path with its page (a notebook server, say)."""
+
+    async def page(request: web.Request) -> web.Response:
+        html = "<!DOCTYPE html><html><head><title>Home Page</title></head><body>" + "<p>x</p>" * 500
+        return web.Response(text=html + "</body></html>", content_type="text/html", status=200)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.anyio
+async def test_a_web_page_at_the_sglang_url_is_named_in_one_line(web_app, tmp_path, capsys):
+    import anyio
+
+    flags = ["--output-dir", str(tmp_path / "run"), "--sglang-url", web_app, "--no-progress", "--num-rollout", "1"]
+    code = await anyio.to_thread.run_sync(main, flags)
+    assert code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and web_app in err[0] and "'Home Page'" in err[0] and "SGLang" in err[0]
+    assert "<p>" not in err[0]
