@@ -400,6 +400,7 @@ def _plan(config: Config) -> RolloutPlan:
         max_response_len=r.max_response_len,
         sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout,
+        reward_max_retries=r.reward_max_retries,
         seed=r.seed,
         store_batch=r.store_batch,
     )

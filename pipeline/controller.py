@@ -92,6 +92,7 @@ class RolloutPlan:
     max_response_len: int = 64
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
     reward_timeout: float = 30.0
+    reward_max_retries: int = 0  # calls again of a reward that raised or timed out, per sample
     seed: int = 0
     # The most groups one store call admits, or stores as ready or rejected, of those already
     # waiting: one transaction (one fsync with LMDB synced) for them all. Nothing waits to fill it.
@@ -308,7 +309,13 @@ class _Graph:
                     detokenize=detokenize,
                     agent=agent,
                 ),
-                RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
+                RewardStage(
+                    reward_fn,
+                    timeout=plan.reward_timeout,
+                    store=store,
+                    admission=admission,
+                    max_retries=plan.reward_max_retries,
+                ),
                 FilterStage(filter_fn, store=store, admission=admission, batch=plan.store_batch),
                 buffer=plan.batch_size,
             ),

@@ -112,3 +112,46 @@ async def test_a_web_page_at_the_sglang_url_is_named_in_one_line(web_app, tmp_pa
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and web_app in err[0] and "'Home Page'" in err[0] and "SGLang" in err[0]
     assert "<p>" not in err[0]
+
+
+# --- item 3: failures in the user's own code ---------------------------------------------------
+
+_FLAKED: set[int] = set()
+
+
+def raising_reward(task, sample):
+    """Raises on every sample whose response has an odd length (about half of them)."""
+    if sample.response_len % 2:
+        return {"scores": []}["answer"]  # a KeyError deep in the user's code
+    return 1.0
+
+
+def flaky_reward(task, sample):
+    """Raises the first time each sample is scored (a service that times out now and then)."""
+    if id(sample) not in _FLAKED:
+        _FLAKED.add(id(sample))
+        raise ConnectionError("reward service busy")
+    return float(sample.response_len > 2)
+
+
+SCORING = ("--no-progress", "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4")
+
+
+def test_the_first_traceback_of_a_users_reward_is_shown_in_full_once(tmp_path, capsys):
+    code = main(
+        ["--output-dir", str(tmp_path / "run"), *SCORING, "--custom-rm-path", "tests.test_first_hour:raising_reward"]
+    )
+    assert code in (0, 1)  # (1 when every group of the run happened to fail)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    # Before: only "reward: KeyError('answer')", with no line of the user's function.
+    assert out.count("Traceback (most recent call last)") == 1
+    assert 'in raising_reward\n    return {"scores": []}["answer"]' in out
+
+
+def test_a_flaky_reward_is_retried_and_counted(tmp_path):
+    out = tmp_path / "run"
+    flags = [*SCORING, "--custom-rm-path", "tests.test_first_hour:flaky_reward", "--log-level", "warning"]
+    assert main(["--output-dir", str(out), *flags, "--reward-max-retries", "1"]) == 0
+    [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["groups/failed_total"] == 0 and record["reward/retries_total"] >= 8

@@ -180,6 +180,14 @@ class RolloutConfig:
     request_timeout: float = _opt(600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
     max_retries: int = _opt(3, "--rollout-max-retries", "int", ge=0, help="retries of a failed engine request")
     reward_timeout: float = _opt(30.0, "--reward-timeout", "float", gt=0, help="seconds per reward call")
+    reward_max_retries: int = _opt(
+        0,
+        "--reward-max-retries",
+        "int",
+        ge=0,
+        help="call a reward that raised or timed out again, up to N times per sample (reward/retries_total); "
+        "a value that is not a number is not retried",
+    )
     store_batch: int = _opt(
         64,
         "--rollout-store-batch",
