@@ -284,6 +284,7 @@ def _open_lmdb(config: Config, meta: RunMeta, weights_dir: Path, dataset: list[P
     else:
         try:
             _requeue_damaged(store, fresh)
+            _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
         except BaseException:
             store.close()
             raise
@@ -304,6 +305,28 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
         "and their prompts are generated again",
         quarantined=quarantined,
         requeued_now=requeued,
+    )
+
+
+def _failed_groups(store: Store, fresh: Callable[[str], Group | None], *, requeue: bool) -> None:
+    """Failed groups of earlier runs (a reward that raised, say) are kept and never trained; their
+    prompts come again only in the next epoch. Say so on resume, and with `--requeue-failed-groups`
+    (the cause fixed) generate them again now, each once."""
+    from storage.transitions import requeue_id
+
+    waiting = [g.group_id for g in store.groups(GroupState.FAILED) if store.get(requeue_id(g.group_id)) is None]
+    if not waiting:
+        return
+    if requeue:
+        requeued = store.requeue_failed(fresh)
+        log.warning("failed groups of earlier runs: their prompts are generated again", requeued=requeued)
+        return
+    log.warning(
+        "the store holds failed groups of earlier runs (kept, never trained): their prompts come again "
+        "only in the next epoch. Once the cause is fixed, add --requeue-failed-groups to generate them "
+        "again now (`python -m pipeline.replay RUN_DIR summary` shows their errors)",
+        failed_groups=len(waiting),
+        first=waiting[:3],
     )
 
 

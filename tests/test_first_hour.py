@@ -155,3 +155,37 @@ def test_a_flaky_reward_is_retried_and_counted(tmp_path):
     assert main(["--output-dir", str(out), *flags, "--reward-max-retries", "1"]) == 0
     [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["groups/failed_total"] == 0 and record["reward/retries_total"] >= 8
+
+
+def odd_prompts_raise(task, sample):
+    """A bug that hits every prompt with an odd index."""
+    if task.index % 2:
+        raise RuntimeError("bug in the reward")
+    return float(sample.response_len > 2)
+
+
+def fixed_reward(task, sample):
+    return float(sample.response_len > 2)
+
+
+def test_failed_groups_are_named_on_resume_and_requeued_when_asked(tmp_path, capsys):
+    from storage import GroupState, LmdbStore
+    from storage.transitions import requeue_id
+
+    out = tmp_path / "run"
+    flags = ["--output-dir", str(out), "--no-progress", "--rollout-data-transport", "lmdb", "--num-prompts", "16"]
+    flags += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
+    assert main([*flags, "--num-rollout", "1", "--custom-rm-path", "tests.test_first_hour:odd_prompts_raise"]) == 0
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        failed = [g.group_id for g in store.groups(GroupState.FAILED)]
+    assert failed
+    capsys.readouterr()
+    fixed = [*flags, "--custom-rm-path", "tests.test_first_hour:fixed_reward"]
+    assert main([*fixed, "--num-rollout", "1"]) == 0  # nothing to train: the resume only looks
+    said = capsys.readouterr()
+    assert "failed groups of earlier runs" in said.out + said.err and "--requeue-failed-groups" in said.out + said.err
+    assert main([*fixed, "--num-rollout", "3", "--requeue-failed-groups"]) == 0
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        for gid in failed:
+            assert store.get(gid)[0] is GroupState.FAILED  # kept, counted
+            assert store.get(requeue_id(gid)) is not None  # and its prompt generated again

@@ -457,6 +457,13 @@ class StorageConfig:
         default_help="detect; local only",
         help="a preset declaration for the LMDB folder's filesystem",
     )
+    requeue_failed_groups: bool = _opt(
+        False,
+        "--requeue-failed-groups",
+        "bool",
+        help="on resume (LMDB), generate the prompts of groups that failed in earlier runs again now, each once "
+        "(the failed groups stay, counted); without it they come again in the next epoch",
+    )
     gc_keep_steps: int | None = _opt(
         None,
         "--rollout-gc-keep-steps",
