@@ -14,6 +14,7 @@ import signal
 import statistics
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -49,15 +50,23 @@ log = structlog.get_logger("launch")
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    show = "--print-config" in args  # print the resolved settings as TOML, run nothing
     try:
-        config = load_config(argv)
+        config = load_config([a for a in args if a != "--print-config"])
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if show:
+        from pipeline.config.show import config_to_toml
+
+        print(config_to_toml(config), end="")
+        return 0
     _configure_logging(config.output.log_level)
     for warning in config.warnings:
         log.warning(warning)
     terminated = threading.Event()
+    started = time.monotonic()
     try:
         with _sigterm_as_interrupt(terminated):
             summary = anyio.run(_run, config)
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated.is_set() else signal.SIGINT)
     _print_summary(summary, config.rollout.num_rollout)
+    _print_run_line(summary, config, time.monotonic() - started)
     return 0
 
 
@@ -550,7 +560,9 @@ class _engines:
 class _progress:
     def __init__(self, config: Config, start_step: int) -> None:
         self._bar = None
-        if config.output.progress:
+        # A bar only on a terminal: in a log file (a cluster job, `| tee`) its redraws are noise, so
+        # there each step is one plain line (the branch below).
+        if config.output.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=config.rollout.num_rollout, initial=start_step, unit="step", dynamic_ncols=True)
@@ -589,6 +601,21 @@ def _print_summary(records: list[dict[str, Any]], num_rollout: int) -> None:
     first = statistics.fmean(r["reward/mean"] for r in records[:k])
     last = statistics.fmean(r["reward/mean"] for r in records[-k:])
     print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({len(records)} steps)")
+
+
+def _print_run_line(records: list[dict[str, Any]], config: Config, seconds: float) -> None:
+    """One line at the end: where the run is, how long it took, how fast it went, where to look."""
+    out = Path(derived(config.output.dir, "output.dir"))
+    r = config.rollout
+    samples = len(records) * r.rollout_batch_size * r.n_samples_per_prompt
+    # Counted by the producers since this process started: the steps it trained, and what they made.
+    tokens = records[-1].get("tokens/generated_total", 0) if records else 0
+    rate = f"{samples / seconds:.1f} samples/s, {tokens / seconds:.0f} tokens/s" if seconds > 0 else ""
+    metrics = Path(derived(config.output.metrics_file, "output.metrics_file"))
+    print(
+        f"run {out}: {len(records)} steps in {seconds:.0f} s ({rate}); metrics in {metrics} "
+        f"(python -m pipeline.plot {out} draws them)"
+    )
 
 
 def _configure_logging(level: str) -> None:
