@@ -37,7 +37,7 @@ from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from pipeline.producers import ProducersFactory
-from pipeline.types import WeightTransport
+from pipeline.types import StoreTransport, WeightTransport
 from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
@@ -85,15 +85,26 @@ def main(argv: list[str] | None = None) -> int:
             raise
         for message in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
             print(f"error: {message}", file=sys.stderr)
-        print("rollout state is in the store; fix the cause and run the same command again to resume", file=sys.stderr)
+        print(f"{_resume_hint(config)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
-        print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
+        print(f"{how}: {_resume_hint(config)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated.is_set() else signal.SIGINT)
     _print_summary(summary, config.rollout.num_rollout)
     _print_run_line(summary, config, time.monotonic() - started)
     return 0
+
+
+def _resume_hint(config: Config) -> str:
+    """What the next command does: an LMDB run resumes from its folder; a memory run kept nothing."""
+    out = derived(config.output.dir, "output.dir")
+    if config.storage.transport is StoreTransport.LMDB:
+        return f"rollout state is in the store ({out}); fix the cause and run the same command again to resume"
+    return (
+        f"a memory run keeps no rollout state: the same command starts a new run (in a new folder when "
+        f"--output-dir is not given; {out} is this run's). Use --rollout-data-transport lmdb to resume"
+    )
 
 
 @contextmanager
@@ -221,6 +232,7 @@ async def _producers(
             max_response_len=plan.max_response_len,
             reward_path=d.custom_rm_path or _path_of(state.reward_fn),
             reward_timeout=plan.reward_timeout,
+            reward_max_retries=plan.reward_max_retries,
             filter_path=d.dynamic_sampling_filter_path,
             agent_path=d.custom_generate_function_path or (_path_of(state.agent) if state.agent else None),
             seed=plan.seed,

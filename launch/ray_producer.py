@@ -72,6 +72,7 @@ class ProducerSpec:
     max_response_len: int
     reward_path: str
     reward_timeout: float = 30.0
+    reward_max_retries: int = 0
     filter_path: str | None = None
     agent_path: str | None = None
     seed: int = 0
@@ -235,7 +236,13 @@ class ProducerCore:
                 seed=spec.seed,
                 agent=agent,
             )
-            stages = RewardStage(reward, timeout=spec.reward_timeout, store=outbox, admission=self.admission)
+            stages = RewardStage(
+                reward,
+                timeout=spec.reward_timeout,
+                store=outbox,
+                admission=self.admission,
+                max_retries=spec.reward_max_retries,
+            )
             self._local = LocalProducers(
                 pool, stages, FilterStage(keep, store=outbox, admission=self.admission), buffer=spec.group_slots
             )

@@ -74,3 +74,13 @@ def test_a_named_folder_is_used_as_named(tmp_path, monkeypatch, given):
     monkeypatch.chdir(tmp_path)
     config = load_config(list(given))
     assert config.output.dir == (Path("mine") if given[0] == "--output-dir" else Path("runs/exp"))
+
+
+def test_the_hint_after_a_stopped_run_is_true_for_its_transport():
+    from launch.cli import _resume_hint
+    from pipeline.config import load_config
+
+    # Before: "run the same command again to resume" after a memory run too, which kept nothing.
+    assert "a memory run keeps no rollout state" in _resume_hint(load_config([]))
+    lmdb = _resume_hint(load_config(["--rollout-data-transport", "lmdb"]))
+    assert "run the same command again to resume" in lmdb and "runs/default" in lmdb
