@@ -97,3 +97,13 @@ def test_replay_lists_groups_and_finds_a_prompts_groups(tmp_path, capsys):
     first = listed[1].split()
     assert replay.main([str(out), "group", first[2]]) == 0  # by the prompt's row number
     assert first[0] in capsys.readouterr().out
+    if plot_available():  # an LMDB run's curves, as a memory run's
+        assert plot.main([str(out)]) == 0 and (out / "curves.png").exists()
+
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
