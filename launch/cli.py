@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         errors = _leaves(group)
         if not errors or not all(isinstance(e, PipelineError) for e in errors):
             raise
+        if all(isinstance(e, ConfigError) for e in errors):  # a setting found wrong once things started
+            for message in dict.fromkeys(str(e) for e in errors):
+                print(message, file=sys.stderr)
+            return 2
         for message in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
             print(f"error: {message}", file=sys.stderr)
         print(f"{_resume_hint(config)}", file=sys.stderr)
