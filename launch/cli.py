@@ -237,6 +237,7 @@ async def _producers(
             reward_path=d.custom_rm_path or _path_of(state.reward_fn),
             reward_timeout=plan.reward_timeout,
             reward_max_retries=plan.reward_max_retries,
+            agent_max_retries=plan.agent_max_retries,
             filter_path=d.dynamic_sampling_filter_path,
             agent_path=d.custom_generate_function_path or (_path_of(state.agent) if state.agent else None),
             seed=plan.seed,
@@ -427,6 +428,7 @@ def _plan(config: Config) -> RolloutPlan:
         sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout,
         reward_max_retries=r.reward_max_retries,
+        agent_max_retries=r.agent_max_retries,
         seed=r.seed,
         store_batch=r.store_batch,
     )

@@ -73,6 +73,7 @@ class ProducerSpec:
     reward_path: str
     reward_timeout: float = 30.0
     reward_max_retries: int = 0
+    agent_max_retries: int = 0
     filter_path: str | None = None
     agent_path: str | None = None
     seed: int = 0
@@ -235,6 +236,7 @@ class ProducerCore:
                 admission=self.admission,
                 seed=spec.seed,
                 agent=agent,
+                agent_max_retries=spec.agent_max_retries,
             )
             stages = RewardStage(
                 reward,

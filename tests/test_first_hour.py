@@ -189,3 +189,29 @@ def test_failed_groups_are_named_on_resume_and_requeued_when_asked(tmp_path, cap
         for gid in failed:
             assert store.get(gid)[0] is GroupState.FAILED  # kept, counted
             assert store.get(requeue_id(gid)) is not None  # and its prompt generated again
+
+
+_AGENT_FLAKED: set[int] = set()
+
+
+async def flaky_agent(ctx, sample):
+    """One model turn, then (the first time for each sample) a tool that raises."""
+    await ctx.generate(max_new_tokens=4)
+    if id(sample) not in _AGENT_FLAKED:
+        _AGENT_FLAKED.add(id(sample))
+        raise ConnectionError("tool server busy")
+
+
+def test_an_agent_that_raised_is_run_again_from_where_its_sample_stood(tmp_path):
+    from storage import LmdbStore
+
+    out = tmp_path / "run"
+    flags = ["--output-dir", str(out), *SCORING, "--log-level", "warning", "--rollout-data-transport", "lmdb"]
+    flags += ["--custom-generate-function-path", "tests.test_first_hour:flaky_agent"]
+    flags += ["--rollout-max-response-len", "16"]
+    assert main([*flags, "--agent-max-retries", "1"]) == 0
+    [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["groups/failed_total"] == 0 and record["agent/retries_total"] >= 8
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        samples = [s for g in store.batch(0).groups for s in g.samples]
+    assert samples and all(s.response_len <= 4 for s in samples)  # the failed attempt's turn dropped

@@ -188,6 +188,14 @@ class RolloutConfig:
         help="call a reward that raised or timed out again, up to N times per sample (reward/retries_total); "
         "a value that is not a number is not retried",
     )
+    agent_max_retries: int = _opt(
+        0,
+        "--agent-max-retries",
+        "int",
+        ge=0,
+        help="run an agent that raised again, up to N times per sample, from where the sample stood "
+        "(the failed attempt's tokens are dropped; agent/retries_total)",
+    )
     store_batch: int = _opt(
         64,
         "--rollout-store-batch",
