@@ -25,19 +25,20 @@ import anyio
 import structlog
 
 from launch.gc_settings import settle_gc
-from launch.run_folder import claim_run_folder
+from launch.run_folder import claim_run_folder, resume_hint, run_line
 from launch.run_state import RunState, open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
 from pipeline.config.derived import derived
 from pipeline.config.rules import producer_slots_problem
+from pipeline.config.show import config_to_toml
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
 from pipeline.producers import ProducersFactory
-from pipeline.types import StoreTransport, WeightTransport
+from pipeline.types import WeightTransport
 from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
@@ -58,8 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     if show:
-        from pipeline.config.show import config_to_toml
-
         print(config_to_toml(config), end="")
         return 0
     _configure_logging(config.output.log_level)
@@ -83,32 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         errors = _leaves(group)
         if not errors or not all(isinstance(e, PipelineError) for e in errors):
             raise
-        if all(isinstance(e, ConfigError) for e in errors):  # a setting found wrong once things started
-            for message in dict.fromkeys(str(e) for e in errors):
-                print(message, file=sys.stderr)
-            return 2
+        settings = all(isinstance(e, ConfigError) for e in errors)  # a setting found wrong once things started
         for message in dict.fromkeys(str(e) for e in errors):  # the same error from many tasks: once
-            print(f"error: {message}", file=sys.stderr)
-        print(f"{_resume_hint(config)}", file=sys.stderr)
+            print(message if settings else f"error: {message}", file=sys.stderr)
+        if settings:
+            return 2
+        print(resume_hint(config), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
-        print(f"{how}: {_resume_hint(config)}", file=sys.stderr)
+        print(f"{how}: {resume_hint(config)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated.is_set() else signal.SIGINT)
     _print_summary(summary, config.rollout.num_rollout)
-    _print_run_line(summary, config, time.monotonic() - started)
+    print(run_line(summary, config, time.monotonic() - started))
     return 0
-
-
-def _resume_hint(config: Config) -> str:
-    """What the next command does: an LMDB run resumes from its folder; a memory run kept nothing."""
-    out = derived(config.output.dir, "output.dir")
-    if config.storage.transport is StoreTransport.LMDB:
-        return f"rollout state is in the store ({out}); fix the cause and run the same command again to resume"
-    return (
-        f"a memory run keeps no rollout state: the same command starts a new run (in a new folder when "
-        f"--output-dir is not given; {out} is this run's). Use --rollout-data-transport lmdb to resume"
-    )
 
 
 @contextmanager
@@ -578,9 +565,7 @@ class _engines:
 class _progress:
     def __init__(self, config: Config, start_step: int) -> None:
         self._bar = None
-        # A bar only on a terminal: in a log file (a cluster job, `| tee`) its redraws are noise, so
-        # there each step is one plain line (the branch below).
-        if config.output.progress and sys.stderr.isatty():
+        if config.output.progress and sys.stderr.isatty():  # in a log file, plain lines (below)
             from tqdm import tqdm
 
             self._bar = tqdm(total=config.rollout.num_rollout, initial=start_step, unit="step", dynamic_ncols=True)
@@ -619,21 +604,6 @@ def _print_summary(records: list[dict[str, Any]], num_rollout: int) -> None:
     first = statistics.fmean(r["reward/mean"] for r in records[:k])
     last = statistics.fmean(r["reward/mean"] for r in records[-k:])
     print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({len(records)} steps)")
-
-
-def _print_run_line(records: list[dict[str, Any]], config: Config, seconds: float) -> None:
-    """One line at the end: where the run is, how long it took, how fast it went, where to look."""
-    out = Path(derived(config.output.dir, "output.dir"))
-    r = config.rollout
-    samples = len(records) * r.rollout_batch_size * r.n_samples_per_prompt
-    # Counted by the producers since this process started: the steps it trained, and what they made.
-    tokens = records[-1].get("tokens/generated_total", 0) if records else 0
-    rate = f"{samples / seconds:.1f} samples/s, {tokens / seconds:.0f} tokens/s" if seconds > 0 else ""
-    metrics = Path(derived(config.output.metrics_file, "output.metrics_file"))
-    print(
-        f"run {out}: {len(records)} steps in {seconds:.0f} s ({rate}); metrics in {metrics} "
-        f"(python -m pipeline.plot {out} draws them)"
-    )
 
 
 def _configure_logging(level: str) -> None:

@@ -34,7 +34,7 @@ from pipeline.config.derived import derived
 from pipeline.errors import ConfigError
 from pipeline.types import StoreTransport
 
-__all__ = ["RUN_RECORD", "claim_run_folder"]
+__all__ = ["RUN_RECORD", "claim_run_folder", "resume_hint", "run_line"]
 
 RUN_RECORD = "run.json"
 CONFIG_RECORD = "config.json"
@@ -158,3 +158,29 @@ def _point_latest(out: Path) -> None:
         os.replace(tmp, latest)
     except OSError:
         pass
+
+
+def resume_hint(config: Config) -> str:
+    """What the next command does: an LMDB run resumes from its folder; a memory run kept nothing."""
+    out = derived(config.output.dir, "output.dir")
+    if config.storage.transport is StoreTransport.LMDB:
+        return f"rollout state is in the store ({out}); fix the cause and run the same command again to resume"
+    return (
+        f"a memory run keeps no rollout state: the same command starts a new run (in a new folder when "
+        f"--output-dir is not given; {out} is this run's). Use --rollout-data-transport lmdb to resume"
+    )
+
+
+def run_line(records: list[dict[str, Any]], config: Config, seconds: float) -> str:
+    """One line at the end: where the run is, how long it took, how fast it went, where to look."""
+    out = Path(derived(config.output.dir, "output.dir"))
+    r = config.rollout
+    samples = len(records) * r.rollout_batch_size * r.n_samples_per_prompt
+    # Counted by the producers since this process started: the steps it trained, and what they made.
+    tokens = records[-1].get("tokens/generated_total", 0) if records else 0
+    rate = f"{samples / seconds:.1f} samples/s, {tokens / seconds:.0f} tokens/s" if seconds > 0 else ""
+    metrics = Path(derived(config.output.metrics_file, "output.metrics_file"))
+    return (
+        f"run {out}: {len(records)} steps in {seconds:.0f} s ({rate}); metrics in {metrics} "
+        f"(python -m pipeline.plot {out} draws them)"
+    )

@@ -77,7 +77,7 @@ def test_a_named_folder_is_used_as_named(tmp_path, monkeypatch, given):
 
 
 def test_the_hint_after_a_stopped_run_is_true_for_its_transport():
-    from launch.cli import _resume_hint
+    from launch.run_folder import resume_hint as _resume_hint
     from pipeline.config import load_config
 
     # Before: "run the same command again to resume" after a memory run too, which kept nothing.
