@@ -99,11 +99,7 @@ def _fresh_run_folder(draft: Draft) -> None:
     if draft.get("storage", "transport") != StoreTransport.MEMORY:
         return
     if (draft.get("trainer", "num_nodes") or 1) > 1:
-        draft.problems.append(
-            "--actor-num-nodes > 1 with --rollout-data-transport=memory needs --output-dir: every node "
-            "writes into the run folder, so it must be one every node names (a shared filesystem)"
-        )
-        return
+        return  # every node derives the folder itself: `runs/<run id>`, the same on each, not a time
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     base = Path("runs") / f"{draft.values['storage']['run_id']}-{stamp}"
     folder, n = base, 1
