@@ -13,6 +13,7 @@ import logging
 import signal
 import statistics
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -25,11 +26,13 @@ import structlog
 from launch.eval_run import EVAL_FILE, InlineEvaluator, eval_sets, eval_settings
 from launch.gc_settings import settle_gc
 from launch.run_end import RunPaths, StopOnSigterm, error_leaves, report_failure
+from launch.run_folder import claim_run_folder, resume_hint, run_line
 from launch.run_state import RunState, open_run_state
 from pipeline.clock import VersionClock
 from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict, load_config
 from pipeline.config.derived import derived
 from pipeline.config.rules import producer_slots_problem
+from pipeline.config.show import config_to_toml
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
@@ -49,15 +52,21 @@ log = structlog.get_logger("launch")
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    show = "--print-config" in args  # print the resolved settings as TOML, run nothing
     try:
-        config = load_config(argv)
+        config = load_config([a for a in args if a != "--print-config"])
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if show:
+        print(config_to_toml(config), end="")
+        return 0
     _configure_logging(config.output.log_level)
     for warning in config.warnings:
         log.warning(warning)
     stop = StopOnSigterm()
+    started = time.monotonic()
     try:
         with stop.installed():
             summary = anyio.run(_run_stoppable, config, stop)
@@ -65,16 +74,25 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C arrives as KeyboardInterrupt (asyncio's runner); SIGTERM cancels the main task
         # (`StopOnSigterm`), which comes out of the runner as CancelledError.
         return _stopped(stop.terminated.is_set(), config)
+    except ConfigError as exc:  # found once the run folder, dataset or model are looked at
+        print(exc, file=sys.stderr)
+        return 2
     except PipelineError as exc:  # refused before the run started (a store of another run, a path)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (Exception, BaseExceptionGroup) as exc:  # what crossed the task groups, a full disk, a bug
         if stop.terminated.is_set() and isinstance(exc, BaseExceptionGroup) and not error_leaves(exc):
             return _stopped(True, config)
+        leaves = error_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+        if leaves and all(isinstance(e, ConfigError) for e in leaves):  # a setting found wrong once started
+            for message in dict.fromkeys(str(e) for e in leaves):  # the same error from many tasks: once
+                print(message, file=sys.stderr)
+            return 2
         return report_failure(exc, _run_paths(config))
     if stop.terminated.is_set():  # a SIGTERM the run's end swallowed: it still did not finish by itself
         return _stopped(True, config)
     _print_summary(summary, config.rollout.num_rollout)
+    print(run_line(summary, config, time.monotonic() - started))
     return 0
 
 
@@ -83,7 +101,7 @@ def _stopped(terminated: bool, config: Config) -> int:
     if config.storage.transport is StoreTransport.LMDB:
         print(f"{how}: rollout state is in the store; run the same command again to resume", file=sys.stderr)
     else:
-        print(f"{how}: the rollout state was in memory; running the same command again starts over", file=sys.stderr)
+        print(f"{how}: {resume_hint(config)}", file=sys.stderr)
     return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
 
@@ -105,6 +123,8 @@ async def _run_stoppable(config: Config, stop: StopOnSigterm) -> list[dict[str, 
 
 async def _run(config: Config) -> list[dict[str, Any]]:
     out = Path(derived(config.output.dir, "output.dir"))
+    # Before anything is written: a new run never writes into another run's folder.
+    claim_run_folder(config)
     # Checked before anything starts, so that a path that cannot be written is one error line, not
     # a traceback after the engines came up.
     metrics_file = Path(derived(config.output.metrics_file, "output.metrics_file"))
@@ -228,6 +248,8 @@ async def _producers(
             max_response_len=plan.max_response_len,
             reward_path=d.custom_rm_path or _path_of(state.reward_fn),
             reward_timeout=plan.reward_timeout,
+            reward_max_retries=plan.reward_max_retries,
+            agent_max_retries=plan.agent_max_retries,
             filter_path=d.dynamic_sampling_filter_path,
             agent_path=d.custom_generate_function_path or (_path_of(state.agent) if state.agent else None),
             seed=plan.seed,
@@ -423,6 +445,8 @@ def _plan(config: Config) -> RolloutPlan:
         max_response_len=r.max_response_len,
         sampling_params=_sampling_params(r),
         reward_timeout=r.reward_timeout,
+        reward_max_retries=r.reward_max_retries,
+        agent_max_retries=r.agent_max_retries,
         seed=r.seed,
         store_batch=r.store_batch,
     )
@@ -572,7 +596,7 @@ class _engines:
 class _progress:
     def __init__(self, config: Config, start_step: int) -> None:
         self._bar = None
-        if config.output.progress:
+        if config.output.progress and sys.stderr.isatty():  # in a log file, plain lines (below)
             from tqdm import tqdm
 
             self._bar = tqdm(total=config.rollout.num_rollout, initial=start_step, unit="step", dynamic_ncols=True)

@@ -72,6 +72,8 @@ class ProducerSpec:
     max_response_len: int
     reward_path: str
     reward_timeout: float = 30.0
+    reward_max_retries: int = 0
+    agent_max_retries: int = 0
     filter_path: str | None = None
     agent_path: str | None = None
     seed: int = 0
@@ -234,8 +236,15 @@ class ProducerCore:
                 admission=self.admission,
                 seed=spec.seed,
                 agent=agent,
+                agent_max_retries=spec.agent_max_retries,
             )
-            stages = RewardStage(reward, timeout=spec.reward_timeout, store=outbox, admission=self.admission)
+            stages = RewardStage(
+                reward,
+                timeout=spec.reward_timeout,
+                store=outbox,
+                admission=self.admission,
+                max_retries=spec.reward_max_retries,
+            )
             self._local = LocalProducers(
                 pool, stages, FilterStage(keep, store=outbox, admission=self.admission), buffer=spec.group_slots
             )

@@ -52,7 +52,7 @@ from pipeline.checkpoints import (
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError
+from pipeline.errors import ConfigError, CorruptRecordError, IncompatibleStoreError, StoreError
 from pipeline.trainer_settings import build_trainer
 from pipeline.types import Group, PromptTask, StoreTransport, group_id_for
 from stages.reward import RewardFn
@@ -103,7 +103,19 @@ def open_run_state(config: Config) -> RunState:
         model_path = out / "model"
         if not (model_path / "config.json").exists():
             make_model_folder(model_path, seed=config.rollout.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        # A Hub id with no network (or a typo of one) ends in a long traceback through
+        # huggingface_hub and transformers; its first line says what happened.
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = (
+            f"its tokenizer cannot be loaded ({said})"
+            if model_path.exists()
+            else f"no such local folder, and it cannot be loaded as a Hugging Face Hub id ({said}); "
+            "download it first (huggingface-cli download) and pass its folder"
+        )
+        raise ConfigError([f"--hf-checkpoint={str(model_path)!r}: {why}"]) from exc
     dataset, reward_fn = _dataset(config, tokenizer)
 
     meta = _run_meta(config, dataset, model_path)
@@ -365,6 +377,7 @@ def _open_lmdb(config: Config, meta: RunMeta, policy: CheckpointPolicy, dataset:
         try:
             _requeue_damaged(store, fresh)
             _name_damaged_trained(store)
+            _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
         except BaseException:
             store.close()
             raise
@@ -414,6 +427,28 @@ def _name_damaged_trained(store: Store) -> None:
             records=damaged,
         )
     store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
+
+
+def _failed_groups(store: Store, fresh: Callable[[str], Group | None], *, requeue: bool) -> None:
+    """Failed groups of earlier runs (a reward that raised, say) are kept and never trained; their
+    prompts come again only in the next epoch. Say so on resume, and with `--requeue-failed-groups`
+    (the cause fixed) generate them again now, each once."""
+    from storage.transitions import requeue_id
+
+    waiting = [g.group_id for g in store.groups(GroupState.FAILED) if store.get(requeue_id(g.group_id)) is None]
+    if not waiting:
+        return
+    if requeue:
+        requeued = store.requeue_failed(fresh)
+        log.warning("failed groups of earlier runs: their prompts are generated again", requeued=requeued)
+        return
+    log.warning(
+        "the store holds failed groups of earlier runs (kept, never trained): their prompts come again "
+        "only in the next epoch. Once the cause is fixed, add --requeue-failed-groups to generate them "
+        "again now (`python -m pipeline.replay RUN_DIR summary` shows their errors)",
+        failed_groups=len(waiting),
+        first=waiting[:3],
+    )
 
 
 def _continue_from_salvage(

@@ -99,6 +99,8 @@ class RolloutPlan:
     max_response_len: int = 64
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
     reward_timeout: float = 30.0
+    reward_max_retries: int = 0  # calls again of a reward that raised or timed out, per sample
+    agent_max_retries: int = 0  # runs again of an agent that raised, per sample
     seed: int = 0
     # The most groups one store call admits, or stores as ready or rejected, of those already
     # waiting: one transaction (one fsync with LMDB synced) for them all. Nothing waits to fill it.
@@ -361,8 +363,15 @@ class _Graph:
                     events=events,
                     detokenize=detokenize,
                     agent=agent,
+                    agent_max_retries=plan.agent_max_retries,
                 ),
-                RewardStage(reward_fn, timeout=plan.reward_timeout, store=store, admission=admission),
+                RewardStage(
+                    reward_fn,
+                    timeout=plan.reward_timeout,
+                    store=store,
+                    admission=admission,
+                    max_retries=plan.reward_max_retries,
+                ),
                 FilterStage(filter_fn, store=store, admission=admission, batch=plan.store_batch),
                 buffer=plan.batch_size,
             ),

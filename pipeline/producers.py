@@ -134,4 +134,7 @@ class LocalProducers:
         return self.gate.statistics()
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return {
+            "reward/retries_total": self.reward.statistics().retried_calls,
+            "agent/retries_total": self.pool.statistics().agent_retries,
+        }

@@ -5,8 +5,10 @@ A run launched with `--rollout-data-transport lmdb` leaves its whole rollout his
 run's settings. This tool reads it without an engine:
 
     summary             groups by state, versions, staleness of trained batches, partial prefixes
+    groups [--state S]  every group, one line each: id, state, prompt row, epoch, mean reward, error
     verify              every record read and checked; what is damaged; exit status 1 if anything is
-    group GROUP_ID      one group in full, decoded with the run's tokenizer (`--json` for machines)
+    group GROUP_ID      one group in full, decoded with the run's tokenizer (`--json` for machines);
+                        `group 17` finds the groups of the prompt in row 17
     train               the recorded batches fed again to a fresh GRPOTrainer, one JSON line per step
     timeline [-o FILE]  RUN_DIR/events.jsonl drawn as an HTML timeline (default RUN_DIR/timeline.html)
     metrics [--csv FILE]  the per-step metrics table, from the store and the metrics file, and
@@ -40,7 +42,7 @@ from typing import Any
 from pipeline.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from pipeline.trainer_settings import build_trainer
-from storage import LmdbStore, RunMeta
+from storage import GroupState, LmdbStore, RunMeta
 
 __all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]
 
@@ -58,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "group":
             return _group(args)
+        if args.command == "groups":
+            return _groups(args)
         if args.command == "train":
             return _train(args)
         if args.command == "timeline":
@@ -75,11 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the --output-dir of an lmdb-transport run (or its store dir)")
-    sub = parser.add_subparsers(dest="command", metavar="{summary,verify,group,train,timeline,metrics}")
+    sub = parser.add_subparsers(dest="command", metavar="{summary,verify,groups,group,train,timeline,metrics}")
     sub.add_parser("summary", help="groups by state, versions, staleness, partial prefixes (the default)")
     sub.add_parser("verify", help="check every record; exit status 1 if anything is damaged")
+    groups = sub.add_parser("groups", help="every group: id, state, prompt, epoch, mean reward, error")
+    groups.add_argument("--state", choices=[s.value for s in GroupState], help="only groups in this state")
     group = sub.add_parser("group", help="one group in full")
-    group.add_argument("group_id", help="e.g. e0000-p000000003")
+    group.add_argument("group_id", help="e.g. e0000-p000000003, or a prompt's row number (17: its groups)")
     group.add_argument("--json", action="store_true", help="print the group as one JSON object")
     train = sub.add_parser("train", help="feed the recorded batches to a fresh trainer, no engine")
     train.add_argument("--steps", default=None, help="A:B replays steps A..B-1 (default: every trained step)")
@@ -177,8 +183,43 @@ def _verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def _groups(args: argparse.Namespace) -> int:
+    """One line per group, in id order (prompt by prompt, epoch by epoch): where group ids come from."""
+    states = [GroupState(args.state)] if args.state else list(GroupState)
+    with open_run_store(args.run_dir) as (_, store):
+        rows = []
+        damaged: list[CorruptRecordError] = []
+        for state in states:
+            for g in store.groups(state, damaged=damaged):
+                rewards = [x.reward for x in g.samples if x.reward is not None]
+                mean = f"{sum(rewards) / len(rewards):.3f}" if rewards else "-"
+                error = next((x.error for x in g.samples if x.error), "")
+                rows.append((g.group_id, state.value, g.task.index, g.epoch, mean, error[:60]))
+    rows.sort()
+    print(f"{'group':<28} {'state':<11} {'prompt':>6} {'epoch':>5} {'reward':>7}  error")
+    for gid, state_name, index, epoch, mean, error in rows:
+        print(f"{gid:<28} {state_name:<11} {index:>6} {epoch:>5} {mean:>7}  {error}")
+    print(f"{len(rows)} groups" + (f"; {len(damaged)} damaged records skipped" if damaged else ""))
+    return 0
+
+
+def _groups_of_prompt(store: LmdbStore, index: int) -> list[str]:
+    """The ids of every group of dataset row `index` (any epoch, requeued ones too)."""
+    found = [g.group_id for state in GroupState for g in store.groups(state, damaged=[]) if g.task.index == index]
+    return sorted(found)
+
+
 def _group(args: argparse.Namespace) -> int:
     with open_run_store(args.run_dir) as (run_dir, store):
+        if args.group_id.isdigit():  # a prompt's row number: its group, or the list of its groups
+            ids = _groups_of_prompt(store, int(args.group_id))
+            if not ids:
+                raise ReplayError(f"no group of prompt {args.group_id} in the store at {store.path}")
+            if len(ids) > 1:
+                print(f"prompt {args.group_id} has {len(ids)} groups: " + ", ".join(ids))
+                print(f"show one with: python -m pipeline.replay {args.run_dir} group {ids[0]}")
+                return 0
+            args.group_id = ids[0]
         try:
             found = store.get(args.group_id)
         except CorruptRecordError as exc:

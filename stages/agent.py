@@ -50,6 +50,7 @@ from pipeline.errors import (
 )
 from pipeline.types import FinishReason, Group, Sample, SampleStatus
 from stages.continuation import N_RULE, Detokenize
+from stages.failures import first_traceback
 
 if TYPE_CHECKING:
     from stages.generator import GeneratorPool
@@ -250,6 +251,8 @@ async def run_agent_sample(ctx: AgentContext, agent: Agent) -> None:
             _save_quietly(ctx)
             raise
         error = str(exc) if isinstance(exc, AgentError) else f"agent {name!r} raised {type(exc).__name__}: {exc}"
+        if not isinstance(exc, AgentError):  # the user's code: where it raised, once per error and line
+            first_traceback(f"agent {name!r}", exc)
         ctx._samples[ctx._i] = dataclasses.replace(
             ctx.sample, status=SampleStatus.FAILED, finish_reason=FinishReason.ERROR, error=error
         )

@@ -1,19 +1,26 @@
-"""Failed groups, said out loud: the first group each distinct error fails is logged as a warning.
+"""Failed groups, said out loud: the first group each distinct error fails is logged as a warning,
+and the first traceback of each distinct exception a user's function raised is logged in full.
 
 A group with a failed sample (a reward that raised or returned no number, an agent that broke, an
 engine that never answered) is stored as failed and counted in `groups/failed_total`, never
 trained. The count reaches the metrics only when a step completes, so a reward that fails every
 sample would show as a run whose first step never comes, with nothing said. One warning per
 distinct error (up to `limit` of them) names it at once without flooding the log.
+
+An exception's repr says what, not where: `KeyError('answer')` from a reward of 200 lines. So the
+first time a user's reward or agent raises an exception of a given type at a given line, its whole
+traceback (into the user's function) is logged once (`first_traceback`).
 """
 
 from __future__ import annotations
+
+import traceback
 
 import structlog
 
 from pipeline.types import Group, SampleStatus
 
-__all__ = ["FailureLog"]
+__all__ = ["FailureLog", "first_traceback"]
 
 log = structlog.get_logger("pipeline")
 
@@ -41,3 +48,22 @@ class FailureLog:
             failed_samples=f"{len(errors)}/{len(group.samples)}",
             error=errors[0],
         )
+
+
+_TRACED: set[tuple[str, str, int]] = set()  # (type, file, line) already logged, in this process
+
+
+def first_traceback(stage: str, exc: BaseException, *, limit: int = _LIMIT) -> None:
+    """Log `exc`'s traceback in full the first time its type is raised at its line (up to `limit`
+    distinct ones per process); later ones are in the failed groups' warnings and the counts."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = frames[-1] if frames else None
+    key = (type(exc).__qualname__, where.filename if where else "?", (where.lineno or 0) if where else 0)
+    if key in _TRACED or len(_TRACED) >= limit:
+        return
+    _TRACED.add(key)
+    log.warning(
+        f"{stage} raised; its sample fails (this traceback is logged once per error and line):\n"
+        + "".join(traceback.format_exception(exc)).rstrip(),
+        stage=stage,
+    )

@@ -102,6 +102,7 @@ class GeneratorStatistics:
     # Tokens an engine without per-token spans stamped with a version other than the one serving
     # when the request was sent: stamped with the older version, since the boundary is unknown.
     unknown_boundary_tokens: int = 0
+    agent_retries: int = 0  # agent runs made again after the agent raised (--agent-max-retries)
 
 
 class GeneratorPool:
@@ -120,8 +121,11 @@ class GeneratorPool:
         detokenize: Detokenize | None = None,
         agent: Agent | None = None,
         tokenizer: object | None = None,
+        agent_max_retries: int = 0,
     ) -> None:
         self._engine = engine
+        # An agent that raised runs again from where its sample stood, up to this many times.
+        self._agent_retries = agent_max_retries
         # A multi-turn agent drives each sample through `stages.agent.AgentContext` instead of
         # the one-request-per-continuation loop below; both send requests through `_request`.
         self._agent = agent
@@ -151,7 +155,7 @@ class GeneratorPool:
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
-        self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0, unknown_boundary=0)
+        self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0, unknown_boundary=0, agent_retries=0)
         self._failures = FailureLog("generate")
         self._busy = 0.0
         # Requests that failed for want of an engine since the last one that got an answer.
@@ -253,18 +257,27 @@ class GeneratorPool:
         if self._agent is not None:
             if samples[i].status is SampleStatus.FAILED:
                 return
-            ctx = AgentContext(
-                self,
-                agent_name(self._agent),
-                group,
-                samples,
-                i,
-                sampling_params=self._params,
-                max_response_len=self._max_len,
-                detokenize=self._detokenize,
-                tokenizer=self._tokenizer,
-            )
-            await run_agent_sample(ctx, self._agent)
+            before = samples[i]
+            for attempt in range(1 + self._agent_retries):
+                if attempt:
+                    # Bounded and counted (`--agent-max-retries`, agent/retries_total): the failed
+                    # attempt's tokens are dropped and the agent starts again where the sample stood.
+                    self._stats["agent_retries"] += 1
+                    samples[i] = before
+                ctx = AgentContext(
+                    self,
+                    agent_name(self._agent),
+                    group,
+                    samples,
+                    i,
+                    sampling_params=self._params,
+                    max_response_len=self._max_len,
+                    detokenize=self._detokenize,
+                    tokenizer=self._tokenizer,
+                )
+                await run_agent_sample(ctx, self._agent)
+                if samples[i].status is not SampleStatus.FAILED or self._stopping:
+                    return
             return
         sample = samples[i]
         unanswered = 0  # attempts in a row that found no engine (each already retried by the client)
@@ -496,4 +509,5 @@ class GeneratorPool:
             s["failed"],
             self._busy,
             s["unknown_boundary"],
+            s["agent_retries"],
         )

@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.types import Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission, Outcome
-from stages.failures import FailureLog
+from stages.failures import FailureLog, first_traceback
 from storage import AsyncStore
 
 __all__ = ["RewardFn", "RewardStage", "RewardStatistics"]
@@ -34,16 +34,21 @@ RewardFn = Callable[[PromptTask, Sample], float | Awaitable[float]]
 class RewardStatistics:
     scored_samples: int
     failed_samples: int
+    retried_calls: int = 0  # reward calls made again after an exception or a timeout
 
 
 class RewardStage:
-    def __init__(self, reward_fn: RewardFn, *, timeout: float, store: AsyncStore, admission: Admission) -> None:
+    def __init__(
+        self, reward_fn: RewardFn, *, timeout: float, store: AsyncStore, admission: Admission, max_retries: int = 0
+    ) -> None:
         self._fn = reward_fn
         self._timeout = timeout
         self._store = store
         self._admission = admission
+        self._max_retries = max_retries
         self._scored = 0
         self._failed = 0
+        self._retried = 0
         self._failures = FailureLog("reward")
 
     async def run(
@@ -59,8 +64,8 @@ class RewardStage:
                 samples = []
                 for sample in group.samples:
                     scored = self._score(group.task, sample)
-                    if not isinstance(scored, Sample):  # an async reward: awaited under its deadline
-                        scored = await self._score_later(sample, scored)
+                    if not isinstance(scored, Sample):  # an async reward, or a retry: awaited
+                        scored = await scored
                     samples.append(scored)
                 group = group.with_samples(samples)
                 if group.failed:
@@ -70,41 +75,74 @@ class RewardStage:
                 else:
                     await send.send(group)
 
-    def _score(self, task: PromptTask, sample: Sample) -> Sample | Awaitable[object]:
-        """The scored sample, or what an async reward returned, still to be awaited. A sync reward
-        is scored here, without a coroutine per sample (a plain call is most rewards' case)."""
+    def _score(self, task: PromptTask, sample: Sample) -> Sample | Awaitable[Sample]:
+        """The scored sample, or an awaitable of it (an async reward under its deadline, or a
+        retry). A sync reward is scored here, without a coroutine per sample (a plain call is
+        most rewards' case)."""
         if sample.reward is not None:  # scored in an earlier round, before its group was requeued
             return sample
         try:
             value = self._fn(task, sample)
             if inspect.isawaitable(value):
-                return value
+                return self._score_later(task, sample, value)
             reward = _as_reward(value)
         except Exception as exc:  # a user function's failure is data, recorded on the sample
-            return self._failed_sample(sample, exc)
+            return self._failed_or_retried(task, sample, exc)
         self._scored += 1
         return sample.with_reward(reward)
 
-    async def _score_later(self, sample: Sample, pending: Awaitable[object]) -> Sample:
+    async def _score_later(self, task: PromptTask, sample: Sample, pending: Awaitable[object]) -> Sample:
         try:
             with anyio.fail_after(self._timeout):
                 value = await pending
             reward = _as_reward(value)
         except Exception as exc:
-            return self._failed_sample(sample, exc)
+            out = self._failed_or_retried(task, sample, exc)
+            return out if isinstance(out, Sample) else await out
         self._scored += 1
         return sample.with_reward(reward)
 
-    def _failed_sample(self, sample: Sample, exc: Exception) -> Sample:
+    def _failed_or_retried(self, task: PromptTask, sample: Sample, exc: Exception) -> Sample | Awaitable[Sample]:
+        # A value that is not a number is the function's answer, not a flake: not called again.
+        if self._max_retries and not isinstance(exc, _BadReward):
+            return self._retry(task, sample, exc)
+        return self._failed_sample(sample, exc)
+
+    async def _retry(self, task: PromptTask, sample: Sample, exc: Exception) -> Sample:
+        """Call the reward again, up to `max_retries` times (`--reward-max-retries`, counted in
+        `reward/retries_total`): a reward that calls a service or a sandbox fails now and then."""
+        for _ in range(self._max_retries):
+            self._retried += 1
+            try:
+                value = self._fn(task, sample)
+                if inspect.isawaitable(value):
+                    with anyio.fail_after(self._timeout):
+                        value = await value
+                reward = _as_reward(value)
+            except _BadReward as bad:
+                return self._failed_sample(sample, bad)
+            except Exception as again:
+                exc = again
+                continue
+            self._scored += 1
+            return sample.with_reward(reward)
+        return self._failed_sample(sample, exc, tries=1 + self._max_retries)
+
+    def _failed_sample(self, sample: Sample, exc: Exception, *, tries: int = 1) -> Sample:
         self._failed += 1
         if isinstance(exc, TimeoutError):
             reason = "timed out"
-        else:  # our own message says what was returned; a user exception is shown with its type
-            reason = str(exc) if isinstance(exc, _BadReward) else repr(exc)
+        elif isinstance(exc, _BadReward):  # our own message says what was returned
+            reason = str(exc)
+        else:  # a user exception: shown with its type, and its traceback logged the first time
+            reason = repr(exc)
+            first_traceback("reward", exc)
+        if tries > 1:
+            reason += f" (each of {tries} tries)"
         return dataclasses.replace(sample, status=SampleStatus.FAILED, error=f"reward: {reason}")
 
     def statistics(self) -> RewardStatistics:
-        return RewardStatistics(self._scored, self._failed)
+        return RewardStatistics(self._scored, self._failed, self._retried)
 
 
 class _BadReward(ValueError):

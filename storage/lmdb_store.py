@@ -658,9 +658,15 @@ class LmdbStore(PutMoves):
         return found
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._requeue(GroupState.QUARANTINED, fresh)
+
+    def requeue_failed(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._requeue(GroupState.FAILED, fresh)
+
+    def _requeue(self, state: GroupState, fresh: Callable[[str], Group | None]) -> int:
         def fn(w: _Write) -> int:
             requeued = 0
-            for gid in self._ids_in_state(w.txn, GroupState.QUARANTINED):
+            for gid in self._ids_in_state(w.txn, state):
                 new_id = tr.requeue_id(gid)
                 key = keys.group_key(new_id)
                 if w.state_of(new_id) is not None or w.get(keys.TOMBSTONES, key) is not None:

@@ -326,9 +326,15 @@ class MemoryStore(PutMoves):
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         """Nothing is ever damaged in memory, but a QUARANTINED group is served the same way."""
+        return self._requeue(GroupState.QUARANTINED, fresh)
+
+    def requeue_failed(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._requeue(GroupState.FAILED, fresh)
+
+    def _requeue(self, state: GroupState, fresh: Callable[[str], Group | None]) -> int:
         self._check_open()
         requeued = 0
-        for gid in list(self._members[GroupState.QUARANTINED]):
+        for gid in list(self._members[state]):
             new_id = tr.requeue_id(gid)
             if new_id in self._groups or new_id in self._tombstones or (group := fresh(gid)) is None:
                 continue

@@ -8,6 +8,7 @@ stores checked a lost lease differently). The shared store suite holds both to i
     admit            (new id)                   RUNNING      leased
     seed             (new id)                   PARTIAL / READY   a fresh store continuing a damaged one
     requeue_quarantined (new id)                PARTIAL      a quarantined group's prompt, again
+    requeue_failed   (new id)                   PARTIAL      a failed group's prompt, again (asked for)
     claim_partial    PARTIAL                    RUNNING      leased
     put_partial      RUNNING                    PARTIAL
     put_ready        RUNNING                    READY

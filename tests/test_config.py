@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -226,12 +227,12 @@ mode = "async"
     )
     problems = problems_of(["--config", str(toml)])
     assert f"--rollout-batch-size='8' ([rollout] rollout_batch_size in {toml}): must be an integer, got str" in problems
-    # Keys are the field names, not the flag names; the hint says which one was meant.
-    assert f"{toml}: unknown key 'rollout-max-response-len' in [rollout] (did you mean max_response_len?)" in problems
+    # A key may be spelled as the flag (issue 33): `rollout-max-response-len` is max_response_len.
+    assert not any("rollout-max-response-len" in p or "max_response_len" in p for p in problems)
     assert f"{toml}: unknown key 'hf_checkpoint' in [rollout] (it belongs in [engine])" in problems
     assert f"--rollout-top-p=0.0 ([rollout] top_p in {toml}): must be in (0, 1]" in problems
     assert any(p.startswith(f"{toml}: unknown section [rollouts]") and "did you mean rollout?" in p for p in problems)
-    assert len(problems) == 5
+    assert len(problems) == 4
 
 
 def test_toml_file_missing_or_malformed(tmp_path):
@@ -425,6 +426,8 @@ def test_prompt_file_first_record_checks_the_keys(tmp_path):
             "question",
             "--label-key",
             "answer",
+            "--rollout-batch-size",
+            "1",  # one prompt: a bigger batch repeats it, with a warning
         ]
     )
     assert config.data.prompt_data == data and config.data.reward_fn is toy_reward
@@ -507,7 +510,8 @@ def test_config_to_dict_is_json_and_complete():
     assert as_dict["data"]["custom_rm_path"] == "tests.test_config:toy_reward"
     assert "reward_fn" not in as_dict["data"]
     assert as_dict["engine"]["urls"] == ["http://h:1"]
-    assert as_dict["output"]["metrics_file"] == "runs/default/metrics.jsonl"
+    # a memory run's default folder is a fresh runs/default-<UTC time> (issue 33: one run, one folder)
+    assert re.fullmatch(r"runs/default-\d{8}-\d{6}(-\d+)?/metrics.jsonl", as_dict["output"]["metrics_file"])
     assert as_dict["rollout"]["over_sampling_batch_size"] == 8
 
 

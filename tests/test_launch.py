@@ -169,7 +169,7 @@ def test_another_run_in_the_output_dir_of_an_lmdb_run_is_refused_and_changes_not
     # over the checkpoints the store counts as trained, and a resume would load them unknowingly.
     for other in ((), (*lmdb, "--rollout-data-dir", str(tmp_path / "elsewhere"))):
         code = main(["--output-dir", str(out), "--no-progress", "--num-rollout", "1", "--lr", "0.1", *small, *other])
-        assert code == 1
+        assert code == 2  # refused when the run folder is claimed, before anything is written
         err = capsys.readouterr().err
         assert f"{out / 'rollout_data'}" in err and "--output-dir" in err and "Traceback" not in err
     assert (out / "checkpoints" / "v1" / "model.safetensors").read_bytes() == checkpoint
@@ -198,7 +198,7 @@ def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, 
     # before any engine starts (the metrics file used to fail only after start-up, with a traceback)
     paths = {"--output-dir": str(tmp_path / "run"), flag: str(where)}
     code = main([*(x for kv in paths.items() for x in kv), "--no-progress", "--num-rollout", "0"])
-    assert code == 1
+    assert code == 2  # a config error, as those found when the config loads
     err = capsys.readouterr().err
     assert f"{flag}={where}: cannot be created" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "model").exists()
@@ -207,9 +207,9 @@ def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, 
 def test_a_memory_run_says_it_keeps_nothing_to_resume_from():
     """Issue 30: a stopped memory run used to say "run the same command again to resume" and then
     start at step 0."""
-    from launch.cli import _resume_hint
+    from launch.run_folder import resume_hint as _resume_hint
     from pipeline.config import load_config
 
     memory = _resume_hint(load_config(["--rollout-data-transport", "memory"]))
-    assert "keeps nothing" in memory and "step 0" in memory and "to resume" not in memory.split("(")[0]
+    assert "keeps no rollout state" in memory and "step 0" in memory and "to resume" not in memory.split("(")[0]
     assert "run the same command again to resume" in _resume_hint(load_config(["--rollout-data-transport", "lmdb"]))

@@ -1,74 +1,110 @@
-"""The README's "Embedding" snippets, run as written (only the engine URL and the step count are
-substituted), twice in one process on the same store: what a notebook user does. Real parts: the
-LMDB store, real HTTP to the protocol-speaking fake engine."""
+"""The README's "Embedding" code runs as written: every block is part of `examples/embedding.py`,
+and that file runs, with relative paths, against an engine the user started in another folder
+(a real built-in engine process over HTTP, a real LMDB store), then resumes."""
 
 from __future__ import annotations
 
+import os
 import re
-import textwrap
+import subprocess
+import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from pipeline.types import Batch, PromptTask, Sample
+from launch.engine_process import EngineProcess, start_engine
+from stages.sglang.engine import folder_for_engine
+from stages.sglang.wire import error_text
+from stages.tasks.tiny_model import make_model_folder
 from storage import LmdbStore
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+EXAMPLE = ROOT / "examples" / "embedding.py"
 
 
-def snippet(starts_with: str) -> str:
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)]
-    (found,) = [b for b in blocks if b.startswith(starts_with)]
-    return found
+def embedding_blocks() -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Embedding") : text.index("## Layout")]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-class Trainer:
-    """`my_trainer` of the snippets: trains nothing, saves an empty folder."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.steps = root, 0
-
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        self.steps += 1
-        return {"loss": 0.0}
-
-    def save_weights(self, path: Path) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def train_and_save(self, batch: Batch) -> Path:
-        self.train_step(batch)
-        return self.save_weights(self.root / f"w{self.steps}-{id(batch)}")
+def test_every_embedding_block_of_the_readme_is_part_of_the_example_file() -> None:
+    blocks, source = embedding_blocks(), EXAMPLE.read_text(encoding="utf-8")
+    assert len(blocks) >= 2
+    for block in blocks:
+        # Split at blank lines: the README may leave out what lies between two definitions.
+        for part in filter(str.strip, block.split("\n\n")):
+            assert part.strip("\n") in source, f"README block not in {EXAMPLE.name}:\n{part}"
 
 
-def score(task: PromptTask, sample: Sample) -> float:
-    return float(sample.response_len % 2)
+@pytest.fixture
+async def engine_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[EngineProcess, Path]]:
+    """A built-in engine process whose working directory is not the user's."""
+    model = make_model_folder(tmp_path / "model", seed=0)
+    (tmp_path / "engine-cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "engine-cwd")  # the child inherits it
+    engine = await start_engine(model, log_path=tmp_path / "engine.log")
+    try:
+        yield engine, model
+    finally:
+        await engine.stop(timeout=10.0)
 
 
-async def run(code: str, url: str, steps: int, root: Path) -> Trainer:
-    code = code.replace("http://127.0.0.1:30000", url).replace("100", str(steps)).replace("...", "0.0")
-    source = "async def _snippet(tasks, score, my_trainer):\n" + textwrap.indent(code, "    ")
-    namespace: dict[str, Any] = {}
-    exec(compile(source, str(README), "exec"), namespace)
-    trainer = Trainer(root)
-    tasks = [PromptTask(index=i, prompt_ids=(5, 6, 7), label=i) for i in range(64)]
-    await namespace["_snippet"](tasks, score, trainer)
-    return trainer
+def run_example(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    return subprocess.run(
+        [sys.executable, "-m", "examples.embedding", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("starts_with", ["from pipeline import AsyncStore", "from pathlib import Path"])
-async def test_a_snippet_runs_twice_in_one_process_and_resumes(
-    starts_with: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_the_example_runs_with_relative_paths_against_an_engine_started_elsewhere_and_resumes(
+    engine_elsewhere: tuple[EngineProcess, Path], tmp_path: Path
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # the snippets use relative paths ("state/", "weights")
-    code = snippet(starts_with)
-    async with FakeSGLang(weight_version="0") as fake:
-        first = await run(code, fake.url, 2, tmp_path)
-        second = await run(code, fake.url, 3, tmp_path)  # the store is free again, step 2 follows
-    assert (first.steps, second.steps) == (2, 1)
-    with LmdbStore(tmp_path / "state", readonly=True) as store:
+    engine, model = engine_elsewhere
+    user = tmp_path / "user"
+    user.mkdir()
+    flags = ("--engine-url", engine.url, "--model", str(model), "--state", "state")
+    first = run_example(user, *flags, "--steps", "2")
+    # Before: "cannot load weights from 'state/weights/v1': the folder does not exist" at the first
+    # publish (the engine looked in its own working directory), after step 0 was committed.
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "now serving v2" in first.stdout
+    second = run_example(user, *flags, "--steps", "3", "--run-pipeline")  # the built-in loop resumes it
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "trained 1 steps" in second.stdout
+    with LmdbStore(user / "state" / "rollout_data", readonly=True) as store:
         assert store.trained_step() == 2
+    assert not (tmp_path / "engine-cwd" / "state").exists()
+
+
+async def test_a_relative_weights_folder_reaches_the_engine_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.sglang import EngineFleet
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights" / "v1").mkdir(parents=True)
+    async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url]) as fleet:
+        await fleet.update_weights_from_disk("weights/v1", weight_version="1")
+    assert fake.loaded_paths == [str(tmp_path / "weights" / "v1")]
+    # A path that names no local folder (a Hub id, a folder only the engine's host has) is left alone.
+    assert folder_for_engine("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+
+
+def test_an_html_page_is_named_not_dumped() -> None:
+    page = b"<!DOCTYPE html>\n<html><head><title>Jupyter Server</title></head><body>" + b"x" * 5000 + b"</body></html>"
+    said = error_text(page)
+    assert "'Jupyter Server'" in said and "SGLang" in said and len(said) < 200

@@ -188,7 +188,7 @@ def test_salvage_of_a_store_that_never_admitted_anything(tmp_path):
 
 
 def test_a_profile_that_disagrees_with_the_local_disk_names_both(tmp_path, capsys):
-    assert run(tmp_path / "run", "--rollout-storage-profile", "nfs", steps=1) == 1
+    assert run(tmp_path / "run", "--rollout-storage-profile", "nfs", steps=1) == 2  # a config error
     err = capsys.readouterr().err
     assert "--rollout-storage-profile='nfs' covers nfs, nfs4" in err
     assert str((tmp_path / "run" / "rollout_data").resolve()) in err and " is on " in err

@@ -11,15 +11,16 @@ problems join those of the other steps, so the user still gets one `ConfigError`
 
 from __future__ import annotations
 
-import json
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
 from pipeline.config.draft import Draft
 from pipeline.config.parsing import read_argv, read_toml
+from pipeline.config.prompt_file import check_dataset
 from pipeline.config.rules import (
     check_bounds,
     check_rules,
@@ -30,6 +31,7 @@ from pipeline.config.rules import (
 from pipeline.config.schema import Config, DataConfig
 from pipeline.errors import ConfigError, PluginError
 from pipeline.plugins import resolve_function
+from pipeline.types import StoreTransport
 from storage.declaration import load_declaration
 
 __all__ = ["load_config", "load_step"]
@@ -70,7 +72,7 @@ def load_step(draft: Draft) -> None:
     device = draft.get("trainer", "device")
     if device is not None and device != "cpu":
         _check_device(draft, device)  # imports torch: only when it matters
-    _check_prompt_file(draft)
+    check_dataset(draft)  # every line of the prompt file; the batch size against the dataset
     _check_installed_backends(draft)
     declaration = draft.get("storage", "declaration")
     if declaration is not None:
@@ -81,6 +83,30 @@ def load_step(draft: Draft) -> None:
         except ConfigError as exc:
             draft.problems.extend(exc.problems)
     _resolve_plugins(draft)
+    _fresh_run_folder(draft)
+
+
+def _fresh_run_folder(draft: Draft) -> None:
+    """One run, one folder: a memory run given neither --output-dir nor a run id gets a fresh
+    folder, `runs/<run id>-<UTC time>`, since it can never be resumed (its state dies with it).
+
+    An LMDB run keeps `runs/<run id>` (derived in `rules.derive_defaults`): running the same
+    command again must find its store. A folder that already holds another run is refused when
+    the run starts (`launch.run_folder`), naming the flag that fixes it.
+    """
+    if draft.given("output", "dir") or draft.given("storage", "run_id") or not draft.ok("storage", "run_id"):
+        return
+    if draft.get("storage", "transport") != StoreTransport.MEMORY:
+        return
+    if (draft.get("trainer", "num_nodes") or 1) > 1:
+        return  # every node derives the folder itself: `runs/<run id>`, the same on each, not a time
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = Path("runs") / f"{draft.values['storage']['run_id']}-{stamp}"
+    folder, n = base, 1
+    while folder.exists():  # two runs started within one second
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    draft.values["output"]["dir"] = folder
 
 
 def _check_installed_backends(draft: Draft) -> None:
@@ -92,6 +118,17 @@ def _check_installed_backends(draft: Draft) -> None:
     ):
         draft.problems.append(
             "--train-backend=megatron: megatron-core is not installed (pip install 'rollout-pipeline[megatron]')"
+        )
+    e = draft.values["engine"]
+    several = (draft.ok("engine", "urls") and len(e["urls"]) > 1) or (
+        not e["urls"] and not e["router_url"] and draft.ok("engine", "num_engines") and e["num_engines"] > 1
+    )
+    if several and importlib.util.find_spec("sglang_router") is None:
+        # Found here, not 25 s into start-up when the engines are up and the router will not start.
+        given = draft.show("engine", "urls") if e["urls"] else draft.show("engine", "num_engines")
+        draft.problems.append(
+            f"{given}: several engines need the sglang-router in front of them, and it is not installed "
+            "for this Python (pip install 'rollout-pipeline[router]', or one engine)"
         )
     if draft.get("engine", "launcher") == "sglang" and importlib.util.find_spec("sglang") is None:
         draft.problems.append(
@@ -142,35 +179,6 @@ def _check_device(draft: Draft, device: str) -> None:
             draft.problems.append(f"{shown}: torch sees {count} GPU(s), numbered from 0")
     elif parsed.type != "cpu":
         draft.problems.append(f"{shown}: the built-in trainer runs on cpu or cuda (ROCm included)")
-
-
-def _check_prompt_file(draft: Draft) -> None:
-    """Read the first record only: enough to catch a wrong --input-key before any engine starts."""
-    path: Path | None = draft.get("data", "prompt_data")
-    if path is None:
-        return
-    shown = draft.show("data", "prompt_data")
-    if not path.is_file():
-        draft.problems.append(f"{shown}: {'is not a file' if path.exists() else 'file not found'}")
-        return
-    try:
-        with path.open("rb") as fh:
-            line = next((ln for ln in fh if ln.strip()), None)
-        record = json.loads(line) if line is not None else None
-    except (OSError, ValueError) as exc:
-        draft.problems.append(f"{shown}: first record is not JSON: {exc}")
-        return
-    if record is None:
-        draft.problems.append(f"{shown}: the file has no records")
-    elif not isinstance(record, dict):
-        draft.problems.append(f"{shown}: records must be JSON objects, the first is a {type(record).__name__}")
-    else:
-        keys = ", ".join(map(repr, record)) or "none"
-        first = f"the first record of {str(path)!r} has no such key (keys: {keys})"
-        if draft.ok("data", "input_key") and draft.values["data"]["input_key"] not in record:
-            draft.problems.append(f"{draft.show('data', 'input_key')}: {first}")
-        if draft.ok("data", "label_key") and draft.values["data"]["label_key"] not in record:
-            draft.warnings.append(f"{draft.show('data', 'label_key')}: {first}; the reward gets no label")
 
 
 def _resolve_plugins(draft: Draft) -> None:

@@ -1,7 +1,8 @@
 """Flags and the TOML file, read against the schema into a `Draft`; nothing is checked here but types.
 
 Flags keep slime's names; the TOML file has one table per section (`[rollout]`, `[engine]`, ...)
-with keys named like the dataclass fields. Precedence: defaults < TOML file < flags. Every value
+with keys named like the flags without their dashes (`rollout-batch-size`) or like the dataclass
+fields (`rollout_batch_size`). Precedence: defaults < TOML file < flags. Every value
 that does not convert is recorded as a problem and the reading goes on, so that one error can list
 them all (argparse alone would stop at the first).
 """
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file; sections: " + ", ".join(SECTIONS))
+    parser.add_argument("--version", action="version", version=f"rollout-pipeline {_version()}")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print every setting, derived defaults filled in, as a --config TOML file, and exit",
+    )
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f, opt in options(cls):
@@ -69,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollout-pipeline")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def read_argv(draft: Draft, argv: Sequence[str]) -> Path | None:
     """Record every flag given; return the `--config` file, if one is named."""
     try:
@@ -79,6 +95,7 @@ def read_argv(draft: Draft, argv: Sequence[str]) -> Path | None:
     _unknown_args(draft, extras)
     given = vars(namespace)
     config_file = given.pop("config", None)
+    given.pop("print_config", None)  # the launcher's, not a setting
     for dest, raw in given.items():
         section, name = dest.split(".")
         opt = opt_of(section, name)
@@ -164,6 +181,11 @@ def read_toml(draft: Draft, path: Path) -> None:
 
 def _toml_value(draft: Draft, path: Path, section: str, key: str, value: Any) -> None:
     names = [f.name for f, _ in options(SECTIONS[section])]
+    # A key may be the flag's name too (`rollout-batch-size = 16` for --rollout-batch-size), so
+    # a command line moves into a file as it is; the field's name (`rollout_batch_size`) works too.
+    by_flag = {flag[2:]: f.name for f, opt in options(SECTIONS[section]) for flag in (opt.flag, *opt.aliases)}
+    if key not in names and key in by_flag:
+        key = by_flag[key]
     if key not in names:
         underscored = key.replace("-", "_")
         elsewhere = [s for s, cls in SECTIONS.items() if underscored in {f.name for f, _ in options(cls)}]

@@ -180,6 +180,22 @@ class RolloutConfig:
     request_timeout: float = _opt(600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")
     max_retries: int = _opt(3, "--rollout-max-retries", "int", ge=0, help="retries of a failed engine request")
     reward_timeout: float = _opt(30.0, "--reward-timeout", "float", gt=0, help="seconds per reward call")
+    reward_max_retries: int = _opt(
+        0,
+        "--reward-max-retries",
+        "int",
+        ge=0,
+        help="call a reward that raised or timed out again, up to N times per sample (reward/retries_total); "
+        "a value that is not a number is not retried",
+    )
+    agent_max_retries: int = _opt(
+        0,
+        "--agent-max-retries",
+        "int",
+        ge=0,
+        help="run an agent that raised again, up to N times per sample, from where the sample stood "
+        "(the failed attempt's tokens are dropped; agent/retries_total)",
+    )
     store_batch: int = _opt(
         64,
         "--rollout-store-batch",
@@ -485,6 +501,13 @@ class StorageConfig:
         choices=tuple(PROFILES),
         default_help="detect; local only",
         help="a preset declaration for the LMDB folder's filesystem",
+    )
+    requeue_failed_groups: bool = _opt(
+        False,
+        "--requeue-failed-groups",
+        "bool",
+        help="on resume (LMDB), generate the prompts of groups that failed in earlier runs again now, each once "
+        "(the failed groups stay, counted); without it they come again in the next epoch",
     )
     gc_keep_steps: int | None = _opt(
         None,

@@ -10,9 +10,11 @@ the partial output.
 from __future__ import annotations
 
 import gc
+import os
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,7 +32,7 @@ from stages.sglang.wire import (
     preview,
 )
 
-__all__ = ["EngineClient", "EngineStatistics", "RequestCounters"]
+__all__ = ["EngineClient", "EngineStatistics", "RequestCounters", "folder_for_engine"]
 
 # Poll pacing for the two waits that must poll (`flush_cache` while busy, `wait_healthy`).
 _POLL_FIRST = 0.05
@@ -42,6 +44,18 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 # overloaded or restarting. sglang-router answers 429 when its queue is full and 408 when a
 # request waited in it past --queue-timeout-secs. Any other 4xx would fail the same way again.
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def folder_for_engine(path: str | os.PathLike[str]) -> str:
+    """A weights folder as the engine must be told it: absolute.
+
+    An engine resolves a relative path in its own working directory, which is not this process's
+    for an engine the user started (`weights/v1` then "does not exist" at the first publish, after
+    step 0 was committed). A path that names no local folder is left as it is: a Hub id, or a
+    folder only the engine's host has.
+    """
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else os.fspath(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +254,7 @@ class EngineClient:
         asserts that its flush after loading succeeded, and it cannot then. Servers before the
         field (late 2025) ignore it and always flush.
         """
-        body: dict[str, Any] = {"model_path": str(path), "weight_version": weight_version}
+        body: dict[str, Any] = {"model_path": folder_for_engine(path), "weight_version": weight_version}
         if not flush_cache:
             body["flush_cache"] = False
         doc = await self._control("POST", "/update_weights_from_disk", body, timeout=self._request_timeout)
@@ -306,7 +320,9 @@ class EngineClient:
         doc = self._expect_ok(path, status, data)
         if not isinstance(doc, Mapping) or doc.get("weight_version") is None:
             self._counters.errors += 1
-            raise EngineError(self.url + path, f"no weight_version in {preview(doc)}")
+            # A server that answers every path with a page (a web app) is not SGLang: say so.
+            said = error_text(data) if isinstance(doc, str) else f"no weight_version in {preview(doc)}"
+            raise EngineError(self.url + path, said)
         return str(doc["weight_version"])
 
     async def loads(self) -> EngineLoad:

@@ -17,7 +17,7 @@ import anyio
 
 from pipeline.errors import EngineError, EngineUnavailableError
 from pipeline.types import PauseMode
-from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters
+from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
 from stages.sglang.http1 import GeneratePool
@@ -239,6 +239,7 @@ class EngineFleet:
         await self._fan_out("flush_cache", lambda w: w.flush_cache(deadline))
 
     async def update_weights_from_disk(self, path: str, *, weight_version: str, flush_cache: bool = True) -> None:
+        path = folder_for_engine(path)  # absolute now: a re-admitted engine loads it later, from anywhere
         if self._faults is not None:
             # Under the re-admission lock: an engine coming back either is live before this fan-out
             # starts (and takes these weights with it) or loads them itself after it ends.

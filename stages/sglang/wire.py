@@ -6,6 +6,7 @@ Pure functions and frozen results, no I/O, so a parser can be tested on a dict. 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -271,7 +272,17 @@ def error_text(body: bytes) -> str:
             if doc.get(key):
                 return str(doc[key])
     text = body.decode("utf-8", "replace").strip()
+    if _HTML.match(text):
+        # Something other than SGLang answered (a web server, a notebook, a proxy's login page):
+        # its page says nothing useful spread over a terminal; its title says what it is.
+        title = _TITLE.search(text)
+        what = f"an HTML page titled {title[1].strip()[:80]!r}" if title else "an HTML page"
+        return f"answered with {what}, not SGLang's JSON: is this the URL of an SGLang server?"
     return (text[:500] + "...") if len(text) > 500 else (text or "(empty body)")
+
+
+_HTML = re.compile(r"\s*(<!doctype html|<html|<head|<body)", re.I)
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.I | re.S)
 
 
 @dataclass(frozen=True, slots=True)
