@@ -3,7 +3,9 @@
 `python tests/megatron_publish_check.py OUT_DIR WORLD TP` starts one built-in engine and megatron
 ranks (rank 0 here, the others children), trains one step, sends the weights over a gloo weight
 group (`--update-weight-transport distributed`), and writes OUT_DIR/result.json: for every tensor
-of the engine's model, whether it equals the one the trainer saves for a disk publish.
+of the engine's model, whether it equals the one the trainer saves for a disk publish, and whether
+the weights-only folder (`save_model`, what a disk publish between checkpoints writes) holds the
+same tensors as the full checkpoint and no optimizer state.
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ async def _publish(out: Path, model: Path, trainer: MegatronTrainer) -> dict[str
                 batch = fixed_batch(trainer)
                 metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
                 saved = await anyio.to_thread.run_sync(trainer.save_weights, out / "v1")
+                weights_only = await anyio.to_thread.run_sync(trainer.save_model, out / "w1")
                 buckets = len(await anyio.to_thread.run_sync(sender.buckets))
                 await sender.send("1")
             expected = load_file(str(saved / "model.safetensors"))
             start = load_file(str(model / "model.safetensors"))
+            only = load_file(str(weights_only / "model.safetensors"))
+            same_as_checkpoint = sorted(only) == sorted(expected) and all(
+                torch.equal(only[n], expected[n]) for n in expected
+            )
             equal = {
                 name: bool(torch.equal(await _live(http, engine.url, name), t.flatten()))
                 for name, t in expected.items()
@@ -64,6 +71,8 @@ async def _publish(out: Path, model: Path, trainer: MegatronTrainer) -> dict[str
         "buckets": buckets,
         "sent": sorted(name for name, _ in trainer.hf_weights()),
         "optimizer_steps": metrics["optimizer_steps"],
+        "weights_only_equal": same_as_checkpoint,
+        "weights_only_files": sorted(p.name for p in weights_only.iterdir()),
     }
 
 

@@ -109,12 +109,16 @@ def test_inline_evaluation_at_the_interval_resumes_without_repeating_a_step(tmp_
     (out / "eval.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])
     _run(out, flags, 7)
     assert _eval_steps(out) == [1, 3, 5]
-    # python -m pipeline.eval: every saved version not evaluated yet (v1, v3, v5, v7 = steps 0, 2,
-    # 4, 6), then nothing left; a version named explicitly is evaluated again.
+    # python -m pipeline.eval: every saved version not evaluated yet, then nothing left; a version
+    # named explicitly is evaluated again. Saved: a checkpoint at the last step of each life (v4, v6,
+    # v7; --save-interval 10 is never reached) and the weights-only folder the engines served last
+    # (v7); v4 and v6 hold steps 3 and 5, evaluated inline, so only v7 (step 6) is new.
+    saved = sorted(int(p.name[1:]) for p in (out / "checkpoints").glob("v*"))
+    assert saved == [4, 6, 7]
     assert eval_main(["--output-dir", str(out), "--no-progress", "--log-level", "warning", *flags]) == 0
-    assert sorted(_eval_steps(out)) == [0, 1, 2, 3, 4, 5, 6]
+    assert sorted(_eval_steps(out)) == [1, 3, 5, 6]
     assert eval_main(["--output-dir", str(out), "--no-progress", *flags]) == 0
-    assert len(_eval_steps(out)) == 7
+    assert len(_eval_steps(out)) == 4
     assert eval_main(["--output-dir", str(out), "--no-progress", *flags, "--eval-version", "0"]) == 0
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert (last["step"], last["version"]) == (-1, 0)

@@ -207,6 +207,10 @@ def test_a_distributed_publish_from_tp2_ranks_gives_the_engine_the_saved_weights
     assert r["sent"] == sorted(r["equal"])  # the same names as the saved HF folder, no more
     assert all(r["equal"].values()), [name for name, ok in r["equal"].items() if not ok]
     assert any(r["moved"].values())  # the step changed the weights the engine now serves
+    # The weights-only publish folder: the checkpoint's tensors, gathered over both TP ranks, and no
+    # optimizer shards (a third of the bytes with AdamW).
+    assert r["weights_only_equal"] and "optimizer" not in r["weights_only_files"]
+    assert "model.safetensors" in r["weights_only_files"]
 
 
 def test_a_bf16_run_resumes_from_its_fp32_master_weights_and_adam_state(tmp_path):

@@ -257,6 +257,17 @@ class MegatronTrainer:
 
         return write_folder_atomically(Path(path), self._folder_files, fill)
 
+    def save_model(self, path: str | os.PathLike[str]) -> Path:
+        """Write the weights only (the HF folder an engine loads, no optimizer shards) at `path`,
+        atomically; return it. What the launcher publishes between checkpoints (`--save-interval`):
+        the master weights are gathered to rank 0 (every rank joins) and only rank 0 writes."""
+
+        def fill(folder: Path) -> None:
+            self._broadcast(_Command.GATHER, None)  # the followers join the same gather
+            write_hf_weights(folder, self._gather_full(), self.shape, self._config_files)
+
+        return write_folder_atomically(Path(path), self._folder_files, fill)
+
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
         rows = [Row.of(s) for s in samples]
