@@ -116,7 +116,7 @@ async def test_a_web_page_at_the_sglang_url_is_named_in_one_line(web_app, tmp_pa
 
 # --- item 3: failures in the user's own code ---------------------------------------------------
 
-_FLAKED: set[int] = set()
+_FLAKED: set[tuple[int, int]] = set()
 
 
 def raising_reward(task, sample):
@@ -127,9 +127,13 @@ def raising_reward(task, sample):
 
 
 def flaky_reward(task, sample):
-    """Raises the first time each sample is scored (a service that times out now and then)."""
-    if id(sample) not in _FLAKED:
-        _FLAKED.add(id(sample))
+    """Raises the first time each sample is scored (a service that times out now and then).
+
+    Keyed by prompt row and sample index, not `id(sample)`: ids of freed samples are reused, and a
+    new sample that got one never raised (the count came out one short, now and then)."""
+    key = (task.index, sample.index)
+    if key not in _FLAKED:
+        _FLAKED.add(key)
         raise ConnectionError("reward service busy")
     return float(sample.response_len > 2)
 
@@ -151,6 +155,7 @@ def test_the_first_traceback_of_a_users_reward_is_shown_in_full_once(tmp_path, c
 
 def test_a_flaky_reward_is_retried_and_counted(tmp_path):
     out = tmp_path / "run"
+    _FLAKED.clear()
     flags = [*SCORING, "--custom-rm-path", "tests.test_first_hour:flaky_reward", "--log-level", "warning"]
     assert main(["--output-dir", str(out), *flags, "--reward-max-retries", "1"]) == 0
     [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -191,14 +196,16 @@ def test_failed_groups_are_named_on_resume_and_requeued_when_asked(tmp_path, cap
             assert store.get(requeue_id(gid)) is not None  # and its prompt generated again
 
 
-_AGENT_FLAKED: set[int] = set()
+_AGENT_FLAKED: set[tuple[int, int]] = set()
 
 
 async def flaky_agent(ctx, sample):
-    """One model turn, then (the first time for each sample) a tool that raises."""
+    """One model turn, then (the first time for each sample) a tool that raises. Keyed by prompt row
+    and sample index: ids of freed samples are reused (see `flaky_reward`)."""
     await ctx.generate(max_new_tokens=4)
-    if id(sample) not in _AGENT_FLAKED:
-        _AGENT_FLAKED.add(id(sample))
+    key = (ctx.group.task.index, sample.index)
+    if key not in _AGENT_FLAKED:
+        _AGENT_FLAKED.add(key)
         raise ConnectionError("tool server busy")
 
 
@@ -206,6 +213,7 @@ def test_an_agent_that_raised_is_run_again_from_where_its_sample_stood(tmp_path)
     from storage import LmdbStore
 
     out = tmp_path / "run"
+    _AGENT_FLAKED.clear()
     flags = ["--output-dir", str(out), *SCORING, "--log-level", "warning", "--rollout-data-transport", "lmdb"]
     flags += ["--custom-generate-function-path", "tests.test_first_hour:flaky_agent"]
     flags += ["--rollout-max-response-len", "16"]
