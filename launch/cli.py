@@ -40,6 +40,7 @@ from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
+from stages.sglang.payloads import TokenPayloads
 from storage import AsyncStore, Store
 
 __all__ = ["main"]
@@ -396,6 +397,10 @@ def _plan(config: Config) -> RolloutPlan:
         reward_timeout=r.reward_timeout,
         seed=r.seed,
         store_batch=r.store_batch,
+        payloads=TokenPayloads(
+            routed_experts_top_k=r.moe_router_topk if r.use_rollout_routing_replay else None,
+            sampler_top_k=r.score_centering_top_k if r.use_score_centering else None,
+        ),
     )
 
 
