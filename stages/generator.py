@@ -67,7 +67,7 @@ class GenerateEngine(Protocol):
     """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
 
     async def generate(
-        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str, **fields: Any
+        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str, **fields: object
     ) -> GenerateResult:
         """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON);
         `fields`, when given, are further top-level request fields (R3 and SC: `TokenPayloads`)."""
@@ -371,7 +371,11 @@ class GeneratorPool:
         started = time.perf_counter()
         sent_version = self._clock.version
         input_ids = sample.prompt_ids + sample.response_ids
-        fields = self._payloads.request_fields(len(input_ids)) if self._payloads.any else {}
+        fields = (
+            self._payloads.request_fields(len(input_ids), all_rows=self._route_layers is None)
+            if self._payloads.any
+            else {}
+        )
         try:
             result = await self._engine.generate(input_ids, params, rid=rid, **fields)
         except EngineError as exc:

@@ -11,7 +11,9 @@ that request's re-prefill, under whatever weights serve now and another batch's 
 the forward that sampled those tokens. Only the rows of the new tokens are taken, positions
 `[input_len - 1, input_len - 1 + completion)`; the prefix keeps the rows it came with. The
 request asks for just those (`routed_experts_start_len = input_len - 1`); a server that ignores
-that field (some builds do) answers from 0, which the row count shows, and the same rows are cut.
+that field (some builds do) answers from 0 without saying so; the element count alone cannot
+always tell which (`rows x layers` fits both ways), so until the pool knows the model's layer
+count its requests ask for every row from 0, which reads the same either way.
 
 SC (`top_logprobs_num`): `meta_info.output_top_logprobs`, one list per output token of
 `[logprob, token_id, text|null]`, aligned with `output_token_logprobs`.
@@ -52,12 +54,15 @@ class TokenPayloads:
     def any(self) -> bool:
         return self.routed_experts_top_k is not None or self.sampler_top_k is not None
 
-    def request_fields(self, input_len: int) -> dict[str, Any]:
-        """The `/generate` fields that ask for them, for a request whose `input_ids` has `input_len` tokens."""
+    def request_fields(self, input_len: int, *, all_rows: bool = False) -> dict[str, Any]:
+        """The `/generate` fields that ask for them, for a request whose `input_ids` has `input_len`
+        tokens: the routes of the new tokens only, or with `all_rows` every position's (whose row
+        count does not depend on whether the server honours `routed_experts_start_len`, so the
+        model's layer count can be read off it)."""
         fields: dict[str, Any] = {}
         if self.routed_experts_top_k is not None:
             fields["return_routed_experts"] = True
-            fields["routed_experts_start_len"] = max(0, input_len - 1)
+            fields["routed_experts_start_len"] = 0 if all_rows else max(0, input_len - 1)
         if self.sampler_top_k is not None:
             fields["top_logprobs_num"] = self.sampler_top_k
         return fields
