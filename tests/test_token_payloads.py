@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import base64
 import math
+import os
+import signal
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import anyio
 import msgpack
@@ -387,3 +392,53 @@ def test_payload_flags_reach_the_plan():
     config = load_config([*r3, "--use-score-centering", "--score-centering-top-k", "4"])
     assert _plan(config).payloads == TokenPayloads(routed_experts_top_k=8, sampler_top_k=4)
     assert _plan(load_config([])).payloads == TokenPayloads()
+
+
+def test_routes_and_heads_survive_a_sigkill_of_the_lmdb_writer_byte_for_byte(tmp_path):
+    """The writer is SIGKILLed while continuations of a stored partial group are in flight; the
+    next process recovers the store (the leased group goes back to partial) and finishes it."""
+
+    async def reference() -> Group:
+        async with FakeSGLang(weight_version="0", moe=SHAPE) as fake:
+            store = MemoryStore()
+            await _run_one_round(fake, store, stop_at=None)
+            [group] = store.groups(GroupState.READY)
+            return group
+
+    whole = anyio.run(reference)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.payload_kill_child", str(tmp_path / "store")],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # blocks until the child holds its continuations (or exits)
+        assert line.strip() == b"HELD", line + child.stdout.read()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        if child.stdout is not None:
+            child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+
+    async def resume() -> Group:
+        async with FakeSGLang(weight_version="0", moe=SHAPE) as fake:
+            with LmdbStore(tmp_path / "store") as store:
+                assert store.count(GroupState.RUNNING) == 1  # leased when the writer died
+                store.recover()
+                [partial] = store.groups(GroupState.PARTIAL)
+                assert all(s.response_len == 3 and s.routes is not None for s in partial.samples)
+                await _run_one_round(fake, store, stop_at=None)
+                [group] = store.groups(GroupState.READY)
+                return group
+
+    resumed = anyio.run(resume)
+    for a, b in zip(whole.samples, resumed.samples, strict=True):
+        assert a.response_ids == b.response_ids and b.resumed_at and b.resumed_at[0] == 3
+        assert a.routes is not None and b.routes is not None and a.heads is not None
+        assert a.routes.data == b.routes.data and a.heads == b.heads  # byte for byte
