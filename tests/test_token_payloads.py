@@ -10,6 +10,7 @@ that took a continuation's prefix rows would differ from the expected bytes here
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
 import signal
@@ -25,7 +26,7 @@ import pytest
 from pipeline.clock import VersionClock
 from pipeline.columns import NO_ROUTE, SamplerHeads, TokenRoutes
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, EngineError
+from pipeline.errors import ConfigError, CorruptRecordError, EngineError
 from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
 from stages.admission import Admission
 from stages.collector import Collector
@@ -442,3 +443,34 @@ def test_routes_and_heads_survive_a_sigkill_of_the_lmdb_writer_byte_for_byte(tmp
         assert a.response_ids == b.response_ids and b.resumed_at and b.resumed_at[0] == 3
         assert a.routes is not None and b.routes is not None and a.heads is not None
         assert a.routes.data == b.routes.data and a.heads == b.heads  # byte for byte
+
+
+# -- replay ----------------------------------------------------------------------------------------
+
+
+def test_replay_shows_and_verifies_the_payloads(tmp_path, capsys):
+    from pipeline.replay import main as replay
+
+    group = _group_with_payloads()
+    with LmdbStore(tmp_path / "rollout_data") as store:
+        store.admit([group], store.cursor())
+        store.put_partial(group)
+    capsys.readouterr()
+    assert replay([str(tmp_path), "group", group.group_id]) == 0
+    text = capsys.readouterr().out
+    assert "R3: 2 tokens x 3 layers x top-2, 0 unrouted; token 0: [[0, 1], [2, 3], [4, 5]]" in text
+    assert "SC: 2 tokens x top-2; token 0: 1:-0.100 2:-0.200" in text
+    assert replay([str(tmp_path), "group", group.group_id, "--json"]) == 0
+    [with_rows, without] = json.loads(capsys.readouterr().out)["samples"]
+    assert with_rows["routed_experts"]["experts"][1] == [[6, 7], [8, 9], [10, 11]]
+    assert with_rows["sampler_heads"]["logprobs"] == [[-0.1, -0.2], [-0.3, -0.4]]
+    assert "routed_experts" not in without and "sampler_heads" not in without
+    assert replay([str(tmp_path), "verify"]) == 0
+
+
+def test_a_payload_out_of_step_with_its_tokens_is_a_damaged_record_naming_the_key():
+    record = msgpack.unpackb(encode_group(_group_with_payloads()), raw=False)
+    layers, top_k, data = record[-1][0][12]["r3"]
+    record[-1][0][12]["r3"] = [layers, top_k, data[: len(data) // 2]]  # one row for two tokens
+    with pytest.raises(CorruptRecordError, match=r"'groups/x' does not decode: .*1 rows of routed experts for 2"):
+        decode_group(msgpack.packb(record, use_bin_type=True), key="groups/x")
