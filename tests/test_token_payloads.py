@@ -474,3 +474,16 @@ def test_a_payload_out_of_step_with_its_tokens_is_a_damaged_record_naming_the_ke
     record[-1][0][12]["r3"] = [layers, top_k, data[: len(data) // 2]]  # one row for two tokens
     with pytest.raises(CorruptRecordError, match=r"'groups/x' does not decode: .*1 rows of routed experts for 2"):
         decode_group(msgpack.packb(record, use_bin_type=True), key="groups/x")
+
+
+def test_store_costs_reports_the_payloads_raw_size_per_token(tmp_path):
+    import argparse
+
+    from benchmarks.store_costs import payload_costs
+
+    args = argparse.Namespace(payload_commits=2, r3_layers=2, r3_top_k=2, sc_top_k=2)
+    rows = dict(payload_costs(tmp_path, args))
+    without, with_ = (float(x) for x in rows["payloads: bytes/token without / with"].split("(")[0].split(" / "))
+    # Raw rows: 2 x 2 int32 routes + 2 x (int32 + float64) heads = 40 bytes a token, nothing more.
+    assert with_ - without == pytest.approx(40, abs=0.1)
+    assert "payloads: read ms/group without / with" in rows
