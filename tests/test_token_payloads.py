@@ -487,3 +487,42 @@ def test_store_costs_reports_the_payloads_raw_size_per_token(tmp_path):
     # Raw rows: 2 x 2 int32 routes + 2 x (int32 + float64) heads = 40 bytes a token, nothing more.
     assert with_ - without == pytest.approx(40, abs=0.1)
     assert "payloads: read ms/group without / with" in rows
+
+
+async def _two_turn_agent(ctx, sample):
+    """Model turn, tool tokens, model turn: the tool tokens have no sampling forward."""
+    if not ctx.state.get("tool"):
+        await ctx.generate(max_new_tokens=2)
+        ctx.append([11, 12])
+        ctx.state["tool"] = True
+    await ctx.generate(max_new_tokens=2)
+
+
+async def test_an_agents_model_turns_get_routes_and_its_tool_tokens_are_marked_unrouted():
+    store, clock = MemoryStore(), VersionClock()
+    async with (
+        FakeSGLang(weight_version="0", moe=SHAPE) as fake,
+        EngineFleet([fake.url], concurrency=8) as fleet,
+        anyio.create_task_group() as tg,
+    ):
+        rig = Rig(fleet, store, clock)
+        rig.pool._agent = _two_turn_agent
+        await rig.start(tg)
+        rig.admission.grant(1)
+        with anyio.fail_after(10):
+            await rig.admission.wait_settled()
+        tg.cancel_scope.cancel()
+    [group] = store.groups(GroupState.READY)
+    seeds = seeds_by_sample(fake)
+    for s in group.samples:
+        assert s.response_len == MAX_LEN and list(s.loss_mask) == [1, 1, 0, 0, 1, 1]
+        assert s.routes is not None and s.heads is not None
+        want = expected_routes(s)
+        row = SHAPE.layers * SHAPE.top_k * 4
+        # Model tokens: the sampling forward's rows (the second turn's prefill re-read the first
+        # turn, and its rows are not taken); tool tokens: NO_ROUTE and id -1 rows.
+        assert s.routes.rows(0, 2).data == want[: 2 * row] and s.routes.rows(4, 6).data == want[4 * row :]
+        assert s.routes.rows(2, 4).tolist_flat() == [NO_ROUTE] * (2 * SHAPE.layers * SHAPE.top_k)
+        heads = expected_heads(s, seeds[(group.group_id, s.index)])
+        assert s.heads.rows(0, 2) == heads.rows(0, 2) and s.heads.rows(4, 6) == heads.rows(4, 6)
+        assert {t for t, _ in s.heads.row(2) + s.heads.row(3)} == {-1}
