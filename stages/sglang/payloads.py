@@ -17,6 +17,12 @@ count its requests ask for every row from 0, which reads the same either way.
 
 SC (`top_logprobs_num`): `meta_info.output_top_logprobs`, one list per output token of
 `[logprob, token_id, text|null]`, aligned with `output_token_logprobs`.
+
+Not kept (yet): the rows of the prompt's own positions `[0, prompt_len - 1)`. A trainer replaying
+routes over the whole sequence needs them, but a sample continued under newer weights had its
+prompt re-prefilled by each request, so which forward's prompt rows belong to it is a choice the
+trainer's side of R3 has to make (the first request's, most likely); the first requests of a pool
+already receive them (`all_rows`), so keeping them is a change here, not on the wire.
 """
 
 from __future__ import annotations
