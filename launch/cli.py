@@ -210,6 +210,8 @@ async def _producers(
             request_timeout=r.request_timeout,
             max_retries=r.max_retries,
             api_key=config.engine.api_key or None,
+            routed_experts_top_k=plan.payloads.routed_experts_top_k,
+            sampler_top_k=plan.payloads.sampler_top_k,
         )
 
     settings = RaySettings(

@@ -378,7 +378,6 @@ async def test_an_engine_without_routed_experts_fails_the_sample_by_name():
         (["--score-centering-top-k", "4"], "has no effect without --use-score-centering"),
         (["--use-score-centering", "--score-centering-top-k", "4", "--rollout-top-p", "0.9"], "--rollout-top-p=0.9"),
         (["--use-score-centering", "--score-centering-top-k", "4", "--rollout-top-k", "20"], "--rollout-top-k=20"),
-        (["--use-rollout-routing-replay", "--moe-router-topk", "2", "--rollout-producers", "ray"], "Ray producers"),
     ],
 )
 def test_refused_payload_combinations_are_named_at_config_load(argv, named):
@@ -526,3 +525,21 @@ async def test_an_agents_model_turns_get_routes_and_its_tool_tokens_are_marked_u
         heads = expected_heads(s, seeds[(group.group_id, s.index)])
         assert s.heads.rows(0, 2) == heads.rows(0, 2) and s.heads.rows(4, 6) == heads.rows(4, 6)
         assert {t for t, _ in s.heads.row(2) + s.heads.row(3)} == {-1}
+
+
+async def test_a_ray_producer_asks_for_the_payloads_and_returns_them_in_its_records():
+    from launch.ray_producer import ProducerCore
+    from tests.test_producer_core import spec
+
+    async with FakeSGLang(weight_version="0", moe=SHAPE) as fake:
+        producer = spec(fake.url, routed_experts_top_k=SHAPE.top_k, sampler_top_k=K, max_response_len=MAX_LEN)
+        assert type(producer).from_json(producer.to_json()) == producer  # the spec travels as JSON
+        core = ProducerCore(producer, node="here")
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            fresh = Group.fresh(dataset(1)[0], epoch=0, n_samples=2, version=0, seq=0)
+            await core.submit(encode_group(fresh))
+            with anyio.fail_after(10):
+                ((_, data),) = await core.take_results(8)
+            tg.cancel_scope.cancel()
+    assert_payloads_from_the_sampling_forwards(decode_group(data), seeds_by_sample(fake))

@@ -28,12 +28,6 @@ def payload_rules(draft: Draft) -> None:
             f"{show('rollout', 'use_rollout_routing_replay')} needs --moe-router-topk (the model's experts per "
             "token per layer) to read the engine's routed-experts rows"
         )
-    uses_payloads = get("rollout", "use_rollout_routing_replay") is True or get("rollout", "use_score_centering")
-    if uses_payloads and get("rollout", "producers") == "ray":
-        problem(
-            f"{show('rollout', 'producers')} with R3/SC payloads: Ray producers do not carry per-token "
-            "payloads yet; use --rollout-producers local"
-        )
     if get("rollout", "use_score_centering") is not True:
         if get("rollout", "score_centering_top_k") is not None:
             problem(f"{show('rollout', 'score_centering_top_k')}: has no effect without --use-score-centering")
