@@ -543,3 +543,59 @@ async def test_a_ray_producer_asks_for_the_payloads_and_returns_them_in_its_reco
                 ((_, data),) = await core.take_results(8)
             tg.cancel_scope.cancel()
     assert_payloads_from_the_sampling_forwards(decode_group(data), seeds_by_sample(fake))
+
+
+# -- the whole pipeline ----------------------------------------------------------------------------
+
+
+class RecordingTrainer:
+    """Keeps every batch it is handed; trains nothing."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+
+    def train_step(self, batch):
+        self.batches.append(batch)
+        return {"loss": 0.0}
+
+    def save_weights(self, path: Path) -> Path:
+        return path
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_run_pipeline_hands_the_trainer_samples_whose_rows_came_from_the_sampling_forwards(mode, tmp_path):
+    """Through the controller, with publishes between steps and LMDB: every trained token's route
+    and heads are those of the forward (and version) that sampled it."""
+    from pipeline.controller import RolloutPlan, run_pipeline
+    from pipeline.metrics import MetricsSink
+
+    plan = RolloutPlan(
+        mode=mode,
+        batch_size=2,
+        n_samples=N_SAMPLES,
+        num_steps=3,
+        partial=True,
+        over_sampling=3,
+        slots=8,
+        max_response_len=MAX_LEN,
+        payloads=PAYLOADS,
+    )
+    trainer = RecordingTrainer()
+    async with FakeSGLang(weight_version="0", moe=SHAPE) as fake, EngineFleet([fake.url], concurrency=8) as fleet:
+        with LmdbStore(tmp_path / "store") as store, anyio.fail_after(30):
+            await run_pipeline(
+                plan,
+                engines=fleet,
+                store=AsyncStore(store),
+                trainer=trainer,
+                dataset=dataset(),
+                reward_fn=lambda task, sample: 1.0,
+                filter_fn=None,
+                weights_dir=tmp_path / "w",
+                metrics=MetricsSink(None),
+            )
+        seeds = seeds_by_sample(fake)
+    assert len(trainer.batches) == 3
+    for batch in trainer.batches:
+        for group in batch.groups:
+            assert_payloads_from_the_sampling_forwards(group, seeds)
