@@ -123,7 +123,8 @@ class Segment:
                 f"a segment needs one log-prob per token, got {len(self.token_ids)} tokens "
                 f"and {len(self.logprobs)} log-probs"
             )
-        _check_payloads("a segment", len(self.token_ids), self.routes, self.heads)
+        if self.routes is not None or self.heads is not None:  # the hot path has neither: no call
+            _check_payloads("a segment", len(self.token_ids), self.routes, self.heads)
         if self.spans:
             covered = 0
             for span in self.spans:
@@ -175,7 +176,8 @@ class Sample:
                 f"sample {self.index}: per-token arrays out of step: {n} tokens, "
                 f"{len(self.logprobs)} log-probs, {len(self.loss_mask)} mask entries"
             )
-        _check_payloads(f"sample {self.index}", n, self.routes, self.heads)
+        if self.routes is not None or self.heads is not None:
+            _check_payloads(f"sample {self.index}", n, self.routes, self.heads)
         covered = 0
         for span in self.spans:
             if span.start != covered:
@@ -226,6 +228,7 @@ class Sample:
         response_ids = self.response_ids + segment.token_ids
         status = _status_after(segment.finish_reason, len(response_ids), max_response_len)
         n_old, n_new = len(self.response_ids), len(segment.token_ids)
+        payloads = not (self.routes is None and self.heads is None and segment.routes is None and segment.heads is None)
         return dataclasses.replace(
             self,
             response_ids=response_ids,
@@ -235,8 +238,8 @@ class Sample:
             status=status,
             finish_reason=segment.finish_reason,
             error=segment.error,
-            routes=_joined_routes(self.routes, n_old, segment.routes, n_new),
-            heads=_joined_heads(self.heads, n_old, segment.heads, n_new),
+            routes=_joined_routes(self.routes, n_old, segment.routes, n_new) if payloads else None,
+            heads=_joined_heads(self.heads, n_old, segment.heads, n_new) if payloads else None,
         )
 
     def with_reward(self, reward: float) -> Sample:
