@@ -18,6 +18,11 @@
    checksum checked), and `verify` (every record read, checked and decoded: what
    `python -m pipeline.replay RUN_DIR verify` costs).
 
+4. What R3 routes and SC sampler heads cost (`--only-payloads` runs just this): the same
+   group-sized records with and without per-token payloads of a Qwen3-30B-A3B-like shape
+   (`--r3-layers 48 --r3-top-k 8`, `--sc-top-k 20`): bytes per token, and the write (encode + an
+   unsynced LMDB commit) and read (the record read, checked and decoded) times side by side.
+
 `--dir` picks the disk to measure (default: a temporary folder). The page cache is warm for the
 reopen (the fill just wrote it): that is the cost of a process restart, not of a host reboot.
 """
@@ -32,6 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.columns import SamplerHeads, TokenRoutes
 from pipeline.types import FinishReason, Group, PromptTask, Sample, Segment
 from storage import Cursor, LmdbStore, MemoryStore, Store, codec
 from storage.lmdb_pages import check_data_file, walk_pages
@@ -50,6 +56,46 @@ def make_group(index: int, *, samples: int, tokens: int, finish: FinishReason = 
         sample = s.resumed().extended(Segment(ids, lps, finish, 0), max_response_len=tokens * 2)
         out.append(sample if finish is FinishReason.ABORT else _rewarded(sample))
     return group.with_samples(out)
+
+
+def with_payloads(group: Group, *, layers: int, top_k: int, sc_k: int) -> Group:
+    """`group` with R3 routes and SC heads on every token (deterministic filler of the right size)."""
+    out = []
+    for s in group.samples:
+        n = s.response_len
+        expert_ids = bytes((i * 7 + s.index) % 128 for i in range(n * layers * top_k * 4))
+        routes = TokenRoutes(expert_ids, layers=layers, top_k=top_k)
+        heads = SamplerHeads(bytes(n * sc_k * 4), bytes((i * 3) % 251 for i in range(n * sc_k * 8)), k=sc_k)
+        out.append(dataclasses.replace(s, routes=routes, heads=heads))
+    return group.with_samples(out)
+
+
+def payload_costs(root: Path, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Bytes per token and write/read time of group records with vs without R3/SC payloads."""
+    n, tokens = args.payload_commits, 1024  # a loaded record is ~14 MB: a few dozen are plenty
+    plain = [make_group(i, samples=8, tokens=tokens) for i in range(n)]
+    shape = dict(layers=args.r3_layers, top_k=args.r3_top_k, sc_k=args.sc_top_k)
+    loaded = [with_payloads(g, **shape) for g in plain]
+    rows: list[tuple[str, str]] = []
+    measured: dict[str, tuple[float, float, float]] = {}
+    for name, groups in (("without", plain), ("with", loaded)):
+        per_token = len(codec.encode_group(groups[0])) / (8 * tokens)
+        with LmdbStore(root / f"payloads-{name}", map_size=1 << 36, sync=False) as store:
+            write = 1 / commits_per_second(store, n, groups)
+            start = time.perf_counter()
+            for g in groups:
+                found = store.get(g.group_id)
+                assert found is not None and found[1].samples[0].routes == g.samples[0].routes
+            read = (time.perf_counter() - start) / n
+        measured[name] = (per_token, write, read)
+    (b0, w0, r0), (b1, w1, r1) = measured["without"], measured["with"]
+    what = f"R3 {args.r3_layers} layers x top-{args.r3_top_k} + SC top-{args.sc_top_k}"
+    rows += [
+        ("payloads: bytes/token without / with", f"{b0:.1f} / {b1:.1f}  (x{b1 / b0:.1f}; {what})"),
+        ("payloads: write ms/group without / with", f"{w0 * 1e3:.2f} / {w1 * 1e3:.2f}  (x{w1 / w0:.0f}, unsynced)"),
+        ("payloads: read ms/group without / with", f"{r0 * 1e3:.2f} / {r1 * 1e3:.2f}  (x{r1 / r0:.0f}, checked)"),
+    ]
+    return rows
 
 
 def _rewarded(sample: Sample) -> Sample:
@@ -100,6 +146,9 @@ def main(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="store-costs-", dir=args.dir))
     rows: list[tuple[str, str]] = []
     try:
+        if args.only_payloads:
+            rows += payload_costs(root, args)
+            return _print(rows)
         big = [make_group(i, samples=8, tokens=1024) for i in range(args.commits)]
         size = len(codec.encode_group(big[0]))
         for name, make in (
@@ -165,8 +214,13 @@ def main(args: argparse.Namespace) -> None:
             ]
         finally:
             store.close()
+        rows += payload_costs(root, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    _print(rows)
+
+
+def _print(rows: list[tuple[str, str]]) -> None:
     width = max(len(name) for name, _ in rows)
     print(f"{'measure':<{width}}  value")
     print(f"{'-' * width}  {'-' * 40}")
@@ -178,5 +232,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commits", type=int, default=300, help="group-sized commits per store")
     parser.add_argument("--groups", type=int, default=100_000, help="groups in the store that is reopened")
+    parser.add_argument("--only-payloads", action="store_true", help="measure only the R3/SC payload costs")
+    parser.add_argument("--r3-layers", type=int, default=48, help="MoE layers of the routes (Qwen3-30B-A3B: 48)")
+    parser.add_argument("--r3-top-k", type=int, default=8, help="experts per token per layer (Qwen3-30B-A3B: 8)")
+    parser.add_argument("--sc-top-k", type=int, default=20, help="sampler heads per token")
+    parser.add_argument("--payload-commits", type=int, default=20, help="group-sized commits with and without payloads")
     parser.add_argument("--dir", default=None, help="where to put the stores (default: a temporary folder)")
     main(parser.parse_args())

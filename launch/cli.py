@@ -44,6 +44,7 @@ from stages.continuation import penalties_in
 from stages.publish_distributed import DistributedWeightSender
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
+from stages.sglang.payloads import TokenPayloads
 from storage import AsyncStore, Store
 
 __all__ = ["main"]
@@ -258,6 +259,8 @@ async def _producers(
             request_timeout=r.request_timeout,
             max_retries=r.max_retries,
             api_key=config.engine.api_key or None,
+            routed_experts_top_k=plan.payloads.routed_experts_top_k,
+            sampler_top_k=plan.payloads.sampler_top_k,
         )
 
     settings = RaySettings(
@@ -449,6 +452,10 @@ def _plan(config: Config) -> RolloutPlan:
         agent_max_retries=r.agent_max_retries,
         seed=r.seed,
         store_batch=r.store_batch,
+        payloads=TokenPayloads(
+            routed_experts_top_k=r.moe_router_topk if r.use_rollout_routing_replay else None,
+            sampler_top_k=r.score_centering_top_k if r.use_score_centering else None,
+        ),
     )
 
 

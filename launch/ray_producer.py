@@ -44,6 +44,7 @@ from stages.filter import FilterStage
 from stages.generator import GeneratorPool
 from stages.reward import RewardStage
 from stages.sglang import EngineFleet
+from stages.sglang.payloads import TokenPayloads
 from storage import AsyncStore, MemoryStore
 from storage.codec import decode_group, encode_group
 
@@ -81,6 +82,10 @@ class ProducerSpec:
     request_timeout: float = 600.0
     max_retries: int = 3
     api_key: str | None = None
+    # R3 / SC payloads asked with every request (`stages.sglang.payloads.TokenPayloads`); they come
+    # back inside the groups' codec records.
+    routed_experts_top_k: int | None = None
+    sampler_top_k: int | None = None
 
     @property
     def slots(self) -> int:
@@ -237,6 +242,7 @@ class ProducerCore:
                 seed=spec.seed,
                 agent=agent,
                 agent_max_retries=spec.agent_max_retries,
+                payloads=TokenPayloads(spec.routed_experts_top_k, spec.sampler_top_k),
             )
             stages = RewardStage(
                 reward,

@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Self, SupportsIndex
 
-__all__ = ["LogProbs", "LossMask", "TokenIds"]
+__all__ = ["NO_ROUTE", "LogProbs", "LossMask", "SamplerHeads", "TokenIds", "TokenRoutes"]
 
 if TYPE_CHECKING:
     _Ints = array[int]
@@ -225,3 +225,187 @@ for _column in (TokenIds, LogProbs, LossMask):
         raise ImportError(
             f"{_column.__name__}: array {_column.code!r} items are not {_column.width} bytes on this platform"
         )
+
+
+# --- per-token payloads: rows of several numbers a token ---------------------------------------
+# R3 routes and SC sampler heads are a fixed-width row per response token. They are kept as the
+# little-endian bytes they travel and rest in: immutable, so sharing them is safe, and `view()` is
+# a read-only memoryview over those very bytes (no copy; `torch.frombuffer`/`numpy.frombuffer`
+# read it in place). A store record's bytes become a sample's payload without a copy either.
+
+_ROUTES_CODE, _ROUTE_WIDTH = "i", 4  # int32 expert ids
+_HEAD_ID_WIDTH, _HEAD_LOGPROB_WIDTH = 4, 8  # int32 token ids, float64 log-probs (bit for bit, as LogProbs)
+NO_ROUTE = -1  # an expert id for "no route recorded": environment tokens, tokens from before R3 was on
+
+
+def _rows_of(name: str, data: bytes, row_bytes: int) -> int:
+    if type(data) is not bytes:
+        raise TypeError(f"{name}: data must be bytes (immutable), got {type(data).__name__}")
+    if row_bytes <= 0 or len(data) % row_bytes:
+        raise ValueError(f"{name}: {len(data)} bytes is not a whole number of {row_bytes}-byte rows")
+    return len(data) // row_bytes
+
+
+def _little_endian_view(name: str, data: bytes, code: str, shape: list[int]) -> memoryview:
+    if not _LITTLE:
+        raise NotImplementedError(f"{name}.view() reads little-endian bytes in place; this host is big-endian")
+    raw: Any = memoryview(data)  # `cast` is typed per literal format code; ours is a variable
+    view: memoryview = raw.cast(code) if not data else raw.cast(code, shape)  # no zero in a cast shape
+    return view
+
+
+class TokenRoutes:
+    """R3: for each response token, the experts every MoE layer chose in the forward that sampled it.
+
+    int32 `[tokens, layers, top_k]` (SGLang's `routed_experts` rows, the row of position p - 1
+    for the token at position p). `NO_ROUTE` (-1) rows mark tokens no model forward sampled
+    (environment tokens) or that were generated before routes were asked for.
+    """
+
+    __slots__ = ("_data", "layers", "top_k")
+
+    def __init__(self, data: bytes, *, layers: int, top_k: int) -> None:
+        if layers < 1 or top_k < 1:
+            raise ValueError(f"TokenRoutes: layers={layers} and top_k={top_k} must both be >= 1")
+        self.layers, self.top_k = layers, top_k
+        _rows_of("TokenRoutes", data, layers * top_k * _ROUTE_WIDTH)
+        self._data = data
+
+    @classmethod
+    def unrouted(cls, n: int, *, layers: int, top_k: int) -> TokenRoutes:
+        """`n` rows of `NO_ROUTE`."""
+        return cls(b"\xff" * (n * layers * top_k * _ROUTE_WIDTH), layers=layers, top_k=top_k)
+
+    @property
+    def data(self) -> bytes:
+        """The rows as little-endian int32 bytes (the wire's and the store's form)."""
+        return self._data
+
+    def __len__(self) -> int:
+        return len(self._data) // (self.layers * self.top_k * _ROUTE_WIDTH)
+
+    def view(self) -> memoryview:
+        """A read-only `[tokens, layers, top_k]` int32 view of the bytes, without a copy."""
+        return _little_endian_view("TokenRoutes", self._data, _ROUTES_CODE, [len(self), self.layers, self.top_k])
+
+    def rows(self, start: int, end: int) -> TokenRoutes:
+        row = self.layers * self.top_k * _ROUTE_WIDTH
+        return TokenRoutes(self._data[start * row : end * row], layers=self.layers, top_k=self.top_k)
+
+    def row(self, t: int) -> list[list[int]]:
+        """Token `t`'s experts, a list of `top_k` ids per layer."""
+        flat = self.rows(t, t + 1).tolist_flat()
+        return [flat[i * self.top_k : (i + 1) * self.top_k] for i in range(self.layers)]
+
+    def tolist_flat(self) -> list[int]:
+        return list(struct.unpack(f"<{len(self._data) // _ROUTE_WIDTH}i", self._data))
+
+    def joined(self, other: TokenRoutes) -> TokenRoutes:
+        if (other.layers, other.top_k) != (self.layers, self.top_k):
+            raise ValueError(
+                f"TokenRoutes: cannot append rows of {other.layers} layers x top-{other.top_k} to rows of "
+                f"{self.layers} layers x top-{self.top_k} (the engine's model changed?)"
+            )
+        if not other._data:
+            return self
+        if not self._data:
+            return other
+        return TokenRoutes(self._data + other._data, layers=self.layers, top_k=self.top_k)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TokenRoutes):
+            return NotImplemented
+        return (self.layers, self.top_k, self._data) == (other.layers, other.top_k, other._data)
+
+    def __hash__(self) -> int:
+        return hash((self.layers, self.top_k, self._data))
+
+    def __repr__(self) -> str:
+        return f"TokenRoutes({len(self)} tokens x {self.layers} layers x top-{self.top_k})"
+
+    def __copy__(self) -> TokenRoutes:
+        return self
+
+    def __deepcopy__(self, memo: object) -> TokenRoutes:
+        return self
+
+
+class SamplerHeads:
+    """SC: for each response token, the sampler's top-k candidates at that step: token ids and log-probs.
+
+    Two row-aligned arrays, int32 ids and float64 log-probs, each `[tokens, k]` (SGLang's
+    `output_top_logprobs`, one entry per output token). Rows of id -1 and log-prob 0.0 mark
+    tokens no sampler produced (environment tokens).
+    """
+
+    __slots__ = ("_ids", "_logprobs", "k")
+
+    def __init__(self, token_ids: bytes, logprobs: bytes, *, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"SamplerHeads: k={k} must be >= 1")
+        self.k = k
+        n_ids = _rows_of("SamplerHeads token ids", token_ids, k * _HEAD_ID_WIDTH)
+        n_lps = _rows_of("SamplerHeads log-probs", logprobs, k * _HEAD_LOGPROB_WIDTH)
+        if n_ids != n_lps:
+            raise ValueError(f"SamplerHeads: {n_ids} rows of token ids but {n_lps} rows of log-probs")
+        self._ids, self._logprobs = token_ids, logprobs
+
+    @classmethod
+    def unsampled(cls, n: int, *, k: int) -> SamplerHeads:
+        return cls(b"\xff" * (n * k * _HEAD_ID_WIDTH), bytes(n * k * _HEAD_LOGPROB_WIDTH), k=k)
+
+    @property
+    def token_ids_data(self) -> bytes:
+        return self._ids
+
+    @property
+    def logprobs_data(self) -> bytes:
+        return self._logprobs
+
+    def __len__(self) -> int:
+        return len(self._ids) // (self.k * _HEAD_ID_WIDTH)
+
+    def token_ids_view(self) -> memoryview:
+        """A read-only `[tokens, k]` int32 view, without a copy."""
+        return _little_endian_view("SamplerHeads", self._ids, "i", [len(self), self.k])
+
+    def logprobs_view(self) -> memoryview:
+        """A read-only `[tokens, k]` float64 view, without a copy."""
+        return _little_endian_view("SamplerHeads", self._logprobs, "d", [len(self), self.k])
+
+    def rows(self, start: int, end: int) -> SamplerHeads:
+        a, b = self.k * _HEAD_ID_WIDTH, self.k * _HEAD_LOGPROB_WIDTH
+        return SamplerHeads(self._ids[start * a : end * a], self._logprobs[start * b : end * b], k=self.k)
+
+    def row(self, t: int) -> list[tuple[int, float]]:
+        """Token `t`'s candidates as (token id, log-prob), in the engine's order."""
+        one = self.rows(t, t + 1)
+        ids = struct.unpack(f"<{self.k}i", one._ids)
+        lps = struct.unpack(f"<{self.k}d", one._logprobs)
+        return list(zip(ids, lps, strict=True))
+
+    def joined(self, other: SamplerHeads) -> SamplerHeads:
+        if other.k != self.k:
+            raise ValueError(f"SamplerHeads: cannot append top-{other.k} rows to top-{self.k} rows")
+        if not other._ids:
+            return self
+        if not self._ids:
+            return other
+        return SamplerHeads(self._ids + other._ids, self._logprobs + other._logprobs, k=self.k)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplerHeads):
+            return NotImplemented
+        return (self.k, self._ids, self._logprobs) == (other.k, other._ids, other._logprobs)
+
+    def __hash__(self) -> int:
+        return hash((self.k, self._ids, self._logprobs))
+
+    def __repr__(self) -> str:
+        return f"SamplerHeads({len(self)} tokens x top-{self.k})"
+
+    def __copy__(self) -> SamplerHeads:
+        return self
+
+    def __deepcopy__(self, memo: object) -> SamplerHeads:
+        return self

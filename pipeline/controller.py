@@ -48,6 +48,7 @@ from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
 from stages.publisher import WeightTarget, WeightTransfer
 from stages.reward import RewardFn, RewardStage
+from stages.sglang.payloads import TokenPayloads
 from storage import AsyncStore, GroupState
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class RolloutPlan:
     # The most groups one store call admits, or stores as ready or rejected, of those already
     # waiting: one transaction (one fsync with LMDB synced) for them all. Nothing waits to fill it.
     store_batch: int = 64
+    # R3 routes and SC sampler heads asked of the engines with every request (off: neither).
+    payloads: TokenPayloads = field(default_factory=TokenPayloads)
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_batch, int) or self.store_batch < 1:
@@ -364,6 +367,7 @@ class _Graph:
                     detokenize=detokenize,
                     agent=agent,
                     agent_max_retries=plan.agent_max_retries,
+                    payloads=plan.payloads,
                 ),
                 RewardStage(
                     reward_fn,

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.columns import NO_ROUTE
 from pipeline.errors import CorruptRecordError
-from pipeline.types import Batch, Group
+from pipeline.types import Batch, Group, Sample
 from storage import Cursor, GroupState, RunMeta, Store
 
 __all__ = ["RunSummary", "format_group", "format_summary", "group_record", "recorded_batches", "summarize"]
@@ -205,9 +206,33 @@ def group_record(state: GroupState, group: Group, decode: Decode | None) -> dict
                 "error": s.error,
                 "response_ids": list(s.response_ids),
                 "response_text": decode(s.response_ids) if decode else None,
+                **_payloads_record(s),
             }
         )
     return record
+
+
+def _payloads_record(s: Sample) -> dict[str, Any]:
+    # Only where a sample has them, so records of runs without R3/SC read as before. The decode
+    # that built `s` already checked them: one row per token, whole rows (else the record is damaged).
+    out: dict[str, Any] = {}
+    if s.routes is not None:
+        view = s.routes.view()
+        out["routed_experts"] = {
+            "layers": s.routes.layers,
+            "top_k": s.routes.top_k,
+            "rows": len(s.routes),
+            "unrouted_tokens": sum(1 for t in range(len(s.routes)) if view[t, 0, 0] == NO_ROUTE),
+            "experts": view.tolist() if len(s.routes) else [],
+        }
+    if s.heads is not None:
+        out["sampler_heads"] = {
+            "k": s.heads.k,
+            "rows": len(s.heads),
+            "token_ids": s.heads.token_ids_view().tolist() if len(s.heads) else [],
+            "logprobs": s.heads.logprobs_view().tolist() if len(s.heads) else [],
+        }
+    return out
 
 
 def format_group(r: Mapping[str, Any]) -> str:
@@ -230,6 +255,18 @@ def format_group(r: Mapping[str, Any]) -> str:
         )
         if s["error"]:
             lines.append(f"    error: {s['error']}")
+        if "routed_experts" in s:
+            r3 = s["routed_experts"]
+            first = f"; token 0: {r3['experts'][0]}" if r3["experts"] else ""
+            lines.append(
+                f"    R3: {r3['rows']} tokens x {r3['layers']} layers x top-{r3['top_k']}, "
+                f"{r3['unrouted_tokens']} unrouted{first}"
+            )
+        if "sampler_heads" in s:
+            sc = s["sampler_heads"]
+            head = zip(sc["token_ids"][0], sc["logprobs"][0], strict=True) if sc["token_ids"] else ()
+            first = ("; token 0: " + " ".join(f"{t}:{lp:.3f}" for t, lp in head)) if sc["token_ids"] else ""
+            lines.append(f"    SC: {sc['rows']} tokens x top-{sc['k']}{first}")
         if s["response_text"] is not None:
             lines.append(f"    response: {s['response_text']!r}")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .columns import LogProbs, LossMask, TokenIds
+from .columns import LogProbs, LossMask, SamplerHeads, TokenIds, TokenRoutes
 
 __all__ = [
     "Batch",
@@ -111,6 +111,9 @@ class Segment:
     # Which version produced which of these tokens, over indices into `token_ids`, when a request
     # crossed a publish (the engine's `meta_info.weight_versions`). Empty: every token is `version`.
     spans: tuple[VersionSpan, ...] = ()
+    # R3 and SC payloads of these tokens (one row each), when the request asked for them.
+    routes: TokenRoutes | None = None
+    heads: SamplerHeads | None = None
 
     def __post_init__(self) -> None:
         _as_column(self, "token_ids", TokenIds)
@@ -120,6 +123,8 @@ class Segment:
                 f"a segment needs one log-prob per token, got {len(self.token_ids)} tokens "
                 f"and {len(self.logprobs)} log-probs"
             )
+        if self.routes is not None or self.heads is not None:  # the hot path has neither: no call
+            _check_payloads("a segment", len(self.token_ids), self.routes, self.heads)
         if self.spans:
             covered = 0
             for span in self.spans:
@@ -154,6 +159,12 @@ class Sample:
     # The trainer masks `[0, resumed_at[0])` under --mask-offpolicy-in-partial-rollout.
     resumed_at: tuple[int, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # Per-token payloads, one row per response token when present (None: never asked for).
+    # R3: the experts each MoE layer chose in the forward that sampled the token; SC: the
+    # sampler's top-k ids and log-probs at that step. Both follow the tokens through every
+    # continuation exactly as the log-probs do (`extended`).
+    routes: TokenRoutes | None = None
+    heads: SamplerHeads | None = None
 
     def __post_init__(self) -> None:
         _as_column(self, "response_ids", TokenIds)
@@ -165,6 +176,8 @@ class Sample:
                 f"sample {self.index}: per-token arrays out of step: {n} tokens, "
                 f"{len(self.logprobs)} log-probs, {len(self.loss_mask)} mask entries"
             )
+        if self.routes is not None or self.heads is not None:
+            _check_payloads(f"sample {self.index}", n, self.routes, self.heads)
         covered = 0
         for span in self.spans:
             if span.start != covered:
@@ -214,15 +227,19 @@ class Sample:
                 spans.append(VersionSpan(start + part.start, end, part.version))
         response_ids = self.response_ids + segment.token_ids
         status = _status_after(segment.finish_reason, len(response_ids), max_response_len)
+        n_old, n_new = len(self.response_ids), len(segment.token_ids)
+        payloads = not (self.routes is None and self.heads is None and segment.routes is None and segment.heads is None)
         return dataclasses.replace(
             self,
             response_ids=response_ids,
             logprobs=self.logprobs + segment.logprobs,
-            loss_mask=self.loss_mask + LossMask.ones(len(segment.token_ids)),
+            loss_mask=self.loss_mask + LossMask.ones(n_new),
             spans=tuple(spans),
             status=status,
             finish_reason=segment.finish_reason,
             error=segment.error,
+            routes=_joined_routes(self.routes, n_old, segment.routes, n_new) if payloads else None,
+            heads=_joined_heads(self.heads, n_old, segment.heads, n_new) if payloads else None,
         )
 
     def with_reward(self, reward: float) -> Sample:
@@ -253,6 +270,9 @@ class Sample:
             logprobs=self.logprobs + LogProbs.zeros(len(tokens)),
             loss_mask=self.loss_mask + LossMask.zeros(len(tokens)),
             spans=tuple(spans),
+            # No sampler forward made these tokens: their payload rows say so (NO_ROUTE, id -1).
+            routes=_joined_routes(self.routes, start, None, len(tokens)),
+            heads=_joined_heads(self.heads, start, None, len(tokens)),
         )
 
     def resumed(self) -> Sample:
@@ -270,6 +290,38 @@ def _as_column(obj: object, name: str, column: type[TokenIds] | type[LogProbs] |
         except (TypeError, OverflowError) as exc:
             raise ValueError(f"{type(obj).__name__}.{name} cannot be stored: {exc}") from exc
         object.__setattr__(obj, name, converted)
+
+
+def _check_payloads(what: str, n: int, routes: TokenRoutes | None, heads: SamplerHeads | None) -> None:
+    if routes is not None and len(routes) != n:
+        raise ValueError(f"{what}: {len(routes)} rows of routed experts for {n} tokens (R3 out of step)")
+    if heads is not None and len(heads) != n:
+        raise ValueError(f"{what}: {len(heads)} rows of sampler heads for {n} tokens (SC out of step)")
+
+
+# Appending a payload: where one side has rows and the other does not (tokens from before the
+# payload was asked for, environment tokens, an answer that carried none), the missing side gets
+# placeholder rows, so the column stays aligned with the tokens instead of shifting.
+
+
+def _joined_routes(old: TokenRoutes | None, n_old: int, new: TokenRoutes | None, n_new: int) -> TokenRoutes | None:
+    if new is None:
+        if old is None or not n_new:
+            return old
+        return old.joined(TokenRoutes.unrouted(n_new, layers=old.layers, top_k=old.top_k))
+    if old is None:
+        old = TokenRoutes.unrouted(n_old, layers=new.layers, top_k=new.top_k)
+    return old.joined(new)
+
+
+def _joined_heads(old: SamplerHeads | None, n_old: int, new: SamplerHeads | None, n_new: int) -> SamplerHeads | None:
+    if new is None:
+        if old is None or not n_new:
+            return old
+        return old.joined(SamplerHeads.unsampled(n_new, k=old.k))
+    if old is None:
+        old = SamplerHeads.unsampled(n_old, k=new.k)
+    return old.joined(new)
 
 
 def _status_after(reason: FinishReason, response_len: int, max_response_len: int) -> SampleStatus:

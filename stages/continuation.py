@@ -151,6 +151,8 @@ def cut_at(segment: Segment, k: int) -> Segment:
         segment,
         token_ids=segment.token_ids[:k],
         logprobs=segment.logprobs[:k],
+        routes=None if segment.routes is None else segment.routes.rows(0, k),
+        heads=None if segment.heads is None else segment.heads.rows(0, k),
         finish_reason=FinishReason.STOP,
         version=version,
         spans=spans,

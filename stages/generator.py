@@ -45,6 +45,7 @@ from stages.admission import Admission, Outcome
 from stages.agent import Agent, AgentContext, agent_name, run_agent_sample
 from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings
 from stages.failures import FailureLog
+from stages.sglang.payloads import TokenPayloads, routes_for_new_tokens
 from stages.sglang.wire import GenerateResult
 from storage import AsyncStore
 
@@ -66,9 +67,10 @@ class GenerateEngine(Protocol):
     """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
 
     async def generate(
-        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str
+        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str, **fields: Any
     ) -> GenerateResult:
-        """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON)."""
+        """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON);
+        `fields`, when given, are further top-level request fields (R3 and SC: `TokenPayloads`)."""
         ...
 
     async def abort_all(self) -> None:
@@ -122,10 +124,14 @@ class GeneratorPool:
         agent: Agent | None = None,
         tokenizer: object | None = None,
         agent_max_retries: int = 0,
+        payloads: TokenPayloads | None = None,
     ) -> None:
         self._engine = engine
         # An agent that raised runs again from where its sample stood, up to this many times.
         self._agent_retries = agent_max_retries
+        # R3 routes and SC sampler heads asked for with every request (`stages.sglang.payloads`).
+        self._payloads = payloads if payloads is not None else TokenPayloads()
+        self._route_layers: int | None = None  # the model's MoE layers, learned from the first answer
         # A multi-turn agent drives each sample through `stages.agent.AgentContext` instead of
         # the one-request-per-continuation loop below; both send requests through `_request`.
         self._agent = agent
@@ -377,8 +383,14 @@ class GeneratorPool:
         slot = self._free_slots.pop()
         started = time.perf_counter()
         sent_version = self._clock.version
+        input_ids = sample.prompt_ids + sample.response_ids
+        fields = (
+            self._payloads.request_fields(len(input_ids), all_rows=self._route_layers is None)
+            if self._payloads.any
+            else {}
+        )
         try:
-            result = await self._engine.generate(sample.prompt_ids + sample.response_ids, params, rid=rid)
+            result = await self._engine.generate(input_ids, params, rid=rid, **fields)
         except EngineError as exc:
             # Retries already happened inside the client. A request the engine refused (4xx) is
             # this sample's own problem: it fails, visibly. No engine at all (unreachable, 5xx, an
@@ -402,6 +414,8 @@ class GeneratorPool:
         if result is not None:
             self._unavailable_run = 0
             segment = self._stamped(result, sent_version)
+            if self._payloads.any:
+                segment = self._with_payloads(segment, result, sample, len(input_ids), fields)
             if self._stops and continued:
                 segment = self._stop_at_boundary(sample, segment)
             self._stats["tokens"] += len(segment.token_ids)
@@ -465,6 +479,49 @@ class GeneratorPool:
             self._stats["failed"] += 1
             log.warning("answer from an unpublished version", rid=result.rid, reason=str(exc))
             return Segment(TokenIds(), LogProbs(), FinishReason.ERROR, self._clock.version, error=str(exc))
+
+    def _with_payloads(
+        self, segment: Segment, result: GenerateResult, sample: Sample, input_len: int, fields: Mapping[str, Any]
+    ) -> Segment:
+        """The segment with the R3 rows of its own tokens (never the prefix's re-prefill rows) and
+        its SC heads checked. An answer without what was asked for fails this request, by name."""
+        n = len(segment.token_ids)
+        if segment.finish_reason is FinishReason.ERROR or n == 0:
+            return dataclasses.replace(segment, routes=None, heads=None)
+        try:
+            routes = None
+            top_k = self._payloads.routed_experts_top_k
+            if top_k is not None:
+                if result.routed_experts is None:
+                    raise EngineError(
+                        result.rid,
+                        "answer has no meta_info.routed_experts although return_routed_experts was asked "
+                        "(SGLang needs --enable-return-routed-experts; some gateways drop the field)",
+                    )
+                layers = sample.routes.layers if sample.routes is not None else self._route_layers
+                routes = routes_for_new_tokens(
+                    result.routed_experts,
+                    echoed_start=result.routed_experts_start_len,
+                    sent_start=int(fields["routed_experts_start_len"]),
+                    input_len=input_len,
+                    completion=n,
+                    top_k=top_k,
+                    layers=layers,
+                    url=result.rid,
+                )
+                if routes is not None:
+                    self._route_layers = routes.layers
+            k = self._payloads.sampler_top_k
+            if k is not None and (segment.heads is None or segment.heads.k != k):
+                got = "none" if segment.heads is None else f"top-{segment.heads.k}"
+                raise EngineError(
+                    result.rid, f"answer has {got} meta_info.output_top_logprobs, top_logprobs_num={k} asked"
+                )
+            return dataclasses.replace(segment, routes=routes, heads=segment.heads if k is not None else None)
+        except EngineError as exc:
+            self._stats["failed"] += 1
+            log.warning("answer without the asked per-token payloads", rid=result.rid, reason=str(exc))
+            return Segment(TokenIds(), LogProbs(), FinishReason.ERROR, segment.version, error=str(exc))
 
     def _stop_at_boundary(self, sample: Sample, segment: Segment) -> Segment:
         """End a continuation where a stop string that started in its prefix ends, as SGLang would

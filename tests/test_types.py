@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.columns import SamplerHeads, TokenRoutes
 from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
 
 segments = st.lists(
@@ -111,6 +112,8 @@ def test_with_reward_is_replace_with_every_other_field_kept():
         error="kept",
         resumed_at=(2,),
         metadata={"turns": 2},
+        routes=TokenRoutes(bytes(range(3 * 2 * 4)), layers=2, top_k=1),
+        heads=SamplerHeads(bytes(3 * 4), bytes(3 * 8), k=1),
     )
     unset = [f.name for f in dataclasses.fields(Sample) if getattr(sample, f.name) == f.default]
     assert unset == ["reward"], "set every other field, so that a dropped one shows"

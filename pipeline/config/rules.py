@@ -13,6 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 from pipeline.config.draft import Draft
+from pipeline.config.payloads import payload_rules
 from pipeline.config.schema import SECTIONS, options
 from pipeline.types import RolloutMode, StoreTransport
 from stages.continuation import PENALTY_RULE
@@ -92,6 +93,7 @@ def check_rules(draft: Draft) -> None:
     _trainer_rules(draft)
     _megatron_rules(draft)
     _sglang_rules(draft)
+    payload_rules(draft)
     run_id = get("storage", "run_id")
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id):
         problem(

@@ -301,6 +301,31 @@ class RolloutConfig:
         "node, one Ray call each way for all producers, so the controller's calls do not grow with the producers "
         "(--no-producer-mailbox: calls to each producer, cheaper for one or two)",
     )
+    # Per-token payloads (R3, SC), asked of the engine with every request and kept token-aligned
+    # through continuations and publishes (`stages.sglang.payloads`; the rules: `config/payloads.py`).
+    use_rollout_routing_replay: bool = _opt(
+        False,
+        "--use-rollout-routing-replay",
+        "bool",
+        help="R3: ask the engines for each token's routed experts (return_routed_experts; SGLang needs "
+        "--enable-return-routed-experts) and keep them with the sample",
+    )
+    moe_router_topk: int | None = _opt(
+        None,
+        "--moe-router-topk",
+        "int",
+        ge=1,
+        help="experts per token per MoE layer (the model's top-k); splits the engine's routed-experts rows into layers",
+    )
+    use_score_centering: bool = _opt(
+        False,
+        "--use-score-centering",
+        "bool",
+        help="SC: ask the engines for the sampler's top-k per token (top_logprobs_num) and keep them with the sample",
+    )
+    score_centering_top_k: int | None = _opt(
+        None, "--score-centering-top-k", "int", ge=1, help="--use-score-centering: candidates kept per token"
+    )
 
     @property
     def resumes_partial_groups(self) -> bool:

@@ -128,8 +128,12 @@ class EngineClient:
         *,
         rid: str,
         return_logprob: bool = True,
+        **fields: Any,
     ) -> GenerateResult:
         """Generate from `input_ids` (token-in, token-out). An abort comes back as a result.
+
+        `fields` are further top-level request fields (`return_routed_experts`,
+        `routed_experts_start_len`, `top_logprobs_num`: `stages.sglang.payloads`).
 
         Connection failures and overload answers (408, 429, 500, 502, 503, 504) are retried
         `max_retries` times with exponential backoff; any other status, or a timed-out attempt,
@@ -146,6 +150,7 @@ class EngineClient:
             "sampling_params": sampling_params if type(sampling_params) is dict else dict(sampling_params),
             "rid": rid,
             "return_logprob": return_logprob,
+            **fields,
         }
         body = orjson.dumps(doc)
         attempt = 0

@@ -211,8 +211,11 @@ class EngineFleet:
         *,
         rid: str,
         return_logprob: bool = True,
+        **fields: Any,
     ) -> GenerateResult:
-        return await self._open.generator.generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)
+        return await self._open.generator.generate(
+            input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+        )
 
     # -- control calls reach every engine -----------------------------------------------------
 

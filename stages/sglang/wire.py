@@ -13,9 +13,11 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from pipeline.columns import LogProbs, TokenIds
+from pipeline.columns import LogProbs, SamplerHeads, TokenIds, TokenRoutes
 from pipeline.errors import EngineError
 from pipeline.types import FinishReason, PauseMode, Segment, VersionSpan
+
+from .payloads import decode_routed_experts, opt_index, parse_top_logprobs
 
 __all__ = [
     "PAUSE_MODES",
@@ -67,6 +69,12 @@ class GenerateResult:
     # `meta_info.weight_versions`, validated to tile the output; None from engines that send only
     # `weight_version` (then the version of tokens before a publish is unknown).
     weight_versions: tuple[EngineSpan, ...] | None = None
+    # R3: `meta_info.routed_experts` decoded to its int32 bytes (rows of every forward position the
+    # answer covers, from `routed_experts_start_len`); `stages.sglang.payloads` cuts the new tokens'.
+    routed_experts: bytes | None = None
+    routed_experts_start_len: int | None = None
+    # SC: `meta_info.output_top_logprobs`, one row per output token.
+    heads: SamplerHeads | None = None
 
     @classmethod
     def from_response(cls, payload: object, *, url: str, rid: str) -> GenerateResult:
@@ -113,15 +121,24 @@ class GenerateResult:
             completion_tokens=completion,
             cached_tokens=_opt_int(meta.get("cached_tokens")),
             weight_versions=spans,
+            routed_experts=None
+            if meta.get("routed_experts") is None
+            else decode_routed_experts(meta["routed_experts"], url),
+            routed_experts_start_len=opt_index(meta, "routed_experts_start_len", url),
+            heads=parse_top_logprobs(meta.get("output_top_logprobs"), len(token_ids), url),
         )
 
-    def to_segment(self, version: int, spans: tuple[VersionSpan, ...] = ()) -> Segment:
+    def to_segment(
+        self, version: int, spans: tuple[VersionSpan, ...] = (), *, routes: TokenRoutes | None = None
+    ) -> Segment:
         """These tokens as a `Segment` stamped with `version` (the clock's integer for the newest
         tokens) and, for a request that crossed a publish, `spans` over its tokens. The caller
         maps the engine's strings to the clock's integers."""
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"request {self.rid} was sent without return_logprob; a segment needs log-probs")
-        return Segment(self.token_ids, self.logprobs, self.finish_reason, version, spans=spans)
+        return Segment(
+            self.token_ids, self.logprobs, self.finish_reason, version, spans=spans, routes=routes, heads=self.heads
+        )
 
 
 def _parse_version_spans(raw: object, completion: int, n_tokens: int, url: str) -> tuple[EngineSpan, ...] | None:

@@ -49,6 +49,8 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from pipeline.types import PauseMode
 
+from .fake_moe import MoeShape, RouteLog, sampler_head
+
 __all__ = ["FakeRequest", "FakeSGLang", "TokenFn", "default_token_fn", "detokenize"]
 
 # (context = prompt + tokens so far, sampling seed) -> next token id
@@ -110,6 +112,11 @@ class FakeRequest:
     started: float = field(default_factory=time.perf_counter)
     # (first output index, weight version) for each run of tokens decoded under one version.
     version_marks: list[tuple[int, str]] = field(default_factory=list)
+    # R3 and SC, when asked for (`fake_moe`): the routes of every forward, the top-k of every step.
+    routes: RouteLog | None = None
+    routed_experts_start_len: int = 0
+    top_logprobs_num: int = 0
+    heads: list[list[Any]] = field(default_factory=list)
 
     def mark_version(self, version: str) -> None:
         """Tokens from here on come from `version`, as SGLang records a boundary on a publish."""
@@ -152,8 +159,15 @@ class FakeSGLang:
         legacy_versions: bool = False,
         legacy_waiting_abort: bool = False,
         health_waits_while_paused: bool = False,
+        moe: MoeShape | None = None,
+        ignore_routed_experts_start_len: bool = False,
     ) -> None:
         self._requests: dict[str, FakeRequest] = {}
+        # An MoE model answers `return_routed_experts` (`fake_moe`); None refuses it, as SGLang
+        # started without --enable-return-routed-experts does. Some builds ignore
+        # `routed_experts_start_len` and answer every row from 0 without echoing it.
+        self.moe = moe
+        self.ignore_routed_experts_start_len = ignore_routed_experts_start_len
         self._weight_version = weight_version
         # Older servers (before the late-2026 spans) send only `meta_info.weight_version`.
         self.legacy_versions = legacy_versions
@@ -385,7 +399,14 @@ class FakeSGLang:
             sampling_params=params,
             return_logprob=bool(body.get("return_logprob")),
             seed=int(params.get("sampling_seed") or 0),
+            top_logprobs_num=int(body.get("top_logprobs_num") or 0),
         )
+        if body.get("return_routed_experts"):
+            if self.moe is None:
+                return _error(400, "return_routed_experts needs --enable-return-routed-experts")
+            req.routes = RouteLog(self.moe)
+            if not self.ignore_routed_experts_start_len:
+                req.routed_experts_start_len = int(body.get("routed_experts_start_len") or 0)
         req.mark_version(self.weight_version)
         self._requests[rid] = req
         self._notify()
@@ -421,6 +442,8 @@ class FakeSGLang:
             return self._output(req, {"type": "abort", "message": "Abort in waiting queue"}, waiting=True)
         req.state = "running"
         cached = self._cached_prefix(req.input_ids)
+        if req.routes is not None:
+            req.routes.prefilled(req.input_ids, self.weight_version)
         self._notify()
         while True:
             if req.aborted:
@@ -438,6 +461,11 @@ class FakeSGLang:
                 continue
             context = req.input_ids + tuple(req.output_ids)
             token = int(self.token_fn(context, req.seed))
+            if req.routes is not None:
+                req.routes.stepped(context, self.weight_version)
+            if req.top_logprobs_num:
+                shape = self.moe or MoeShape()
+                req.heads.append(sampler_head(shape, self.weight_version, context, req.seed, req.top_logprobs_num))
             req.output_ids.append(token)
             req.logprobs.append(_logprob(context, token, req.seed))
             self._notify()
@@ -476,6 +504,12 @@ class FakeSGLang:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = list(req.heads)
+        if req.routes is not None:
+            meta["routed_experts"] = req.routes.answer(req.routed_experts_start_len, len(req.output_ids))
+            if not self.ignore_routed_experts_start_len:
+                meta["routed_experts_start_len"] = req.routed_experts_start_len
         return {"text": detokenize(req.output_ids), "output_ids": list(req.output_ids), "meta_info": meta}
 
     def _cached_prefix(self, input_ids: tuple[int, ...]) -> int:
