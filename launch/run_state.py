@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -590,13 +589,3 @@ def _move_aside(data_dir: Path) -> Path:
             f"the rollout store {data_dir} is unreadable and cannot be moved aside to {aside}: {exc}"
         ) from exc
     return aside
-
-
-def __getattr__(name: str) -> Any:
-    # `salvage_store` and `Salvage` moved to `storage` (a store operation, not the launcher's).
-    if name in ("salvage_store", "Salvage"):
-        warnings.warn(
-            f"launch.run_state.{name} moved to storage.{name}; import it from there", DeprecationWarning, stacklevel=2
-        )
-        return getattr(storage, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -234,10 +234,3 @@ def test_seed_starts_only_an_empty_store_in_both_stores(tmp_path: Path) -> None:
                 store.seed(Cursor(), -1)
             with pytest.raises(Exception, match="already exists"):
                 store.admit([fresh(7)], cursor_after(10))
-
-
-def test_the_old_import_path_of_salvage_still_works_and_says_where_it_moved() -> None:
-    import launch.run_state as run_state
-
-    with pytest.warns(DeprecationWarning, match="moved to storage.salvage_store"):
-        assert run_state.salvage_store is salvage_store
