@@ -72,7 +72,10 @@ def test_a_run_goes_on_through_an_engine_fault_and_trains_every_prompt_once(tmp_
 
         def fault_point() -> bool:  # after the first publish, while the victim generates
             pids = _engine_pids(launcher)
-            return len(pids) == 2 and watch.weights_id(1) is not None and _running(pids[1]) > 0
+            # Any published version: `weights/v1` is deleted once v2 is served (issue 30), so a
+            # check for v1 alone could miss its window and wait out the deadline.
+            published = any(watch.weights_id(v) is not None for v in range(1, K + 1))
+            return len(pids) == 2 and published and _running(pids[1]) > 0
 
         launcher.wait_until("a group generating after the first publish", fault_point, deadline=DEADLINE)
         victim = _engine_pids(launcher)[1]
