@@ -135,9 +135,11 @@ def _run_files(out: Path) -> list[str]:
 
 
 def _holds(path: Path) -> bool:
-    """A run file that holds something: an empty metrics file (touched before a failed start) does not."""
+    """A run file that holds something: an empty metrics file (touched before a failed start) does not,
+    nor a folder the user made ready for the run (`weights` linked to another disk, say) that holds
+    only hidden entries or a file system's `lost+found`."""
     if path.is_dir():
-        return any(path.iterdir())
+        return any(not p.name.startswith(".") and p.name != "lost+found" for p in path.iterdir())
     return path.is_file() and path.stat().st_size > 0
 
 

@@ -58,6 +58,24 @@ def test_a_folder_of_run_files_from_before_run_json_is_refused(tmp_path, capsys)
     assert not (out / "run.json").exists()
 
 
+def test_a_weights_folder_made_ready_on_another_disk_is_not_another_runs_files(tmp_path):
+    """A user links `weights` to a fresh disk before the first run: the disk's `lost+found` and
+    hidden entries are no run's files (before, the run was refused as writing into another run's)."""
+    disk = tmp_path / "disk"
+    (disk / "lost+found").mkdir(parents=True)
+    (disk / ".mounted").write_text("")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "weights").symlink_to(disk)
+    assert main(["--output-dir", str(out), *SMALL, "--num-rollout", "1"]) == 0
+    assert (out / "run.json").exists()
+    (disk / "stray").write_text("x")  # a visible entry of unknown origin still counts
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "weights").symlink_to(disk)
+    assert main(["--output-dir", str(other), *SMALL, "--num-rollout", "1"]) == 2
+
+
 def test_the_same_lmdb_command_resumes_in_its_default_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     lmdb = ("--rollout-data-transport", "lmdb")
