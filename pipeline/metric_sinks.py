@@ -66,13 +66,38 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         logdir.mkdir(parents=True, exist_ok=True)
         self.logdir = logdir
-        self._writer = SummaryWriter(str(logdir))
+        # The writer hands events to a thread through a queue of `max_queue`. A full disk kills
+        # that thread (with a traceback of its own), and a bounded queue then blocks the run at
+        # its next `add_scalar`, forever. So the queue is never the bound (one step is a few
+        # hundred scalars, flushed every step) and the thread's file writer is guarded
+        # (`_GuardedEvents`): a failed write is kept and raised here, where the sinks' guard
+        # turns it into one warning.
+        self._writer = SummaryWriter(str(logdir), max_queue=1_000_000)
+        self._guarded: list[_GuardedEvents] = []
 
     def write(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
         for name, value in scalars(record).items():
             self._writer.add_scalar(name, value, global_step=step)
+            self._guard_events()
         self._writer.flush()  # a kill loses at most the step being written
+        for guarded in self._guarded:
+            guarded.raise_failure()
+
+    def _guard_events(self) -> None:
+        """Wrap the file writer(s) the SummaryWriter made (lazily, at the first scalar) once."""
+        if self._guarded:
+            return
+        for file_writer in (getattr(self._writer, "all_writers", None) or {}).values():
+            events = getattr(file_writer, "event_writer", None)
+            worker = getattr(events, "_worker", None)
+            inner = getattr(events, "_ev_writer", None)
+            if events is None or worker is None or inner is None:
+                continue  # another writer's internals: unguarded, as before
+            guarded = _GuardedEvents(inner)
+            events._ev_writer = guarded
+            worker._record_writer = guarded
+            self._guarded.append(guarded)
 
     def close(self) -> None:
         try:
@@ -95,6 +120,42 @@ class TensorBoardSink:
             except Exception:  # the worker died on the same full disk: nothing left to stop
                 pass
             events._closed = True
+
+
+class _GuardedEvents:
+    """The event file writer of a TensorBoard writer's thread, which keeps the first `OSError` (a
+    full disk) instead of letting it kill the thread; `raise_failure` raises it in the run's thread.
+    Once failed, it writes nothing more: the sink is dropped with one warning."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.failure: OSError | None = None
+
+    def write_event(self, event: Any) -> None:
+        if self.failure is None:
+            try:
+                self._inner.write_event(event)
+            except OSError as exc:
+                self.failure = exc
+
+    def flush(self) -> None:
+        if self.failure is None:
+            try:
+                self._inner.flush()
+            except OSError as exc:
+                self.failure = exc
+        self.raise_failure()
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        except OSError:
+            if self.failure is None:
+                raise
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
 
 class WandbSink:
