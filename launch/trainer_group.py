@@ -105,6 +105,12 @@ def join_group(*, addr: str, port: int, rank: int, spec: dict[str, Any], timeout
             [f"megatron rank {rank} is already taken: is another node running with the same --node-rank?"]
         )
     model_path = Path(offer["model_path"])
+    # The KL term's reference folder is rank 0's to name, as the model folder is: by default it is
+    # the controller's run folder (`<output-dir>/model`), which a node started without
+    # `--output-dir` cannot derive. Every rank loads it from the path rank 0 names.
+    ours, theirs = spec.get("trainer"), offer["spec"].get("trainer")
+    if isinstance(ours, dict) and isinstance(theirs, dict) and "ref_path" in theirs:
+        ours["ref_path"] = theirs["ref_path"]
     problems = _differences(offer["spec"], spec)
     if not problems and (mine := model_fingerprint(model_path)) != offer["model"]:
         problems.append(

@@ -67,7 +67,13 @@ class GenerateEngine(Protocol):
     """What the pool needs from the engines (an `EngineFleet` in production, a fake in tests)."""
 
     async def generate(
-        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str, **fields: Any
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        return_logprob: bool = True,
+        **fields: object,
     ) -> GenerateResult:
         """One `/generate` with `input_ids` and `return_logprob`; SGLang's sampling params (JSON);
         `fields`, when given, are further top-level request fields (R3 and SC: `TokenPayloads`)."""
