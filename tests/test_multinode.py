@@ -292,6 +292,7 @@ def test_a_node_started_with_another_tensor_parallel_size_stops_both_sides(tmp_p
     controller, node1 = _two_nodes(tmp_path, ("--tensor-model-parallel-size", "2"))
     assert node1.returncode == 1, node1.stderr[-4000:]
     assert "tp: rank 0 has 1, this rank has 2" in node1.stderr, node1.stderr[-4000:]
-    assert controller.returncode == 1, controller.stderr[-4000:]
+    # A setting found wrong once the run started is a config error too: exit 2 (issue 33).
+    assert controller.returncode == 2, controller.stderr[-4000:]
     assert "megatron rank 1 (node 1) refused to join" in controller.stderr, controller.stderr[-4000:]
     assert "tp: rank 0 has 1, this rank has 2" in controller.stderr
