@@ -382,10 +382,10 @@ def _records_written_back_on_error(config: Config, store: Store) -> Callable[...
     return on_exit
 
 
-def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: Store) -> MetricsSink:
-    """The metrics file plus the dashboards asked for; records rebuilt from the store go to them too."""
+def dashboard_settings(config: Config) -> SinkSettings:
+    """The dashboard flags as the sinks take them (the run and `python -m pipeline.eval` alike)."""
     o = config.output
-    settings = SinkSettings(
+    return SinkSettings(
         use_tensorboard=o.use_tensorboard,
         tensorboard_dir=o.tensorboard_dir,
         use_wandb=o.use_wandb,
@@ -395,6 +395,12 @@ def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: S
         wandb_dir=o.wandb_dir,
         wandb_run_id=o.wandb_run_id,
     )
+
+
+def _metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: Store) -> MetricsSink:
+    """The metrics file plus the dashboards asked for; records rebuilt from the store go to them too."""
+    o = config.output
+    settings = dashboard_settings(config)
     warn = log.warning
     extras = open_step_sinks(
         settings, output_dir=out, run_id=config.storage.run_id, warn=warn, config=config_to_dict(config)

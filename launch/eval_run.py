@@ -33,7 +33,7 @@ from pipeline.config import Config, config_to_dict, load_config
 from pipeline.config.derived import derived
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.evaluation import EvalLog, EvalSet, EvalSettings, eval_due, evaluate
-from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
+from pipeline.metric_sinks import open_step_sinks
 from pipeline.metrics import MetricsSink
 from stages.generator import GenerateEngine
 
@@ -235,17 +235,9 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
 
 
 def _dashboards(config: Config, out: Path) -> MetricsSink:
-    o = config.output
-    settings = SinkSettings(
-        use_tensorboard=o.use_tensorboard,
-        tensorboard_dir=o.tensorboard_dir,
-        use_wandb=o.use_wandb,
-        wandb_project=o.wandb_project,
-        wandb_group=o.wandb_group,
-        wandb_mode=wandb_mode(o.wandb_mode),
-        wandb_dir=o.wandb_dir,
-        wandb_run_id=o.wandb_run_id,
-    )
+    from launch.cli import dashboard_settings  # cli imports this module: at call time
+
+    settings = dashboard_settings(config)
     extras = open_step_sinks(
         settings, output_dir=out, run_id=config.storage.run_id, warn=log.warning, config=config_to_dict(config)
     )
