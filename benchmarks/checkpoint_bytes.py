@@ -25,11 +25,11 @@ import torch
 
 
 def _toy() -> tuple[int, int]:
+    from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
     from pipeline.checkpoints import folder_bytes
-    from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
-    from stages.tasks.tiny_model import make_model_folder
-    from stages.tasks.toy import encode
-    from stages.trainer import GRPOTrainer
+    from pipeline.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.toy import encode
+    from trainers import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

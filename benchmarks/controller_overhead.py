@@ -4,7 +4,7 @@
         [--modes sync,async] [--stores memory,lmdb-sync,lmdb-nosync] [--profile /tmp/overhead.prof]
         [--clients aiohttp,lean] [--commits single,group] [--batches single,batch] [--repeats 3]
 
-The engine is `launch.engines.instant` in its own process (pinned to `--engine-cpu`): it answers
+The engine is `engines.instant` in its own process (pinned to `--engine-cpu`): it answers
 every `/generate` at once with exactly `--tokens` tokens and their log-probs, over real HTTP. The
 trainer does nothing and publishes a placeholder path, which the instant engine accepts. So every
 second measured is the controller's own: HTTP client, JSON parsing, building samples, the stages,
@@ -61,11 +61,11 @@ from typing import Any
 import anyio
 import structlog
 
+from core.types import FinishReason, Group, PromptTask, Segment
 from launch.engine_process import start_engine
 from launch.gc_settings import settle_gc
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from pipeline.types import FinishReason, Group, PromptTask, Segment
 from stages.sglang import EngineFleet
 from storage import AsyncStore, Cursor, LmdbStore, MemoryStore
 
@@ -303,14 +303,14 @@ async def main(args: argparse.Namespace) -> None:
     await anyio.Path(work).mkdir(parents=True, exist_ok=True)
     dataset = workload(args.dataset or (args.steps + 4) * args.batch * 2, args.prompt_len)
     engine = await start_engine(
-        "instant", module="launch.engines.instant",
+        "instant", module="engines.instant",
         extra_args=["--tokens", str(args.tokens), "--finish", args.finish]
         + (["--cpu", str(args.engine_cpu)] if args.engine_cpu >= 0 else []),
     )  # fmt: skip
     if args.cpu >= 0:
         os.sched_setaffinity(0, {args.cpu})
     if args.gc == "launcher":
-        settle_gc()  # as `launch.cli` does once start-up is done
+        settle_gc()  # as `pipeline.run.cli` does once start-up is done
     if args.gc_threshold:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     if args.gc_freeze:

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from launch.engines.kv_forward import DecodeMode, KVCacheForward
-from launch.engines.seam import Row, SamplingParams
-from launch.engines.torch_model import ModelRunner
-from stages.tasks.tiny_model import make_model_folder
+from engines.kv_forward import DecodeMode, KVCacheForward
+from engines.seam import Row, SamplingParams
+from engines.torch_model import ModelRunner
+from pipeline.tasks.tiny_model import make_model_folder
 
 FUSE_OPS = False  # --fuse-ops
 
@@ -159,7 +159,7 @@ def qwen3_06b_folder(path: Path) -> Path:
     (the benchmark feeds token ids; no text is decoded)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stages.tasks.tiny_model import build_tokenizer
+    from pipeline.tasks.tiny_model import build_tokenizer
 
     config = Qwen3Config(
         vocab_size=151936,

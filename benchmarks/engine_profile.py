@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine import _prompts, _rows, qwen3_06b_folder
-from launch.engines.kv_forward import DecodeMode, KVCacheForward
-from launch.engines.torch_model import ModelRunner, draw_tokens
+from engines.kv_forward import DecodeMode, KVCacheForward
+from engines.torch_model import ModelRunner, draw_tokens
 
 
 def main(batch: int, context: int) -> None:

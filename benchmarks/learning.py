@@ -12,9 +12,9 @@ real trainer, default flags), so what is measured is what a user runs. Modes:
     async-s1    --rollout-mode async --max-staleness 1
     async       --rollout-mode async, no staleness bound
 
-Tasks: `toy` (the default task), `long-tail` (`stages.tasks.long_tail`, written as a JSONL file
+Tasks: `toy` (the default task), `long-tail` (`pipeline.tasks.long_tail`, written as a JSONL file
 and read back through --prompt-data with the toy reward) and `short-answer`
-(`stages.tasks.short_answer`: "add 3+4:" -> "7<eos>", answers of one or two digits that earn
+(`pipeline.tasks.short_answer`: "add 3+4:" -> "7<eos>", answers of one or two digits that earn
 nothing without the end token). Per task and mode it prints the mean reward over the last quarter
 of steps (mean over seeds, and its ratio to sync), the first step at which the seed-mean reward
 reaches half of sync's last-quarter reward, the longest run of consecutive steps with the mean
@@ -65,18 +65,18 @@ def _task_flags(task: str, work: Path) -> tuple[str, ...]:
     if task == "toy":
         return ()
     if task == "short-answer":
-        from stages.tasks.short_answer import short_answer_rows
+        from pipeline.tasks.short_answer import short_answer_rows
 
         path = work / "short_answer.jsonl"
         if not path.exists():
             path.write_text("".join(json.dumps(row) + "\n" for row in short_answer_rows(4096, seed=7)))
-        return ("--prompt-data", str(path), "--custom-rm-path", "stages.tasks.short_answer:short_answer_reward")
-    from stages.tasks.long_tail import long_tail_rows
+        return ("--prompt-data", str(path), "--custom-rm-path", "pipeline.tasks.short_answer:short_answer_reward")
+    from pipeline.tasks.long_tail import long_tail_rows
 
     path = work / "long_tail.jsonl"
     if not path.exists():
         path.write_text("".join(json.dumps(row) + "\n" for row in long_tail_rows(4096, seed=7)))
-    return ("--prompt-data", str(path), "--custom-rm-path", "stages.tasks.toy:toy_reward")
+    return ("--prompt-data", str(path), "--custom-rm-path", "pipeline.tasks.toy:toy_reward")
 
 
 def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[str]) -> dict[str, Any]:

@@ -33,12 +33,12 @@ import anyio
 import orjson
 import structlog
 
+from core.types import PromptTask
 from launch.engine_process import start_engine
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
 from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
-from pipeline.types import PromptTask
 from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
 
@@ -82,7 +82,7 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
     staged = ["--staged-weight-updates"] if plan.overlap_publish else []
     engine = await start_engine(
         "simulated",
-        module="launch.engines.sim",
+        module="engines.sim",
         max_running_requests=args.slots,
         extra_args=["--time-scale", str(scale), "--random-seed", str(seed), *staged, *getattr(args, "sim_flags", [])],
     )

@@ -3,7 +3,7 @@
     python -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b [--steps 8] [--timeline-dir DIR]
     python -m benchmarks.modes --engine builtin --quick          # the tiny model on the CPU, 3 steps
 
-Each mode is a real run of the launcher (`launch.cli.main`): a built-in engine process with a KV
+Each mode is a real run of the launcher (`pipeline.run.cli.main`): a built-in engine process with a KV
 cache on `--device`, the real GRPO trainer on the same device taking real training steps (not a
 fixed-time trainer), and a real publish after each step: over torch.distributed (NCCL) when the
 engine can have a GPU of its own (NCCL refuses two ranks on one GPU), else from disk. The task is
@@ -13,7 +13,7 @@ window) fits beside the trainer. Times are wall seconds.
 
 `--length-tail lognormal:-1.9,0.8` gives the real model the simulated engine's long tail: the
 engine (started here, the pipeline reaching it by `--sglang-url`) ends each sample at a length
-drawn from the simulated engine's distribution, a function of the sample (`launch/engines/
+drawn from the simulated engine's distribution, a function of the sample (`engines/
 length_tail.py`), with `--max-len` the response limit; a fourth mode, async with an overlapped
 publish, runs then too.
 
@@ -34,10 +34,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from launch.cli import main as launch_main
 from pipeline.events import read_events
+from pipeline.run.cli import main as launch_main
+from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
-from stages.tasks.tiny_model import make_model_folder
 
 MODES: dict[str, list[str]] = {
     "sync": ["--rollout-mode", "sync"],
@@ -145,7 +145,7 @@ def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tupl
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "tail-engine.log").open("wb")
-    cmd = [sys.executable, "-m", "launch.engines.builtin", "--model-path", str(model), "--port", str(port)]
+    cmd = [sys.executable, "-m", "engines.builtin", "--model-path", str(model), "--port", str(port)]
     cmd += ["--device", args.device, "--max-running-requests", "64", "--length-tail", args.length_tail]
     cmd += ["--length-tail-limit", str(args.max_len)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

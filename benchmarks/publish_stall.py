@@ -2,7 +2,7 @@
 
     python -m benchmarks.publish_stall [--steps 8] [--time-scale 0.05] [--weight-update-time 2.0]
 
-Async mode under load, against the simulated engine subprocess (`launch.engines.sim`), whose weight
+Async mode under load, against the simulated engine subprocess (`engines.sim`), whose weight
 update takes a known `--weight-update-time` engine seconds. The figures are the controller's own
 records, per step: `time/publish_gate_closed` (the clock's gate, from closing admission to opening
 it) minus `time/publish_update` (the `update_weights_from_disk` call). What is left is coordination:
@@ -75,7 +75,7 @@ class TimedFleet:
 async def run_mode(pause_mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     scale = args.time_scale
     engine = await start_engine(
-        "simulated", module="launch.engines.sim", max_running_requests=args.slots,
+        "simulated", module="engines.sim", max_running_requests=args.slots,
         extra_args=["--time-scale", str(scale), "--weight-update-time", str(args.weight_update_time)],
     )  # fmt: skip
     plan = RolloutPlan(

@@ -32,13 +32,13 @@ import anyio
 import orjson
 import torch
 
+from core.clock import VersionClock
+from core.types import PauseMode
 from launch.engine_process import start_engine
-from pipeline.clock import VersionClock
-from pipeline.types import PauseMode
-from stages.publish_distributed import DistributedWeightSender
+from pipeline.tasks.tiny_model import make_model_folder
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
-from stages.tasks.tiny_model import make_model_folder
+from stages.sglang.publish_distributed import DistributedWeightSender
 
 
 class _Stream:

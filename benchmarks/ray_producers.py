@@ -3,7 +3,7 @@
     python -m benchmarks.ray_producers [--steps 6] [--batch 16] [--group 8] [--tokens 1024]
         [--producers 1 2 4] [--stores memory,lmdb-sync] [--batches paced,mailbox] [--repeats 1]
 
-The engine is the instant engine (`launch/engines/instant.py`) in its own process: it answers at
+The engine is the instant engine (`engines/instant.py`) in its own process: it answers at
 once, so every CPU second is the pipeline's. The trainer does nothing. What is measured is the
 controller process's CPU time (all its threads: the event loop, the store's writer thread, Ray's
 driver threads) per trained sample, from the end of step 0 to the end of the last step. With
@@ -268,11 +268,11 @@ async def main(args: argparse.Namespace) -> None:
     # address="local": a cluster of its own, never one that happens to run on this machine
     ray.init(address="local", num_cpus=max(args.producers), include_dashboard=False, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="ray-producers-"))
-    engine = await start_engine("instant", module="launch.engines.instant", extra_args=["--tokens", str(args.tokens)])
+    engine = await start_engine("instant", module="engines.instant", extra_args=["--tokens", str(args.tokens)])
     if args.cpu >= 0:
         pin_process(args.cpu)
     if args.gc == "launcher":
-        settle_gc()  # as `launch.cli` does once start-up is done (and each producer does in its actor)
+        settle_gc()  # as `pipeline.run.cli` does once start-up is done (and each producer does in its actor)
     rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     load_before = os.getloadavg()
     try:

@@ -41,7 +41,7 @@ def _model(folder: Path, hidden: int, layers: int, vocab: int) -> Path:
 
 
 def _batch(n: int, prompt: int, response: int, vocab: int):
-    from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
+    from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 
     rng = random.Random(0)
     groups = []
@@ -61,8 +61,8 @@ def _batch(n: int, prompt: int, response: int, vocab: int):
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from stages.trainer import GRPOTrainer
-    from stages.trainer.loss import KLType, LossSettings
+    from trainers import GRPOTrainer
+    from trainers.loss import KLType, LossSettings
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.ref_kl_cost", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

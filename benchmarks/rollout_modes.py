@@ -25,9 +25,9 @@ import structlog
 from launch.engine_process import start_engines
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import toy_dataset, toy_reward
 from stages.sglang import EngineFleet
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import toy_dataset, toy_reward
 from storage import AsyncStore, MemoryStore
 
 

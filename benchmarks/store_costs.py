@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.columns import SamplerHeads, TokenRoutes
-from pipeline.types import FinishReason, Group, PromptTask, Sample, Segment
+from core.columns import SamplerHeads, TokenRoutes
+from core.types import FinishReason, Group, PromptTask, Sample, Segment
 from storage import Cursor, LmdbStore, MemoryStore, Store, codec
 from storage.lmdb_pages import check_data_file, walk_pages
 

@@ -31,12 +31,12 @@ from typing import Any
 import orjson
 import torch
 
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 
 
 def _model(folder: Path, tiny: bool) -> Path:
     from benchmarks.engine import qwen3_06b_folder
-    from stages.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.tiny_model import make_model_folder
 
     # The same 0.6B-shaped model the engine benchmark builds; the trainers load it in fp32.
     return make_model_folder(folder) if tiny else qwen3_06b_folder(folder)
@@ -73,7 +73,7 @@ def _time(trainer: Any, batch: Batch, steps: int, device: str) -> dict[str, floa
 def _compare(model: Path, batch: Batch, args: argparse.Namespace, dtype: str, logs: Path) -> dict[str, Any]:
     """Both backends on `batch` in `dtype`, one after the other (each freed before the next)."""
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.trainer import GRPOTrainer
+    from trainers import GRPOTrainer
 
     cuda = args.device.startswith("cuda")
     result: dict[str, Any] = {

@@ -28,7 +28,7 @@ from pipeline import (
     SampleStatus,
     Segment,
 )
-from stages.tasks.toy import encode, toy_reward
+from pipeline.tasks.toy import encode, toy_reward
 
 TURN_LEN = 12
 FEEDBACK = encode(" no!")
@@ -61,7 +61,7 @@ def last_turn_reward(task: PromptTask, sample: Sample) -> float:
 
 
 if __name__ == "__main__":
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     sys.exit(
         main(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import anyio
 
-from launch.engines.builtin import (
+from engines.builtin import (
     open_server,  # the built-in SGLang-compatible engine, in process
 )
 from pipeline import (
@@ -27,9 +27,9 @@ from pipeline import (
     RolloutMode,
     RolloutPlan,
 )
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import toy_dataset, toy_reward
-from stages.trainer import GRPOTrainer
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import toy_dataset, toy_reward
+from trainers import GRPOTrainer
 
 
 async def main(steps: int, workdir: Path) -> list[float]:

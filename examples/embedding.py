@@ -30,12 +30,12 @@ from pipeline import (
     run_pipeline,
 )
 from pipeline.metrics import MetricsSink
-from stages.trainer import GRPOTrainer
+from trainers import GRPOTrainer
 
 
 def score(task: PromptTask, sample: Sample) -> float:
     """Your reward: here the toy task's ("say b x3:" -> "bbb")."""
-    from stages.tasks.toy import toy_reward
+    from pipeline.tasks.toy import toy_reward
 
     return toy_reward(task, sample)
 
@@ -102,9 +102,9 @@ async def main(argv: Sequence[str] | None = None) -> None:
     import argparse
     from contextlib import AsyncExitStack
 
-    from launch.engines.builtin import open_server  # the built-in SGLang-compatible engine
-    from stages.tasks.tiny_model import make_model_folder
-    from stages.tasks.toy import toy_dataset
+    from engines.builtin import open_server  # the built-in SGLang-compatible engine
+    from pipeline.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.toy import toy_dataset
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)

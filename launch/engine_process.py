@@ -25,8 +25,8 @@ import aiohttp
 import anyio
 from anyio.abc import Process
 
+from core.errors import EngineUnavailableError
 from launch.orphan_guard import guarded
-from pipeline.errors import EngineUnavailableError
 
 __all__ = ["EngineProcess", "free_port", "start_engine", "start_engines"]
 
@@ -44,7 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EngineProcess:
-    """A running `python -m launch.engines.builtin`. Stop it with `stop()` or by leaving `async with`."""
+    """A running `python -m engines.builtin`. Stop it with `stop()` or by leaving `async with`."""
 
     def __init__(self, process: Process, *, host: str, port: int, log_path: Path, own_log: bool) -> None:
         self.process = process
@@ -113,11 +113,11 @@ async def start_engine(
     startup_timeout: float = 120.0,
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
-    module: str = "launch.engines.builtin",
+    module: str = "engines.builtin",
 ) -> EngineProcess:
     """Spawn a built-in engine and wait until `/health_generate` answers 200.
 
-    `module` picks the server: the built-in engine, or `launch.engines.sim` (the simulated one,
+    `module` picks the server: the built-in engine, or `engines.sim` (the simulated one,
     which takes the same flags and only reports `model_path`).
 
     Raises EngineUnavailableError if the process exits first (with its log tail) or the deadline

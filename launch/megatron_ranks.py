@@ -9,9 +9,10 @@ the torch one. On the controller's node (node 0), ranks 1..N-1 are `python -m la
 subprocesses (guarded: they die with the controller). On each other node k of a multi-node run
 (`--actor-num-nodes M`), one command started by the user,
 
-    python -m launch.megatron_ranks --node-rank K <the controller's flags, or --config the same file>
+    python -m pipeline.launch --node-rank K <the controller's flags, or --config the same file>
 
-derives the same trainer spec from the same config, starts that node's N ranks (global rank
+derives the same trainer spec from the same config (`pipeline.trainer_settings.megatron_settings`),
+starts that node's N ranks (global rank
 K*N + local, LOCAL_RANK = local) and waits for them. Every rank builds the same trainer and runs
 its `follow()` loop. They meet at rank 0's address (`--trainer-master-addr`, loopback by default;
 `--trainer-master-port`, a free port on one node): a handshake first (`trainer_group.py`: same
@@ -31,16 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from core.errors import ConfigError, PipelineError
 from launch.engine_process import free_port
 from launch.orphan_guard import guarded
 from launch.trainer_group import host_group, join_group
-from pipeline.errors import ConfigError, PipelineError
 
 if TYPE_CHECKING:  # the trainer imports megatron-core and torch: only when a rank starts
-    from pipeline.config import Config
-    from stages.trainer.megatron.trainer import MegatronTrainer
+    from trainers.megatron.trainer import MegatronTrainer
 
-__all__ = ["MegatronRanks", "init_rank", "megatron_settings", "start_megatron_trainer"]
+__all__ = ["MegatronRanks", "init_rank", "run_node", "start_megatron_trainer"]
 
 _STOP_TIMEOUT = 30.0
 # What collectives run under once the group exists (a step, a save); joining has its own timeout.
@@ -78,7 +78,7 @@ def init_rank(
 
         model_parallel_cuda_manual_seed(seed)
     else:
-        from stages.trainer.megatron.cpu_patches import apply_cpu_patches
+        from trainers.megatron.cpu_patches import apply_cpu_patches
 
         apply_cpu_patches(seed)
     return device
@@ -105,42 +105,6 @@ class MegatronRanks:
                 raise PipelineError(f"megatron rank (pid {p.pid}) exited with {p.returncode}; log {log}:\n{tail}")
 
 
-def megatron_settings(config: Config) -> dict[str, Any]:
-    """`start_megatron_trainer`'s arguments from the config (all but the model folder and log folder).
-
-    The controller and every `--node-rank` command call this on the same config, so their specs
-    agree; the handshake checks that they do."""
-    from pipeline.config import config_to_dict
-    from pipeline.config.derived import derived
-    from pipeline.trainer_settings import loss_settings
-
-    t = config.trainer
-    return {
-        "world_size": t.num_nodes * t.num_ranks,
-        "nodes": t.num_nodes,
-        "tp": t.tensor_model_parallel_size,
-        "pp": t.pipeline_model_parallel_size,
-        "device": t.device,
-        "seed": config.rollout.seed,
-        "master_addr": t.master_addr,
-        "master_port": t.master_port,
-        "join_timeout": t.join_timeout,
-        "dtype": t.dtype,
-        "loss": loss_settings(config_to_dict(config)),
-        "global_batch_size": t.global_batch_size,
-        "lr": t.lr,
-        "temperature": config.rollout.temperature,
-        "max_grad_norm": t.max_grad_norm,
-        "micro_batch_size": t.micro_batch_size,
-        "distributed_optimizer": t.use_distributed_optimizer,
-        # The KL term's reference: --ref-load, else the run's initial weights (never a resumed
-        # checkpoint's), as a string so the spec travels as JSON.
-        "ref_path": str(
-            t.ref_load or config.engine.hf_checkpoint or derived(config.output.dir, "output.dir") / "model"
-        ),
-    }
-
-
 def start_megatron_trainer(
     model_path: Path,
     *,
@@ -158,7 +122,7 @@ def start_megatron_trainer(
 ) -> MegatronTrainer:
     """Start this node's ranks 1..N-1, become rank 0, wait for every node's ranks, and return rank 0's
     `MegatronTrainer` (its `close()` stops the followers)."""
-    from stages.trainer.megatron.trainer import MegatronTrainer
+    from trainers.megatron.trainer import MegatronTrainer
 
     if world_size % nodes:
         raise ConfigError([f"{world_size} megatron ranks do not split over {nodes} nodes"])
@@ -245,7 +209,7 @@ def _rank_env(world_size: int, addr: str, port: int) -> dict[str, str]:
 
 
 def _loss_settings(raw: dict[str, Any]) -> Any:
-    from stages.trainer.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
+    from trainers.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
 
     raw = {
         **raw,
@@ -258,7 +222,7 @@ def _loss_settings(raw: dict[str, Any]) -> Any:
 
 def _rank_main(raw: str) -> None:
     """One follower rank: join, build the same trainer from rank 0's model folder, follow."""
-    from stages.trainer.megatron.trainer import MegatronTrainer
+    from trainers.megatron.trainer import MegatronTrainer
 
     payload = orjson.loads(raw)
     spec = payload["spec"]
@@ -285,41 +249,18 @@ def _rank_main(raw: str) -> None:
     MegatronTrainer(model_path, device=device, **trainer_kwargs).follow()
 
 
-def _node_main(argv: list[str]) -> int:
-    """`--node-rank K <flags>`: start node K's ranks of a multi-node run and wait for them."""
-    from pipeline.config import load_config
-
-    try:
-        node = int(argv[0])
-    except (IndexError, ValueError):
-        print(f"--node-rank needs an integer, got {argv[:1]}", file=sys.stderr)
-        return 2
-    flags = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
-    try:
-        config = load_config(flags)
-        t = config.trainer
-        if t.backend != "megatron":
-            raise ConfigError([f"--node-rank={node}: the controller's flags need --train-backend megatron"])
-        if not 0 < node < t.num_nodes:
-            raise ConfigError(
-                [
-                    f"--node-rank={node}: must be 1..{t.num_nodes - 1} for --actor-num-nodes={t.num_nodes} "
-                    "(node 0 is the controller's)"
-                ]
-            )
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    settings = megatron_settings(config)
+def run_node(node: int, settings: dict[str, Any], ranks_per_node: int) -> int:
+    """Start node `node`'s ranks of a multi-node run from the controller's `megatron_settings` and
+    wait for them (`python -m pipeline.launch --node-rank K <the controller's flags>`)."""
+    settings = dict(settings)
     group = {k: settings.pop(k) for k in ("master_addr", "master_port", "join_timeout")}
     spec = _spec(**settings)
     env = _rank_env(spec["world"], group["master_addr"], group["master_port"])
-    per_node = t.num_ranks
     processes = {
         p.pid: p
         for p in (
-            _start_rank(spec, group["join_timeout"], env, rank=node * per_node + local, local=local, stdout=None)
-            for local in range(per_node)
+            _start_rank(spec, group["join_timeout"], env, rank=node * ranks_per_node + local, local=local, stdout=None)
+            for local in range(ranks_per_node)
         )
     }
     # Wait for whichever rank ends first; one that fails takes its node's others down with it
@@ -345,7 +286,7 @@ if __name__ == "__main__":
         except PipelineError as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(1)
-    elif sys.argv[1:2] == ["--node-rank"]:
-        sys.exit(_node_main(sys.argv[2:]))
     else:
-        sys.exit("usage: python -m launch.megatron_ranks --node-rank K <the controller's pipeline.launch flags>")
+        sys.exit(
+            "a rank process of a megatron run; another node's ranks: python -m pipeline.launch --node-rank K <flags>"
+        )

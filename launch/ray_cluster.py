@@ -31,11 +31,11 @@ import anyio
 import orjson
 import structlog
 
+from core.errors import PipelineError
 from launch.gc_settings import settle_gc
 from launch.ray_mailbox import Mailbox
 from launch.ray_producer import ProducerCore, ProducerSpec
 from launch.ray_producers import DEFAULT_TAKES_PER_SECOND, ProducerHandle, RayProducers
-from pipeline.errors import PipelineError
 from stages.admission import Admission
 from storage import AsyncStore
 

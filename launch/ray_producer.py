@@ -1,4 +1,4 @@
-"""One producer: the generator pool, reward and filter of `pipeline.producers.LocalProducers`, run
+"""One producer: the generator pool, reward and filter of `stages.producers.LocalProducers`, run
 inside a Ray actor on its node, with no store of its own.
 
     controller ── submit_many(group bytes) ─► inbox ─► pool ─► reward ─► filter ─┐
@@ -35,13 +35,13 @@ import anyio
 import orjson
 from anyio.abc import TaskStatus
 
-from pipeline.clock import VersionClock
-from pipeline.plugins import resolve_function
-from pipeline.producers import LocalProducers
-from pipeline.types import Group, PauseMode, SampleStatus
+from core.clock import VersionClock
+from core.types import Group, PauseMode, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.filter import FilterStage
 from stages.generator import GeneratorPool
+from stages.plugins import resolve_function
+from stages.producers import LocalProducers
 from stages.reward import RewardStage
 from stages.sglang import EngineFleet
 from stages.sglang.payloads import TokenPayloads
@@ -187,7 +187,7 @@ def where() -> str:
 
 
 def _resolve(path: str | None, what: str, node: str) -> Callable[..., Any] | None:
-    from pipeline.errors import PluginError
+    from core.errors import PluginError
 
     if path is None:
         return None

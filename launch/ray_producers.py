@@ -7,7 +7,7 @@ work from the controller's store (issue 13).
                                                                 heartbeats renew p's leases
 
 The controller stays the single store writer and the single version clock; this is the
-`pipeline.producers.Producers` the graph hands groups to. The rules that keep work exactly-once:
+`stages.producers.Producers` the graph hands groups to. The rules that keep work exactly-once:
 
 - A group handed to producer p is leased to p (`Store.hand_over_groups`), expiring `lease_seconds` after
   p's last answered heartbeat (`renew_leases`). A producer that dies or stops answering is lost:
@@ -54,9 +54,9 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from core.errors import PipelineError
+from core.types import Group, PauseMode
 from launch.ray_producer import ResultKind
-from pipeline.errors import PipelineError
-from pipeline.types import Group, PauseMode
 from stages.admission import Admission, Outcome
 from stages.filter import FilterStatistics
 from stages.generator import GeneratorStatistics

@@ -33,9 +33,9 @@ import anyio
 import anyio.abc
 import orjson
 
+from core.errors import EngineError, EngineUnavailableError
 from launch.engine_process import free_port
 from launch.orphan_guard import guarded
-from pipeline.errors import EngineError, EngineUnavailableError
 
 __all__ = ["RouterProcess", "free_port", "start_router"]
 

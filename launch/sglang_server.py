@@ -23,8 +23,8 @@ from typing import Any
 
 import anyio
 
+from core.errors import ConfigError
 from launch.engine_process import EngineProcess, start_engine
-from pipeline.errors import ConfigError
 
 __all__ = ["engine_devices", "sglang_command_args", "start_sglang_servers"]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.errors import ConfigError, PipelineError
+from core.errors import ConfigError, PipelineError
 
 __all__ = ["fingerprint", "host_group", "join_group", "model_fingerprint"]
 
@@ -73,7 +73,7 @@ def host_group(
             reason = (
                 f"the trainer group did not form within {timeout:g} s (--trainer-join-timeout) at {addr}:{port}, "
                 f"world size {world}: ranks {missing} never joined (nodes {nodes}; start "
-                "`python -m launch.megatron_ranks --node-rank K <the controller's flags>` on each, "
+                "`python -m pipeline.launch --node-rank K <the controller's flags>` on each, "
                 "and check that they reach this address)"
             )
             store.set("trainer/go", reason)

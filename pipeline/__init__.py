@@ -1,16 +1,50 @@
 """An asyncio rollout pipeline for LLM reinforcement learning.
 
-The public surface, importable from `pipeline` directly: the vocabulary (samples, groups, spans),
-running it (`run_pipeline`, or `Rollout` inside your own loop), agents (`Agent`, `AgentContext`),
-the engine seam (`Engines`, `GenerateEngine`, `WeightTarget`, `GenerateResult`, `EngineFleet`),
-stores, and the errors. Names load on first use, so that `storage` and `stages` can import
-`pipeline.types` without pulling in the controller.
+The public surface, importable from `pipeline` directly: the vocabulary (samples, groups, spans,
+the version clock, the errors; their home is `core`), running it (`run_pipeline`, or `Rollout`
+inside your own loop), agents (`Agent`, `AgentContext`), the engine seam (`Engines`,
+`GenerateEngine`, `WeightTarget`, `GenerateResult`, `EngineFleet`) and the stores.
+Everything else is reached by its module; `tests/test_public_api.py` holds this list.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from core.clock import VersionClock
+from core.errors import (
+    AgentError,
+    AgentInterrupted,
+    AgentStateError,
+    ConfigError,
+    EngineError,
+    EngineUnavailableError,
+    GroupsFailingError,
+    PipelineError,
+    PluginError,
+    PublishError,
+    StoreError,
+    VersionMismatchError,
+)
+from core.types import (
+    Batch,
+    FinishReason,
+    Group,
+    PauseMode,
+    PromptTask,
+    RolloutMode,
+    Sample,
+    SampleStatus,
+    Segment,
+    StoreTransport,
+    VersionSpan,
+)
+from pipeline.config import Config, load_config
+from pipeline.controller import Engines, RolloutPlan, RunSummary, Trainer, run_pipeline
+from pipeline.session import Rollout
+from stages.agent import Agent, AgentContext, Turn
+from stages.generator import GenerateEngine
+from stages.publisher import PublishReport, WeightTarget
+from stages.sglang import EngineFleet, GenerateResult
+from storage import AsyncStore, LmdbStore, MemoryStore
 
 __all__ = [
     "Agent",
@@ -57,60 +91,3 @@ __all__ = [
     "load_config",
     "run_pipeline",
 ]
-
-_HOME = {
-    "Batch": "pipeline.types",
-    "FinishReason": "pipeline.types",
-    "Group": "pipeline.types",
-    "PromptTask": "pipeline.types",
-    "Sample": "pipeline.types",
-    "SampleStatus": "pipeline.types",
-    "Segment": "pipeline.types",
-    "VersionSpan": "pipeline.types",
-    "PauseMode": "pipeline.types",
-    "RolloutMode": "pipeline.types",
-    "StoreTransport": "pipeline.types",
-    "VersionClock": "pipeline.clock",
-    "Config": "pipeline.config",
-    "load_config": "pipeline.config",
-    "RolloutPlan": "pipeline.controller",
-    "RunSummary": "pipeline.controller",
-    "Trainer": "pipeline.controller",
-    "run_pipeline": "pipeline.controller",
-    # issue 9: agents, embedding, the engine seam, stores and errors
-    "Agent": "stages.agent",
-    "AgentContext": "stages.agent",
-    "Turn": "stages.agent",
-    "Rollout": "pipeline.session",
-    "Engines": "pipeline.controller",
-    "GenerateEngine": "stages.generator",
-    "WeightTarget": "stages.publisher",
-    "PublishReport": "stages.publisher",
-    "GenerateResult": "stages.sglang",
-    "EngineFleet": "stages.sglang",
-    "AsyncStore": "storage",
-    "MemoryStore": "storage",
-    "LmdbStore": "storage",
-    "PipelineError": "pipeline.errors",
-    "ConfigError": "pipeline.errors",
-    "PluginError": "pipeline.errors",
-    "StoreError": "pipeline.errors",
-    "EngineError": "pipeline.errors",
-    "EngineUnavailableError": "pipeline.errors",
-    "VersionMismatchError": "pipeline.errors",
-    "PublishError": "pipeline.errors",
-    "GroupsFailingError": "pipeline.errors",
-    "AgentError": "pipeline.errors",
-    "AgentStateError": "pipeline.errors",
-    "AgentInterrupted": "pipeline.errors",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOME[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from pipeline.errors import ConfigError, StoreError
+from core.errors import ConfigError, StoreError
 from stages.publisher import WeightTarget, WeightTransfer, publish_weights
 
 if TYPE_CHECKING:
-    from pipeline.clock import VersionClock
+    from core.clock import VersionClock
     from pipeline.controller import RolloutPlan, Trainer
     from storage import AsyncStore
 
@@ -60,7 +60,7 @@ log = structlog.get_logger("pipeline")
 
 CHECKPOINTS_DIR = "checkpoints"
 PUBLISH_DIR = "weights"
-_OPTIMIZER_DIR = "optimizer"  # stages.trainer.checkpoint.OPTIMIZER_DIR; both backends write it
+_OPTIMIZER_DIR = "optimizer"  # trainers.checkpoint.OPTIMIZER_DIR; both backends write it
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,14 +31,13 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from core.clock import VersionClock
+from core.errors import ConfigError, EngineError
+from core.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from pipeline.checkpoints import CheckpointPolicy, StepSaver, replay_then_publish
-from pipeline.clock import VersionClock
-from pipeline.errors import ConfigError, EngineError
 from pipeline.events import EventLog
 from pipeline.metric_names import engine_load_metrics, slime_aliases, throughput_metrics
 from pipeline.metrics import GroupTimes, MetricsSink, batch_metrics
-from pipeline.producers import LocalProducers, Producers, ProducersFactory
-from pipeline.types import Batch, Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission, Outcome
 from stages.agent import Agent
 from stages.collector import Collector
@@ -46,6 +45,7 @@ from stages.continuation import Detokenize
 from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GenerateEngine, GeneratorPool
+from stages.producers import LocalProducers, Producers, ProducersFactory
 from stages.publisher import WeightTarget, WeightTransfer
 from stages.reward import RewardFn, RewardStage
 from stages.sglang.payloads import TokenPayloads

@@ -36,8 +36,8 @@ import anyio
 import orjson
 import structlog
 
-from pipeline.errors import EngineError
-from pipeline.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
+from core.errors import EngineError
+from core.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
 from stages.generator import GenerateEngine
 from stages.reward import RewardFn
 

@@ -1,12 +1,8 @@
-"""`python -m pipeline.launch --help`: run the rollout pipeline (see launch/cli.py).
-
-The one place `pipeline` reaches into `launch`: the entry point the README promises, kept as a shim
-so the import direction (launch -> pipeline -> stages -> storage) holds everywhere else.
-"""
+"""`python -m pipeline.launch --help`: run the rollout pipeline (the CLI is `pipeline/run/cli.py`)."""
 
 if __name__ == "__main__":
     import sys
 
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     sys.exit(main())

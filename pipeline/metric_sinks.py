@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.errors import ConfigError
+from core.errors import ConfigError
 from pipeline.metrics import StepSink
 
 __all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars", "wandb_mode"]

@@ -28,7 +28,7 @@ from typing import IO, Any, Protocol
 import orjson
 import structlog
 
-from pipeline.types import Batch, SampleStatus
+from core.types import Batch, SampleStatus
 
 __all__ = [
     "AFTER_COMMIT",

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
+from core.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from pipeline.trainer_settings import build_trainer
 from storage import GroupState, LmdbStore, RunMeta

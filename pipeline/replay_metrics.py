@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import orjson
 
-from pipeline.errors import ReplayError
+from core.errors import ReplayError
 from pipeline.metrics import AFTER_COMMIT, AFTER_COMMIT_PREFIXES
 
 __all__ = ["DEFAULT_COLUMNS", "MetricsTable", "compare_metrics", "format_metrics", "write_csv"]

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.columns import NO_ROUTE
-from pipeline.errors import CorruptRecordError
-from pipeline.types import Batch, Group, Sample
+from core.columns import NO_ROUTE
+from core.errors import CorruptRecordError
+from core.types import Batch, Group, Sample
 from storage import Cursor, GroupState, RunMeta, Store
 
 __all__ = ["RunSummary", "format_group", "format_summary", "group_record", "recorded_batches", "summarize"]

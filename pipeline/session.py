@@ -26,7 +26,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pipeline.clock import VersionClock
+from core.clock import VersionClock
+from core.errors import ConfigError, EngineError, PipelineError
+from core.types import Batch, PromptTask, RolloutMode
 from pipeline.controller import (
     Engines,
     RolloutPlan,
@@ -36,12 +38,10 @@ from pipeline.controller import (
     _step_counters,
     _Training,
 )
-from pipeline.errors import ConfigError, EngineError, PipelineError
 from pipeline.events import EventLog
-from pipeline.producers import ProducersFactory
-from pipeline.types import Batch, PromptTask, RolloutMode
 from stages.agent import Agent
 from stages.continuation import Detokenize, sampling_problems
+from stages.producers import ProducersFactory
 from stages.publisher import PublishReport, WeightTransfer, publish_weights
 from stages.reward import RewardFn
 from storage import AsyncStore

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ReplayError
+from core.errors import ReplayError
 from pipeline.events import read_events
 
 __all__ = ["EVENTS_FILE", "render_timeline", "slot_busy_fraction", "work_span", "write_html"]

@@ -12,13 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import RolloutConfig, TrainerConfig, section_from_dict
+from pipeline.config import Config, RolloutConfig, TrainerConfig, config_to_dict, section_from_dict
+from pipeline.config.derived import derived
 
 if TYPE_CHECKING:
-    from stages.trainer import GRPOTrainer
-    from stages.trainer.loss import LossSettings
+    from trainers import GRPOTrainer
+    from trainers.loss import LossSettings
 
-__all__ = ["build_trainer", "loss_settings"]
+__all__ = ["build_trainer", "loss_settings", "megatron_settings"]
 
 
 def _sections(config: Mapping[str, Mapping[str, Any]]) -> tuple[TrainerConfig, RolloutConfig]:
@@ -29,8 +30,8 @@ def _sections(config: Mapping[str, Mapping[str, Any]]) -> tuple[TrainerConfig, R
 
 
 def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
-    """The `LossSettings` the config asks for (see `stages.trainer.loss`)."""
-    from stages.trainer.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
+    """The `LossSettings` the config asks for (see `trainers.loss`)."""
+    from trainers.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
 
     t, r = _sections(config)
     return LossSettings(
@@ -69,7 +70,7 @@ def build_trainer(
 
     `initial_model`: the run's starting weights, the KL term's reference unless `--ref-load` names
     another (None: `model_dir`, right for a trainer that starts from the initial weights)."""
-    from stages.trainer import GRPOTrainer
+    from trainers import GRPOTrainer
 
     t, r = _sections(config)
     return GRPOTrainer(
@@ -85,3 +86,35 @@ def build_trainer(
         num_threads=num_threads,
         ref_path=t.ref_load or initial_model or model_dir,
     )
+
+
+def megatron_settings(config: Config) -> dict[str, Any]:
+    """`start_megatron_trainer`'s arguments from the config (all but the model folder and log folder).
+
+    The controller and every `--node-rank` command call this on the same config, so their specs
+    agree; the handshake checks that they do."""
+    t = config.trainer
+    return {
+        "world_size": t.num_nodes * t.num_ranks,
+        "nodes": t.num_nodes,
+        "tp": t.tensor_model_parallel_size,
+        "pp": t.pipeline_model_parallel_size,
+        "device": t.device,
+        "seed": config.rollout.seed,
+        "master_addr": t.master_addr,
+        "master_port": t.master_port,
+        "join_timeout": t.join_timeout,
+        "dtype": t.dtype,
+        "loss": loss_settings(config_to_dict(config)),
+        "global_batch_size": t.global_batch_size,
+        "lr": t.lr,
+        "temperature": config.rollout.temperature,
+        "max_grad_norm": t.max_grad_norm,
+        "micro_batch_size": t.micro_batch_size,
+        "distributed_optimizer": t.use_distributed_optimizer,
+        # The KL term's reference: --ref-load, else the run's initial weights (never a resumed
+        # checkpoint's), as a string so the spec travels as JSON.
+        "ref_path": str(
+            t.ref_load or config.engine.hf_checkpoint or derived(config.output.dir, "output.dir") / "model"
+        ),
+    }

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import anyio
 
-from pipeline.errors import GroupsFailingError
-from pipeline.types import Group
+from core.errors import GroupsFailingError
+from core.types import Group
 
 __all__ = ["Admission", "AdmissionStatistics", "Outcome"]
 

@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.lowlevel
 
-from pipeline.columns import LogProbs, TokenIds
-from pipeline.errors import (
+from core.columns import LogProbs, TokenIds
+from core.errors import (
     AgentError,
     AgentInterrupted,
     AgentStateError,
     EngineUnavailableError,
 )
-from pipeline.types import FinishReason, Group, Sample, SampleStatus
+from core.types import FinishReason, Group, Sample, SampleStatus
 from stages.continuation import N_RULE, Detokenize
 from stages.failures import first_traceback
 

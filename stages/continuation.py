@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipeline.types import FinishReason, Segment, VersionSpan
+from core.types import FinishReason, Segment, VersionSpan
 
 __all__ = [
     "N_RULE",

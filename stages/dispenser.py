@@ -21,8 +21,8 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from pipeline.clock import VersionClock
-from pipeline.types import Group, PromptTask
+from core.clock import VersionClock
+from core.types import Group, PromptTask
 from stages.admission import Admission
 from storage import AsyncStore, Cursor
 

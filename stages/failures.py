@@ -18,7 +18,7 @@ import traceback
 
 import structlog
 
-from pipeline.types import Group, SampleStatus
+from core.types import Group, SampleStatus
 
 __all__ = ["FailureLog", "first_traceback"]
 

@@ -19,7 +19,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.types import Group
+from core.types import Group
 from stages.admission import Admission, Outcome
 from stages.streams import drain_nowait
 from storage import AsyncStore

@@ -37,10 +37,10 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.clock import VersionClock
-from pipeline.columns import LogProbs, TokenIds
-from pipeline.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
-from pipeline.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
+from core.clock import VersionClock
+from core.columns import LogProbs, TokenIds
+from core.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
+from core.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
 from stages.agent import Agent, AgentContext, agent_name, run_agent_sample
 from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings

@@ -20,9 +20,9 @@ from typing import Protocol
 import anyio
 import structlog
 
-from pipeline.clock import VersionClock
-from pipeline.errors import EngineError, EngineUnavailableError, PublishError
-from pipeline.types import PauseMode
+from core.clock import VersionClock
+from core.errors import EngineError, EngineUnavailableError, PublishError
+from core.types import PauseMode
 
 __all__ = ["AdmissionGates", "PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
 

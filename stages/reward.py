@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.types import Group, PromptTask, Sample, SampleStatus
+from core.types import Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.failures import FailureLog, first_traceback
 from storage import AsyncStore

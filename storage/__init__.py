@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipeline.types import StoreTransport
+from core.types import StoreTransport
 
 from .async_store import AsyncStore
 from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
@@ -57,7 +57,7 @@ __all__ = [
     "unreadable_reason",
 ]
 
-TRANSPORTS = tuple(StoreTransport)  # the one spelling is pipeline.types.StoreTransport
+TRANSPORTS = tuple(StoreTransport)  # the one spelling is core.types.StoreTransport
 
 
 def open_store(transport: StoreTransport | str, path: str | os.PathLike[str] | None, **kw: Any) -> Store:

@@ -32,8 +32,8 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from pipeline.errors import StoreError
-from pipeline.types import Batch, Group
+from core.errors import StoreError
+from core.types import Batch, Group
 
 from .memory import MemoryStore
 from .protocol import (

@@ -4,7 +4,7 @@ Every record is a msgpack array that starts `[SCHEMA_VERSION, kind, ...]`, so a 
 schema or another kind is refused instead of misread. Per-token arrays are packed as raw
 little-endian bytes (response and prompt ids int32, log-probs float64 so they round-trip bit for
 bit, loss mask uint8, or nil when it is all ones): the smallest form, and a sample's columns
-(`pipeline.columns`) are already arrays of exactly that layout, so each is written and read back
+(`core.columns`) are already arrays of exactly that layout, so each is written and read back
 with one copy. Prompt ids stay tuples (one per group) and are packed the same way.
 R3 routes and SC sampler heads, where a sample has them, are a 13th sample field: their rows'
 bytes with their shape, wrapped on read without a further copy (`TokenRoutes`, `SamplerHeads`).
@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from pipeline.columns import LogProbs, LossMask, SamplerHeads, TokenIds, TokenRoutes
-from pipeline.errors import CorruptRecordError, StoreError
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
+from core.columns import LogProbs, LossMask, SamplerHeads, TokenIds, TokenRoutes
+from core.errors import CorruptRecordError, StoreError
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
 
 from .protocol import SCHEMA_VERSION, Cursor, RunMeta
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, StoreError
+from core.errors import ConfigError, StoreError
 
 __all__ = [
     "NETWORK_FILESYSTEMS",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import struct
 
-from pipeline.errors import CorruptRecordError, StoreError
+from core.errors import CorruptRecordError, StoreError
 
 from .protocol import GroupState
 

@@ -57,14 +57,14 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from pipeline.errors import (
+from core.errors import (
     CorruptRecordError,
     IncompatibleStoreError,
     StoreCorruptionError,
     StoreError,
     StoreLockedError,
 )
-from pipeline.types import Batch, Group
+from core.types import Batch, Group
 
 from . import codec, keys
 from . import transitions as tr

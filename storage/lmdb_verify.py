@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import lmdb
 
-from pipeline.errors import StoreError
+from core.errors import StoreError
 
 from . import codec, keys
 from .migrate import SEALED_DATABASES, Databases, counter_problems

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pipeline.errors import CorruptRecordError, IncompatibleStoreError, StoreError
-from pipeline.types import Batch, Group
+from core.errors import CorruptRecordError, IncompatibleStoreError, StoreError
+from core.types import Batch, Group
 
 from . import keys
 from . import transitions as tr

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import lmdb
 
-from pipeline.errors import CorruptRecordError
+from core.errors import CorruptRecordError
 
 from . import keys
 from .protocol import GroupState

@@ -51,8 +51,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import orjson
 
-from pipeline.errors import CorruptRecordError
-from pipeline.types import Batch, Group
+from core.errors import CorruptRecordError
+from core.types import Batch, Group
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import lmdb
 
-from pipeline.errors import (
+from core.errors import (
     IncompatibleStoreError,
     StoreCorruptionError,
     StoreError,
     StoreLockedError,
 )
-from pipeline.types import Group
+from core.types import Group
 
 from . import codec, keys
 from .lmdb_pages import check_data_file, meta_page_size, walk_pages

@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from pipeline.errors import CorruptRecordError
+from core.errors import CorruptRecordError
 
 __all__ = ["LAYOUT_VERSION", "LEGACY_LAYOUT", "OVERHEAD", "seal", "unseal"]
 

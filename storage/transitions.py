@@ -37,8 +37,8 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 
-from pipeline.errors import StoreError
-from pipeline.types import Group
+from core.errors import StoreError
+from core.types import Group
 
 from .protocol import GroupState
 

@@ -21,10 +21,10 @@ def main(out: Path, dtype: str) -> None:
 
     from launch.engine_process import free_port
     from launch.megatron_ranks import init_rank
-    from stages.tasks.tiny_model import make_model_folder
-    from stages.trainer import GRPOTrainer
-    from stages.trainer.megatron.trainer import MegatronTrainer
+    from pipeline.tasks.tiny_model import make_model_folder
     from tests.megatron_check import fixed_batch
+    from trainers import GRPOTrainer
+    from trainers.megatron.trainer import MegatronTrainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     device = init_rank(rank=0, world_size=1, tp=1, device="cuda")

@@ -16,9 +16,9 @@ import orjson
 
 
 def fixed_batch(reference, shift: float = 0.0):
-    from pipeline.types import Batch, FinishReason, Group, Sample, Segment
-    from stages.tasks.tiny_model import EOS_ID
-    from stages.tasks.toy import encode, toy_dataset
+    from core.types import Batch, FinishReason, Group, Sample, Segment
+    from pipeline.tasks.tiny_model import EOS_ID
+    from pipeline.tasks.toy import encode, toy_dataset
 
     groups = []
     for g, task in enumerate(toy_dataset(2, seed=0)):
@@ -61,7 +61,7 @@ VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on b
 
 
 def _settings(variant: str):
-    from stages.trainer.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
+    from trainers.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
 
     raw = dict(VARIANTS[variant])
     if "correction" in raw:
@@ -86,8 +86,8 @@ def main(
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.tasks.tiny_model import make_model_folder
-    from stages.trainer import GRPOTrainer
+    from pipeline.tasks.tiny_model import make_model_folder
+    from trainers import GRPOTrainer
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)

@@ -23,14 +23,14 @@ def main(out: Path, name: str, world: int, tp: int, pp: int, start: Path | None,
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.tiny_model import make_model_folder
     from tests.megatron_check import fixed_batch
 
     if start is None:
         start = out / "model" if (out / "model" / "config.json").exists() else make_model_folder(out / "model")
     extra = {}
     if loss == "kl":
-        from stages.trainer.loss import KLType, LossSettings
+        from trainers.loss import KLType, LossSettings
 
         ref = out / "ref" if (out / "ref" / "config.json").exists() else make_model_folder(out / "ref", seed=7)
         settings = LossSettings(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type=KLType.K3, entropy_coef=0.05)

@@ -20,7 +20,7 @@ import orjson
 import torch
 
 if TYPE_CHECKING:
-    from stages.trainer.megatron.trainer import MegatronTrainer
+    from trainers.megatron.trainer import MegatronTrainer
 
 
 async def _live(http: aiohttp.ClientSession, url: str, name: str) -> torch.Tensor:
@@ -33,8 +33,8 @@ async def _publish(out: Path, model: Path, trainer: MegatronTrainer) -> dict[str
     from safetensors.torch import load_file
 
     from launch.engine_process import start_engines
-    from stages.publish_distributed import DistributedWeightSender
     from stages.sglang.fleet import EngineFleet
+    from stages.sglang.publish_distributed import DistributedWeightSender
     from tests.megatron_check import fixed_batch
 
     (engine,) = await start_engines(1, model, log_dir=out / "logs", startup_timeout=120)
@@ -78,7 +78,7 @@ async def _publish(out: Path, model: Path, trainer: MegatronTrainer) -> dict[str
 
 def main(out: Path, world: int, tp: int) -> None:
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.tiny_model import make_model_folder
 
     model = make_model_folder(out / "model")
     trainer = start_megatron_trainer(model, world_size=world, tp=tp, log_dir=out / "logs", lr=1e-2)

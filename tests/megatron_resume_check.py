@@ -19,7 +19,7 @@ def main(out: Path, mode: str) -> None:
     from safetensors.torch import load_file
 
     from launch.megatron_ranks import start_megatron_trainer
-    from stages.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.tiny_model import make_model_folder
     from tests.megatron_check import fixed_batch
 
     start = make_model_folder(out / "model") if mode == "train" else out / "v1"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import anyio
 
-from pipeline.clock import VersionClock
+from core.clock import VersionClock
 from stages.sglang import EngineFleet
 from storage import LmdbStore
 from tests.fakes import FakeSGLang

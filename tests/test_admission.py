@@ -3,8 +3,8 @@ import dataclasses
 import anyio
 import pytest
 
-from pipeline.errors import GroupsFailingError
-from pipeline.types import Group, PromptTask, SampleStatus
+from core.errors import GroupsFailingError
+from core.types import Group, PromptTask, SampleStatus
 from stages.admission import Admission, Outcome
 
 pytestmark = pytest.mark.anyio

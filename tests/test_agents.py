@@ -17,17 +17,17 @@ from typing import Any
 import anyio
 import pytest
 
-from launch.engines.builtin import open_server
-from pipeline.clock import VersionClock
-from pipeline.types import Group, PromptTask, Sample, SampleStatus
+from core.clock import VersionClock
+from core.types import Group, PromptTask, Sample, SampleStatus
+from engines.builtin import open_server
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import encode
 from stages.admission import Admission
 from stages.agent import AGENT_KEY, Agent, AgentContext
 from stages.collector import Collector
 from stages.dispenser import Dispenser
 from stages.generator import GeneratorPool
 from stages.sglang import EngineFleet, GenerateResult
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import encode
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 
 pytestmark = pytest.mark.anyio
@@ -308,8 +308,8 @@ async def test_agent_failures_are_recorded_on_the_sample_and_the_pool_keeps_goin
 
 
 def test_the_agent_flag_resolves_at_config_load_and_a_bad_path_names_the_flag() -> None:
+    from core.errors import ConfigError
     from pipeline.config import load_config
-    from pipeline.errors import ConfigError
 
     config = load_config(["--custom-generate-function-path", "tests.test_agents:scripted"])
     assert config.data.agent_fn is scripted

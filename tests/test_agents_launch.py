@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launch.cli import main
-from pipeline.types import Sample, SampleStatus
+from core.types import Sample, SampleStatus
+from pipeline.run.cli import main
+from pipeline.tasks.tool_task import CALL_TURN_LEN, model_turns
+from pipeline.tasks.toy import encode
 from stages.agent import AGENT_KEY
-from stages.tasks.tool_task import CALL_TURN_LEN, model_turns
-from stages.tasks.toy import encode
 from storage import GroupState, LmdbStore
 from tests.test_fault_injection import (
     BATCH,

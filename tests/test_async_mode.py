@@ -14,11 +14,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline.clock import VersionClock
+from core.clock import VersionClock
+from core.errors import EngineUnavailableError, PublishError, StoreError
+from core.types import PromptTask, SampleStatus, VersionSpan
 from pipeline.controller import RolloutPlan, run_pipeline
-from pipeline.errors import EngineUnavailableError, PublishError, StoreError
 from pipeline.metrics import MetricsSink
-from pipeline.types import PromptTask, SampleStatus, VersionSpan
 from stages.admission import Admission
 from stages.collector import Collector
 from stages.dispenser import Dispenser

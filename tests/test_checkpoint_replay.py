@@ -15,6 +15,8 @@ import anyio
 import pytest
 import torch
 
+from core.errors import ConfigError, StoreError
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.checkpoints import (
     CheckpointPolicy,
     checkpoint_versions,
@@ -23,12 +25,10 @@ from pipeline.checkpoints import (
     replay_stored_batches,
     save_step,
 )
-from pipeline.errors import ConfigError, StoreError
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import encode
-from stages.trainer import GRPOTrainer
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import encode
 from storage import AsyncStore, Cursor, LmdbStore
+from trainers import GRPOTrainer
 
 STEPS = 6
 GROUPS = 2
@@ -212,7 +212,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_no_te
     temporary folder is gone, and the previous checkpoint still loads."""
     import errno
 
-    import stages.trainer.grpo as grpo
+    import trainers.grpo as grpo
 
     trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
     trainer.train_step(Batch(0, (_group(0, 0), _group(1, 0))))

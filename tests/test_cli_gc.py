@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from launch.cli import _garbage_collector
+from pipeline.run.cli import _garbage_collector
 
 pytestmark = pytest.mark.anyio
 

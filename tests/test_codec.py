@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import CorruptRecordError, StoreError
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Segment
+from core.errors import CorruptRecordError, StoreError
+from core.types import Batch, FinishReason, Group, PromptTask, Segment
 from storage import Cursor, RunMeta
 from storage.codec import (
     decode_batch,

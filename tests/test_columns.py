@@ -12,9 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.columns import LogProbs, LossMask, TokenIds
-from pipeline.types import FinishReason, Sample, Segment, VersionSpan
-from stages.trainer.columns import column_tensor
+from core.columns import LogProbs, LossMask, TokenIds
+from core.types import FinishReason, Sample, Segment, VersionSpan
+from trainers.columns import column_tensor
 
 int32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40)
 floats = st.lists(st.floats(allow_nan=False), max_size=40)

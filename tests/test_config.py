@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ConfigError, PluginError
+from core.types import PauseMode, RolloutMode, StoreTransport
 from pipeline.config import (
     Config,
     EngineConfig,
@@ -28,9 +30,7 @@ from pipeline.config.load import load_step
 from pipeline.config.parsing import read_argv
 from pipeline.config.rules import check_bounds, check_rules
 from pipeline.controller import RolloutPlan
-from pipeline.errors import ConfigError, PluginError
-from pipeline.plugins import resolve_function, split_path
-from pipeline.types import PauseMode, RolloutMode, StoreTransport
+from stages.plugins import resolve_function, split_path
 
 # Plugins referenced by path from the tests below.
 

@@ -9,11 +9,9 @@ import math
 import anyio
 import pytest
 
-from pipeline.clock import VersionClock
-from pipeline.config import load_config
-from pipeline.controller import RolloutPlan, run_pipeline
-from pipeline.errors import ConfigError
-from pipeline.types import (
+from core.clock import VersionClock
+from core.errors import ConfigError
+from core.types import (
     FinishReason,
     Group,
     PromptTask,
@@ -21,6 +19,8 @@ from pipeline.types import (
     Segment,
     VersionSpan,
 )
+from pipeline.config import load_config
+from pipeline.controller import RolloutPlan, run_pipeline
 from stages.admission import Admission
 from stages.collector import Collector
 from stages.continuation import (

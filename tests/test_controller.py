@@ -14,9 +14,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from core.types import Batch, PromptTask, SampleStatus
 from pipeline.controller import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from pipeline.types import Batch, PromptTask, SampleStatus
 from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 from tests.fakes import FakeSGLang

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
 from pipeline import plot, replay
 from pipeline.config import load_config
+from pipeline.run.cli import main
 
 SMALL = ("--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4")
 SMALL += ("--num-prompts", "16", "--num-rollout", "2")

@@ -1,4 +1,4 @@
-"""Damaged stores through the real launcher (`launch.cli.main`), as a user meets them: run 3 steps,
+"""Damaged stores through the real launcher (`pipeline.run.cli.main`), as a user meets them: run 3 steps,
 damage `data.mdb` as a disk or a copy would, run the same command for 5 steps.
 
 A store that does not open (a meta page, a truncated file, a newer layout) is moved aside
@@ -18,9 +18,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from launch.cli import main as launch
+from core.types import Group, PromptTask
 from pipeline.replay import main as replay
-from pipeline.types import Group, PromptTask
+from pipeline.run.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore, keys
 from storage.migrate import layout_value
 from storage.seal import OVERHEAD

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError, StoreError
+from core.errors import ConfigError, StoreError
 from storage import LmdbStore, open_store
 from storage.declaration import (
     PROFILES,

@@ -14,8 +14,8 @@ import sys
 import orjson
 import pytest
 
+from core.errors import ConfigError
 from pipeline.config import load_config
-from pipeline.errors import ConfigError
 from tests.test_megatron import ROOT, _launch
 
 

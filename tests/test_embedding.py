@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from core.types import Group, PromptTask, Sample
 from pipeline import (
     Agent,
     AgentContext,
@@ -21,7 +22,6 @@ from pipeline import (
     RolloutMode,
     RolloutPlan,
 )
-from pipeline.types import Group, PromptTask, Sample
 from storage import Cursor, GroupState
 from tests.fakes import FakeSGLang
 

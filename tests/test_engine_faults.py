@@ -17,16 +17,16 @@ from pathlib import Path
 import anyio
 import pytest
 
+from core.clock import VersionClock
+from core.errors import EngineError, EngineUnavailableError
+from core.types import FinishReason, PauseMode
 from launch.engine_process import start_engines
 from launch.engine_restart import ManagedEngines
 from launch.router_process import RouterProcess, start_router
-from pipeline.clock import VersionClock
-from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import FinishReason, PauseMode
+from pipeline.tasks.tiny_model import make_model_folder
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
-from stages.tasks.tiny_model import make_model_folder
 
 pytestmark = pytest.mark.anyio
 

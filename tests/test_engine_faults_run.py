@@ -42,7 +42,7 @@ def _engine_pids(launcher: Launcher) -> list[int]:
             cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"launch.engines.builtin" in cmdline:
+        if b"engines.builtin" in cmdline:
             pids.append(pid)
     return sorted(pids)
 

@@ -20,10 +20,10 @@ import anyio
 import orjson
 import pytest
 
+from core.errors import EngineUnavailableError
+from engines.builtin import EngineServer, open_server
 from launch.engine_process import EngineProcess, free_port, start_engine
-from launch.engines.builtin import EngineServer, open_server
-from pipeline.errors import EngineUnavailableError
-from stages.tasks.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
+from pipeline.tasks.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
 
 pytestmark = pytest.mark.anyio
 

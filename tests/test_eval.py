@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
-from launch.eval_run import main as eval_main
+from core.errors import ConfigError
+from core.types import FinishReason, PromptTask
 from pipeline.config import load_config
-from pipeline.errors import ConfigError
 from pipeline.evaluation import EvalLog, EvalSet, EvalSettings, eval_due, evaluate
-from pipeline.types import FinishReason, PromptTask
+from pipeline.run.cli import main
+from pipeline.run.eval_run import main as eval_main
 from stages.sglang.wire import GenerateResult
 from storage import LmdbStore
 
@@ -167,7 +167,7 @@ class _Engine:
         self.params: list[dict] = []
 
     async def generate(self, input_ids, sampling_params, *, rid):
-        from pipeline.errors import EngineError
+        from core.errors import EngineError
 
         self.params.append(dict(sampling_params))
         if input_ids[0] == 9:

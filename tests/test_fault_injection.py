@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.errors import PipelineError, StoreError
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import encode
-from stages.trainer import GRPOTrainer
-from stages.trainer.checkpoint import OPTIMIZER_DIR
+from core.errors import PipelineError, StoreError
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import encode
 from storage import GroupState, LmdbStore
+from trainers import GRPOTrainer
+from trainers.checkpoint import OPTIMIZER_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,7 +186,7 @@ class Launcher:
         """The launcher has started its engine (not just any child process)."""
         for pid in self.engines():
             try:
-                if b"launch.engines.builtin" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                if b"engines.builtin" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
                     return True
             except OSError:
                 continue
@@ -433,7 +433,7 @@ def test_sigkill_anywhere_then_restart_trains_every_group_exactly_once(tmp_path)
         assert launcher.finish(300) == 0, launcher.log_tail()
         assert (out / "metrics.jsonl.dropped").read_bytes().splitlines() == damage
         # The one checkpoint (--save-interval 10: the last step's), no publish folder left, and the
-        # note of which store counts them (launch.run_state).
+        # note of which store counts them (pipeline.run.state).
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"v{K}"]
         assert sorted(p.name for p in (out / "weights").iterdir()) == ["owner.json"]
     finally:

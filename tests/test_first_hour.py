@@ -1,5 +1,5 @@
 """Late or silent surprises a newcomer hit in the first hour (issue 33, item 4), each now found
-when the config loads or said in one line, through `launch.cli.main` as a user runs it."""
+when the config loads or said in one line, through `pipeline.run.cli.main` as a user runs it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from launch.cli import main
+from core.errors import ConfigError
 from pipeline.config import load_config
-from pipeline.errors import ConfigError
+from pipeline.run.cli import main
 
 REWARD = ("--custom-rm-path", "tests.test_launch:short_answer_reward")
 

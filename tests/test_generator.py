@@ -5,9 +5,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from pipeline.clock import VersionClock
-from pipeline.errors import EngineError
-from pipeline.types import Group, PromptTask, SampleStatus
+from core.clock import VersionClock
+from core.errors import EngineError
+from core.types import Group, PromptTask, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.generator import SAMPLE_ATTEMPTS, GeneratorPool
 from stages.sglang import GenerateResult

@@ -9,16 +9,16 @@ import dataclasses
 
 import pytest
 
-from pipeline.types import Batch, FinishReason, Group, Sample, Segment
-from stages.tasks.tiny_model import EOS_ID, make_model_folder
-from stages.tasks.toy import encode, toy_dataset
+from core.types import Batch, FinishReason, Group, Sample, Segment
+from pipeline.tasks.tiny_model import EOS_ID, make_model_folder
+from pipeline.tasks.toy import encode, toy_dataset
 
 pytestmark = pytest.mark.gpu
 
 
 def one_step(model, device: str) -> dict[str, float]:
     """One GRPO step on a fixed batch whose behaviour log-probs are the CPU trainer's own."""
-    from stages.trainer import GRPOTrainer
+    from trainers import GRPOTrainer
 
     reference, trainer = GRPOTrainer(model, device="cpu"), GRPOTrainer(model, device=device)
     groups = []

@@ -18,7 +18,7 @@ import aiohttp
 import anyio
 import pytest
 
-from stages.tasks.tiny_model import make_model_folder
+from pipeline.tasks.tiny_model import make_model_folder
 
 pytestmark = [pytest.mark.gpu]
 
@@ -32,9 +32,9 @@ def _cuda() -> None:
 def test_cached_decode_matches_recompute_at_bf16(tmp_path: Path) -> None:
     import torch
 
-    from launch.engines.kv_forward import KVCacheForward
-    from launch.engines.seam import Row, SamplingParams
-    from launch.engines.torch_model import ModelRunner
+    from engines.kv_forward import KVCacheForward
+    from engines.seam import Row, SamplingParams
+    from engines.torch_model import ModelRunner
 
     _cuda()
     folder = make_model_folder(tmp_path / "m", hidden_size=256, num_layers=4, num_heads=8, seed=0)
@@ -66,8 +66,8 @@ def test_cached_decode_matches_recompute_at_bf16(tmp_path: Path) -> None:
 def test_graph_decode_equals_eager_decode_at_fp32(tmp_path: Path) -> None:
     import torch
 
-    from launch.engines.kv_forward import DecodeMode, KVCacheForward
-    from launch.engines.torch_model import ModelRunner
+    from engines.kv_forward import DecodeMode, KVCacheForward
+    from engines.torch_model import ModelRunner
     from tests.test_kv_forward import _run_batched
 
     _cuda()
@@ -93,8 +93,8 @@ def test_fused_norm_graph_decode_equals_recompute_at_fp32(tmp_path: Path) -> Non
     against the recompute forward (transformers' own attention, no cache), token for token at fp32."""
     import torch
 
-    from launch.engines.kv_forward import DecodeMode, KVCacheForward
-    from launch.engines.torch_model import ModelRunner
+    from engines.kv_forward import DecodeMode, KVCacheForward
+    from engines.torch_model import ModelRunner
     from tests.test_kv_forward import _run_batched
 
     _cuda()
@@ -116,9 +116,9 @@ def test_a_publish_changes_the_graph_decodes_tokens(tmp_path: Path) -> None:
     the next replay decodes with the new weights, with no recapture."""
     import torch
 
-    from launch.engines.kv_forward import DecodeMode, KVCacheForward
-    from launch.engines.seam import Row, SamplingParams
-    from launch.engines.torch_model import ModelRunner
+    from engines.kv_forward import DecodeMode, KVCacheForward
+    from engines.seam import Row, SamplingParams
+    from engines.torch_model import ModelRunner
 
     _cuda()
     old = make_model_folder(tmp_path / "v0", hidden_size=128, num_layers=2, seed=0)
@@ -160,8 +160,8 @@ async def _nccl_publish(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from launch.engine_process import start_engine
-    from stages.publish_distributed import DistributedWeightSender
     from stages.sglang.fleet import EngineFleet
+    from stages.sglang.publish_distributed import DistributedWeightSender
 
     old = make_model_folder(tmp_path / "v0", hidden_size=64, num_layers=2, seed=0)
     new = make_model_folder(tmp_path / "v1", hidden_size=64, num_layers=2, seed=1)
@@ -196,7 +196,7 @@ def test_quick_start_learns_on_the_gpu(tmp_path: Path) -> None:
     refuses two ranks on one GPU (the NCCL test above takes a second GPU when there is one)."""
     import json
 
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     _cuda()
     out = tmp_path / "run"

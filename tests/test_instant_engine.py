@@ -2,15 +2,15 @@
 
 import pytest
 
+from core.types import FinishReason
 from launch.engine_process import start_engine
-from pipeline.types import FinishReason
 from stages.sglang import EngineFleet
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_instant_engine_serves_the_client_and_a_publish():
-    engine = await start_engine("instant", module="launch.engines.instant", extra_args=["--tokens", "64"])
+    engine = await start_engine("instant", module="engines.instant", extra_args=["--tokens", "64"])
     async with engine, EngineFleet([engine.url], concurrency=4) as fleet:
         await fleet.update_weight_version("3")
         result = await fleet.generate([1, 2, 3], {"max_new_tokens": 16}, rid="r1")

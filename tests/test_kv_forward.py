@@ -19,13 +19,13 @@ import anyio
 import orjson
 import pytest
 
-from launch.engines.builtin import EngineServer, open_server
-from launch.engines.decode_graphs import batch_buckets, bucket_for, kv_buckets
-from launch.engines.kv_forward import DecodeMode, KVCacheForward
-from launch.engines.seam import Row, SamplingParams
-from launch.engines.torch_model import ModelRunner
-from pipeline.errors import ConfigError
-from stages.tasks.tiny_model import make_model_folder
+from core.errors import ConfigError
+from engines.builtin import EngineServer, open_server
+from engines.decode_graphs import batch_buckets, bucket_for, kv_buckets
+from engines.kv_forward import DecodeMode, KVCacheForward
+from engines.seam import Row, SamplingParams
+from engines.torch_model import ModelRunner
+from pipeline.tasks.tiny_model import make_model_folder
 
 SAMPLINGS = [
     SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
+from pipeline.run.cli import main
 from storage import GroupState, LmdbStore
 
 
@@ -207,8 +207,8 @@ def test_an_output_path_that_cannot_be_made_is_one_error_line(tmp_path, capsys, 
 def test_a_memory_run_says_it_keeps_nothing_to_resume_from():
     """Issue 30: a stopped memory run used to say "run the same command again to resume" and then
     start at step 0."""
-    from launch.run_folder import resume_hint as _resume_hint
     from pipeline.config import load_config
+    from pipeline.run.folder import resume_hint as _resume_hint
 
     memory = _resume_hint(load_config(["--rollout-data-transport", "memory"]))
     assert "keeps no rollout state" in memory and "step 0" in memory and "to resume" not in memory.split("(")[0]

@@ -9,10 +9,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from launch.engines.builtin import open_server
-from launch.engines.length_tail import LengthTail
-from launch.engines.sim_model import LengthModel
-from stages.tasks.tiny_model import make_model_folder
+from engines.builtin import open_server
+from engines.length_tail import LengthTail
+from engines.sim_model import LengthModel
+from pipeline.tasks.tiny_model import make_model_folder
 
 LIMIT = 40
 

@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from stages.trainer.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
 from tests.megatron_check import VARIANTS
+from trainers.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,7 @@ def test_qkv_layout_puts_each_query_group_with_its_key_and_value(tmp_path):
 
 
 def test_uneven_tensor_parallel_split_is_refused_with_the_numbers(tmp_path):
-    from pipeline.errors import ConfigError
+    from core.errors import ConfigError
 
     _, shape = _hf_state(tmp_path, tied=True)
     with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size=3: attention heads \(4\)"):
@@ -229,8 +229,8 @@ def test_a_bf16_run_resumes_from_its_fp32_master_weights_and_adam_state(tmp_path
 
 
 def test_parallel_flags_are_checked_at_config_load():
+    from core.errors import ConfigError
     from pipeline.config import load_config
-    from pipeline.errors import ConfigError
 
     config = load_config(
         [
@@ -351,8 +351,8 @@ def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
 
 
 def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path):
-    from pipeline.errors import PipelineError
-    from stages.trainer.megatron.checkpoint import load_optimizer_shard, save_optimizer_shard
+    from core.errors import PipelineError
+    from trainers.megatron.checkpoint import load_optimizer_shard, save_optimizer_shard
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

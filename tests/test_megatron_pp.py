@@ -135,8 +135,8 @@ def test_two_stages_take_the_single_rank_step_with_the_reference_kl_and_entropy(
 def test_layers_that_do_not_split_evenly_over_the_stages_are_refused_with_both_numbers():
     from transformers import Qwen3Config
 
-    from pipeline.errors import ConfigError
-    from stages.trainer.megatron.qwen3 import Qwen3Shape
+    from core.errors import ConfigError
+    from trainers.megatron.qwen3 import Qwen3Shape
 
     shape = Qwen3Shape.from_hf(Qwen3Config(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
     shape.check_pipeline_parallel(3)

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.metric_names import SLIME_NAMES, engine_load_metrics, slime_aliases, throughput_metrics
 from pipeline.metrics import MetricsSink, batch_metrics
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from stages.sglang.wire import EngineLoad
 from storage import MemoryStore
 from tests.fakes import FakeSGLang

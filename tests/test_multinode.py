@@ -1,7 +1,7 @@
 """Megatron ranks on several nodes: the config, the join handshake, and a two-"node" run over loopback.
 
 Real multi-node was not run; here node 0 (the controller) and node 1 (`python -m
-launch.megatron_ranks --node-rank 1 <the same flags>`) are two processes on this host, meeting at
+pipeline.launch --node-rank 1 <the same flags>`) are two processes on this host, meeting at
 127.0.0.1 as two hosts meet at rank 0's address.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 import orjson
 import pytest
 
+from core.errors import ConfigError, PipelineError
 from launch.engine_process import free_port
 from launch.trainer_group import host_group, join_group, model_fingerprint
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, PipelineError
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGATRON = ["--train-backend", "megatron"]
@@ -43,7 +43,7 @@ def test_nodes_multiply_the_world_and_the_parallel_sizes_must_divide_it():
     t = config.trainer
     assert (t.num_nodes, t.num_ranks, t.master_addr, t.master_port) == (2, 2, "127.0.0.1", 29500)
     assert any("--trainer-master-addr='127.0.0.1': only ranks on this host" in w for w in config.warnings)
-    from launch.megatron_ranks import megatron_settings
+    from pipeline.trainer_settings import megatron_settings
 
     assert megatron_settings(config)["world_size"] == 4
     with pytest.raises(ConfigError) as err:
@@ -171,7 +171,7 @@ def test_the_node_command_refuses_a_node_rank_outside_the_run():
         [
             sys.executable,
             "-m",
-            "launch.megatron_ranks",
+            "pipeline.launch",
             "--node-rank",
             "2",
             "--",
@@ -250,7 +250,7 @@ def _two_nodes(tmp_path: Path, node1_extra: tuple[str, ...] = ()) -> tuple[subpr
     try:
         # Node 1 may start before the controller listens: its rank retries until the join timeout.
         node1 = subprocess.run(
-            [sys.executable, "-m", "launch.megatron_ranks", "--node-rank", "1", "--", *flags, *node1_extra],
+            [sys.executable, "-m", "pipeline.launch", "--node-rank", "1", "--", *flags, *node1_extra],
             cwd=ROOT,
             env=_env(),
             capture_output=True,

@@ -10,9 +10,9 @@ import anyio
 import orjson
 import pytest
 
+from core.errors import PluginError
+from core.types import Group, PromptTask, SampleStatus
 from launch.ray_producer import ProducerCore, ProducerSpec, ResultKind
-from pipeline.errors import PluginError
-from pipeline.types import Group, PromptTask, SampleStatus
 from storage.codec import decode_group, encode_group
 from tests.fakes import FakeSGLang
 

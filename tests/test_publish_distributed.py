@@ -13,11 +13,11 @@ import anyio
 import pytest
 import torch
 
+from core.errors import EngineError
 from launch.engine_process import EngineProcess, free_port, start_engines
-from pipeline.errors import EngineError
-from stages.publish_distributed import DistributedWeightSender, TensorSpec
+from pipeline.tasks.tiny_model import make_model_folder
 from stages.sglang.fleet import EngineFleet
-from stages.tasks.tiny_model import make_model_folder
+from stages.sglang.publish_distributed import DistributedWeightSender, TensorSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ async def test_publish_reaches_both_engines_and_bumps_the_version_once(
 _DYING_TRAINER = """
 import os, sys, torch
 from transformers import AutoModelForCausalLM
-from stages.publish_distributed import open_group
+from core.weight_group import open_group
 
 folder, port, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 params = list(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
@@ -175,7 +175,7 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     exactly the trainer's weights (log-prob agreement) and the task is learned."""
     import json
 
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     out = tmp_path / "run"
     code = main(
@@ -210,7 +210,7 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
 def test_distributed_transport_refuses_engines_on_another_host(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     code = main(
         [
@@ -231,9 +231,9 @@ def test_distributed_transport_refuses_engines_on_another_host(
 async def test_an_overlapped_publish_never_pauses_and_splits_the_spans(folders: tuple[Path, Path]) -> None:
     """`overlap=True`: no pause, the request keeps decoding through the publish, and its version
     spans split once, at the swap, with no token left out."""
-    from launch.engines.builtin import open_server
-    from pipeline.clock import VersionClock
-    from pipeline.types import PauseMode
+    from core.clock import VersionClock
+    from core.types import PauseMode
+    from engines.builtin import open_server
     from stages.publisher import publish_weights
 
     async with open_server(folders[0], port=0) as server, EngineFleet([server.url]) as fleet:

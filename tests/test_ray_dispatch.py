@@ -15,8 +15,8 @@ import anyio
 import orjson
 import pytest
 
+from core.types import Group, PromptTask
 from launch.ray_producers import ProducerHandle, RayProducers
-from pipeline.types import Group, PromptTask
 from stages.admission import Admission
 from storage import AsyncStore, Cursor, MemoryStore
 from storage.codec import decode_group

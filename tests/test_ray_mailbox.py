@@ -23,10 +23,10 @@ import orjson
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from core.errors import PipelineError
+from core.types import Group, PromptTask, SampleStatus
 from launch.ray_mailbox import Mailbox
 from launch.ray_producers import ProducerHandle, RayProducers
-from pipeline.errors import PipelineError
-from pipeline.types import Group, PromptTask, SampleStatus
 from stages.admission import Admission
 from storage import AsyncStore, Cursor, GroupState, MemoryStore
 from storage.codec import decode_group, encode_group

@@ -23,16 +23,16 @@ from pathlib import Path
 import anyio
 import pytest
 
-from launch.engines.sim import open_sim_server
-from launch.engines.sim_model import DecodeTimeModel
+from core.clock import VersionClock
+from core.errors import PipelineError
+from core.types import Group, PauseMode, PromptTask, RolloutMode
+from engines.sim import open_sim_server
+from engines.sim_model import DecodeTimeModel
 from launch.ray_cluster import RaySettings, engine_shares, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
 from launch.ray_producers import RayProducers
-from pipeline.clock import VersionClock
 from pipeline.controller import RolloutPlan, run_pipeline
-from pipeline.errors import PipelineError
 from pipeline.metrics import MetricsSink
-from pipeline.types import Group, PauseMode, PromptTask, RolloutMode
 from stages.admission import Admission
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
@@ -574,7 +574,7 @@ def test_the_launcher_runs_async_on_ray_producers_with_the_real_trainer(cluster,
     this process already joined."""
     import json
 
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     out = tmp_path / "run"
     flags = "--rollout-producers ray --rollout-mode async --num-rollout 4 --rollout-data-transport lmdb"
@@ -597,7 +597,7 @@ def test_a_resume_on_ray_producers_trains_the_stored_batches_again_then_goes_on(
     import json
     import shutil
 
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     out = tmp_path / "run"
     flags = "--rollout-producers ray --rollout-mode async --rollout-data-transport lmdb --save-interval 10"
@@ -614,7 +614,7 @@ def test_a_resume_on_ray_producers_trains_the_stored_batches_again_then_goes_on(
 
 def test_the_launcher_refuses_more_producers_than_group_slots_once_ray_says_how_many(cluster, tmp_path, capsys) -> None:
     """One producer per node: 3 nodes x 4 samples need 12 sample slots; 8 x 1 engine is refused."""
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     flags = "--rollout-producers ray --sglang-server-concurrency 8 --n-samples-per-prompt 4 --num-rollout 1"
     code = main(["--output-dir", str(tmp_path / "run"), "--no-progress", "--log-level", "warning", *flags.split()])
@@ -626,7 +626,7 @@ def test_the_launcher_refuses_more_producers_than_group_slots_once_ray_says_how_
 def test_the_tool_agent_runs_on_the_producers_through_its_path(cluster, tmp_path) -> None:
     """`--task tool`: the built-in agent, imported by its `module:function` path on every producer,
     drives multi-turn samples there; its tool turns (loss mask 0) reach the trained batches."""
-    from launch.cli import main
+    from pipeline.run.cli import main
 
     out = tmp_path / "run"
     flags = "--rollout-producers ray --task tool --num-rollout 2 --rollout-data-transport lmdb"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from launch.engine_process import EngineProcess, start_engine
+from pipeline.tasks.tiny_model import make_model_folder
 from stages.sglang.engine import folder_for_engine
 from stages.sglang.wire import error_text
-from stages.tasks.tiny_model import make_model_folder
 from storage import LmdbStore
 from tests.fakes import FakeSGLang
 

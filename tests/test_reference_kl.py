@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
+from core.errors import ConfigError
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.config import config_to_dict, load_config
-from pipeline.errors import ConfigError
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import encode
 from pipeline.trainer_settings import build_trainer, loss_settings
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import encode
-from stages.trainer import GRPOTrainer
-from stages.trainer.loss import KLType, LossSettings, policy_loss, reference_kl
+from trainers import GRPOTrainer
+from trainers.loss import KLType, LossSettings, policy_loss, reference_kl
 
 LN2 = math.log(2.0)
 PROMPT = encode("say a x2:")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main as launch
-from pipeline.errors import IncompatibleStoreError, PipelineError
+from core.errors import IncompatibleStoreError, PipelineError
+from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
 from pipeline.replay import main, parse_steps
 from pipeline.replay_report import summarize
-from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
+from pipeline.run.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore
 
 
@@ -428,7 +428,7 @@ def test_train_replays_each_step_at_the_version_it_was_trained_at(tmp_path):
     # batch is from version 0, so the run trained none of them. The replay must agree; it used to
     # take the batch's newest token (0) as the trained version and train them all.
     from pipeline.replay import replay_training
-    from stages.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.tiny_model import make_model_folder
     from storage import RunMeta
 
     model = make_model_folder(tmp_path / "model", hidden_size=32, num_layers=2, seed=0)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main as launch
 from pipeline.metric_sinks import scalars
 from pipeline.metrics import AFTER_COMMIT
 from pipeline.replay import main
 from pipeline.replay_metrics import compare_metrics
+from pipeline.run.cli import main as launch
 from storage import LmdbStore
 
 

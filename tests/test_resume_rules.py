@@ -1,4 +1,4 @@
-"""Resume rules and the storage declaration, through `launch.cli.main` on real runs and real LMDB files.
+"""Resume rules and the storage declaration, through `pipeline.run.cli.main` on real runs and real LMDB files.
 
 A damaged store (a record that does not decode, a destroyed file header) is moved aside untouched,
 the next run warns naming it, and continues from what was still readable; a store of another run
@@ -17,7 +17,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from launch.cli import main as launch
+from pipeline.run.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
 
 FLAGS = (

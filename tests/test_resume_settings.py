@@ -1,6 +1,6 @@
 """A resume with changed settings (real runs of the launcher, real LMDB store, `replay summary`):
 each setting the store recorded is either refused with both values named, or accepted and
-recorded with the step it took effect, which replay shows (`launch/resume_settings.py`)."""
+recorded with the step it took effect, which replay shows (`pipeline/run/resume_settings.py`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main as launch
-from launch.resume_settings import REFUSED, changed_settings, refused_change
 from pipeline.config import config_to_dict, load_config
 from pipeline.replay import main as replay
+from pipeline.run.cli import main as launch
+from pipeline.run.resume_settings import REFUSED, changed_settings, refused_change
 from storage import LmdbStore
 
 BASE = ("--rollout-data-transport", "lmdb", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",

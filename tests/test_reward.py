@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import structlog.testing
 
-from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus
+from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission
 from stages.reward import RewardFn, RewardStage
 from storage import AsyncStore, Cursor, GroupState, MemoryStore

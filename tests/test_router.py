@@ -8,9 +8,9 @@ import aiohttp
 import anyio
 import pytest
 
+from core.errors import EngineError, EngineUnavailableError
+from core.types import FinishReason
 from launch.router_process import RouterProcess, start_router
-from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import FinishReason
 from stages.sglang import EngineFleet, GenerateResult
 from tests.fakes import FakeSGLang
 

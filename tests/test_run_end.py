@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import StoreError
+from core.errors import StoreError
 from storage import GroupState, LmdbStore
 
 ROOT = Path(__file__).resolve().parent.parent

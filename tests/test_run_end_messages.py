@@ -1,4 +1,4 @@
-"""`launch.run_end.report_failure`: the one line a run's end prints, for errors built as the
+"""`pipeline.run.end.report_failure`: the one line a run's end prints, for errors built as the
 task groups deliver them (the end-to-end cases, on real processes, are in test_run_end.py)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from launch.run_end import RunPaths, report_failure
-from pipeline.errors import EngineUnavailableError, StoreError
+from core.errors import EngineUnavailableError, StoreError
+from pipeline.run.end import RunPaths, report_failure
 
 
 def _paths(tmp_path: Path, *, lmdb: bool = True) -> RunPaths:

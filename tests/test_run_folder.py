@@ -1,6 +1,6 @@
 """One run, one folder (issue 33): the README's commands, run one after another in one working
 directory, never write into each other's folders; an LMDB run's same command still resumes it.
-End to end through `launch.cli.main` with the built-in engine."""
+End to end through `pipeline.run.cli.main` with the built-in engine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
+from pipeline.run.cli import main
 
 SMALL = ("--no-progress", "--log-level", "warning", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2")
 SMALL += ("--rollout-max-response-len", "4", "--num-prompts", "16")
@@ -95,8 +95,8 @@ def test_a_named_folder_is_used_as_named(tmp_path, monkeypatch, given):
 
 
 def test_the_hint_after_a_stopped_run_is_true_for_its_transport():
-    from launch.run_folder import resume_hint as _resume_hint
     from pipeline.config import load_config
+    from pipeline.run.folder import resume_hint as _resume_hint
 
     # Before: "run the same command again to resume" after a memory run too, which kept nothing.
     assert "a memory run keeps no rollout state" in _resume_hint(load_config([]))

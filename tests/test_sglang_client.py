@@ -10,8 +10,8 @@ import aiohttp
 import anyio
 import pytest
 
-from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import FinishReason
+from core.errors import EngineError, EngineUnavailableError
+from core.types import FinishReason
 from stages.sglang import EngineClient, EngineFleet, EngineLoad, GenerateResult
 from stages.sglang.http1 import GeneratePool
 from tests.fakes import FakeSGLang

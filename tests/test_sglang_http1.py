@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
-from pipeline.errors import EngineUnavailableError
+from core.errors import EngineUnavailableError
 from stages.sglang.engine import EngineClient
 from stages.sglang.http1 import GeneratePool, HttpProtocolError
 

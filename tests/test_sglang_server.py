@@ -16,12 +16,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from core.errors import ConfigError
 from launch.sglang_server import engine_devices, sglang_command_args, start_sglang_servers
 from pipeline.config import EngineConfig, load_config
-from pipeline.errors import ConfigError
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import encode
 from stages.sglang import EngineFleet
-from stages.tasks.tiny_model import make_model_folder
-from stages.tasks.toy import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "tests" / "fakes" / "sglang_standin"

@@ -1,4 +1,4 @@
-"""The short-answer task (`stages.tasks.short_answer`) and the learning benchmark's collapse count
+"""The short-answer task (`pipeline.tasks.short_answer`) and the learning benchmark's collapse count
 (`benchmarks.learning.collapses`), on hand-made samples and curves."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from benchmarks.learning import collapses
-from pipeline.types import FinishReason, PromptTask, Sample, Segment
-from stages.tasks.short_answer import short_answer_dataset, short_answer_reward, short_answer_rows
-from stages.tasks.tiny_model import EOS_ID
-from stages.tasks.toy import decode, encode
+from core.types import FinishReason, PromptTask, Sample, Segment
+from pipeline.tasks.short_answer import short_answer_dataset, short_answer_reward, short_answer_rows
+from pipeline.tasks.tiny_model import EOS_ID
+from pipeline.tasks.toy import decode, encode
 
 TASK = PromptTask(index=0, prompt_ids=encode("add 3+4:"), label=7)
 

@@ -20,10 +20,10 @@ import anyio
 import orjson
 import pytest
 
-from launch.engines.sim import SimServer, _parse_args, open_sim_server, options_from_args
-from launch.engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
-from pipeline.errors import ConfigError
-from pipeline.types import FinishReason
+from core.errors import ConfigError
+from core.types import FinishReason
+from engines.sim import SimServer, _parse_args, open_sim_server, options_from_args
+from engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
 from stages.sglang import EngineFleet
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -516,7 +516,7 @@ async def test_command_line_engine_behind_the_real_router(tmp_path: Path) -> Non
 
     port = free_port()
     command = [
-        sys.executable, "-m", "launch.engines.sim", "--port", str(port), "--time-scale", "0.001",
+        sys.executable, "-m", "engines.sim", "--port", str(port), "--time-scale", "0.001",
         "--length-dist", "fixed:0.5", "--truncate-frac", "0", "--log-level", "warning",
     ]  # fmt: skip
     log_path = tmp_path / "sim.log"

@@ -13,8 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline.clock import VersionClock
-from pipeline.types import Group
+from core.clock import VersionClock
+from core.types import Group
 from stages.admission import Admission, Outcome
 from stages.collector import Collector
 from stages.dispenser import Dispenser
@@ -194,9 +194,9 @@ def test_a_store_batch_below_one_is_refused_naming_the_value() -> None:
 
 
 def test_the_store_batch_flag_reaches_the_plan() -> None:
-    from launch.cli import _plan
+    from core.errors import ConfigError
     from pipeline.config import load_config
-    from pipeline.errors import ConfigError
+    from pipeline.run.cli import _plan
 
     assert _plan(load_config([])).store_batch == 64
     assert _plan(load_config(["--rollout-store-batch", "1"])).store_batch == 1

@@ -3,8 +3,8 @@
 import pytest
 from aiohttp import web
 
-from launch.cli import align_weight_versions
-from pipeline.errors import EngineError
+from core.errors import EngineError
+from pipeline.run.cli import align_weight_versions
 from stages.sglang import EngineFleet
 from tests.fakes import FakeSGLang
 

@@ -24,14 +24,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import (
+from core.errors import (
     CorruptRecordError,
     IncompatibleStoreError,
     StoreCorruptionError,
     StoreError,
     StoreLockedError,
 )
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Segment
+from core.types import Batch, FinishReason, Group, PromptTask, Segment
 from storage import (
     AsyncStore,
     Cursor,

@@ -22,8 +22,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline.errors import StoreError
-from pipeline.types import Group
+from core.errors import StoreError
+from core.types import Group
 from storage import AsyncStore, Cursor, GroupState, LmdbStore, MemoryStore, Store
 from tests.test_store import finished, fresh
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from pipeline.errors import IncompatibleStoreError, StoreCorruptionError
+from core.errors import IncompatibleStoreError, StoreCorruptionError
 from pipeline.replay import main as replay
 from storage import Cursor, GroupState, LmdbStore, MemoryStore, keys, salvage_store
 from storage.migrate import layout_value

@@ -15,8 +15,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from pipeline.errors import CorruptRecordError, StoreError
-from pipeline.types import FinishReason, Group, PromptTask, Segment
+from core.errors import CorruptRecordError, StoreError
+from core.types import FinishReason, Group, PromptTask, Segment
 from storage import GroupState, Lease, LmdbStore, RecoveryReport, keys, lmdb_store
 
 from .test_store import cursor_after, finished, fresh, generated

@@ -16,7 +16,7 @@ import anyio
 import anyio.from_thread
 import pytest
 
-from pipeline.errors import StoreError
+from core.errors import StoreError
 from storage import AsyncStore, GroupState, LmdbStore
 
 from .test_store import cursor_after, finished, fresh, generated

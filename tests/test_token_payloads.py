@@ -23,11 +23,11 @@ import anyio
 import msgpack
 import pytest
 
-from pipeline.clock import VersionClock
-from pipeline.columns import NO_ROUTE, SamplerHeads, TokenRoutes
+from core.clock import VersionClock
+from core.columns import NO_ROUTE, SamplerHeads, TokenRoutes
+from core.errors import ConfigError, CorruptRecordError, EngineError
+from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, CorruptRecordError, EngineError
-from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
 from stages.admission import Admission
 from stages.collector import Collector
 from stages.dispenser import Dispenser
@@ -386,7 +386,7 @@ def test_refused_payload_combinations_are_named_at_config_load(argv, named):
 
 
 def test_payload_flags_reach_the_plan():
-    from launch.cli import _plan
+    from pipeline.run.cli import _plan
 
     r3 = ["--use-rollout-routing-replay", "--moe-router-topk", "8"]
     config = load_config([*r3, "--use-score-centering", "--score-centering-top-k", "4"])

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.errors import ConfigError
-from pipeline.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
-from stages.tasks.jsonl import load_jsonl_prompts
-from stages.tasks.tiny_model import EOS_ID, build_tokenizer, make_model_folder
-from stages.tasks.toy import TOY_CHARS, TOY_MAX_COUNT, decode, encode, toy_dataset, toy_prompt, toy_reward
+from core.errors import ConfigError
+from core.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
+from pipeline.tasks.jsonl import load_jsonl_prompts
+from pipeline.tasks.tiny_model import EOS_ID, build_tokenizer, make_model_folder
+from pipeline.tasks.toy import TOY_CHARS, TOY_MAX_COUNT, decode, encode, toy_dataset, toy_prompt, toy_reward
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from core.errors import ConfigError
 from pipeline.config import config_to_dict, load_config
-from pipeline.errors import ConfigError
 from pipeline.trainer_settings import loss_settings
-from stages.trainer.loss import ImportanceCorrection, LossAggregation
+from trainers.loss import ImportanceCorrection, LossAggregation
 
 
 def test_flags_reach_the_loss_settings():

@@ -11,11 +11,11 @@ import statistics
 import pytest
 import torch
 
-from pipeline.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
-from stages.tasks.tiny_model import EOS_ID, make_model_folder
-from stages.tasks.toy import encode, toy_dataset, toy_reward
-from stages.trainer import GRPOTrainer, group_advantages
-from stages.trainer.loss import LossSettings
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
+from pipeline.tasks.tiny_model import EOS_ID, make_model_folder
+from pipeline.tasks.toy import encode, toy_dataset, toy_reward
+from trainers import GRPOTrainer, group_advantages
+from trainers.loss import LossSettings
 
 MAX_LEN = 64
 

@@ -1,4 +1,4 @@
-"""The shared loss (`stages.trainer.loss`) on hand-computed tensors: each formula of its docstring."""
+"""The shared loss (`trainers.loss`) on hand-computed tensors: each formula of its docstring."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.trainer.loss import (
+from trainers.loss import (
     ImportanceCorrection,
     LossAggregation,
     LossSettings,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.columns import SamplerHeads, TokenRoutes
-from pipeline.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
+from core.columns import SamplerHeads, TokenRoutes
+from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
 
 segments = st.lists(
     st.tuples(

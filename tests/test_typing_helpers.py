@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ConfigError
 from pipeline.config import load_config
 from pipeline.config.derived import derived
-from pipeline.errors import ConfigError
 from pipeline.metric_sinks import wandb_mode
 
 

@@ -13,10 +13,9 @@ import aiohttp
 import anyio
 import pytest
 
-from pipeline.clock import VersionClock
-from pipeline.errors import EngineError
-from pipeline.metrics import batch_metrics
-from pipeline.types import (
+from core.clock import VersionClock
+from core.errors import EngineError
+from core.types import (
     Batch,
     FinishReason,
     Group,
@@ -26,6 +25,7 @@ from pipeline.types import (
     Segment,
     VersionSpan,
 )
+from pipeline.metrics import batch_metrics
 from stages.publisher import publish_weights
 from stages.sglang import EngineClient, EngineFleet, EngineSpan, GenerateResult
 from storage import GroupState, MemoryStore

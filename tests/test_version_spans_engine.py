@@ -16,16 +16,16 @@ from typing import Any
 import anyio
 import pytest
 
-from launch.engines.builtin import open_server
-from pipeline.clock import VersionClock
-from pipeline.types import PromptTask, SampleStatus, VersionSpan
+from core.clock import VersionClock
+from core.types import PromptTask, SampleStatus, VersionSpan
+from engines.builtin import open_server
+from pipeline.tasks.tiny_model import CHARS, make_model_folder
 from stages.admission import Admission
 from stages.collector import Collector
 from stages.dispenser import Dispenser
 from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet, GenerateResult
-from stages.tasks.tiny_model import CHARS, make_model_folder
 from storage import AsyncStore, GroupState, MemoryStore
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from pipeline.errors import ConfigError
+from core.errors import ConfigError
 
 __all__ = ["derived"]
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from core.errors import ConfigError, PluginError
+from core.types import StoreTransport
 from pipeline.config.draft import Draft
 from pipeline.config.parsing import read_argv, read_toml
 from pipeline.config.prompt_file import check_dataset
@@ -29,9 +31,7 @@ from pipeline.config.rules import (
     warn_odd_settings,
 )
 from pipeline.config.schema import Config, DataConfig
-from pipeline.errors import ConfigError, PluginError
-from pipeline.plugins import resolve_function
-from pipeline.types import StoreTransport
+from stages.plugins import resolve_function
 from storage.declaration import load_declaration
 
 __all__ = ["load_config", "load_step"]
@@ -92,7 +92,7 @@ def _fresh_run_folder(draft: Draft) -> None:
 
     An LMDB run keeps `runs/<run id>` (derived in `rules.derive_defaults`): running the same
     command again must find its store. A folder that already holds another run is refused when
-    the run starts (`launch.run_folder`), naming the flag that fixes it.
+    the run starts (`pipeline.run.folder`), naming the flag that fixes it.
     """
     if draft.given("output", "dir") or draft.given("storage", "run_id") or not draft.ok("storage", "run_id"):
         return

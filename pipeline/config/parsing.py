@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from core.errors import ConfigError
 from pipeline.config.draft import BAD, Draft, close_match, fmt
 from pipeline.config.schema import SECTIONS, Opt, opt_of, options
-from pipeline.errors import ConfigError
 
 __all__ = ["build_parser", "read_argv", "read_toml"]
 

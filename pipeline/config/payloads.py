@@ -4,7 +4,7 @@ heads (`--use-score-centering`), checked when the config loads, each refusal nam
 SC's sampling rules are slime's (`score_centering_request`): the sampler heads are read as the
 distribution the token was drawn from, which holds only for plain temperature sampling, so
 anything that reshapes that distribution after the logits (nucleus, top-k, penalties) is refused.
-The loss-side combinations belong with the loss (`stages/trainer/loss.py`).
+The loss-side combinations belong with the loss (`trainers/loss.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every line of `--prompt-data` is read here, so that a bad line is a config error (exit 2) before the
 run folder, the model or the metrics file is written, not a failure after start-up. The loader
-(`stages.tasks.jsonl`) still tokenizes and checks again; this step only reads JSON.
+(`pipeline.tasks.jsonl`) still tokenizes and checks again; this step only reads JSON.
 
 Also checked, since they waste a run without a word otherwise:
 - `--rollout-batch-size` above the number of prompts: every batch holds a prompt twice (a warning);
@@ -118,7 +118,7 @@ def _first_record_keys(draft: Draft, path: Path, record: Any) -> bool:
 def _check_tiny_characters(draft: Draft, prompts: list[tuple[int, Any]]) -> None:
     """The tiny model's tokenizer has one token per character of `CHARS`; any other character
     would be read as padding. Name the first prompts that have some, and the characters."""
-    from stages.tasks.tiny_model import CHARS
+    from pipeline.tasks.tiny_model import CHARS
 
     known = set(CHARS)
     bad: list[str] = []

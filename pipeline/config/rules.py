@@ -12,10 +12,10 @@ import re
 import urllib.parse
 from pathlib import Path
 
+from core.types import RolloutMode, StoreTransport
 from pipeline.config.draft import Draft
 from pipeline.config.payloads import payload_rules
 from pipeline.config.schema import SECTIONS, options
-from pipeline.types import RolloutMode, StoreTransport
 from stages.continuation import PENALTY_RULE
 
 __all__ = [

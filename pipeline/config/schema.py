@@ -21,7 +21,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.types import PauseMode, RolloutMode, StoreTransport, WeightTransport
+from core.types import PauseMode, RolloutMode, StoreTransport, WeightTransport
 from storage.declaration import PROFILES
 
 __all__ = [
@@ -653,7 +653,7 @@ class TrainerConfig:
         "int",
         ge=1,
         help="--train-backend megatron: nodes of trainer ranks; this host is node 0, each other node runs "
-        "`python -m launch.megatron_ranks --node-rank K` with the same flags",
+        "`python -m pipeline.launch --node-rank K` with the same flags",
     )
     master_addr: str = _opt(
         "127.0.0.1",
@@ -705,7 +705,7 @@ class TrainerConfig:
         help="--train-backend megatron on GPU ranks: megatron-core's DDP and distributed optimizer "
         "(optimizer state sharded over data parallel)",
     )
-    # Reference KL and entropy (issue 31): slime's flags and semantics (stages.trainer.loss).
+    # Reference KL and entropy (issue 31): slime's flags and semantics (trainers.loss).
     use_kl_loss: bool = _opt(
         False,
         "--use-kl-loss",

@@ -21,8 +21,8 @@ import aiohttp
 import anyio
 import orjson
 
-from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import FinishReason, PauseMode
+from core.errors import EngineError, EngineUnavailableError
+from core.types import FinishReason, PauseMode
 from stages.sglang.http1 import GeneratePool
 from stages.sglang.wire import (
     PAUSE_MODES,
@@ -142,7 +142,7 @@ class EngineClient:
         """
         url = self.url + "/generate"
         # orjson writes tuples and dicts as they are: copy only what it cannot write (a column,
-        # pipeline.columns, is an array: `tolist` copies it in C).
+        # core.columns, is an array: `tolist` copies it in C).
         if type(input_ids) not in (tuple, list):
             input_ids = input_ids.tolist() if isinstance(input_ids, array) else list(input_ids)
         doc = {

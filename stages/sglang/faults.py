@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from pipeline.errors import EngineError, EngineUnavailableError
+from core.errors import EngineError, EngineUnavailableError
 from stages.sglang.health import (
     EngineRestarter,
     FaultCounters,

@@ -15,8 +15,8 @@ from typing import Any, Self, TypeVar
 import aiohttp
 import anyio
 
-from pipeline.errors import EngineError, EngineUnavailableError
-from pipeline.types import PauseMode
+from core.errors import EngineError, EngineUnavailableError
+from core.types import PauseMode
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.columns import SamplerHeads, TokenRoutes
-from pipeline.errors import EngineError
+from core.columns import SamplerHeads, TokenRoutes
+from core.errors import EngineError
 
 __all__ = ["TokenPayloads", "decode_routed_experts", "parse_top_logprobs", "routes_for_new_tokens"]
 

@@ -13,9 +13,9 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from pipeline.columns import LogProbs, SamplerHeads, TokenIds, TokenRoutes
-from pipeline.errors import EngineError
-from pipeline.types import FinishReason, PauseMode, Segment, VersionSpan
+from core.columns import LogProbs, SamplerHeads, TokenIds, TokenRoutes
+from core.errors import EngineError
+from core.types import FinishReason, PauseMode, Segment, VersionSpan
 
 from .payloads import decode_routed_experts, opt_index, parse_top_logprobs
 
@@ -200,7 +200,7 @@ def _parse_finish_reason(raw: object, url: str) -> tuple[FinishReason, int | str
 
 _INT_ONLY = frozenset({int})
 _NUMBERS = frozenset({int, float})
-_INT32 = (-(2**31), 2**31 - 1)  # a token id is stored as int32 (pipeline.columns.TokenIds)
+_INT32 = (-(2**31), 2**31 - 1)  # a token id is stored as int32 (core.columns.TokenIds)
 
 
 def _parse_logprobs(entries: object, url: str) -> tuple[TokenIds, LogProbs]:
@@ -210,7 +210,7 @@ def _parse_logprobs(entries: object, url: str) -> tuple[TokenIds, LogProbs]:
     fast = _transpose_logprobs(entries)
     if fast is not None:
         try:
-            # From here on a token is 4 + 8 bytes, not two Python objects (pipeline.columns).
+            # From here on a token is 4 + 8 bytes, not two Python objects (core.columns).
             return TokenIds(fast[0]), LogProbs(fast[1])
         except OverflowError:
             pass  # a token id outside int32: the loop below names it

@@ -47,7 +47,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from pipeline.types import PauseMode
+from core.types import PauseMode
 
 from .fake_moe import MoeShape, RouteLog, sampler_head
 
@@ -56,7 +56,7 @@ __all__ = ["FakeRequest", "FakeSGLang", "TokenFn", "default_token_fn", "detokeni
 # (context = prompt + tokens so far, sampling seed) -> next token id
 TokenFn = Callable[[Sequence[int], int], int]
 
-_PAUSE_MODES = tuple(PauseMode)  # the one spelling, pipeline.types
+_PAUSE_MODES = tuple(PauseMode)  # the one spelling, core.types
 _CACHE_ENTRIES = 256
 
 

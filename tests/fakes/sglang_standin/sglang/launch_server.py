@@ -14,7 +14,7 @@ import sys
 
 from aiohttp import web
 
-import launch.engines.builtin as engine_server
+import engines.builtin as engine_server
 
 
 def main() -> int:

@@ -1,6 +1,0 @@
-"""The built-in trainer's room: the shared loss (`loss`), the torch GRPO trainer (`grpo`), and its
-checkpoint format. A Megatron backend added later lives here too and reuses `loss`."""
-
-from stages.trainer.grpo import GRPOTrainer, group_advantages
-
-__all__ = ["GRPOTrainer", "group_advantages"]

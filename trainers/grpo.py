@@ -1,0 +1,465 @@
+"""The built-in GRPO trainer: decoupled PPO on a Hugging Face causal LM, in torch.
+
+It is the trainer for laptops, CI and the quick start (the tiny model on CPU); on GPU clusters the
+Megatron trainer takes its place behind the same bridge. The math lives in `trainers.loss`
+(shared by every backend); this module feeds it tensors. One `train_step` reads top to bottom:
+
+    rewards (+ overlong penalty)  ->  group advantages  ->  token masks (loss mask, off-policy,
+    stale, truncated)  ->  proximal log-probs, once  ->  reference log-probs, once (--use-kl-loss)
+    ->  for each minibatch of --global-batch-size samples: forward, `loss.policy_loss` (PPO clip
+    against the proximal policy, importance weight proximal/behaviour, OPSM, reference KL, entropy,
+    aggregation), one AdamW step (skipped when the minibatch carries no signal)
+
+The reference model (`--use-kl-loss`) is a frozen second copy of the model on the trainer's device,
+loaded from `ref_path` (the launcher passes the run's initial weights, or `--ref-load`; a resumed
+run rebuilds it from there, it is never saved with a checkpoint). Its log-probs cost one forward
+without gradient per batch; `ref_log_probs_time` reports the seconds.
+
+A partial-rollout sample may carry tokens from several policy versions (`Sample.spans`); each
+token's behaviour log-prob (`Sample.logprobs`) is the one the engine reported for the version that
+produced it, so the importance weight is computed token by token, never with one sampler for the
+whole mixed response.
+
+A checkpoint is the model folder plus the AdamW state in its `optimizer/` subfolder
+(`trainers.checkpoint`). `GRPOTrainer(folder)` restores the optimizer when the folder has
+one, so a resumed run continues the same optimizer instead of restarting Adam's moments.
+
+Which samples train: a FAILED sample (the engine or the reward gave up on it) has no reward worth
+learning from, so it is left out of its group's mean and std and contributes no loss. The batch
+still counts its response tokens as masked in `mask_ratio`, so failures show up in the metrics.
+
+About 400 lines: the step, the trainer's log-probs and the weight save belong together; the loss
+math lives in `loss.py` and the optimizer checkpoint in `checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.types import Batch, Sample, SampleStatus
+from trainers import loss as L
+from trainers.checkpoint import (
+    OPTIMIZER_DIR,
+    has_optimizer,
+    load_optimizer,
+    load_rng_state,
+    model_folder_files,
+    optimizer_param_names,
+    save_optimizer,
+    save_rng_state,
+    write_folder_atomically,
+)
+from trainers.columns import column_tensor
+from trainers.loss import ImportanceCorrection, LossSettings, group_advantages
+from trainers.metrics import step_metrics, tally_minibatch
+
+__all__ = ["GRPOTrainer", "group_advantages"]
+
+_UNSET = object()  # a keyword left out, as opposed to one given as None
+
+
+def _trains(sample: Sample) -> bool:
+    """Whether a sample of a ready group takes part in the loss (see the module docstring)."""
+    if sample.status is SampleStatus.FAILED:
+        return False
+    if not sample.status.finished:
+        raise ValueError(
+            f"sample {sample.index} is {sample.status.value}: a batch holds only finished or failed samples"
+        )
+    if sample.reward is None:
+        raise ValueError(f"sample {sample.index} is {sample.status.value} but has no reward")
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensors:
+    """The batch laid out [sample, response position], on the trainer's device."""
+
+    behaviour: torch.Tensor  # float, the engine's log-probs
+    versions: torch.Tensor  # long, each token's policy version
+    valid: torch.Tensor  # bool, a real response token (not padding)
+    mask: torch.Tensor  # bool, the token trains (every mask applied)
+    advantages: torch.Tensor  # float [B], one per sample
+
+
+class GRPOTrainer:
+    """Trains the causal LM in `model_path` with GRPO; one `train_step` per rollout `Batch`.
+
+    `temperature` must be the rollout temperature: the engine samples from softmax(logits / T) and
+    reports those log-probs, so the trainer scores tokens the same way or every importance weight
+    is off. `loss` holds every knob of the objective (`trainers.loss.LossSettings`); the
+    keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
+    `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
+    number of samples per optimizer step (None = the whole batch, one step).
+
+    CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
+    leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
+    small to split, and on a 2-core box shared with the engine a second intra-op thread mostly
+    spin-waits for a busy core. Measured here under load: the learning test runs in 3.9 s with 1
+    thread and 9.4 s with 2; 128 x 128-token sampling takes 0.6 s vs 4.5 s. Raise it for big models.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        loss: LossSettings | None = None,
+        global_batch_size: int | None = None,
+        lr: float = 5e-3,  # toy task, measured: 1e-3 learns slowly, 1e-2 collapses groups to one answer
+        eps_clip: object = _UNSET,
+        eps_clip_high: object = _UNSET,
+        tis_cap: object = _UNSET,
+        mask_offpolicy_in_partial_rollout: object = _UNSET,
+        temperature: float = 1.0,
+        max_grad_norm: float = 1.0,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        num_threads: int | None = 1,
+        ref_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}"
+            )
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        self.loss = _with_legacy_keywords(
+            loss or LossSettings(), eps_clip, eps_clip_high, tis_cap, mask_offpolicy_in_partial_rollout
+        )
+        if num_threads is not None and device == "cpu":
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)  # only matters if the model config enables dropout
+
+        self.model_path = Path(model_path)
+        self._folder_files = model_folder_files(self.model_path)  # tokenizer etc., for every save
+        self.global_batch_size = global_batch_size
+        self.temperature = temperature
+        self.max_grad_norm = max_grad_norm
+        self.device = torch.device(device)
+        # bf16 computes the forward and backward under torch.autocast; the weights, their gradients
+        # and AdamW's state stay fp32 (master weights), whichever dtype.
+        self.autocast = dtype == "bfloat16"
+        # fp32 master weights: the tiny model trains on CPU, where bf16 buys nothing.
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        # `PreTrainedModel.to` is a `functools.wraps` wrapper that mypy cannot bind to its instance;
+        # typed as a Module the same method runs, moving the parameters in place.
+        module: torch.nn.Module = model
+        module.to(self.device)
+        self.model = model
+        self.model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.lr = lr
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        # The frozen reference policy of the KL term: `ref_path`, else the weights this trainer starts from.
+        self.reference: torch.nn.Module | None = None
+        self.ref_path: Path | None = None
+        if self.loss.needs_reference:
+            self.ref_path = Path(ref_path) if ref_path is not None else self.model_path
+            reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(self.ref_path, dtype=torch.float32)
+            reference.to(self.device)
+            reference.train()  # the same mode as the policy, so equal weights give equal log-probs
+            reference.requires_grad_(False)
+            self.reference = reference
+        self.steps = 0  # train_step calls, across restarts
+        if has_optimizer(self.model_path):
+            names = optimizer_param_names(self.model, self.optimizer)
+            self.steps = load_optimizer(
+                self.optimizer, names, self.model_path / OPTIMIZER_DIR, self.device, owner=self.model_path
+            )
+            load_rng_state(self.model_path / OPTIMIZER_DIR)
+
+    # ---- the training step -------------------------------------------------------------------
+
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        """One GRPO update on `batch`; returns the step's metrics. Blocking: run it off the event loop.
+
+        `minibatch_samples` overrides `global_batch_size` for this step: a resumed run replays a
+        stored batch with the split it was trained with (`pipeline.checkpoints`), whatever the flag
+        says now. The metrics carry the split used (`minibatch_samples`) for that record.
+        """
+        samples = batch.samples
+        if not samples:
+            raise ValueError(f"batch {batch.step} has no samples")
+        trains, advantages = self._advantages(batch)
+        t = self._tensors(samples, trains, advantages, self._train_version(batch))
+        self.model.train()
+
+        # The proximal policy: the weights before this batch's first optimizer step. With a single
+        # step it equals the step's own (detached) log-probs, so the extra forward is skipped.
+        minibatches = self._minibatches(len(samples), minibatch_samples)
+        width = t.valid.shape[1]
+        proximal: torch.Tensor | None = None
+        if len(minibatches) > 1:
+            with torch.no_grad():
+                proximal = torch.cat(
+                    [self._response_logprobs([samples[i] for i in mb], width)[0] for mb in minibatches]
+                )
+        totals: defaultdict[str, float] = defaultdict(float)
+        reference: torch.Tensor | None = None
+        if self.reference is not None:
+            started = time.perf_counter()
+            with torch.no_grad():
+                reference = torch.cat(
+                    [
+                        self._response_logprobs([samples[i] for i in mb], width, model=self.reference)[0]
+                        for mb in minibatches
+                    ]
+                )
+            totals["ref_log_probs_time"] = time.perf_counter() - started
+        for mb in minibatches:
+            self._minibatch_step(samples, mb, t, proximal, reference, totals)
+        self.steps += 1
+        totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics = step_metrics(batch, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
+        metrics["minibatch_samples"] = float(len(minibatches[0]))  # the split, recorded for a replay
+        return metrics
+
+    def _minibatch_step(
+        self,
+        samples: list[Sample],
+        mb: list[int],
+        t: _Tensors,
+        proximal: torch.Tensor | None,
+        reference: torch.Tensor | None,
+        totals: defaultdict[str, float],
+    ) -> None:
+        """Forward, loss and (when there is signal) one optimizer step on the samples `mb`."""
+        s = self.loss
+        index = torch.tensor(mb, device=self.device)
+        behaviour, mask, adv = t.behaviour[index], t.mask[index], t.advantages[index]
+        logp, entropy = self._response_logprobs(
+            [samples[i] for i in mb], t.valid.shape[1], entropy_grad=s.entropy_coef != 0
+        )
+        prox = logp.detach() if proximal is None else proximal[index]
+        pl = L.policy_loss(
+            s,
+            current=logp,
+            entropy=entropy,
+            proximal=prox,
+            behaviour=behaviour,
+            mask=mask,
+            advantages=adv,
+            reference=None if reference is None else reference[index],
+        )
+
+        # A minibatch without signal (no token trains, or every advantage is 0 and no KL or entropy
+        # term) takes no optimizer step: AdamW's momentum would otherwise move the weights anyway.
+        has_signal = bool((pl.train & (adv[:, None] != 0)).any()) or (s.regularised and bool(pl.train.any()))
+        grad_norm = 0.0
+        if has_signal:
+            self.optimizer.zero_grad(set_to_none=True)
+            pl.loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            self.optimizer.step()
+            totals["optimizer_steps"] += 1
+        totals["grad_norm"] += grad_norm
+        tally_minibatch(totals, pl, proximal=prox, behaviour=behaviour, mask=mask, entropy=entropy)
+
+    # ---- what trains, and with which advantage ------------------------------------------------
+
+    def _advantages(self, batch: Batch) -> tuple[list[bool], list[float]]:
+        """Per sample: whether it trains, and its group-normalised advantage (0 if it does not)."""
+        s = self.loss
+        trains: list[bool] = []
+        advantages: list[float] = []
+        for group in batch.groups:
+            rewards: list[float | None] = []
+            for sample in group.samples:
+                if not _trains(sample):
+                    rewards.append(None)
+                    continue
+                assert sample.reward is not None  # _trains checked it
+                penalty = 0.0
+                if s.overlong_buffer_len and s.max_response_len is not None:
+                    penalty = L.overlong_penalty(
+                        sample.response_len,
+                        max_response_len=s.max_response_len,
+                        buffer_len=s.overlong_buffer_len,
+                        factor=s.overlong_penalty_factor,
+                    )
+                rewards.append(float(sample.reward) + penalty)
+            trains += [r is not None for r in rewards]
+            advantages += group_advantages(rewards, std_normalization=s.std_normalization)
+        return trains, advantages
+
+    def _train_version(self, batch: Batch) -> int:
+        """The version being trained: the batch's, else the newest token version in it."""
+        if batch.train_version is not None:
+            return batch.train_version
+        return max((sp.version for s in batch.samples for sp in s.spans), default=0)
+
+    def _tensors(
+        self, samples: Sequence[Sample], trains: Sequence[bool], advantages: Sequence[float], train_version: int
+    ) -> _Tensors:
+        n_resp = max((s.response_len for s in samples), default=0)
+        behaviour = torch.zeros((len(samples), n_resp), dtype=torch.float32)
+        versions = torch.zeros((len(samples), n_resp), dtype=torch.long)
+        loss_mask = torch.zeros((len(samples), n_resp), dtype=torch.bool)
+        valid = torch.zeros((len(samples), n_resp), dtype=torch.bool)
+        for i, (s, t) in enumerate(zip(samples, trains, strict=True)):
+            r = s.response_len
+            valid[i, :r] = True
+            behaviour[i, :r] = column_tensor(s.logprobs, torch.float32)
+            versions[i, :r] = torch.tensor(s.token_versions(), dtype=torch.long)
+            truncated_out = self.loss.mask_truncated_samples and s.status is SampleStatus.TRUNCATED
+            if t and not truncated_out:
+                loss_mask[i, :r] = column_tensor(s.loss_mask, torch.bool)
+        mask = self.token_mask(versions, valid, loss_mask, train_version)
+        adv = torch.tensor(advantages, dtype=torch.float32)
+        return _Tensors(*(x.to(self.device) for x in (behaviour, versions, valid, mask, adv)))
+
+    def token_mask(
+        self, versions: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor, train_version: int
+    ) -> torch.Tensor:
+        """The loss mask with the version masks applied (see `trainers.loss`)."""
+        mask = valid & loss_mask
+        if self.loss.mask_offpolicy_in_partial_rollout:
+            mask &= L.newest_version_mask(versions, valid)
+        if self.loss.mask_stale_tokens is not None:
+            mask &= L.stale_token_mask(
+                versions, valid, train_version=train_version, max_lag=self.loss.mask_stale_tokens
+            )
+        return mask
+
+    def loss_mask(self, sample: Sample, *, train_version: int | None = None) -> list[int]:
+        """One sample's effective loss mask (the loss mask and the version masks), for inspection."""
+        r = sample.response_len
+        versions = torch.tensor([sample.token_versions()], dtype=torch.long).reshape(1, r)
+        valid = torch.ones((1, r), dtype=torch.bool)
+        loss_mask = column_tensor(sample.loss_mask, torch.bool).reshape(1, r)
+        newest = max((sp.version for sp in sample.spans), default=0)
+        mask = self.token_mask(versions, valid, loss_mask, newest if train_version is None else train_version)
+        return [int(x) for x in mask[0].tolist()]
+
+    def _minibatches(self, n: int, size: int | None = None) -> list[list[int]]:
+        size = size or self.global_batch_size or n
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+    # ---- the trainer's view of log-probs -----------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Log-prob of every response token under the current weights, at the trainer's temperature."""
+        if not samples:
+            return []
+        logp, _ = self._response_logprobs(samples)
+        return [logp[i, : s.response_len].tolist() for i, s in enumerate(samples)]
+
+    @torch.no_grad()
+    def importance_weights(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """The importance weight of every response token against the current weights, as trained."""
+        if not samples:
+            return []
+        t = self._tensors(samples, [True] * len(samples), [0.0] * len(samples), 0)
+        logp, _ = self._response_logprobs(samples)
+        every = dataclasses.replace(self.loss, mask_offpolicy_in_partial_rollout=False, mask_stale_tokens=None)
+        iw = L.importance_weights(logp, t.behaviour, t.valid, every)
+        return [iw.weight[i, : s.response_len].tolist() for i, s in enumerate(samples)]
+
+    def _response_logprobs(
+        self,
+        samples: Sequence[Sample],
+        width: int | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
+
+        One right-padded forward over prompt+response. Causal attention means right padding never
+        changes a real token's logits. Only the R rows that predict response tokens go through the
+        softmax: with a real vocabulary (150k), the full [B, L, V] log-softmax is where memory goes.
+        `width` pads R to the whole batch's, so minibatches line up with the batch's tensors.
+        `model` is the policy unless given (the reference model); the entropy carries a gradient
+        only with `entropy_grad` (an entropy term in the loss).
+        """
+        n_resp = max(s.response_len for s in samples) if width is None else width
+        n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
+        ids = torch.full((len(samples), n_seq), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(samples), n_seq), dtype=torch.long)
+        rows = torch.zeros((len(samples), n_resp), dtype=torch.long)  # which position predicts token j
+        targets = torch.full((len(samples), n_resp), self.pad_id, dtype=torch.long)
+        for i, s in enumerate(samples):
+            if not s.prompt_ids:
+                raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
+            p, r = len(s.prompt_ids), s.response_len
+            ids[i, :p] = torch.tensor(s.prompt_ids)
+            ids[i, p : p + r] = column_tensor(s.response_ids, torch.long)
+            attention[i, : p + r] = 1
+            rows[i, :r] = torch.arange(p - 1, p - 1 + r)
+            targets[i, :r] = column_tensor(s.response_ids, torch.long)
+        ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
+
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = (model or self.model)(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+        full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        logp = full.gather(-1, targets[..., None]).squeeze(-1)
+        valid = (
+            torch.arange(n_resp, device=self.device)[None, :]
+            < torch.tensor([s.response_len for s in samples], device=self.device)[:, None]
+        )
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
+        return logp.masked_fill(~valid, 0.0), entropy
+
+    # ---- publishing weights ------------------------------------------------------------------
+
+    def save_weights(self, path: str | os.PathLike[str]) -> Path:
+        """Write the full checkpoint at `path` (replacing one that is there); return it.
+
+        The model as a Hugging Face folder, plus the optimizer state and the random state in
+        `path/optimizer/`, written whole or not at all (`trainers.checkpoint`).
+        """
+
+        def fill(folder: Path) -> None:
+            self.model.save_pretrained(folder)
+            save_optimizer(
+                self.optimizer, optimizer_param_names(self.model, self.optimizer), self.steps, folder / OPTIMIZER_DIR
+            )
+            save_rng_state(folder / OPTIMIZER_DIR)
+
+        return write_folder_atomically(Path(path), self._folder_files, fill)
+
+    def save_model(self, path: str | os.PathLike[str]) -> Path:
+        """Write the weights only (what an engine loads; no optimizer state) at `path`, atomically.
+
+        A third of a full checkpoint's bytes with AdamW (weights, two moments): what the launcher
+        publishes between checkpoints (`--save-interval`)."""
+        return write_folder_atomically(Path(path), self._folder_files, self.model.save_pretrained)
+
+
+def _with_legacy_keywords(
+    loss: LossSettings, eps_clip: object, eps_clip_high: object, tis_cap: object, mask_offpolicy: object
+) -> LossSettings:
+    """`loss` with the keywords the trainer took before `LossSettings` existed applied over it."""
+    changes: dict[str, object] = {}
+    if eps_clip is not _UNSET:
+        changes["eps_clip"] = eps_clip
+    if eps_clip_high is not _UNSET:
+        changes["eps_clip_high"] = eps_clip_high
+    if tis_cap is not _UNSET:
+        if tis_cap is None:
+            changes["correction"] = ImportanceCorrection.NONE
+        elif not isinstance(tis_cap, int | float) or tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap}")
+        else:
+            changes["tis_clip"] = float(tis_cap)
+    if mask_offpolicy is not _UNSET:
+        changes["mask_offpolicy_in_partial_rollout"] = bool(mask_offpolicy)
+    return dataclasses.replace(loss, **changes) if changes else loss  # type: ignore[arg-type]

@@ -1,0 +1,601 @@
+"""The megatron-core GRPO trainer: the torch trainer's step, on megatron ranks.
+
+Same protocol as `trainers.GRPOTrainer` (`train_step(batch) -> metrics`,
+`save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
+that engines load with `update_weights_from_disk`, written whole or not at all, plus the
+optimizer state, saved before the controller commits the step. For `--update-weight-transport
+distributed`, `hf_weights()` hands the publisher the same HF tensors, gathered over TP.
+
+Ranks. Every rank is one process with this object in it. Rank 0 lives in the controller's
+process; the others run `follow()` (started by `launch.megatron_ranks`). Rank 0 turns each
+request into a command and broadcasts it over the world group (`commands.py`: orjson, never
+pickle); then every rank runs the same code, so their collectives meet. Rank 0 alone does what
+needs the Batch (advantages, masks, reward metrics), so followers receive plain rows of numbers.
+
+The loss is `trainers.loss`, run on each micro-batch by `rows.micro_batch_loss` exactly as
+the torch trainer runs it on a minibatch. A rollout batch takes one optimizer step per
+`global_batch_size` samples (`--global-batch-size`, half the batch by default, as for the torch
+trainer); with several, the proximal log-probs are recomputed once before the first, and the PPO
+clip of the later steps acts against them.
+
+Parallelism: tensor and pipeline parallel from megatron-core's `parallel_state`, data parallel
+= world / (TP x PP). Each DP rank takes every DP-th row of each minibatch; the loss is normalised
+by the minibatch's token count, and gradients are summed over the DP group (`grads.py`), so each
+step equals the single-process step. Micro-batches of `micro_batch_size` rows are packed into one
+sequence (`packing.py`). Pipeline parallel (`--pipeline-model-parallel-size`): each stage holds
+`num_layers / pp` layers (`qwen3.py`); a minibatch's micro-batches go through the stages forward,
+then backward (`schedule.py`: our own schedule, since megatron-core's allocates on CUDA; the
+docstring says where). The loss, the log-probs and the step's totals exist on the last stage; the
+totals and log-probs are broadcast from it over the pipeline group, so rank 0 (first stage,
+the controller's process) reports them and every stage makes the same step-or-skip decision. The
+gradient norm is summed over TP and PP ranks. A save joins the stages on rank 0 (`checkpoint.py`),
+so the HF folder is the one a run without PP writes. A tied embedding is kept as two equal copies
+on the first and last stage (their gradients summed, `grads.py`).
+
+Precision (`dtype`, `--trainer-dtype`): float32, or bfloat16 parameters with fp32 master weights,
+fp32 gradient accumulation and fp32 AdamW state (`master.py`), megatron's mixed-precision recipe.
+Optimizer: by default torch AdamW on each rank's shard, with the gradient collectives of
+`grads.py`. With `distributed_optimizer` (`--use-distributed-optimizer`, GPU ranks only: under
+0.16.1, the CPU ranks CI runs, megatron allocates these buffers on CUDA) the model is wrapped in
+megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the same step, with
+the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
+it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
+
+Reference model (`--use-kl-loss`): a second GPTModel with the same TP/PP layout, frozen, loaded
+from `ref_path` (the run's initial weights, or `--ref-load`); each rank holds its own shard and
+runs one forward without gradient per micro-batch per rollout batch, before the first optimizer
+step. Its log-probs live on the last stage, where the loss is. It is rebuilt from `ref_path` on
+a restart, never saved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from core.types import Batch, Sample
+from trainers.checkpoint import OPTIMIZER_DIR, model_folder_files, write_folder_atomically
+from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings
+from trainers.megatron.checkpoint import (
+    config_files,
+    gather_full_state,
+    gather_stages,
+    load_hf_weights,
+    load_optimizer_shard,
+    save_optimizer_shard,
+    write_hf_weights,
+)
+from trainers.megatron.commands import Command as _Command
+from trainers.megatron.commands import broadcast_command, receive_command
+from trainers.megatron.distopt import DistributedOptimizer
+from trainers.megatron.grads import clip_gradients, reduce_gradients
+from trainers.megatron.master import MasterWeights
+from trainers.megatron.packing import Packed, head_logprobs, pack
+from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
+from trainers.megatron.rows import (
+    TOTALS,
+    Row,
+    batch_rows,
+    micro_batch_loss,
+    step_metrics,
+    trained_token_count,
+)
+from trainers.megatron.schedule import InFlight, Stage, backward, forward
+
+__all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
+
+# `--trainer-dtype`: what the model computes in; the optimizer always steps fp32 weights (master.py).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class _StepTotals:
+    """What one `train_step` adds up over its minibatches (the same on every rank)."""
+
+    totals: defaultdict[str, float]
+    grad_norm_sum: float
+    optimizer_steps: int
+    minibatches: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    rank: int
+    world: int
+    tp: int
+    tp_rank: int
+    dp: int
+    dp_rank: int
+    pp: int
+
+
+class MegatronTrainer:
+    """GRPO on a megatron-core GPTModel built from the Qwen3 folder `model_path`.
+
+    torch.distributed must be initialised (gloo on CPU, NCCL on GPU) and megatron's model
+    parallel state set up (`launch.megatron_ranks.init_rank` does both) before construction, on
+    every rank, with the same arguments.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        loss: LossSettings | None = None,
+        global_batch_size: int | None = None,
+        lr: float = 5e-3,
+        temperature: float = 1.0,
+        max_grad_norm: float = 1.0,
+        weight_decay: float = 0.0,
+        micro_batch_size: int = 8,
+        device: str = "cpu",
+        dtype: str = "float32",
+        num_threads: int | None = 1,
+        distributed_optimizer: bool = False,
+        ref_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        if distributed_optimizer and ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError(
+                "distributed_optimizer with pipeline parallel is not supported: the pipeline runs "
+                "its own schedule, without megatron's DDP hooks across stages; use one of the two"
+            )
+        if distributed_optimizer and torch.device(device).type == "cpu":
+            raise ValueError(
+                "distributed_optimizer needs GPU ranks (device='cuda'): megatron-core allocates its "
+                f"DDP buffers on the GPU; got device={device!r}"
+            )
+        if num_threads is not None and device == "cpu":
+            torch.set_num_threads(num_threads)
+        self.model_path = Path(model_path)
+        # Read now: the folder may be a checkpoint that retention deletes before the next save.
+        self._folder_files = model_folder_files(self.model_path)
+        self._config_files = config_files(self.model_path)
+        self.loss = loss or LossSettings()
+        self.temperature = temperature
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.device = torch.device(device)
+        self.layout = _Layout(
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+        )
+        self.stage = Stage.current()
+        self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
+        self.shape.check_tensor_parallel(self.layout.tp)
+        self.shape.check_pipeline_parallel(self.layout.pp)
+        self.dtype = _DTYPES[dtype]
+        self.model = build_gpt_model(
+            self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
+        )
+        # This stage's parameter names -> the full model's; the last stage's copy of a tied
+        # embedding (PP > 1) is neither saved nor counted twice in the gradient norm.
+        self._names = global_names(self.model, self.shape)
+        self._tied_copy = frozenset(n for n, full in self._names.items() if n == "output_layer.weight" and full != n)
+        fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        self.lr = lr
+        self.reference: torch.nn.Module | None = None
+        if self.loss.needs_reference:
+            self.reference = build_gpt_model(
+                self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
+            )
+            ref = Path(ref_path) if ref_path is not None else self.model_path
+            load_hf_weights(self.reference, ref, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+            self.reference.requires_grad_(False)
+        self.steps = 0
+        resume = self.model_path / OPTIMIZER_DIR
+        self.distopt: DistributedOptimizer | None = None
+        if distributed_optimizer:
+            del fp32  # megatron builds its fp32 masters from the model's weights
+            self.distopt = DistributedOptimizer(
+                self.model,
+                lr=lr,
+                weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm,
+                bf16=self.dtype != torch.float32,
+            )
+            self.model = self.distopt.module  # forward and backward through megatron's DDP wrapper
+            if resume.is_dir():
+                self.steps = self.distopt.load(resume, layout=self._layout_dict)
+            return
+        # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
+        self.master = MasterWeights(self.model, fp32)
+        del fp32
+        self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
+        if resume.is_dir():
+            self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self._layout_dict)
+
+    # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
+
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        """One GRPO update on `batch`, on every rank; returns the step's metrics (rank 0).
+
+        `minibatch_samples` overrides `global_batch_size` for this step (every rank gets it): a
+        resumed run replays a stored batch with its recorded split (`pipeline.checkpoints`)."""
+        if not batch.samples:
+            raise ValueError(f"batch {batch.step} has no samples")
+        rows, trains, versions = batch_rows(batch, self.loss)
+        size = minibatch_samples or self.global_batch_size or len(rows)
+        self._broadcast(_Command.TRAIN, {"rows": [r.to_json() for r in rows], "minibatch_samples": size})
+        step = self._train(rows, size)
+        metrics = step_metrics(
+            batch, rows, trains, versions, step.totals, step.grad_norm_sum, step.optimizer_steps, step.minibatches
+        )
+        metrics["minibatch_samples"] = float(min(size, len(rows)))  # the split, recorded for a replay
+        return metrics
+
+    def save_weights(self, path: str | os.PathLike[str]) -> Path:
+        """Write the HF folder (and every rank's optimizer shard) at `path`, atomically; return it."""
+
+        def fill(folder: Path) -> None:
+            self._broadcast(_Command.SAVE, str(folder))
+            self._save(folder)
+
+        return write_folder_atomically(Path(path), self._folder_files, fill)
+
+    def save_model(self, path: str | os.PathLike[str]) -> Path:
+        """Write the weights only (the HF folder an engine loads, no optimizer shards) at `path`,
+        atomically; return it. What the launcher publishes between checkpoints (`--save-interval`):
+        the master weights are gathered to rank 0 (every rank joins) and only rank 0 writes."""
+
+        def fill(folder: Path) -> None:
+            self._broadcast(_Command.GATHER, None)  # the followers join the same gather
+            write_hf_weights(folder, self._gather_full(), self.shape, self._config_files)
+
+        return write_folder_atomically(Path(path), self._folder_files, fill)
+
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
+        rows = [Row.of(s) for s in samples]
+        self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
+        return self._logprobs(rows)
+
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The whole model under Hugging Face names and shapes, fp32, on CPU (rank 0; all ranks take part).
+
+        What the distributed publish sends (`stages.sglang.publish_distributed`, `--update-weight-transport
+        distributed`): the TP shards of the master weights gathered to rank 0 and converted exactly
+        as for a saved folder, so an engine holds the same tensors either way.
+        """
+        self._broadcast(_Command.GATHER, None)
+        return list(self._gather_hf().items())
+
+    def close(self) -> None:
+        """Release the followers (rank 0); they leave `follow()`."""
+        if self.layout.rank == 0 and self.layout.world > 1:
+            self._broadcast(_Command.STOP, None)
+
+    # ---- the followers' loop ------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Run rank 0's commands until it says stop (ranks > 0)."""
+        while True:
+            command, payload = receive_command(self._comm_device)
+            if command is _Command.STOP:
+                return
+            if command is _Command.TRAIN:
+                self._train([Row.from_json(r) for r in payload["rows"]], payload["minibatch_samples"])
+            elif command is _Command.SAVE:
+                self._save(Path(payload))
+            elif command is _Command.LOGPROBS:
+                self._logprobs([Row.from_json(r) for r in payload])
+            elif command is _Command.GATHER:
+                self._gather_hf()
+
+    def _broadcast(self, command: _Command, payload: Any) -> None:
+        if self.layout.world > 1:
+            broadcast_command(command, payload, self._comm_device)
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+
+    # ---- the step, on every rank --------------------------------------------------------------
+
+    def _train(self, rows: list[Row], size: int) -> _StepTotals:
+        """The batch's optimizer steps: one per minibatch of `size` rows, in order.
+
+        With several, the proximal log-probs are computed once first, under the weights the batch
+        was given to (the torch trainer's decoupled objective): the PPO clip of the later steps acts
+        against them. Each rank computes them for its own micro-batches only.
+        """
+        minibatches = [rows[i : i + size] for i in range(0, len(rows), size)]
+        plans = [self._micro_batches(mb) for mb in minibatches]
+        self.model.train()
+        proximal: list[list[torch.Tensor]] | None = None
+        if len(minibatches) > 1:
+            with torch.no_grad():
+                proximal = [[self._forward_logprobs(c)[0] for c in chunks] for chunks in plans]
+        step = _StepTotals(defaultdict(float), 0.0, 0, len(minibatches))
+        reference: list[list[torch.Tensor]] | None = None
+        if self.reference is not None:
+            started = time.perf_counter()
+            reference = [[self._forward_logprobs(c, model=self.reference)[0] for c in chunks] for chunks in plans]
+            step.totals["ref_log_probs_time"] = time.perf_counter() - started
+        for i, (mb, chunks) in enumerate(zip(minibatches, plans, strict=True)):
+            totals, grad_norm, stepped = self._minibatch_step(
+                mb, chunks, None if proximal is None else proximal[i], None if reference is None else reference[i]
+            )
+            for key, value in totals.items():
+                step.totals[key] = max(step.totals[key], value) if key == "weight_max" else step.totals[key] + value
+            if stepped:
+                step.grad_norm_sum += grad_norm
+                step.optimizer_steps += 1
+        self.steps += 1
+        step.totals["lr"] = self.lr
+        return step
+
+    def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
+        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`."""
+        mine = minibatch[self.layout.dp_rank :: self.layout.dp]
+        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+
+    def _minibatch_step(
+        self,
+        minibatch: list[Row],
+        chunks: list[list[Row]],
+        proximal: list[torch.Tensor] | None,
+        reference: list[torch.Tensor] | None = None,
+    ) -> tuple[defaultdict[str, float], float, bool]:
+        """Forward and backward every micro-batch of this rank's rows, then one optimizer step.
+
+        Returns the totals summed over DP ranks, the gradient norm, and whether the step was taken:
+        a minibatch with no signal (no token trains, or every advantage is 0) takes none, as in the
+        torch trainer, since AdamW's momentum would move the weights anyway. Every rank reaches the
+        same decision, from the DP-summed totals of the last stage.
+
+        Without PP each micro-batch's backward follows its forward at once (its activations are
+        freed before the next); with PP every forward runs first, then the backwards in reverse
+        (`schedule.py`).
+        """
+        batch_tokens = self._batch_tokens(minibatch, chunks, proximal)
+        if self.distopt is not None:
+            self.distopt.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=False)
+        totals: defaultdict[str, float] = defaultdict(float)
+        pending: list[InFlight] = []
+        for j, chunk in enumerate(chunks):
+            packed, flight = self._forward(chunk, train=True)
+            if self.stage.last:  # the loss, on the logits
+                logp, entropy = self._head(flight.output, packed)
+                flight.loss = micro_batch_loss(
+                    self.loss,
+                    chunk,
+                    logp,
+                    entropy,
+                    batch_tokens=batch_tokens,
+                    batch_samples=len(minibatch),
+                    totals=totals,
+                    proximal_flat=None if proximal is None else proximal[j],
+                    reference_flat=None if reference is None else reference[j],
+                )
+            pending.append(flight)
+            if self.stage.pp == 1:
+                self._backward(pending.pop())
+        for flight in reversed(pending):
+            self._backward(flight)
+        if not chunks:  # more DP ranks than rows: this rank adds nothing but still meets the collectives
+            # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
+            cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
+            self._accumulate_grads()
+        totals = self._from_last_stage(self._sum_over_dp(totals))
+        if totals["signal"] <= 0:
+            return totals, 0.0, False
+        if self.distopt is not None:
+            return totals, self.distopt.step(), True
+        from megatron.core import parallel_state as ps
+
+        tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, self.master.named()
+        # A tied embedding under PP: its two copies, on the first and the last stage.
+        tied = self.shape.tied and lay.pp > 1 and (self.stage.first or self.stage.last)
+        reduce_gradients(
+            named,
+            tp=lay.tp,
+            dp=lay.dp,
+            tp_group=tp_group,
+            dp_group=self._dp_group(),
+            embedding_group=ps.get_embedding_group() if tied else None,
+        )
+        grad_norm = clip_gradients(
+            named,
+            self.max_grad_norm,
+            tp=lay.tp,
+            tp_rank=lay.tp_rank,
+            tp_group=tp_group,
+            pp=lay.pp,
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            not_counted=self._tied_copy,
+        )
+        self.optimizer.step()
+        self.master.copy_to_model()
+        return totals, grad_norm, True
+
+    def _forward(
+        self, rows: Sequence[Row], *, train: bool, model: torch.nn.Module | None = None
+    ) -> tuple[Packed, InFlight]:
+        """This stage's forward of one packed micro-batch (the output is the logits on the last stage)."""
+        packed = pack(rows, self.device)
+        module = self.model if model is None else model
+        return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+
+    def _backward(self, flight: InFlight) -> None:
+        backward(self.stage, flight)
+        self._accumulate_grads()
+
+    def _head(self, logits: torch.Tensor, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens, from the last stage's logits."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        return head_logprobs(
+            logits,
+            packed,
+            temperature=self.temperature,
+            tp_group=group,
+            tp=self.layout.tp,
+            entropy_grad=self.loss.entropy_coef != 0 and torch.is_grad_enabled(),
+        )
+
+    def _forward_logprobs(
+        self, rows: Sequence[Row], *, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens of `rows` through every stage (of `model`,
+        the policy unless given), no grad: on the last stage; other stages return empty tensors
+        (they only pass hidden states on)."""
+        with torch.no_grad():
+            packed, flight = self._forward(rows, train=False, model=model)
+            if self.stage.last:
+                return self._head(flight.output, packed)
+        empty = torch.empty(0, device=self.device)
+        return empty, empty
+
+    def _from_last_stage(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
+        """The last stage's totals (where the loss is), on every stage of the pipeline."""
+        if self.layout.pp == 1:
+            return totals
+        from megatron.core import parallel_state as ps
+
+        keys = (*TOTALS, "weight_max")
+        values = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self._comm_device)
+        last, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        dist.broadcast(values, src=last, group=group)
+        return defaultdict(float, zip(keys, map(float, values.tolist()), strict=True))
+
+    def _accumulate_grads(self) -> None:
+        """bf16, hand-rolled path: into the fp32 masters after every micro-batch (megatron's DDP
+        accumulates into its fp32 buffer in its own backward hooks)."""
+        if self.distopt is None:
+            self.master.accumulate_grads()
+
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The weights a publish or a saved folder reads, by megatron name (fp32 masters, or the
+        distributed optimizer's model weights)."""
+        return self.distopt.named() if self.distopt is not None else self.master.named()
+
+    def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None) -> float:
+        """The token-mean denominator: the minibatch's trainable tokens, after log-prob-dependent drops."""
+        s = self.loss
+        drops = s.use_opsm or s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
+        if s.aggregation is not LossAggregation.TOKEN_MEAN or not drops:
+            return float(sum(sum(r.mask) for r in rows))
+        count = 0.0
+        with torch.no_grad():
+            for j, c in enumerate(chunks):
+                prox = None if proximal is None else proximal[j]
+                # IcePop and seq-mask drop by the proximal log-probs; only OPSM needs the current ones.
+                # Every stage runs the same forwards; the loss, and so this count, is the last's.
+                logp = self._forward_logprobs(c)[0] if prox is None or s.use_opsm else prox
+                if self.stage.last:
+                    count += trained_token_count(s, c, logp, prox)
+        total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
+        if self.layout.dp > 1:
+            dist.all_reduce(total, group=self._dp_group())
+        return float(total[0])
+
+    def _sum_over_dp(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
+        if self.layout.dp == 1:
+            return totals
+        sums = torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(sums, group=self._dp_group())
+        peak = torch.tensor([totals["weight_max"]], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group())
+        out: defaultdict[str, float] = defaultdict(float, zip(TOTALS, map(float, sums.tolist()), strict=True))
+        out["weight_max"] = float(peak[0])
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, rows: list[Row]) -> list[list[float]]:
+        """Every row's response log-probs, computed on the last stage and broadcast over the pipeline."""
+        parts = [
+            self._forward_logprobs(rows[start : start + self.micro_batch_size])[0]
+            for start in range(0, len(rows), self.micro_batch_size)
+        ]
+        flat = torch.cat(parts) if parts else torch.empty(0, device=self.device)
+        if self.layout.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            if not self.stage.last:
+                flat = torch.empty(sum(len(r.response_ids) for r in rows), device=self.device)
+            flat = flat.float().to(self._comm_device)
+            last, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+            dist.broadcast(flat, src=last, group=group)
+        values = flat.tolist()
+        out: list[list[float]] = []
+        at = 0
+        for r in rows:
+            out.append(values[at : at + len(r.response_ids)])
+            at += len(r.response_ids)
+        return out
+
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    # ---- weights and optimizer (trainers.megatron.checkpoint) ---------------------------
+
+    def _gather_hf(self) -> dict[str, torch.Tensor]:
+        """Every rank joins the gather; rank 0 converts to HF names (the others return nothing)."""
+        full = self._gather_full()
+        return megatron_to_hf(full, self.shape) if self.layout.rank == 0 else {}
+
+    def _gather_full(self) -> dict[str, torch.Tensor]:
+        """The whole model's full tensors by full-model name, on rank 0 (a collective of every rank).
+
+        Each stage joins its parameters over TP; then the stages of rank 0's pipeline (TP rank 0,
+        DP rank 0) send theirs to it. Other ranks return what they hold, which nobody reads."""
+        from megatron.core import parallel_state as ps
+
+        joined = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        full = {self._names[n]: t for n, t in joined.items() if n not in self._tied_copy}
+        if self.layout.pp == 1 or self.layout.tp_rank != 0 or self.layout.dp_rank != 0:
+            return full
+        first = ps.get_pipeline_model_parallel_first_rank()
+        others = [r for r in dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if r != first]
+        return gather_stages(full, ranks=[first, *others], rank=self.layout.rank, device=self._comm_device)
+
+    def _save(self, folder: Path) -> None:
+        """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
+        full = self._gather_full()
+        if self.layout.rank == 0:
+            write_hf_weights(folder, full, self.shape, self._config_files)
+            (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
+        if self.layout.world > 1:
+            dist.barrier()  # the optimizer folder exists
+        if self.distopt is not None:
+            self.distopt.save(folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps)
+        else:
+            save_optimizer_shard(
+                self.optimizer, self.master.named(), folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
+            )
+        if self.layout.world > 1:
+            dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
+
+    @property
+    def _layout_dict(self) -> dict[str, int]:
+        return {"rank": self.layout.rank, "world": self.layout.world, "tp": self.layout.tp, "pp": self.layout.pp}
