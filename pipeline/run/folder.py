@@ -33,6 +33,7 @@ from core.errors import ConfigError
 from core.types import StoreTransport
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
+from pipeline.run.resume_settings import without_secrets
 
 __all__ = ["RUN_RECORD", "claim_run_folder", "resume_hint", "run_line"]
 
@@ -90,7 +91,7 @@ def claim_run_folder(config: Config) -> Path:
                 },
             )
         # The settings of the latest start (a resumed run may change some): printable, reusable.
-        _write(out / CONFIG_RECORD, config_to_dict(config))
+        _write(out / CONFIG_RECORD, without_secrets(config_to_dict(config)))
     except OSError as exc:  # a file in the way, no permission, a read-only filesystem
         raise ConfigError([f"--output-dir={out}: cannot be created ({exc.strerror})"]) from exc
     if out.parent == Path("runs"):  # where default folders go (relative to the working directory)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REFUSED", "SettingChange", "changed_settings", "refused_change"]
+__all__ = ["REFUSED", "SettingChange", "changed_settings", "refused_change", "without_secrets"]
 
 # Settings whose change a resume refuses by name (the dataset and tokenizer by their fingerprints).
 REFUSED: Mapping[str, str] = {
@@ -37,7 +37,8 @@ REFUSED: Mapping[str, str] = {
     "storage.run_id": "the store belongs to one run",
     "trainer.backend": "the checkpoints (weights/vN) hold that backend's optimizer state",
 }
-# Values never copied into a change record: a secret stays out of the store's history.
+# Values never written to disk (the store's settings, their history, the run folder's config.json):
+# a secret is recorded only as "<set>" or None, so a copied run folder does not carry the key.
 _SECRET = frozenset({"engine.api_key"})
 
 SettingChange = dict[str, Any]  # {"step": int, "setting": "section.name", "from": old, "to": new}
@@ -76,3 +77,14 @@ def flag_of(setting: str) -> str:
 
 def _shown_secret(value: object) -> str | None:
     return None if value is None else "<set>"
+
+
+def without_secrets(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A `config_to_dict` tree fit to persist: each secret replaced by "<set>" (or None)."""
+    out = {section: dict(part) if isinstance(part, Mapping) else part for section, part in tree.items()}
+    for setting in _SECRET:
+        section, name = setting.split(".", 1)
+        part = out.get(section)
+        if isinstance(part, dict) and name in part:
+            part[name] = _shown_secret(part[name])
+    return out

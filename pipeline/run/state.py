@@ -52,7 +52,7 @@ from pipeline.checkpoints import (
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.controller import Trainer
-from pipeline.run.resume_settings import changed_settings, flag_of, refused_change
+from pipeline.run.resume_settings import changed_settings, flag_of, refused_change, without_secrets
 from pipeline.trainer_settings import build_trainer
 from stages.reward import RewardFn
 from storage import (
@@ -301,7 +301,7 @@ def _run_meta(config: Config, dataset: list[PromptTask], model_path: Path) -> Ru
         if tokenizer_file.exists()
         else "none",
         n_samples_per_prompt=config.rollout.n_samples_per_prompt,
-        extra={"config": config_to_dict(config)},
+        extra={"config": without_secrets(config_to_dict(config))},
     )
 
 
