@@ -6,8 +6,9 @@ inside a Ray actor on its node, with no store of its own.
         └──── take_results() ◄── results: (outcome, group bytes) ◄──────────┘ partial / failed / rejected
 
 The stages are the very classes the controller runs in local mode. Where they would write the
-store, `_Outbox` queues the group for the controller instead, which commits it under this
-producer's lease (`launch.ray_producers`): the controller stays the single store writer.
+store (the calls of `stages.store_ports.ProducerStore`), `_Outbox` queues the group for the
+controller instead, which commits it under this producer's lease (`launch.ray_producers`): the
+controller stays the single store writer.
 
 Groups cross the process boundary as `storage.codec` bytes (msgpack with a schema version), never
 pickled domain objects: a producer may run another node's copy of this code, and a record of
@@ -45,7 +46,7 @@ from stages.producers import LocalProducers
 from stages.reward import RewardStage
 from stages.sglang import EngineFleet
 from stages.sglang.payloads import TokenPayloads
-from storage import AsyncStore, MemoryStore
+from stages.store_ports import ProducerStore
 from storage.codec import decode_group, encode_group
 
 __all__ = ["ProducerCore", "ProducerSpec", "ResultKind"]
@@ -147,36 +148,25 @@ class _Results:
         return len(self._items)
 
 
-class _Outbox(AsyncStore):
-    """The store as the producer's stages see it: each write goes back to the controller instead.
+class _Outbox:
+    """The store as the producer's stages see it (`stages.store_ports.ProducerStore`): each group
+    that leaves the pool, reward or filter goes back to the controller instead of into a store.
 
-    Only the moves out of RUNNING (one group or many) are used by the pool, reward and filter; anything else
-    would be a stage reading state the producer does not have, and fails loudly (the memory store
-    underneath is empty)."""
+    Only those calls exist: a stage that called anything else (reading state this producer does
+    not have) would fail mypy where the stages are built here, and `AttributeError` if it got past."""
 
     def __init__(self, results: _Results, keep: Callable[[Group], bool]) -> None:
-        super().__init__(MemoryStore())
         self._results = results
         self._keep = keep
 
-    async def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+    async def put_partial(self, group: Group) -> None:
         if not self._keep(group):
             self._results.put(ResultKind.PARTIAL, group)
 
-    async def put_ready(self, group: Group, *, owner: str | None = None) -> None:
-        self._results.put(ResultKind.ACCEPTED, group)
-
-    async def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
-        self._results.put(ResultKind.REJECTED, group)
-
-    async def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+    async def put_failed(self, group: Group) -> None:
         self._results.put(ResultKind.FAILED, group)
 
-    async def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
-        for group in groups:
-            self._results.put(ResultKind.ACCEPTED, group)
-
-    async def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+    async def put_rejected_groups(self, groups: Sequence[Group]) -> None:
         for group in groups:
             self._results.put(ResultKind.REJECTED, group)
 
@@ -221,7 +211,7 @@ class ProducerCore:
         agent = _resolve(spec.agent_path, "agent", self.node)
         self.admission = Admission()
         self.results = _Results()
-        outbox = _Outbox(self.results, self._hold)
+        outbox: ProducerStore = _Outbox(self.results, self._hold)
         urls = list(spec.engine_urls)
         async with EngineFleet(
             urls or None,

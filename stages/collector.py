@@ -20,8 +20,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from core.types import Group
 from stages.admission import Admission, Outcome
+from stages.store_ports import CollectorStore
 from stages.streams import drain_nowait
-from storage import AsyncStore, GroupState
+from storage import GroupState
 
 __all__ = ["Collector", "CollectorStatistics"]
 
@@ -37,7 +38,7 @@ class Collector:
     def __init__(
         self,
         *,
-        store: AsyncStore,
+        store: CollectorStore,
         admission: Admission,
         capacity: float,
         on_ready: Callable[[str], None] | None = None,

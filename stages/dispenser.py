@@ -24,7 +24,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from core.clock import VersionClock
 from core.types import Group, PromptTask
 from stages.admission import Admission
-from storage import AsyncStore, Cursor
+from stages.store_ports import DispenserStore
+from storage import Cursor
 
 __all__ = ["Dispenser", "DispenserStatistics"]
 
@@ -39,7 +40,7 @@ class DispenserStatistics:
 class Dispenser:
     def __init__(
         self,
-        store: AsyncStore,
+        store: DispenserStore,
         dataset: Sequence[PromptTask],
         *,
         n_samples: int,

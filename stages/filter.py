@@ -21,8 +21,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from core.types import Group
 from stages.admission import Admission, Outcome
+from stages.store_ports import FilterStore
 from stages.streams import drain_nowait
-from storage import AsyncStore
 
 __all__ = ["FilterStage", "FilterStatistics", "reward_std_nonzero"]
 
@@ -42,7 +42,7 @@ def reward_std_nonzero(group: Group) -> bool:
 
 
 class FilterStage:
-    def __init__(self, filter_fn: FilterFn | None, *, store: AsyncStore, admission: Admission, batch: int = 1) -> None:
+    def __init__(self, filter_fn: FilterFn | None, *, store: FilterStore, admission: Admission, batch: int = 1) -> None:
         """`batch`: the most rejected groups stored in one store call, of those already waiting."""
         if batch < 1:
             raise ValueError(f"the filter's batch is at least 1 group, got {batch}")

@@ -47,7 +47,7 @@ from stages.continuation import Detokenize, continuation_params, cut_at, stop_ac
 from stages.failures import FailureLog
 from stages.sglang.payloads import TokenPayloads, routes_for_new_tokens
 from stages.sglang.wire import GenerateResult
-from storage import AsyncStore
+from stages.store_ports import PoolStore
 
 __all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics", "RequestLog"]
 
@@ -122,7 +122,7 @@ class GeneratorPool:
         sampling_params: Mapping[str, Any],
         max_response_len: int,
         clock: VersionClock,
-        store: AsyncStore,
+        store: PoolStore,
         admission: Admission,
         seed: int = 0,
         events: RequestLog | None = None,

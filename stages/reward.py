@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from core.types import Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.failures import FailureLog, first_traceback
-from storage import AsyncStore
+from stages.store_ports import RewardStore
 
 __all__ = ["RewardFn", "RewardStage", "RewardStatistics"]
 
@@ -39,7 +39,7 @@ class RewardStatistics:
 
 class RewardStage:
     def __init__(
-        self, reward_fn: RewardFn, *, timeout: float, store: AsyncStore, admission: Admission, max_retries: int = 0
+        self, reward_fn: RewardFn, *, timeout: float, store: RewardStore, admission: Admission, max_retries: int = 0
     ) -> None:
         self._fn = reward_fn
         self._timeout = timeout

@@ -215,12 +215,12 @@ async def test_a_store_without_batched_moves_gets_them_one_by_one() -> None:
 
 _KILLED_MID_BATCH = """
     import os, signal, sys
-    import storage.lmdb_store as lmdb_store
+    import storage.lmdb_txn as lmdb_txn
     from storage import LmdbStore
     from tests.test_store import finished, fresh
 
     moves = 0
-    real_move = lmdb_store._Write.move
+    real_move = lmdb_txn.Txn.move
 
     def move(self, *args, **kwargs):
         # The third group of the batch: two are written into the open transaction, not committed.
@@ -230,7 +230,7 @@ _KILLED_MID_BATCH = """
             os.kill(os.getpid(), signal.SIGKILL)
         return real_move(self, *args, **kwargs)
 
-    lmdb_store._Write.move = move
+    lmdb_txn.Txn.move = move
     store = LmdbStore(sys.argv[1])
     store.put_ready_groups([finished(fresh(i), 0) for i in range(5)])
     print("the batch committed: the kill never came")
@@ -416,13 +416,13 @@ def test_accept_results_refuses_a_group_named_twice_or_a_state_it_has_no_move_fo
 def test_an_exception_in_the_middle_of_accept_results_stores_none_of_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import storage.lmdb_store as lmdb_store
+    import storage.lmdb_txn as lmdb_txn
 
     path = tmp_path / "store"
     with LmdbStore(path) as store:
         groups = _leased(store, 5)
         before = (_leases(store, 5), _snapshot(store), [store.get(g.group_id) for g in groups])
-        real_move, moves = lmdb_store._Write.move, []
+        real_move, moves = lmdb_txn.Txn.move, []
 
         def move(self: object, *args: object, **kwargs: object) -> None:
             moves.append(args[0])
@@ -430,7 +430,7 @@ def test_an_exception_in_the_middle_of_accept_results_stores_none_of_it(
                 raise RuntimeError("the disk went away")
             real_move(self, *args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(lmdb_store._Write, "move", move)
+        monkeypatch.setattr(lmdb_txn.Txn, "move", move)
         with pytest.raises(RuntimeError, match="the disk went away"):
             store.accept_results("p1", _results(groups))
         monkeypatch.undo()
@@ -442,12 +442,12 @@ def test_an_exception_in_the_middle_of_accept_results_stores_none_of_it(
 
 _KILLED_MID_ACCEPT = """
     import dataclasses, os, signal, sys
-    import storage.lmdb_store as lmdb_store
+    import storage.lmdb_txn as lmdb_txn
     from storage import GroupState, LmdbStore
     from tests.test_store import finished, fresh
 
     moves = 0
-    real_move = lmdb_store._Write.move
+    real_move = lmdb_txn.Txn.move
 
     def move(self, *args, **kwargs):
         # The second put of the batch: a lease handed back and one group stored, not committed.
@@ -457,7 +457,7 @@ _KILLED_MID_ACCEPT = """
             os.kill(os.getpid(), signal.SIGKILL)
         return real_move(self, *args, **kwargs)
 
-    lmdb_store._Write.move = move
+    lmdb_txn.Txn.move = move
     store = LmdbStore(sys.argv[1])
     g = [fresh(i) for i in range(4)]
     store.accept_results("p1", [

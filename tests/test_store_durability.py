@@ -17,7 +17,7 @@ import pytest
 
 from core.errors import CorruptRecordError, StoreError
 from core.types import FinishReason, Group, PromptTask, Segment
-from storage import GroupState, Lease, LmdbStore, RecoveryReport, keys, lmdb_store
+from storage import GroupState, Lease, LmdbStore, RecoveryReport, keys, lmdb_env
 
 from .test_store import cursor_after, finished, fresh, generated
 
@@ -146,7 +146,7 @@ def test_the_map_grows_through_several_doublings_with_group_sized_records(tmp_pa
 def test_a_map_at_its_cap_fails_clearly_and_keeps_everything_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lmdb_store, "_MAX_MAP_SIZE", 1 << 20)
+    monkeypatch.setattr(lmdb_env, "MAX_MAP_SIZE", 1 << 20)
     with LmdbStore(tmp_path / "s", map_size=1 << 20, sync=False) as store:
         store.admit([fresh(i) for i in range(20)], cursor_after(20))
         stored = 0

@@ -1,0 +1,134 @@
+"""An LMDB store's recovery and integrity: `recover` after an unclean stop, `seed` from a salvage,
+damaged groups quarantined and requeued, failed groups requeued, and `verify`.
+
+Every value is sealed (`storage.seal`: layout version + CRC-32 over key and payload) and checked
+on every read. A group whose record fails its checksum is never served: `claim_partial` and
+`take_batch` move it to QUARANTINED and serve the next one (`Txn.serve`); `quarantine_damaged`
+finds them all up front. Each method but `verify` is one transaction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+from core.errors import CorruptRecordError
+from core.types import Group
+
+from . import codec, keys
+from . import transitions as tr
+from .lmdb_pages import check_data_file, walk_pages
+from .lmdb_transactions import LmdbTransactions
+from .lmdb_txn import Txn
+from .lmdb_verify import verify_records
+from .protocol import Cursor, GroupState, RecoveryReport, VerifyReport
+
+__all__ = ["Recovery"]
+
+_RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.BATCHED
+
+
+class Recovery(LmdbTransactions):
+    def recover(self) -> RecoveryReport:
+        def fn(w: Txn) -> RecoveryReport:
+            running = w.ids_in_state(_RUNNING)
+            for gid in running:  # leased or not: after a restart no producer holds anything
+                old = w.expect(gid, _RUNNING)
+                w.move(gid, old, _PARTIAL, old[1], old[2])
+            # Batches after the trained step never reached a checkpoint: their groups go back to READY.
+            open_batches = []
+            cursor = w.txn.cursor(db=self._dbs[keys.BATCHES])
+            if cursor.set_range(keys.step_key(w.trained_step + 1)):
+                open_batches = [(bytes(k), bytes(v)) for k, v in cursor.iternext(keys=True, values=True)]
+            requeued = 0
+            for step_key, value in open_batches:
+                raw = w.unseal(keys.BATCHES, step_key, value)
+                _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+                for gid in ids:
+                    old = w.expect(gid, _BATCHED)
+                    w.move(gid, old, _READY, old[1], old[2])
+                    requeued += 1
+                w.txn.delete(step_key, db=self._dbs[keys.BATCHES])
+            return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
+
+        return self._write(fn)
+
+    def seed(
+        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+    ) -> None:
+        records = [(g, _PARTIAL, codec.encode_group(g)) for g in partial]
+        records += [(g, _READY, codec.encode_group(g)) for g in ready]
+        cursor_record = codec.encode_cursor(cursor)
+
+        def fn(w: Txn) -> None:
+            held = sum(w.counts.values()) + w.txn.stat(self._dbs[keys.TOMBSTONES])["entries"]
+            tr.check_seed(trained_step, held, w.trained_step)
+            for group, state, data in records:
+                gid = group.group_id
+                if not w.put(keys.GROUPS, keys.group_key(gid), data, overwrite=False):
+                    raise tr.duplicate_in_admit(gid)
+                w.move(gid, None, state, group.oldest_version, group.seq)
+            w.put(keys.META, keys.META_CURSOR, cursor_record)
+            w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(trained_step))
+            w.collected = (0, trained_step)  # the seeded steps have no batches here: nothing to collect
+            w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
+            w.cursor, w.trained_step = cursor, trained_step
+
+        self._write(fn)
+
+    def quarantine_damaged(self) -> int:
+        """Every group that can still be served (RUNNING, PARTIAL, READY, BATCHED) read and checked;
+        those whose records are damaged move to QUARANTINED. Returns how many moved. A launcher
+        runs it on open, so a damaged prompt is requeued before the run, not found mid-run."""
+
+        def fn(w: Txn) -> int:
+            moved = 0
+            for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
+                for gid in w.ids_in_state(state):
+                    try:  # the checksum only: decoding every group would cost 10x more
+                        if w.get(keys.GROUPS, keys.group_key(gid)) is None:
+                            raise CorruptRecordError(keys.describe(keys.GROUPS, gid.encode()), "missing")
+                    except CorruptRecordError:
+                        old = w.expect(gid, state)
+                        w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
+                        moved += 1
+            return moved
+
+        return self._write(fn)
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._requeue(GroupState.QUARANTINED, fresh)
+
+    def requeue_failed(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._requeue(GroupState.FAILED, fresh)
+
+    def _requeue(self, state: GroupState, fresh: Callable[[str], Group | None]) -> int:
+        def fn(w: Txn) -> int:
+            requeued = 0
+            for gid in w.ids_in_state(state):
+                new_id = tr.requeue_id(gid)
+                key = keys.group_key(new_id)
+                if w.state_of(new_id) is not None or w.get(keys.TOMBSTONES, key) is not None:
+                    continue
+                if (group := fresh(gid)) is None:
+                    continue
+                group = dataclasses.replace(group, group_id=new_id)
+                w.put(keys.GROUPS, key, codec.encode_group(group))
+                w.move(new_id, None, _PARTIAL, group.oldest_version, group.seq)
+                requeued += 1
+            return requeued
+
+        return self._write(fn)
+
+    def verify(self) -> VerifyReport:
+        """Every record read and checked, every index checked (see `storage.lmdb_verify`)."""
+        data_file = os.path.join(self._path, "data.mdb")
+        pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
+        if not pages:
+            pages = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
+        if pages:  # LMDB must not walk a damaged tree (it reads past pages): report only these
+            return VerifyReport(0, tuple(pages))
+        counts = self._counters()[0]
+        with self._lock:  # (a live writer may move on between the two reads: verify a stopped run)
+            report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts)
+        return VerifyReport(report.records, (*pages, *report.damaged))
