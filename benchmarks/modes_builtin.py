@@ -152,8 +152,9 @@ def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tupl
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the tail engine exited ({proc.returncode}); see {out / 'tail-engine.log'}")
+        if proc.poll() is not None:  # its log lies in a temporary folder: say here what it said
+            said = (out / "tail-engine.log").read_text(errors="replace").splitlines()[-40:]
+            raise SystemExit(f"the tail engine exited ({proc.returncode}); its log ends:\n" + "\n".join(said))
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
