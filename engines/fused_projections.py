@@ -45,7 +45,9 @@ class _Group:
     def forward(self, index: int, own: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         def run(x: torch.Tensor) -> torch.Tensor:
             if index == 0:
-                parts = torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+                parts: tuple[torch.Tensor, ...] = torch.nn.functional.linear(x, self.weight, self.bias).split(
+                    self.sizes, dim=-1
+                )
                 self.input, self.pending = x, dict(enumerate(parts[1:], start=1))
                 return parts[0]
             if self.input is x and index in self.pending:
