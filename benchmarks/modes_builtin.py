@@ -217,7 +217,15 @@ def main(args: argparse.Namespace) -> None:
         root = Path(tmp)
         model = _model(args, root)
         modes = TAIL_MODES if args.length_tail else MODES
-        results = {name: run_mode(name, args, model, root) for name in modes}
+        results: dict[str, dict[str, Any]] = {}
+        for name in modes:
+            r = results[name] = run_mode(name, args, model, root)
+            # Each mode's figures as soon as it ends: a run cut by a time limit still reports them.
+            print(
+                f"mode {name}: {r['groups/s']:.3f} groups/s, work span {r['span']:.2f} s, slot busy {r['busy']:.3f}, "
+                f"train {r['train s']:.2f} s, publish {r['publish s']:.2f} s",
+                flush=True,
+            )
     base = results["sync"]["groups/s"]
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
     print(
