@@ -159,7 +159,7 @@ def qwen3_06b_folder(path: Path) -> Path:
     (the benchmark feeds token ids; no text is decoded)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipeline.tasks.tiny_model import build_tokenizer
+    from pipeline.tasks.tiny_model import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
     config = Qwen3Config(
         vocab_size=151936,
@@ -173,6 +173,11 @@ def qwen3_06b_folder(path: Path) -> Path:
         tie_word_embeddings=True,
         rope_theta=1_000_000,
         torch_dtype="bfloat16",
+        # The tiny tokenizer's ids: an engine with a length tail ends requests with EOS, and
+        # refuses a model that names none (the modes benchmark's tail engine did, on the H200).
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)

@@ -152,8 +152,9 @@ def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tupl
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the tail engine exited ({proc.returncode}); see {out / 'tail-engine.log'}")
+        if proc.poll() is not None:  # its log lies in a temporary folder: say here what it said
+            said = (out / "tail-engine.log").read_text(errors="replace").splitlines()[-40:]
+            raise SystemExit(f"the tail engine exited ({proc.returncode}); its log ends:\n" + "\n".join(said))
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -216,7 +217,15 @@ def main(args: argparse.Namespace) -> None:
         root = Path(tmp)
         model = _model(args, root)
         modes = TAIL_MODES if args.length_tail else MODES
-        results = {name: run_mode(name, args, model, root) for name in modes}
+        results: dict[str, dict[str, Any]] = {}
+        for name in modes:
+            r = results[name] = run_mode(name, args, model, root)
+            # Each mode's figures as soon as it ends: a run cut by a time limit still reports them.
+            print(
+                f"mode {name}: {r['groups/s']:.3f} groups/s, work span {r['span']:.2f} s, slot busy {r['busy']:.3f}, "
+                f"train {r['train s']:.2f} s, publish {r['publish s']:.2f} s",
+                flush=True,
+            )
     base = results["sync"]["groups/s"]
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
     print(

@@ -151,7 +151,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--fuse-ops",
         action="store_true",
-        help="compile the model's RMSNorms and rotary embedding into one kernel each (torch.compile)",
+        help="compile the model's RMSNorms and rotary embedding into one kernel each (torch.compile) and run "
+        "the q/k/v and gate/up projections as one matmul each (fewer launches a decode step)",
     )
     ap.add_argument(
         "--length-tail",

@@ -13,7 +13,8 @@ H200 and recompiled per shape). The norms are replaced on the model's own module
 function is looked up by the attention modules in their modeling module's globals, so it is
 replaced there, for every model of that architecture in this process (the built-in engine owns its
 process; the function computes the same values, gradients included). Off by default; the engine
-and the benchmark turn it on with `--fuse-ops`. If the compile fails, everything goes back to eager.
+and the benchmark turn it on with `--fuse-ops`, which also fuses the q/k/v and gate/up projections
+(`fused_projections.py`, plain torch). If the compile fails, everything goes back to eager.
 """
 
 from __future__ import annotations

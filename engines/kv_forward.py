@@ -116,7 +116,8 @@ class KVCacheForward(TorchForward):
         """`decode` defaults to GRAPHS on a cuda device and EAGER elsewhere; `graph_max_batch`
         (SGLang's `--cuda-graph-max-bs`, default `max_running_requests`) is the largest batch a graph
         serves: larger batches decode eagerly; `fuse_ops` compiles the model's RMSNorms and
-        rotary embedding (`fused_ops.py`)."""
+        rotary embedding (`fused_ops.py`) and fuses the q/k/v and gate/up projections into one
+        matmul each (`fused_projections.py`)."""
         super().__init__(runner)
         device = runner.device
         decode = decode or (DecodeMode.GRAPHS if device.type == "cuda" else DecodeMode.EAGER)
@@ -340,7 +341,10 @@ class KVCacheForward(TorchForward):
 
 def _fuse_ops(runner: ModelRunner) -> None:
     from engines.fused_ops import fuse_ops, unfuse_ops
+    from engines.fused_projections import fuse_projections
 
+    if fuse_projections(runner.model):  # the live weights are views of the fused tensors now
+        runner.refresh_live_weights()
     if not fuse_ops(runner.model):
         return
     try:  # compile now, on a small input: a failure keeps the eager ops, it does not stop the engine

@@ -169,6 +169,10 @@ class ModelRunner:
             raise WeightLoadError(str(folder), "; ".join(problems))
         return tensors
 
+    def refresh_live_weights(self) -> None:
+        """Re-read the live tensors after the model's parameters were replaced (fused into views)."""
+        self._weights = _live_weights(self.model)
+
     def live_weights(self) -> Mapping[str, torch.Tensor]:
         """Name -> live tensor (what received weights are checked against)."""
         return self._weights.params
@@ -284,10 +288,12 @@ def _fill(draws: list[Draw | None], at: Sequence[int], tokens: torch.Tensor, log
 
 def _live_weights(model: torch.nn.Module) -> _Weights:
     params = dict(model.state_dict(keep_vars=False))
-    by_storage: dict[int, list[str]] = {}
+    # Tied names are one tensor: same address, shape and strides. Not "same storage": fused
+    # projections (`fused_projections.py`) are distinct views of one storage.
+    by_tensor: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
     for name, t in params.items():
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(name)
-    return _Weights(params=params, tied_groups=list(by_storage.values()))
+        by_tensor.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), []).append(name)
+    return _Weights(params=params, tied_groups=list(by_tensor.values()))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
