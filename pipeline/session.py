@@ -15,6 +15,9 @@ It is the same machinery `run_pipeline` and `python -m pipeline.launch` use, not
 `run_pipeline` is this object plus the built-in trainer loop and the metrics record. Commit before
 publish, as `run_pipeline` does: in async mode, tokens stamped with the new version must never
 outlive a restart that falls back to the old checkpoint.
+
+The stages it opens are `pipeline.graph`'s; how a batch fills in each mode is
+`pipeline.rollout_modes`'s; what it is built from (`RolloutPlan`, `RolloutParts`) is `pipeline.plan`'s.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Rollout:
     """Rollout as a service for a loop the user owns: ask for batches, hand back weights.
 
     Open it with `async with`; it starts the stage graph (dispenser, generator pool, reward, filter,
-    collector) in one task group. `next_batch()` runs the plan's rollout policy (sync, sync with
+    collector) in one task group. `next_batch()` runs the plan's rollout mode (sync, sync with
     partial rollout, async) until a batch is ready; `commit()` records the step as trained;
     `publish()` loads a weights folder into the engines (pausing them per `plan.pause_mode`) and
     bumps the version; leaving stores everything unfinished for the next run.
