@@ -54,6 +54,7 @@ class StageGraph:
 
     @classmethod
     def build(cls, plan: RolloutPlan, parts: RolloutParts, clock: VersionClock) -> StageGraph:
+        """Make the stages from the plan and the run's parts, sharing `clock`; nothing starts yet."""
         admission = Admission(failing_limit=failing_limit(plan))
         store = parts.store
         # In sync mode admission alone bounds the ready set (a round grants exactly the groups its
@@ -69,6 +70,7 @@ class StageGraph:
             on_admit=times.admitted,
             batch=plan.store_batch,
         )
+        # A producers factory puts generation elsewhere (Ray actors: `launch.ray_producers`).
         producers = (
             parts.producers(admission)
             if parts.producers is not None
