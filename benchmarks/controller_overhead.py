@@ -64,7 +64,7 @@ import structlog
 from core.types import FinishReason, Group, PromptTask, Segment
 from launch.engine_process import start_engine
 from launch.gc_settings import settle_gc
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang import EngineFleet
 from storage import AsyncStore, Cursor, LmdbStore, MemoryStore

@@ -35,7 +35,7 @@ import structlog
 
 from core.types import PromptTask
 from launch.engine_process import start_engine
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
 from pipeline.timeline import render_timeline, slot_busy_fraction, work_span

@@ -36,7 +36,7 @@ import structlog
 
 from benchmarks.modes import SimulatedTrainer, reward, workload
 from launch.engine_process import start_engine
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang import PAUSE_MODES, EngineFleet
 from storage import AsyncStore, MemoryStore

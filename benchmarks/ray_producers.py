@@ -53,7 +53,7 @@ from launch.gc_settings import settle_gc
 from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
 from launch.ray_producers import DEFAULT_TAKES_PER_SECOND
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang import EngineFleet
 from storage import AsyncStore, LmdbStore, MemoryStore

@@ -23,7 +23,7 @@ import anyio
 import structlog
 
 from launch.engine_process import start_engines
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import toy_dataset, toy_reward

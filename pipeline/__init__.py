@@ -38,7 +38,8 @@ from core.types import (
     VersionSpan,
 )
 from pipeline.config import Config, load_config
-from pipeline.controller import Engines, RolloutPlan, RunSummary, Trainer, run_pipeline
+from pipeline.controller import run_pipeline
+from pipeline.plan import Engines, RolloutPlan, RunSummary, Trainer
 from pipeline.session import Rollout
 from stages.agent import Agent, AgentContext, Turn
 from stages.generator import GenerateEngine

@@ -30,18 +30,16 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import structlog
 
+from core.clock import VersionClock
 from core.errors import ConfigError, StoreError
+from pipeline.plan import RolloutPlan, Trainer
 from stages.publisher import WeightTarget, WeightTransfer, publish_weights
-
-if TYPE_CHECKING:
-    from core.clock import VersionClock
-    from pipeline.controller import RolloutPlan, Trainer
-    from storage import AsyncStore
+from storage import AsyncStore
 
 __all__ = [
     "CheckpointPolicy",

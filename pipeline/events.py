@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
-__all__ = ["EventLog", "read_events"]
+__all__ = ["EventLog", "read_events", "span"]
 
 
 class EventLog:
@@ -66,6 +67,11 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def span(events: EventLog | None, kind: str, **fields: Any) -> AbstractContextManager[Any]:
+    """`events.span(kind, ...)`, or nothing when the run keeps no event log."""
+    return events.span(kind, **fields) if events is not None else nullcontext()
 
 
 class _Span:

@@ -15,6 +15,9 @@ It is the same machinery `run_pipeline` and `python -m pipeline.launch` use, not
 `run_pipeline` is this object plus the built-in trainer loop and the metrics record. Commit before
 publish, as `run_pipeline` does: in async mode, tokens stamped with the new version must never
 outlive a restart that falls back to the old checkpoint.
+
+The stages it opens are `pipeline.graph`'s; how a batch fills in each mode is
+`pipeline.rollout_modes`'s; what it is built from (`RolloutPlan`, `RolloutParts`) is `pipeline.plan`'s.
 """
 
 from __future__ import annotations
@@ -29,16 +32,10 @@ from typing import Any, Self
 from core.clock import VersionClock
 from core.errors import ConfigError, EngineError, PipelineError
 from core.types import Batch, PromptTask, RolloutMode
-from pipeline.controller import (
-    Engines,
-    RolloutPlan,
-    _fill_sync,
-    _Graph,
-    _span,
-    _step_counters,
-    _Training,
-)
-from pipeline.events import EventLog
+from pipeline.events import EventLog, span
+from pipeline.graph import StageGraph
+from pipeline.plan import Engines, RolloutParts, RolloutPlan
+from pipeline.rollout_modes import Training, fill_batch
 from stages.agent import Agent
 from stages.continuation import Detokenize, sampling_problems
 from stages.producers import ProducersFactory
@@ -53,7 +50,7 @@ class Rollout:
     """Rollout as a service for a loop the user owns: ask for batches, hand back weights.
 
     Open it with `async with`; it starts the stage graph (dispenser, generator pool, reward, filter,
-    collector) in one task group. `next_batch()` runs the plan's rollout policy (sync, sync with
+    collector) in one task group. `next_batch()` runs the plan's rollout mode (sync, sync with
     partial rollout, async) until a batch is ready; `commit()` records the step as trained;
     `publish()` loads a weights folder into the engines (pausing them per `plan.pause_mode`) and
     bumps the version; leaving stores everything unfinished for the next run.
@@ -79,35 +76,44 @@ class Rollout:
         weight_transfer: WeightTransfer | None = None,
         producers: ProducersFactory | None = None,
     ) -> None:
-        # Sampling parameters that a continued request would apply wrongly are refused up front.
-        continues = plan.mode is RolloutMode.ASYNC or plan.partial
-        if problems := sampling_problems(
-            plan.sampling_params, continues=continues, can_detokenize=detokenize is not None
-        ):
-            raise ConfigError(problems)
-        self.plan = plan
-        self.engines = engines
-        self.store = store
-        # A clock of our own starts, on entry, at the version the store's last trained step published.
-        self._own_clock = clock is None
-        self.clock = clock or VersionClock()
-        self.events = events
-        self.weight_transfer = weight_transfer  # None: engines load each published folder from disk
-        self.graph = _Graph.build(
-            plan,
+        parts = RolloutParts(
             engines=engines,
             store=store,
             dataset=dataset,
             reward_fn=reward_fn,
             filter_fn=filter_fn,
-            clock=self.clock,
             events=events,
             detokenize=detokenize,
             agent=agent,
+            weight_transfer=weight_transfer,
             producers=producers,
         )
+        self._assemble(plan, parts, clock)
+
+    @classmethod
+    def from_parts(cls, plan: RolloutPlan, parts: RolloutParts, *, clock: VersionClock | None = None) -> Self:
+        """The same object from parts already gathered in one `RolloutParts` (as `run_pipeline` has them)."""
+        rollout = cls.__new__(cls)
+        rollout._assemble(plan, parts, clock)
+        return rollout
+
+    def _assemble(self, plan: RolloutPlan, parts: RolloutParts, clock: VersionClock | None) -> None:
+        # Sampling parameters that a continued request would apply wrongly are refused up front.
+        continues = plan.mode is RolloutMode.ASYNC or plan.partial
+        if problems := sampling_problems(
+            plan.sampling_params, continues=continues, can_detokenize=parts.detokenize is not None
+        ):
+            raise ConfigError(problems)
+        self.plan = plan
+        self.parts = parts
+        self.engines = parts.engines
+        self.store = parts.store
+        # A clock of our own starts, on entry, at the version the store's last trained step published.
+        self._own_clock = clock is None
+        self.clock = clock or VersionClock()
+        self.graph = StageGraph.build(plan, parts, self.clock)
         self._stack: AsyncExitStack | None = None
-        self._training: _Training | None = None
+        self._training: Training | None = None
         self._next_step = 0
         self.first_step = 0  # the first step this session trains: the store's trained step + 1, on entry
         self._taken: int | None = None  # the step of the batch handed out and not yet committed
@@ -124,7 +130,7 @@ class Rollout:
             self.clock.start_at(self.first_step)
         await _check_engine_versions(self.engines, self.clock.version)
         stack = AsyncExitStack()
-        self._training = await stack.enter_async_context(self.graph.running(self.plan))
+        self._training = await stack.enter_async_context(self.graph.running())
         self._stack = stack
         return self
 
@@ -152,9 +158,8 @@ class Rollout:
             raise PipelineError(f"step {self._taken}'s batch is not committed yet: commit() it before the next batch")
         step = self._next_step
         if self.plan.mode is RolloutMode.SYNC:
-            await _fill_sync(
-                self.plan, graph.admission, graph.collector, graph.producers, _span(self.events, "stop", step=step)
-            )
+            stopping = span(self.parts.events, "stop", step=step)
+            await fill_batch(self.plan, graph.admission, graph.collector, graph.producers, stopping)
         else:
             await graph.collector.wait_ready(self.plan.batch_size)
         batch = await self.store.take_batch(step, self.plan.batch_size)
@@ -177,13 +182,13 @@ class Rollout:
     async def publish(self, weights: str | Path) -> PublishReport:
         """Load the weights folder `weights` into every engine (the same publisher as the launcher)."""
         training = self._open()
-        with _span(self.events, "publish", version=self.clock.version + 1):
+        with span(self.parts.events, "publish", version=self.clock.version + 1):
             report = await publish_weights(
                 self.clock,
                 self.engines,
                 Path(weights),
                 pause_mode=self.plan.pause_mode,
-                transfer=self.weight_transfer,
+                transfer=self.parts.weight_transfer,
                 overlap=self.plan.overlap_publish,
                 gates=self.graph.producers.gates,
             )
@@ -195,13 +200,13 @@ class Rollout:
         generated tokens, plus the version and the ready and in-flight queues."""
         graph = self.graph
         return {
-            **_step_counters(graph.admission, graph.producers),
+            **graph.counters(),
             "version": self.clock.version,
             "queue/ready": graph.collector.ready,
             "queue/in_flight": graph.admission.outstanding,
         }
 
-    def _open(self) -> _Training:
+    def _open(self) -> Training:
         if self._training is None or self._stack is None:
             raise PipelineError("the Rollout is not open: use it as `async with Rollout(...) as rollout`")
         return self._training

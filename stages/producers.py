@@ -12,8 +12,8 @@ where groups are generated is the producer set's. Two implementations:
   fenced results (`--rollout-producers ray`). It lives in `launch/` because process control does,
   and so that nothing under `pipeline/` imports Ray.
 
-The rollout policies (`controller._fill_sync`, `_feed_async`) speak only this protocol: grant
-tickets, wait for a free slot, stop and resume. A publish reaches producers that hold a clock of
+The rollout modes (`pipeline.rollout_modes`) speak only this protocol: grant tickets, wait for a
+free slot, stop and resume. A publish reaches producers that hold a clock of
 their own through `gates` (`stages.publisher.AdmissionGates`); the local set shares the
 controller's clock and has none.
 """

@@ -17,7 +17,7 @@ import pytest
 from core.clock import VersionClock
 from core.errors import EngineUnavailableError, PublishError, StoreError
 from core.types import PromptTask, SampleStatus, VersionSpan
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.admission import Admission
 from stages.collector import Collector

@@ -13,6 +13,7 @@ import pytest
 
 from core.errors import ConfigError, PluginError
 from core.types import PauseMode, RolloutMode, StoreTransport
+from pipeline import RolloutPlan
 from pipeline.config import (
     Config,
     EngineConfig,
@@ -29,7 +30,6 @@ from pipeline.config.draft import Draft
 from pipeline.config.load import load_step
 from pipeline.config.parsing import read_argv
 from pipeline.config.rules import check_bounds, check_rules
-from pipeline.controller import RolloutPlan
 from stages.plugins import resolve_function, split_path
 
 # Plugins referenced by path from the tests below.

@@ -19,8 +19,8 @@ from core.types import (
     Segment,
     VersionSpan,
 )
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.config import load_config
-from pipeline.controller import RolloutPlan, run_pipeline
 from stages.admission import Admission
 from stages.collector import Collector
 from stages.continuation import (

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from core.types import Batch, PromptTask, SampleStatus
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore

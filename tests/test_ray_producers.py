@@ -31,7 +31,7 @@ from engines.sim_model import DecodeTimeModel
 from launch.ray_cluster import RaySettings, engine_shares, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
 from launch.ray_producers import RayProducers
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.admission import Admission
 from stages.publisher import publish_weights

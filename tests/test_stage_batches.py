@@ -184,7 +184,7 @@ def test_drain_nowait_takes_only_what_is_there() -> None:
 
 
 def test_a_store_batch_below_one_is_refused_naming_the_value() -> None:
-    from pipeline.controller import RolloutPlan
+    from pipeline import RolloutPlan
 
     assert RolloutPlan(mode="sync", batch_size=2, n_samples=2, num_steps=1).store_batch == 64  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"store_batch=0: must be an integer >= 1"):

@@ -566,7 +566,7 @@ class RecordingTrainer:
 async def test_run_pipeline_hands_the_trainer_samples_whose_rows_came_from_the_sampling_forwards(mode, tmp_path):
     """Through the controller, with publishes between steps and LMDB: every trained token's route
     and heads are those of the forward (and version) that sampled it."""
-    from pipeline.controller import RolloutPlan, run_pipeline
+    from pipeline import RolloutPlan, run_pipeline
     from pipeline.metrics import MetricsSink
 
     plan = RolloutPlan(

@@ -31,10 +31,11 @@ from pipeline.config import Config, EngineConfig, RolloutConfig, config_to_dict,
 from pipeline.config.derived import derived
 from pipeline.config.rules import producer_slots_problem
 from pipeline.config.show import config_to_toml
-from pipeline.controller import RolloutPlan, run_pipeline
+from pipeline.controller import run_pipeline
 from pipeline.events import EventLog
 from pipeline.metric_sinks import SinkSettings, open_step_sinks, wandb_mode
 from pipeline.metrics import MetricsSink, RestoredMetrics, restore_metrics_file
+from pipeline.plan import RolloutPlan
 from pipeline.run.end import RunPaths, StopOnSigterm, error_leaves, report_failure
 from pipeline.run.eval_run import EVAL_FILE, InlineEvaluator, eval_sets, eval_settings
 from pipeline.run.folder import claim_run_folder, resume_hint, run_line

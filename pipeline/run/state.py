@@ -51,7 +51,7 @@ from pipeline.checkpoints import (
 )
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
-from pipeline.controller import Trainer
+from pipeline.plan import Trainer
 from pipeline.run.resume_settings import changed_settings, flag_of, refused_change, without_secrets
 from pipeline.trainer_settings import build_trainer
 from stages.reward import RewardFn
