@@ -102,7 +102,7 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     distribution. Returns the simulated modes' results by the real modes' names."""
     import anyio
 
-    from benchmarks import modes as sim
+    from benchmarks import modes_sim as sim
 
     fs = [r["forward"] for r in results.values() if r["forward"]]
     n = sum(f["decode_timed_steps"] for f in fs)

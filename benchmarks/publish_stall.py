@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 import structlog
 
-from benchmarks.modes import SimulatedTrainer, reward, workload
+from benchmarks.modes_sim import SimulatedTrainer, reward, workload
 from launch.engine_process import start_engine
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink

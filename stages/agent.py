@@ -37,7 +37,7 @@ import json
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio.lowlevel
 
@@ -52,10 +52,7 @@ from core.types import FinishReason, Group, Sample, SampleStatus
 from stages.continuation import N_RULE, Detokenize
 from stages.failures import first_traceback
 
-if TYPE_CHECKING:
-    from stages.generator import GeneratorPool
-
-__all__ = ["AGENT_KEY", "Agent", "AgentContext", "Turn", "agent_name", "run_agent_sample"]
+__all__ = ["AGENT_KEY", "Agent", "AgentContext", "Turn", "TurnRunner", "agent_name", "run_agent_sample"]
 
 # Where an agent's record lives in `Sample.metadata`: {"state": ..., "turn_start": ..., "turns": ...}.
 AGENT_KEY = "agent"
@@ -98,12 +95,24 @@ def _first_non_json(value: Any, where: str) -> tuple[str, Any] | None:
     return (where, value)
 
 
+class TurnRunner(Protocol):
+    """What a context needs from the pool that runs it (`GeneratorPool` is one): the version the
+    clock serves, and one model turn run through the pool's request path."""
+
+    @property
+    def clock_version(self) -> int: ...
+
+    async def run_agent_turn(
+        self, ctx: AgentContext, params: Mapping[str, Any], turn_start: int, cap: int
+    ) -> FinishReason: ...
+
+
 class AgentContext:
     """What an agent may do to its sample. Everything it changes is stored with the sample."""
 
     def __init__(
         self,
-        pool: GeneratorPool,
+        pool: TurnRunner,
         name: str,
         group: Group,
         samples: list[Sample],

@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from pipeline.run.cli import _garbage_collector
+from pipeline.run.parts import garbage_collector
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +30,7 @@ class _SlowStore:
 async def test_requests_made_during_a_slow_collection_coalesce_into_the_newest() -> None:
     store = _SlowStore()
     seen: list[int] = []
-    async with _garbage_collector(store, 1, lambda record: seen.append(record["step"])) as step_done:  # type: ignore[arg-type]
+    async with garbage_collector(store, 1, lambda record: seen.append(record["step"])) as step_done:  # type: ignore[arg-type]
         step_done({"step": 1})  # collects up to step 0
         await store.started.wait()
         # The first collection is still running: eight more steps end. The hand-over holds one
@@ -46,7 +46,7 @@ async def test_requests_made_during_a_slow_collection_coalesce_into_the_newest()
 async def test_steps_younger_than_keep_steps_are_not_collected() -> None:
     store = _SlowStore()
     store.release.set()
-    async with _garbage_collector(store, 3, lambda record: None) as step_done:  # type: ignore[arg-type]
+    async with garbage_collector(store, 3, lambda record: None) as step_done:  # type: ignore[arg-type]
         for step in range(3):
             step_done({"step": step})
             await anyio.wait_all_tasks_blocked()
@@ -57,6 +57,6 @@ async def test_steps_younger_than_keep_steps_are_not_collected() -> None:
 async def test_without_keep_steps_the_callback_is_passed_through() -> None:
     store = _SlowStore()
     seen: list[dict[str, Any]] = []
-    async with _garbage_collector(store, None, seen.append) as step_done:  # type: ignore[arg-type]
+    async with garbage_collector(store, None, seen.append) as step_done:  # type: ignore[arg-type]
         step_done({"step": 7})
     assert seen == [{"step": 7}] and store.calls == []

@@ -15,7 +15,7 @@ The rule is by top-level package, so files can move inside a room without touchi
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -128,3 +128,162 @@ def test_imports_point_one_way() -> None:
 )
 def test_the_rule_itself(module: str, imported: str, allowed: bool) -> None:
     assert (_violation(module, imported) is None) == allowed
+
+
+# ---- no cycles, no private names across modules --------------------------------------------------
+#
+# Between the library's files (not only its rooms): two modules that import each other, directly or
+# round a longer loop, are one module in two files, and a private `_name` imported from another
+# module is a seam that is not one. Counted like the rule above: every import, lazy or under
+# `TYPE_CHECKING`. Packages' `__init__` count as the modules they are.
+
+LIBRARY = ("core", "storage", "stages", "trainers", "engines", "launch", "pipeline")
+
+
+def _library() -> dict[str, Path]:
+    return {_module_name(p): p for top in LIBRARY for p in sorted((ROOT / top).rglob("*.py"))}
+
+
+def _resolve(imported: str, modules: Mapping[str, Path]) -> tuple[str, list[str]] | None:
+    """The library module `imported` names (its longest dotted prefix that is a file) and the rest
+    of the name (attributes taken from that module); None for anything outside the library."""
+    parts = imported.split(".")
+    for n in range(len(parts), 0, -1):
+        if (name := ".".join(parts[:n])) in modules:
+            return name, parts[n:]
+    return None
+
+
+def _private(rest: Sequence[str]) -> str | None:
+    """The first name of `rest` when it is private (`_name`, not a dunder)."""
+    if rest and rest[0].startswith("_") and not rest[0].startswith("__"):
+        return rest[0]
+    return None
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for an attribute chain over a plain name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value)) is not None:
+        return f"{base}.{node.attr}"
+    return None
+
+
+def _attribute_uses(path: Path, modules: Mapping[str, Path]) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) for every `module.attr` where `module` is a library module the file
+    imported (`import a.b`, `import a.b as m`, `from a import b`): names used without an import."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    bound: dict[str, str] = {}  # local name -> the module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    bound[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:
+                    bound[alias.asname or alias.name] = full
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (dotted := _dotted(node)) is not None:
+            head, _, tail = dotted.partition(".")
+            if head in bound and tail:
+                yield node.lineno, f"{bound[head]}.{tail}"
+
+
+def _edges(modules: Mapping[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: first line}, within the library."""
+    edges: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for module, path in modules.items():
+        for line, imported in _imports(path):
+            found = _resolve(imported, modules)
+            if found is None or found[0] == module:
+                continue
+            edges[module].setdefault(found[0], line)
+    return edges
+
+
+def _cycles(edges: Mapping[str, Mapping[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(edges[w])))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    modules = _library()
+    edges = _edges(modules)
+    problems = []
+    for component in _cycles(edges):
+        arrows = [
+            f"  {modules[a].relative_to(ROOT)}:{line}: {a} imports {b}"
+            for a in component
+            for b, line in edges[a].items()
+            if b in component
+        ]
+        problems.append(f"{' <-> '.join(component)}:\n" + "\n".join(arrows))
+    assert not problems, "import cycles between the library's files:\n" + "\n".join(problems)
+
+
+def test_no_module_takes_a_private_name_from_another() -> None:
+    modules = _library()
+    problems = []
+    for module, path in modules.items():
+        uses = [*_imports(path), *_attribute_uses(path, modules)]
+        for line, imported in uses:
+            found = _resolve(imported, modules)
+            if found is None or found[0] == module:
+                continue
+            if (name := _private(found[1])) is not None:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {module} uses {found[0]}.{name}")
+    assert not problems, "private names used from another module:\n" + "\n".join(sorted(set(problems)))
+
+
+def test_the_cycle_finder_itself() -> None:
+    edges = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}, "e": {}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+    modules = {"pkg": ROOT, "pkg.mod": ROOT}
+    assert _resolve("pkg.mod._helper", modules) == ("pkg.mod", ["_helper"])
+    assert _resolve("pkg.other", modules) == ("pkg", ["other"])
+    assert _resolve("numpy.linalg", modules) is None
+    assert _private(["_helper"]) == "_helper" and _private(["__version__"]) is None

@@ -4,7 +4,7 @@ import pytest
 from aiohttp import web
 
 from core.errors import EngineError
-from pipeline.run.cli import align_weight_versions
+from pipeline.run.engines import align_weight_versions
 from stages.sglang import EngineFleet
 from tests.fakes import FakeSGLang
 

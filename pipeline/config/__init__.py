@@ -14,9 +14,11 @@ defaults, checks every rule, imports every `module:function` path, and either re
 or raises one `ConfigError` that lists every problem, each naming the flag, the value and the rule.
 Flags reuse slime's names wherever slime has the concept, so launch scripts carry over.
 
-The package's rooms: `schema` (the dataclasses and their field metadata: describes only),
-`parsing` (flags and TOML), `rules` (checks without side effects), `load` (`load_config` and the
-one load step that reads files, imports torch and plugins, and rewrites URLs).
+The package's rooms: `schema` (the tree and its small sections), `rollout_section`,
+`engine_section` and `trainer_section` (the large ones: dataclasses that only describe), `fields`
+(how a field describes its setting), `parsing` (flags and TOML), `rules` (checks without side
+effects), `load` (`load_config` and the one load step that reads files, imports torch and
+plugins, and rewrites URLs).
 
 Only the launcher sees this tree: components take plain parameters (torchtune's recipes vs
 components), so nothing downstream re-reads flags or resolves plugins in the hot path.
@@ -25,19 +27,19 @@ Relative paths, in flags and in the TOML file alike, are relative to the working
 
 from __future__ import annotations
 
+from pipeline.config.engine_section import EngineConfig
 from pipeline.config.load import load_config
 from pipeline.config.parsing import build_parser
+from pipeline.config.rollout_section import RolloutConfig
 from pipeline.config.schema import (
     Config,
     DataConfig,
-    EngineConfig,
     OutputConfig,
-    RolloutConfig,
     StorageConfig,
-    TrainerConfig,
     config_to_dict,
     section_from_dict,
 )
+from pipeline.config.trainer_section import TrainerConfig
 
 __all__ = [
     "Config",

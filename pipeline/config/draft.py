@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.schema import SECTIONS, Config, opt_of, options, typed
+from pipeline.config.fields import options, typed
+from pipeline.config.schema import SECTIONS, Config, opt_of
 
 __all__ = ["BAD", "Draft", "close_match", "fmt"]
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from core.errors import ConfigError
 from pipeline.config.draft import BAD, Draft, close_match, fmt
-from pipeline.config.schema import SECTIONS, Opt, opt_of, options
+from pipeline.config.fields import Opt, options
+from pipeline.config.schema import SECTIONS, opt_of
 
 __all__ = ["build_parser", "read_argv", "read_toml"]
 

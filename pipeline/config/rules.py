@@ -14,8 +14,9 @@ from pathlib import Path
 
 from core.types import RolloutMode, StoreTransport
 from pipeline.config.draft import Draft
+from pipeline.config.fields import options
 from pipeline.config.payloads import payload_rules
-from pipeline.config.schema import SECTIONS, options
+from pipeline.config.schema import SECTIONS
 from stages.continuation import PENALTY_RULE
 
 __all__ = [

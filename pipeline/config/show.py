@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline.config.schema import SECTIONS, Config, config_to_dict, options
+from pipeline.config.fields import options
+from pipeline.config.schema import SECTIONS, Config, config_to_dict
 
 __all__ = ["config_to_toml"]
 

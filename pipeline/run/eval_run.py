@@ -35,6 +35,8 @@ from pipeline.config.derived import derived
 from pipeline.evaluation import EvalLog, EvalSet, EvalSettings, eval_due, evaluate
 from pipeline.metric_sinks import open_step_sinks
 from pipeline.metrics import MetricsSink
+from pipeline.run.engines import RunEngines  # the run's engines: its own URLs, or built-in ones
+from pipeline.run.records import dashboard_settings
 from stages.generator import GenerateEngine
 
 __all__ = ["InlineEvaluator", "eval_sets", "eval_settings", "main"]
@@ -184,8 +186,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     from transformers import AutoTokenizer
 
-    from pipeline.run.cli import _engines  # the run's engines: its own URLs, or built-in ones
-
     out = Path(derived(config.output.dir, "output.dir"))
     model_path = Path(config.engine.hf_checkpoint) if config.engine.hf_checkpoint else out / "model"
     if not (model_path / "config.json").exists() and not config.engine.hf_checkpoint:
@@ -214,7 +214,7 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     total = len(versions) * sum(len(s.tasks) for s in sets) * settings.n_samples
     bar = _bar(config, total)
     try:
-        async with _engines(config, model_path) as fleet:
+        async with RunEngines(config, model_path) as fleet:
             for version in versions:
                 folder = model_path if version == 0 else folders[version]
                 await fleet.update_weights_from_disk(str(folder), weight_version=str(version))
@@ -235,8 +235,6 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
 
 
 def _dashboards(config: Config, out: Path) -> MetricsSink:
-    from pipeline.run.cli import dashboard_settings  # cli imports this module: at call time
-
     settings = dashboard_settings(config)
     extras = open_step_sinks(
         settings, output_dir=out, run_id=config.storage.run_id, warn=log.warning, config=config_to_dict(config)

@@ -239,7 +239,7 @@ class EngineClient:
         with anyio.move_on_after(deadline):
             delay = _POLL_FIRST
             while True:
-                status, data = await self._control_raw("POST", "/flush_cache", None)
+                status, data = await self.control_raw("POST", "/flush_cache", None)
                 if status == 200:
                     return
                 if status != 400:
@@ -317,12 +317,12 @@ class EngineClient:
 
     async def weight_version(self) -> str:
         """The engine's current `weight_version` (`/model_info`, or `/get_model_info` on older servers)."""
-        status, data = await self._control_raw("GET", "/model_info", None)
+        status, data = await self.control_raw("GET", "/model_info", None)
         path = "/model_info"
         if status == 404:
             path = "/get_model_info"
-            status, data = await self._control_raw("GET", path, None)
-        doc = self._expect_ok(path, status, data)
+            status, data = await self.control_raw("GET", path, None)
+        doc = self.expect_ok(path, status, data)
         if not isinstance(doc, Mapping) or doc.get("weight_version") is None:
             self._counters.errors += 1
             # A server that answers every path with a page (a web app) is not SGLang: say so.
@@ -343,7 +343,7 @@ class EngineClient:
     async def health(self) -> bool:
         """Whether `GET /health` answers 200 now. Unreachable counts as unhealthy, not as an error."""
         try:
-            status, _ = await self._control_raw("GET", "/health", None)
+            status, _ = await self.control_raw("GET", "/health", None)
         except EngineUnavailableError:
             return False
         return status == 200
@@ -374,12 +374,12 @@ class EngineClient:
 
     async def router_workers(self) -> tuple[str, ...]:
         """The engine URLs a router routes to (`GET /workers`, or `/list_workers` up to sglang-router 0.2.1)."""
-        status, data = await self._control_raw("GET", "/workers", None)
+        status, data = await self.control_raw("GET", "/workers", None)
         if status == 404:  # sglang-router <= 0.2.1
-            doc = self._expect_ok("/list_workers", *await self._control_raw("GET", "/list_workers", None))
+            doc = self.expect_ok("/list_workers", *await self.control_raw("GET", "/list_workers", None))
             urls = doc.get("urls") if isinstance(doc, Mapping) else None
         else:
-            doc = self._expect_ok("/workers", status, data)
+            doc = self.expect_ok("/workers", status, data)
             rows = doc.get("workers") if isinstance(doc, Mapping) else None
             urls = [w.get("url") for w in rows] if isinstance(rows, list) else None
         if not urls or not all(isinstance(u, str) for u in urls):
@@ -389,12 +389,14 @@ class EngineClient:
     # -- plumbing -----------------------------------------------------------------------------
 
     async def _control(self, method: str, path: str, body: object, *, timeout: float | None = None) -> Any:
-        status, data = await self._control_raw(method, path, body, timeout=timeout)
-        return self._expect_ok(path, status, data)
+        status, data = await self.control_raw(method, path, body, timeout=timeout)
+        return self.expect_ok(path, status, data)
 
-    async def _control_raw(
+    async def control_raw(
         self, method: str, path: str, body: object, *, timeout: float | None = None
     ) -> tuple[int, bytes]:
+        """One control call, its status and body as they came: for a caller that reads an answer
+        other than 200 itself (an older server's 404, a router's 202); `expect_ok` checks the rest."""
         self._counters.control_calls += 1
         payload = None if body is None else orjson.dumps(body)
         try:
@@ -403,7 +405,9 @@ class EngineClient:
             self._counters.errors += 1
             raise
 
-    def _expect_ok(self, path: str, status: int, data: bytes) -> Any:
+    def expect_ok(self, path: str, status: int, data: bytes) -> Any:
+        """The body of a 200 answer (JSON, else text, None when empty); any other status raises
+        `EngineError` with the engine's message."""
         if status != 200:
             self._counters.errors += 1
             raise EngineError(self.url + path, error_text(data), status=status)
@@ -418,6 +422,11 @@ class EngineClient:
         if isinstance(doc, Mapping) and doc.get("success") is False:
             self._counters.errors += 1
             raise EngineError(self.url + path, str(doc.get("message", "success: false")))
+
+    async def probe(self, path: str, timeout: float) -> tuple[int, bytes]:
+        """One `GET path` within `timeout`, not counted as a control call and never retried: a
+        health probe, whose status the caller reads (a 503 can be an answer, not an error)."""
+        return await self._send("GET", path, None, timeout)
 
     async def _send(self, method: str, path: str, payload: bytes | None, timeout: float) -> tuple[int, bytes]:
         """One HTTP exchange with a total deadline. Translates aiohttp's errors; never retries."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Protocol, Self
 from urllib.parse import quote, urlencode
 
 import anyio
@@ -22,6 +22,7 @@ import anyio.abc
 import structlog
 
 from core.errors import EngineError, EngineUnavailableError
+from stages.sglang.engine import EngineClient
 from stages.sglang.health import (
     EngineRestarter,
     FaultCounters,
@@ -29,11 +30,7 @@ from stages.sglang.health import (
     FaultStatistics,
 )
 
-if TYPE_CHECKING:
-    from stages.sglang.engine import EngineClient
-    from stages.sglang.fleet import EngineFleet
-
-__all__ = ["FleetFaults"]
+__all__ = ["FleetFaults", "Roster"]
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +41,32 @@ _SGLANG_HEALTH_WAIT = 20.0
 _LEGACY = "_legacy"  # marks a row listed by a router up to 0.2.1, which has no /workers
 
 
+class Roster(Protocol):
+    """The fleet as its fault handling sees it (`EngineFleet` is one): which engines are live, a
+    client for any engine, and the router when there is one."""
+
+    @property
+    def workers(self) -> tuple[EngineClient, ...]:
+        """The live engines: the ones control calls fan out to."""
+        ...
+
+    def set_workers(self, workers: tuple[EngineClient, ...]) -> None:
+        """Make `workers` the live engines (an eviction takes one out, a re-admission puts it back)."""
+        ...
+
+    @property
+    def router_url(self) -> str | None: ...
+
+    @property
+    def router(self) -> EngineClient:
+        """The client of the router (only asked for when `router_url` is set)."""
+        ...
+
+    def client_for(self, url: str) -> EngineClient: ...
+
+
 class FleetFaults:
-    def __init__(self, fleet: EngineFleet, policy: FaultPolicy, restarter: EngineRestarter | None) -> None:
+    def __init__(self, fleet: Roster, policy: FaultPolicy, restarter: EngineRestarter | None) -> None:
         self._fleet = fleet
         self.policy = policy
         self._restarter = restarter
@@ -132,7 +153,7 @@ class FleetFaults:
         if url not in {w.url for w in state_workers}:
             return
         live = tuple(w for w in state_workers if w.url != url)
-        self._fleet._open.workers = live
+        self._fleet.set_workers(live)
         self.counters.evictions += 1
         self.counters.capacity(len(live), self._total)
         for scope in self._scopes.get(url, ()):
@@ -173,7 +194,7 @@ class FleetFaults:
         same while a weight update is under way."""
         path = "/health" if self._quiet else "/health_generate"
         try:
-            status, _ = await worker._send("GET", path, None, self.policy.timeout)
+            status, _ = await worker.probe(path, self.policy.timeout)
         except EngineUnavailableError as exc:
             quiet = self._quiet or path == "/health"
             if quiet and self.policy.timeout <= _SGLANG_HEALTH_WAIT and isinstance(exc.__cause__, TimeoutError):
@@ -242,8 +263,8 @@ class FleetFaults:
                 raise EngineError(url, f"reports weight_version {reported!r} after re-admission, expected {version!r}")
             if self._fleet.router_url is not None:
                 await self._router_add(url)
-            if url not in self._fleet.worker_urls:
-                self._fleet._open.workers = (*self._fleet.workers, client)
+            if url not in {w.url for w in self._fleet.workers}:
+                self._fleet.set_workers((*self._fleet.workers, client))
             self.counters.readmissions += 1
             self.counters.capacity(len(self._fleet.workers), self._total)
         log.warning("engine re-admitted", url=url, version=version, live=len(self._fleet.workers))
@@ -252,13 +273,13 @@ class FleetFaults:
 
     async def _router_rows(self) -> list[dict[str, object]]:
         """The router's workers; up to 0.2.1 only their URLs (`/list_workers`), marked legacy."""
-        router = self._fleet._open.generator
-        status, data = await router._control_raw("GET", "/workers", None)
+        router = self._fleet.router
+        status, data = await router.control_raw("GET", "/workers", None)
         if status == 404:  # sglang-router <= 0.2.1
-            doc = router._expect_ok("/list_workers", *await router._control_raw("GET", "/list_workers", None))
+            doc = router.expect_ok("/list_workers", *await router.control_raw("GET", "/list_workers", None))
             urls = doc.get("urls") if isinstance(doc, dict) else None
             return [{"url": u, _LEGACY: True} for u in urls] if isinstance(urls, list) else []
-        doc = router._expect_ok("/workers", status, data)
+        doc = router.expect_ok("/workers", status, data)
         rows = doc.get("workers") if isinstance(doc, dict) else None
         return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
@@ -280,10 +301,10 @@ class FleetFaults:
 
     async def _router_call(self, method: str, path: str, body: object) -> None:
         """The router answers 202 Accepted: it adds and removes workers in the background."""
-        router = self._fleet._open.generator
-        status, data = await router._control_raw(method, path, body)
+        router = self._fleet.router
+        status, data = await router.control_raw(method, path, body)
         if not 200 <= status < 300:
-            router._expect_ok(path, status, data)  # raises, with the router's message
+            router.expect_ok(path, status, data)  # raises, with the router's message
 
     async def _router_add(self, url: str) -> None:
         """`POST /workers` (`POST /add_worker?url=` up to 0.2.1), then wait until the router lists
@@ -292,11 +313,11 @@ class FleetFaults:
         if url not in {str(r.get("url", "")).rstrip("/") for r in rows}:
             legacy = any(r.get(_LEGACY) for r in rows)
             if not legacy:
-                router = self._fleet._open.generator
-                status, data = await router._control_raw("POST", "/workers", {"url": url})
+                router = self._fleet.router
+                status, data = await router.control_raw("POST", "/workers", {"url": url})
                 legacy = status == 404  # a router whose /workers lists none, up to 0.2.1
                 if not legacy and not 200 <= status < 300:
-                    router._expect_ok("/workers", status, data)  # raises, with the router's message
+                    router.expect_ok("/workers", status, data)  # raises, with the router's message
             if legacy:
                 await self._router_call("POST", "/add_worker?" + urlencode({"url": url}), None)
         with anyio.fail_after(_ROUTER_LIST_DEADLINE):

@@ -156,6 +156,17 @@ class EngineFleet:
     def workers(self) -> tuple[EngineClient, ...]:
         return self._open.workers
 
+    def set_workers(self, workers: tuple[EngineClient, ...]) -> None:
+        """The live engines from now on: the fault handling's eviction and re-admission (`FleetFaults`)."""
+        self._open.workers = workers
+
+    @property
+    def router(self) -> EngineClient:
+        """The router's client: `/generate` goes there, and the fault handling's worker calls."""
+        if self._router_url is None:
+            raise RuntimeError("this EngineFleet has no router")
+        return self._open.generator
+
     def statistics(self) -> EngineStatistics:
         return self._counters.snapshot()
 

@@ -18,19 +18,20 @@ the torch trainer runs it on a minibatch. A rollout batch takes one optimizer st
 trainer); with several, the proximal log-probs are recomputed once before the first, and the PPO
 clip of the later steps acts against them.
 
-Parallelism: tensor and pipeline parallel from megatron-core's `parallel_state`, data parallel
-= world / (TP x PP). Each DP rank takes every DP-th row of each minibatch; the loss is normalised
-by the minibatch's token count, and gradients are summed over the DP group (`grads.py`), so each
-step equals the single-process step. Micro-batches of `micro_batch_size` rows are packed into one
-sequence (`packing.py`). Pipeline parallel (`--pipeline-model-parallel-size`): each stage holds
-`num_layers / pp` layers (`qwen3.py`); a minibatch's micro-batches go through the stages forward,
-then backward (`schedule.py`: our own schedule, since megatron-core's allocates on CUDA; the
-docstring says where). The loss, the log-probs and the step's totals exist on the last stage; the
-totals and log-probs are broadcast from it over the pipeline group, so rank 0 (first stage,
-the controller's process) reports them and every stage makes the same step-or-skip decision. The
-gradient norm is summed over TP and PP ranks. A save joins the stages on rank 0 (`checkpoint.py`),
-so the HF folder is the one a run without PP writes. A tied embedding is kept as two equal copies
-on the first and last stage (their gradients summed, `grads.py`).
+Parallelism: tensor and pipeline parallel from megatron-core's `parallel_state`, data parallel =
+world / (TP x PP) (`layout.py`, with the collectives over them). Each DP rank takes every DP-th row
+of each minibatch; the loss is normalised by the minibatch's token count, and gradients are summed
+over the DP group (`grads.py`), so each step equals the single-process step. Micro-batches of
+`micro_batch_size` rows are packed into one sequence (`packing.py`). Pipeline parallel
+(`--pipeline-model-parallel-size`): each stage holds `num_layers / pp` layers (`qwen3.py`); a
+minibatch's micro-batches go through the stages forward, then backward (`schedule.py`: our own
+schedule, since megatron-core's allocates on CUDA; the docstring says where). The loss, the
+log-probs and the step's totals exist on the last stage; the totals and log-probs are broadcast from
+it over the pipeline group, so rank 0 (first stage, the controller's process) reports them and every
+stage makes the same step-or-skip decision. The gradient norm is summed over TP and PP ranks. A save
+joins the stages on rank 0 (`checkpoint.py`), so the HF folder is the one a run without PP writes. A
+tied embedding is kept as two equal copies on the first and last stage (their gradients summed,
+`grads.py`).
 
 Precision (`dtype`, `--trainer-dtype`): float32, or bfloat16 parameters with fp32 master weights,
 fp32 gradient accumulation and fp32 AdamW state (`master.py`), megatron's mixed-precision recipe.
@@ -77,11 +78,18 @@ from trainers.megatron.commands import Command as _Command
 from trainers.megatron.commands import broadcast_command, receive_command
 from trainers.megatron.distopt import DistributedOptimizer
 from trainers.megatron.grads import clip_gradients, reduce_gradients
+from trainers.megatron.layout import (
+    Layout,
+    comm_device,
+    dp_group,
+    from_last_stage,
+    sum_over_dp,
+    tensor_from_last_stage,
+)
 from trainers.megatron.master import MasterWeights
 from trainers.megatron.packing import Packed, head_logprobs, pack
 from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
 from trainers.megatron.rows import (
-    TOTALS,
     Row,
     batch_rows,
     micro_batch_loss,
@@ -104,17 +112,6 @@ class _StepTotals:
     grad_norm_sum: float
     optimizer_steps: int
     minibatches: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    rank: int
-    world: int
-    tp: int
-    tp_rank: int
-    dp: int
-    dp_rank: int
-    pp: int
 
 
 class MegatronTrainer:
@@ -175,15 +172,7 @@ class MegatronTrainer:
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.device = torch.device(device)
-        self.layout = _Layout(
-            rank=dist.get_rank(),
-            world=dist.get_world_size(),
-            tp=ps.get_tensor_model_parallel_world_size(),
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            dp=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(),
-            pp=ps.get_pipeline_model_parallel_world_size(),
-        )
+        self.layout = Layout.current()
         self.stage = Stage.current()
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
@@ -220,14 +209,14 @@ class MegatronTrainer:
             )
             self.model = self.distopt.module  # forward and backward through megatron's DDP wrapper
             if resume.is_dir():
-                self.steps = self.distopt.load(resume, layout=self._layout_dict)
+                self.steps = self.distopt.load(resume, layout=self.layout.as_dict())
             return
         # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
         self.master = MasterWeights(self.model, fp32)
         del fp32
         self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
         if resume.is_dir():
-            self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self._layout_dict)
+            self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self.layout.as_dict())
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -312,7 +301,7 @@ class MegatronTrainer:
 
     @property
     def _comm_device(self) -> torch.device:
-        return torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+        return comm_device(self.device)
 
     # ---- the step, on every rank --------------------------------------------------------------
 
@@ -403,7 +392,7 @@ class MegatronTrainer:
             # A model has parameters, so the sum is a tensor (its `0` start only types an empty one).
             cast(torch.Tensor, sum(p.sum() * 0.0 for p in self.model.parameters())).backward()
             self._accumulate_grads()
-        totals = self._from_last_stage(self._sum_over_dp(totals))
+        totals = from_last_stage(sum_over_dp(totals, self.layout, self.device), self.layout, self.device)
         if totals["signal"] <= 0:
             return totals, 0.0, False
         if self.distopt is not None:
@@ -418,7 +407,7 @@ class MegatronTrainer:
             tp=lay.tp,
             dp=lay.dp,
             tp_group=tp_group,
-            dp_group=self._dp_group(),
+            dp_group=dp_group(),
             embedding_group=ps.get_embedding_group() if tied else None,
         )
         grad_norm = clip_gradients(
@@ -474,18 +463,6 @@ class MegatronTrainer:
         empty = torch.empty(0, device=self.device)
         return empty, empty
 
-    def _from_last_stage(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
-        """The last stage's totals (where the loss is), on every stage of the pipeline."""
-        if self.layout.pp == 1:
-            return totals
-        from megatron.core import parallel_state as ps
-
-        keys = (*TOTALS, "weight_max")
-        values = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self._comm_device)
-        last, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
-        dist.broadcast(values, src=last, group=group)
-        return defaultdict(float, zip(keys, map(float, values.tolist()), strict=True))
-
     def _accumulate_grads(self) -> None:
         """bf16, hand-rolled path: into the fp32 masters after every micro-batch (megatron's DDP
         accumulates into its fp32 buffer in its own backward hooks)."""
@@ -514,19 +491,8 @@ class MegatronTrainer:
                     count += trained_token_count(s, c, logp, prox)
         total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
         if self.layout.dp > 1:
-            dist.all_reduce(total, group=self._dp_group())
+            dist.all_reduce(total, group=dp_group())
         return float(total[0])
-
-    def _sum_over_dp(self, totals: defaultdict[str, float]) -> defaultdict[str, float]:
-        if self.layout.dp == 1:
-            return totals
-        sums = torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(sums, group=self._dp_group())
-        peak = torch.tensor([totals["weight_max"]], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group())
-        out: defaultdict[str, float] = defaultdict(float, zip(TOTALS, map(float, sums.tolist()), strict=True))
-        out["weight_max"] = float(peak[0])
-        return out
 
     @torch.no_grad()
     def _logprobs(self, rows: list[Row]) -> list[list[float]]:
@@ -537,13 +503,9 @@ class MegatronTrainer:
         ]
         flat = torch.cat(parts) if parts else torch.empty(0, device=self.device)
         if self.layout.pp > 1:
-            from megatron.core import parallel_state as ps
-
             if not self.stage.last:
                 flat = torch.empty(sum(len(r.response_ids) for r in rows), device=self.device)
-            flat = flat.float().to(self._comm_device)
-            last, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
-            dist.broadcast(flat, src=last, group=group)
+            flat = tensor_from_last_stage(flat.float().to(self._comm_device))
         values = flat.tolist()
         out: list[list[float]] = []
         at = 0
@@ -551,11 +513,6 @@ class MegatronTrainer:
             out.append(values[at : at + len(r.response_ids)])
             at += len(r.response_ids)
         return out
-
-    def _dp_group(self) -> Any:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_group()
 
     # ---- weights and optimizer (trainers.megatron.checkpoint) ---------------------------
 
@@ -588,14 +545,14 @@ class MegatronTrainer:
         if self.layout.world > 1:
             dist.barrier()  # the optimizer folder exists
         if self.distopt is not None:
-            self.distopt.save(folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps)
+            self.distopt.save(folder / OPTIMIZER_DIR, layout=self.layout.as_dict(), steps=self.steps)
         else:
             save_optimizer_shard(
-                self.optimizer, self.master.named(), folder / OPTIMIZER_DIR, layout=self._layout_dict, steps=self.steps
+                self.optimizer,
+                self.master.named(),
+                folder / OPTIMIZER_DIR,
+                layout=self.layout.as_dict(),
+                steps=self.steps,
             )
         if self.layout.world > 1:
             dist.barrier()  # every shard is on disk before rank 0 renames the folder into place
-
-    @property
-    def _layout_dict(self) -> dict[str, int]:
-        return {"rank": self.layout.rank, "world": self.layout.world, "tp": self.layout.tp, "pp": self.layout.pp}
