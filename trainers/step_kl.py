@@ -3,10 +3,10 @@
 Why: PPO's clip cannot bound the first optimizer step of a batch. The ratio pi / pi_prox is exactly
 1 there (pi_prox is the weights the step starts from), so that step is as large as the learning
 rate and Adam make it, and the clip only acts on the batch's later steps, and only on tokens that
-were sampled. What the learning benchmark's collapses showed (BENCHMARKS.md section 12): a batch
-whose every signal says "stop earlier" (the longer samples of each group scored lower) moved the
-end token's logit everywhere by one Adam step, past the one-character answers it rewarded to the
-empty answer no sample had tried (reward 0): the mean reward went from 0.45 to 0.02 in one step.
+were sampled. What the learning benchmark's collapses showed (BENCHMARKS.md section 12): one Adam
+step on a batch of mostly one-character answers moved the end token's logit everywhere, past
+those answers to the empty one no sample had tried (reward 0): the mean reward went from 0.45 to
+0.02 in one step.
 The same overshoot the other way loses the end token (every sample at the length cap, reward 0,
 advantages 0: no signal to come back). No sampled token's ratio sees it coming, but the policy's
 distance moved does: on the tokens the batch sampled (drawn from the old policy, so the estimate

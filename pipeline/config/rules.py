@@ -28,8 +28,8 @@ __all__ = [
 ]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# --max-step-kl's default, nats per token: ordinary steps of the learning benchmark's runs moved the
-# policy 0.005-0.2, the steps that collapsed runs 0.8-7 (BENCHMARKS.md section 12).
+# --max-step-kl's default, nats per token: on the toy task (traced in one process) ordinary steps
+# moved the policy 0.005-0.2, the steps after which the reward fell 0.8-7 (BENCHMARKS.md section 12 E).
 DEFAULT_MAX_STEP_KL = 0.2
 
 
