@@ -8,7 +8,8 @@ Megatron trainer takes its place behind the same bridge. The math lives in `trai
     stale, truncated)  ->  proximal log-probs, once  ->  reference log-probs, once (--use-kl-loss)
     ->  for each minibatch of --global-batch-size samples: forward, `loss.policy_loss` (PPO clip
     against the proximal policy, importance weight proximal/behaviour, OPSM, reference KL, entropy,
-    aggregation), one AdamW step (skipped when the minibatch carries no signal)
+    aggregation), one AdamW step (skipped when the minibatch carries no signal), halved while it
+    moves the policy more than `max_step_kl` nats per token on the minibatch (`trainers.step_kl`)
 
 The reference model (`--use-kl-loss`) is a frozen second copy of the model on the trainer's device,
 loaded from `ref_path` (the launcher passes the run's initial weights, or `--ref-load`; a resumed
@@ -28,7 +29,7 @@ Which samples train: a FAILED sample (the engine or the reward gave up on it) ha
 learning from, so it is left out of its group's mean and std and contributes no loss. The batch
 still counts its response tokens as masked in `mask_ratio`, so failures show up in the metrics.
 
-About 400 lines: the step, the trainer's log-probs and the weight save belong together; the loss
+About 500 lines: the step, the trainer's log-probs and the weight save belong together; the loss
 math lives in `loss.py` and the optimizer checkpoint in `checkpoint.py`.
 """
 
@@ -60,6 +61,7 @@ from trainers.checkpoint import (
 from trainers.columns import column_tensor
 from trainers.loss import ImportanceCorrection, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
+from trainers.step_kl import bounded_step, mean_k3
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -98,7 +100,8 @@ class GRPOTrainer:
     is off. `loss` holds every knob of the objective (`trainers.loss.LossSettings`); the
     keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
     `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
-    number of samples per optimizer step (None = the whole batch, one step).
+    number of samples per optimizer step (None = the whole batch, one step). `max_step_kl` bounds
+    each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
 
     CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
     leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
@@ -126,6 +129,7 @@ class GRPOTrainer:
         dtype: str = "float32",
         num_threads: int | None = 1,
         ref_path: str | os.PathLike[str] | None = None,
+        max_step_kl: float | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -138,6 +142,9 @@ class GRPOTrainer:
             )
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        if max_step_kl is not None and max_step_kl <= 0:
+            raise ValueError(f"max_step_kl must be > 0 nats or None (no bound), got {max_step_kl}")
+        self.max_step_kl = max_step_kl
         self.loss = _with_legacy_keywords(
             loss or LossSettings(), eps_clip, eps_clip_high, tis_cap, mask_offpolicy_in_partial_rollout
         )
@@ -265,10 +272,37 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             pl.loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-            self.optimizer.step()
+            if self.max_step_kl is None:
+                self.optimizer.step()
+            else:
+                self._bounded_step([samples[i] for i in mb], logp.detach(), mask, t.valid.shape[1], totals)
             totals["optimizer_steps"] += 1
         totals["grad_norm"] += grad_norm
         tally_minibatch(totals, pl, proximal=prox, behaviour=behaviour, mask=mask, entropy=entropy)
+
+    def _bounded_step(
+        self,
+        mb_samples: list[Sample],
+        before: torch.Tensor,
+        mask: torch.Tensor,
+        width: int,
+        totals: defaultdict[str, float],
+    ) -> None:
+        """The optimizer step, halved while it moves the policy more than `max_step_kl` nats per
+        token on this minibatch's trained tokens (`trainers.step_kl`)."""
+        assert self.max_step_kl is not None
+
+        def kl_after() -> float:
+            with torch.no_grad():
+                after, _ = self._response_logprobs(mb_samples, width)
+            return mean_k3(before, after, mask)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        check = bounded_step(params, self.optimizer.step, kl_after, max_kl=self.max_step_kl)
+        totals["step_kl"] = max(totals["step_kl"], check.kl)
+        totals["step_kl_proposed"] = max(totals["step_kl_proposed"], check.proposed_kl)
+        totals["step_kl_halvings"] += check.halvings
+        totals["step_kl_checked"] += 1
 
     # ---- what trains, and with which advantage ------------------------------------------------
 

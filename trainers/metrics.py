@@ -107,6 +107,10 @@ def step_metrics(
         "lr": totals["lr"],
         "tokens": trained_tokens,  # response tokens that trained this step
     }
+    if totals.get("step_kl_checked"):  # --max-step-kl: the largest step, as proposed and as taken, and the halvings
+        out["step_kl_max"] = totals["step_kl"]
+        out["step_kl_proposed_max"] = totals["step_kl_proposed"]
+        out["step_kl_halvings"] = totals["step_kl_halvings"]
     if "ref_log_probs_time" in totals:  # seconds of the reference model's forwards (--use-kl-loss)
         out["ref_log_probs_time"] = totals["ref_log_probs_time"]
     trained_versions = versions[mask]

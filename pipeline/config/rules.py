@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# --max-step-kl's default, nats per token: on the toy task (traced in one process) ordinary steps
+# moved the policy 0.005-0.2, the steps after which the reward fell 0.8-7 (BENCHMARKS.md section 12 E).
+DEFAULT_MAX_STEP_KL = 0.2
 
 
 def check_bounds(draft: Draft) -> None:
@@ -144,6 +147,11 @@ def _trainer_rules(draft: Draft) -> None:
         problem(
             f"{draft.show('trainer', 'kl_loss_coef')} without --use-kl-loss: the KL term is off, so the "
             "coefficient would do nothing; add --use-kl-loss"
+        )
+    if t["backend"] == "megatron" and ok("trainer", "max_step_kl") and (t["max_step_kl"] or 0) > 0:
+        problem(
+            f"{draft.show('trainer', 'max_step_kl')} with --train-backend megatron: the step-KL check is built "
+            "into the torch trainer only; leave it out (megatron runs without it)"
         )
     if not t["use_kl_loss"] and t["ref_load"] is not None:
         problem(
@@ -381,6 +389,9 @@ def derive_defaults(draft: Draft) -> None:
         # already moved away from are dropped (slime's OPSM). Off in plain sync, where mu == pi up to
         # engine/trainer numerics and the mask would act on rounding alone (BENCHMARKS.md section 8).
         t["use_opsm"] = r["mode"] == RolloutMode.ASYNC or r["partial_rollout"] is True
+    if t["max_step_kl"] is None and draft.ok("trainer", "backend"):
+        # The step-KL check (trainers.step_kl) is built into the torch trainer; megatron runs without it.
+        t["max_step_kl"] = DEFAULT_MAX_STEP_KL if t["backend"] == "torch" else 0.0
     if t["eps_clip_high"] is None and draft.ok("trainer", "eps_clip"):
         t["eps_clip_high"] = t["eps_clip"]
 

@@ -193,6 +193,17 @@ class TrainerConfig:
     entropy_coef: float = opt(
         0.0, "--entropy-coef", "float", help="subtract this x the mean token entropy from the loss (> 0: explore)"
     )
+    max_step_kl: float | None = opt(
+        None,
+        "--max-step-kl",
+        "float",
+        ge=0,
+        metavar="NATS",
+        default_help="0.2 with --train-backend torch; 0 with megatron, which does not have the check yet",
+        help="after each optimizer step, halve the step while it moved the policy more than this KL per "
+        "trained token of its minibatch (k3; 0 = no bound): the trust region PPO's clip cannot give a batch's "
+        "first step, whose outliers collapse runs (BENCHMARKS.md section 12)",
+    )
     ref_load: Path | None = opt(
         None,
         "--ref-load",

@@ -1,0 +1,122 @@
+"""The step-KL bound (`--max-step-kl`, `trainers.step_kl`): the backtracking on hand-made steps, the
+torch trainer's steps kept under the bound where an unchecked step leaves it, and the flag's
+defaults per backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
+from pipeline.config import load_config
+from pipeline.config.rules import DEFAULT_MAX_STEP_KL
+from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import encode
+from pipeline.trainer_settings import build_trainer
+from trainers import GRPOTrainer
+from trainers.step_kl import bounded_step, mean_k3
+
+PROMPT = encode("say a x2:")
+TASK = PromptTask(index=0, prompt_ids=PROMPT, label={"char": "a", "count": 2})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+# ---- the backtracking ------------------------------------------------------------------------------
+
+
+def test_a_step_over_the_bound_is_halved_until_it_is_under():
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+
+    def step() -> None:
+        with torch.no_grad():
+            p.add_(4.0)
+
+    check = bounded_step([p], step, lambda: float((p.detach() - 1.0) ** 2), max_kl=1.0)
+    # (4 / 2^h)^2 <= 1 first at h = 2: the step taken is 1, a quarter of the proposed one.
+    assert (check.halvings, check.proposed_kl, check.kl) == (2, 16.0, 1.0)
+    assert p.item() == 2.0
+
+
+def test_a_step_under_the_bound_is_taken_whole_and_one_never_under_it_is_undone():
+    p = torch.nn.Parameter(torch.tensor([0.0]))
+    check = bounded_step([p], lambda: p.data.add_(0.5), lambda: 0.01, max_kl=0.1)
+    assert (check.halvings, check.kl, p.item()) == (0, 0.01, 0.5)
+    check = bounded_step([p], lambda: p.data.add_(3.0), lambda: 5.0, max_kl=0.1, max_halvings=3)
+    assert (check.halvings, check.kl, p.item()) == (4, 0.0, 0.5)  # back where it was
+    with pytest.raises(ValueError, match="max_kl"):
+        bounded_step([p], lambda: None, lambda: 0.0, max_kl=0.0)
+
+
+def test_mean_k3_is_zero_for_equal_log_probs_and_ignores_masked_tokens():
+    old = torch.tensor([[-1.0, -2.0, -50.0]])
+    new = torch.tensor([[-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    assert mean_k3(old, old, mask) == 0.0
+    r = torch.exp(torch.tensor(1.0))
+    assert mean_k3(old, new, mask) == pytest.approx(float(r - 1 - 1) / 2)
+
+
+# ---- in the trainer ---------------------------------------------------------------------------------
+
+
+def _batch(step: int = 0) -> Batch:
+    """One group whose one good sample is the shortest: every signal says "stop earlier"."""
+    texts = ["aa", "aab", "aabb", "abab", "aaab", "bbbb", "abba", "baab"]
+    samples = []
+    for i, text in enumerate(texts):
+        ids = (*encode(text), 1)  # 1: the end token
+        s = Sample(index=i, prompt_ids=PROMPT).extended(
+            Segment(ids, (-3.0,) * len(ids), FinishReason.STOP, 0), max_response_len=16
+        )
+        samples.append(dataclasses.replace(s, reward=1.0 if i == 0 else 0.0))
+    group = Group.fresh(TASK, epoch=0, n_samples=len(samples), version=0, seq=0).with_samples(samples)
+    return Batch(step, (group,))
+
+
+def _moved(model_dir, max_step_kl: float | None) -> tuple[float, dict[str, float]]:
+    """The KL per token one train_step moved the policy on its own batch, measured afresh, and the metrics."""
+    batch = _batch()
+    trainer = GRPOTrainer(model_dir, lr=0.1, max_step_kl=max_step_kl)  # lr 0.1: a step far too large
+    before = torch.tensor([x for row in trainer.logprobs(batch.samples) for x in row])
+    metrics = trainer.train_step(batch)
+    after = torch.tensor([x for row in trainer.logprobs(batch.samples) for x in row])
+    return mean_k3(before, after, torch.ones_like(before, dtype=torch.bool)), metrics
+
+
+def test_the_trainer_keeps_each_step_under_the_bound_where_an_unchecked_step_leaves_it(model_dir):
+    unchecked, plain = _moved(model_dir, None)
+    assert unchecked > 1.0  # the step the optimizer proposes moves the policy by nats per token
+    assert "step_kl_max" not in plain
+    bounded, metrics = _moved(model_dir, 0.2)
+    assert bounded <= 0.2 + 1e-6
+    assert metrics["step_kl_halvings"] >= 1 and metrics["step_kl_proposed_max"] > 1.0
+    assert metrics["step_kl_max"] <= 0.2 and metrics["optimizer_steps"] == 1
+    with pytest.raises(ValueError, match="max_step_kl"):
+        GRPOTrainer(model_dir, max_step_kl=0.0)
+
+
+# ---- the flag -----------------------------------------------------------------------------------------
+
+
+def test_the_bound_is_on_by_default_with_torch_and_off_with_megatron(model_dir):
+    assert load_config([]).trainer.max_step_kl == DEFAULT_MAX_STEP_KL
+    assert load_config(["--max-step-kl", "0"]).trainer.max_step_kl == 0.0
+    assert load_config(["--train-backend", "megatron"]).trainer.max_step_kl == 0.0
+    with pytest.raises(ConfigError, match="max-step-kl"):
+        load_config(["--train-backend", "megatron", "--max-step-kl", "0.3"])
+    assert build_trainer(model_dir, {"trainer": {"max_step_kl": 0.3}, "rollout": {}}).max_step_kl == 0.3
+    assert build_trainer(model_dir, {"trainer": {"max_step_kl": 0.0}, "rollout": {}}).max_step_kl is None
