@@ -135,7 +135,13 @@ class EngineServer:
             return _error(400, f"the body is not valid JSON: {exc}")
         stream = isinstance(body, dict) and bool(body.get("stream"))
         try:
-            call = parse_generate(body, tokenizer=self.core.model.tokenizer, vocab_size=self.core.model.vocab_size)
+            call = parse_generate(
+                body,
+                tokenizer=self.core.model.tokenizer,
+                vocab_size=self.core.model.vocab_size,
+                # R3: only a torch forward over an MoE model records routes (engines/moe_routes.py)
+                routes=getattr(getattr(self.core.model, "runner", None), "routes", None) is not None,
+            )
             for req in call.requests:
                 self.core.validate(req)
         except InvalidRequestError as exc:

@@ -7,6 +7,7 @@ honour is refused with InvalidRequestError (HTTP 400), never silently ignored.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,7 +41,6 @@ _GENERATE_UNSUPPORTED = (
     "lora_path",
     "custom_logit_processor",
     "return_hidden_states",
-    "return_routed_experts",
     "token_ids_logprob",
 )
 
@@ -162,10 +162,12 @@ class GenerateCall:
     text_in_logprobs: bool
 
 
-def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> GenerateCall:
-    """Turn a /generate body (SGLang's GenerateReqInput) into requests; raise InvalidRequestError."""
+def parse_generate(body: object, *, tokenizer: Any, vocab_size: int, routes: bool = False) -> GenerateCall:
+    """Turn a /generate body (SGLang's GenerateReqInput) into requests; raise InvalidRequestError.
+    `routes`: the served model has MoE layers whose routes a request may ask for (R3)."""
     if not isinstance(body, dict):
         raise InvalidRequestError(f"the body must be a JSON object, got {type(body).__name__}", body)
+    routed, routed_start = _routed_experts(body, routes)
     for key in _GENERATE_UNSUPPORTED:
         if body.get(key):
             raise InvalidRequestError(f"{key} is not supported by the built-in engine", body[key])
@@ -221,7 +223,14 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> Generate
     if stream and batch:
         raise InvalidRequestError("streaming a batch is not supported by the built-in engine")
     requests = tuple(
-        Request(rid=rid, prompt_ids=prompt, params=p, return_logprob=bool(lp))
+        Request(
+            rid=rid,
+            prompt_ids=prompt,
+            params=p,
+            return_logprob=bool(lp),
+            return_routed_experts=routed,
+            routed_start_len=routed_start,
+        )
         for rid, prompt, p, lp in zip(rids, prompts, parsed, logprob, strict=True)
     )
     return GenerateCall(
@@ -230,6 +239,18 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> Generate
         stream=stream,
         text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
     )
+
+
+def _routed_experts(body: dict[str, Any], routes: bool) -> tuple[bool, int]:
+    """`return_routed_experts` and `routed_experts_start_len` (sglang-protocol.md 1.1)."""
+    asked, start = body.get("return_routed_experts"), body.get("routed_experts_start_len")
+    if asked is not None and not isinstance(asked, bool):
+        raise InvalidRequestError(f"return_routed_experts must be a boolean, got {asked!r}", asked)
+    if start is not None and (type(start) is not int or start < 0):
+        raise InvalidRequestError(f"routed_experts_start_len must be an integer >= 0, got {start!r}", start)
+    if asked and not routes:
+        raise InvalidRequestError("return_routed_experts needs an MoE model; the served model has no MoE layers", asked)
+    return bool(asked), start or 0
 
 
 def _is_ids(x: object) -> bool:
@@ -300,4 +321,16 @@ def render_output(
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
         # logprob_start_len=-1: SGLang starts at the last prompt token, whose logprob is null.
         meta["input_token_logprobs"] = [[None, req.prompt_ids[-1], None]]
+    if req.return_routed_experts and final:
+        meta["routed_experts"] = _routed_rows(req)
+        meta["routed_experts_start_len"] = req.routed_start_len
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _routed_rows(req: Request) -> str:
+    """Base64 of the request's routes of positions [routed_start_len, prompt + completion - 1):
+    every position read by a forward (the last token never is)."""
+    if not req.routed_positions:
+        return ""
+    row = len(req.routes) // req.routed_positions
+    return base64.b64encode(bytes(req.routes[req.routed_start_len * row :])).decode("ascii")

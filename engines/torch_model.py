@@ -38,6 +38,7 @@ import anyio
 import torch
 
 from core.errors import ConfigError
+from engines.moe_routes import RouteRecorder, fuse_expert_tensors, wants_routes, with_routes
 from engines.seam import Draw, Row, SamplingParams, WeightLoadError
 
 __all__ = [
@@ -109,12 +110,21 @@ class ModelRunner:
         self.eos_token_ids = frozenset(_eos_ids(model_path, config))
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         self._weights = _live_weights(self.model)
+        self.routes = RouteRecorder.attach(self.model)  # None for a dense model (R3: moe_routes.py)
 
     # ---- one decode step -------------------------------------------------------------------------
 
     def step(self, rows: Sequence[Row]) -> list[Draw]:
         """Run one forward pass over all rows and draw one token for each."""
-        return draw_tokens(self._last_logits(rows), rows)
+        if self.routes is None or not wants_routes(self.routes, rows):
+            return draw_tokens(self._last_logits(rows), rows)
+        with self.routes.recording():
+            logits = self._last_logits(rows)
+        width = max(len(r.token_ids) for r in rows)
+        routed = self.routes.take().reshape(len(rows), width, self.routes.layers, self.routes.top_k)
+        # Left-padded: row i's positions [0, n) are its last n columns.
+        own = [routed[i, width - len(r.token_ids) :] for i, r in enumerate(rows)]
+        return with_routes(draw_tokens(logits, rows), rows, own)
 
     def _last_logits(self, rows: Sequence[Row]) -> torch.Tensor:
         width = max(len(r.token_ids) for r in rows)
@@ -155,6 +165,11 @@ class ModelRunner:
                 tensors.update(load_file(f))
         except (OSError, SafetensorError) as exc:
             raise WeightLoadError(str(folder), f"{type(exc).__name__}: {exc}") from exc
+        if self.routes is not None:  # MoE: the file's per-expert tensors are the model's fused ones
+            try:
+                tensors = fuse_expert_tensors(tensors)
+            except ValueError as exc:
+                raise WeightLoadError(str(folder), str(exc)) from exc
         problems: list[str] = []
         live = self._weights.params
         for name, t in tensors.items():
