@@ -85,6 +85,7 @@ def build_trainer(
         dtype=t.dtype,
         num_threads=num_threads,
         ref_path=t.ref_load or initial_model or model_dir,
+        routing_replay=bool(r.use_rollout_routing_replay),
     )
 
 

@@ -34,6 +34,7 @@ math lives in `loss.py` and the optimizer checkpoint in `checkpoint.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -60,6 +61,7 @@ from trainers.checkpoint import (
 from trainers.columns import column_tensor
 from trainers.loss import ImportanceCorrection, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
+from trainers.routing_replay import RoutingReplay, replay_plan
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -126,6 +128,7 @@ class GRPOTrainer:
         dtype: str = "float32",
         num_threads: int | None = 1,
         ref_path: str | os.PathLike[str] | None = None,
+        routing_replay: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -175,6 +178,13 @@ class GRPOTrainer:
             reference.train()  # the same mode as the policy, so equal weights give equal log-probs
             reference.requires_grad_(False)
             self.reference = reference
+        # R3 (--use-rollout-routing-replay): the MoE layers of the policy and the reference route
+        # each response token as the engine did (trainers/routing_replay.py).
+        self.routing_replay: dict[int, RoutingReplay] = {}
+        if routing_replay:
+            for m in (self.model, self.reference):
+                if m is not None:
+                    self.routing_replay[id(m)] = RoutingReplay(m)
         self.steps = 0  # train_step calls, across restarts
         if has_optimizer(self.model_path):
             names = optimizer_param_names(self.model, self.optimizer)
@@ -405,8 +415,16 @@ class GRPOTrainer:
             targets[i, :r] = column_tensor(s.response_ids, torch.long)
         ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
 
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = (model or self.model)(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        net = model or self.model
+        replay = self.routing_replay.get(id(net))
+        plan = None
+        if replay is not None:
+            plan = replay_plan(samples, n_seq, layers=replay.layers, top_k=replay.top_k).to(self.device)
+        with (
+            torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
+            replay.replaying(plan) if replay is not None else contextlib.nullcontext(),
+        ):
+            logits = net(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
         full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         logp = full.gather(-1, targets[..., None]).squeeze(-1)
