@@ -28,6 +28,14 @@ def payload_rules(draft: Draft) -> None:
             f"{show('rollout', 'use_rollout_routing_replay')} needs --moe-router-topk (the model's experts per "
             "token per layer) to read the engine's routed-experts rows"
         )
+    experts, top_k = get("engine", "num_experts"), get("rollout", "moe_router_topk")
+    if experts is not None and get("engine", "hf_checkpoint"):
+        problem(
+            f"{show('engine', 'num_experts')}: shapes the tiny model built without --hf-checkpoint; "
+            "a checkpoint has its own experts"
+        )
+    elif experts is not None and top_k is not None and draft.ok("engine", "num_experts") and top_k > experts:
+        problem(f"{show('rollout', 'moe_router_topk')}: cannot route to more experts than --num-experts={experts}")
     if get("rollout", "use_score_centering") is not True:
         if get("rollout", "score_centering_top_k") is not None:
             problem(f"{show('rollout', 'score_centering_top_k')}: has no effect without --use-score-centering")
