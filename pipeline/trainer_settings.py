@@ -54,6 +54,7 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
         kl_loss_coef=t.kl_loss_coef,
         kl_loss_type=KLType(t.kl_loss_type),
         entropy_coef=t.entropy_coef,
+        score_centering=bool(r.use_score_centering),
     )
 
 
