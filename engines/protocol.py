@@ -162,9 +162,12 @@ class GenerateCall:
     text_in_logprobs: bool
 
 
-def parse_generate(body: object, *, tokenizer: Any, vocab_size: int, routes: bool = False) -> GenerateCall:
+def parse_generate(
+    body: object, *, tokenizer: Any, vocab_size: int, routes: bool = False, top_logprobs: bool = False
+) -> GenerateCall:
     """Turn a /generate body (SGLang's GenerateReqInput) into requests; raise InvalidRequestError.
-    `routes`: the served model has MoE layers whose routes a request may ask for (R3)."""
+    `routes`: the served model has MoE layers whose routes a request may ask for (R3);
+    `top_logprobs`: the engine samples from a real distribution whose top-k it can report (SC)."""
     if not isinstance(body, dict):
         raise InvalidRequestError(f"the body must be a JSON object, got {type(body).__name__}", body)
     routed, routed_start = _routed_experts(body, routes)
@@ -176,10 +179,11 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int, routes: boo
             "logprob_start_len >= 0 (prompt log-probs) is not supported by the built-in engine",
             body["logprob_start_len"],
         )
-    if body.get("top_logprobs_num") not in (None, 0):
-        raise InvalidRequestError(
-            "top_logprobs_num > 0 is not supported by the built-in engine", body["top_logprobs_num"]
-        )
+    top = body.get("top_logprobs_num")
+    if top is not None and (type(top) is not int or top < 0):
+        raise InvalidRequestError(f"top_logprobs_num must be an integer >= 0, got {top!r}", top)
+    if top and not top_logprobs:
+        raise InvalidRequestError("top_logprobs_num > 0 is not supported by this engine (no model distribution)", top)
 
     text, input_ids = body.get("text"), body.get("input_ids")
     prompts: list[tuple[int, ...]]
@@ -230,6 +234,7 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int, routes: boo
             return_logprob=bool(lp),
             return_routed_experts=routed,
             routed_start_len=routed_start,
+            top_logprobs_num=(top or 0) if lp else 0,  # SGLang: with return_logprob only
         )
         for rid, prompt, p, lp in zip(rids, prompts, parsed, logprob, strict=True)
     )
@@ -321,6 +326,9 @@ def render_output(
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
         # logprob_start_len=-1: SGLang starts at the last prompt token, whose logprob is null.
         meta["input_token_logprobs"] = [[None, req.prompt_ids[-1], None]]
+        if req.top_logprobs_num:  # one list per output token, most likely first (SC reads them)
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in req.output_top_logprobs]
+            meta["input_top_logprobs"] = [None]
     if req.return_routed_experts and final:
         meta["routed_experts"] = _routed_rows(req)
         meta["routed_experts_start_len"] = req.routed_start_len

@@ -105,6 +105,9 @@ class Request:
     routed_start_len: int = 0
     routes: bytearray = field(default_factory=bytearray)
     routed_positions: int = 0
+    # SC (`top_logprobs_num`): per output token, its step's top (token id, log-prob) pairs.
+    top_logprobs_num: int = 0
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish: Finish | None = None
     finished_at: float | None = None
     updates: int = 0  # bumped on every change a client could see

@@ -220,7 +220,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         lp = torch.log_softmax(logits[greedy], dim=-1)
-        _fill(draws, greedy, _ends(lp.argmax(dim=-1), greedy, rows), lp)
+        _fill(draws, greedy, _ends(lp.argmax(dim=-1), greedy, rows), lp, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         logprobs = _sampling_logprobs(logits[sampled], [rows[i].params for i in sampled])
@@ -232,7 +232,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
         # u*total rounded onto the last step lands on a token of zero probability: take the mode.
         landed = logprobs.gather(1, tokens[:, None]).squeeze(1)
         tokens = torch.where(torch.isfinite(landed), tokens, logprobs.argmax(dim=-1))
-        _fill(draws, sampled, _ends(tokens, sampled, rows), logprobs)
+        _fill(draws, sampled, _ends(tokens, sampled, rows), logprobs, rows)
     return [d for d in draws if d is not None]
 
 
@@ -290,11 +290,22 @@ def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     return logprobs
 
 
-def _fill(draws: list[Draw | None], at: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-    """Put the draws of rows `at` (their tokens [n] and log-prob rows [n, V]) into `draws`."""
+def _fill(
+    draws: list[Draw | None], at: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor, rows: Sequence[Row]
+) -> None:
+    """Put the draws of rows `at` (their tokens [n] and log-prob rows [n, V]) into `draws`, with
+    the top log-probs of the rows that ask for them (SC)."""
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     for i, t, lp in zip(at, tokens.tolist(), chosen.tolist(), strict=True):
         draws[i] = Draw(int(t), float(lp))
+    k = max(rows[i].top_logprobs for i in at)
+    if k:  # one top-k over the rows, read back once; each row keeps its own count
+        values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        for i, lps, tids in zip(at, values.tolist(), ids.tolist(), strict=True):
+            n = rows[i].top_logprobs
+            draw = draws[i]
+            if n and draw is not None:
+                draws[i] = Draw(draw.token_id, draw.logprob, top=tuple(zip(tids[:n], lps[:n], strict=True)))
 
 
 def _live_weights(model: torch.nn.Module) -> _Weights:

@@ -157,3 +157,83 @@ def test_the_trainer_scores_the_heads_and_the_term_moves_the_weights(tmp_path):
         trainer.train_step(Batch(0, (group,)))
         weights.append(trainer.model.lm_head.weight.detach().clone())
     assert not torch.equal(weights[0], weights[1])
+
+
+# ---- the built-in engine answers top_logprobs_num, and the heads reach the trainer ----------------
+
+
+async def _heads_rollout(model, k: int) -> list[Group]:
+    import math
+
+    import anyio
+
+    from core.clock import VersionClock
+    from engines.builtin import open_server
+    from pipeline.tasks.toy import toy_dataset, toy_reward
+    from stages.admission import Admission
+    from stages.collector import Collector
+    from stages.dispenser import Dispenser
+    from stages.generator import GeneratorPool
+    from stages.sglang import EngineFleet
+    from stages.sglang.payloads import TokenPayloads
+    from storage import AsyncStore, GroupState, MemoryStore
+
+    store, clock, admission = MemoryStore(), VersionClock(), Admission()
+    astore = AsyncStore(store)
+    async with (
+        open_server(model, port=0, health_check_timeout=0.5) as server,
+        EngineFleet([server.url], concurrency=8) as fleet,
+        anyio.create_task_group() as tg,
+    ):
+        dispenser = Dispenser(astore, toy_dataset(4, seed=0), n_samples=2, clock=clock, admission=admission)
+        pool = GeneratorPool(
+            fleet,
+            slots=8,
+            sampling_params={},
+            max_response_len=8,
+            clock=clock,
+            store=astore,
+            admission=admission,
+            payloads=TokenPayloads(sampler_top_k=k),
+        )
+        collector = Collector(store=astore, admission=admission, capacity=math.inf)
+        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
+        to_collect_send, to_collect = anyio.create_memory_object_stream(16)
+        await tg.start(dispenser.run, to_pool_send)
+        await tg.start(pool.run, to_pool, to_collect_send)
+        await tg.start(collector.run, to_collect)
+        with anyio.fail_after(60):
+            admission.grant(4)
+            await admission.wait_settled()
+        tg.cancel_scope.cancel()
+    groups = list(store.groups(GroupState.READY))
+    return [g.with_samples([dataclasses.replace(s, reward=toy_reward(g.task, s)) for s in g.samples]) for g in groups]
+
+
+@pytest.mark.anyio
+async def test_the_engines_heads_are_its_sampling_distributions_top_k_and_center_to_zero_on_policy(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    k = 3
+    model = make_model_folder(tmp_path / "m", hidden_size=32, num_layers=2, seed=0)
+    groups = await _heads_rollout(model, k)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for s in (s for g in groups for s in g.samples):
+        assert s.heads is not None and s.heads.k == k and len(s.heads) == s.response_len
+        ids = list(s.prompt_ids) + list(s.response_ids)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids[:-1]])).logits[0].double(), dim=-1)
+        for t in range(s.response_len):
+            want = logp[len(s.prompt_ids) - 1 + t].topk(k)
+            got = s.heads.row(t)
+            assert [tid for tid, _ in got] == want.indices.tolist()
+            torch.testing.assert_close(
+                torch.tensor([lp for _, lp in got], dtype=torch.float64), want.values, atol=1e-5, rtol=0
+            )
+    # At the weights that sampled, q == p on every head: the centering term adds nothing.
+    after = []
+    for sc in (False, True):
+        trainer = GRPOTrainer(model, loss=L.LossSettings(score_centering=sc))
+        trainer.train_step(Batch(0, tuple(groups)))
+        after.append(trainer.model.lm_head.weight.detach().clone())
+    torch.testing.assert_close(after[0], after[1], atol=1e-6, rtol=0)
