@@ -4,7 +4,8 @@ It answers the subset of SGLang's HTTP API that RL rollout clients use, with SGL
 (reference/sglang-protocol.md sections 1-4 and 7), so the project's SGLang client and the real
 sglang-router cannot tell an engine of this package from SGLang. Where it differs, on purpose:
 
-- no prompt log-probs, no top-logprobs, no penalties, no grammars, no multimodal input, no LoRA:
+- no prompt log-probs, no penalties, no grammars, no multimodal input, no LoRA, and top-logprobs
+  (SC) and routed experts (R3, MoE models) from the torch forwards only:
   asking for one is an HTTP 400, never silently ignored; `cached_tokens` is always 0;
 - weights change through `/update_weights_from_disk`, or over torch.distributed where the launcher
   set `weight_group` (the built-in engine); `/update_weights_from_tensor` answers 400
@@ -135,7 +136,14 @@ class EngineServer:
             return _error(400, f"the body is not valid JSON: {exc}")
         stream = isinstance(body, dict) and bool(body.get("stream"))
         try:
-            call = parse_generate(body, tokenizer=self.core.model.tokenizer, vocab_size=self.core.model.vocab_size)
+            call = parse_generate(
+                body,
+                tokenizer=self.core.model.tokenizer,
+                vocab_size=self.core.model.vocab_size,
+                # R3: only a torch forward over an MoE model records routes (engines/moe_routes.py)
+                routes=getattr(getattr(self.core.model, "runner", None), "routes", None) is not None,
+                top_logprobs=getattr(self.core.model, "runner", None) is not None,  # SC: a real distribution
+            )
             for req in call.requests:
                 self.core.validate(req)
         except InvalidRequestError as exc:

@@ -60,6 +60,7 @@ import torch
 
 from core.errors import ConfigError
 from engines.decode_graphs import DecodeGraphs, GraphStatistics
+from engines.moe_routes import wants_routes, with_routes
 from engines.seam import Draw, Row
 from engines.slot_attention import SlotCache, SlotPlan, use_slot_attention
 from engines.torch_model import ModelRunner, TorchForward, draw_tokens, to_device
@@ -194,6 +195,8 @@ class KVCacheForward(TorchForward):
         fresh = [i for i, r in enumerate(rows) if self._cached.get(r.key) != r.position - 1]
         held = [i for i, r in enumerate(rows) if self._cached.get(r.key) == r.position - 1]
         start = time.perf_counter()
+        if wants_routes(self.runner.routes, rows):
+            return self._step_routed(rows, fresh, held, start)
         with torch.inference_mode():
             if not fresh:  # the usual decode step: its logits are the batch's, no scatter
                 logits = self._decode(rows)
@@ -204,6 +207,38 @@ class KVCacheForward(TorchForward):
                     logits[held] = self._decode([rows[i] for i in held])
             self._max_in_use = max(self._max_in_use, len(self._slot))
             draws = draw_tokens(logits, rows)  # in inference mode too: it edits the logits in place
+        self._timed(fresh, rows, start)
+        return draws
+
+    def _step_routed(self, rows: Sequence[Row], fresh: list[int], held: list[int], start: float) -> list[Draw]:
+        """`_step` for a batch in which a request asks for its routes (R3, `moe_routes.py`): the
+        same forwards with the routers recorded, and the decode step eager (a CUDA graph's replay
+        runs no hooks)."""
+        recorder = self.runner.routes
+        assert recorder is not None
+        routes: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        with torch.inference_mode():
+            logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float64, device=self.runner.device)
+            if fresh:
+                with recorder.recording():
+                    logits[fresh] = self._prefill([rows[i] for i in fresh])
+                width = max(len(rows[i].token_ids) for i in fresh)
+                got = recorder.take().reshape(len(fresh), width, recorder.layers, recorder.top_k)
+                for j, i in enumerate(fresh):  # right-padded: positions [0, n) are the first n columns
+                    routes[i] = got[j, : len(rows[i].token_ids)]
+            if held:
+                with recorder.recording():
+                    logits[held] = self._decode([rows[i] for i in held], eager=True)
+                got = recorder.take()  # in slot order: one position a slot
+                for i in held:
+                    slot = self._slot[rows[i].key]
+                    routes[i] = got[slot : slot + 1]
+            self._max_in_use = max(self._max_in_use, len(self._slot))
+            draws = with_routes(draw_tokens(logits, rows), rows, routes)
+        self._timed(fresh, rows, start)
+        return draws
+
+    def _timed(self, fresh: list[int], rows: Sequence[Row], start: float) -> None:
         seconds = time.perf_counter() - start  # the draws read the device back: the work is done
         if fresh:
             self._prefill_seconds += seconds
@@ -213,7 +248,6 @@ class KVCacheForward(TorchForward):
             self._decode_rows += len(rows)
             self._rows_squared += len(rows) ** 2
             self._rows_seconds += len(rows) * seconds
-        return draws
 
     def _prefill(self, rows: Sequence[Row]) -> torch.Tensor:
         for row in rows:
@@ -240,7 +274,7 @@ class KVCacheForward(TorchForward):
         self._prefill_tokens += sum(lengths)
         return self._logits(hidden[torch.arange(len(rows), device=dev), n - 1])
 
-    def _decode(self, rows: Sequence[Row]) -> torch.Tensor:
+    def _decode(self, rows: Sequence[Row], *, eager: bool = False) -> torch.Tensor:
         self._compact()
         dev = self.runner.device
         slots = [self._slot[r.key] for r in rows]
@@ -252,7 +286,7 @@ class KVCacheForward(TorchForward):
             ids[slot] = row.output_ids[-1] if row.output_ids else row.prompt_ids[-1]
             positions[slot] = self._cached[row.key]  # the position the new token takes
             writes[slot] = slot
-        if self.graphs is not None and self.graphs.fits(width):
+        if self.graphs is not None and self.graphs.fits(width) and not eager:
             hidden = self.graphs.decode(ids, positions, writes)
         else:
             kv = max(positions) + 1  # from the host's numbers: no device read back

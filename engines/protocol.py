@@ -7,6 +7,7 @@ honour is refused with InvalidRequestError (HTTP 400), never silently ignored.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,7 +41,6 @@ _GENERATE_UNSUPPORTED = (
     "lora_path",
     "custom_logit_processor",
     "return_hidden_states",
-    "return_routed_experts",
     "token_ids_logprob",
 )
 
@@ -162,10 +162,15 @@ class GenerateCall:
     text_in_logprobs: bool
 
 
-def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> GenerateCall:
-    """Turn a /generate body (SGLang's GenerateReqInput) into requests; raise InvalidRequestError."""
+def parse_generate(
+    body: object, *, tokenizer: Any, vocab_size: int, routes: bool = False, top_logprobs: bool = False
+) -> GenerateCall:
+    """Turn a /generate body (SGLang's GenerateReqInput) into requests; raise InvalidRequestError.
+    `routes`: the served model has MoE layers whose routes a request may ask for (R3);
+    `top_logprobs`: the engine samples from a real distribution whose top-k it can report (SC)."""
     if not isinstance(body, dict):
         raise InvalidRequestError(f"the body must be a JSON object, got {type(body).__name__}", body)
+    routed, routed_start = _routed_experts(body, routes)
     for key in _GENERATE_UNSUPPORTED:
         if body.get(key):
             raise InvalidRequestError(f"{key} is not supported by the built-in engine", body[key])
@@ -174,10 +179,11 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> Generate
             "logprob_start_len >= 0 (prompt log-probs) is not supported by the built-in engine",
             body["logprob_start_len"],
         )
-    if body.get("top_logprobs_num") not in (None, 0):
-        raise InvalidRequestError(
-            "top_logprobs_num > 0 is not supported by the built-in engine", body["top_logprobs_num"]
-        )
+    top = body.get("top_logprobs_num")
+    if top is not None and (type(top) is not int or top < 0):
+        raise InvalidRequestError(f"top_logprobs_num must be an integer >= 0, got {top!r}", top)
+    if top and not top_logprobs:
+        raise InvalidRequestError("top_logprobs_num > 0 is not supported by this engine (no model distribution)", top)
 
     text, input_ids = body.get("text"), body.get("input_ids")
     prompts: list[tuple[int, ...]]
@@ -221,7 +227,15 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> Generate
     if stream and batch:
         raise InvalidRequestError("streaming a batch is not supported by the built-in engine")
     requests = tuple(
-        Request(rid=rid, prompt_ids=prompt, params=p, return_logprob=bool(lp))
+        Request(
+            rid=rid,
+            prompt_ids=prompt,
+            params=p,
+            return_logprob=bool(lp),
+            return_routed_experts=routed,
+            routed_start_len=routed_start,
+            top_logprobs_num=(top or 0) if lp else 0,  # SGLang: with return_logprob only
+        )
         for rid, prompt, p, lp in zip(rids, prompts, parsed, logprob, strict=True)
     )
     return GenerateCall(
@@ -230,6 +244,18 @@ def parse_generate(body: object, *, tokenizer: Any, vocab_size: int) -> Generate
         stream=stream,
         text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
     )
+
+
+def _routed_experts(body: dict[str, Any], routes: bool) -> tuple[bool, int]:
+    """`return_routed_experts` and `routed_experts_start_len` (sglang-protocol.md 1.1)."""
+    asked, start = body.get("return_routed_experts"), body.get("routed_experts_start_len")
+    if asked is not None and not isinstance(asked, bool):
+        raise InvalidRequestError(f"return_routed_experts must be a boolean, got {asked!r}", asked)
+    if start is not None and (type(start) is not int or start < 0):
+        raise InvalidRequestError(f"routed_experts_start_len must be an integer >= 0, got {start!r}", start)
+    if asked and not routes:
+        raise InvalidRequestError("return_routed_experts needs an MoE model; the served model has no MoE layers", asked)
+    return bool(asked), start or 0
 
 
 def _is_ids(x: object) -> bool:
@@ -300,4 +326,19 @@ def render_output(
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
         # logprob_start_len=-1: SGLang starts at the last prompt token, whose logprob is null.
         meta["input_token_logprobs"] = [[None, req.prompt_ids[-1], None]]
+        if req.top_logprobs_num:  # one list per output token, most likely first (SC reads them)
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in req.output_top_logprobs]
+            meta["input_top_logprobs"] = [None]
+    if req.return_routed_experts and final:
+        meta["routed_experts"] = _routed_rows(req)
+        meta["routed_experts_start_len"] = req.routed_start_len
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _routed_rows(req: Request) -> str:
+    """Base64 of the request's routes of positions [routed_start_len, prompt + completion - 1):
+    every position read by a forward (the last token never is)."""
+    if not req.routed_positions:
+        return ""
+    row = len(req.routes) // req.routed_positions
+    return base64.b64encode(bytes(req.routes[req.routed_start_len * row :])).decode("ascii")

@@ -98,6 +98,16 @@ class Request:
     created: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # R3 (`return_routed_experts`): the routes of positions [0, routed_positions), int32 rows as
+    # bytes, each from the forward that first read the position (engines/moe_routes.py); the answer
+    # carries those from `routed_start_len` on.
+    return_routed_experts: bool = False
+    routed_start_len: int = 0
+    routes: bytearray = field(default_factory=bytearray)
+    routed_positions: int = 0
+    # SC (`top_logprobs_num`): per output token, its step's top (token id, log-prob) pairs.
+    top_logprobs_num: int = 0
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish: Finish | None = None
     finished_at: float | None = None
     updates: int = 0  # bumped on every change a client could see

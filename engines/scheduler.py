@@ -385,6 +385,8 @@ class EngineCore:
             key=req.serial,
             end_at=req.end_at,
             end_token=min(self.model.eos_token_ids) if req.end_at is not None else -1,
+            routes_from=req.routed_positions if req.return_routed_experts else None,
+            top_logprobs=req.top_logprobs_num,
         )
 
     def _stop_ids(self, p: SamplingParams) -> frozenset[int]:
@@ -394,6 +396,11 @@ class EngineCore:
         for req, draw in zip(batch, draws, strict=True):
             if draw is None or req.state is not RequestState.RUNNING:  # no token, or aborted meanwhile
                 continue
+            if draw.routes:  # R3: the rows of the positions this forward read that the request lacked
+                req.routes += draw.routes
+                req.routed_positions = len(req.prompt_ids) + len(req.output_ids)
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(draw.top)
             req.output_ids.append(draw.token_id)
             req.output_logprobs.append(draw.logprob)
             self._generated += 1

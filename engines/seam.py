@@ -83,6 +83,11 @@ class Row:
     key: int = 0
     end_at: int | None = None  # a length tail (length_tail.py): from this position on, draw `end_token`
     end_token: int = -1
+    # R3 (`return_routed_experts`): the routes of positions [routes_from, len(token_ids)) are
+    # wanted with the draw (the request holds the earlier ones); None: not asked (moe_routes.py).
+    routes_from: int | None = None
+    # SC (`top_logprobs_num`): the k most likely tokens of the distribution the token is drawn from.
+    top_logprobs: int = 0
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -98,6 +103,11 @@ class Row:
 class Draw:
     token_id: int
     logprob: float
+    # R3: the router choices of the positions this forward read from the row's `routes_from` on,
+    # int32 [positions, layers, top_k] as little-endian bytes; empty when not asked.
+    routes: bytes = b""
+    # SC: (token id, log-prob) of the row's `top_logprobs` most likely tokens, most likely first.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Tokenizer(Protocol):

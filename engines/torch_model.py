@@ -38,6 +38,7 @@ import anyio
 import torch
 
 from core.errors import ConfigError
+from engines.moe_routes import RouteRecorder, fuse_expert_tensors, wants_routes, with_routes
 from engines.seam import Draw, Row, SamplingParams, WeightLoadError
 
 __all__ = [
@@ -109,12 +110,21 @@ class ModelRunner:
         self.eos_token_ids = frozenset(_eos_ids(model_path, config))
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         self._weights = _live_weights(self.model)
+        self.routes = RouteRecorder.attach(self.model)  # None for a dense model (R3: moe_routes.py)
 
     # ---- one decode step -------------------------------------------------------------------------
 
     def step(self, rows: Sequence[Row]) -> list[Draw]:
         """Run one forward pass over all rows and draw one token for each."""
-        return draw_tokens(self._last_logits(rows), rows)
+        if self.routes is None or not wants_routes(self.routes, rows):
+            return draw_tokens(self._last_logits(rows), rows)
+        with self.routes.recording():
+            logits = self._last_logits(rows)
+        width = max(len(r.token_ids) for r in rows)
+        routed = self.routes.take().reshape(len(rows), width, self.routes.layers, self.routes.top_k)
+        # Left-padded: row i's positions [0, n) are its last n columns.
+        own = [routed[i, width - len(r.token_ids) :] for i, r in enumerate(rows)]
+        return with_routes(draw_tokens(logits, rows), rows, own)
 
     def _last_logits(self, rows: Sequence[Row]) -> torch.Tensor:
         width = max(len(r.token_ids) for r in rows)
@@ -155,6 +165,11 @@ class ModelRunner:
                 tensors.update(load_file(f))
         except (OSError, SafetensorError) as exc:
             raise WeightLoadError(str(folder), f"{type(exc).__name__}: {exc}") from exc
+        if self.routes is not None:  # MoE: the file's per-expert tensors are the model's fused ones
+            try:
+                tensors = fuse_expert_tensors(tensors)
+            except ValueError as exc:
+                raise WeightLoadError(str(folder), str(exc)) from exc
         problems: list[str] = []
         live = self._weights.params
         for name, t in tensors.items():
@@ -209,7 +224,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         lp = torch.log_softmax(logits[greedy], dim=-1)
-        _fill(draws, greedy, _ends(lp.argmax(dim=-1), greedy, rows), lp)
+        _fill(draws, greedy, _ends(lp.argmax(dim=-1), greedy, rows), lp, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         logprobs = _sampling_logprobs(logits[sampled], [rows[i].params for i in sampled])
@@ -221,7 +236,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:
         # u*total rounded onto the last step lands on a token of zero probability: take the mode.
         landed = logprobs.gather(1, tokens[:, None]).squeeze(1)
         tokens = torch.where(torch.isfinite(landed), tokens, logprobs.argmax(dim=-1))
-        _fill(draws, sampled, _ends(tokens, sampled, rows), logprobs)
+        _fill(draws, sampled, _ends(tokens, sampled, rows), logprobs, rows)
     return [d for d in draws if d is not None]
 
 
@@ -279,11 +294,22 @@ def _sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     return logprobs
 
 
-def _fill(draws: list[Draw | None], at: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-    """Put the draws of rows `at` (their tokens [n] and log-prob rows [n, V]) into `draws`."""
+def _fill(
+    draws: list[Draw | None], at: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor, rows: Sequence[Row]
+) -> None:
+    """Put the draws of rows `at` (their tokens [n] and log-prob rows [n, V]) into `draws`, with
+    the top log-probs of the rows that ask for them (SC)."""
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     for i, t, lp in zip(at, tokens.tolist(), chosen.tolist(), strict=True):
         draws[i] = Draw(int(t), float(lp))
+    k = max(rows[i].top_logprobs for i in at)
+    if k:  # one top-k over the rows, read back once; each row keeps its own count
+        values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        for i, lps, tids in zip(at, values.tolist(), ids.tolist(), strict=True):
+            n = rows[i].top_logprobs
+            draw = draws[i]
+            if n and draw is not None:
+                draws[i] = Draw(draw.token_id, draw.logprob, top=tuple(zip(tids[:n], lps[:n], strict=True)))
 
 
 def _live_weights(model: torch.nn.Module) -> _Weights:

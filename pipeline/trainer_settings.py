@@ -54,6 +54,7 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
         kl_loss_coef=t.kl_loss_coef,
         kl_loss_type=KLType(t.kl_loss_type),
         entropy_coef=t.entropy_coef,
+        score_centering=bool(r.use_score_centering),
     )
 
 
@@ -86,6 +87,7 @@ def build_trainer(
         num_threads=num_threads,
         ref_path=t.ref_load or initial_model or model_dir,
         max_step_kl=t.max_step_kl or None,
+        routing_replay=bool(r.use_rollout_routing_replay),
     )
 
 

@@ -35,6 +35,7 @@ math lives in `loss.py` and the optimizer checkpoint in `checkpoint.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from core.types import Batch, Sample, SampleStatus
@@ -61,6 +63,7 @@ from trainers.checkpoint import (
 from trainers.columns import column_tensor
 from trainers.loss import ImportanceCorrection, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
+from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.step_kl import bounded_step, mean_k3
 
 __all__ = ["GRPOTrainer", "group_advantages"]
@@ -90,6 +93,47 @@ class _Tensors:
     valid: torch.Tensor  # bool, a real response token (not padding)
     mask: torch.Tensor  # bool, the token trains (every mask applied)
     advantages: torch.Tensor  # float [B], one per sample
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """What one forward says about the response tokens (`_response_logprobs`)."""
+
+    logp: torch.Tensor  # [B, R]
+    entropy: torch.Tensor  # [B, R]
+    head: torch.Tensor | None = None  # [B, R, k] log-probs at the sampler's head ids (SC)
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    """The sampler heads of a minibatch (SC), laid out [sample, response position, k]."""
+
+    ids: torch.Tensor  # long; 0 where there is no head (see `valid`)
+    logprobs: torch.Tensor  # float, the sampler's log-probs at `ids`
+    valid: torch.Tensor  # [B, R] bool: the token has a head from a sampler
+
+
+def sampler_heads(samples: Sequence[Sample], width: int, device: torch.device) -> _Heads:
+    """`Sample.heads` of `samples` as tensors; a sample without heads, or a row of id -1
+    (environment tokens), has none there."""
+    k = next((s.heads.k for s in samples if s.heads is not None), 1)
+    ids = torch.zeros((len(samples), width, k), dtype=torch.long)
+    logprobs = torch.zeros((len(samples), width, k), dtype=torch.float32)
+    valid = torch.zeros((len(samples), width), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        h = s.heads
+        if h is None or not len(h):
+            continue
+        if h.k != k:
+            raise ValueError(f"sample {s.index}: sampler heads of top-{h.k}, the batch's are top-{k}")
+        n = len(h)
+        got = torch.from_numpy(np.frombuffer(h.token_ids_data, dtype="<i4").astype(np.int64)).reshape(n, k)
+        lps = torch.from_numpy(np.frombuffer(h.logprobs_data, dtype="<f8").astype(np.float32)).reshape(n, k)
+        has = (got >= 0).all(dim=-1)
+        ids[i, :n] = got.clamp(min=0)
+        logprobs[i, :n] = lps
+        valid[i, :n] = has
+    return _Heads(ids.to(device), logprobs.to(device), valid.to(device))
 
 
 class GRPOTrainer:
@@ -130,6 +174,7 @@ class GRPOTrainer:
         num_threads: int | None = 1,
         ref_path: str | os.PathLike[str] | None = None,
         max_step_kl: float | None = None,
+        routing_replay: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -182,6 +227,13 @@ class GRPOTrainer:
             reference.train()  # the same mode as the policy, so equal weights give equal log-probs
             reference.requires_grad_(False)
             self.reference = reference
+        # R3 (--use-rollout-routing-replay): the MoE layers of the policy and the reference route
+        # each response token as the engine did (trainers/routing_replay.py).
+        self.routing_replay: dict[int, RoutingReplay] = {}
+        if routing_replay:
+            for m in (self.model, self.reference):
+                if m is not None:
+                    self.routing_replay[id(m)] = RoutingReplay(m)
         self.steps = 0  # train_step calls, across restarts
         if has_optimizer(self.model_path):
             names = optimizer_param_names(self.model, self.optimizer)
@@ -214,7 +266,7 @@ class GRPOTrainer:
         if len(minibatches) > 1:
             with torch.no_grad():
                 proximal = torch.cat(
-                    [self._response_logprobs([samples[i] for i in mb], width)[0] for mb in minibatches]
+                    [self._response_logprobs([samples[i] for i in mb], width).logp for mb in minibatches]
                 )
         totals: defaultdict[str, float] = defaultdict(float)
         reference: torch.Tensor | None = None
@@ -223,7 +275,7 @@ class GRPOTrainer:
             with torch.no_grad():
                 reference = torch.cat(
                     [
-                        self._response_logprobs([samples[i] for i in mb], width, model=self.reference)[0]
+                        self._response_logprobs([samples[i] for i in mb], width, model=self.reference).logp
                         for mb in minibatches
                     ]
                 )
@@ -249,9 +301,14 @@ class GRPOTrainer:
         s = self.loss
         index = torch.tensor(mb, device=self.device)
         behaviour, mask, adv = t.behaviour[index], t.mask[index], t.advantages[index]
-        logp, entropy = self._response_logprobs(
-            [samples[i] for i in mb], t.valid.shape[1], entropy_grad=s.entropy_coef != 0
+        heads = sampler_heads([samples[i] for i in mb], t.valid.shape[1], self.device) if s.score_centering else None
+        out = self._response_logprobs(
+            [samples[i] for i in mb],
+            t.valid.shape[1],
+            entropy_grad=s.entropy_coef != 0,
+            head_ids=None if heads is None else heads.ids,
         )
+        logp, entropy = out.logp, out.entropy
         prox = logp.detach() if proximal is None else proximal[index]
         pl = L.policy_loss(
             s,
@@ -262,6 +319,9 @@ class GRPOTrainer:
             mask=mask,
             advantages=adv,
             reference=None if reference is None else reference[index],
+            train_head=out.head,
+            sampler_head=None if heads is None else heads.logprobs,
+            head_valid=None if heads is None else heads.valid,
         )
 
         # A minibatch without signal (no token trains, or every advantage is 0 and no KL or entropy
@@ -294,7 +354,7 @@ class GRPOTrainer:
 
         def kl_after() -> float:
             with torch.no_grad():
-                after, _ = self._response_logprobs(mb_samples, width)
+                after = self._response_logprobs(mb_samples, width).logp
             return mean_k3(before, after, mask)
 
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -391,7 +451,7 @@ class GRPOTrainer:
         """Log-prob of every response token under the current weights, at the trainer's temperature."""
         if not samples:
             return []
-        logp, _ = self._response_logprobs(samples)
+        logp = self._response_logprobs(samples).logp
         return [logp[i, : s.response_len].tolist() for i, s in enumerate(samples)]
 
     @torch.no_grad()
@@ -400,7 +460,7 @@ class GRPOTrainer:
         if not samples:
             return []
         t = self._tensors(samples, [True] * len(samples), [0.0] * len(samples), 0)
-        logp, _ = self._response_logprobs(samples)
+        logp = self._response_logprobs(samples).logp
         every = dataclasses.replace(self.loss, mask_offpolicy_in_partial_rollout=False, mask_stale_tokens=None)
         iw = L.importance_weights(logp, t.behaviour, t.valid, every)
         return [iw.weight[i, : s.response_len].tolist() for i, s in enumerate(samples)]
@@ -412,7 +472,8 @@ class GRPOTrainer:
         *,
         model: torch.nn.Module | None = None,
         entropy_grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        head_ids: torch.Tensor | None = None,
+    ) -> _Scored:
         """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
 
         One right-padded forward over prompt+response. Causal attention means right padding never
@@ -420,7 +481,8 @@ class GRPOTrainer:
         softmax: with a real vocabulary (150k), the full [B, L, V] log-softmax is where memory goes.
         `width` pads R to the whole batch's, so minibatches line up with the batch's tensors.
         `model` is the policy unless given (the reference model); the entropy carries a gradient
-        only with `entropy_grad` (an entropy term in the loss).
+        only with `entropy_grad` (an entropy term in the loss). `head_ids` [B, R, k] (SC): the
+        log-probs at those ids too, with gradient.
         """
         n_resp = max(s.response_len for s in samples) if width is None else width
         n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
@@ -439,8 +501,16 @@ class GRPOTrainer:
             targets[i, :r] = column_tensor(s.response_ids, torch.long)
         ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
 
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = (model or self.model)(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
+        net = model or self.model
+        replay = self.routing_replay.get(id(net))
+        plan = None
+        if replay is not None:
+            plan = replay_plan(samples, n_seq, layers=replay.layers, top_k=replay.top_k).to(self.device)
+        with (
+            torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
+            replay.replaying(plan) if replay is not None else contextlib.nullcontext(),
+        ):
+            logits = net(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
         full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         logp = full.gather(-1, targets[..., None]).squeeze(-1)
@@ -450,7 +520,8 @@ class GRPOTrainer:
         )
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
-        return logp.masked_fill(~valid, 0.0), entropy
+        head = None if head_ids is None else full.gather(-1, head_ids)
+        return _Scored(logp.masked_fill(~valid, 0.0), entropy, head)
 
     # ---- publishing weights ------------------------------------------------------------------
 

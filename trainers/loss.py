@@ -153,6 +153,9 @@ class LossSettings:
     kl_loss_coef: float = 0.0  # beta
     kl_loss_type: KLType = KLType.K1
     entropy_coef: float = 0.0  # e: > 0 rewards entropy (slime's --entropy-coef)
+    # SC (--use-score-centering): add the score-centering term over the sampler's top-k heads
+    # (trainers/score_centering.py); composes with the none/truncate/icepop corrections only.
+    score_centering: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -174,6 +177,11 @@ class LossSettings:
             problems.append(
                 f"max_response_len={self.max_response_len}: overlong shaping and "
                 f"{LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM.value} need it, >= overlong_buffer_len"
+            )
+        if self.score_centering and (self.correction is ImportanceCorrection.SEQ_MASK or self.use_opsm):
+            problems.append(
+                f"score_centering with correction={self.correction.value}, use_opsm={self.use_opsm}: score "
+                "centering composes with the token-level corrections none/truncate/icepop only, and not with OPSM"
             )
         if self.mask_stale_tokens is not None and self.mask_stale_tokens < 0:
             problems.append(f"mask_stale_tokens={self.mask_stale_tokens}: must be >= 0")
@@ -350,6 +358,7 @@ class PolicyLoss:
     clipped: torch.Tensor  # [B, R] bool: the PPO clip's branch won
     iw: ImportanceWeights
     opsm_dropped: torch.Tensor  # [B, R] bool: tokens OPSM took out
+    sc_correction: torch.Tensor | None = None  # scalar, the score-centering term aggregated (detached)
 
 
 def policy_loss(
@@ -362,12 +371,17 @@ def policy_loss(
     mask: torch.Tensor,
     advantages: torch.Tensor,
     reference: torch.Tensor | None = None,
+    train_head: torch.Tensor | None = None,
+    sampler_head: torch.Tensor | None = None,
+    head_valid: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The whole objective on [B, R] tensors: every backend's (mini/micro)batch body, in one place.
 
     `current` (and `entropy`, when `settings.entropy_coef` != 0) carry the gradient; `proximal`,
     `behaviour` and `reference` are constants; `mask` (bool) is the token mask after every rule;
-    `advantages` is [B]. `reference` is needed when `settings.use_kl_loss`.
+    `advantages` is [B]. `reference` is needed when `settings.use_kl_loss`; with
+    `settings.score_centering`, `train_head` (with gradient) and `sampler_head` ([B, R, k] log-probs
+    at the sampler's head ids) and `head_valid` ([B, R] bool: the token has a head) are.
     """
     s = settings
     iw = importance_weights(proximal, behaviour, mask, s)
@@ -384,7 +398,19 @@ def policy_loss(
     def agg(x: torch.Tensor) -> torch.Tensor:
         return aggregate(x, train_f, s.aggregation, max_response_len=s.max_response_len)
 
-    pg_loss = agg(pg * weight)
+    pg_token = pg * weight
+    sc_loss: torch.Tensor | None = None
+    if s.score_centering:
+        if train_head is None or sampler_head is None or head_valid is None:
+            raise ValueError("score_centering needs train_head, sampler_head and head_valid, got None")
+        from trainers.score_centering import head_weight_fn, score_centering_correction
+
+        f = head_weight_fn(s.correction.value, low=s.tis_clip_low, high=s.tis_clip)
+        correction, _, _ = score_centering_correction(train_head, sampler_head, f)
+        sc_token = (advantages[:, None] * correction).masked_fill(~(train & head_valid), 0.0)
+        sc_loss = agg(sc_token).detach()
+        pg_token = pg_token + sc_token
+    pg_loss = agg(pg_token)
     total = pg_loss
     kl_loss = torch.zeros((), device=current.device)
     if s.use_kl_loss:
@@ -405,6 +431,7 @@ def policy_loss(
         clipped,
         iw,
         opsm_dropped,
+        sc_loss,
     )
 
 

@@ -43,6 +43,15 @@ class EngineConfig:
         default_help="build the tiny model in the run folder",
         help="model folder (or Hub id)",
     )
+    num_experts: int | None = opt(
+        None,
+        "--num-experts",
+        "int",
+        ge=2,
+        default_help="dense",
+        help="the tiny model built without --hf-checkpoint is a Qwen3-MoE with this many experts per layer, "
+        "--moe-router-topk (default 2) routed per token",
+    )
     device: str = opt(
         "cpu",
         "--rollout-device",

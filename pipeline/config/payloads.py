@@ -28,12 +28,41 @@ def payload_rules(draft: Draft) -> None:
             f"{show('rollout', 'use_rollout_routing_replay')} needs --moe-router-topk (the model's experts per "
             "token per layer) to read the engine's routed-experts rows"
         )
+    if get("rollout", "use_rollout_routing_replay") is True and get("trainer", "backend") == "megatron":
+        problem(
+            f"{show('rollout', 'use_rollout_routing_replay')} with {show('trainer', 'backend')}: the megatron "
+            "trainer does not replay routes yet (megatron-core's RouterReplay is not wired); the torch trainer does"
+        )
+    experts, top_k = get("engine", "num_experts"), get("rollout", "moe_router_topk")
+    if experts is not None and get("engine", "hf_checkpoint"):
+        problem(
+            f"{show('engine', 'num_experts')}: shapes the tiny model built without --hf-checkpoint; "
+            "a checkpoint has its own experts"
+        )
+    elif experts is not None and top_k is not None and draft.ok("engine", "num_experts") and top_k > experts:
+        problem(f"{show('rollout', 'moe_router_topk')}: cannot route to more experts than --num-experts={experts}")
     if get("rollout", "use_score_centering") is not True:
         if get("rollout", "score_centering_top_k") is not None:
             problem(f"{show('rollout', 'score_centering_top_k')}: has no effect without --use-score-centering")
         return
     if get("rollout", "score_centering_top_k") is None:
         problem(f"{show('rollout', 'use_score_centering')} needs --score-centering-top-k (candidates per token)")
+    # The loss side (slime's validate_score_centering_args; trainers/score_centering.py says why).
+    if get("trainer", "use_opsm") is True:
+        problem(
+            f"--use-score-centering with {show('trainer', 'use_opsm')}: OPSM drops whole samples, which the "
+            "centering term cannot follow (slime's rule)"
+        )
+    if get("trainer", "use_tis") is True and get("trainer", "tis_mode") == "seq-mask":
+        problem(
+            f"--use-score-centering with {show('trainer', 'tis_mode')}: the centering term composes with "
+            "token-level corrections only (truncate, icepop, or --no-use-tis)"
+        )
+    if get("trainer", "backend") == "megatron":
+        problem(
+            f"--use-score-centering with {show('trainer', 'backend')}: the score-centering loss is built in "
+            "the torch trainer only"
+        )
     for name, fine, rule in _SC_SAMPLING:
         if draft.ok("rollout", name) and not fine(float(get("rollout", name))):
             problem(f"{show('rollout', name)} with --use-score-centering: {rule}; {SC_SAMPLING_RULE}")

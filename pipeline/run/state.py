@@ -101,7 +101,16 @@ def open_run_state(config: Config) -> RunState:
     else:
         model_path = out / "model"
         if not (model_path / "config.json").exists():
-            make_model_folder(model_path, seed=config.rollout.seed)
+            if config.engine.num_experts is None:
+                make_model_folder(model_path, seed=config.rollout.seed)
+            else:  # the tiny Qwen3-MoE (R3 has routes to replay)
+                make_model_folder(
+                    model_path,
+                    seed=config.rollout.seed,
+                    arch="moe",
+                    num_experts=config.engine.num_experts,
+                    moe_router_topk=config.rollout.moe_router_topk or 2,
+                )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
