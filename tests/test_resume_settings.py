@@ -11,7 +11,7 @@ import pytest
 from pipeline.config import config_to_dict, load_config
 from pipeline.replay import main as replay
 from pipeline.run.cli import main as launch
-from pipeline.run.resume_settings import REFUSED, changed_settings, refused_change, without_secrets
+from pipeline.run.resume_settings import REFUSED, changed_settings, refused_change, run_meta, without_secrets
 from storage import LmdbStore
 
 BASE = ("--rollout-data-transport", "lmdb", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",
@@ -78,14 +78,13 @@ def test_every_recorded_setting_is_either_refused_or_recorded():
 def test_the_engines_api_key_is_never_written_to_the_run_folder_or_the_store(tmp_path):
     """A run folder is copied, shared and attached to bug reports: the key stays out of it."""
     from pipeline.run.folder import claim_run_folder
-    from pipeline.run.state import _run_meta
 
     config = load_config(["--output-dir", str(tmp_path / "run"), "--api-key", "sekrit-123", *BASE])
     out = claim_run_folder(config)
     assert config.engine.api_key == "sekrit-123"  # the run itself still sends it
     written = (out / "config.json").read_text()
     assert "sekrit-123" not in written and '"api_key": "<set>"' in written
-    meta = _run_meta(config, [], tmp_path)
+    meta = run_meta(config, [], tmp_path)
     assert meta.extra["config"]["engine"]["api_key"] == "<set>"
     assert without_secrets(config_to_dict(load_config([])))["engine"]["api_key"] is None
     # Resuming with the same key, or another one, records no change of a value nobody can read.

@@ -1,4 +1,5 @@
-"""What a resume does with settings that differ from those the store recorded.
+"""What a store was written for (`run_meta`, checked on every open by `check_meta`), and what a
+resume does with settings that differ from those the store recorded.
 
 Every setting is recorded in the store (`RunMeta.extra["config"]`, the settings in force). On a
 resume each one that changed is either refused, naming both values, or accepted; an accepted
@@ -26,10 +27,31 @@ to resume), engines, timeouts, producers, storage paths and output settings.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["REFUSED", "SettingChange", "changed_settings", "refused_change", "without_secrets"]
+import orjson
+import structlog
+
+from core.errors import IncompatibleStoreError
+from core.types import PromptTask
+from pipeline.config import Config, config_to_dict
+from storage import RunMeta, Store
+
+log = structlog.get_logger("launch")
+
+__all__ = [
+    "REFUSED",
+    "SettingChange",
+    "changed_settings",
+    "check_meta",
+    "refused_change",
+    "run_meta",
+    "without_secrets",
+]
 
 # Settings whose change a resume refuses by name (the dataset and tokenizer by their fingerprints).
 REFUSED: Mapping[str, str] = {
@@ -88,3 +110,64 @@ def without_secrets(tree: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(part, dict) and name in part:
             part[name] = _shown_secret(part[name])
     return out
+
+
+# --- what a store was written for: checked on every open, settings changes recorded -------------
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(orjson.dumps(obj)).hexdigest()[:16]
+
+
+def run_meta(config: Config, dataset: list[PromptTask], model_path: Path) -> RunMeta:
+    tokenizer_file = model_path / "tokenizer.json"
+    return RunMeta(
+        run_id=config.storage.run_id,
+        dataset_fingerprint=_fingerprint([[t.prompt_ids, t.label] for t in dataset]),
+        tokenizer_fingerprint=hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()[:16]
+        if tokenizer_file.exists()
+        else "none",
+        n_samples_per_prompt=config.rollout.n_samples_per_prompt,
+        extra={"config": without_secrets(config_to_dict(config))},
+    )
+
+
+def check_meta(store: Store, meta: RunMeta) -> None:
+    stored = store.read_meta()
+    if stored is None:
+        store.write_meta(meta)
+        return
+    for name in ("run_id", "dataset_fingerprint", "tokenizer_fingerprint", "n_samples_per_prompt", "schema_version"):
+        if getattr(stored, name) != getattr(meta, name):
+            raise IncompatibleStoreError(name, getattr(stored, name), getattr(meta, name))
+    _record_setting_changes(store, stored, meta)
+
+
+def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> None:
+    """Refuse a changed setting that would change what the stored state means, naming both
+    values; record every other change, with the first step it applies to (`pipeline.run.resume_settings`)."""
+    before, now = stored.extra.get("config"), meta.extra.get("config")
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return  # a store written before settings were recorded: nothing to compare
+    changes = changed_settings(before, now, step=store.trained_step() + 1)
+    if (refused := refused_change(changes)) is not None:
+        change, why = refused
+        name = flag_of(change["setting"])
+        raise IncompatibleStoreError(
+            name,
+            change["from"],
+            change["to"],
+            reason=f"the store was written with {name}={change['from']!r}, this run has {name}={change['to']!r}: "
+            f"a resume cannot change it ({why}); run it with {name}={change['from']!r} again, or start a new run "
+            "in another --output-dir",
+        )
+    if not changes:
+        return
+    history = list(stored.extra.get("config_changes", ()))
+    extra = {**stored.extra, "config": now, "config_changes": history + changes}
+    store.write_meta(dataclasses.replace(stored, extra=extra))
+    log.warning(
+        "settings changed since the store was written: accepted and recorded in the store (replay summary shows them)",
+        changes=[f"{c['setting']}: {c['from']!r} -> {c['to']!r}" for c in changes],
+        from_step=changes[0]["step"],
+    )

@@ -25,7 +25,6 @@ differs) is not damaged, and still stops the run with the difference named.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import shutil
@@ -39,7 +38,7 @@ import orjson
 import structlog
 
 import storage
-from core.errors import ConfigError, CorruptRecordError, IncompatibleStoreError, StoreError
+from core.errors import ConfigError, CorruptRecordError, StoreError
 from core.types import Group, PromptTask, StoreTransport, group_id_for
 from pipeline.checkpoints import (
     CHECKPOINTS_DIR,
@@ -52,7 +51,7 @@ from pipeline.checkpoints import (
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.plan import Trainer
-from pipeline.run.resume_settings import changed_settings, flag_of, refused_change, without_secrets
+from pipeline.run.resume_settings import check_meta, run_meta
 from pipeline.trainer_settings import build_trainer
 from stages.reward import RewardFn
 from storage import (
@@ -126,7 +125,7 @@ def open_run_state(config: Config) -> RunState:
         raise ConfigError([f"--hf-checkpoint={str(model_path)!r}: {why}"]) from exc
     dataset, reward_fn = _dataset(config, tokenizer)
 
-    meta = _run_meta(config, dataset, model_path)
+    meta = run_meta(config, dataset, model_path)
     policy = CheckpointPolicy(
         out / CHECKPOINTS_DIR,
         out / PUBLISH_DIR,
@@ -140,7 +139,7 @@ def open_run_state(config: Config) -> RunState:
         store = _open_lmdb(config, meta, policy, dataset)
     else:
         store = open_store(config.storage.transport, None)
-        _check_meta(store, meta)
+        check_meta(store, meta)
         if checkpoint_versions(policy.dir, policy.publish_dir):
             log.warning(
                 "the memory store keeps nothing to resume from: this run starts at step 0 from the base "
@@ -295,64 +294,6 @@ def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn
     from pipeline.tasks.toy import toy_dataset, toy_reward
 
     return toy_dataset(d.num_prompts, seed=config.rollout.seed), d.reward_fn or toy_reward
-
-
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(orjson.dumps(obj)).hexdigest()[:16]
-
-
-def _run_meta(config: Config, dataset: list[PromptTask], model_path: Path) -> RunMeta:
-    tokenizer_file = model_path / "tokenizer.json"
-    return RunMeta(
-        run_id=config.storage.run_id,
-        dataset_fingerprint=_fingerprint([[t.prompt_ids, t.label] for t in dataset]),
-        tokenizer_fingerprint=hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()[:16]
-        if tokenizer_file.exists()
-        else "none",
-        n_samples_per_prompt=config.rollout.n_samples_per_prompt,
-        extra={"config": without_secrets(config_to_dict(config))},
-    )
-
-
-def _check_meta(store: Store, meta: RunMeta) -> None:
-    stored = store.read_meta()
-    if stored is None:
-        store.write_meta(meta)
-        return
-    for name in ("run_id", "dataset_fingerprint", "tokenizer_fingerprint", "n_samples_per_prompt", "schema_version"):
-        if getattr(stored, name) != getattr(meta, name):
-            raise IncompatibleStoreError(name, getattr(stored, name), getattr(meta, name))
-    _record_setting_changes(store, stored, meta)
-
-
-def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> None:
-    """Refuse a changed setting that would change what the stored state means, naming both
-    values; record every other change, with the first step it applies to (`pipeline.run.resume_settings`)."""
-    before, now = stored.extra.get("config"), meta.extra.get("config")
-    if not isinstance(before, dict) or not isinstance(now, dict):
-        return  # a store written before settings were recorded: nothing to compare
-    changes = changed_settings(before, now, step=store.trained_step() + 1)
-    if (refused := refused_change(changes)) is not None:
-        change, why = refused
-        name = flag_of(change["setting"])
-        raise IncompatibleStoreError(
-            name,
-            change["from"],
-            change["to"],
-            reason=f"the store was written with {name}={change['from']!r}, this run has {name}={change['to']!r}: "
-            f"a resume cannot change it ({why}); run it with {name}={change['from']!r} again, or start a new run "
-            "in another --output-dir",
-        )
-    if not changes:
-        return
-    history = list(stored.extra.get("config_changes", ()))
-    extra = {**stored.extra, "config": now, "config_changes": history + changes}
-    store.write_meta(dataclasses.replace(stored, extra=extra))
-    log.warning(
-        "settings changed since the store was written: accepted and recorded in the store (replay summary shows them)",
-        changes=[f"{c['setting']}: {c['from']!r} -> {c['to']!r}" for c in changes],
-        from_step=changes[0]["step"],
-    )
 
 
 # --- the LMDB store: declaration, opening, and what happens when it is unreadable ---------------
@@ -517,7 +458,7 @@ def _continue_from_salvage(
     salvaged_from = {"store": str(aside), "trained_step": trained}
     meta = dataclasses.replace(meta, extra={**meta.extra, "salvaged_from": salvaged_from})
     try:
-        _check_meta(store, meta)
+        check_meta(store, meta)
         store.seed(salvage.cursor or Cursor(), trained, partial=(*salvage.partial, *again), ready=salvage.ready)
     except BaseException:
         store.close()
@@ -577,7 +518,7 @@ def _open_checked(data_dir: Path, options: dict[str, Any], meta: RunMeta) -> Sto
     """The store, checked against this run and recovered after an unclean stop."""
     store = open_store(StoreTransport.LMDB, data_dir, **options)
     try:
-        _check_meta(store, meta)
+        check_meta(store, meta)
         store.recover()
     except BaseException:
         store.close()
