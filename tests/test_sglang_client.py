@@ -546,12 +546,33 @@ async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine()
     async with FakeSGLang(health_waits_while_paused=True) as fake:
         async with EngineFleet([fake.url], control_timeout=5, fault_policy=policy) as fleet:
             with anyio.fail_after(10):
-                await fleet.pause("in_place")
                 probes = fake.calls["/health"]
-                await fake.wait_until(lambda: fake.calls["/health"] >= probes + 3)  # two timed out
+                await fleet.pause("in_place")
+                # A liveness probe hangs (the first may time out; the heartbeat then asks again,
+                # outwaiting SGLang's health wait, and that one is answered at continue).
+                await fake.wait_until(lambda: fake.calls["/health"] >= probes + 1)
                 await fleet.continue_generation()
             assert fleet.worker_urls == (fake.url,)
             assert fleet.fault_statistics().evictions_total == 0  # type: ignore[union-attr]
+
+
+async def test_an_engine_that_hangs_during_a_pause_is_evicted_once_it_outlasts_sglangs_health_wait():
+    # A stopped (SIGSTOP) engine during a publish: before, every probe's timeout was put down to
+    # SGLang's health wait, nothing evicted it, and the publish's weight update to it waited for its
+    # request timeout (an hour by default), seen in a run. The second probe outwaits that wait; the
+    # only engine gone, the fleet ends with the error naming why instead of waiting forever.
+    from stages.sglang.health import FaultPolicy
+
+    policy = FaultPolicy(interval=0.05, timeout=0.1, quiet_wait=0.5)
+    with anyio.fail_after(10), pytest.raises(BaseException) as raised:
+        async with FakeSGLang(health_waits_while_paused=True) as hung:
+            async with EngineFleet([hung.url], control_timeout=5, fault_policy=policy) as fleet:
+                await fleet.pause("in_place")
+                await anyio.sleep_forever()
+    leaves = raised.value.exceptions if isinstance(raised.value, BaseExceptionGroup) else (raised.value,)
+    text = " ".join(str(e) for e in leaves)
+    assert "no answer within 0.5 s while the engines were quiet" in text, text
+    assert "fewer than --min-live-engines 1" in text, text
 
 
 async def test_a_pause_that_begins_while_a_health_probe_waits_does_not_evict_the_engine():

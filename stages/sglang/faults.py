@@ -201,14 +201,26 @@ class FleetFaults:
                 # SGLang ~0.5.x serves /health with /health_generate's handler, which waits 20 s
                 # for output that a pause or a weight load withholds, then answers 503: a shorter
                 # probe cannot tell that from a hung engine. A dead engine still refuses the
-                # connection; a longer probe gets the 503 from a live one and times out on a hung one.
-                return None
+                # connection; a longer probe gets the 503 from a live one and times out on a hung one,
+                # which would otherwise hold the publish's weight update until its request timeout.
+                return await self._silent_while_quiet(worker)
             return f"heartbeat {path}: {exc}"
         # Quiet now or when the probe went out: a pause that began while a `/health_generate` was
         # under way aborts its probe request (an abort pause) or withholds its output, and the
         # 503 that follows is the pause's, not the engine's.
         if status != 200 and not ((self._quiet or path == "/health") and status == 503):
             return f"heartbeat {path}: HTTP {status}"
+        return None
+
+    async def _silent_while_quiet(self, worker: EngineClient) -> str | None:
+        """Ask `/health` again, outwaiting SGLang's health wait: None once it answers at all."""
+        wait = self.policy.quiet_wait
+        try:
+            status, _ = await worker.probe("/health", wait)
+        except EngineUnavailableError as exc:
+            return f"heartbeat /health: no answer within {wait:g} s while the engines were quiet ({exc})"
+        if status not in (200, 503):
+            return f"heartbeat /health: HTTP {status}"
         return None
 
     @property

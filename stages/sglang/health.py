@@ -28,9 +28,13 @@ class FaultPolicy:
     min_live: int = 1  # --min-live-engines
     max_restarts: int = 3  # tries per eviction before the engine is left out for good
     restart_backoff: float = 1.0  # seconds before the second try; doubles per try
+    # While a publish has the engines quiet (paused, or loading weights), a probe that timed out
+    # is asked again with this much patience: longer than SGLang's own 20 s health wait, so a live
+    # engine answers (503) and only a hung one stays silent (`FleetFaults._unhealthy`).
+    quiet_wait: float = 25.0
 
     def __post_init__(self) -> None:
-        for name in ("interval", "timeout"):
+        for name in ("interval", "timeout", "quiet_wait"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"health check {name} must be > 0 seconds, got {getattr(self, name)}")
         if self.first_wait < 0 or self.restart_backoff < 0:
