@@ -388,9 +388,9 @@ def derive_defaults(draft: Draft) -> None:
         # Where tokens can come from older policies, negative-advantage samples the current policy has
         # already moved away from are dropped (slime's OPSM). Off in plain sync, where mu == pi up to
         # engine/trainer numerics and the mask would act on rounding alone (BENCHMARKS.md section 8).
-        t["use_opsm"] = r["mode"] == RolloutMode.ASYNC or r["partial_rollout"] is True
         # Score centering does not compose with OPSM (slime's rule, config/payloads.py): not derived on.
-        t["use_opsm"] = t["use_opsm"] and r["use_score_centering"] is not True
+        off_policy = r["mode"] == RolloutMode.ASYNC or r["partial_rollout"] is True
+        t["use_opsm"] = off_policy and r["use_score_centering"] is not True
     if t["max_step_kl"] is None and draft.ok("trainer", "backend"):
         # The step-KL check (trainers.step_kl) is built into the torch trainer; megatron runs without it.
         t["max_step_kl"] = DEFAULT_MAX_STEP_KL if t["backend"] == "torch" else 0.0
