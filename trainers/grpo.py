@@ -65,6 +65,7 @@ from trainers.loss import ImportanceCorrection, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
 from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.step_kl import bounded_step, mean_k3
+from trainers.token_scores import token_scores
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -512,16 +513,15 @@ class GRPOTrainer:
         ):
             logits = net(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
         logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-        full = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        logp = full.gather(-1, targets[..., None]).squeeze(-1)
+        # Chunked, with the gradient in closed form: no fp32 [B, R, V] is kept (trainers.token_scores).
+        logp, entropy, head = token_scores(logits, targets, self.temperature, head_ids)
         valid = (
             torch.arange(n_resp, device=self.device)[None, :]
             < torch.tensor([s.response_len for s in samples], device=self.device)[:, None]
         )
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = L.token_entropy(full).masked_fill(~valid, 0.0)
-        head = None if head_ids is None else full.gather(-1, head_ids)
-        return _Scored(logp.masked_fill(~valid, 0.0), entropy, head)
+        if not entropy_grad:
+            entropy = entropy.detach()
+        return _Scored(logp.masked_fill(~valid, 0.0), entropy.masked_fill(~valid, 0.0), head)
 
     # ---- publishing weights ------------------------------------------------------------------
 

@@ -100,7 +100,6 @@ __all__ = [
     "ppo_clip_loss",
     "reference_kl",
     "stale_token_mask",
-    "token_entropy",
 ]
 
 
@@ -447,7 +446,3 @@ def approx_kl_k3(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Te
     log_r = (proximal - behaviour).masked_fill(~mask, 0.0)
     return torch.expm1(log_r) - log_r
 
-
-def token_entropy(logp_full: torch.Tensor) -> torch.Tensor:
-    """[..., V] log-probs -> [...] entropy of each position's next-token distribution."""
-    return -(logp_full.exp() * logp_full).sum(dim=-1)
