@@ -192,3 +192,42 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
         row = s.routes.layers * s.routes.top_k * 4
         whole = base64.b64decode(meta["routed_experts"])
         assert s.routes.data == whole[(p - 1) * row : (p - 1 + n) * row], key
+
+
+@pytest.mark.parametrize(
+    ("built", "argv", "named"),
+    [
+        ({"num_experts": 8}, ["--num-experts", "4"], "--num-experts=4"),
+        (
+            {"num_experts": 8, "moe_router_topk": 2},
+            ["--num-experts", "8", "--moe-router-topk", "4"],
+            "--moe-router-topk=4",
+        ),
+        ({"num_experts": 8}, [], "--num-experts unset"),
+        (None, ["--num-experts", "8"], "--num-experts=8"),
+    ],
+)
+def test_a_resume_that_reshapes_the_tiny_model_is_refused_by_name(tmp_path, capsys, built, argv, named):
+    """The run folder's tiny model is built by its first run; a later run asking for another
+    shape is refused before the store is opened, naming the flag, the shape built and the rule."""
+    out = tmp_path / "run"
+    shape = {"arch": "moe", **built} if built is not None else {}
+    model = make_model_folder(out / "model", hidden_size=32, **shape)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    assert main(["--output-dir", str(out), "--no-progress", "--rollout-data-transport", "lmdb", *argv]) == 2
+    said = capsys.readouterr().err
+    assert named in said and str(model) in said and "built once per folder" in said, said
+    assert ("--num-experts=8 --moe-router-topk=2" if built is not None else "dense (without --num-experts)") in said
+    # Refused before the store is opened, and the model folder is as it was.
+    assert not (out / "rollout_data").exists() and {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_a_resume_with_the_same_shape_leaves_the_model_folder_as_it_is(tmp_path):
+    """The same flags (and an unset --moe-router-topk, which takes the built one's) pass the check."""
+    from pipeline.tasks.tiny_model import built_shape_problem
+
+    model = make_model_folder(tmp_path / "model", hidden_size=32, arch="moe", num_experts=4, moe_router_topk=3)
+    assert built_shape_problem(model, num_experts=4, moe_router_topk=3) is None
+    assert built_shape_problem(model, num_experts=4, moe_router_topk=None) is None
+    dense = make_model_folder(tmp_path / "dense", hidden_size=32)
+    assert built_shape_problem(dense, num_experts=None, moe_router_topk=None) is None
