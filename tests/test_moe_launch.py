@@ -127,8 +127,8 @@ async def _uninterrupted(url: str, requests: list[tuple[tuple[int, ...], int]], 
 
 
 def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
-    """The controller of a partial-rollout MoE run is SIGKILLed once step 0's over-sampling abort
-    has stored partial prefixes (with their routes) in the LMDB store, and the same command resumes
+    """The controller of a partial-rollout MoE run is SIGKILLed once an over-sampling abort (step
+    0's, as a rule) has stored partial prefixes (with their routes) in the LMDB store, and the same command resumes
     it. The engine is a built-in one the test runs (as SGLang servers on other nodes outlive a
     controller). Every sample continued from a prefix stored before the kill must hold what one
     uninterrupted request (same prompt, same sampling seed, same weights) answers: the same tokens
@@ -146,7 +146,9 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
             open_server(model, port=0, weight_version="0", health_check_timeout=0.5)
         ) as server,
     ):
-        argv = (*SMALL_RUN, *MOE, "--num-rollout", "2", "--lr", "1e-30", "--sglang-url", server.url)
+        # Three steps: a group that finished during step 0's drain may fill step 1 as well, and the
+        # stored prefixes are then continued in step 2's round.
+        argv = (*SMALL_RUN, *MOE, "--num-rollout", "3", "--lr", "1e-30", "--sglang-url", server.url)
         try:
             launcher = Launcher(out, 0, *argv)
             launcher.wait_until("a stored partial prefix", lambda: bool(watch.stored_with_tokens(GroupState.PARTIAL)))
@@ -169,14 +171,19 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
         assert any(s.response_len > len(prefixes[key][0]) for key, s in now.items()), "no prefix continued"
 
         r = load_config(["--output-dir", str(out), *argv]).rollout
-        params = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": 32}
+        params = {
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "max_new_tokens": r.max_response_len,
+        }
         keys = sorted(now)
         seeds = [(now[k].prompt_ids, sampling_seed(r.seed, k[0], k[1])) for k in keys]
         answers = portal.call(_uninterrupted, server.url, seeds, params)
 
     # Adam's steps of 1e-30 are below every weight's last bit; only exact zeros (the pad token's
     # embedding, never read) move, by ~3e-30.
-    base, last = load_file(model / "model.safetensors"), load_file(out / "checkpoints" / "v2" / "model.safetensors")
+    base, last = load_file(model / "model.safetensors"), load_file(out / "checkpoints" / "v3" / "model.safetensors")
     assert base.keys() == last.keys() and max((base[k] - last[k]).abs().max().item() for k in base) < 1e-25
     for key, answer in zip(keys, answers, strict=True):
         s, (tokens, logprobs, routes) = now[key], prefixes[key]
