@@ -22,6 +22,7 @@ but the same check at the same place (before anything starts) is where a user lo
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "cut_at",
     "penalties_in",
     "sampling_problems",
+    "sampling_seed",
     "stop_across_boundary",
     "stop_strings",
 ]
@@ -97,6 +99,13 @@ def sampling_problems(params: Mapping[str, Any], *, continues: bool, can_detoken
             "continuation is invisible to the engine, and only the pool can check the boundary"
         )
     return problems
+
+
+def sampling_seed(run_seed: int, group_id: str, sample_index: int) -> int:
+    """The `sampling_seed` of every request for one sample: stable across its continuations (and
+    across restarts of the run), so an engine whose draws are a function of (seed, position), as
+    the built-in one's are, continues a prefix exactly as the uninterrupted request would have."""
+    return zlib.crc32(f"{run_seed}:{group_id}:{sample_index}".encode())
 
 
 def continuation_params(params: Mapping[str, Any], generated: int, max_new_tokens: int) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,7 +42,14 @@ from core.errors import EngineError, EngineUnavailableError, PipelineError, Vers
 from core.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
 from stages.agent import Agent, AgentContext, agent_name, run_agent_sample
-from stages.continuation import Detokenize, continuation_params, cut_at, stop_across_boundary, stop_strings
+from stages.continuation import (
+    Detokenize,
+    continuation_params,
+    cut_at,
+    sampling_seed,
+    stop_across_boundary,
+    stop_strings,
+)
 from stages.failures import FailureLog
 from stages.sglang.payloads import TokenPayloads, routes_for_new_tokens
 from stages.sglang.wire import GenerateResult
@@ -382,7 +388,7 @@ class GeneratorPool:
         if params is None:
             params = continuation_params(self._params, sample.response_len, max_new_tokens)
         continued = sample.response_len if continued is None else continued
-        params["sampling_seed"] = self._sample_seed(group, sample)
+        params["sampling_seed"] = sampling_seed(self._seed, group.group_id, sample.index)
         rid = f"{group.group_id}-s{sample.index}-{sample.response_len}"
         self._running += 1
         self._stats["requests"] += 1
@@ -553,11 +559,6 @@ class GeneratorPool:
         if not 0 <= version <= newest:
             raise VersionMismatchError(f"request {rid}", reported, f"a published version, 0..{newest}")
         return version
-
-    def _sample_seed(self, group: Group, sample: Sample) -> int:
-        # Stable per sample, so a deterministic engine continues a prefix exactly as it would
-        # have generated it uninterrupted.
-        return zlib.crc32(f"{self._seed}:{group.group_id}:{sample.index}".encode())
 
     def statistics(self) -> GeneratorStatistics:
         s = self._stats

@@ -11,7 +11,6 @@ Ordering comes from the engine's own state (running requests, decode steps), nev
 from __future__ import annotations
 
 import base64
-import math
 from pathlib import Path
 
 import aiohttp
@@ -22,17 +21,13 @@ import torch
 
 from core.clock import VersionClock
 from core.types import PromptTask, SampleStatus
-from engines.builtin import open_server
+from engines.builtin import EngineServer, open_server
 from engines.moe_routes import RouteRecorder
 from pipeline.tasks.tiny_model import CHARS, make_model_folder
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
 from stages.sglang.payloads import TokenPayloads
-from storage import AsyncStore, GroupState, MemoryStore
+from tests.engine_rollout import engine_rollout
 
 pytestmark = pytest.mark.anyio
 
@@ -158,46 +153,23 @@ async def _one_group(model: Path, *, abort_mid_request: bool) -> list:
     """One group of the generator pool (asking for R3) against the built-in engine; with
     `abort_mid_request`, a publish in abort mode (of the same weights) cuts both requests once
     they have decoded a few tokens, and the pool continues them as prompt + prefix."""
-    store, clock, admission = MemoryStore(), VersionClock(), Admission()
-    astore = AsyncStore(store)
-    async with (
-        open_server(model, port=0, weight_version="0", health_check_timeout=0.5) as server,
-        EngineFleet([server.url], concurrency=8) as fleet,
-        anyio.create_task_group() as tg,
-    ):
-        dispenser = Dispenser(
-            astore,
-            [PromptTask(index=0, prompt_ids=tuple(PROMPT))],
-            n_samples=N_SAMPLES,
-            clock=clock,
-            admission=admission,
-        )
-        pool = GeneratorPool(
-            fleet,
-            slots=8,
-            sampling_params={"ignore_eos": True},
-            max_response_len=MAX_LEN,
-            clock=clock,
-            store=astore,
-            admission=admission,
-            payloads=TokenPayloads(routed_experts_top_k=TOP_K),
-        )
-        collector = Collector(store=astore, admission=admission, capacity=math.inf)
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(4)
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_collect_send)
-        await tg.start(collector.run, to_collect)
-        with anyio.fail_after(120):
-            admission.grant(1)
-            if abort_mid_request:
-                while server.core.statistics().generated_tokens < 3 * N_SAMPLES:
-                    await server.core.wait_step()
-                await fleet.pause("abort")
-                await publish_weights(clock, fleet, model, pause_mode="abort")
-            await admission.wait_settled()
-        tg.cancel_scope.cancel()
-    [group] = store.groups(GroupState.READY)
+
+    async def cut(server: EngineServer, fleet: EngineFleet, clock: VersionClock) -> None:
+        while server.core.statistics().generated_tokens < 3 * N_SAMPLES:
+            await server.core.wait_step()
+        await fleet.pause("abort")
+        await publish_weights(clock, fleet, model, pause_mode="abort")
+
+    [group] = await engine_rollout(
+        model,
+        [PromptTask(index=0, prompt_ids=tuple(PROMPT))],
+        n_samples=N_SAMPLES,
+        payloads=TokenPayloads(routed_experts_top_k=TOP_K),
+        max_response_len=MAX_LEN,
+        sampling_params={"ignore_eos": True},
+        slots=8,
+        during=cut if abort_mid_request else None,
+    )
     return list(group.samples)
 
 

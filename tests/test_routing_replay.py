@@ -18,29 +18,19 @@ Without the trainer's replay each "with R3" number equals the "without" one, and
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import statistics
 from pathlib import Path
 
-import anyio
 import numpy as np
 import pytest
 import torch
 
-from core.clock import VersionClock
 from core.types import Batch, Group, Sample
-from engines.builtin import open_server
 from engines.moe_routes import RouteRecorder
 from pipeline.tasks.tiny_model import make_model_folder
-from pipeline.tasks.toy import toy_dataset, toy_reward
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
-from stages.sglang import EngineFleet
+from pipeline.tasks.toy import toy_dataset
 from stages.sglang.payloads import TokenPayloads
-from storage import AsyncStore, GroupState, MemoryStore
+from tests.engine_rollout import engine_rollout, toy_rewarded
 from trainers.grpo import GRPOTrainer
 from trainers.routing_replay import RoutingReplay
 
@@ -64,37 +54,11 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def rollout(model: Path, *, dtype: str = "float32", prompts: int = 8, n: int = 4) -> list[Group]:
     """Toy prompts x `n` samples from the built-in engine over HTTP, routes asked for (R3), rewarded."""
-    store, clock, admission = MemoryStore(), VersionClock(), Admission()
-    astore = AsyncStore(store)
-    async with (
-        open_server(model, port=0, dtype=dtype, health_check_timeout=0.5) as server,
-        EngineFleet([server.url], concurrency=16) as fleet,
-        anyio.create_task_group() as tg,
-    ):
-        dispenser = Dispenser(astore, toy_dataset(prompts, seed=0), n_samples=n, clock=clock, admission=admission)
-        pool = GeneratorPool(
-            fleet,
-            slots=16,
-            sampling_params={},
-            max_response_len=12,
-            clock=clock,
-            store=astore,
-            admission=admission,
-            payloads=TokenPayloads(routed_experts_top_k=TOP_K),
-        )
-        collector = Collector(store=astore, admission=admission, capacity=math.inf)
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(64)
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_collect_send)
-        await tg.start(collector.run, to_collect)
-        with anyio.fail_after(120):
-            admission.grant(prompts)
-            await admission.wait_settled()
-        tg.cancel_scope.cancel()
-    groups = list(store.groups(GroupState.READY))
-    assert len(groups) == prompts
-    return [g.with_samples([dataclasses.replace(s, reward=toy_reward(g.task, s)) for s in g.samples]) for g in groups]
+    tasks = toy_dataset(prompts, seed=0)
+    payloads = TokenPayloads(routed_experts_top_k=TOP_K)
+    return toy_rewarded(
+        await engine_rollout(model, tasks, n_samples=n, payloads=payloads, max_response_len=12, dtype=dtype)
+    )
 
 
 def samples_of(groups: list[Group]) -> list[Sample]:

@@ -163,51 +163,15 @@ def test_the_trainer_scores_the_heads_and_the_term_moves_the_weights(tmp_path):
 
 
 async def _heads_rollout(model, k: int) -> list[Group]:
-    import math
-
-    import anyio
-
-    from core.clock import VersionClock
-    from engines.builtin import open_server
-    from pipeline.tasks.toy import toy_dataset, toy_reward
-    from stages.admission import Admission
-    from stages.collector import Collector
-    from stages.dispenser import Dispenser
-    from stages.generator import GeneratorPool
-    from stages.sglang import EngineFleet
+    from pipeline.tasks.toy import toy_dataset
     from stages.sglang.payloads import TokenPayloads
-    from storage import AsyncStore, GroupState, MemoryStore
+    from tests.engine_rollout import engine_rollout, toy_rewarded
 
-    store, clock, admission = MemoryStore(), VersionClock(), Admission()
-    astore = AsyncStore(store)
-    async with (
-        open_server(model, port=0, health_check_timeout=0.5) as server,
-        EngineFleet([server.url], concurrency=8) as fleet,
-        anyio.create_task_group() as tg,
-    ):
-        dispenser = Dispenser(astore, toy_dataset(4, seed=0), n_samples=2, clock=clock, admission=admission)
-        pool = GeneratorPool(
-            fleet,
-            slots=8,
-            sampling_params={},
-            max_response_len=8,
-            clock=clock,
-            store=astore,
-            admission=admission,
-            payloads=TokenPayloads(sampler_top_k=k),
-        )
-        collector = Collector(store=astore, admission=admission, capacity=math.inf)
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(16)
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_collect_send)
-        await tg.start(collector.run, to_collect)
-        with anyio.fail_after(60):
-            admission.grant(4)
-            await admission.wait_settled()
-        tg.cancel_scope.cancel()
-    groups = list(store.groups(GroupState.READY))
-    return [g.with_samples([dataclasses.replace(s, reward=toy_reward(g.task, s)) for s in g.samples]) for g in groups]
+    payloads = TokenPayloads(sampler_top_k=k)
+    tasks = toy_dataset(4, seed=0)
+    return toy_rewarded(
+        await engine_rollout(model, tasks, n_samples=2, payloads=payloads, max_response_len=8, slots=8, deadline=60)
+    )
 
 
 @pytest.mark.anyio

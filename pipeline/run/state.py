@@ -92,7 +92,7 @@ class RunState:
 def open_run_state(config: Config) -> RunState:
     from transformers import AutoTokenizer
 
-    from pipeline.tasks.tiny_model import make_model_folder
+    from pipeline.tasks.tiny_model import built_shape_problem, make_model_folder
 
     out = Path(derived(config.output.dir, "output.dir"))
     if config.engine.hf_checkpoint:
@@ -110,6 +110,12 @@ def open_run_state(config: Config) -> RunState:
                     num_experts=config.engine.num_experts,
                     moe_router_topk=config.rollout.moe_router_topk or 2,
                 )
+        else:
+            problem = built_shape_problem(
+                model_path, num_experts=config.engine.num_experts, moe_router_topk=config.rollout.moe_router_topk
+            )
+            if problem is not None:
+                raise ConfigError([problem])
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:

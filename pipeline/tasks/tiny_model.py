@@ -10,6 +10,7 @@ the toy task's reward can read token ids without any re-tokenization ambiguity.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # transformers loads slowly: imported where a tokenizer is built
     from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig
 
-__all__ = ["BOS_ID", "CHARS", "EOS_ID", "MODEL_ARCHS", "PAD_ID", "build_tokenizer", "make_model_folder"]
+__all__ = [
+    "BOS_ID",
+    "CHARS",
+    "EOS_ID",
+    "MODEL_ARCHS",
+    "PAD_ID",
+    "build_tokenizer",
+    "built_shape_problem",
+    "make_model_folder",
+]
 
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 SPECIALS = ("<pad>", "<eos>", "<bos>")
@@ -104,6 +114,39 @@ def make_model_folder(
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+def built_shape_problem(path: Path, *, num_experts: int | None, moe_router_topk: int | None) -> str | None:
+    """Why the tiny model an earlier run built in `path` is not the one these flags ask for, or None.
+
+    A run folder's tiny model is built once, by the folder's first run (`--num-experts`, and with
+    it `--moe-router-topk`, shape it); later runs of the folder resume its checkpoints, which hold
+    that shape, so the flags cannot reshape it: a resume that asks for another one is refused."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        experts = config.get("num_local_experts")
+        built = None if experts is None else (int(experts), int(config["num_experts_per_tok"]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None  # not a folder this library built: loading it says what is wrong
+    if num_experts is None:
+        asked = None
+    else:  # an unset --moe-router-topk takes the built one's (2 when the folder is built)
+        asked = (num_experts, moe_router_topk or (built[1] if built is not None else 2))
+    if asked == built:
+        return None
+    was = "dense (without --num-experts)" if built is None else f"--num-experts={built[0]} --moe-router-topk={built[1]}"
+    if asked is None:
+        flag = "--num-experts unset (dense)"
+    elif built is not None and asked[0] == built[0]:
+        flag = f"--moe-router-topk={asked[1]}"
+    else:
+        flag = f"--num-experts={asked[0]}"
+    again = "without --num-experts" if built is None else f"with --num-experts={built[0]} --moe-router-topk={built[1]}"
+    return (
+        f"{flag}: the tiny model in {str(path)!r} was built {was} by this run folder's first run; it is built "
+        f"once per folder and its checkpoints keep that shape, so a resume cannot change it: run {again}, "
+        "or start a new run in another --output-dir"
+    )
 
 
 def _moe_config(shape: dict[str, Any], num_experts: int, top_k: int) -> Qwen3MoeConfig:
