@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_wheels.sh build/wheels-gpu     # here, once: the wheels the GPU image lacks
 #   bash benchmarks/gpu_check.sh [WHEELS_DIR]                        # there, with WHEELS_DIR carried
 #   STEPS="engine" bash benchmarks/gpu_check.sh DIR                  # a subset: one step per call where
-#   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 + 400 s)
+#   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
 #
 # Installs the carried wheels into a private site dir (no index, no deps: the image keeps its own
 # torch and transformers), runs the project from PYTHONPATH, then: `pytest -m gpu -x`, the engine
@@ -39,7 +39,7 @@ want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtyp
   --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-ops --reference-batches 128
 want publish-transfer && step publish-transfer 75 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
   --model-size 0.6b --publishes 3
-want modes-builtin && step modes-builtin 400 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b \
+want modes-builtin && step modes-builtin 560 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b \
   --steps 4 --length-tail lognormal:-1.9,0.8 --max-len 256 --timeline-dir "$out/timelines"
 want modes-sim && step modes-sim 90 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 256 --slots 64 --train-time 3.5 \
   --only sync --only sync+partial --only async --only "async, overlap" --timeline-dir "$out/timelines"
