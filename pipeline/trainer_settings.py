@@ -88,6 +88,7 @@ def build_trainer(
         ref_path=t.ref_load or initial_model or model_dir,
         max_step_kl=t.max_step_kl or None,
         routing_replay=bool(r.use_rollout_routing_replay),
+        micro_batch_size=t.micro_batch_size,
     )
 
 

@@ -15,7 +15,7 @@ from core.types import Batch, FinishReason, Group, PromptTask, Sample, SampleSta
 from pipeline.tasks.tiny_model import EOS_ID, make_model_folder
 from pipeline.tasks.toy import encode, toy_dataset, toy_reward
 from trainers import GRPOTrainer, group_advantages
-from trainers.loss import LossSettings
+from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings
 
 MAX_LEN = 64
 
@@ -237,6 +237,47 @@ def test_one_step_per_batch_never_clips_but_minibatches_do(model_dir):
     metrics = mini.train_step(_batch_of(8, rewards))
     assert metrics["optimizer_steps"] == 4
     assert metrics["pg_clipfrac"] > 0.0
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        LossSettings(use_opsm=True, entropy_coef=0.01),  # token-mean, OPSM drops read the current log-probs
+        LossSettings(aggregation=LossAggregation.SEQ_MEAN_TOKEN_MEAN, correction=ImportanceCorrection.ICEPOP),
+    ],
+    ids=["token-mean-opsm", "seq-mean-icepop"],
+)
+def test_micro_batches_take_the_same_step_as_the_whole_minibatch(model_dir, loss):
+    """--micro-batch-size splits the forward and backward, not the step: each micro-batch's loss
+    carries its share of the minibatch's trained tokens (token-mean) or samples, so the weights
+    after two optimizer steps equal the unsplit trainer's. Uneven splits (4 = 3 + 1) of samples of
+    uneven lengths, whose behaviour log-probs make OPSM and IcePop drop some of them."""
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.2, 0.9]
+    results = []
+    for micro in (None, 3):
+        trainer = GRPOTrainer(
+            model_dir, lr=0.05, global_batch_size=4, max_step_kl=0.2, loss=loss, micro_batch_size=micro
+        )
+        metrics = trainer.train_step(_batch_of(8, rewards))
+        results.append((metrics, {k: v.clone() for k, v in trainer.model.state_dict().items()}))
+    (whole, w_whole), (split, w_split) = results
+    assert whole["optimizer_steps"] == split["optimizer_steps"] == 2
+    for key in ("loss", "pg_loss", "entropy_loss", "opsm_mask_frac", "grad_norm", "step_kl"):
+        if key in whole:
+            assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+    moved = max(float((w_whole[k] - model_dir_weights(model_dir)[k]).abs().max()) for k in w_whole)
+    assert moved > 1e-4  # the step did move the weights
+    for k, v in w_whole.items():
+        torch.testing.assert_close(w_split[k], v, rtol=1e-3, atol=2e-5)  # Adam: rounding where g ~ 0
+
+
+def model_dir_weights(model_dir):
+    return GRPOTrainer(model_dir).model.state_dict()
+
+
+def test_a_micro_batch_of_no_samples_is_refused_by_name(model_dir):
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        GRPOTrainer(model_dir, micro_batch_size=0)
 
 
 # ---- no signal, no change -------------------------------------------------------------------

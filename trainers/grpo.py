@@ -44,7 +44,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from core.types import Batch, Sample, SampleStatus
@@ -61,9 +60,10 @@ from trainers.checkpoint import (
     write_folder_atomically,
 )
 from trainers.columns import column_tensor
-from trainers.loss import ImportanceCorrection, LossSettings, group_advantages
+from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
 from trainers.routing_replay import RoutingReplay, replay_plan
+from trainers.sampler_heads import sampler_heads
 from trainers.step_kl import bounded_step, mean_k3
 from trainers.token_scores import token_scores
 
@@ -105,54 +105,25 @@ class _Scored:
     head: torch.Tensor | None = None  # [B, R, k] log-probs at the sampler's head ids (SC)
 
 
-@dataclass(frozen=True, slots=True)
-class _Heads:
-    """The sampler heads of a minibatch (SC), laid out [sample, response position, k]."""
-
-    ids: torch.Tensor  # long; 0 where there is no head (see `valid`)
-    logprobs: torch.Tensor  # float, the sampler's log-probs at `ids`
-    valid: torch.Tensor  # [B, R] bool: the token has a head from a sampler
-
-
-def sampler_heads(samples: Sequence[Sample], width: int, device: torch.device) -> _Heads:
-    """`Sample.heads` of `samples` as tensors; a sample without heads, or a row of id -1
-    (environment tokens), has none there."""
-    k = next((s.heads.k for s in samples if s.heads is not None), 1)
-    ids = torch.zeros((len(samples), width, k), dtype=torch.long)
-    logprobs = torch.zeros((len(samples), width, k), dtype=torch.float32)
-    valid = torch.zeros((len(samples), width), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        h = s.heads
-        if h is None or not len(h):
-            continue
-        if h.k != k:
-            raise ValueError(f"sample {s.index}: sampler heads of top-{h.k}, the batch's are top-{k}")
-        n = len(h)
-        got = torch.from_numpy(np.frombuffer(h.token_ids_data, dtype="<i4").astype(np.int64)).reshape(n, k)
-        lps = torch.from_numpy(np.frombuffer(h.logprobs_data, dtype="<f8").astype(np.float32)).reshape(n, k)
-        has = (got >= 0).all(dim=-1)
-        ids[i, :n] = got.clamp(min=0)
-        logprobs[i, :n] = lps
-        valid[i, :n] = has
-    return _Heads(ids.to(device), logprobs.to(device), valid.to(device))
-
-
 class GRPOTrainer:
     """Trains the causal LM in `model_path` with GRPO; one `train_step` per rollout `Batch`.
 
-    `temperature` must be the rollout temperature: the engine samples from softmax(logits / T) and
-    reports those log-probs, so the trainer scores tokens the same way or every importance weight
-    is off. `loss` holds every knob of the objective (`trainers.loss.LossSettings`); the
-    keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
-    `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
-    number of samples per optimizer step (None = the whole batch, one step). `max_step_kl` bounds
-    each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
+        `temperature` must be the rollout temperature: the engine samples from softmax(logits / T) and
+        reports those log-probs, so the trainer scores tokens the same way or every importance weight
+        is off. `loss` holds every knob of the objective (`trainers.loss.LossSettings`); the
+        keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
+        `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
+        number of samples per optimizer step (None = the whole batch, one step), `micro_batch_size` the
+    samples per forward and backward inside one (None = all of them; gradients accumulate, and the
+    step equals the unsplit one: each micro-batch's loss carries its share of the minibatch's tokens
+    or samples). `max_step_kl` bounds
+        each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
 
-    CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
-    leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
-    small to split, and on a 2-core box shared with the engine a second intra-op thread mostly
-    spin-waits for a busy core. Measured here under load: the learning test runs in 3.9 s with 1
-    thread and 9.4 s with 2; 128 x 128-token sampling takes 0.6 s vs 4.5 s. Raise it for big models.
+        CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
+        leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
+        small to split, and on a 2-core box shared with the engine a second intra-op thread mostly
+        spin-waits for a busy core. Measured here under load: the learning test runs in 3.9 s with 1
+        thread and 9.4 s with 2; 128 x 128-token sampling takes 0.6 s vs 4.5 s. Raise it for big models.
     """
 
     def __init__(
@@ -176,6 +147,7 @@ class GRPOTrainer:
         ref_path: str | os.PathLike[str] | None = None,
         max_step_kl: float | None = None,
         routing_replay: bool = False,
+        micro_batch_size: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -188,6 +160,11 @@ class GRPOTrainer:
             )
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(
+                f"micro_batch_size must be >= 1 samples or None (the whole minibatch), got {micro_batch_size}"
+            )
+        self.micro_batch_size = micro_batch_size
         if max_step_kl is not None and max_step_kl <= 0:
             raise ValueError(f"max_step_kl must be > 0 nats or None (no bound), got {max_step_kl}")
         self.max_step_kl = max_step_kl
@@ -265,21 +242,14 @@ class GRPOTrainer:
         width = t.valid.shape[1]
         proximal: torch.Tensor | None = None
         if len(minibatches) > 1:
-            with torch.no_grad():
-                proximal = torch.cat(
-                    [self._response_logprobs([samples[i] for i in mb], width).logp for mb in minibatches]
-                )
+            proximal = torch.cat([self._logprobs_no_grad([samples[i] for i in mb], width) for mb in minibatches])
         totals: defaultdict[str, float] = defaultdict(float)
         reference: torch.Tensor | None = None
         if self.reference is not None:
             started = time.perf_counter()
-            with torch.no_grad():
-                reference = torch.cat(
-                    [
-                        self._response_logprobs([samples[i] for i in mb], width, model=self.reference).logp
-                        for mb in minibatches
-                    ]
-                )
+            reference = torch.cat(
+                [self._logprobs_no_grad([samples[i] for i in mb], width, model=self.reference) for mb in minibatches]
+            )
             totals["ref_log_probs_time"] = time.perf_counter() - started
         for mb in minibatches:
             self._minibatch_step(samples, mb, t, proximal, reference, totals)
@@ -298,48 +268,88 @@ class GRPOTrainer:
         reference: torch.Tensor | None,
         totals: defaultdict[str, float],
     ) -> None:
-        """Forward, loss and (when there is signal) one optimizer step on the samples `mb`."""
+        """Forward, loss and backward on the samples `mb`, a micro-batch at a time (gradients add
+        up), then (when there is signal) one optimizer step."""
         s = self.loss
-        index = torch.tensor(mb, device=self.device)
-        behaviour, mask, adv = t.behaviour[index], t.mask[index], t.advantages[index]
-        heads = sampler_heads([samples[i] for i in mb], t.valid.shape[1], self.device) if s.score_centering else None
-        out = self._response_logprobs(
-            [samples[i] for i in mb],
-            t.valid.shape[1],
-            entropy_grad=s.entropy_coef != 0,
-            head_ids=None if heads is None else heads.ids,
-        )
-        logp, entropy = out.logp, out.entropy
-        prox = logp.detach() if proximal is None else proximal[index]
-        pl = L.policy_loss(
-            s,
-            current=logp,
-            entropy=entropy,
-            proximal=prox,
-            behaviour=behaviour,
-            mask=mask,
-            advantages=adv,
-            reference=None if reference is None else reference[index],
-            train_head=out.head,
-            sampler_head=None if heads is None else heads.logprobs,
-            head_valid=None if heads is None else heads.valid,
-        )
-
-        # A minibatch without signal (no token trains, or every advantage is 0 and no KL or entropy
-        # term) takes no optimizer step: AdamW's momentum would otherwise move the weights anyway.
-        has_signal = bool((pl.train & (adv[:, None] != 0)).any()) or (s.regularised and bool(pl.train.any()))
+        width = t.valid.shape[1]
+        size = self.micro_batch_size or len(mb)
+        micros = [mb[i : i + size] for i in range(0, len(mb), size)]
+        # Token-mean over micro-batches: each one's mean is weighted by its share of the trained
+        # tokens of the whole minibatch, counted before the first backward.
+        tokens = None
+        if len(micros) > 1 and s.aggregation is LossAggregation.TOKEN_MEAN:
+            tokens = self._trained_tokens(samples, mb, t, proximal)
+        self.optimizer.zero_grad(set_to_none=True)
+        has_signal = False
+        before = []
+        for micro in micros:
+            index = torch.tensor(micro, device=self.device)
+            behaviour, mask, adv = t.behaviour[index], t.mask[index], t.advantages[index]
+            chosen = [samples[i] for i in micro]
+            heads = sampler_heads(chosen, width, self.device) if s.score_centering else None
+            out = self._response_logprobs(
+                chosen, width, entropy_grad=s.entropy_coef != 0, head_ids=None if heads is None else heads.ids
+            )
+            logp, entropy = out.logp, out.entropy
+            prox = logp.detach() if proximal is None else proximal[index]
+            pl = L.policy_loss(
+                s,
+                current=logp,
+                entropy=entropy,
+                proximal=prox,
+                behaviour=behaviour,
+                mask=mask,
+                advantages=adv,
+                reference=None if reference is None else reference[index],
+                train_head=out.head,
+                sampler_head=None if heads is None else heads.logprobs,
+                head_valid=None if heads is None else heads.valid,
+            )
+            share = 1.0
+            if tokens is not None:
+                share = float(pl.train.sum()) / max(tokens, 1.0)
+            elif len(micros) > 1:
+                share = len(micro) / len(mb)
+            # A minibatch without signal (no token trains, or every advantage is 0 and no KL or
+            # entropy term) takes no optimizer step: AdamW's momentum would otherwise move the
+            # weights anyway. A micro-batch without signal adds no gradient, so it needs no backward.
+            signal = bool((pl.train & (adv[:, None] != 0)).any()) or (s.regularised and bool(pl.train.any()))
+            if signal:
+                (pl.loss * share).backward()
+            has_signal |= signal
+            before.append(logp.detach())
+            tally_minibatch(totals, pl, proximal=prox, behaviour=behaviour, mask=mask, entropy=entropy, scale=share)
         grad_norm = 0.0
         if has_signal:
-            self.optimizer.zero_grad(set_to_none=True)
-            pl.loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
             if self.max_step_kl is None:
                 self.optimizer.step()
             else:
-                self._bounded_step([samples[i] for i in mb], logp.detach(), mask, t.valid.shape[1], totals)
+                index = torch.tensor(mb, device=self.device)
+                self._bounded_step([samples[i] for i in mb], torch.cat(before), t.mask[index], width, totals)
             totals["optimizer_steps"] += 1
         totals["grad_norm"] += grad_norm
-        tally_minibatch(totals, pl, proximal=prox, behaviour=behaviour, mask=mask, entropy=entropy)
+
+    def _trained_tokens(
+        self, samples: list[Sample], mb: list[int], t: _Tensors, proximal: torch.Tensor | None
+    ) -> float:
+        """How many tokens of the minibatch `mb` the loss trains (`loss.trained_mask`): one forward
+        without gradient where the drops read the current log-probs."""
+        s = self.loss
+        index = torch.tensor(mb, device=self.device)
+        drops = s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
+        current = None
+        if s.use_opsm or (drops and proximal is None):
+            current = self._logprobs_no_grad([samples[i] for i in mb], t.valid.shape[1])
+        train = L.trained_mask(
+            s,
+            current=current,
+            proximal=proximal[index] if proximal is not None else current,
+            behaviour=t.behaviour[index],
+            mask=t.mask[index],
+            advantages=t.advantages[index],
+        )
+        return float(train.sum())
 
     def _bounded_step(
         self,
@@ -354,9 +364,7 @@ class GRPOTrainer:
         assert self.max_step_kl is not None
 
         def kl_after() -> float:
-            with torch.no_grad():
-                after = self._response_logprobs(mb_samples, width).logp
-            return mean_k3(before, after, mask)
+            return mean_k3(before, self._logprobs_no_grad(mb_samples, width), mask)
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         check = bounded_step(params, self.optimizer.step, kl_after, max_kl=self.max_step_kl)
@@ -452,7 +460,7 @@ class GRPOTrainer:
         """Log-prob of every response token under the current weights, at the trainer's temperature."""
         if not samples:
             return []
-        logp = self._response_logprobs(samples).logp
+        logp = self._logprobs_no_grad(list(samples), max(s.response_len for s in samples))
         return [logp[i, : s.response_len].tolist() for i, s in enumerate(samples)]
 
     @torch.no_grad()
@@ -465,6 +473,18 @@ class GRPOTrainer:
         every = dataclasses.replace(self.loss, mask_offpolicy_in_partial_rollout=False, mask_stale_tokens=None)
         iw = L.importance_weights(logp, t.behaviour, t.valid, every)
         return [iw.weight[i, : s.response_len].tolist() for i, s in enumerate(samples)]
+
+    @torch.no_grad()
+    def _logprobs_no_grad(
+        self, samples: list[Sample], width: int, *, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """[B, width] log-probs of `samples` without gradient, a micro-batch at a time."""
+        size = self.micro_batch_size or len(samples)
+        parts = [
+            self._response_logprobs(samples[i : i + size], width, model=model).logp
+            for i in range(0, len(samples), size)
+        ]
+        return torch.cat(parts)
 
     def _response_logprobs(
         self,

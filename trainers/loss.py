@@ -100,6 +100,7 @@ __all__ = [
     "ppo_clip_loss",
     "reference_kl",
     "stale_token_mask",
+    "trained_mask",
 ]
 
 
@@ -297,6 +298,32 @@ def opsm_mask(
     return ~((advantages < 0) & (divergence > delta))
 
 
+def trained_mask(
+    settings: LossSettings,
+    *,
+    current: torch.Tensor | None,
+    proximal: torch.Tensor | None,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+) -> torch.Tensor:
+    """[B, R] bool: the tokens `policy_loss` trains once IcePop, seq-mask and OPSM dropped theirs.
+
+    What a micro-batched minibatch needs before its first backward: the token-mean denominator of
+    the whole minibatch. The drops read the proximal log-probs (IcePop, seq-mask) and the current
+    ones (OPSM); either may be None where the settings do not read it.
+    """
+    s = settings
+    train = mask
+    if proximal is not None:
+        train = train & ~importance_weights(proximal, behaviour, mask, s).dropped
+    if s.use_opsm:
+        if current is None:
+            raise ValueError("trained_mask with use_opsm needs the current log-probs, got None")
+        train = train & opsm_mask(current, behaviour, train, advantages, s.opsm_delta)[:, None]
+    return train
+
+
 # ---- the policy-gradient term and aggregation ----------------------------------------------------
 
 
@@ -445,4 +472,3 @@ def approx_kl_k3(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Te
     """
     log_r = (proximal - behaviour).masked_fill(~mask, 0.0)
     return torch.expm1(log_r) - log_r
-

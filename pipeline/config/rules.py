@@ -391,6 +391,8 @@ def derive_defaults(draft: Draft) -> None:
         # Score centering does not compose with OPSM (slime's rule, config/payloads.py): not derived on.
         off_policy = r["mode"] == RolloutMode.ASYNC or r["partial_rollout"] is True
         t["use_opsm"] = off_policy and r["use_score_centering"] is not True
+    if t["micro_batch_size"] is None and draft.ok("trainer", "backend") and t["backend"] == "megatron":
+        t["micro_batch_size"] = 8  # megatron packs a micro-batch into one sequence; torch takes the minibatch
     if t["max_step_kl"] is None and draft.ok("trainer", "backend"):
         # The step-KL check (trainers.step_kl) is built into the torch trainer; megatron runs without it.
         t["max_step_kl"] = DEFAULT_MAX_STEP_KL if t["backend"] == "torch" else 0.0

@@ -159,12 +159,14 @@ class TrainerConfig:
         ge=1,
         help="--train-backend megatron: pipeline parallel size (stages of num_layers / PP layers each)",
     )
-    micro_batch_size: int = opt(
-        8,
+    micro_batch_size: int | None = opt(
+        None,
         "--micro-batch-size",
         "int",
         ge=1,
-        help="--train-backend megatron: samples per micro-batch, packed into one sequence",
+        help="samples per forward and backward inside one optimizer step (gradients accumulate; the step "
+        "equals the unsplit one). megatron: packed into one sequence, default 8; torch: default the whole "
+        "--global-batch-size (set it when a minibatch's logits do not fit the device)",
     )
     use_distributed_optimizer: bool = opt(
         False,
