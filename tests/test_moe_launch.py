@@ -13,6 +13,7 @@ from core.errors import ConfigError
 from pipeline.config import load_config
 from pipeline.run.cli import main
 
+TP2 = ("--tensor-model-parallel-size", "2")
 MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--use-rollout-routing-replay")
 
 
@@ -68,10 +69,22 @@ def test_the_moe_toy_learns_in_async_mode_with_partial_rollout_and_routing_repla
         (["--num-experts", "4", "--hf-checkpoint", "some/model"], "--num-experts=4"),
         (["--num-experts", "4", "--moe-router-topk", "6"], "--moe-router-topk=6"),
         (["--num-experts", "1"], "--num-experts"),
-        (["--use-rollout-routing-replay", "--moe-router-topk", "2", "--train-backend", "megatron"], "RouterReplay"),
+        (
+            ["--num-experts", "4", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", *TP2],
+            "trains MoE models at TP=1",
+        ),
     ],
 )
 def test_moe_shape_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError) as err:
         load_config(argv)
     assert named in str(err.value)
+
+
+def test_the_megatron_backend_takes_routing_replay():
+    """R3 with megatron (tests/test_megatron_moe.py runs it): the config loads, and the ranks' spec asks for it."""
+    from pipeline.trainer_settings import megatron_settings
+
+    config = load_config([*MOE, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2"])
+    assert megatron_settings(config)["routing_replay"] is True
+    assert megatron_settings(load_config(["--train-backend", "megatron"]))["routing_replay"] is False

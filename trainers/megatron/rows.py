@@ -13,6 +13,7 @@ step (`--global-batch-size`; the trainer's own default, None, is the whole rollo
 
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,9 +56,20 @@ class Row:
     behaviour: list[float]
     mask: list[bool]  # the token trains (every mask applied); all False for a sample that does not train
     advantage: float
+    # R3: the response tokens' routes, little-endian int32 [tokens, layers, top_k] in base64 (JSON
+    # carries it to the ranks); None when the trainer does not replay routes or the sample has none.
+    routes: str | None = None
 
     @classmethod
-    def of(cls, s: Sample, mask: Sequence[bool] | None = None, advantage: float = 0.0) -> Row:
+    def of(
+        cls,
+        s: Sample,
+        mask: Sequence[bool] | None = None,
+        advantage: float = 0.0,
+        *,
+        route_shape: tuple[int, int] | None = None,
+    ) -> Row:
+        """`route_shape` (layers, top k of the trained model): carry the sample's routes (R3)."""
         if not s.prompt_ids:
             raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
         return cls(
@@ -66,14 +78,30 @@ class Row:
             s.logprobs.tolist(),
             list(mask) if mask is not None else [False] * s.response_len,
             advantage,
+            _routes(s, route_shape),
         )
 
     def to_json(self) -> list[Any]:
-        return [self.prompt_ids, self.response_ids, self.behaviour, self.mask, self.advantage]
+        return [self.prompt_ids, self.response_ids, self.behaviour, self.mask, self.advantage, self.routes]
 
     @classmethod
     def from_json(cls, raw: list[Any]) -> Row:
         return cls(*raw)
+
+
+def _routes(s: Sample, shape: tuple[int, int] | None) -> str | None:
+    """The sample's routes for a row (base64), checked against the trained model's `shape`."""
+    routes = s.routes
+    if shape is None or routes is None or not len(routes):
+        return None
+    if (routes.layers, routes.top_k) != shape:
+        raise ValueError(
+            f"sample {s.index}: its routes are {routes.layers} layers x top-{routes.top_k}, the trained model "
+            f"routes {shape[0]} layers x top-{shape[1]} (rollout and trainer models differ?)"
+        )
+    if len(routes) > s.response_len:
+        raise ValueError(f"sample {s.index}: {len(routes)} route rows for {s.response_len} response tokens")
+    return base64.b64encode(routes.data).decode("ascii")
 
 
 def _trains(s: Sample) -> bool:
@@ -87,8 +115,11 @@ def _trains(s: Sample) -> bool:
     return True
 
 
-def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bool], list[list[int]]]:
-    """Rows, whether each sample trains, and each sample's token versions (for the metrics)."""
+def batch_rows(
+    batch: Batch, settings: LossSettings, *, route_shape: tuple[int, int] | None = None
+) -> tuple[list[Row], list[bool], list[list[int]]]:
+    """Rows, whether each sample trains, and each sample's token versions (for the metrics).
+    `route_shape`: the rows carry the samples' routes (R3, `Row.of`)."""
     s = settings
     train_version = (
         batch.train_version
@@ -121,7 +152,7 @@ def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bo
                 mask &= L.newest_version_mask(v, valid)
             if s.mask_stale_tokens is not None:
                 mask &= L.stale_token_mask(v, valid, train_version=train_version, max_lag=s.mask_stale_tokens)
-            rows.append(Row.of(x, mask[0].tolist(), adv))
+            rows.append(Row.of(x, mask[0].tolist(), adv, route_shape=route_shape))
             trains.append(reward is not None)
             versions.append(x.token_versions())
     return rows, trains, versions
