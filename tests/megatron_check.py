@@ -57,8 +57,6 @@ VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on b
     # Reference KL against another model (--ref-load) and an entropy bonus, with its gradient.
     "kl-entropy": {"use_kl_loss": True, "kl_loss_coef": 0.5, "kl_loss_type": "low_var_kl", "entropy_coef": 0.05},
     "kl-k1-seqmean": {"use_kl_loss": True, "kl_loss_coef": 0.3, "aggregation": "seq-mean-token-mean"},
-    # The tiny Qwen3-MoE (a variant starting "moe" builds it), the default loss.
-    "moe": {},
 }
 
 
@@ -91,11 +89,10 @@ def main(
     from pipeline.tasks.tiny_model import make_model_folder
     from trainers import GRPOTrainer
 
-    arch = "moe" if variant.startswith("moe") else "dense"
-    model = make_model_folder(out / "model", arch=arch)
+    model = make_model_folder(out / "model")
     settings = _settings(variant)
     # A reference other than the starting weights, so the KL term and its gradient are not 0 at step 0.
-    ref = make_model_folder(out / "ref", seed=7, arch=arch) if settings.use_kl_loss else None
+    ref = make_model_folder(out / "ref", seed=7) if settings.use_kl_loss else None
     torch_trainer = GRPOTrainer(
         model, lr=1e-2, loss=settings, global_batch_size=gbs, device=device, dtype=dtype, ref_path=ref
     )
