@@ -63,11 +63,6 @@ def payload_rules(draft: Draft) -> None:
             f"--use-score-centering with {show('trainer', 'tis_mode')}: the centering term composes with "
             "token-level corrections only (truncate, icepop, or --no-use-tis)"
         )
-    if get("trainer", "backend") == "megatron":
-        problem(
-            f"--use-score-centering with {show('trainer', 'backend')}: the score-centering loss is built in "
-            "the torch trainer only"
-        )
     for name, fine, rule in _SC_SAMPLING:
         if draft.ok("rollout", name) and not fine(float(get("rollout", name))):
             problem(f"{show('rollout', name)} with --use-score-centering: {rule}; {SC_SAMPLING_RULE}")

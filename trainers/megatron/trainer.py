@@ -42,9 +42,9 @@ megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the
 the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
 it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
 
-MoE (a qwen3_moe folder, `moe.py`): megatron's MoE layers, TP=1. R3 (`routing_replay`,
-`--use-rollout-routing-replay`): every forward of rows that carry routes replays them through
-megatron-core's RouterReplay (`router_replay.py`).
+MoE (a qwen3_moe folder, `moe.py`) at TP=1. R3 (`routing_replay`, `--use-rollout-routing-replay`):
+rows' routes are replayed through megatron-core's RouterReplay (`router_replay.py`). SC: the loss
+scores the rows' sampler heads over the TP-split vocabulary (`packing.sampler_head_logprobs`).
 
 Reference model (`--use-kl-loss`): a second GPTModel with the same TP/PP layout, frozen, loaded
 from `ref_path` (the run's initial weights, or `--ref-load`); each rank holds its own shard and
@@ -91,12 +91,13 @@ from trainers.megatron.layout import (
     tensor_from_last_stage,
 )
 from trainers.megatron.master import MasterWeights
-from trainers.megatron.packing import Packed, head_logprobs, pack
+from trainers.megatron.packing import Packed, head_logprobs, pack, sampler_head_logprobs
 from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
 from trainers.megatron.router_replay import ReplayedRouters, plan
 from trainers.megatron.rows import (
     Row,
     batch_rows,
+    micro_batch_heads,
     micro_batch_loss,
     step_metrics,
     trained_token_count,
@@ -396,6 +397,7 @@ class MegatronTrainer:
             packed, flight = self._forward(chunk, train=True)
             if self.stage.last:  # the loss, on the logits
                 logp, entropy = self._head(flight.output, packed)
+                heads = micro_batch_heads(chunk, self.device) if self.loss.score_centering else None
                 flight.loss = micro_batch_loss(
                     self.loss,
                     chunk,
@@ -406,6 +408,10 @@ class MegatronTrainer:
                     totals=totals,
                     proximal_flat=None if proximal is None else proximal[j],
                     reference_flat=None if reference is None else reference[j],
+                    train_head_flat=None
+                    if heads is None
+                    else sampler_head_logprobs(flight.output, packed, heads.ids, temperature=self.temperature),
+                    heads=heads,
                 )
             pending.append(flight)
             if self.stage.pp == 1:
