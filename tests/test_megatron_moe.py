@@ -94,3 +94,53 @@ def test_the_moe_step_matches_the_torch_trainer_and_replays_the_engines_routes(t
     # float noise moves that weight's step, so the updates are compared as a whole.
     assert r["weights_moved"] > 5e-3 and r["update_diff"] < 1e-3 and r["weights_diff"] < 1e-3
     assert r["names"][0] == r["names"][1] == r["names"][2]
+
+
+def _sample(index: int, prompt: tuple[int, ...], tokens: tuple[int, ...], routes: list[int] | None):
+    import struct
+
+    from core.columns import SamplerHeads, TokenRoutes
+    from core.types import FinishReason, Sample, Segment
+
+    n = len(tokens)
+    data = None if routes is None else TokenRoutes(struct.pack(f"<{len(routes)}i", *routes), layers=2, top_k=1)
+    heads = SamplerHeads(struct.pack(f"<{n * 2}i", *range(n * 2)), struct.pack(f"<{n * 2}d", *([-1.0] * n * 2)), k=2)
+    seg = Segment(tokens, (-1.0,) * n, FinishReason.LENGTH, version=0, routes=data, heads=heads)
+    return Sample(index=index, prompt_ids=prompt).extended(seg, max_response_len=n)
+
+
+def test_rows_carry_routes_and_heads_to_the_ranks_and_the_plan_puts_each_route_where_it_sampled():
+    """The JSON a follower rank receives gives back the same row; in a packed micro-batch, response
+    token t of a row packed from offset o with a p-token prompt takes its route at o + p - 1 + t."""
+    import orjson
+
+    from trainers.megatron.router_replay import plan
+    from trainers.megatron.rows import Row, micro_batch_heads
+
+    a = Row.of(_sample(0, (5, 6, 7), (8, 9), [10, 11, 12, 13]), route_shape=(2, 1), heads=True)
+    b = Row.of(_sample(1, (5,), (8, 9, 10), None), route_shape=(2, 1), heads=True)
+    assert Row.from_json(orjson.loads(orjson.dumps(a.to_json()))) == a
+    routes = plan([b, a], layers=2, top_k=1, device=torch.device("cpu"))
+    assert routes is not None and routes.shape == (4 + 5, 2, 1)
+    # b (4 tokens, no routes) first; a from offset 4: its prompt's last position is 4 + 2.
+    assert routes[:, :, 0].tolist() == [[-1, -1]] * 6 + [[10, 11], [12, 13], [-1, -1]]
+    heads = micro_batch_heads([b, a], torch.device("cpu"))
+    assert heads.ids.shape == (5, 2) and heads.valid.all() and heads.ids[3].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="sample 0: its routes are 2 layers x top-1"):
+        Row.of(_sample(0, (5,), (8, 9), [1, 2, 3, 4]), route_shape=(1, 2))
+
+
+def test_a_replayed_router_takes_the_stored_experts_and_keeps_its_own_where_none_is_stored():
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from trainers.megatron.router_replay import PartialRouterReplay
+
+    replay = PartialRouterReplay()
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]], requires_grad=True)
+    replay.target_topk_idx = torch.tensor([[2, 3], [-1, -1]])
+    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    scores, indices = replay.get_replay_topk(logits, 2, default_compute_topk=lambda s, k, **_: torch.topk(s, k))
+    assert indices.tolist() == [[2, 3], [3, 2]]
+    assert scores.tolist() == [[1.0, 0.0], [3.0, 2.0]]
+    scores.sum().backward()  # the router keeps its gradient at the replayed experts
+    assert logits.grad is not None and logits.grad[0].tolist() == [0.0, 0.0, 1.0, 1.0]
