@@ -1,14 +1,14 @@
 """Run in a fresh process by tests/test_megatron_moe.py: the megatron trainer on the tiny Qwen3-MoE,
 against the engine that sampled (R3) and the torch trainer (parity).
 
-`python tests/megatron_moe_check.py OUT_DIR [WORLD]` rolls the toy task out on the built-in engine
-over HTTP with routes asked for (fp32, then bf16: test_routing_replay.py's `rollout`), then on the
-fp32 rollout runs one GRPO step with the torch trainer and with WORLD megatron ranks (data parallel,
-default 1; 2 passes too, run by hand), both replaying the routes. OUT_DIR/result.json: both steps'
-metrics; the largest |trainer - engine| log-prob of the rollout tokens (megatron with the routes;
-on the bf16 rollout with them and without them: the same samples with their routes taken off, so
-the routers choose); the largest torch-vs-megatron log-prob difference; both trainers' published
-weights compared. A process of its own: megatron's parallel state is global.
+`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP]]` rolls the toy task out on the built-in
+engine over HTTP with routes asked for (fp32, then bf16: test_routing_replay.py's `rollout`), then
+on the fp32 rollout runs one GRPO step with the torch trainer and with WORLD megatron ranks (default
+1; WORLD=2, and WORLD=2 PP=2, pass too, run by hand), both replaying the routes. OUT_DIR/result.json:
+both steps' metrics; the largest |trainer - engine| log-prob of the rollout tokens (megatron with
+the routes; on the bf16 rollout with them and without them: the same samples with their routes
+taken off, so the routers choose); the largest torch-vs-megatron log-prob difference; both
+trainers' published weights compared. A process of its own: megatron's parallel state is global.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def flat(a: dict, b: dict):
     return torch.cat([(a[k] - b[k]).flatten() for k in a])
 
 
-def main(out: Path, world: int = 1) -> None:
+def main(out: Path, world: int = 1, pp: int = 1) -> None:
     from safetensors.torch import load_file
 
     from core.types import Batch
@@ -53,7 +53,7 @@ def main(out: Path, world: int = 1) -> None:
     torch_trainer.save_weights(out / "torch")
 
     mg = start_megatron_trainer(
-        model, world_size=world, tp=1, log_dir=out / "logs", lr=1e-2, micro_batch_size=4, routing_replay=True
+        model, world_size=world, tp=1, pp=pp, log_dir=out / "logs", lr=1e-2, micro_batch_size=4, routing_replay=True
     )
     try:
         mg_lp = mg.logprobs(samples)
@@ -84,4 +84,4 @@ def main(out: Path, world: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:4]))
