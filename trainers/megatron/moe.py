@@ -51,7 +51,6 @@ def moe_config(num_experts: int, top_k: int, ffn_hidden_size: int, *, norm_topk_
         "moe_router_dtype": "fp32",  # transformers routes in fp32 too (softmax with dtype=float)
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
-        "moe_enable_routing_replay": True,  # idle unless an action is set (routing_replay.py)
     }
 
 

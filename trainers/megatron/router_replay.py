@@ -81,6 +81,12 @@ class ReplayedRouters:
             router = getattr(layer.mlp, "router", None)
             if router is None:
                 continue
+            if not hasattr(router, "router_replay"):  # megatron-core before RouterReplay (0.16)
+                raise ValueError(
+                    "--use-rollout-routing-replay: this megatron-core's TopKRouter has no router_replay "
+                    "(RouterReplay came with megatron-core 0.16)"
+                )
+            # Set here, not with `moe_enable_routing_replay`, which would also register it process-wide.
             router.router_replay = PartialRouterReplay()
             self._by_layer.append((layer.layer_number - 1, router.router_replay))
         if not self._by_layer:
