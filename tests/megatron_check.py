@@ -15,6 +15,23 @@ from pathlib import Path
 import orjson
 
 
+def with_heads(batch):
+    """`batch` with a sampler head of k=3 on every token (SC): the token, and two ids from the other
+    half of the vocabulary, at made-up sampler log-probs that sum to less than 1."""
+    import struct
+
+    from core.columns import SamplerHeads
+    from core.types import Batch
+
+    def heads(s):
+        ids = [i for t in s.response_ids.tolist() for i in (t, (t + 32) % 64, (t + 45) % 64)]
+        lps = [lp for j in range(s.response_len) for lp in (-0.4 - 0.1 * (j % 3), -1.9, -3.0)]
+        return SamplerHeads(struct.pack(f"<{len(ids)}i", *ids), struct.pack(f"<{len(lps)}d", *lps), k=3)
+
+    groups = [g.with_samples([dataclasses.replace(s, heads=heads(s)) for s in g.samples]) for g in batch.groups]
+    return Batch(batch.step, tuple(groups))
+
+
 def fixed_batch(reference, shift: float = 0.0):
     from core.types import Batch, FinishReason, Group, Sample, Segment
     from pipeline.tasks.tiny_model import EOS_ID
@@ -54,8 +71,15 @@ VARIANTS = {  # LOSS: the shared loss's other corrections and aggregations, on b
         "opsm_delta": 1e-3,
     },
     "seqmask-tokenmean": {"correction": "seq-mask", "tis_clip_low": 0.3, "tis_clip": 1.5},
-    # Reference KL against another model (--ref-load) and an entropy bonus, with its gradient.
-    "kl-entropy": {"use_kl_loss": True, "kl_loss_coef": 0.5, "kl_loss_type": "low_var_kl", "entropy_coef": 0.05},
+    # Reference KL against another model (--ref-load) and an entropy bonus, with its gradient; and SC's
+    # score-centering term, its head ids on both halves of a TP=2 vocabulary (`with_heads`).
+    "kl-entropy": {
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.5,
+        "kl_loss_type": "low_var_kl",
+        "entropy_coef": 0.05,
+        "score_centering": True,
+    },
     "kl-k1-seqmean": {"use_kl_loss": True, "kl_loss_coef": 0.3, "aggregation": "seq-mean-token-mean"},
 }
 
@@ -98,6 +122,8 @@ def main(
     )
     # OPSM needs samples whose divergence is clearly above its delta (see fixed_batch).
     batch = fixed_batch(torch_trainer, shift=0.05 if VARIANTS[variant].get("use_opsm") else 0.0)
+    if settings.score_centering:
+        batch = with_heads(batch)
     torch_lp = torch_trainer.logprobs(batch.samples)
     torch_metrics = torch_trainer.train_step(batch)
     torch_trainer.save_weights(out / "torch")

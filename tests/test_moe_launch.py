@@ -23,6 +23,7 @@ from stages.continuation import sampling_seed
 from storage import GroupState, LmdbStore
 from tests.test_fault_injection import FLAGS, Launcher, Watch
 
+TP2 = ("--tensor-model-parallel-size", "2")
 MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--use-rollout-routing-replay")
 # A small partial-rollout run: 3 groups of 2 admitted for a batch of 1, so two are cut mid-response.
 SMALL_RUN = ("--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "3",
@@ -81,7 +82,10 @@ def test_the_moe_toy_learns_in_async_mode_with_partial_rollout_and_routing_repla
         (["--num-experts", "4", "--hf-checkpoint", "some/model"], "--num-experts=4"),
         (["--num-experts", "4", "--moe-router-topk", "6"], "--moe-router-topk=6"),
         (["--num-experts", "1"], "--num-experts"),
-        (["--use-rollout-routing-replay", "--moe-router-topk", "2", "--train-backend", "megatron"], "RouterReplay"),
+        (
+            ["--num-experts", "4", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", *TP2],
+            "trains MoE models at TP=1",
+        ),
     ],
 )
 def test_moe_shape_flags_are_refused_by_name(argv, named):
@@ -238,3 +242,12 @@ def test_a_resume_with_the_same_shape_leaves_the_model_folder_as_it_is(tmp_path)
     assert built_shape_problem(model, num_experts=4, moe_router_topk=None) is None
     dense = make_model_folder(tmp_path / "dense", hidden_size=32)
     assert built_shape_problem(dense, num_experts=None, moe_router_topk=None) is None
+
+
+def test_the_megatron_backend_takes_routing_replay():
+    """R3 with megatron (tests/test_megatron_moe.py runs it): the config loads, and the ranks' spec asks for it."""
+    from pipeline.trainer_settings import megatron_settings
+
+    config = load_config([*MOE, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2"])
+    assert megatron_settings(config)["routing_replay"] is True
+    assert megatron_settings(load_config(["--train-backend", "megatron"]))["routing_replay"] is False

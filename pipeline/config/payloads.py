@@ -28,10 +28,15 @@ def payload_rules(draft: Draft) -> None:
             f"{show('rollout', 'use_rollout_routing_replay')} needs --moe-router-topk (the model's experts per "
             "token per layer) to read the engine's routed-experts rows"
         )
-    if get("rollout", "use_rollout_routing_replay") is True and get("trainer", "backend") == "megatron":
+    if (
+        get("engine", "num_experts") is not None
+        and get("trainer", "backend") == "megatron"
+        and draft.ok("trainer", "tensor_model_parallel_size")
+        and get("trainer", "tensor_model_parallel_size") > 1
+    ):
         problem(
-            f"{show('rollout', 'use_rollout_routing_replay')} with {show('trainer', 'backend')}: the megatron "
-            "trainer does not replay routes yet (megatron-core's RouterReplay is not wired); the torch trainer does"
+            f"{show('engine', 'num_experts')} with {show('trainer', 'tensor_model_parallel_size')}: the megatron "
+            "backend trains MoE models at TP=1 (megatron-core's MoE layers need sequence parallel under TP)"
         )
     experts, top_k = get("engine", "num_experts"), get("rollout", "moe_router_topk")
     if experts is not None and get("engine", "hf_checkpoint"):
@@ -57,11 +62,6 @@ def payload_rules(draft: Draft) -> None:
         problem(
             f"--use-score-centering with {show('trainer', 'tis_mode')}: the centering term composes with "
             "token-level corrections only (truncate, icepop, or --no-use-tis)"
-        )
-    if get("trainer", "backend") == "megatron":
-        problem(
-            f"--use-score-centering with {show('trainer', 'backend')}: the score-centering loss is built in "
-            "the torch trainer only"
         )
     for name, fine, rule in _SC_SAMPLING:
         if draft.ok("rollout", name) and not fine(float(get("rollout", name))):

@@ -9,6 +9,8 @@
     master.py      fp32 master weights for a bf16 model (--trainer-dtype bfloat16)
     checkpoint.py  HF weights in and out, one AdamW shard per rank
     qwen3.py       the Qwen3-shaped GPTModel, and HF <-> megatron weight conversion (exact)
+    moe.py         Qwen3-MoE's router and experts: megatron's MoE settings and their HF conversion
+    router_replay.py  R3: the rollout's routes replayed through megatron-core's RouterReplay
     cpu_patches.py the runtime patches megatron-core 0.16.1 needs on CPU, applied only there
 
 How ranks are started is `launch.megatron_ranks`. Importing this package does not import

@@ -11,9 +11,13 @@ did not use (it ran learned absolute positions):
    dropout is 0 in the Qwen3 spec, so no random numbers are drawn there anyway.
 3. `RotaryEmbedding.get_emb` moves its `inv_freq` to `torch.cuda.current_device()` on first use.
    The patch computes the same embedding where `inv_freq` already is.
+4. An MoE router's `gating` moves its weight to `torch.cuda.current_device()` when it finds it on
+   the CPU, and its `router_gating_linear` reads a TransformerEngine name that is undefined
+   without TransformerEngine. The patch computes the same logits, a plain linear in the
+   configured router dtype, where the weight is.
 
 `apply_cpu_patches()` is called only when the trainer runs on CPU; on a GPU megatron-core runs
-unpatched (0.19.x on the H200 machine). Both patches are idempotent.
+unpatched (0.19.x on the H200 machine). The patches are idempotent.
 """
 
 from __future__ import annotations
@@ -54,17 +58,26 @@ def _rope_emb_in_place(self: Any, max_seq_len: int, offset: int = 0) -> torch.Te
     return emb[:, None, None, :]
 
 
+def _gating_in_place(self: Any, input: torch.Tensor) -> torch.Tensor:
+    """`Router.gating` without the move to CUDA: the router logits, in the configured router dtype."""
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+    bias = None if self.bias is None else self.bias.to(dtype)
+    return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
 def apply_cpu_patches(seed: int) -> None:
     """Patch megatron-core for CPU and seed torch. Call after `initialize_model_parallel`."""
     global _applied
     import megatron.core.utils as mcu
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.moe.router import Router
 
     if torch.cuda.is_available():
         raise RuntimeError("the megatron CPU patches are for CPU-only hosts; on a GPU megatron-core runs unpatched")
     mcu.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     RotaryEmbedding.get_emb = _rope_emb_in_place
+    Router.gating = _gating_in_place
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
     _applied = True

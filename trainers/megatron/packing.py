@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainers.megatron.rows import Row
 
-__all__ = ["Packed", "head_logprobs", "pack"]
+__all__ = ["Packed", "head_logprobs", "pack", "sampler_head_logprobs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +97,31 @@ def _entropy(logits: torch.Tensor, tp_group: Any, tp: int) -> torch.Tensor:
     if tp > 1:
         parts = reduce_from_tensor_model_parallel_region(parts)
     return parts[0].log() - parts[1] / parts[0]  # log Z - E[shifted]
+
+
+def sampler_head_logprobs(
+    logits: torch.Tensor, packed: Packed, ids: torch.Tensor, *, temperature: float
+) -> torch.Tensor:
+    """SC: the trainer's log-probs at the sampler's head ids [R, k] (long, whole-vocabulary ids), with
+    gradient, the vocabulary split over the TP group: `logit_v / T - log Z` for each id.
+
+    Each id's logit lives on the one TP rank whose slice holds it; the others add 0, and the sum
+    meets in megatron's all-reduce (identity backward: each rank's gradient reaches only its slice).
+    log Z is the vocabulary's log-sum-exp, its parts summed the same way."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    picked = logits[0, packed.predict].float() / temperature  # [R, V / tp]
+    width = picked.shape[-1]
+    local = ids - tp_rank * width
+    here = (local >= 0) & (local < width)
+    at = picked.gather(-1, local.clamp(0, width - 1)).masked_fill(~here, 0.0)
+    peak = picked.detach().max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    total = (picked - peak).exp().sum(-1, keepdim=True)
+    if tp > 1:
+        at = reduce_from_tensor_model_parallel_region(at)
+        total = reduce_from_tensor_model_parallel_region(total)
+    return at - peak - total.log()

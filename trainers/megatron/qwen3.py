@@ -19,6 +19,14 @@ Names and layouts (HF -> megatron, full tensors):
     model.norm.weight                          -> decoder.final_layernorm.weight
     lm_head.weight (untied only)               -> output_layer.weight
 
+The embedding row of `pad_token_id` gets no gradient from the input lookup, as transformers'
+`nn.Embedding(padding_idx=...)` gives it none (a tied output layer still trains it). It matters
+when a sampled response holds the pad token: the tiny model starts that row at zero, and the
+RMSNorm of a zero vector has a gradient of 1/sqrt(eps), which swamped the step.
+
+Qwen3-MoE (`model_type` qwen3_moe, every layer sparse): each layer's MLP is megatron's MoE layer,
+its router and experts converted by `moe.py`, which says how the routing matches transformers'.
+
 Tensor parallelism splits a full megatron tensor into per-rank shards (`shard`) and joins them
 back (`unshard`): vocab rows of the embedding and output layer, query groups of `linear_qkv`, the
 gate and the up half of `linear_fc1` each, and the input columns of `linear_proj` and `linear_fc2`.
@@ -44,6 +52,7 @@ from typing import Any
 import torch
 
 from core.errors import ConfigError
+from trainers.megatron.moe import hf_moe_to_megatron, megatron_moe_to_hf, moe_config
 
 __all__ = [
     "Qwen3Shape",
@@ -72,15 +81,45 @@ class Qwen3Shape:
     rms_norm_eps: float
     max_positions: int
     tied: bool
+    # Qwen3-MoE: experts per layer (0: a dense model), experts per token, each expert's FFN width.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
+    # transformers builds the embedding with `padding_idx=pad_token_id`: that row gets no gradient
+    # from the input lookup (`build_gpt_model` does the same).
+    pad_token_id: int | None = None
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, config: Any) -> Qwen3Shape:
-        if getattr(config, "model_type", None) not in ("qwen3", "qwen2"):
+        kind = getattr(config, "model_type", None)
+        if kind not in ("qwen3", "qwen2", "qwen3_moe"):
             raise ConfigError(
                 [
-                    f"--train-backend=megatron: model type {config.model_type!r} is not Qwen3-shaped "
-                    "(the megatron backend converts qwen3 checkpoints)"
+                    f"--train-backend=megatron: model type {kind!r} is not Qwen3-shaped "
+                    "(the megatron backend converts qwen3 and qwen3_moe checkpoints)"
                 ]
+            )
+        moe: dict[str, Any] = {}
+        if kind == "qwen3_moe":
+            if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+                raise ConfigError(
+                    [
+                        "--train-backend=megatron: this qwen3_moe checkpoint mixes dense and sparse layers "
+                        f"(mlp_only_layers={config.mlp_only_layers}, "
+                        f"decoder_sparse_step={config.decoder_sparse_step}); "
+                        "the megatron backend converts models whose every layer is MoE"
+                    ]
+                )
+            moe = dict(
+                num_experts=int(config.num_experts),
+                moe_top_k=int(config.num_experts_per_tok),
+                moe_ffn_hidden_size=int(config.moe_intermediate_size),
+                norm_topk_prob=bool(config.norm_topk_prob),
             )
         rope = getattr(config, "rope_theta", None)
         if rope is None:  # transformers v5 keeps it in rope_parameters
@@ -98,6 +137,8 @@ class Qwen3Shape:
             rms_norm_eps=config.rms_norm_eps,
             max_positions=config.max_position_embeddings,
             tied=bool(config.tie_word_embeddings),
+            pad_token_id=getattr(config, "pad_token_id", None),
+            **moe,
         )
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -108,7 +149,7 @@ class Qwen3Shape:
                 ("attention heads", self.num_heads),
                 ("key/value heads", self.num_kv_heads),
                 ("vocab size", self.vocab_size),
-                ("FFN size", self.ffn_hidden_size),
+                ("FFN size", self.moe_ffn_hidden_size if self.moe else self.ffn_hidden_size),
             )
             if n % tp
         ]
@@ -136,6 +177,11 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    moe = (
+        moe_config(shape.num_experts, shape.moe_top_k, shape.moe_ffn_hidden_size, norm_topk_prob=shape.norm_topk_prob)
+        if shape.moe
+        else {}
+    )
     config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -166,11 +212,14 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
+        **moe,
     )
     rotary_base = int(shape.rope_theta) if shape.rope_theta.is_integer() else shape.rope_theta
     model: torch.nn.Module = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=shape.num_experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_positions,
         position_embedding_type="rope",
@@ -181,6 +230,11 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
+    if shape.pad_token_id is not None and ps.is_pipeline_first_stage():
+        pad = shape.pad_token_id
+        model.embedding.word_embeddings.register_forward_hook(  # type: ignore[union-attr]
+            lambda module, args, out: torch.where((args[0] == pad)[..., None], out.detach(), out)
+        )
     return model if on_cpu else model.cuda()
 
 
@@ -208,7 +262,6 @@ _LAYER_SAME = {  # megatron suffix -> HF suffix, same layout
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
 
@@ -230,7 +283,11 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: Qwen3Shape) -> dict[st
         k = hf[hp + "self_attn.k_proj.weight"].view(shape.num_kv_heads, d, -1)
         v = hf[hp + "self_attn.v_proj.weight"].view(shape.num_kv_heads, d, -1)
         out[mp + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, shape.hidden_size)
+        if shape.moe:
+            out.update(hf_moe_to_megatron(hf, hp, mp, shape.num_experts))
+            continue
         out[mp + "mlp.linear_fc1.weight"] = torch.cat([hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]])
+        out[mp + "mlp.linear_fc2.weight"] = hf[hp + "mlp.down_proj.weight"]
     return out
 
 
@@ -253,8 +310,12 @@ def megatron_to_hf(mg: Mapping[str, torch.Tensor], shape: Qwen3Shape) -> dict[st
         out[hp + "self_attn.q_proj.weight"] = q.reshape(-1, shape.hidden_size)
         out[hp + "self_attn.k_proj.weight"] = k.reshape(-1, shape.hidden_size)
         out[hp + "self_attn.v_proj.weight"] = v.reshape(-1, shape.hidden_size)
+        if shape.moe:
+            out.update(megatron_moe_to_hf(mg, hp, mp, shape.num_experts))
+            continue
         gate, up = mg[mp + "mlp.linear_fc1.weight"].chunk(2)
         out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = gate, up
+        out[hp + "mlp.down_proj.weight"] = mg[mp + "mlp.linear_fc2.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -13,6 +13,7 @@ step (`--global-batch-size`; the trainer's own default, None, is the whole rollo
 
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from trainers.columns import column_tensor
 from trainers.loss import LossAggregation, LossSettings
 from trainers.metrics import tally_minibatch
 
-__all__ = ["Row", "batch_rows", "micro_batch_loss", "step_metrics"]
+__all__ = ["Heads", "Row", "batch_rows", "micro_batch_heads", "micro_batch_loss", "step_metrics"]
 
 TOTALS = (
     "loss",
@@ -55,9 +56,25 @@ class Row:
     behaviour: list[float]
     mask: list[bool]  # the token trains (every mask applied); all False for a sample that does not train
     advantage: float
+    # R3: the response tokens' routes, little-endian int32 [tokens, layers, top_k] in base64 (JSON
+    # carries it to the ranks); None when the trainer does not replay routes or the sample has none.
+    routes: str | None = None
+    # SC: the sampler's top-k head of each response token: [k, ids (<i4), log-probs (<f8)], the
+    # bytes in base64; None when the loss does not center scores or the sample has no heads.
+    heads: list[Any] | None = None
 
     @classmethod
-    def of(cls, s: Sample, mask: Sequence[bool] | None = None, advantage: float = 0.0) -> Row:
+    def of(
+        cls,
+        s: Sample,
+        mask: Sequence[bool] | None = None,
+        advantage: float = 0.0,
+        *,
+        route_shape: tuple[int, int] | None = None,
+        heads: bool = False,
+    ) -> Row:
+        """`route_shape` (layers, top k of the trained model): carry the sample's routes (R3);
+        `heads`: carry its sampler heads (SC)."""
         if not s.prompt_ids:
             raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
         return cls(
@@ -66,14 +83,74 @@ class Row:
             s.logprobs.tolist(),
             list(mask) if mask is not None else [False] * s.response_len,
             advantage,
+            _routes(s, route_shape),
+            _heads(s) if heads else None,
         )
 
     def to_json(self) -> list[Any]:
-        return [self.prompt_ids, self.response_ids, self.behaviour, self.mask, self.advantage]
+        return [self.prompt_ids, self.response_ids, self.behaviour, self.mask, self.advantage, self.routes, self.heads]
 
     @classmethod
     def from_json(cls, raw: list[Any]) -> Row:
         return cls(*raw)
+
+
+def _routes(s: Sample, shape: tuple[int, int] | None) -> str | None:
+    """The sample's routes for a row (base64), checked against the trained model's `shape`."""
+    routes = s.routes
+    if shape is None or routes is None or not len(routes):
+        return None
+    if (routes.layers, routes.top_k) != shape:
+        raise ValueError(
+            f"sample {s.index}: its routes are {routes.layers} layers x top-{routes.top_k}, the trained model "
+            f"routes {shape[0]} layers x top-{shape[1]} (rollout and trainer models differ?)"
+        )
+    if len(routes) > s.response_len:
+        raise ValueError(f"sample {s.index}: {len(routes)} route rows for {s.response_len} response tokens")
+    return base64.b64encode(routes.data).decode("ascii")
+
+
+def _heads(s: Sample) -> list[Any] | None:
+    h = s.heads
+    if h is None or not len(h):
+        return None
+    if len(h) > s.response_len:
+        raise ValueError(f"sample {s.index}: {len(h)} sampler-head rows for {s.response_len} response tokens")
+    return [h.k, base64.b64encode(h.token_ids_data).decode("ascii"), base64.b64encode(h.logprobs_data).decode("ascii")]
+
+
+@dataclass(frozen=True, slots=True)
+class Heads:
+    """The sampler heads of a micro-batch's response tokens, back to back as `packing` lays them out."""
+
+    ids: torch.Tensor  # [N, k] long; 0 where a token has no head (see `valid`)
+    logprobs: torch.Tensor  # [N, k] the sampler's log-probs at `ids`
+    valid: torch.Tensor  # [N] bool: the token has a head from a sampler
+
+
+def micro_batch_heads(rows: Sequence[Row], device: torch.device) -> Heads:
+    """The rows' heads as tensors (the torch trainer's `sampler_heads`, flat): a row without heads,
+    or a head row of id -1 (environment tokens), has none there."""
+    import numpy as np
+
+    k = next((int(r.heads[0]) for r in rows if r.heads is not None), 1)
+    n = sum(len(r.response_ids) for r in rows)
+    ids = torch.zeros((n, k), dtype=torch.long)
+    logprobs = torch.zeros((n, k), dtype=torch.float32)
+    valid = torch.zeros(n, dtype=torch.bool)
+    at = 0
+    for r in rows:
+        if r.heads is not None:
+            if int(r.heads[0]) != k:
+                raise ValueError(f"sampler heads of top-{r.heads[0]} in a micro-batch of top-{k} heads")
+            got = np.frombuffer(base64.b64decode(r.heads[1]), dtype="<i4").astype(np.int64).reshape(-1, k)
+            lps = np.frombuffer(base64.b64decode(r.heads[2]), dtype="<f8").astype(np.float32).reshape(-1, k)
+            m = len(got)
+            ids[at : at + m] = torch.from_numpy(got).clamp(min=0)
+            logprobs[at : at + m] = torch.from_numpy(lps)
+            valid[at : at + m] = torch.from_numpy((got >= 0).all(axis=-1))
+        at += len(r.response_ids)
+    return Heads(ids.to(device), logprobs.to(device), valid.to(device))
 
 
 def _trains(s: Sample) -> bool:
@@ -87,8 +164,11 @@ def _trains(s: Sample) -> bool:
     return True
 
 
-def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bool], list[list[int]]]:
-    """Rows, whether each sample trains, and each sample's token versions (for the metrics)."""
+def batch_rows(
+    batch: Batch, settings: LossSettings, *, route_shape: tuple[int, int] | None = None
+) -> tuple[list[Row], list[bool], list[list[int]]]:
+    """Rows, whether each sample trains, and each sample's token versions (for the metrics).
+    `route_shape`: the rows carry the samples' routes (R3, `Row.of`)."""
     s = settings
     train_version = (
         batch.train_version
@@ -121,16 +201,16 @@ def batch_rows(batch: Batch, settings: LossSettings) -> tuple[list[Row], list[bo
                 mask &= L.newest_version_mask(v, valid)
             if s.mask_stale_tokens is not None:
                 mask &= L.stale_token_mask(v, valid, train_version=train_version, max_lag=s.mask_stale_tokens)
-            rows.append(Row.of(x, mask[0].tolist(), adv))
+            rows.append(Row.of(x, mask[0].tolist(), adv, route_shape=route_shape, heads=s.score_centering))
             trains.append(reward is not None)
             versions.append(x.token_versions())
     return rows, trains, versions
 
 
 def _padded(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
-    """[B, R] from the rows' response tokens back to back (0 past each row's end)."""
+    """[B, R, ...] from the rows' response tokens back to back [N, ...] (0 past each row's end)."""
     width = max((len(r.response_ids) for r in rows), default=0)
-    out = flat.new_zeros((len(rows), width))
+    out = flat.new_zeros((len(rows), width, *flat.shape[1:]))
     at = 0
     for i, r in enumerate(rows):
         n = len(r.response_ids)
@@ -160,6 +240,8 @@ def micro_batch_loss(
     totals: defaultdict[str, float],
     proximal_flat: torch.Tensor | None = None,
     reference_flat: torch.Tensor | None = None,
+    train_head_flat: torch.Tensor | None = None,
+    heads: Heads | None = None,
 ) -> torch.Tensor:
     """This micro-batch's part of its minibatch's loss (backward it), adding its sums to `totals`.
 
@@ -167,6 +249,7 @@ def micro_batch_loss(
     sample count. `proximal_flat`: the log-probs recomputed before the rollout batch's first
     optimizer step (several steps per batch); None means one step, where the proximal policy is
     the current one. `reference_flat`: the reference model's log-probs (`--use-kl-loss`).
+    `train_head_flat` [N, k] (with gradient) and `heads`: SC's trainer and sampler heads.
     """
     s, device = settings, logp_flat.device
     logp, entropy = _padded(rows, logp_flat), _padded(rows, entropy_flat)
@@ -181,6 +264,9 @@ def micro_batch_loss(
         mask=mask,
         advantages=adv,
         reference=None if reference_flat is None else _padded(rows, reference_flat),
+        train_head=None if train_head_flat is None else _padded(rows, train_head_flat),
+        sampler_head=None if heads is None else _padded(rows, heads.logprobs),
+        head_valid=None if heads is None else _padded(rows, heads.valid),
     )
     share = (
         float(pl.train.float().sum()) / max(batch_tokens, 1.0)

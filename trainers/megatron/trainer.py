@@ -42,6 +42,10 @@ megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the
 the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
 it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
 
+MoE (a qwen3_moe folder, `moe.py`) at TP=1. R3 (`routing_replay`, `--use-rollout-routing-replay`):
+rows' routes are replayed through megatron-core's RouterReplay (`router_replay.py`). SC: the loss
+scores the rows' sampler heads over the TP-split vocabulary (`packing.sampler_head_logprobs`).
+
 Reference model (`--use-kl-loss`): a second GPTModel with the same TP/PP layout, frozen, loaded
 from `ref_path` (the run's initial weights, or `--ref-load`); each rank holds its own shard and
 runs one forward without gradient per micro-batch per rollout batch, before the first optimizer
@@ -87,11 +91,13 @@ from trainers.megatron.layout import (
     tensor_from_last_stage,
 )
 from trainers.megatron.master import MasterWeights
-from trainers.megatron.packing import Packed, head_logprobs, pack
+from trainers.megatron.packing import Packed, head_logprobs, pack, sampler_head_logprobs
 from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
+from trainers.megatron.router_replay import ReplayedRouters, plan
 from trainers.megatron.rows import (
     Row,
     batch_rows,
+    micro_batch_heads,
     micro_batch_loss,
     step_metrics,
     trained_token_count,
@@ -138,6 +144,7 @@ class MegatronTrainer:
         num_threads: int | None = 1,
         distributed_optimizer: bool = False,
         ref_path: str | os.PathLike[str] | None = None,
+        routing_replay: bool = False,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -176,6 +183,18 @@ class MegatronTrainer:
         self.stage = Stage.current()
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
+        if self.shape.moe and self.layout.tp > 1:
+            raise ValueError(
+                f"tensor parallel ({self.layout.tp}) with an MoE model: megatron-core's MoE layers need "
+                "sequence parallel under TP, which this backend does not run; use TP=1 (data parallel "
+                "and pipeline parallel work)"
+            )
+        if routing_replay and not self.shape.moe:
+            raise ValueError(
+                "--use-rollout-routing-replay: the model has no MoE layers (no routers) to replay routes in"
+            )
+        # R3: (layers, top k) of the routes rows carry; None when routes are not replayed.
+        self._route_shape = (self.shape.num_layers, self.shape.moe_top_k) if routing_replay else None
         self.shape.check_pipeline_parallel(self.layout.pp)
         self.dtype = _DTYPES[dtype]
         self.model = build_gpt_model(
@@ -195,6 +214,12 @@ class MegatronTrainer:
             ref = Path(ref_path) if ref_path is not None else self.model_path
             load_hf_weights(self.reference, ref, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
             self.reference.requires_grad_(False)
+        # R3: the policy's and the reference's routers replay the same routes (router_replay.py).
+        self._replays = {
+            role: ReplayedRouters(net)
+            for role, net in (("policy", self.model), ("reference", self.reference))
+            if routing_replay and net is not None
+        }
         self.steps = 0
         resume = self.model_path / OPTIMIZER_DIR
         self.distopt: DistributedOptimizer | None = None
@@ -227,7 +252,7 @@ class MegatronTrainer:
         resumed run replays a stored batch with its recorded split (`pipeline.checkpoints`)."""
         if not batch.samples:
             raise ValueError(f"batch {batch.step} has no samples")
-        rows, trains, versions = batch_rows(batch, self.loss)
+        rows, trains, versions = batch_rows(batch, self.loss, route_shape=self._route_shape)
         size = minibatch_samples or self.global_batch_size or len(rows)
         self._broadcast(_Command.TRAIN, {"rows": [r.to_json() for r in rows], "minibatch_samples": size})
         step = self._train(rows, size)
@@ -259,7 +284,7 @@ class MegatronTrainer:
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Log-prob of every response token under the current weights (rank 0; all ranks compute)."""
-        rows = [Row.of(s) for s in samples]
+        rows = [Row.of(s, route_shape=self._route_shape) for s in samples]
         self._broadcast(_Command.LOGPROBS, [r.to_json() for r in rows])
         return self._logprobs(rows)
 
@@ -372,6 +397,7 @@ class MegatronTrainer:
             packed, flight = self._forward(chunk, train=True)
             if self.stage.last:  # the loss, on the logits
                 logp, entropy = self._head(flight.output, packed)
+                heads = micro_batch_heads(chunk, self.device) if self.loss.score_centering else None
                 flight.loss = micro_batch_loss(
                     self.loss,
                     chunk,
@@ -382,6 +408,10 @@ class MegatronTrainer:
                     totals=totals,
                     proximal_flat=None if proximal is None else proximal[j],
                     reference_flat=None if reference is None else reference[j],
+                    train_head_flat=None
+                    if heads is None
+                    else sampler_head_logprobs(flight.output, packed, heads.ids, temperature=self.temperature),
+                    heads=heads,
                 )
             pending.append(flight)
             if self.stage.pp == 1:
@@ -430,7 +460,13 @@ class MegatronTrainer:
         """This stage's forward of one packed micro-batch (the output is the logits on the last stage)."""
         packed = pack(rows, self.device)
         module = self.model if model is None else model
-        return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+        replay = self._replays.get("policy" if model is None else "reference")
+        if replay is None:
+            return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+        routes = plan(rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device)
+        with replay.replaying(routes):
+            flight = forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+        return packed, flight
 
     def _backward(self, flight: InFlight) -> None:
         backward(self.stage, flight)
