@@ -108,7 +108,7 @@ async def test_an_engine_killed_during_generation_is_evicted_restarted_and_readm
         assert stats.reduced_capacity_seconds > 0
         assert await fleet.weight_versions() == {a: "3", b: "3"}  # the restarted engine is current
         assert engines.process(b).returncode is None
-        r = await fleet.generate(PROMPT, {"max_new_tokens": 4}, rid="after")
+        r = await fleet.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True}, rid="after")
         assert r.finish_reason is FinishReason.LENGTH
 
 
