@@ -62,16 +62,17 @@ class _TokenScores(torch.autograd.Function):
         for s, e in _chunks(n, vocab):
             full = torch.log_softmax(logits[s:e].float() / t, dim=-1)
             p = full.exp()
-            g = torch.zeros_like(full)
             # Each picked log-prob pulls its own id up and every id down by p: sum the pulls first.
             pull = torch.zeros(e - s, device=full.device)
             if g_logp is not None:
-                g.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None].float())
                 pull += g_logp[s:e].float()
             if g_head is not None and heads.shape[1]:
-                g.scatter_add_(-1, heads[s:e], g_head[s:e].float())
                 pull += g_head[s:e].float().sum(dim=-1)
-            g -= p * pull[:, None]
+            g = p * -pull[:, None]
+            if g_logp is not None:
+                g.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None].float())
+            if g_head is not None and heads.shape[1]:
+                g.scatter_add_(-1, heads[s:e], g_head[s:e].float())
             if g_entropy is not None:
                 g -= g_entropy[s:e].float()[:, None] * p * (full + entropy[s:e, None])
             grad[s:e] = (g / t).to(grad.dtype)

@@ -323,7 +323,5 @@ def trained_token_count(
     logp = _padded(rows, logp_flat)
     prox = logp if proximal_flat is None else _padded(rows, proximal_flat)
     behaviour, mask, adv = _row_tensors(rows, logp.shape[1], device)
-    train = mask & ~L.importance_weights(prox, behaviour, mask, s).dropped
-    if s.use_opsm:
-        train = train & L.opsm_mask(logp, behaviour, train, adv, s.opsm_delta)[:, None]
+    train = L.trained_mask(s, current=logp, proximal=prox, behaviour=behaviour, mask=mask, advantages=adv)
     return float(train.sum())
