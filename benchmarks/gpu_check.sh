@@ -40,7 +40,7 @@ want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtyp
 want publish-transfer && step publish-transfer 75 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
   --model-size 0.6b --publishes 3
 want modes-builtin && step modes-builtin 560 python3 -m benchmarks.modes --engine builtin --device cuda --model-size 0.6b \
-  --steps 4 --length-tail lognormal:-1.9,0.8 --max-len 256 --timeline-dir "$out/timelines"
+  --dtype bfloat16 --steps 4 --length-tail lognormal:-1.9,0.8 --max-len 256 --timeline-dir "$out/timelines"
 want modes-sim && step modes-sim 90 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 256 --slots 64 --train-time 3.5 \
   --only sync --only sync+partial --only async --only "async, overlap" --timeline-dir "$out/timelines"
 printf '%s\n' "${status[@]}" | tee "$out/summary.txt"

@@ -60,6 +60,12 @@ if __name__ == "__main__":
         metavar="DIST",
         help="builtin: end samples at lengths from the simulated engine's distribution (e.g. lognormal:-1.9,0.8)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="builtin: the trainer's compute dtype (--trainer-dtype), and the engine's with --length-tail",
+    )
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     parsed = parser.parse_args()
     if parsed.engine == "builtin":

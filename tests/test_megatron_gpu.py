@@ -48,6 +48,24 @@ def test_the_built_in_task_learns_with_megatron_on_the_gpu(tmp_path, dtype):
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < tolerance
 
 
+def test_the_moe_toy_learns_with_megatron_on_the_gpu_replaying_the_engines_routes(tmp_path):
+    """Megatron's MoE layers on CUDA, each router replaying the route the engine's forward chose (R3):
+    the trainer's log-probs of the rollout tokens are the engine's up to fp32 noise (without the
+    replay a router whose top two experts nearly tie picks the other one and a token moves by far
+    more), and the reward rises as on the CPU (tests/test_moe_launch.py)."""
+    records = _launch(
+        tmp_path, "--num-rollout", "30", "--trainer-device", "cuda", "--num-experts", "8", "--moe-router-topk", "2",
+        "--use-rollout-routing-replay",
+    )  # fmt: skip
+    first = sum(r["reward/mean"] for r in records[:5]) / 5
+    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    worst = max(r["train/train_rollout_logprob_abs_diff"] for r in records)
+    print(f"megatron MoE on GPU with R3: reward {first:.3f} -> {last:.3f}; logprob abs diff max {worst:.2e}")
+    assert last > first + 0.1, (first, last)
+    # The engine samples on the CPU, the trainer computes on the GPU: different kernels, same routes.
+    assert worst < 1e-3
+
+
 def test_step_time_of_both_backends_on_a_0_6b_model():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     command = [sys.executable, "-m", "benchmarks.trainer_backends", "--device", "cuda", "--steps", "3"]
