@@ -100,7 +100,8 @@ SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "
 
 def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The same modes on the simulated engine, its time model fitted to the real runs: decode step
-    = a + b x rows (least squares over every decode-only step of every mode), prefill per token,
+    = a + b x rows (least squares over every decode-only step of every mode), prefill = base + per
+    token (least squares over the prefilling steps, their decode part taken out),
     training and publish seconds the real medians; same steps, groups, limit, slots and length
     distribution. Returns the simulated modes' results by the real modes' names."""
     import anyio
@@ -108,25 +109,22 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     from benchmarks import modes_sim as sim
 
     fs = [r["forward"] for r in results.values() if r["forward"]]
-    n = sum(f["decode_timed_steps"] for f in fs)
-    rows, secs = sum(f["decode_rows"] for f in fs), sum(f["decode_seconds"] for f in fs)
-    rows2, rows_secs = sum(f["decode_rows_squared"] for f in fs), sum(f["decode_rows_seconds"] for f in fs)
-    spread = n * rows2 - rows * rows
-    per_row = max(0.0, (n * rows_secs - rows * secs) / spread) if spread > 0 else 0.0
-    base = max(0.0, (secs - per_row * rows) / max(n, 1))
-    prefill = sum(f["prefill_seconds"] for f in fs) / max(sum(f["prefill_tokens"] for f in fs), 1)
+    base, per_row, n = _decode_fit(fs)
+    prefill_base, prefill = _prefill_fit(fs, base, per_row)
     train = statistics.median(r["train s"] for r in results.values())
     publish = results["sync"]["publish s"]
     print(
         f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows (from {n} steps), "
-        f"prefill {prefill * 1e6:.1f} us/token, training {train:.2f} s, publish {publish:.2f} s"
+        f"prefill {prefill_base * 1e3:.2f} ms + {prefill * 1e6:.1f} us/token, training {train:.2f} s, "
+        f"publish {publish:.2f} s"
     )
     twin = argparse.Namespace(
         batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=0.25,
         train_time=train, prompt_len=16, timeline_dir=None,
         sim_flags=[
             "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", "0",
-            "--prefill-base", "0", "--prefill-per-token", str(prefill), "--weight-update-time", str(publish),
+            "--prefill-base", str(prefill_base), "--prefill-per-token", str(prefill),
+            "--weight-update-time", str(publish),
             "--length-dist", args.length_tail,
         ],
     )  # fmt: skip
@@ -141,6 +139,41 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     return out
 
 
+def _line(n: float, x: float, y: float, xx: float, xy: float) -> tuple[float, float]:
+    """Least squares y = a + b x from the sums (count, x, y, x^2, xy); (a, b), neither below 0."""
+    spread = n * xx - x * x
+    b = max(0.0, (n * xy - x * y) / spread) if spread > 0 else 0.0
+    return max(0.0, (y - b * x) / max(n, 1)), b
+
+
+def _decode_fit(fs: list[dict[str, Any]]) -> tuple[float, float, int]:
+    """A decode-only step's seconds = a + b x rows, over every such step the engine timed; (a, b, steps)."""
+    n = sum(f["decode_timed_steps"] for f in fs)
+    keys = ("decode_rows", "decode_seconds", "decode_rows_squared", "decode_rows_seconds")
+    sums = (sum(f[k] for f in fs) for k in keys)
+    return (*_line(n, *sums), n)
+
+
+def _prefill_fit(fs: list[dict[str, Any]], a: float, b: float) -> tuple[float, float]:
+    """A prefill's seconds = base + per token x t, on the simulated engine's terms (a forward of its
+    own). The built-in engine decodes the held requests in the step that prefills (h rows beside
+    t prefill tokens): those seconds minus the decode fit's a + b x h are the prefill's. Dividing
+    the whole step by its tokens, as this did before, charged a 10 ms decode to a 16-token prompt
+    and made the twin's over-sampling 5x too costly. (base, per token)."""
+
+    def total(key: str) -> float:
+        return float(sum(f.get(key, 0) for f in fs))
+
+    n, t = total("prefills"), total("prefill_tokens")
+    r = total("prefill_seconds") - a * total("prefill_steps_decoding") - b * total("prefill_step_held_rows")
+    tr = (
+        total("prefill_step_tokens_seconds")
+        - a * total("prefill_step_tokens_decoding")
+        - b * total("prefill_step_tokens_held")
+    )
+    return _line(n, t, r, total("prefill_step_tokens_squared"), tr)
+
+
 def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     """The built-in engine with the length tail, as the launcher would start it; (process, url)."""
     from launch.engine_process import free_port
@@ -149,7 +182,8 @@ def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tupl
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "tail-engine.log").open("wb")
     cmd = [sys.executable, "-m", "engines.builtin", "--model-path", str(model), "--port", str(port)]
-    cmd += ["--device", args.device, "--dtype", args.dtype, "--max-running-requests", "64", "--length-tail", args.length_tail]
+    cmd += ["--device", args.device, "--dtype", args.dtype, "--max-running-requests", "64"]
+    cmd += ["--length-tail", args.length_tail]
     cmd += ["--length-tail-limit", str(args.max_len)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

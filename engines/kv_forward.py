@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import anyio
@@ -97,6 +97,18 @@ class SlotStatistics:
     # For a fit of step time against rows (what the simulated engine's time model needs):
     decode_rows_squared: int = 0  # sum of rows^2 over decode steps
     decode_rows_seconds: float = 0.0  # sum of rows x seconds over decode steps
+    # A step with a prefill also decodes the requests already held (one forward each, one step):
+    # its seconds are both. Sums over those steps, so that a fit can take the decode part out
+    # (`benchmarks/modes_builtin.py`): prefill tokens t, rows decoded beside them h, seconds s.
+    prefill_steps_decoding: int = 0  # steps with h > 0
+    prefill_step_tokens_squared: int = 0  # sum of t^2
+    prefill_step_tokens_seconds: float = 0.0  # sum of t x s
+    prefill_step_held_rows: int = 0  # sum of h
+    prefill_step_tokens_held: int = 0  # sum of t x h
+    prefill_step_tokens_decoding: int = 0  # sum of t over the steps with h > 0
+
+
+_MIXED_SUMS = tuple(f.name for f in fields(SlotStatistics) if f.name.startswith(("prefill_step_", "prefill_steps_")))
 
 
 class KVCacheForward(TorchForward):
@@ -157,6 +169,7 @@ class KVCacheForward(TorchForward):
         self._moves = self._decode_rows = 0
         self._decode_seconds = self._prefill_seconds = self._rows_seconds = 0.0
         self._rows_squared = self._timed_steps = 0
+        self._mixed = dict.fromkeys(_MIXED_SUMS, 0.0)
         self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
 
     def _decode_graphs(
@@ -242,6 +255,15 @@ class KVCacheForward(TorchForward):
         seconds = time.perf_counter() - start  # the draws read the device back: the work is done
         if fresh:
             self._prefill_seconds += seconds
+            tokens = sum(len(rows[i].prompt_ids) + len(rows[i].output_ids) for i in fresh)
+            held = len(rows) - len(fresh)
+            m = self._mixed
+            m["prefill_steps_decoding"] += held > 0
+            m["prefill_step_tokens_squared"] += tokens * tokens
+            m["prefill_step_tokens_seconds"] += tokens * seconds
+            m["prefill_step_held_rows"] += held
+            m["prefill_step_tokens_held"] += tokens * held
+            m["prefill_step_tokens_decoding"] += tokens if held else 0
         else:
             self._decode_seconds += seconds
             self._timed_steps += 1
@@ -358,6 +380,7 @@ class KVCacheForward(TorchForward):
             prefill_seconds=self._prefill_seconds,
             decode_rows_squared=self._rows_squared,
             decode_rows_seconds=self._rows_seconds,
+            **{k: v if k.endswith("_seconds") else int(v) for k, v in self._mixed.items()},
         )
 
     # ---- what differs from the cacheless forward in the rest of the seam ----------------------------

@@ -1,0 +1,50 @@
+"""The simulated twin's time model (`benchmarks/modes_builtin.py`), fitted from the sums the
+built-in engine reports in `/server_info` (`engines/kv_forward.py`'s `SlotStatistics`)."""
+
+from __future__ import annotations
+
+from benchmarks.modes_builtin import _decode_fit, _prefill_fit
+
+
+def _sums(decode: list[tuple[int, float]], prefill: list[tuple[int, int, float]]) -> dict[str, float]:
+    """What the engine accumulates: decode-only steps (rows, seconds); prefilling steps (prefill
+    tokens t, rows decoded beside them h, seconds)."""
+    return {
+        "decode_timed_steps": len(decode),
+        "decode_rows": sum(r for r, _ in decode),
+        "decode_seconds": sum(s for _, s in decode),
+        "decode_rows_squared": sum(r * r for r, _ in decode),
+        "decode_rows_seconds": sum(r * s for r, s in decode),
+        "prefills": len(prefill),
+        "prefill_tokens": sum(t for t, _, _ in prefill),
+        "prefill_seconds": sum(s for _, _, s in prefill),
+        "prefill_steps_decoding": sum(h > 0 for _, h, _ in prefill),
+        "prefill_step_tokens_squared": sum(t * t for t, _, _ in prefill),
+        "prefill_step_tokens_seconds": sum(t * s for t, _, s in prefill),
+        "prefill_step_held_rows": sum(h for _, h, _ in prefill),
+        "prefill_step_tokens_held": sum(t * h for t, h, _ in prefill),
+        "prefill_step_tokens_decoding": sum(t for t, h, _ in prefill if h),
+    }
+
+
+def test_the_prefill_fit_takes_out_the_decode_that_shares_its_step():
+    """Decode 10 ms + 50 us a row; prefill 2 ms + 30 us a token, in steps that also decode the
+    held rows. The fit gives the prefill's own cost back: charging the whole step to the prefill
+    tokens (the old fit) made a 16-token prompt cost 0.7 ms a token, 23x too much."""
+    decode = [(r, 0.010 + 5e-5 * r) for r in (4, 16, 32, 64, 64, 48)]
+    steps = [(16, 63, 0), (32, 0, 0), (48, 40, 0), (16, 10, 0), (160, 60, 0)]
+    prefill = [(t, h, 0.002 + 3e-5 * t + (0.010 + 5e-5 * h if h else 0.0)) for t, h, _ in steps]
+    # Two modes' engines report separately; the fit sums them.
+    fs = [_sums(decode[:3], prefill[:2]), _sums(decode[3:], prefill[2:])]
+    a, b, n = _decode_fit(fs)
+    assert n == 6 and abs(a - 0.010) < 1e-9 and abs(b - 5e-5) < 1e-12
+    base, per_token = _prefill_fit(fs, a, b)
+    assert abs(base - 0.002) < 1e-9 and abs(per_token - 3e-5) < 1e-12
+    whole_step = sum(s for _, _, s in prefill) / sum(t for t, _, _ in prefill)
+    assert whole_step > 5 * per_token
+
+
+def test_an_engine_that_reported_no_prefill_sums_fits_to_zero_not_an_error():
+    fs = [{k: 0 for k in _sums([], [])}]
+    assert _decode_fit(fs) == (0.0, 0.0, 0)
+    assert _prefill_fit(fs, 0.0, 0.0) == (0.0, 0.0)
