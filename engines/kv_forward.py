@@ -108,7 +108,9 @@ class SlotStatistics:
     prefill_step_tokens_decoding: int = 0  # sum of t over the steps with h > 0
 
 
-_MIXED_SUMS = tuple(f.name for f in fields(SlotStatistics) if f.name.startswith(("prefill_step_", "prefill_steps_")))
+_MIXED_COUNTS = tuple(
+    f.name for f in fields(SlotStatistics) if f.name.startswith(("prefill_step_", "prefill_steps_")) and f.type == "int"
+)
 
 
 class KVCacheForward(TorchForward):
@@ -169,7 +171,8 @@ class KVCacheForward(TorchForward):
         self._moves = self._decode_rows = 0
         self._decode_seconds = self._prefill_seconds = self._rows_seconds = 0.0
         self._rows_squared = self._timed_steps = 0
-        self._mixed = dict.fromkeys(_MIXED_SUMS, 0.0)
+        self._mixed = dict.fromkeys(_MIXED_COUNTS, 0)
+        self._mixed_tokens_seconds = 0.0
         self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
 
     def _decode_graphs(
@@ -258,9 +261,9 @@ class KVCacheForward(TorchForward):
             tokens = sum(len(rows[i].prompt_ids) + len(rows[i].output_ids) for i in fresh)
             held = len(rows) - len(fresh)
             m = self._mixed
-            m["prefill_steps_decoding"] += held > 0
+            m["prefill_steps_decoding"] += int(held > 0)
             m["prefill_step_tokens_squared"] += tokens * tokens
-            m["prefill_step_tokens_seconds"] += tokens * seconds
+            self._mixed_tokens_seconds += tokens * seconds
             m["prefill_step_held_rows"] += held
             m["prefill_step_tokens_held"] += tokens * held
             m["prefill_step_tokens_decoding"] += tokens if held else 0
@@ -380,7 +383,8 @@ class KVCacheForward(TorchForward):
             prefill_seconds=self._prefill_seconds,
             decode_rows_squared=self._rows_squared,
             decode_rows_seconds=self._rows_seconds,
-            **{k: v if k.endswith("_seconds") else int(v) for k, v in self._mixed.items()},
+            prefill_step_tokens_seconds=self._mixed_tokens_seconds,
+            **self._mixed,
         )
 
     # ---- what differs from the cacheless forward in the rest of the seam ----------------------------
