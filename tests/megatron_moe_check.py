@@ -33,7 +33,7 @@ def flat(a: dict, b: dict):
     return torch.cat([(a[k] - b[k]).flatten() for k in a])
 
 
-def main(out: Path, world: int = 1, pp: int = 1) -> None:
+def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, drop: int = 0) -> None:
     from safetensors.torch import load_file
 
     from core.types import Batch
@@ -45,7 +45,10 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
     model = make_model_folder(out / "model", arch="moe", hidden_size=32, num_layers=LAYERS, moe_router_topk=TOP_K)
     fp32 = anyio.run(lambda: rollout(model, prompts=4))
     bf16 = samples_of(anyio.run(lambda: rollout(model, dtype="bfloat16", prompts=4)))
-    samples, batch = samples_of(fp32), Batch(0, tuple(fp32))
+    samples = samples_of(fp32)
+    # `drop` samples off the last group: an odd batch splits unevenly over the DP ranks.
+    last = dataclasses.replace(fp32[-1], samples=fp32[-1].samples[: len(fp32[-1].samples) - drop])
+    batch = Batch(0, (*fp32[:-1], last))
 
     torch_trainer = GRPOTrainer(model, lr=1e-2, routing_replay=True)
     torch_lp = torch_trainer.logprobs(samples)
@@ -53,7 +56,7 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
     torch_trainer.save_weights(out / "torch")
 
     mg = start_megatron_trainer(
-        model, world_size=world, tp=1, pp=pp, log_dir=out / "logs", lr=1e-2, micro_batch_size=4, routing_replay=True
+        model, world_size=world, tp=1, pp=pp, ep=ep, log_dir=out / "logs", lr=1e-2, micro_batch_size=micro, routing_replay=True
     )
     try:
         mg_lp = mg.logprobs(samples)
@@ -84,4 +87,4 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:4]))
+    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:7]))

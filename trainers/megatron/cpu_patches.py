@@ -15,6 +15,10 @@ did not use (it ran learned absolute positions):
    the CPU, and its `router_gating_linear` reads a TransformerEngine name that is undefined
    without TransformerEngine. The patch computes the same logits, a plain linear in the
    configured router dtype, where the weight is.
+5. The all-gather and reduce-scatter along the sequence dimension (`tensor_parallel.mappings`),
+   which the MoE all-gather token dispatcher runs over the expert-parallel group, allocate their
+   outputs on `torch.cuda.current_device()` (or in the global buffer). The patch runs the same
+   collectives (gloo has both) into fresh tensors where the input is.
 
 `apply_cpu_patches()` is called only when the trainer runs on CPU; on a GPU megatron-core runs
 unpatched (0.19.x on the H200 machine). The patches are idempotent.
@@ -65,9 +69,51 @@ def _gating_in_place(self: Any, input: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
+def _gather_first_dim_in_place(
+    input_: torch.Tensor, group: Any, output_split_sizes: list[int] | None = None, use_global_buffer: bool = False
+) -> torch.Tensor:
+    """`mappings._gather_along_first_dim`, its output beside the input (a fresh tensor, no global buffer)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    if size == 1:
+        return input_
+    input_ = input_.contiguous()
+    if output_split_sizes is None:
+        output = input_.new_empty((input_.shape[0] * size, *input_.shape[1:]))
+        dist.all_gather_into_tensor(output, input_, group=group)
+        return output
+    output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+    dist.all_gather(list(output.split(output_split_sizes)), input_, group=group)
+    return output
+
+
+def _reduce_scatter_first_dim_in_place(
+    input_: torch.Tensor, group: Any, input_split_sizes: list[int] | None = None, use_global_buffer: bool = False
+) -> torch.Tensor:
+    """`mappings._reduce_scatter_along_first_dim`, its output beside the input (no global buffer)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    if size == 1:
+        return input_
+    input_ = input_.contiguous()
+    if input_split_sizes is None:
+        if input_.shape[0] % size:
+            raise ValueError(f"reduce-scatter of {input_.shape[0]} rows over {size} ranks: not divisible")
+        output = input_.new_empty((input_.shape[0] // size, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(output, input_, group=group)
+        return output
+    parts = list(input_.split(input_split_sizes))
+    output = torch.empty_like(parts[group.rank()])
+    dist.reduce_scatter(output, parts, group=group)
+    return output
+
+
 def apply_cpu_patches(seed: int) -> None:
     """Patch megatron-core for CPU and seed torch. Call after `initialize_model_parallel`."""
     global _applied
+    import megatron.core.tensor_parallel.mappings as mappings
     import megatron.core.utils as mcu
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -78,6 +124,8 @@ def apply_cpu_patches(seed: int) -> None:
     mcu.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     RotaryEmbedding.get_emb = _rope_emb_in_place
     Router.gating = _gating_in_place
+    mappings._gather_along_first_dim = _gather_first_dim_in_place
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_first_dim_in_place
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
     _applied = True

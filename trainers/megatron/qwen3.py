@@ -59,6 +59,7 @@ __all__ = [
     "build_gpt_model",
     "global_names",
     "hf_to_megatron",
+    "is_expert",
     "is_sharded",
     "megatron_to_hf",
     "shard",
@@ -156,6 +157,22 @@ class Qwen3Shape:
         if problems:
             raise ConfigError(problems)
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """EP splits each MoE layer's experts evenly; a dense model has none to split."""
+        if ep == 1:
+            return
+        if not self.moe:
+            raise ConfigError(
+                [f"--expert-model-parallel-size={ep}: the model is dense (no MoE layers, no experts to split)"]
+            )
+        if self.num_experts % ep:
+            raise ConfigError(
+                [
+                    f"--expert-model-parallel-size={ep}: the model's {self.num_experts} experts per layer are "
+                    "not divisible by it (each EP rank holds the same number of experts)"
+                ]
+            )
+
     def check_pipeline_parallel(self, pp: int) -> None:
         """Every stage gets the same number of layers."""
         if self.num_layers % pp:
@@ -167,10 +184,13 @@ class Qwen3Shape:
             )
 
 
-def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dtype, on_cpu: bool) -> torch.nn.Module:
-    """The megatron `GPTModel` for `shape` on this rank: its pipeline stage's share of it.
+def build_gpt_model(
+    shape: Qwen3Shape, *, tp: int, pp: int = 1, ep: int = 1, dtype: torch.dtype, on_cpu: bool
+) -> torch.nn.Module:
+    """The megatron `GPTModel` for `shape` on this rank: its pipeline stage's share of it, and
+    under expert parallel its `num_experts / ep` experts of each MoE layer.
 
-    `initialize_model_parallel` must have run (it says which stage this rank is)."""
+    `initialize_model_parallel` must have run (it says which stage and which experts are this rank's)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -200,6 +220,7 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -240,18 +261,32 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
 
 def global_names(model: torch.nn.Module, shape: Qwen3Shape) -> dict[str, str]:
     """This stage's parameter names -> the full model's: layers renumbered by their global
-    `layer_number`; the last stage's copy of a tied embedding is the embedding."""
+    `layer_number`, experts by their global index (under expert parallel a rank's
+    `local_experts.i` is expert `local_expert_indices[i]`); the last stage's copy of a tied
+    embedding is the embedding."""
     layers: Any = model.decoder.layers  # type: ignore[union-attr]
     out: dict[str, str] = {}
     for name, _ in model.named_parameters():
         full = name
         if name.startswith("decoder.layers."):
             local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            full = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+            layer = layers[int(local)]
+            if rest.startswith(_EXPERTS):
+                index, tail = rest.removeprefix(_EXPERTS).split(".", 1)
+                rest = f"{_EXPERTS}{layer.mlp.local_expert_indices[int(index)]}.{tail}"
+            full = f"decoder.layers.{layer.layer_number - 1}.{rest}"
         elif name == "output_layer.weight" and shape.tied:
             full = "embedding.word_embeddings.weight"
         out[name] = full
     return out
+
+
+_EXPERTS = "mlp.experts.local_experts."
+
+
+def is_expert(name: str) -> bool:
+    """Whether megatron parameter `name` belongs to one expert (held by one EP rank), not shared."""
+    return ".mlp.experts." in name
 
 
 # ---- names and layouts -----------------------------------------------------------------------

@@ -71,6 +71,7 @@ from trainers.checkpoint import OPTIMIZER_DIR, model_folder_files, write_folder_
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings
 from trainers.megatron.checkpoint import (
     config_files,
+    gather_experts,
     gather_full_state,
     gather_stages,
     load_hf_weights,
@@ -196,10 +197,9 @@ class MegatronTrainer:
         # R3: (layers, top k) of the routes rows carry; None when routes are not replayed.
         self._route_shape = (self.shape.num_layers, self.shape.moe_top_k) if routing_replay else None
         self.shape.check_pipeline_parallel(self.layout.pp)
+        self.shape.check_expert_parallel(self.layout.ep)
         self.dtype = _DTYPES[dtype]
-        self.model = build_gpt_model(
-            self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
-        )
+        self.model = self._build_model()
         # This stage's parameter names -> the full model's; the last stage's copy of a tied
         # embedding (PP > 1) is neither saved nor counted twice in the gradient norm.
         self._names = global_names(self.model, self.shape)
@@ -208,9 +208,7 @@ class MegatronTrainer:
         self.lr = lr
         self.reference: torch.nn.Module | None = None
         if self.loss.needs_reference:
-            self.reference = build_gpt_model(
-                self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
-            )
+            self.reference = self._build_model()
             ref = Path(ref_path) if ref_path is not None else self.model_path
             load_hf_weights(self.reference, ref, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
             self.reference.requires_grad_(False)
@@ -242,6 +240,12 @@ class MegatronTrainer:
         self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
         if resume.is_dir():
             self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self.layout.as_dict())
+
+    def _build_model(self) -> torch.nn.Module:
+        lay = self.layout
+        return build_gpt_model(
+            self.shape, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=self.dtype, on_cpu=self.device.type == "cpu"
+        )
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -364,9 +368,18 @@ class MegatronTrainer:
         return step
 
     def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
-        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`."""
-        mine = minibatch[self.layout.dp_rank :: self.layout.dp]
-        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`.
+
+        Under expert parallel every forward is a collective of the EP group (the token
+        dispatcher), so every rank runs as many as the DP rank with the most rows: the others'
+        last micro-batches are empty (a padding-only sequence, `_forward`, that trains nothing)."""
+        lay, size = self.layout, self.micro_batch_size
+        mine = minibatch[lay.dp_rank :: lay.dp]
+        chunks = [mine[i : i + size] for i in range(0, len(mine), size)]
+        if lay.ep > 1:
+            most = -(-len(minibatch[:: lay.dp]) // size)  # DP rank 0 has the most rows
+            chunks += [[] for _ in range(most - len(chunks))]
+        return chunks
 
     def _minibatch_step(
         self,
@@ -395,7 +408,9 @@ class MegatronTrainer:
         pending: list[InFlight] = []
         for j, chunk in enumerate(chunks):
             packed, flight = self._forward(chunk, train=True)
-            if self.stage.last:  # the loss, on the logits
+            if self.stage.last and not chunk:  # EP padding: its backward still joins the dispatcher's
+                flight.loss = flight.output.sum() * 0.0
+            elif self.stage.last:  # the loss, on the logits
                 logp, entropy = self._head(flight.output, packed)
                 heads = micro_batch_heads(chunk, self.device) if self.loss.score_centering else None
                 flight.loss = micro_batch_loss(
@@ -439,6 +454,9 @@ class MegatronTrainer:
             tp_group=tp_group,
             dp_group=dp_group(),
             embedding_group=ps.get_embedding_group() if tied else None,
+            # Experts (MoE): over their replicas, which are the DP group's without expert parallel.
+            expert_dp=ps.get_expert_data_parallel_world_size() if self.shape.moe else None,
+            expert_dp_group=ps.get_expert_data_parallel_group() if self.shape.moe else None,
         )
         grad_norm = clip_gradients(
             named,
@@ -448,6 +466,8 @@ class MegatronTrainer:
             tp_group=tp_group,
             pp=lay.pp,
             pp_group=ps.get_pipeline_model_parallel_group(),
+            ep=lay.ep,
+            ep_group=ps.get_expert_model_parallel_group() if lay.ep > 1 else None,
             not_counted=self._tied_copy,
         )
         self.optimizer.step()
@@ -457,16 +477,32 @@ class MegatronTrainer:
     def _forward(
         self, rows: Sequence[Row], *, train: bool, model: torch.nn.Module | None = None
     ) -> tuple[Packed, InFlight]:
-        """This stage's forward of one packed micro-batch (the output is the logits on the last stage)."""
-        packed = pack(rows, self.device)
+        """This stage's forward of one packed micro-batch (the output is the logits on the last stage).
+
+        Under expert parallel the micro-batch is padded to the longest of the EP group's: the
+        all-gather dispatcher gathers equal-length sequences (`moe.py` says why that one)."""
+        length = self._ep_length(rows)
+        packed = pack(rows, self.device, length=length)
         module = self.model if model is None else model
         replay = self._replays.get("policy" if model is None else "reference")
         if replay is None:
             return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
-        routes = plan(rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device)
+        routes = plan(
+            rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device, length=length
+        )
         with replay.replaying(routes):
             flight = forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
         return packed, flight
+
+    def _ep_length(self, rows: Sequence[Row]) -> int | None:
+        """The longest packed length of this micro-batch over the EP group (None without EP)."""
+        if self.layout.ep == 1:
+            return None
+        from megatron.core import parallel_state as ps
+
+        length = torch.tensor([sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)], device=self._comm_device)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+        return int(length[0])
 
     def _backward(self, flight: InFlight) -> None:
         backward(self.stage, flight)
@@ -523,7 +559,7 @@ class MegatronTrainer:
                 # IcePop and seq-mask drop by the proximal log-probs; only OPSM needs the current ones.
                 # Every stage runs the same forwards; the loss, and so this count, is the last's.
                 logp = self._forward_logprobs(c)[0] if prox is None or s.use_opsm else prox
-                if self.stage.last:
+                if self.stage.last and c:
                     count += trained_token_count(s, c, logp, prox)
         total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
         if self.layout.dp > 1:
@@ -564,8 +600,12 @@ class MegatronTrainer:
         DP rank 0) send theirs to it. Other ranks return what they hold, which nobody reads."""
         from megatron.core import parallel_state as ps
 
-        joined = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        lay = self.layout
+        joined = gather_full_state(self._named(), tp=lay.tp, group=ps.get_tensor_model_parallel_group())
         full = {self._names[n]: t for n, t in joined.items() if n not in self._tied_copy}
+        if lay.ep > 1:  # every EP rank's experts (each rank holds num_experts / EP of them)
+            group = ps.get_expert_model_parallel_group()
+            full = gather_experts(full, ep=lay.ep, ep_rank=lay.ep_rank, group=group, device=self._comm_device)
         if self.layout.pp == 1 or self.layout.tp_rank != 0 or self.layout.dp_rank != 0:
             return full
         first = ps.get_pipeline_model_parallel_first_rank()
