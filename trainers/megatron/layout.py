@@ -4,7 +4,8 @@ across them: the step's totals summed over data parallel, and what the last pipe
 
 Tensor, pipeline and expert parallel come from megatron-core's `parallel_state`; data parallel is
 world / (TP x PP). Expert parallel (EP) splits each MoE layer's experts over EP of the data-parallel
-ranks; an expert's replicas are on the expert-data-parallel ranks, world / (TP x PP x EP) of them. Gloo ranks (CPU) exchange on the CPU, NCCL ranks on their GPU (`comm_device`).
+ranks; an expert's replicas are on the expert-data-parallel ranks, world / (TP x PP x EP) of them.
+Gloo ranks (CPU) exchange on the CPU, NCCL ranks on their GPU (`comm_device`).
 """
 
 from __future__ import annotations

@@ -41,6 +41,10 @@ Tied embeddings under PP > 1: the last stage holds its own copy of the embedding
 `output_layer.weight` (megatron's recipe: both copies start equal and their gradients are summed
 over the embedding group, `grads.py`, so they stay equal); it is built untied so that megatron
 does not move it to CUDA to synchronise it at construction, and a save reads the first stage's.
+
+Expert parallel: a rank builds `num_experts / EP` experts per MoE layer, named `local_experts.i`
+locally; `global_names` gives them their global index, so loading and saving convert them as
+without EP (`is_expert` says which parameters are one expert's, held by one EP rank).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ megatron's process-wide list (`RouterReplay.global_router_replay_instances`), wh
 the two models' layers. A packed micro-batch's plan is `[S, layers, top_k]` over its packed
 positions (`plan`), and each router reads its global layer's column (pipeline stages hold a slice
 of the layers). The policy forward of a step, the proximal and the reference log-probs all run
-under the same plan.
+under the same plan. Under expert parallel nothing changes: each rank's routers route its own
+tokens before the token dispatcher moves them, and a route is a global expert id on every rank.
 """
 
 from __future__ import annotations

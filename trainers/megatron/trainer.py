@@ -42,9 +42,12 @@ megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the
 the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
 it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
 
-MoE (a qwen3_moe folder, `moe.py`) at TP=1. R3 (`routing_replay`, `--use-rollout-routing-replay`):
-rows' routes are replayed through megatron-core's RouterReplay (`router_replay.py`). SC: the loss
-scores the rows' sampler heads over the TP-split vocabulary (`packing.sampler_head_logprobs`).
+MoE (a qwen3_moe folder, `moe.py`) at TP=1, with expert parallel (`--expert-model-parallel-size`:
+each rank holds num_experts / EP experts per layer; every forward is then a collective of the EP
+group, so its ranks run as many micro-batches, padded to equal lengths). R3 (`routing_replay`,
+`--use-rollout-routing-replay`): rows' routes are replayed through megatron-core's RouterReplay
+(`router_replay.py`). SC: the loss scores the rows' sampler heads over the TP-split vocabulary
+(`packing.sampler_head_logprobs`).
 
 Reference model (`--use-kl-loss`): a second GPTModel with the same TP/PP layout, frozen, loaded
 from `ref_path` (the run's initial weights, or `--ref-load`); each rank holds its own shard and
