@@ -148,9 +148,7 @@ def start_megatron_trainer(
         raise ConfigError([f"--actor-num-nodes={nodes}: needs --trainer-master-port (the other nodes must know it)"])
     port = master_port if master_port is not None else free_port()
     per_node = world_size // nodes
-    spec = _spec(
-        world_size=world_size, nodes=nodes, tp=tp, pp=pp, ep=ep, device=device, seed=seed, **trainer_kwargs
-    )
+    spec = _spec(world_size=world_size, nodes=nodes, tp=tp, pp=pp, ep=ep, device=device, seed=seed, **trainer_kwargs)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = _rank_env(world_size, master_addr, port)
     processes, logs = [], []
@@ -175,9 +173,7 @@ def start_megatron_trainer(
         except PipelineError:
             ranks.check()  # a local rank that died says why, with its log
             raise
-        device = init_rank(
-            rank=0, world_size=world_size, tp=tp, pp=pp, ep=ep, device=device, seed=seed, store=store
-        )
+        device = init_rank(rank=0, world_size=world_size, tp=tp, pp=pp, ep=ep, device=device, seed=seed, store=store)
         trainer = MegatronTrainer(model_path, device=device, **trainer_kwargs)
     except BaseException:
         for p in processes:

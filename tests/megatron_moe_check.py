@@ -1,7 +1,7 @@
 """Run in a fresh process by tests/test_megatron_moe.py: the megatron trainer on the tiny Qwen3-MoE,
 against the engine that sampled (R3) and the torch trainer (parity).
 
-`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP [EP [MICRO [DROP]]]]]` rolls the toy task out
+`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP [EP [MICRO [DROP [TP]]]]]]` rolls the toy task out
 on the built-in engine over HTTP with routes asked for (fp32, then bf16: test_routing_replay.py's
 `rollout`), then on the fp32 rollout runs one GRPO step with the torch trainer and with WORLD
 megatron ranks (default 1; WORLD=2, and WORLD=2 PP=2, pass too, run by hand; WORLD=2 EP=2 is
@@ -39,7 +39,7 @@ def flat(a: dict, b: dict):
     return torch.cat([(a[k] - b[k]).flatten() for k in a])
 
 
-def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, drop: int = 0) -> None:
+def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, drop: int = 0, tp: int = 1) -> None:
     from safetensors.torch import load_file
 
     from core.types import Batch
@@ -64,7 +64,7 @@ def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, dr
     mg = start_megatron_trainer(
         model,
         world_size=world,
-        tp=1,
+        tp=tp,
         pp=pp,
         ep=ep,
         log_dir=out / "logs",
@@ -109,4 +109,4 @@ def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, dr
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:7]))
+    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:8]))

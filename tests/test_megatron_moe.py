@@ -125,6 +125,15 @@ def test_expert_parallel_step_matches_the_torch_trainer_and_publishes_every_expe
     _assert_replays_and_matches_torch(r)
 
 
+def test_tensor_and_expert_parallel_with_sequence_parallel_match_the_torch_trainer(tmp_path):
+    """Four ranks, TP=2 x EP=2 (data parallel 2): megatron's MoE layers run under TP with sequence
+    parallel (each TP rank's norms and routers see half the positions; R3's routes are cut the
+    same way), the all-gather dispatcher spans the TP x EP group. Same checks as one rank."""
+    r = _check(tmp_path, 4, 1, 2, 7, 1, 2)
+    assert r["rank0_experts"] == [0, 1, 2, 3]
+    _assert_replays_and_matches_torch(r)
+
+
 def test_expert_parallel_is_refused_on_a_dense_model_and_on_uneven_experts():
     from transformers import Qwen3Config, Qwen3MoeConfig
 

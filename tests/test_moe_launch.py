@@ -84,10 +84,6 @@ def test_the_moe_toy_learns_in_async_mode_with_partial_rollout_and_routing_repla
         (["--num-experts", "4", "--moe-router-topk", "6"], "--moe-router-topk=6"),
         (["--num-experts", "1"], "--num-experts"),
         (
-            ["--num-experts", "4", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", *TP2],
-            "trains MoE models at TP=1",
-        ),
-        (
             ["--expert-model-parallel-size", "2", "--num-experts", "4"],
             "--expert-model-parallel-size=2 with --train-backend=torch",
         ),
@@ -109,6 +105,13 @@ def test_moe_shape_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError) as err:
         load_config(argv)
     assert named in str(err.value)
+
+
+def test_moe_under_tensor_and_expert_parallel_loads():
+    """MoE under TP runs megatron's sequence parallel (refused before it was built), with EP too."""
+    megatron4 = ("--train-backend", "megatron", "--actor-num-gpus-per-node", "4")
+    config = load_config([*megatron4, *TP2, "--expert-model-parallel-size", "2", "--num-experts", "4"])
+    assert (config.trainer.tensor_model_parallel_size, config.trainer.expert_model_parallel_size) == (2, 2)
 
 
 def test_expert_parallel_reads_the_checkpoints_experts_at_config_load(tmp_path):

@@ -19,6 +19,12 @@ did not use (it ran learned absolute positions):
    which the MoE all-gather token dispatcher runs over the expert-parallel group, allocate their
    outputs on `torch.cuda.current_device()` (or in the global buffer). The patch runs the same
    collectives (gloo has both) into fresh tensors where the input is.
+6. Under sequence parallel (MoE layers under TP), the backward of megatron's linear layers
+   (`LinearWithGradAccumulationAndAsyncCommunication`) allocates the reduce-scattered input
+   gradient on `torch.cuda.current_device()`. The patch computes the same backward (all-gather
+   the input, the input and weight gradients, the reduce-scatter or all-reduce of the input
+   gradient) with its tensors where the input is, without the CUDA-only gradient fusion and
+   deferral, which this backend turns off.
 
 `apply_cpu_patches()` is called only when the trainer runs on CPU; on a GPU megatron-core runs
 unpatched (0.19.x on the H200 machine). The patches are idempotent.
@@ -110,12 +116,38 @@ def _reduce_scatter_first_dim_in_place(
     return output
 
 
+def _linear_backward_in_place(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """`LinearWithGradAccumulationAndAsyncCommunication.backward` without CUDA (item 6 above)."""
+    import torch.distributed as dist
+
+    if ctx.gradient_accumulation_fusion or ctx.grad_output_buffer is not None:
+        raise RuntimeError("the megatron CPU patches run linear layers without gradient fusion or deferral")
+    input_, weight = ctx.saved_tensors
+    group = ctx.tp_group
+    total_input = input_
+    if ctx.sequence_parallel:  # the forward's input was this rank's positions: gather them all
+        total_input = input_.new_empty((input_.shape[0] * group.size(), *input_.shape[1:]))
+        dist.all_gather_into_tensor(total_input, input_.contiguous(), group=group)
+    grad_input = grad_output.matmul(weight)
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    grad_weight = flat_grad.t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+    grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
+    if ctx.sequence_parallel:  # back to this rank's positions, summed over the TP ranks
+        mine = input_.new_empty(input_.shape)
+        dist.reduce_scatter_tensor(mine, grad_input.contiguous(), group=group)
+        grad_input = mine
+    elif ctx.allreduce_dgrad:
+        dist.all_reduce(grad_input, group=group)
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
 def apply_cpu_patches(seed: int) -> None:
     """Patch megatron-core for CPU and seed torch. Call after `initialize_model_parallel`."""
     global _applied
     import megatron.core.tensor_parallel.mappings as mappings
     import megatron.core.utils as mcu
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.moe.router import Router
 
@@ -126,6 +158,7 @@ def apply_cpu_patches(seed: int) -> None:
     Router.gating = _gating_in_place
     mappings._gather_along_first_dim = _gather_first_dim_in_place
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_first_dim_in_place
+    Linear.backward = staticmethod(_linear_backward_in_place)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
     _applied = True

@@ -44,6 +44,7 @@ def reduce_gradients(
     embedding_group: Any = None,
     expert_dp: int | None = None,
     expert_dp_group: Any = None,
+    sequence_parallel: bool = False,
 ) -> None:
     """Sum gradients over data-parallel replicas (each loss was already divided by the global count):
     an expert's over the `expert_dp` ranks of `expert_dp_group` (module docstring; None: the
@@ -54,11 +55,16 @@ def reduce_gradients(
     finalize_model_grads does the same for such parameters). With `embedding_group` (tied
     embeddings under PP > 1, on the first and last stage only): the embedding's gradient on the
     first stage and its copy's (the output layer) on the last are summed, so both copies take
-    the same step and stay equal, as in megatron's `_allreduce_embedding_grads`.
+    the same step and stay equal, as in megatron's `_allreduce_embedding_grads`. Under
+    `sequence_parallel` every replicated parameter (the norms, the routers) saw 1 / TP of the
+    positions on each TP rank, so all their gradients are summed over TP (megatron's
+    `_allreduce_layernorm_grads` does it for the parameters it marks `sequence_parallel`).
     """
     if tp > 1:
         for name, p in named:
-            if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            if p.grad is None or is_sharded(name):
+                continue
+            if sequence_parallel or name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
                 dist.all_reduce(p.grad, group=tp_group)
     if embedding_group is not None:
         for name, p in named:

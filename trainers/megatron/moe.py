@@ -27,6 +27,11 @@ is fine at these sizes, and what all-to-all would save at scale. The gradients o
 summed over their expert-data-parallel replicas (`grads.py`); a save gathers every expert over
 the EP group (`checkpoint.gather_experts`).
 
+Tensor parallel: megatron-core's MoE layers refuse TP without sequence parallel, so an MoE model
+under TP runs it (`qwen3.sequence_parallel`; each TP rank routes its 1 / TP of the positions, and
+the dispatcher's all-gather spans the TP x EP group). The experts are split over TP as a dense MLP
+is (expert TP = TP, megatron's default), so the same `qwen3.shard` serves them.
+
 Names and layouts (HF -> megatron, per layer i, per expert e):
 
     mlp.gate.weight [E, H]                     -> mlp.router.weight

@@ -42,9 +42,13 @@ megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the
 the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
 it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
 
-MoE (a qwen3_moe folder, `moe.py`) at TP=1, with expert parallel (`--expert-model-parallel-size`:
-each rank holds num_experts / EP experts per layer; every forward is then a collective of the EP
-group, so its ranks run as many micro-batches, padded to equal lengths). R3 (`routing_replay`,
+MoE (a qwen3_moe folder, `moe.py`), with expert parallel (`--expert-model-parallel-size`: each
+rank holds num_experts / EP experts per layer; every forward is then a collective of the EP group,
+so its ranks run as many micro-batches, padded to equal lengths). Under TP an MoE model runs
+megatron's sequence parallel (`qwen3.sequence_parallel`): packed sequences are padded to a multiple
+of TP, each TP rank's layers between the attention and MLP blocks see 1 / TP of the positions (and
+its routers, so R3's plan is cut the same way), and the replicated parameters' gradients are
+summed over TP (`grads.py`). R3 (`routing_replay`,
 `--use-rollout-routing-replay`): rows' routes are replayed through megatron-core's RouterReplay
 (`router_replay.py`). SC: the loss scores the rows' sampler heads over the TP-split vocabulary
 (`packing.sampler_head_logprobs`).
@@ -96,7 +100,7 @@ from trainers.megatron.layout import (
 )
 from trainers.megatron.master import MasterWeights
 from trainers.megatron.packing import Packed, head_logprobs, pack, sampler_head_logprobs
-from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
+from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf, sequence_parallel
 from trainers.megatron.router_replay import ReplayedRouters, plan
 from trainers.megatron.rows import (
     Row,
@@ -187,12 +191,8 @@ class MegatronTrainer:
         self.stage = Stage.current()
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
-        if self.shape.moe and self.layout.tp > 1:
-            raise ValueError(
-                f"tensor parallel ({self.layout.tp}) with an MoE model: megatron-core's MoE layers need "
-                "sequence parallel under TP, which this backend does not run; use TP=1 (data parallel "
-                "and pipeline parallel work)"
-            )
+        # megatron-core's MoE layers need sequence parallel under TP (qwen3.sequence_parallel).
+        self._sequence_parallel = sequence_parallel(self.shape, self.layout.tp)
         if routing_replay and not self.shape.moe:
             raise ValueError(
                 "--use-rollout-routing-replay: the model has no MoE layers (no routers) to replay routes in"
@@ -460,6 +460,7 @@ class MegatronTrainer:
             # Experts (MoE): over their replicas, which are the DP group's without expert parallel.
             expert_dp=ps.get_expert_data_parallel_world_size() if self.shape.moe else None,
             expert_dp_group=ps.get_expert_data_parallel_group() if self.shape.moe else None,
+            sequence_parallel=self._sequence_parallel,
         )
         grad_norm = clip_gradients(
             named,
@@ -482,30 +483,41 @@ class MegatronTrainer:
     ) -> tuple[Packed, InFlight]:
         """This stage's forward of one packed micro-batch (the output is the logits on the last stage).
 
-        Under expert parallel the micro-batch is padded to the longest of the EP group's: the
-        all-gather dispatcher gathers equal-length sequences (`moe.py` says why that one)."""
-        length = self._ep_length(rows)
+        The micro-batch is padded (`_padded_length`) where megatron needs equal or divisible lengths."""
+        length = self._padded_length(rows)
         packed = pack(rows, self.device, length=length)
         module = self.model if model is None else model
         replay = self._replays.get("policy" if model is None else "reference")
+        hidden = (self.shape.hidden_size, self.dtype)
+        split = self.layout.tp if self._sequence_parallel else 1
         if replay is None:
-            return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
-        routes = plan(
-            rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device, length=length
-        )
+            return packed, forward(module, self.stage, packed, hidden=hidden, train=train, split=split)
+        routes = plan(rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device, length=length)
+        if routes is not None and split > 1:  # sequence parallel: the routers see this TP rank's positions
+            routes = routes.chunk(split)[self.layout.tp_rank]
         with replay.replaying(routes):
-            flight = forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+            flight = forward(module, self.stage, packed, hidden=hidden, train=train, split=split)
         return packed, flight
 
-    def _ep_length(self, rows: Sequence[Row]) -> int | None:
-        """The longest packed length of this micro-batch over the EP group (None without EP)."""
-        if self.layout.ep == 1:
-            return None
-        from megatron.core import parallel_state as ps
+    def _padded_length(self, rows: Sequence[Row]) -> int | None:
+        """The length to pad this micro-batch's packed sequence to (None: its own).
 
-        length = torch.tensor([sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)], device=self._comm_device)
-        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
-        return int(length[0])
+        Under expert parallel, the longest of the EP group's: the all-gather dispatcher gathers
+        equal-length sequences (`moe.py` says why that one). Under sequence parallel, a multiple
+        of TP: each TP rank holds 1 / TP of the positions."""
+        lay = self.layout
+        if lay.ep == 1 and not self._sequence_parallel:
+            return None
+        length = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+        if lay.ep > 1:
+            from megatron.core import parallel_state as ps
+
+            longest = torch.tensor([length], device=self._comm_device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+            length = int(longest[0])
+        if self._sequence_parallel:
+            length = -(-length // lay.tp) * lay.tp
+        return length
 
     def _backward(self, flight: InFlight) -> None:
         backward(self.stage, flight)
