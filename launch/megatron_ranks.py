@@ -1,6 +1,6 @@
 """Megatron ranks: one process per device, torchrun-style; rank 0 is the controller's process.
 
-    trainer = start_megatron_trainer(model_dir, world_size=4, tp=2, pp=2, log_dir=..., **trainer_kwargs)
+    trainer = start_megatron_trainer(model_dir, world_size=4, tp=2, pp=2, ep=1, log_dir=..., **trainer_kwargs)
     ...  trainer.train_step(batch); trainer.save_weights(path)  ...
     trainer.close()     # releases the followers and waits for them to exit
 
@@ -49,7 +49,15 @@ _JOIN_TIMEOUT = 600.0
 
 
 def init_rank(
-    *, rank: int, world_size: int, tp: int, pp: int = 1, device: str = "cpu", seed: int = 0, store: Any = None
+    *,
+    rank: int,
+    world_size: int,
+    tp: int,
+    pp: int = 1,
+    ep: int = 1,
+    device: str = "cpu",
+    seed: int = 0,
+    store: Any = None,
 ) -> str:
     """Join the process group (over `store` when given, else the env variables) and set up
     megatron's parallel state; return this rank's device."""
@@ -64,6 +72,13 @@ def init_rank(
                 f"the {world_size} megatron ranks (data parallel = ranks / (TP x PP))"
             ]
         )
+    if (world_size // (tp * pp)) % ep:
+        raise ConfigError(
+            [
+                f"--expert-model-parallel-size={ep}: must divide the data-parallel size "
+                f"{world_size // (tp * pp)} (= {world_size} ranks / (TP={tp} x PP={pp}))"
+            ]
+        )
     on_gpu = device != "cpu"
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -72,7 +87,9 @@ def init_rank(
         dist.init_process_group(
             "nccl" if on_gpu else "gloo", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT, store=store
         )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     if on_gpu:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -111,6 +128,7 @@ def start_megatron_trainer(
     world_size: int,
     tp: int,
     pp: int = 1,
+    ep: int = 1,
     device: str = "cpu",
     seed: int = 0,
     log_dir: Path,
@@ -130,7 +148,7 @@ def start_megatron_trainer(
         raise ConfigError([f"--actor-num-nodes={nodes}: needs --trainer-master-port (the other nodes must know it)"])
     port = master_port if master_port is not None else free_port()
     per_node = world_size // nodes
-    spec = _spec(world_size=world_size, nodes=nodes, tp=tp, pp=pp, device=device, seed=seed, **trainer_kwargs)
+    spec = _spec(world_size=world_size, nodes=nodes, tp=tp, pp=pp, ep=ep, device=device, seed=seed, **trainer_kwargs)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = _rank_env(world_size, master_addr, port)
     processes, logs = [], []
@@ -155,7 +173,7 @@ def start_megatron_trainer(
         except PipelineError:
             ranks.check()  # a local rank that died says why, with its log
             raise
-        device = init_rank(rank=0, world_size=world_size, tp=tp, pp=pp, device=device, seed=seed, store=store)
+        device = init_rank(rank=0, world_size=world_size, tp=tp, pp=pp, ep=ep, device=device, seed=seed, store=store)
         trainer = MegatronTrainer(model_path, device=device, **trainer_kwargs)
     except BaseException:
         for p in processes:
@@ -172,13 +190,16 @@ def start_megatron_trainer(
     return trainer
 
 
-def _spec(*, world_size: int, nodes: int, tp: int, pp: int, device: str, seed: int, **trainer: Any) -> dict[str, Any]:
+def _spec(
+    *, world_size: int, nodes: int, tp: int, pp: int, ep: int = 1, device: str, seed: int, **trainer: Any
+) -> dict[str, Any]:
     """What every rank must agree on, as JSON (a LossSettings as its fields, enums by value)."""
     return {
         "world": world_size,
         "nodes": nodes,
         "tp": tp,
         "pp": pp,
+        "ep": ep,
         "device": device,
         "seed": seed,
         "trainer": orjson.loads(orjson.dumps(trainer)),
@@ -242,6 +263,7 @@ def _rank_main(raw: str) -> None:
         world_size=spec["world"],
         tp=spec["tp"],
         pp=spec["pp"],
+        ep=spec["ep"],
         device=spec["device"],
         seed=spec["seed"],
         store=store,

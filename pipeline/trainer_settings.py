@@ -103,6 +103,7 @@ def megatron_settings(config: Config) -> dict[str, Any]:
         "nodes": t.num_nodes,
         "tp": t.tensor_model_parallel_size,
         "pp": t.pipeline_model_parallel_size,
+        "ep": t.expert_model_parallel_size,
         "device": t.device,
         "seed": config.rollout.seed,
         "master_addr": t.master_addr,

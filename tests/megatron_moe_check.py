@@ -1,11 +1,15 @@
 """Run in a fresh process by tests/test_megatron_moe.py: the megatron trainer on the tiny Qwen3-MoE,
 against the engine that sampled (R3) and the torch trainer (parity).
 
-`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP]]` rolls the toy task out on the built-in
-engine over HTTP with routes asked for (fp32, then bf16: test_routing_replay.py's `rollout`), then
-on the fp32 rollout runs one GRPO step with the torch trainer and with WORLD megatron ranks (default
-1; WORLD=2, and WORLD=2 PP=2, pass too, run by hand), both replaying the routes. OUT_DIR/result.json:
-both steps' metrics; the largest |trainer - engine| log-prob of the rollout tokens (megatron with
+`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP [EP [MICRO [DROP [TP]]]]]]` rolls the toy task out
+on the built-in engine over HTTP with routes asked for (fp32, then bf16: test_routing_replay.py's
+`rollout`), then on the fp32 rollout runs one GRPO step with the torch trainer and with WORLD
+megatron ranks (default 1; WORLD=2, and WORLD=2 PP=2, pass too, run by hand; WORLD=2 EP=2 is
+test_megatron_moe's), PP stages, EP expert-parallel ranks and MICRO rows per micro-batch (default
+4), both replaying the routes. DROP samples are taken off the last group of the trained batch: an
+odd batch splits unevenly over the DP ranks, so that under EP one rank runs a padding-only
+micro-batch to meet the other's token dispatch. OUT_DIR/result.json: both steps' metrics; the
+experts rank 0 holds; the largest |trainer - engine| log-prob of the rollout tokens (megatron with
 the routes; on the bf16 rollout with them and without them: the same samples with their routes
 taken off, so the routers choose); the largest torch-vs-megatron log-prob difference; both
 trainers' published weights compared. A process of its own: megatron's parallel state is global.
@@ -20,6 +24,8 @@ from pathlib import Path
 import anyio
 import orjson
 
+EXPERTS_OF_LAYER_0 = "decoder.layers.0.mlp.experts.local_experts."
+
 
 def worst(samples: list, logprobs: list[list[float]]) -> float:
     """The largest |trainer - engine| log-prob over the samples' tokens."""
@@ -33,7 +39,7 @@ def flat(a: dict, b: dict):
     return torch.cat([(a[k] - b[k]).flatten() for k in a])
 
 
-def main(out: Path, world: int = 1, pp: int = 1) -> None:
+def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, drop: int = 0, tp: int = 1) -> None:
     from safetensors.torch import load_file
 
     from core.types import Batch
@@ -45,7 +51,10 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
     model = make_model_folder(out / "model", arch="moe", hidden_size=32, num_layers=LAYERS, moe_router_topk=TOP_K)
     fp32 = anyio.run(lambda: rollout(model, prompts=4))
     bf16 = samples_of(anyio.run(lambda: rollout(model, dtype="bfloat16", prompts=4)))
-    samples, batch = samples_of(fp32), Batch(0, tuple(fp32))
+    samples = samples_of(fp32)
+    # `drop` samples off the last group: an odd batch splits unevenly over the DP ranks.
+    last = dataclasses.replace(fp32[-1], samples=fp32[-1].samples[: len(fp32[-1].samples) - drop])
+    batch = Batch(0, (*fp32[:-1], last))
 
     torch_trainer = GRPOTrainer(model, lr=1e-2, routing_replay=True)
     torch_lp = torch_trainer.logprobs(samples)
@@ -53,7 +62,15 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
     torch_trainer.save_weights(out / "torch")
 
     mg = start_megatron_trainer(
-        model, world_size=world, tp=1, pp=pp, log_dir=out / "logs", lr=1e-2, micro_batch_size=4, routing_replay=True
+        model,
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        log_dir=out / "logs",
+        lr=1e-2,
+        micro_batch_size=micro,
+        routing_replay=True,
     )
     try:
         mg_lp = mg.logprobs(samples)
@@ -62,6 +79,14 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
             "bf16_with": worst(bf16, mg.logprobs(bf16)),
             "bf16_without": worst(bf16, mg.logprobs([dataclasses.replace(s, routes=None) for s in bf16])),
             "megatron": mg.train_step(batch),
+            # The experts of layer 0 that rank 0 holds (all of them without expert parallel).
+            "rank0_experts": sorted(
+                {
+                    int(full.removeprefix(EXPERTS_OF_LAYER_0).split(".")[0])
+                    for full in mg._names.values()
+                    if full.startswith(EXPERTS_OF_LAYER_0)
+                }
+            ),
         }
         mg.save_weights(out / "megatron")
     finally:
@@ -84,4 +109,4 @@ def main(out: Path, world: int = 1, pp: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:4]))
+    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:8]))

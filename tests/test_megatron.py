@@ -351,6 +351,8 @@ def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
 
 
 def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path):
+    """Another world size, TP, PP or EP is refused with both layouts named; a shard saved before
+    PP or EP were recorded reads as one stage and EP=1."""
     from core.errors import PipelineError
     from trainers.megatron.checkpoint import load_optimizer_shard, save_optimizer_shard
 
@@ -368,11 +370,23 @@ def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(fresh.state[p][key], optimizer.state[p][key])
     with pytest.raises(
-        PipelineError, match=r"this run is \{'format': 1, 'backend': 'megatron', 'world': 2, 'tp': 2, 'pp': 1\}"
+        PipelineError,
+        match=r"this run is \{'format': 1, 'backend': 'megatron', 'world': 2, 'tp': 2, 'pp': 1, 'ep': 1\}",
     ):
         load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 0, "world": 2, "tp": 2, "pp": 1})
     with pytest.raises(PipelineError, match="no shard for megatron rank 1: it was saved by the torch backend"):
         load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 1, "world": 2, "tp": 2, "pp": 1})
     # The same ranks as two pipeline stages are another layout: the shard holds other parameters.
-    with pytest.raises(PipelineError, match=r"'pp': 1, 'trainer_steps': 7\}; this run is .*'pp': 2\}"):
+    with pytest.raises(
+        PipelineError, match=r"'pp': 1, 'ep': 1, 'trainer_steps': 7\}; this run is .*'pp': 2, 'ep': 1\}"
+    ):
         load_optimizer_shard(fresh, named, tmp_path, layout={"rank": 0, "world": 1, "tp": 1, "pp": 2})
+    # Expert parallel: each rank holds other experts, so their moments would land on the wrong ones.
+    two = {"rank": 0, "world": 2, "tp": 1, "pp": 1}
+    save_optimizer_shard(optimizer, named, tmp_path, layout={**two, "ep": 2}, steps=7)
+    with pytest.raises(PipelineError, match=r"'ep': 2, 'trainer_steps': 7\}; this run is .*'ep': 1\}"):
+        load_optimizer_shard(fresh, named, tmp_path, layout=two)
+    meta = orjson.loads((tmp_path / "rank0.json").read_bytes())
+    del meta["ep"], meta["pp"]  # as written before pipeline and expert parallel
+    (tmp_path / "rank0.json").write_bytes(orjson.dumps(meta))
+    assert load_optimizer_shard(fresh, named, tmp_path, layout=two) == 7

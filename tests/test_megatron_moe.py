@@ -59,27 +59,23 @@ def test_a_checkpoint_with_dense_layers_among_the_sparse_is_refused_by_name():
         Qwen3Shape.from_hf(config)
 
 
-def test_the_moe_step_matches_the_torch_trainer_and_replays_the_engines_routes(tmp_path):
-    """One megatron rank on a real rollout of the built-in engine (HTTP, routes asked for):
-
-    - R3 at fp32: its log-probs of the rollout tokens are the engine's (float noise), in
-      `logprobs` and in the step's `train_rollout_logprob_abs_diff`;
-    - a bf16 engine breaks router ties otherwise: without the routes (the same samples, routes
-      taken off) some token is off by > 0.03, with them only bf16 rounding is left (measured 0.050
-      vs 0.004); without the replay wired, both numbers would be the same;
-    - the GRPO step equals the torch trainer's (which replays too): every metric, log-probs, and
-      the published weights, whose names are the saved folder's (per-expert) ones.
-    """
+def _check(tmp_path: Path, *args: int) -> dict:
+    """tests/megatron_moe_check.py's result, run in a fresh process with `args` (WORLD PP EP MICRO DROP)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "megatron_moe_check.py"), str(tmp_path)],
+        [sys.executable, str(ROOT / "tests" / "megatron_moe_check.py"), str(tmp_path), *map(str, args)],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    r = orjson.loads((tmp_path / "result.json").read_bytes())
+    logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert done.returncode == 0, done.stderr[-4000:] + logs
+    return orjson.loads((tmp_path / "result.json").read_bytes())
+
+
+def _assert_replays_and_matches_torch(r: dict) -> None:
+    """R3 replays the engine's routes, and the megatron step is the torch trainer's (test docstrings)."""
     assert r["fp32_with"] < 1e-5
     assert r["megatron"]["train_rollout_logprob_abs_diff"] < 1e-5
     assert r["bf16_without"] > 0.03 and r["bf16_with"] < 0.01, (r["bf16_without"], r["bf16_with"])
@@ -93,7 +89,62 @@ def test_the_moe_step_matches_the_torch_trainer_and_replays_the_engines_routes(t
     # Adam's first step moves each weight by ~lr * sign(grad); where a gradient is near Adam's eps,
     # float noise moves that weight's step, so the updates are compared as a whole.
     assert r["weights_moved"] > 5e-3 and r["update_diff"] < 1e-3 and r["weights_diff"] < 1e-3
+    # The published folder holds the tensors the saved model holds: every expert of every layer.
     assert r["names"][0] == r["names"][1] == r["names"][2]
+    assert sum(".mlp.experts." in n and n.endswith("down_proj.weight") for n in r["names"][1]) == LAYERS * EXPERTS
+
+
+LAYERS, EXPERTS = 2, 8  # the check's tiny model (test_routing_replay's LAYERS, make_model_folder's default experts)
+
+
+def test_the_moe_step_matches_the_torch_trainer_and_replays_the_engines_routes(tmp_path):
+    """One megatron rank on a real rollout of the built-in engine (HTTP, routes asked for):
+
+    - R3 at fp32: its log-probs of the rollout tokens are the engine's (float noise), in
+      `logprobs` and in the step's `train_rollout_logprob_abs_diff`;
+    - a bf16 engine breaks router ties otherwise: without the routes (the same samples, routes
+      taken off) some token is off by > 0.03, with them only bf16 rounding is left (measured 0.050
+      vs 0.004); without the replay wired, both numbers would be the same;
+    - the GRPO step equals the torch trainer's (which replays too): every metric, log-probs, and
+      the published weights, whose names are the saved folder's (per-expert) ones.
+    """
+    r = _check(tmp_path)
+    assert r["rank0_experts"] == list(range(EXPERTS))
+    _assert_replays_and_matches_torch(r)
+
+
+def test_expert_parallel_step_matches_the_torch_trainer_and_publishes_every_expert(tmp_path):
+    """Two ranks, EP=2 (data parallel 2, each rank holding 4 of the 8 experts of each layer), with
+    the same checks as one rank: R3 (the routers run on each rank's own tokens before the dispatch,
+    with global expert ids), the step equal to the torch trainer's, and the published folder
+    gathering both ranks' experts. The batch is 15 samples in micro-batches of 7, so DP rank 0
+    takes 8 rows (7 + 1) and rank 1 takes 7 (7 + a padding-only micro-batch that joins rank 0's
+    token dispatch): uneven lengths and an empty micro-batch are both on the path."""
+    r = _check(tmp_path, 2, 1, 2, 7, 1)
+    assert r["rank0_experts"] == [0, 1, 2, 3]
+    _assert_replays_and_matches_torch(r)
+
+
+def test_tensor_and_expert_parallel_with_sequence_parallel_match_the_torch_trainer(tmp_path):
+    """Four ranks, TP=2 x EP=2 (data parallel 2): megatron's MoE layers run under TP with sequence
+    parallel (each TP rank's norms and routers see half the positions; R3's routes are cut the
+    same way), the all-gather dispatcher spans the TP x EP group. Same checks as one rank."""
+    r = _check(tmp_path, 4, 1, 2, 7, 1, 2)
+    assert r["rank0_experts"] == [0, 1, 2, 3]
+    _assert_replays_and_matches_torch(r)
+
+
+def test_expert_parallel_is_refused_on_a_dense_model_and_on_uneven_experts():
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size=2: the model is dense"):
+        Qwen3Shape.from_hf(Qwen3Config(num_hidden_layers=2)).check_expert_parallel(2)
+    moe = Qwen3Shape.from_hf(Qwen3MoeConfig(num_hidden_layers=2, num_experts=6))
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size=4: the model's 6 experts per layer"):
+        moe.check_expert_parallel(4)
+    moe.check_expert_parallel(3)
 
 
 def _sample(index: int, prompt: tuple[int, ...], tokens: tuple[int, ...], routes: list[int] | None):

@@ -24,6 +24,7 @@ from storage import GroupState, LmdbStore
 from tests.test_fault_injection import FLAGS, Launcher, Watch
 
 TP2 = ("--tensor-model-parallel-size", "2")
+MEGATRON2 = ("--train-backend", "megatron", "--actor-num-gpus-per-node", "2")
 MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--use-rollout-routing-replay")
 # A small partial-rollout run: 3 groups of 2 admitted for a batch of 1, so two are cut mid-response.
 SMALL_RUN = ("--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "3",
@@ -83,8 +84,20 @@ def test_the_moe_toy_learns_in_async_mode_with_partial_rollout_and_routing_repla
         (["--num-experts", "4", "--moe-router-topk", "6"], "--moe-router-topk=6"),
         (["--num-experts", "1"], "--num-experts"),
         (
-            ["--num-experts", "4", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", *TP2],
-            "trains MoE models at TP=1",
+            ["--expert-model-parallel-size", "2", "--num-experts", "4"],
+            "--expert-model-parallel-size=2 with --train-backend=torch",
+        ),
+        (
+            [*MEGATRON2, "--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size=2: the tiny model (no --num-experts) is dense",
+        ),
+        (
+            [*MEGATRON2, "--expert-model-parallel-size", "2", "--num-experts", "3", "--moe-router-topk", "1"],
+            "--expert-model-parallel-size=2: the tiny model has 3 experts per layer, not divisible by it",
+        ),
+        (
+            [*MEGATRON2, "--expert-model-parallel-size", "4", "--num-experts", "8"],
+            "--expert-model-parallel-size=4: must divide the data-parallel size 2 (= 2 ranks / (TP=1 x PP=1))",
         ),
     ],
 )
@@ -92,6 +105,25 @@ def test_moe_shape_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError) as err:
         load_config(argv)
     assert named in str(err.value)
+
+
+def test_moe_under_tensor_and_expert_parallel_loads():
+    """MoE under TP runs megatron's sequence parallel (refused before it was built), with EP too."""
+    megatron4 = ("--train-backend", "megatron", "--actor-num-gpus-per-node", "4")
+    config = load_config([*megatron4, *TP2, "--expert-model-parallel-size", "2", "--num-experts", "4"])
+    assert (config.trainer.tensor_model_parallel_size, config.trainer.expert_model_parallel_size) == (2, 2)
+
+
+def test_expert_parallel_reads_the_checkpoints_experts_at_config_load(tmp_path):
+    """A --hf-checkpoint folder's config.json says how many experts EP splits (none: a dense model)."""
+    dense = make_model_folder(tmp_path / "dense")
+    moe = make_model_folder(tmp_path / "moe", arch="moe", hidden_size=32, num_experts=6)
+    four = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "4", "--expert-model-parallel-size"]
+    with pytest.raises(ConfigError, match=rf"--expert-model-parallel-size=2: --hf-checkpoint='{dense}' is dense"):
+        load_config([*four, "2", "--hf-checkpoint", str(dense)])
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint='.*moe' has 6 experts per layer, not divisible"):
+        load_config([*four, "4", "--hf-checkpoint", str(moe)])
+    assert load_config([*four, "2", "--hf-checkpoint", str(moe)]).trainer.expert_model_parallel_size == 2
 
 
 # ---- routes through a SIGKILL of the controller ------------------------------------------------

@@ -18,9 +18,12 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+import orjson
+
 from core.errors import ConfigError, PluginError
 from core.types import StoreTransport
 from pipeline.config.draft import Draft
+from pipeline.config.experts import check_experts, experts_in_folder
 from pipeline.config.parsing import read_argv, read_toml
 from pipeline.config.prompt_file import check_dataset
 from pipeline.config.rules import (
@@ -156,10 +159,24 @@ def _check_model_folder(draft: Draft) -> None:
     if local.exists():
         if not (local / "config.json").is_file():
             draft.problems.append(f"{shown}: not a model folder (no config.json)")
+        elif (draft.get("trainer", "expert_model_parallel_size") or 1) > 1 and draft.get(
+            "trainer", "backend"
+        ) == "megatron":
+            _check_folder_experts(draft, local / "config.json", shown)
     elif ckpt.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", ckpt):
         draft.problems.append(f"{shown}: folder not found")
     else:
         draft.warnings.append(f"{shown}: no such local folder; it will be treated as a Hugging Face Hub id")
+
+
+def _check_folder_experts(draft: Draft, config_json: Path, shown: str) -> None:
+    """--expert-model-parallel-size against the checkpoint's experts per layer (pipeline.config.experts)."""
+    try:
+        config = orjson.loads(config_json.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        draft.problems.append(f"{shown}: config.json is unreadable ({exc})")
+        return
+    check_experts(draft, experts_in_folder(config), shown)
 
 
 def _check_device(draft: Draft, device: str) -> None:

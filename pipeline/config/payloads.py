@@ -28,16 +28,6 @@ def payload_rules(draft: Draft) -> None:
             f"{show('rollout', 'use_rollout_routing_replay')} needs --moe-router-topk (the model's experts per "
             "token per layer) to read the engine's routed-experts rows"
         )
-    if (
-        get("engine", "num_experts") is not None
-        and get("trainer", "backend") == "megatron"
-        and draft.ok("trainer", "tensor_model_parallel_size")
-        and get("trainer", "tensor_model_parallel_size") > 1
-    ):
-        problem(
-            f"{show('engine', 'num_experts')} with {show('trainer', 'tensor_model_parallel_size')}: the megatron "
-            "backend trains MoE models at TP=1 (megatron-core's MoE layers need sequence parallel under TP)"
-        )
     experts, top_k = get("engine", "num_experts"), get("rollout", "moe_router_topk")
     if experts is not None and get("engine", "hf_checkpoint"):
         problem(

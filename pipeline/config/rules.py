@@ -14,6 +14,7 @@ from pathlib import Path
 
 from core.types import RolloutMode, StoreTransport
 from pipeline.config.draft import Draft
+from pipeline.config.experts import expert_parallel_rules
 from pipeline.config.fields import options
 from pipeline.config.payloads import payload_rules
 from pipeline.config.schema import SECTIONS
@@ -96,6 +97,7 @@ def check_rules(draft: Draft) -> None:
     _producer_rules(draft)
     _trainer_rules(draft)
     _megatron_rules(draft)
+    expert_parallel_rules(draft)
     _sglang_rules(draft)
     payload_rules(draft)
     run_id = get("storage", "run_id")
@@ -184,7 +186,13 @@ def _trainer_rules(draft: Draft) -> None:
 
 def _megatron_rules(draft: Draft) -> None:
     get, show, problem = draft.get, draft.show, draft.problems.append
-    parallel = ("num_ranks", "num_nodes", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    parallel = (
+        "num_ranks",
+        "num_nodes",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+    )
     if get("trainer", "backend") != "megatron":
         for name in parallel:
             if (get("trainer", name) or 1) > 1:

@@ -159,6 +159,14 @@ class TrainerConfig:
         ge=1,
         help="--train-backend megatron: pipeline parallel size (stages of num_layers / PP layers each)",
     )
+    expert_model_parallel_size: int = opt(
+        1,
+        "--expert-model-parallel-size",
+        "int",
+        ge=1,
+        help="--train-backend megatron, MoE models: expert parallel size (each rank holds num_experts / EP of "
+        "every layer's experts; must divide the data-parallel size, ranks / (TP x PP))",
+    )
     micro_batch_size: int | None = opt(
         None,
         "--micro-batch-size",

@@ -4,15 +4,20 @@ A checkpoint folder is what the torch backend writes (`trainers.checkpoint`: a H
 folder, written whole or not at all), except that `optimizer/` holds `rank<r>.safetensors` (the
 AdamW state of rank r's parameter shards, keyed `<megatron name>.<state>`) and `rank<r>.json`
 (format, layout, trainer steps). A shard is only loaded into the same layout (world size, TP,
-PP); anything else is refused with both layouts named. Never pickle.
+PP, EP); anything else is refused with both layouts named. Never pickle.
 
 Pipeline stages: each loads only its own parameters (`qwen3.global_names` says which full-model
 tensor each is); a save joins each stage's tensors over TP, then sends them to the first stage
 (`gather_stages`), so rank 0 writes the same HF folder as a run without PP.
+
+Expert parallel: a rank holds `num_experts / EP` consecutive experts of each MoE layer (megatron's
+`local_expert_indices`, which `qwen3.global_names` reads), so it loads only those; a save first
+joins each expert parameter over the EP group (`gather_experts`), so every expert reaches rank 0.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from trainers.megatron.qwen3 import Qwen3Shape, global_names, hf_to_megatron, me
 
 __all__ = [
     "config_files",
+    "gather_experts",
     "gather_full_state",
     "gather_stages",
     "load_hf_weights",
@@ -76,6 +82,36 @@ def gather_full_state(named: Named, *, tp: int, group: object) -> dict[str, torc
             parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local, group=group)
         out[name] = unshard(name, [p.cpu() for p in parts])
+    return out
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def gather_experts(
+    state: dict[str, torch.Tensor], *, ep: int, ep_rank: int, group: object, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """`state` (by full-model name) with every EP rank's experts added (a collective of the EP group).
+
+    EP rank r holds the experts `r * n .. r * n + n - 1` of each layer (n = num_experts / EP, in
+    megatron's order), all of one shape, so each local expert's tensor is all-gathered over the
+    group and the r-th part is expert `r * n + (e - ep_rank * n)`. Every rank gets them all, on CPU
+    (`device`: where the collective runs, the CPU for gloo, the rank's GPU for NCCL)."""
+    if ep == 1:
+        return state
+    held = sorted({int(m.group(2)) for m in map(_EXPERT.match, state) if m})
+    n = len(held)
+    out = dict(state)
+    for name, local in state.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            continue
+        sent = local.detach().to(device).contiguous()
+        parts = [torch.empty_like(sent) for _ in range(ep)]
+        dist.all_gather(parts, sent, group=group)
+        offset = int(m.group(2)) - ep_rank * n
+        for r, part in enumerate(parts):
+            out[f"{m.group(1)}{r * n + offset}{m.group(3)}"] = part.cpu()
     return out
 
 
@@ -148,15 +184,13 @@ def save_optimizer_shard(
             tensors[f"{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     rank = layout["rank"]
     save_file(tensors, str(folder / f"rank{rank}.safetensors"))
-    meta = {
-        "format": FORMAT,
-        "backend": "megatron",
-        "world": layout["world"],
-        "tp": layout["tp"],
-        "pp": layout["pp"],
-        "trainer_steps": steps,
-    }
+    meta = {"format": FORMAT, "backend": "megatron", **_recorded(layout), "trainer_steps": steps}
     (folder / f"rank{rank}.json").write_bytes(orjson.dumps(meta))
+
+
+def _recorded(layout: dict[str, int]) -> dict[str, int]:
+    """The layout a shard records and must be loaded into: world size, TP, PP and EP."""
+    return {k: layout.get(k, 1) for k in ("world", "tp", "pp", "ep")}
 
 
 def load_optimizer_shard(
@@ -178,14 +212,9 @@ def load_optimizer_shard(
         tensors = load_file(str(folder / f"rank{rank}.safetensors"))
     except (OSError, orjson.JSONDecodeError, SafetensorError) as exc:
         raise PipelineError(f"optimizer checkpoint {folder} is unreadable for rank {rank}: {exc}") from exc
-    expected = {
-        "format": FORMAT,
-        "backend": "megatron",
-        "world": layout["world"],
-        "tp": layout["tp"],
-        "pp": layout["pp"],
-    }
+    expected = {"format": FORMAT, "backend": "megatron", **_recorded(layout)}
     meta.setdefault("pp", 1)  # saved before pipeline parallelism: one stage
+    meta.setdefault("ep", 1)  # saved before expert parallelism: every rank held every expert
     if {k: meta.get(k) for k in expected} != expected:
         raise PipelineError(f"optimizer checkpoint {folder} was saved as {meta}; this run is {expected}")
     for name, param in named:

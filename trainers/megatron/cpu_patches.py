@@ -15,6 +15,16 @@ did not use (it ran learned absolute positions):
    the CPU, and its `router_gating_linear` reads a TransformerEngine name that is undefined
    without TransformerEngine. The patch computes the same logits, a plain linear in the
    configured router dtype, where the weight is.
+5. The all-gather and reduce-scatter along the sequence dimension (`tensor_parallel.mappings`),
+   which the MoE all-gather token dispatcher runs over the expert-parallel group, allocate their
+   outputs on `torch.cuda.current_device()` (or in the global buffer). The patch runs the same
+   collectives (gloo has both) into fresh tensors where the input is.
+6. Under sequence parallel (MoE layers under TP), the backward of megatron's linear layers
+   (`LinearWithGradAccumulationAndAsyncCommunication`) allocates the reduce-scattered input
+   gradient on `torch.cuda.current_device()`. The patch computes the same backward (all-gather
+   the input, the input and weight gradients, the reduce-scatter or all-reduce of the input
+   gradient) with its tensors where the input is, without the CUDA-only gradient fusion and
+   deferral, which this backend turns off.
 
 `apply_cpu_patches()` is called only when the trainer runs on CPU; on a GPU megatron-core runs
 unpatched (0.19.x on the H200 machine). The patches are idempotent.
@@ -65,11 +75,79 @@ def _gating_in_place(self: Any, input: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
+def _gather_first_dim_in_place(
+    input_: torch.Tensor, group: Any, output_split_sizes: list[int] | None = None, use_global_buffer: bool = False
+) -> torch.Tensor:
+    """`mappings._gather_along_first_dim`, its output beside the input (a fresh tensor, no global buffer)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    if size == 1:
+        return input_
+    input_ = input_.contiguous()
+    if output_split_sizes is None:
+        output = input_.new_empty((input_.shape[0] * size, *input_.shape[1:]))
+        dist.all_gather_into_tensor(output, input_, group=group)
+        return output
+    output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+    dist.all_gather(list(output.split(output_split_sizes)), input_, group=group)
+    return output
+
+
+def _reduce_scatter_first_dim_in_place(
+    input_: torch.Tensor, group: Any, input_split_sizes: list[int] | None = None, use_global_buffer: bool = False
+) -> torch.Tensor:
+    """`mappings._reduce_scatter_along_first_dim`, its output beside the input (no global buffer)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    if size == 1:
+        return input_
+    input_ = input_.contiguous()
+    if input_split_sizes is None:
+        if input_.shape[0] % size:
+            raise ValueError(f"reduce-scatter of {input_.shape[0]} rows over {size} ranks: not divisible")
+        output = input_.new_empty((input_.shape[0] // size, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(output, input_, group=group)
+        return output
+    parts = list(input_.split(input_split_sizes))
+    output = torch.empty_like(parts[group.rank()])
+    dist.reduce_scatter(output, parts, group=group)
+    return output
+
+
+def _linear_backward_in_place(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """`LinearWithGradAccumulationAndAsyncCommunication.backward` without CUDA (item 6 above)."""
+    import torch.distributed as dist
+
+    if ctx.gradient_accumulation_fusion or ctx.grad_output_buffer is not None:
+        raise RuntimeError("the megatron CPU patches run linear layers without gradient fusion or deferral")
+    input_, weight = ctx.saved_tensors
+    group = ctx.tp_group
+    total_input = input_
+    if ctx.sequence_parallel:  # the forward's input was this rank's positions: gather them all
+        total_input = input_.new_empty((input_.shape[0] * group.size(), *input_.shape[1:]))
+        dist.all_gather_into_tensor(total_input, input_.contiguous(), group=group)
+    grad_input = grad_output.matmul(weight)
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    grad_weight = flat_grad.t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+    grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
+    if ctx.sequence_parallel:  # back to this rank's positions, summed over the TP ranks
+        mine = input_.new_empty(input_.shape)
+        dist.reduce_scatter_tensor(mine, grad_input.contiguous(), group=group)
+        grad_input = mine
+    elif ctx.allreduce_dgrad:
+        dist.all_reduce(grad_input, group=group)
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
 def apply_cpu_patches(seed: int) -> None:
     """Patch megatron-core for CPU and seed torch. Call after `initialize_model_parallel`."""
     global _applied
+    import megatron.core.tensor_parallel.mappings as mappings
     import megatron.core.utils as mcu
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.moe.router import Router
 
@@ -78,6 +156,9 @@ def apply_cpu_patches(seed: int) -> None:
     mcu.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     RotaryEmbedding.get_emb = _rope_emb_in_place
     Router.gating = _gating_in_place
+    mappings._gather_along_first_dim = _gather_first_dim_in_place
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_first_dim_in_place
+    Linear.backward = staticmethod(_linear_backward_in_place)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
     _applied = True

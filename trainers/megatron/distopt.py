@@ -133,6 +133,7 @@ class DistributedOptimizer:
             raise PipelineError(f"optimizer checkpoint {folder} is unreadable for rank {rank}: {exc}") from exc
         expected = {"format": FORMAT, "backend": KIND, **layout}
         meta.setdefault("pp", 1)  # saved before pipeline parallelism: one stage
+        meta.setdefault("ep", 1)  # saved before expert parallelism: every rank held every expert
         if {k: meta.get(k) for k in expected} != expected:
             raise PipelineError(
                 f"optimizer checkpoint {folder} was saved as "

@@ -2,8 +2,10 @@
 across them: the step's totals summed over data parallel, and what the last pipeline stage holds
 (the loss's totals, the log-probs) broadcast to the other stages.
 
-Tensor and pipeline parallel come from megatron-core's `parallel_state`; data parallel is
-world / (TP x PP). Gloo ranks (CPU) exchange on the CPU, NCCL ranks on their GPU (`comm_device`).
+Tensor, pipeline and expert parallel come from megatron-core's `parallel_state`; data parallel is
+world / (TP x PP). Expert parallel (EP) splits each MoE layer's experts over EP of the data-parallel
+ranks; an expert's replicas are on the expert-data-parallel ranks, world / (TP x PP x EP) of them.
+Gloo ranks (CPU) exchange on the CPU, NCCL ranks on their GPU (`comm_device`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Layout:
     dp: int
     dp_rank: int
     pp: int
+    ep: int = 1
+    ep_rank: int = 0
 
     @classmethod
     def current(cls) -> Layout:
@@ -43,11 +47,13 @@ class Layout:
             dp=ps.get_data_parallel_world_size(),
             dp_rank=ps.get_data_parallel_rank(),
             pp=ps.get_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
         )
 
     def as_dict(self) -> dict[str, int]:
         """What an optimizer shard records: a shard loads only into the same layout (`checkpoint.py`)."""
-        return {"rank": self.rank, "world": self.world, "tp": self.tp, "pp": self.pp}
+        return {"rank": self.rank, "world": self.world, "tp": self.tp, "pp": self.pp, "ep": self.ep}
 
 
 def comm_device(device: torch.device) -> torch.device:

@@ -11,6 +11,27 @@ policy's, as the torch trainer's is (the tiny model is saved with `output_router
 The experts are megatron's `SequentialMLP` (one SwiGLU MLP per expert, no grouped GEMM: that is
 a CUDA kernel) behind the all-gather token dispatcher.
 
+Expert parallel (`expert_model_parallel_size` = EP > 1): each rank builds only its
+`num_experts / EP` experts of each layer (megatron's `local_expert_indices`, consecutive; their
+full-model names carry the global index, `qwen3.global_names`). The router runs on every rank, on
+its own tokens, and picks global expert ids (so R3's routes replay unchanged); the dispatcher then
+all-gathers the EP group's tokens, each rank runs its experts on those routed to them, and a
+reduce-scatter brings the outputs home. Why the all-gather dispatcher and not all-to-all:
+megatron-core 0.16.1's all-to-all dispatcher opens a CUDA stream when it is built and syncs
+device-to-host on it, so it cannot run on the CPU (gloo) ranks CI uses, while the all-gather one
+needs only all-gather and reduce-scatter, which gloo has (its CPU allocation is patched,
+`cpu_patches.py`). Its price: the gathered sequences must be equally long, so the trainer pads
+each micro-batch to the longest of the EP group's and gives a rank with fewer rows padding-only
+micro-batches (`trainer._micro_batches`, `_forward`); and every rank sees EP x its tokens, which
+is fine at these sizes, and what all-to-all would save at scale. The gradients of the experts are
+summed over their expert-data-parallel replicas (`grads.py`); a save gathers every expert over
+the EP group (`checkpoint.gather_experts`).
+
+Tensor parallel: megatron-core's MoE layers refuse TP without sequence parallel, so an MoE model
+under TP runs it (`qwen3.sequence_parallel`; each TP rank routes its 1 / TP of the positions, and
+the dispatcher's all-gather spans the TP x EP group). The experts are split over TP as a dense MLP
+is (expert TP = TP, megatron's default), so the same `qwen3.shard` serves them.
+
 Names and layouts (HF -> megatron, per layer i, per expert e):
 
     mlp.gate.weight [E, H]                     -> mlp.router.weight
@@ -21,10 +42,6 @@ A saved HF folder holds the per-expert tensors (what `save_pretrained` writes, a
 and the built-in engine read); a transformers 5 model in memory holds them fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); both convert. The
 conversion is a pure reshuffle, exact both ways.
-
-Not built: expert parallel (`expert_model_parallel_size` > 1). The experts' gradients would
-then be summed over the expert-data-parallel group, not the data-parallel one `grads.py` uses,
-and a save would gather experts over the EP group; refused at construction until then.
 """
 
 from __future__ import annotations
@@ -49,6 +66,7 @@ def moe_config(num_experts: int, top_k: int, ffn_hidden_size: int, *, norm_topk_
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
         "moe_router_dtype": "fp32",  # transformers routes in fp32 too (softmax with dtype=float)
+        # Under expert parallel too: the all-to-all dispatcher needs CUDA streams (module docstring).
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
     }

@@ -39,8 +39,11 @@ class Packed:
         return int(self.tokens.shape[1])
 
 
-def pack(rows: Sequence[Row], device: torch.device) -> Packed:
-    """The rows' prompts and responses as one sequence, each row attending only to itself."""
+def pack(rows: Sequence[Row], device: torch.device, *, length: int | None = None) -> Packed:
+    """The rows' prompts and responses as one sequence, each row attending only to itself.
+
+    `length`: pad the sequence to that many tokens with a block of token 0 that attends only to
+    itself and predicts nothing (expert parallel: the all-gather dispatcher joins equal lengths)."""
     ids: list[int] = []
     predict: list[int] = []
     blocks: list[int] = []
@@ -51,6 +54,9 @@ def pack(rows: Sequence[Row], device: torch.device) -> Packed:
         ids += r.prompt_ids + r.response_ids
         targets += r.response_ids
         blocks.append(p + len(r.response_ids))
+    if length is not None and length > len(ids):
+        blocks.append(length - len(ids))
+        ids += [0] * (length - len(ids))
     owner = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(blocks))
     position = torch.arange(len(ids))
     hidden = (owner[:, None] != owner[None, :]) | (position[None, :] > position[:, None])

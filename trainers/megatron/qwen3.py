@@ -41,6 +41,14 @@ Tied embeddings under PP > 1: the last stage holds its own copy of the embedding
 `output_layer.weight` (megatron's recipe: both copies start equal and their gradients are summed
 over the embedding group, `grads.py`, so they stay equal); it is built untied so that megatron
 does not move it to CUDA to synchronise it at construction, and a save reads the first stage's.
+
+Expert parallel: a rank builds `num_experts / EP` experts per MoE layer, named `local_experts.i`
+locally; `global_names` gives them their global index, so loading and saving convert them as
+without EP (`is_expert` says which parameters are one expert's, held by one EP rank).
+
+Sequence parallel (an MoE model under TP, `sequence_parallel`): megatron's own recipe, with the
+local spec's torch norms swapped for `SequenceParallelRMSNorm` (the same norm; megatron's wrapper
+refuses sequence parallel only because megatron's gradient reduction would miss its weight).
 """
 
 from __future__ import annotations
@@ -59,8 +67,10 @@ __all__ = [
     "build_gpt_model",
     "global_names",
     "hf_to_megatron",
+    "is_expert",
     "is_sharded",
     "megatron_to_hf",
+    "sequence_parallel",
     "shard",
     "unshard",
 ]
@@ -156,6 +166,22 @@ class Qwen3Shape:
         if problems:
             raise ConfigError(problems)
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """EP splits each MoE layer's experts evenly; a dense model has none to split."""
+        if ep == 1:
+            return
+        if not self.moe:
+            raise ConfigError(
+                [f"--expert-model-parallel-size={ep}: the model is dense (no MoE layers, no experts to split)"]
+            )
+        if self.num_experts % ep:
+            raise ConfigError(
+                [
+                    f"--expert-model-parallel-size={ep}: the model's {self.num_experts} experts per layer are "
+                    "not divisible by it (each EP rank holds the same number of experts)"
+                ]
+            )
+
     def check_pipeline_parallel(self, pp: int) -> None:
         """Every stage gets the same number of layers."""
         if self.num_layers % pp:
@@ -167,10 +193,13 @@ class Qwen3Shape:
             )
 
 
-def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dtype, on_cpu: bool) -> torch.nn.Module:
-    """The megatron `GPTModel` for `shape` on this rank: its pipeline stage's share of it.
+def build_gpt_model(
+    shape: Qwen3Shape, *, tp: int, pp: int = 1, ep: int = 1, dtype: torch.dtype, on_cpu: bool
+) -> torch.nn.Module:
+    """The megatron `GPTModel` for `shape` on this rank: its pipeline stage's share of it, and
+    under expert parallel its `num_experts / ep` experts of each MoE layer.
 
-    `initialize_model_parallel` must have run (it says which stage this rank is)."""
+    `initialize_model_parallel` must have run (it says which stage and which experts are this rank's)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -200,6 +229,8 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=sequence_parallel(shape, tp),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -215,11 +246,14 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
         **moe,
     )
     rotary_base = int(shape.rope_theta) if shape.rope_theta.is_integer() else shape.rope_theta
+    spec: Any = get_gpt_layer_local_spec(
+        num_experts=shape.num_experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    if config.sequence_parallel:
+        spec = _sequence_parallel_block(spec, shape.num_layers // pp)
     model: torch.nn.Module = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=shape.num_experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-        ),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_positions,
         position_embedding_type="rope",
@@ -231,27 +265,98 @@ def build_gpt_model(shape: Qwen3Shape, *, tp: int, pp: int = 1, dtype: torch.dty
         post_process=ps.is_pipeline_last_stage(),
     )
     if shape.pad_token_id is not None and ps.is_pipeline_first_stage():
-        pad = shape.pad_token_id
-        model.embedding.word_embeddings.register_forward_hook(  # type: ignore[union-attr]
-            lambda module, args, out: torch.where((args[0] == pad)[..., None], out.detach(), out)
-        )
+        model.embedding.word_embeddings.register_forward_hook(_pad_row_frozen(shape.pad_token_id))  # type: ignore[union-attr]
     return model if on_cpu else model.cuda()
+
+
+def sequence_parallel(shape: Qwen3Shape, tp: int) -> bool:
+    """Whether the model runs megatron's sequence parallel: MoE layers under TP need it (megatron-core
+    refuses them without), so an MoE model under TP runs it; a dense model does not."""
+    return shape.moe and tp > 1
+
+
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm, as megatron's `WrappedTorchNorm` builds it (the local spec's norm without
+    Apex or TransformerEngine), also under sequence parallel. `WrappedTorchNorm` refuses sequence
+    parallel because megatron's own gradient reduction would not know that the norm's weight
+    gradient is partial on each TP rank; this backend's does (`grads.reduce_gradients` sums every
+    replicated parameter's over TP then). The norm itself is per position, the same either way."""
+
+    # A class (megatron builds a spec's module by calling it) whose instances are torch RMSNorms.
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        # What megatron's finalize_model_grads (the distributed optimizer's path) sums over TP.
+        norm.weight.sequence_parallel = True  # type: ignore[attr-defined]
+        return norm
+
+
+def _sequence_parallel_block(layer: Any, layers: int) -> Any:
+    """The transformer block spec of `layers` copies of the `layer` spec, every torch norm in it (and
+    the final norm) a `SequenceParallelRMSNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def swap(node: Any) -> Any:
+        if node is WrappedTorchNorm:
+            return SequenceParallelRMSNorm
+        if isinstance(node, ModuleSpec):
+            return dataclasses.replace(node, submodules=swap(node.submodules))
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            return dataclasses.replace(node, **{f.name: swap(getattr(node, f.name)) for f in dataclasses.fields(node)})
+        return node
+
+    return TransformerBlockSubmodules(layer_specs=[swap(layer)] * layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def _pad_row_frozen(pad: int) -> Any:
+    """A forward hook on the word embeddings: the pad token's positions carry no gradient to its row.
+
+    The output is [B, S, H], or under sequence parallel this TP rank's [S / TP, B, H] slice (the
+    embedding reduce-scatters it), whose tokens are the rank's rows of the transposed ids."""
+
+    def hook(module: Any, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        is_pad = args[0] == pad  # [B, S]
+        if out.shape[:2] != is_pad.shape:
+            from megatron.core import parallel_state as ps
+
+            tp = ps.get_tensor_model_parallel_world_size()
+            is_pad = is_pad.t().chunk(tp)[ps.get_tensor_model_parallel_rank()]
+        return torch.where(is_pad[..., None], out.detach(), out)
+
+    return hook
 
 
 def global_names(model: torch.nn.Module, shape: Qwen3Shape) -> dict[str, str]:
     """This stage's parameter names -> the full model's: layers renumbered by their global
-    `layer_number`; the last stage's copy of a tied embedding is the embedding."""
+    `layer_number`, experts by their global index (under expert parallel a rank's
+    `local_experts.i` is expert `local_expert_indices[i]`); the last stage's copy of a tied
+    embedding is the embedding."""
     layers: Any = model.decoder.layers  # type: ignore[union-attr]
     out: dict[str, str] = {}
     for name, _ in model.named_parameters():
         full = name
         if name.startswith("decoder.layers."):
             local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            full = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+            layer = layers[int(local)]
+            if rest.startswith(_EXPERTS):
+                index, tail = rest.removeprefix(_EXPERTS).split(".", 1)
+                rest = f"{_EXPERTS}{layer.mlp.local_expert_indices[int(index)]}.{tail}"
+            full = f"decoder.layers.{layer.layer_number - 1}.{rest}"
         elif name == "output_layer.weight" and shape.tied:
             full = "embedding.word_embeddings.weight"
         out[name] = full
     return out
+
+
+_EXPERTS = "mlp.experts.local_experts."
+
+
+def is_expert(name: str) -> bool:
+    """Whether megatron parameter `name` belongs to one expert (held by one EP rank), not shared."""
+    return ".mlp.experts." in name
 
 
 # ---- names and layouts -----------------------------------------------------------------------

@@ -16,7 +16,8 @@ megatron's process-wide list (`RouterReplay.global_router_replay_instances`), wh
 the two models' layers. A packed micro-batch's plan is `[S, layers, top_k]` over its packed
 positions (`plan`), and each router reads its global layer's column (pipeline stages hold a slice
 of the layers). The policy forward of a step, the proximal and the reference log-probs all run
-under the same plan.
+under the same plan. Under expert parallel nothing changes: each rank's routers route its own
+tokens before the token dispatcher moves them, and a route is a global expert id on every rank.
 """
 
 from __future__ import annotations
@@ -112,15 +113,18 @@ class ReplayedRouters:
                 replay.clear_indices()
 
 
-def plan(rows: Sequence[Row], *, layers: int, top_k: int, device: torch.device) -> torch.Tensor | None:
+def plan(
+    rows: Sequence[Row], *, layers: int, top_k: int, device: torch.device, length: int | None = None
+) -> torch.Tensor | None:
     """The routes of one packed micro-batch (`packing.pack`'s order): [S, layers, top_k] long, -1
-    where the router's own choice stands; None when no row carries routes.
+    where the router's own choice stands; None when no row carries routes. `length`: the packed
+    sequence's, when `pack` padded it (the padding keeps the router's own choice).
 
     Response token t of a row whose prompt has p tokens, packed from offset o, sits at o + p + t
     and was sampled by the forward that read o + p - 1 + t: its row goes there."""
     if all(r.routes is None for r in rows):
         return None
-    total = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    total = max(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows), length or 0)
     out = torch.full((total, layers, top_k), -1, dtype=torch.long)
     at = 0
     for r in rows:

@@ -73,15 +73,18 @@ class InFlight:
     loss: torch.Tensor | None  # on the last stage, when training
 
 
-def forward(model: Any, stage: Stage, packed: Packed, *, hidden: tuple[int, torch.dtype], train: bool) -> InFlight:
+def forward(
+    model: Any, stage: Stage, packed: Packed, *, hidden: tuple[int, torch.dtype], train: bool, split: int = 1
+) -> InFlight:
     """This stage's forward of one micro-batch: receive the hidden states, run the layers, send ours on.
 
     `hidden` is the model's hidden size and the dtype its stages exchange. When `train`, the
-    received hidden states require grad, so that the backward can send their gradient back."""
+    received hidden states require grad, so that the backward can send their gradient back.
+    `split`: under sequence parallel a stage holds 1 / TP of the positions (TP = `split`)."""
     received = None
     if not stage.first:
         size, dtype = hidden
-        received = torch.empty((packed.length, 1, size), dtype=dtype, device=packed.tokens.device)
+        received = torch.empty((packed.length // split, 1, size), dtype=dtype, device=packed.tokens.device)
         dist.recv(received, src=stage.prev)
         received.requires_grad_(train)
         model.set_input_tensor(received)

@@ -42,9 +42,16 @@ megatron-core's DDP and stepped by its distributed optimizer (`distopt.py`): the
 the optimizer state sharded over data parallel. Not with pipeline parallel (refused at config load:
 it would need megatron's schedule hooks and its `finalize_model_grads` across stages).
 
-MoE (a qwen3_moe folder, `moe.py`) at TP=1. R3 (`routing_replay`, `--use-rollout-routing-replay`):
-rows' routes are replayed through megatron-core's RouterReplay (`router_replay.py`). SC: the loss
-scores the rows' sampler heads over the TP-split vocabulary (`packing.sampler_head_logprobs`).
+MoE (a qwen3_moe folder, `moe.py`), with expert parallel (`--expert-model-parallel-size`: each
+rank holds num_experts / EP experts per layer; every forward is then a collective of the EP group,
+so its ranks run as many micro-batches, padded to equal lengths). Under TP an MoE model runs
+megatron's sequence parallel (`qwen3.sequence_parallel`): packed sequences are padded to a multiple
+of TP, each TP rank's layers between the attention and MLP blocks see 1 / TP of the positions (and
+its routers, so R3's plan is cut the same way), and the replicated parameters' gradients are
+summed over TP (`grads.py`). R3 (`routing_replay`,
+`--use-rollout-routing-replay`): rows' routes are replayed through megatron-core's RouterReplay
+(`router_replay.py`). SC: the loss scores the rows' sampler heads over the TP-split vocabulary
+(`packing.sampler_head_logprobs`).
 
 Reference model (`--use-kl-loss`): a second GPTModel with the same TP/PP layout, frozen, loaded
 from `ref_path` (the run's initial weights, or `--ref-load`); each rank holds its own shard and
@@ -71,6 +78,7 @@ from trainers.checkpoint import OPTIMIZER_DIR, model_folder_files, write_folder_
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings
 from trainers.megatron.checkpoint import (
     config_files,
+    gather_experts,
     gather_full_state,
     gather_stages,
     load_hf_weights,
@@ -92,7 +100,7 @@ from trainers.megatron.layout import (
 )
 from trainers.megatron.master import MasterWeights
 from trainers.megatron.packing import Packed, head_logprobs, pack, sampler_head_logprobs
-from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf
+from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf, sequence_parallel
 from trainers.megatron.router_replay import ReplayedRouters, plan
 from trainers.megatron.rows import (
     Row,
@@ -183,12 +191,8 @@ class MegatronTrainer:
         self.stage = Stage.current()
         self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
         self.shape.check_tensor_parallel(self.layout.tp)
-        if self.shape.moe and self.layout.tp > 1:
-            raise ValueError(
-                f"tensor parallel ({self.layout.tp}) with an MoE model: megatron-core's MoE layers need "
-                "sequence parallel under TP, which this backend does not run; use TP=1 (data parallel "
-                "and pipeline parallel work)"
-            )
+        # megatron-core's MoE layers need sequence parallel under TP (qwen3.sequence_parallel).
+        self._sequence_parallel = sequence_parallel(self.shape, self.layout.tp)
         if routing_replay and not self.shape.moe:
             raise ValueError(
                 "--use-rollout-routing-replay: the model has no MoE layers (no routers) to replay routes in"
@@ -196,10 +200,9 @@ class MegatronTrainer:
         # R3: (layers, top k) of the routes rows carry; None when routes are not replayed.
         self._route_shape = (self.shape.num_layers, self.shape.moe_top_k) if routing_replay else None
         self.shape.check_pipeline_parallel(self.layout.pp)
+        self.shape.check_expert_parallel(self.layout.ep)
         self.dtype = _DTYPES[dtype]
-        self.model = build_gpt_model(
-            self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
-        )
+        self.model = self._build_model()
         # This stage's parameter names -> the full model's; the last stage's copy of a tied
         # embedding (PP > 1) is neither saved nor counted twice in the gradient norm.
         self._names = global_names(self.model, self.shape)
@@ -208,9 +211,7 @@ class MegatronTrainer:
         self.lr = lr
         self.reference: torch.nn.Module | None = None
         if self.loss.needs_reference:
-            self.reference = build_gpt_model(
-                self.shape, tp=self.layout.tp, pp=self.layout.pp, dtype=self.dtype, on_cpu=self.device.type == "cpu"
-            )
+            self.reference = self._build_model()
             ref = Path(ref_path) if ref_path is not None else self.model_path
             load_hf_weights(self.reference, ref, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
             self.reference.requires_grad_(False)
@@ -242,6 +243,12 @@ class MegatronTrainer:
         self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
         if resume.is_dir():
             self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self.layout.as_dict())
+
+    def _build_model(self) -> torch.nn.Module:
+        lay = self.layout
+        return build_gpt_model(
+            self.shape, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=self.dtype, on_cpu=self.device.type == "cpu"
+        )
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -364,9 +371,18 @@ class MegatronTrainer:
         return step
 
     def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
-        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`."""
-        mine = minibatch[self.layout.dp_rank :: self.layout.dp]
-        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`.
+
+        Under expert parallel every forward is a collective of the EP group (the token
+        dispatcher), so every rank runs as many as the DP rank with the most rows: the others'
+        last micro-batches are empty (a padding-only sequence, `_forward`, that trains nothing)."""
+        lay, size = self.layout, self.micro_batch_size
+        mine = minibatch[lay.dp_rank :: lay.dp]
+        chunks = [mine[i : i + size] for i in range(0, len(mine), size)]
+        if lay.ep > 1:
+            most = -(-len(minibatch[:: lay.dp]) // size)  # DP rank 0 has the most rows
+            chunks += [[] for _ in range(most - len(chunks))]
+        return chunks
 
     def _minibatch_step(
         self,
@@ -395,7 +411,9 @@ class MegatronTrainer:
         pending: list[InFlight] = []
         for j, chunk in enumerate(chunks):
             packed, flight = self._forward(chunk, train=True)
-            if self.stage.last:  # the loss, on the logits
+            if self.stage.last and not chunk:  # EP padding: its backward still joins the dispatcher's
+                flight.loss = flight.output.sum() * 0.0
+            elif self.stage.last:  # the loss, on the logits
                 logp, entropy = self._head(flight.output, packed)
                 heads = micro_batch_heads(chunk, self.device) if self.loss.score_centering else None
                 flight.loss = micro_batch_loss(
@@ -439,6 +457,10 @@ class MegatronTrainer:
             tp_group=tp_group,
             dp_group=dp_group(),
             embedding_group=ps.get_embedding_group() if tied else None,
+            # Experts (MoE): over their replicas, which are the DP group's without expert parallel.
+            expert_dp=ps.get_expert_data_parallel_world_size() if self.shape.moe else None,
+            expert_dp_group=ps.get_expert_data_parallel_group() if self.shape.moe else None,
+            sequence_parallel=self._sequence_parallel,
         )
         grad_norm = clip_gradients(
             named,
@@ -448,6 +470,8 @@ class MegatronTrainer:
             tp_group=tp_group,
             pp=lay.pp,
             pp_group=ps.get_pipeline_model_parallel_group(),
+            ep=lay.ep,
+            ep_group=ps.get_expert_model_parallel_group() if lay.ep > 1 else None,
             not_counted=self._tied_copy,
         )
         self.optimizer.step()
@@ -457,16 +481,43 @@ class MegatronTrainer:
     def _forward(
         self, rows: Sequence[Row], *, train: bool, model: torch.nn.Module | None = None
     ) -> tuple[Packed, InFlight]:
-        """This stage's forward of one packed micro-batch (the output is the logits on the last stage)."""
-        packed = pack(rows, self.device)
+        """This stage's forward of one packed micro-batch (the output is the logits on the last stage).
+
+        The micro-batch is padded (`_padded_length`) where megatron needs equal or divisible lengths."""
+        length = self._padded_length(rows)
+        packed = pack(rows, self.device, length=length)
         module = self.model if model is None else model
         replay = self._replays.get("policy" if model is None else "reference")
+        hidden = (self.shape.hidden_size, self.dtype)
+        split = self.layout.tp if self._sequence_parallel else 1
         if replay is None:
-            return packed, forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
-        routes = plan(rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device)
+            return packed, forward(module, self.stage, packed, hidden=hidden, train=train, split=split)
+        routes = plan(rows, layers=self.shape.num_layers, top_k=self.shape.moe_top_k, device=self.device, length=length)
+        if routes is not None and split > 1:  # sequence parallel: the routers see this TP rank's positions
+            routes = routes.chunk(split)[self.layout.tp_rank]
         with replay.replaying(routes):
-            flight = forward(module, self.stage, packed, hidden=(self.shape.hidden_size, self.dtype), train=train)
+            flight = forward(module, self.stage, packed, hidden=hidden, train=train, split=split)
         return packed, flight
+
+    def _padded_length(self, rows: Sequence[Row]) -> int | None:
+        """The length to pad this micro-batch's packed sequence to (None: its own).
+
+        Under expert parallel, the longest of the EP group's: the all-gather dispatcher gathers
+        equal-length sequences (`moe.py` says why that one). Under sequence parallel, a multiple
+        of TP: each TP rank holds 1 / TP of the positions."""
+        lay = self.layout
+        if lay.ep == 1 and not self._sequence_parallel:
+            return None
+        length = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+        if lay.ep > 1:
+            from megatron.core import parallel_state as ps
+
+            longest = torch.tensor([length], device=self._comm_device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+            length = int(longest[0])
+        if self._sequence_parallel:
+            length = -(-length // lay.tp) * lay.tp
+        return length
 
     def _backward(self, flight: InFlight) -> None:
         backward(self.stage, flight)
@@ -523,7 +574,7 @@ class MegatronTrainer:
                 # IcePop and seq-mask drop by the proximal log-probs; only OPSM needs the current ones.
                 # Every stage runs the same forwards; the loss, and so this count, is the last's.
                 logp = self._forward_logprobs(c)[0] if prox is None or s.use_opsm else prox
-                if self.stage.last:
+                if self.stage.last and c:
                     count += trained_token_count(s, c, logp, prox)
         total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
         if self.layout.dp > 1:
@@ -564,8 +615,12 @@ class MegatronTrainer:
         DP rank 0) send theirs to it. Other ranks return what they hold, which nobody reads."""
         from megatron.core import parallel_state as ps
 
-        joined = gather_full_state(self._named(), tp=self.layout.tp, group=ps.get_tensor_model_parallel_group())
+        lay = self.layout
+        joined = gather_full_state(self._named(), tp=lay.tp, group=ps.get_tensor_model_parallel_group())
         full = {self._names[n]: t for n, t in joined.items() if n not in self._tied_copy}
+        if lay.ep > 1:  # every EP rank's experts (each rank holds num_experts / EP of them)
+            group = ps.get_expert_model_parallel_group()
+            full = gather_experts(full, ep=lay.ep, ep_rank=lay.ep_rank, group=group, device=self._comm_device)
         if self.layout.pp == 1 or self.layout.tp_rank != 0 or self.layout.dp_rank != 0:
             return full
         first = ps.get_pipeline_model_parallel_first_rank()
