@@ -54,9 +54,9 @@ def test_a_step_over_the_bound_is_halved_until_it_is_under():
 def test_a_step_under_the_bound_is_taken_whole_and_one_never_under_it_is_undone():
     p = torch.nn.Parameter(torch.tensor([0.0]))
     check = bounded_step([p], lambda: p.data.add_(0.5), lambda: 0.01, max_kl=0.1)
-    assert (check.halvings, check.kl, p.item()) == (0, 0.01, 0.5)
+    assert (check.halvings, check.kl, p.item(), check.undone) == (0, 0.01, 0.5, False)
     check = bounded_step([p], lambda: p.data.add_(3.0), lambda: 5.0, max_kl=0.1, max_halvings=3)
-    assert (check.halvings, check.kl, p.item()) == (4, 0.0, 0.5)  # back where it was
+    assert (check.halvings, check.kl, p.item(), check.undone) == (4, 0.0, 0.5, True)  # back where it was
     with pytest.raises(ValueError, match="max_kl"):
         bounded_step([p], lambda: None, lambda: 0.0, max_kl=0.0)
 
@@ -120,3 +120,24 @@ def test_the_bound_is_on_by_default_with_torch_and_off_with_megatron(model_dir):
         load_config(["--train-backend", "megatron", "--max-step-kl", "0.3"])
     assert build_trainer(model_dir, {"trainer": {"max_step_kl": 0.3}, "rollout": {}}).max_step_kl == 0.3
     assert build_trainer(model_dir, {"trainer": {"max_step_kl": 0.0}, "rollout": {}}).max_step_kl is None
+
+
+def test_a_step_no_halving_brings_under_the_bound_is_undone_counted_and_said(model_dir):
+    """A bound below what 6 halvings of an lr-0.1 step reach: the weights stay as they were, the
+    metrics count the undone step, and the log says so with the learning rate (a run whose every
+    step is undone trains nothing while its rewards still move)."""
+    from structlog.testing import capture_logs
+
+    batch = _batch()
+    trainer = GRPOTrainer(model_dir, lr=0.1, max_step_kl=1e-9)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with capture_logs() as logs:
+        metrics = trainer.train_step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    assert metrics["step_kl_undone"] == 1 and metrics["step_kl_max"] == 0.0
+    said = [e for e in logs if e["log_level"] == "warning" and "undone" in e["event"]]
+    assert len(said) == 1 and said[0]["lr"] == 0.1 and said[0]["undone"] == 1
+    quiet = GRPOTrainer(model_dir, lr=0.1, max_step_kl=0.2)
+    with capture_logs() as logs:
+        assert quiet.train_step(batch)["step_kl_undone"] == 0
+    assert not [e for e in logs if "undone" in e["event"]]

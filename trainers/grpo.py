@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from core.types import Batch, Sample, SampleStatus
@@ -66,6 +67,8 @@ from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.sampler_heads import sampler_heads
 from trainers.step_kl import bounded_step, mean_k3
 from trainers.token_scores import token_scores
+
+log = structlog.get_logger("trainer")
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -255,6 +258,18 @@ class GRPOTrainer:
             self._minibatch_step(samples, mb, t, proximal, reference, totals)
         self.steps += 1
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        if totals["step_kl_undone"]:
+            # Said, not only counted: a run whose every step is undone trains nothing while its
+            # loss and rewards look alive (the toy's --lr 5e-3 on a 0.6B model: 7-400 nats a step).
+            log.warning(
+                "optimizer steps undone by the step-KL bound: nothing of them trained",
+                undone=int(totals["step_kl_undone"]),
+                of=int(totals["step_kl_checked"]),
+                proposed_kl=round(totals["step_kl_proposed"], 3),
+                max_step_kl=self.max_step_kl,
+                lr=totals["lr"],
+                hint="steps this far are rare; when most are undone, lower --lr (or raise --max-step-kl)",
+            )
         metrics = step_metrics(batch, trains, advantages, t.valid, t.mask, t.versions, totals, len(minibatches))
         metrics["minibatch_samples"] = float(len(minibatches[0]))  # the split, recorded for a replay
         return metrics
@@ -371,6 +386,7 @@ class GRPOTrainer:
         totals["step_kl"] = max(totals["step_kl"], check.kl)
         totals["step_kl_proposed"] = max(totals["step_kl_proposed"], check.proposed_kl)
         totals["step_kl_halvings"] += check.halvings
+        totals["step_kl_undone"] += check.undone
         totals["step_kl_checked"] += 1
 
     # ---- what trains, and with which advantage ------------------------------------------------

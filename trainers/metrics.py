@@ -111,6 +111,7 @@ def step_metrics(
         out["step_kl_max"] = totals["step_kl"]
         out["step_kl_proposed_max"] = totals["step_kl_proposed"]
         out["step_kl_halvings"] = totals["step_kl_halvings"]
+        out["step_kl_undone"] = totals["step_kl_undone"]
     if "ref_log_probs_time" in totals:  # seconds of the reference model's forwards (--use-kl-loss)
         out["ref_log_probs_time"] = totals["ref_log_probs_time"]
     trained_versions = versions[mask]

@@ -47,6 +47,7 @@ class StepCheck:
     kl: float  # the step's KL as finally taken (0 when it was undone)
     proposed_kl: float  # the KL of the step the optimizer proposed
     halvings: int  # how many times it was halved (max_halvings + 1: undone)
+    undone: bool = False  # no halving brought it under the bound: the weights are as before it
 
 
 def bounded_step(
@@ -75,5 +76,5 @@ def bounded_step(
         if kl > max_kl:
             for p, b in zip(params, before, strict=True):
                 p.copy_(b)
-            return StepCheck(0.0, proposed, max_halvings + 1)
+            return StepCheck(0.0, proposed, max_halvings + 1, undone=True)
     return StepCheck(kl, proposed, halvings)
