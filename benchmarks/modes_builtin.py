@@ -6,7 +6,8 @@
 Each mode is a real run of the launcher (`pipeline.run.cli.main`): a built-in engine process with a KV
 cache on `--device`, the real GRPO trainer on the same device taking real training steps (not a
 fixed-time trainer), and a real publish after each step: over torch.distributed (NCCL) when the
-engine can have a GPU of its own (NCCL refuses two ranks on one GPU), else from disk. The task is
+engine can have a GPU of its own (the second, when torch sees two: NCCL refuses two ranks on one
+GPU), else from disk. The task is
 the quick start's; with `--model-size 0.6b` the model is a random-init Qwen3 of the 0.6B shape,
 its window cut to 2048 tokens so that the engine's KV cache (slots x window) fits beside the
 trainer. `--dtype bfloat16` trains under bf16 autocast (fp32 masters, what the engine receives) and,
@@ -63,10 +64,19 @@ def _model(args: argparse.Namespace, root: Path) -> Path:
 
 
 def _transport(device: str) -> str:
+    return "distributed" if _engine_device(device) != device or not device.startswith("cuda") else "disk"
+
+
+def _engine_device(device: str) -> str:
+    """Where the engine runs: the second GPU when there is one (the trainer keeps `device`), so the
+    engine has a GPU of its own, as in a disaggregated run and in the simulated twin, and the
+    publish goes over NCCL (which refuses two ranks on one GPU); else beside the trainer."""
     import torch
 
-    on_gpu = device.startswith("cuda")
-    return "distributed" if not on_gpu or torch.cuda.device_count() > 1 else "disk"
+    if device.startswith("cuda") and torch.cuda.device_count() > 1:
+        trainer = torch.device(device).index or 0
+        return f"cuda:{1 if trainer == 0 else 0}"
+    return device
 
 
 def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
@@ -182,7 +192,7 @@ def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tupl
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "tail-engine.log").open("wb")
     cmd = [sys.executable, "-m", "engines.builtin", "--model-path", str(model), "--port", str(port)]
-    cmd += ["--device", args.device, "--dtype", args.dtype, "--max-running-requests", "64"]
+    cmd += ["--device", _engine_device(args.device), "--dtype", args.dtype, "--max-running-requests", "64"]
     cmd += ["--length-tail", args.length_tail]
     cmd += ["--length-tail-limit", str(args.max_len)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -213,7 +223,7 @@ def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, fl
             "--hf-checkpoint",
             str(model),
             "--rollout-device",
-            args.device,
+            _engine_device(args.device),
             "--trainer-device",
             args.device,
             "--trainer-dtype",
@@ -277,7 +287,8 @@ def main(args: argparse.Namespace) -> None:
     base = results["sync"]["groups/s"]
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
     print(
-        f"\nbuilt-in engine, {args.model_size} model on {args.device}; {args.steps} steps of {args.batch} groups x "
+        f"\nbuilt-in engine, {args.model_size} model on {_engine_device(args.device)} (trainer {args.device}); "
+        f"{args.steps} steps of {args.batch} groups x "
         f"{args.group} samples; {args.dtype}; publish: {results['sync']['transport']}"
         + (f"; length tail {args.length_tail}, max {args.max_len} tokens" if args.length_tail else "")
     )
