@@ -64,7 +64,8 @@ def _model(args: argparse.Namespace, root: Path) -> Path:
 
 
 def _transport(device: str) -> str:
-    return "distributed" if _engine_device(device) != device or not device.startswith("cuda") else "disk"
+    # Disk only where the engine shares the trainer's one GPU; gloo on the CPU, NCCL across two GPUs.
+    return "disk" if device.startswith("cuda") and _engine_device(device) == device else "distributed"
 
 
 def _engine_device(device: str) -> str:

@@ -173,6 +173,7 @@ class KVCacheForward(TorchForward):
         self._rows_squared = self._timed_steps = 0
         self._mixed = dict.fromkeys(_MIXED_COUNTS, 0)
         self._mixed_tokens_seconds = 0.0
+        self._step_prefill_tokens = 0  # the last prefill's tokens, read by `_timed`
         self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
 
     def _decode_graphs(
@@ -258,7 +259,7 @@ class KVCacheForward(TorchForward):
         seconds = time.perf_counter() - start  # the draws read the device back: the work is done
         if fresh:
             self._prefill_seconds += seconds
-            tokens = sum(len(rows[i].prompt_ids) + len(rows[i].output_ids) for i in fresh)
+            tokens = self._step_prefill_tokens  # what `_prefill` computed this step
             held = len(rows) - len(fresh)
             m = self._mixed
             m["prefill_steps_decoding"] += int(held > 0)
@@ -296,7 +297,8 @@ class KVCacheForward(TorchForward):
         for row, length in zip(rows, lengths, strict=True):
             self._cached[row.key] = length
         self._prefills += 1
-        self._prefill_tokens += sum(lengths)
+        self._step_prefill_tokens = sum(lengths)
+        self._prefill_tokens += self._step_prefill_tokens
         return self._logits(hidden[torch.arange(len(rows), device=dev), n - 1])
 
     def _decode(self, rows: Sequence[Row], *, eager: bool = False) -> torch.Tensor:

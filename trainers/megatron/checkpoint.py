@@ -99,8 +99,7 @@ def gather_experts(
     (`device`: where the collective runs, the CPU for gloo, the rank's GPU for NCCL)."""
     if ep == 1:
         return state
-    held = sorted({int(m.group(2)) for m in map(_EXPERT.match, state) if m})
-    n = len(held)
+    n = len({m.group(2) for m in map(_EXPERT.match, state) if m})  # experts held per layer
     out = dict(state)
     for name, local in state.items():
         m = _EXPERT.match(name)

@@ -621,11 +621,11 @@ class MegatronTrainer:
         if lay.ep > 1:  # every EP rank's experts (each rank holds num_experts / EP of them)
             group = ps.get_expert_model_parallel_group()
             full = gather_experts(full, ep=lay.ep, ep_rank=lay.ep_rank, group=group, device=self._comm_device)
-        if self.layout.pp == 1 or self.layout.tp_rank != 0 or self.layout.dp_rank != 0:
+        if lay.pp == 1 or lay.tp_rank != 0 or lay.dp_rank != 0:
             return full
         first = ps.get_pipeline_model_parallel_first_rank()
         others = [r for r in dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if r != first]
-        return gather_stages(full, ranks=[first, *others], rank=self.layout.rank, device=self._comm_device)
+        return gather_stages(full, ranks=[first, *others], rank=lay.rank, device=self._comm_device)
 
     def _save(self, folder: Path) -> None:
         """Rank 0 writes the HF weights; every rank writes its optimizer shard; all meet at the end."""
