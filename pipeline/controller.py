@@ -165,7 +165,10 @@ async def _train_one_step(
     t_train = time.perf_counter()
     with span(rollout.parts.events, "train", step=step):
         train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+        t_save = time.perf_counter()
         saved = await anyio.to_thread.run_sync(saving.save, trainer, step)
+        # Part of time/train: the weights the engines load next (a checkpoint every --save-interval).
+        record["time/save"] = time.perf_counter() - t_save
     # Which checkpoint a resume starts from after this commit, and what the step wrote to disk.
     record["checkpoint/step"] = saving.checkpoint_step
     record["checkpoint/bytes_written"] = saved.bytes_written

@@ -28,6 +28,7 @@ SLIME_NAMES: dict[str, str] = {
     "time/step": "perf/step_time",
     "time/train": "perf/train_time",
     "time/rollout": "perf/train_wait_time",
+    "time/save": "perf/save_model_time",
     "train/ref_log_probs_time": "perf/ref_log_probs_time",
     "train/lr": "train/lr-pg_0",
     "train/tis_mean": "train/tis",

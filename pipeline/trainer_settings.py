@@ -89,6 +89,7 @@ def build_trainer(
         max_step_kl=t.max_step_kl or None,
         routing_replay=bool(r.use_rollout_routing_replay),
         micro_batch_size=t.micro_batch_size,
+        max_tokens_per_gpu=t.max_tokens_per_gpu,
     )
 
 

@@ -253,22 +253,24 @@ def test_micro_batches_take_the_same_step_as_the_whole_minibatch(model_dir, loss
     after two optimizer steps equal the unsplit trainer's. Uneven splits (4 = 3 + 1) of samples of
     uneven lengths, whose behaviour log-probs make OPSM and IcePop drop some of them."""
     rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.2, 0.9]
+    batch = _batch_of(8, rewards)
+    longest = max(len(s.prompt_ids) + s.response_len for g in batch.groups for s in g.samples)
     results = []
-    for micro in (None, 3):
-        trainer = GRPOTrainer(
-            model_dir, lr=0.05, global_batch_size=4, max_step_kl=0.2, loss=loss, micro_batch_size=micro
-        )
-        metrics = trainer.train_step(_batch_of(8, rewards))
+    # The whole minibatch; 3 samples a forward; a token budget of two of the longest (--max-tokens-per-gpu).
+    for split in ({}, {"micro_batch_size": 3}, {"max_tokens_per_gpu": 2 * longest}):
+        trainer = GRPOTrainer(model_dir, lr=0.05, global_batch_size=4, max_step_kl=0.2, loss=loss, **split)
+        metrics = trainer.train_step(batch)
         results.append((metrics, {k: v.clone() for k, v in trainer.model.state_dict().items()}))
-    (whole, w_whole), (split, w_split) = results
-    assert whole["optimizer_steps"] == split["optimizer_steps"] == 2
-    for key in ("loss", "pg_loss", "entropy_loss", "opsm_mask_frac", "grad_norm", "step_kl"):
-        if key in whole:
-            assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+    (whole, w_whole), *splits = results
     moved = max(float((w_whole[k] - model_dir_weights(model_dir)[k]).abs().max()) for k in w_whole)
     assert moved > 1e-4  # the step did move the weights
-    for k, v in w_whole.items():
-        torch.testing.assert_close(w_split[k], v, rtol=1e-3, atol=2e-5)  # Adam: rounding where g ~ 0
+    for split, w_split in splits:
+        assert whole["optimizer_steps"] == split["optimizer_steps"] == 2
+        for key in ("loss", "pg_loss", "entropy_loss", "opsm_mask_frac", "grad_norm", "step_kl"):
+            if key in whole:
+                assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+        for k, v in w_whole.items():
+            torch.testing.assert_close(w_split[k], v, rtol=1e-3, atol=2e-5)  # Adam: rounding where g ~ 0
 
 
 def model_dir_weights(model_dir):
@@ -278,6 +280,8 @@ def model_dir_weights(model_dir):
 def test_a_micro_batch_of_no_samples_is_refused_by_name(model_dir):
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
         GRPOTrainer(model_dir, micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"max_tokens_per_gpu must be >= 1 positions or None \(no budget\), got 0"):
+        GRPOTrainer(model_dir, max_tokens_per_gpu=0)
 
 
 # ---- no signal, no change -------------------------------------------------------------------
@@ -345,6 +349,33 @@ def test_save_weights_round_trips_through_from_pretrained(model_dir, tmp_path):
         again = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
         assert torch.equal(again, trainer.model(input_ids=ids).logits)
     assert [p.name for p in out.parent.iterdir()] == ["v1"]
+
+
+def test_a_bf16_trainer_publishes_bf16_weights_and_checkpoints_its_fp32_masters(model_dir, tmp_path):
+    """`save_model` (the publish between checkpoints) writes what the bf16 trainer's matmuls see:
+    the masters rounded to bf16, half the bytes, config saying so, tied weights one tensor; the
+    full checkpoint (`save_weights`) keeps fp32."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    trainer = GRPOTrainer(model_dir, dtype="bfloat16")
+    samples = [_sample(i, PROMPT, _seg("ab"[: i + 1], -2.0, FinishReason.STOP, 0)) for i in range(2)]
+    trainer.train_step(Batch(0, (_group(TASK, samples, [0.0, 1.0]),)))
+    published = trainer.save_model(tmp_path / "pub")
+    full = trainer.save_weights(tmp_path / "ckpt")
+    assert json.loads((published / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(published / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    with safe_open(full / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    size = (published / "model.safetensors").stat().st_size
+    assert size < 0.55 * (full / "model.safetensors").stat().st_size
+    loaded = AutoModelForCausalLM.from_pretrained(published, dtype=torch.float32)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    for name, master in trainer.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], master.to(torch.bfloat16).float()), name
 
 
 # ---- it learns ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from collections import defaultdict
@@ -63,6 +64,7 @@ from trainers.checkpoint import (
 from trainers.columns import column_tensor
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
+from trainers.response_rows import micro_batches, response_logits
 from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.sampler_heads import sampler_heads
 from trainers.step_kl import bounded_step, mean_k3
@@ -111,22 +113,24 @@ class _Scored:
 class GRPOTrainer:
     """Trains the causal LM in `model_path` with GRPO; one `train_step` per rollout `Batch`.
 
-        `temperature` must be the rollout temperature: the engine samples from softmax(logits / T) and
-        reports those log-probs, so the trainer scores tokens the same way or every importance weight
-        is off. `loss` holds every knob of the objective (`trainers.loss.LossSettings`); the
-        keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
-        `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
-        number of samples per optimizer step (None = the whole batch, one step), `micro_batch_size` the
-    samples per forward and backward inside one (None = all of them; gradients accumulate, and the
-    step equals the unsplit one: each micro-batch's loss carries its share of the minibatch's tokens
-    or samples). `max_step_kl` bounds
-        each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
+    `temperature` must be the rollout temperature: the engine samples from softmax(logits / T) and
+    reports those log-probs, so the trainer scores tokens the same way or every importance weight
+    is off. `loss` holds every knob of the objective (`trainers.loss.LossSettings`); the
+    keywords `eps_clip`, `eps_clip_high`, `tis_cap` (None = no correction) and
+    `mask_offpolicy_in_partial_rollout` still work and override it. `global_batch_size` is the
+    number of samples per optimizer step (None = the whole batch, one step), `micro_batch_size` the
+    most samples per forward and backward inside one and `max_tokens_per_gpu` the most padded
+    positions (samples x the longest's prompt + response) per forward (None = no limit; gradients
+    accumulate, and the step equals the unsplit one: each micro-batch's loss carries its share of
+    the minibatch's tokens or samples). Micro-batches are cut from the minibatch sorted by length,
+    so each pads to a length near its own (`trainers.response_rows`). `max_step_kl` bounds
+    each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
 
-        CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
-        leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
-        small to split, and on a 2-core box shared with the engine a second intra-op thread mostly
-        spin-waits for a busy core. Measured here under load: the learning test runs in 3.9 s with 1
-        thread and 9.4 s with 2; 128 x 128-token sampling takes 0.6 s vs 4.5 s. Raise it for big models.
+    CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
+    leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
+    small to split, and on a 2-core box shared with the engine a second intra-op thread mostly
+    spin-waits for a busy core. Measured here under load: the learning test runs in 3.9 s with 1
+    thread and 9.4 s with 2; 128 x 128-token sampling takes 0.6 s vs 4.5 s. Raise it for big models.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class GRPOTrainer:
         max_step_kl: float | None = None,
         routing_replay: bool = False,
         micro_batch_size: int | None = None,
+        max_tokens_per_gpu: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -168,6 +173,9 @@ class GRPOTrainer:
                 f"micro_batch_size must be >= 1 samples or None (the whole minibatch), got {micro_batch_size}"
             )
         self.micro_batch_size = micro_batch_size
+        if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
+            raise ValueError(f"max_tokens_per_gpu must be >= 1 positions or None (no budget), got {max_tokens_per_gpu}")
+        self.max_tokens_per_gpu = max_tokens_per_gpu
         if max_step_kl is not None and max_step_kl <= 0:
             raise ValueError(f"max_step_kl must be > 0 nats or None (no bound), got {max_step_kl}")
         self.max_step_kl = max_step_kl
@@ -287,8 +295,8 @@ class GRPOTrainer:
         up), then (when there is signal) one optimizer step."""
         s = self.loss
         width = t.valid.shape[1]
-        size = self.micro_batch_size or len(mb)
-        micros = [mb[i : i + size] for i in range(0, len(mb), size)]
+        micros = self._micro_batches(samples, mb)
+        mb = [i for micro in micros for i in micro]  # their order, for the step check's tensors
         # Token-mean over micro-batches: each one's mean is weighted by its share of the trained
         # tokens of the whole minibatch, counted before the first backward.
         tokens = None
@@ -495,12 +503,13 @@ class GRPOTrainer:
         self, samples: list[Sample], width: int, *, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
         """[B, width] log-probs of `samples` without gradient, a micro-batch at a time."""
-        size = self.micro_batch_size or len(samples)
-        parts = [
-            self._response_logprobs(samples[i : i + size], width, model=model).logp
-            for i in range(0, len(samples), size)
-        ]
-        return torch.cat(parts)
+        micros = self._micro_batches(samples, range(len(samples)))
+        parts = [self._response_logprobs([samples[i] for i in micro], width, model=model).logp for micro in micros]
+        order = torch.tensor([i for micro in micros for i in micro], device=self.device)
+        return torch.cat(parts).index_select(0, torch.argsort(order))  # back in the samples' order
+
+    def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int]) -> list[list[int]]:
+        return micro_batches(samples, indices, max_samples=self.micro_batch_size, max_tokens=self.max_tokens_per_gpu)
 
     def _response_logprobs(
         self,
@@ -514,8 +523,9 @@ class GRPOTrainer:
         """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
 
         One right-padded forward over prompt+response. Causal attention means right padding never
-        changes a real token's logits. Only the R rows that predict response tokens go through the
-        softmax: with a real vocabulary (150k), the full [B, L, V] log-softmax is where memory goes.
+        changes a real token's logits. Only the rows that predict response tokens reach the LM head
+        and the softmax (`trainers.response_rows`): with a real vocabulary (150k), logits at every
+        position of a padded batch are where time and memory go.
         `width` pads R to the whole batch's, so minibatches line up with the batch's tensors.
         `model` is the policy unless given (the reference model); the entropy carries a gradient
         only with `entropy_grad` (an entropy term in the loss). `head_ids` [B, R, k] (SC): the
@@ -536,7 +546,15 @@ class GRPOTrainer:
             attention[i, : p + r] = 1
             rows[i, :r] = torch.arange(p - 1, p - 1 + r)
             targets[i, :r] = column_tensor(s.response_ids, torch.long)
-        ids, attention, rows, targets = (x.to(self.device) for x in (ids, attention, rows, targets))
+        # (sample, response position) of every real token, and the flat [B * L] row that predicts it:
+        # found on the CPU, so the device never waits on a nonzero().
+        at, pos = (torch.arange(n_resp)[None, :] < torch.tensor([s.response_len for s in samples])[:, None]).nonzero(
+            as_tuple=True
+        )
+        positions, targets = at * n_seq + rows[at, pos], targets[at, pos]
+        ids, attention, positions, targets, at, pos = (
+            x.to(self.device) for x in (ids, attention, positions, targets, at, pos)
+        )
 
         net = model or self.model
         replay = self.routing_replay.get(id(net))
@@ -547,17 +565,19 @@ class GRPOTrainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
             replay.replaying(plan) if replay is not None else contextlib.nullcontext(),
         ):
-            logits = net(input_ids=ids, attention_mask=attention).logits  # [B, L, V]
-        logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-        # Chunked, with the gradient in closed form: no fp32 [B, R, V] is kept (trainers.token_scores).
-        logp, entropy, head = token_scores(logits, targets, self.temperature, head_ids)
-        valid = (
-            torch.arange(n_resp, device=self.device)[None, :]
-            < torch.tensor([s.response_len for s in samples], device=self.device)[:, None]
-        )
+            # [N, V]: only the N rows that predict a response token reach the LM head.
+            logits = response_logits(net, ids, attention, positions)
+        # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
+        picked = None if head_ids is None else head_ids[at, pos]
+        logp, entropy, head = token_scores(logits, targets, self.temperature, picked)
         if not entropy_grad:
             entropy = entropy.detach()
-        return _Scored(logp.masked_fill(~valid, 0.0), entropy.masked_fill(~valid, 0.0), head)
+        shape = (len(samples), n_resp)
+        return _Scored(
+            logp.new_zeros(shape).index_put((at, pos), logp),
+            entropy.new_zeros(shape).index_put((at, pos), entropy),
+            None if head is None else head.new_zeros((*shape, head.shape[-1])).index_put((at, pos), head),
+        )
 
     # ---- publishing weights ------------------------------------------------------------------
 
@@ -581,8 +601,25 @@ class GRPOTrainer:
         """Write the weights only (what an engine loads; no optimizer state) at `path`, atomically.
 
         A third of a full checkpoint's bytes with AdamW (weights, two moments): what the launcher
-        publishes between checkpoints (`--save-interval`)."""
-        return write_folder_atomically(Path(path), self._folder_files, self.model.save_pretrained)
+        publishes between checkpoints (`--save-interval`). A trainer computing under bf16 autocast
+        writes them in bf16 (`config.json` says so): its matmuls already see the weights rounded
+        so, an engine serving bf16 rounds them the same way, and it is half the bytes to write and
+        read (1.2 GB against 2.4 for a 0.6B model). The full checkpoint keeps the fp32 masters."""
+        if not self.autocast:
+            return write_folder_atomically(Path(path), self._folder_files, self.model.save_pretrained)
+
+        def fill(folder: Path) -> None:
+            rounded: dict[int, torch.Tensor] = {}  # by storage: tied weights stay one tensor
+            state = {
+                name: rounded.setdefault(t.data_ptr(), t.detach().to(torch.bfloat16)) if t.is_floating_point() else t
+                for name, t in self.model.state_dict().items()
+            }
+            self.model.save_pretrained(folder, state_dict=state)
+            config = json.loads((folder / "config.json").read_text())
+            config["dtype" if "dtype" in config else "torch_dtype"] = "bfloat16"
+            (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+        return write_folder_atomically(Path(path), self._folder_files, fill)
 
 
 def _with_legacy_keywords(

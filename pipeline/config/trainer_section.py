@@ -176,6 +176,15 @@ class TrainerConfig:
         "equals the unsplit one). megatron: packed into one sequence, default 8; torch: default the whole "
         "--global-batch-size (set it when a minibatch's logits do not fit the device)",
     )
+    max_tokens_per_gpu: int | None = opt(
+        None,
+        "--max-tokens-per-gpu",
+        "int",
+        ge=1,
+        help="torch backend: the most padded positions (samples x the longest's prompt + response) in one "
+        "forward and backward; micro-batches are cut from the minibatch sorted by length (slime's flag; the "
+        "step equals the unsplit one). Default: no budget",
+    )
     use_distributed_optimizer: bool = opt(
         False,
         "--use-distributed-optimizer",

@@ -1,0 +1,183 @@
+"""The torch trainer's step on a long-tailed batch, its ways of shaping the forward side by side.
+
+    python -m benchmarks.trainer_step [--device cuda] [--dtype bfloat16] [--model-size 0.6b|tiny]
+                                      [--groups 16 --group 8 --prompt 128 --max-len 256]
+                                      [--length-tail lognormal:-1.9,0.8] [--budget 16384] [--steps 3]
+                                      [--profile]
+
+One batch as the modes benchmark trains it (`--groups` x `--group` samples, `--prompt` prompt
+tokens, response lengths drawn from the simulated engine's long tail up to `--max-len`, two
+optimizer steps per batch, the step-KL check on, lr 1e-5), trained by one trainer per variant,
+the variants taking turns step by step so that drift of the machine hits each alike:
+
+    all rows      the LM head at every position of the padded batch, the response rows gathered
+                  after it (the trainer before `trainers.response_rows`)
+    response rows the LM head at the response rows only (the default)
+    + budget      and micro-batches of like length within `--budget` padded positions
+                  (`--max-tokens-per-gpu`)
+    no step-KL    response rows without the step-KL check (`--max-step-kl 0`): what the check costs
+
+It prints each variant's median step time, its ratio to `all rows`, and the peak device memory of
+a step; then the seconds of writing the publish folder (`save_model`) in bf16 against fp32 (what a
+bf16 trainer wrote before), where disk publishes spend them. `--profile` adds the top device
+kernels of one `response rows` step (torch.profiler). The first step of each variant is a warm-up
+and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def _batch(args: argparse.Namespace, vocab: int) -> Any:
+    from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
+    from engines.sim_model import LengthModel
+
+    rng = random.Random(0)
+    tail = LengthModel.parse(args.length_tail)
+    groups = []
+    for g in range(args.groups):
+        prompt = tuple(rng.randrange(3, vocab) for _ in range(args.prompt))
+        task = PromptTask(index=g, prompt_ids=prompt, label=None)
+        samples = []
+        for i in range(args.group):
+            target = tail.target(g * args.group + i, prompt, args.max_len)
+            n = args.max_len if target is None else target
+            reason = FinishReason.LENGTH if target is None else FinishReason.STOP
+            ids = tuple(rng.randrange(3, vocab) for _ in range(n))
+            s = Sample(index=i, prompt_ids=prompt).extended(
+                Segment(ids, (-2.0,) * n, reason, 0), max_response_len=args.max_len
+            )
+            samples.append(dataclasses.replace(s, reward=rng.random()))
+        groups.append(Group.fresh(task, epoch=0, n_samples=args.group, version=0, seq=g).with_samples(samples))
+    return Batch(0, tuple(groups))
+
+
+@contextlib.contextmanager
+def _all_rows() -> Iterator[None]:
+    """The LM head at every position, then the response rows picked: the trainer before the hook."""
+    from trainers import grpo
+
+    def every_row(net: Any, ids: Any, attention: Any, positions: Any) -> Any:
+        logits = net(input_ids=ids, attention_mask=attention).logits
+        return logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
+
+    kept = grpo.response_logits
+    grpo.response_logits = every_row
+    try:
+        yield
+    finally:
+        grpo.response_logits = kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from pipeline.tasks.tiny_model import make_model_folder
+    from trainers import GRPOTrainer
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.trainer_step", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--model-size", default="0.6b", choices=["0.6b", "tiny"])
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--length-tail", default="lognormal:-1.9,0.8")
+    p.add_argument("--budget", type=int, default=16384, help="the + budget variant's --max-tokens-per-gpu")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model_size == "0.6b":
+            from benchmarks.engine import qwen3_06b_folder
+
+            folder = qwen3_06b_folder(Path(tmp) / "qwen3-0.6b")
+        else:
+            folder = make_model_folder(Path(tmp) / "tiny", seed=0)
+        vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+        batch = _batch(args, vocab)
+        samples = [s for g in batch.groups for s in g.samples]
+        kw: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "lr": 1e-5, "num_threads": None}
+        kw["global_batch_size"] = len(samples) // 2
+        variants = {
+            "all rows": GRPOTrainer(folder, max_step_kl=0.2, **kw),
+            "response rows": GRPOTrainer(folder, max_step_kl=0.2, **kw),
+            f"+ budget {args.budget}": GRPOTrainer(folder, max_step_kl=0.2, max_tokens_per_gpu=args.budget, **kw),
+            "no step-KL": GRPOTrainer(folder, max_step_kl=None, **kw),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        peak: dict[str, float] = dict.fromkeys(variants, 0.0)
+        for step in range(args.steps + 1):
+            for name, trainer in variants.items():
+                sync()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                started = time.perf_counter()
+                with _all_rows() if name == "all rows" else contextlib.nullcontext():
+                    trainer.train_step(dataclasses.replace(batch, step=step))
+                sync()
+                if step:  # the first is a warm-up
+                    times[name].append(time.perf_counter() - started)
+                if cuda:
+                    peak[name] = max(peak[name], torch.cuda.max_memory_allocated() / 2**30)
+        real = sum(len(s.prompt_ids) + s.response_len for s in samples)
+        response = sum(s.response_len for s in samples)
+        longest = max(len(s.prompt_ids) + s.response_len for s in samples)
+        print(
+            f"{args.device} {args.dtype}, {args.model_size}: {len(samples)} samples, {response} response tokens "
+            f"({real} with prompts; padded to the longest, {len(samples) * longest}), two optimizer steps"
+        )
+        base = statistics.median(times["all rows"])
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
+            print(f"step {name:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than all rows{memory}")
+        # The publish between checkpoints (`save_model`): bf16 now, fp32 masters before; taking turns.
+        from trainers.checkpoint import write_folder_atomically
+
+        trainer = variants["response rows"]
+        saves: dict[str, list[float]] = {"fp32 (before)": [], "bf16": []}
+        for i in range(2):
+            for name in saves:
+                started = time.perf_counter()
+                if name == "bf16":
+                    trainer.save_model(Path(tmp) / f"pub-{i}")
+                else:
+                    write_folder_atomically(Path(tmp) / f"old-{i}", folder, trainer.model.save_pretrained)
+                saves[name].append(time.perf_counter() - started)
+        print(
+            "publish folder (save_model): "
+            + ", ".join(f"{name} {statistics.median(ts):.3f} s" for name, ts in saves.items())
+        )
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                trainer.train_step(dataclasses.replace(batch, step=args.steps + 1))
+                sync()
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""The trainer's forward at the response rows only, and micro-batches of like length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from core.types import FinishReason, Sample, Segment
+from pipeline.tasks.tiny_model import make_model_folder
+from trainers.response_rows import micro_batches, response_logits
+
+
+def _sample(index: int, prompt_len: int, response_len: int) -> Sample:
+    sample = Sample(index=index, prompt_ids=tuple(range(3, 3 + prompt_len)))
+    seg = Segment(tuple([5] * response_len), tuple([-1.0] * response_len), FinishReason.STOP, 0)
+    return sample.extended(seg, max_response_len=64)
+
+
+def test_micro_batches_sort_by_length_and_keep_each_within_both_limits():
+    lengths = [(4, 30), (4, 2), (4, 9), (4, 1), (4, 20), (4, 3), (4, 50)]
+    samples = [_sample(i, p, r) for i, (p, r) in enumerate(lengths)]
+    tokens = [p + r for p, r in lengths]
+    micros = micro_batches(samples, range(len(samples)), max_samples=3, max_tokens=40)
+    flat = [i for m in micros for i in m]
+    assert sorted(flat) == list(range(len(samples)))  # each sample once
+    assert [tokens[i] for i in flat] == sorted(tokens)  # shortest first
+    for m in micros:
+        assert len(m) <= 3
+        assert len(m) * max(tokens[i] for i in m) <= 40 or len(m) == 1  # alone: longer than the budget
+    assert [len(m) for m in micros] == [3, 1, 1, 1, 1]  # 5,6,7 | 13 (2 x 24 > 40) | 24 | 34 | 54 (alone)
+    # No limits: one micro-batch of every index given, sorted.
+    assert micro_batches(samples, [6, 0, 2], max_samples=None, max_tokens=None) == [[2, 0, 6]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = make_model_folder(tmp_path_factory.mktemp("tiny"))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+class _HeadHidden(torch.nn.Module):
+    """A causal LM that computes its logits without calling an output-embedding module."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.inner.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return type("Out", (), {"logits": hidden @ self.inner.lm_head.weight.T})()
+
+
+def test_response_logits_equal_the_full_logits_at_those_rows_with_and_without_the_head_hook(model):
+    torch.manual_seed(0)
+    ids = torch.randint(3, 30, (3, 11))
+    attention = torch.ones_like(ids)
+    attention[1, 7:] = 0  # right padding
+    positions = torch.tensor([2, 5, 10, 11 + 3, 11 + 6, 22 + 0, 22 + 10])
+    full = model(input_ids=ids, attention_mask=attention).logits.reshape(-1, model.config.vocab_size)
+    picked = response_logits(model, ids, attention, positions)
+    assert picked.shape == (len(positions), model.config.vocab_size)
+    torch.testing.assert_close(picked, full[positions], rtol=1e-5, atol=1e-5)
+    # The hook is gone after the call: the next plain forward computes every row.
+    assert model(input_ids=ids, attention_mask=attention).logits.shape == (3, 11, model.config.vocab_size)
+    # A model that never calls its head module: the rows are gathered from the full logits.
+    torch.testing.assert_close(response_logits(_HeadHidden(model), ids, attention, positions), full[positions])
+
+
+def test_gradients_reach_the_weights_only_through_the_picked_rows(model):
+    ids = torch.randint(3, 30, (2, 9))
+    attention = torch.ones_like(ids)
+    positions = torch.tensor([4, 8, 9 + 6])
+    model.zero_grad()
+    response_logits(model, ids, attention, positions).logsumexp(-1).sum().backward()
+    picked = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    full = model(input_ids=ids, attention_mask=attention).logits.reshape(-1, model.config.vocab_size)
+    full[positions].logsumexp(-1).sum().backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(picked[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_token_budget_reaches_the_torch_trainer_and_is_refused_with_megatron(tmp_path):
+    from core.errors import ConfigError
+    from pipeline.config import load_config
+    from pipeline.trainer_settings import build_trainer
+
+    assert load_config([]).trainer.max_tokens_per_gpu is None
+    assert load_config(["--max-tokens-per-gpu", "4096"]).trainer.max_tokens_per_gpu == 4096
+    with pytest.raises(ConfigError, match="max-tokens-per-gpu"):
+        load_config(["--train-backend", "megatron", "--max-tokens-per-gpu", "4096"])
+    with pytest.raises(ConfigError, match="max-tokens-per-gpu"):
+        load_config(["--max-tokens-per-gpu", "0"])
+    folder = make_model_folder(tmp_path / "m")
+    trainer = build_trainer(folder, {"trainer": {"max_tokens_per_gpu": 512}, "rollout": {}})
+    assert trainer.max_tokens_per_gpu == 512

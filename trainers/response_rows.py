@@ -1,0 +1,88 @@
+"""The trainer's forward, shaped for RL: logits only at the rows that predict response tokens, and
+micro-batches of samples of like length.
+
+Why: a causal LM computes logits at every position, and the trainer reads only the response's.
+With a real vocabulary (Qwen3: 151,936) the LM head is a large share of a small model's work, and a
+right-padded batch of long-tailed responses is mostly prompt and padding: 64 samples padded to 1,152
+positions hold about 74k rows where 5-10k predict a response token. A pre-hook on the model's
+output embedding keeps only the response rows ([N, H] -> [N, V]); whatever the model applies to
+the logits after its head (a scale, a soft cap) is elementwise and still applies. A model whose
+forward does not call its output-embedding module (or has none) gets the full logits and the rows
+gathered from them: the same values, the old cost.
+
+Micro-batches: sorted by length before they are cut, so each pads to a length near its own, and
+cut where a token budget (rows x longest, the padded positions the forward computes) would be
+exceeded, slime's `--max-tokens-per-gpu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from core.types import Sample
+
+
+def sample_tokens(sample: Sample) -> int:
+    """Positions one sample takes in a right-padded forward: its prompt and its response."""
+    return len(sample.prompt_ids) + sample.response_len
+
+
+def micro_batches(
+    samples: Sequence[Sample], indices: Sequence[int], *, max_samples: int | None, max_tokens: int | None
+) -> list[list[int]]:
+    """`indices` (into `samples`) cut into micro-batches: shortest first, at most `max_samples` each
+    and at most `max_tokens` padded positions (rows x the longest) each. A sample longer than the
+    token budget gets a micro-batch of its own (it cannot be split)."""
+    order = sorted(indices, key=lambda i: (sample_tokens(samples[i]), i))
+    out: list[list[int]] = []
+    for i in order:
+        longest = sample_tokens(samples[i])  # ascending: the newcomer is the longest
+        if out:
+            last = out[-1]
+            fits_count = max_samples is None or len(last) < max_samples
+            fits_tokens = max_tokens is None or (len(last) + 1) * longest <= max_tokens
+            if fits_count and fits_tokens:
+                last.append(i)
+                continue
+        out.append([i])
+    return out
+
+
+@contextlib.contextmanager
+def _head_rows(head: torch.nn.Module, positions: torch.Tensor, fired: list[bool]) -> Iterator[None]:
+    """While open, `head` sees only the hidden states at `positions` (flat over [B, L]) as [1, N, H]."""
+
+    def pick(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        fired.append(True)
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)[None], *args[1:])
+
+    handle = head.register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def response_logits(
+    net: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """[N, V] logits of `net` over `ids` [B, L] at the flat positions `positions` (b * L + l)."""
+    find = getattr(net, "get_output_embeddings", None)
+    head = find() if callable(find) else None
+    fired: list[bool] = []
+    with _head_rows(head, positions, fired) if isinstance(head, torch.nn.Module) else contextlib.nullcontext():
+        logits: torch.Tensor = net(input_ids=ids, attention_mask=attention).logits
+    if len(fired) == 1 and logits.shape[:-1] == (1, positions.numel()):
+        return logits[0]
+    if fired:
+        raise RuntimeError(
+            f"{type(net).__name__}'s output embedding ran {len(fired)} time(s) and its logits came back "
+            f"shaped {tuple(logits.shape)}, not (1, {positions.numel()}, V): the response rows cannot be "
+            "picked before its head"
+        )
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
