@@ -96,3 +96,19 @@ def test_the_token_budget_reaches_the_torch_trainer_and_is_refused_with_megatron
     folder = make_model_folder(tmp_path / "m")
     trainer = build_trainer(folder, {"trainer": {"max_tokens_per_gpu": 512}, "rollout": {}})
     assert trainer.max_tokens_per_gpu == 512
+
+
+def test_a_response_batch_names_each_response_token_and_the_row_that_predicts_it():
+    from trainers.response_rows import ResponseBatch
+
+    a, b = _sample(0, 2, 3), _sample(1, 4, 1)  # 2 + 3 and 4 + 1 tokens: L = 5
+    batch = ResponseBatch.of([a, b], pad_id=0)
+    assert batch.ids.shape == batch.attention.shape == (2, 5)
+    assert batch.attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.sample.tolist() == [0, 0, 0, 1]
+    assert batch.position.tolist() == [0, 1, 2, 0]
+    assert batch.rows.tolist() == [1, 2, 3, 5 + 3]  # the position before each token, flat over [B, L]
+    flat = batch.ids.reshape(-1)
+    assert flat[batch.rows + 1].tolist() == batch.targets.tolist() == [5, 5, 5, 5]
+    with pytest.raises(ValueError, match="sample 7 has an empty prompt"):
+        ResponseBatch.of([Sample(index=7, prompt_ids=())], pad_id=0)

@@ -29,8 +29,9 @@ Which samples train: a FAILED sample (the engine or the reward gave up on it) ha
 learning from, so it is left out of its group's mean and std and contributes no loss. The batch
 still counts its response tokens as masked in `mask_ratio`, so failures show up in the metrics.
 
-About 500 lines: the step, the trainer's log-probs and the weight save belong together; the loss
-math lives in `loss.py` and the optimizer checkpoint in `checkpoint.py`.
+About 600 lines: the step, the trainer's log-probs and the weight save belong together; the loss
+math lives in `loss.py`, the shape of the forward (response rows, micro-batches) in
+`response_rows.py` and the optimizer checkpoint in `checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from trainers.checkpoint import (
 from trainers.columns import column_tensor
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
-from trainers.response_rows import micro_batches, response_logits
+from trainers.response_rows import ResponseBatch, micro_batches, response_logits
 from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.sampler_heads import sampler_heads
 from trainers.step_kl import bounded_step, mean_k3
@@ -532,44 +533,23 @@ class GRPOTrainer:
         log-probs at those ids too, with gradient.
         """
         n_resp = max(s.response_len for s in samples) if width is None else width
-        n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
-        ids = torch.full((len(samples), n_seq), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(samples), n_seq), dtype=torch.long)
-        rows = torch.zeros((len(samples), n_resp), dtype=torch.long)  # which position predicts token j
-        targets = torch.full((len(samples), n_resp), self.pad_id, dtype=torch.long)
-        for i, s in enumerate(samples):
-            if not s.prompt_ids:
-                raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
-            p, r = len(s.prompt_ids), s.response_len
-            ids[i, :p] = torch.tensor(s.prompt_ids)
-            ids[i, p : p + r] = column_tensor(s.response_ids, torch.long)
-            attention[i, : p + r] = 1
-            rows[i, :r] = torch.arange(p - 1, p - 1 + r)
-            targets[i, :r] = column_tensor(s.response_ids, torch.long)
-        # (sample, response position) of every real token, and the flat [B * L] row that predicts it:
-        # found on the CPU, so the device never waits on a nonzero().
-        at, pos = (torch.arange(n_resp)[None, :] < torch.tensor([s.response_len for s in samples])[:, None]).nonzero(
-            as_tuple=True
-        )
-        positions, targets = at * n_seq + rows[at, pos], targets[at, pos]
-        ids, attention, positions, targets, at, pos = (
-            x.to(self.device) for x in (ids, attention, positions, targets, at, pos)
-        )
+        b = ResponseBatch.of(samples, self.pad_id).to(self.device)
+        at, pos = b.sample, b.position
 
         net = model or self.model
         replay = self.routing_replay.get(id(net))
         plan = None
         if replay is not None:
-            plan = replay_plan(samples, n_seq, layers=replay.layers, top_k=replay.top_k).to(self.device)
+            plan = replay_plan(samples, b.ids.shape[1], layers=replay.layers, top_k=replay.top_k).to(self.device)
         with (
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
             replay.replaying(plan) if replay is not None else contextlib.nullcontext(),
         ):
             # [N, V]: only the N rows that predict a response token reach the LM head.
-            logits = response_logits(net, ids, attention, positions)
+            logits = response_logits(net, b.ids, b.attention, b.rows)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
         picked = None if head_ids is None else head_ids[at, pos]
-        logp, entropy, head = token_scores(logits, targets, self.temperature, picked)
+        logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked)
         if not entropy_grad:
             entropy = entropy.detach()
         shape = (len(samples), n_resp)

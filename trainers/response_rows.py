@@ -19,11 +19,51 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from core.types import Sample
+from trainers.columns import column_tensor
+
+
+@dataclass(frozen=True)
+class ResponseBatch:
+    """Samples laid out for one forward: right-padded [B, L] ids and attention mask, and for each of
+    the N response tokens (row-major), its sample, its position in the response, the flat [B * L]
+    row whose logits predict it, and its id."""
+
+    ids: torch.Tensor  # [B, L]
+    attention: torch.Tensor  # [B, L]
+    sample: torch.Tensor  # [N]
+    position: torch.Tensor  # [N]
+    rows: torch.Tensor  # [N]
+    targets: torch.Tensor  # [N]
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], pad_id: int) -> ResponseBatch:
+        """Built on the CPU (the device never waits on a nonzero); `.to(device)` moves it."""
+        n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
+        ids = torch.full((len(samples), n_seq), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(samples), n_seq), dtype=torch.long)
+        sample, position, rows, targets = [], [], [], []
+        for i, s in enumerate(samples):
+            if not s.prompt_ids:
+                raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
+            p, r = len(s.prompt_ids), s.response_len
+            response = column_tensor(s.response_ids, torch.long)
+            ids[i, :p] = torch.tensor(s.prompt_ids)
+            ids[i, p : p + r] = response
+            attention[i, : p + r] = 1
+            sample.append(torch.full((r,), i, dtype=torch.long))
+            position.append(torch.arange(r))
+            rows.append(i * n_seq + torch.arange(p - 1, p - 1 + r))  # position p - 1 predicts token 0
+            targets.append(response)
+        return cls(ids, attention, torch.cat(sample), torch.cat(position), torch.cat(rows), torch.cat(targets))
+
+    def to(self, device: torch.device) -> ResponseBatch:
+        return ResponseBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def sample_tokens(sample: Sample) -> int:
