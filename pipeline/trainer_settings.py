@@ -117,6 +117,7 @@ def megatron_settings(config: Config) -> dict[str, Any]:
         "temperature": config.rollout.temperature,
         "max_grad_norm": t.max_grad_norm,
         "micro_batch_size": t.micro_batch_size,
+        "max_tokens_per_gpu": t.max_tokens_per_gpu,
         "distributed_optimizer": t.use_distributed_optimizer,
         "routing_replay": bool(config.rollout.use_rollout_routing_replay),
         # The KL term's reference: --ref-load, else the run's initial weights (never a resumed

@@ -1,9 +1,9 @@
 """Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
 
-`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH [DEVICE [LOSS [GLOBAL_BATCH [DTYPE]]]]]` writes
-OUT_DIR/result.json with both
-trainers' metrics, log-probs before the step, and the largest difference between their published
-weights. A process of its own, because megatron's parallel state and the process group are global.
+`python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH[/MAX_TOKENS] [DEVICE [LOSS [GLOBAL_BATCH
+[DTYPE]]]]]` writes OUT_DIR/result.json with both trainers' metrics, log-probs before the step, and
+the largest difference between their published weights. A process of its own, because megatron's
+parallel state and the process group are global.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main(
     out: Path,
     world: int,
     tp: int,
-    micro: int,
+    micro: str,
     device: str = "cpu",
     variant: str = "default",
     gbs: int | None = None,
@@ -136,7 +136,9 @@ def main(
         device=device,
         loss=settings,
         lr=1e-2,
-        micro_batch_size=micro,
+        # MICRO_BATCH is M, or M/T: also --max-tokens-per-gpu T (packed tokens a micro-batch).
+        micro_batch_size=int(micro.split("/")[0]),
+        max_tokens_per_gpu=int(micro.split("/")[1]) if "/" in micro else None,
         global_batch_size=gbs,
         dtype=dtype,
         ref_path=None if ref is None else str(ref),
@@ -173,7 +175,7 @@ if __name__ == "__main__":
         Path(sys.argv[1]),
         int(sys.argv[2]),
         int(sys.argv[3]),
-        int(sys.argv[4]) if len(sys.argv) > 4 else 8,
+        sys.argv[4] if len(sys.argv) > 4 else "8",
         sys.argv[5] if len(sys.argv) > 5 else "cpu",
         sys.argv[6] if len(sys.argv) > 6 else "default",
         int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None,

@@ -1,7 +1,7 @@
 """Run in a fresh process by tests/test_megatron_moe.py: the megatron trainer on the tiny Qwen3-MoE,
 against the engine that sampled (R3) and the torch trainer (parity).
 
-`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP [EP [MICRO [DROP [TP]]]]]]` rolls the toy task out
+`python tests/megatron_moe_check.py OUT_DIR [WORLD [PP [EP [MICRO [DROP [TP [BUDGET]]]]]]]` rolls the toy task out
 on the built-in engine over HTTP with routes asked for (fp32, then bf16: test_routing_replay.py's
 `rollout`), then on the fp32 rollout runs one GRPO step with the torch trainer and with WORLD
 megatron ranks (default 1; WORLD=2, and WORLD=2 PP=2, pass too, run by hand; WORLD=2 EP=2 is
@@ -39,7 +39,9 @@ def flat(a: dict, b: dict):
     return torch.cat([(a[k] - b[k]).flatten() for k in a])
 
 
-def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, drop: int = 0, tp: int = 1) -> None:
+def main(
+    out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, drop: int = 0, tp: int = 1, budget: int = 0
+) -> None:
     from safetensors.torch import load_file
 
     from core.types import Batch
@@ -47,6 +49,8 @@ def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, dr
     from pipeline.tasks.tiny_model import PAD_ID, make_model_folder
     from tests.test_routing_replay import LAYERS, TOP_K, rollout, samples_of
     from trainers import GRPOTrainer
+    from trainers.megatron.packing import packs
+    from trainers.megatron.rows import Row
 
     model = make_model_folder(out / "model", arch="moe", hidden_size=32, num_layers=LAYERS, moe_router_topk=TOP_K)
     fp32 = anyio.run(lambda: rollout(model, prompts=4))
@@ -70,6 +74,7 @@ def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, dr
         log_dir=out / "logs",
         lr=1e-2,
         micro_batch_size=micro,
+        max_tokens_per_gpu=budget or None,  # BUDGET: --max-tokens-per-gpu (0: none)
         routing_replay=True,
     )
     try:
@@ -93,6 +98,7 @@ def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, dr
         mg.close()
     a, b = load_file(str(out / "torch" / "model.safetensors")), load_file(str(out / "megatron" / "model.safetensors"))
     base = load_file(str(model / "model.safetensors"))
+    rows, dp = [Row.of(s) for s in batch.samples], world // (tp * pp)
     result |= {
         "torch": torch_metrics,
         "logprob_diff": max(
@@ -104,9 +110,11 @@ def main(out: Path, world: int = 1, pp: int = 1, ep: int = 1, micro: int = 4, dr
         "sampled_pad": any(PAD_ID in s.response_ids.tolist() for s in samples),
         "weights_moved": max(float((a[k] - base[k]).abs().max()) for k in a),
         "names": [sorted(a), sorted(b), sorted(base)],
+        # Micro-batches each DP rank's rows are cut into (before padding-only ones even them out).
+        "micro_batches": [len(packs(rows[r::dp], max_rows=micro, max_tokens=budget or None)) for r in range(dp)],
     }
     (out / "result.json").write_bytes(orjson.dumps(result))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:8]))
+    main(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:9]))

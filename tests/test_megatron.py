@@ -85,7 +85,7 @@ def _check(
     tmp_path: Path,
     world: int,
     tp: int,
-    micro: int,
+    micro: int | str,
     device: str = "cpu",
     variant: str = "default",
     gbs: int | None = None,
@@ -124,8 +124,18 @@ def _check(
         (1, 1, 5, "seqmask-tokenmean"),
         (2, 2, 3, "kl-entropy"),
         (2, 1, 3, "kl-k1-seqmean"),
+        (1, 1, "8/30", "default"),  # --max-tokens-per-gpu 30: packs of 1 and 2 rows of 11-17 tokens
     ],
-    ids=["tp1-microbatched", "tp2", "dp2", "dp2-icepop-seqmean-opsm", "seqmask", "tp2-kl-entropy", "dp2-kl-k1"],
+    ids=[
+        "tp1-microbatched",
+        "tp2",
+        "dp2",
+        "dp2-icepop-seqmean-opsm",
+        "seqmask",
+        "tp2-kl-entropy",
+        "dp2-kl-k1",
+        "tp1-token-budget",
+    ],
 )
 def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant):
     """Same batch, same start, same shared loss: every metric, log-probs and the published weights agree."""

@@ -60,7 +60,8 @@ def test_a_checkpoint_with_dense_layers_among_the_sparse_is_refused_by_name():
 
 
 def _check(tmp_path: Path, *args: int) -> dict:
-    """tests/megatron_moe_check.py's result, run in a fresh process with `args` (WORLD PP EP MICRO DROP)."""
+    """tests/megatron_moe_check.py's result, run in a fresh process with `args`
+    (WORLD PP EP MICRO DROP [TP [BUDGET]])."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "megatron_moe_check.py"), str(tmp_path), *map(str, args)],
@@ -122,6 +123,16 @@ def test_expert_parallel_step_matches_the_torch_trainer_and_publishes_every_expe
     token dispatch): uneven lengths and an empty micro-batch are both on the path."""
     r = _check(tmp_path, 2, 1, 2, 7, 1)
     assert r["rank0_experts"] == [0, 1, 2, 3]
+    _assert_replays_and_matches_torch(r)
+
+
+def test_a_token_budget_under_expert_parallel_matches_the_torch_trainer(tmp_path):
+    """EP=2 with --max-tokens-per-gpu 48: each DP rank cuts its rows into packs of at most 48
+    tokens, so the two ranks may need different numbers of micro-batches; every rank computes the
+    cut of every rank's rows, and the one with fewer runs padding-only micro-batches to meet the
+    other's token dispatch. The step equals the torch trainer's, as without a budget."""
+    r = _check(tmp_path, 2, 1, 2, 7, 1, 1, 48)
+    assert r["micro_batches"][0] != r["micro_batches"][1] or r["micro_batches"][0] > 2
     _assert_replays_and_matches_torch(r)
 
 

@@ -82,15 +82,15 @@ def test_gradients_reach_the_weights_only_through_the_picked_rows(model):
             torch.testing.assert_close(picked[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_the_token_budget_reaches_the_torch_trainer_and_is_refused_with_megatron(tmp_path):
+def test_the_token_budget_reaches_both_trainers(tmp_path):
     from core.errors import ConfigError
     from pipeline.config import load_config
-    from pipeline.trainer_settings import build_trainer
+    from pipeline.trainer_settings import build_trainer, megatron_settings
 
     assert load_config([]).trainer.max_tokens_per_gpu is None
     assert load_config(["--max-tokens-per-gpu", "4096"]).trainer.max_tokens_per_gpu == 4096
-    with pytest.raises(ConfigError, match="max-tokens-per-gpu"):
-        load_config(["--train-backend", "megatron", "--max-tokens-per-gpu", "4096"])
+    megatron = load_config(["--train-backend", "megatron", "--max-tokens-per-gpu", "4096"])
+    assert megatron_settings(megatron)["max_tokens_per_gpu"] == 4096
     with pytest.raises(ConfigError, match="max-tokens-per-gpu"):
         load_config(["--max-tokens-per-gpu", "0"])
     folder = make_model_folder(tmp_path / "m")
@@ -112,3 +112,22 @@ def test_a_response_batch_names_each_response_token_and_the_row_that_predicts_it
     assert flat[batch.rows + 1].tolist() == batch.targets.tolist() == [5, 5, 5, 5]
     with pytest.raises(ValueError, match="sample 7 has an empty prompt"):
         ResponseBatch.of([Sample(index=7, prompt_ids=())], pad_id=0)
+
+
+def test_megatron_packs_cut_in_order_within_rows_and_tokens():
+    from trainers.megatron.packing import packs
+    from trainers.megatron.rows import Row
+
+    def row(n: int) -> Row:
+        return Row(
+            prompt_ids=[3] * 4,
+            response_ids=[5] * (n - 4),
+            behaviour=[0.0] * (n - 4),
+            mask=[True] * (n - 4),
+            advantage=1.0,
+        )
+
+    rows = [row(n) for n in (11, 12, 13, 17, 40, 11, 12)]
+    cut = packs(rows, max_rows=8, max_tokens=30)
+    assert [[len(r.prompt_ids) + len(r.response_ids) for r in c] for c in cut] == [[11, 12], [13, 17], [40], [11, 12]]
+    assert [len(c) for c in packs(rows, max_rows=3, max_tokens=None)] == [3, 3, 1]

@@ -155,11 +155,6 @@ def _trainer_rules(draft: Draft) -> None:
             f"{draft.show('trainer', 'max_step_kl')} with --train-backend megatron: the step-KL check is built "
             "into the torch trainer only; leave it out (megatron runs without it)"
         )
-    if t["backend"] == "megatron" and ok("trainer", "max_tokens_per_gpu") and t["max_tokens_per_gpu"] is not None:
-        problem(
-            f"{draft.show('trainer', 'max_tokens_per_gpu')} with --train-backend megatron: the token budget "
-            "cuts the torch trainer's micro-batches only; megatron packs --micro-batch-size samples a forward"
-        )
     if not t["use_kl_loss"] and t["ref_load"] is not None:
         problem(
             f"{draft.show('trainer', 'ref_load')} without --use-kl-loss: nothing uses the reference model; "

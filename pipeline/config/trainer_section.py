@@ -181,9 +181,10 @@ class TrainerConfig:
         "--max-tokens-per-gpu",
         "int",
         ge=1,
-        help="torch backend: the most padded positions (samples x the longest's prompt + response) in one "
-        "forward and backward; micro-batches are cut from the minibatch sorted by length (slime's flag; the "
-        "step equals the unsplit one). Default: no budget",
+        help="the most tokens in one forward and backward (slime's flag; the step equals the unsplit one). "
+        "megatron: packed tokens (prompt + response) of a micro-batch, at most --micro-batch-size samples; "
+        "torch: padded positions (samples x the longest), micro-batches cut from the minibatch sorted by "
+        "length. Default: no budget",
     )
     use_distributed_optimizer: bool = opt(
         False,

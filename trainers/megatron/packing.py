@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainers.megatron.rows import Row
 
-__all__ = ["Packed", "head_logprobs", "pack", "sampler_head_logprobs"]
+__all__ = ["Packed", "head_logprobs", "pack", "packs", "sampler_head_logprobs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,23 @@ class Packed:
     @property
     def length(self) -> int:
         return int(self.tokens.shape[1])
+
+
+def packs(rows: Sequence[Row], *, max_rows: int, max_tokens: int | None) -> list[list[Row]]:
+    """`rows` cut in order into micro-batches of at most `max_rows` rows and, with `max_tokens`
+    (`--max-tokens-per-gpu`), at most that many packed tokens (a row longer than the budget gets a
+    micro-batch of its own). Every rank computes the same cut from the same rows."""
+    out: list[list[Row]] = []
+    tokens = 0
+    for row in rows:
+        n = len(row.prompt_ids) + len(row.response_ids)
+        if out and len(out[-1]) < max_rows and (max_tokens is None or tokens + n <= max_tokens):
+            out[-1].append(row)
+            tokens += n
+        else:
+            out.append([row])
+            tokens = n
+    return out
 
 
 def pack(rows: Sequence[Row], device: torch.device, *, length: int | None = None) -> Packed:

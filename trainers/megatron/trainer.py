@@ -22,7 +22,8 @@ Parallelism: tensor and pipeline parallel from megatron-core's `parallel_state`,
 world / (TP x PP) (`layout.py`, with the collectives over them). Each DP rank takes every DP-th row
 of each minibatch; the loss is normalised by the minibatch's token count, and gradients are summed
 over the DP group (`grads.py`), so each step equals the single-process step. Micro-batches of
-`micro_batch_size` rows are packed into one sequence (`packing.py`). Pipeline parallel
+`micro_batch_size` rows (and at most `max_tokens_per_gpu` tokens) are packed into one sequence
+(`packing.py`). Pipeline parallel
 (`--pipeline-model-parallel-size`): each stage holds `num_layers / pp` layers (`qwen3.py`); a
 minibatch's micro-batches go through the stages forward, then backward (`schedule.py`: our own
 schedule, since megatron-core's allocates on CUDA; the docstring says where). The loss, the
@@ -99,7 +100,7 @@ from trainers.megatron.layout import (
     tensor_from_last_stage,
 )
 from trainers.megatron.master import MasterWeights
-from trainers.megatron.packing import Packed, head_logprobs, pack, sampler_head_logprobs
+from trainers.megatron.packing import Packed, head_logprobs, pack, packs, sampler_head_logprobs
 from trainers.megatron.qwen3 import Qwen3Shape, build_gpt_model, global_names, megatron_to_hf, sequence_parallel
 from trainers.megatron.router_replay import ReplayedRouters, plan
 from trainers.megatron.rows import (
@@ -147,6 +148,7 @@ class MegatronTrainer:
         max_grad_norm: float = 1.0,
         weight_decay: float = 0.0,
         micro_batch_size: int = 8,
+        max_tokens_per_gpu: int | None = None,
         device: str = "cpu",
         dtype: str = "float32",
         num_threads: int | None = 1,
@@ -163,6 +165,8 @@ class MegatronTrainer:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
+            raise ValueError(f"max_tokens_per_gpu must be >= 1 tokens or None (no budget), got {max_tokens_per_gpu}")
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
         if distributed_optimizer and ps.get_pipeline_model_parallel_world_size() > 1:
@@ -185,6 +189,7 @@ class MegatronTrainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_gpu = max_tokens_per_gpu
         self.global_batch_size = global_batch_size
         self.device = torch.device(device)
         self.layout = Layout.current()
@@ -371,18 +376,21 @@ class MegatronTrainer:
         return step
 
     def _micro_batches(self, minibatch: list[Row]) -> list[list[Row]]:
-        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size`.
+        """This rank's rows of `minibatch` (every DP-th), in micro-batches of `micro_batch_size` rows
+        and `max_tokens_per_gpu` packed tokens (`packing.packs`).
 
         Under expert parallel every forward is a collective of the EP group (the token
         dispatcher), so every rank runs as many as the DP rank with the most rows: the others'
         last micro-batches are empty (a padding-only sequence, `_forward`, that trains nothing)."""
-        lay, size = self.layout, self.micro_batch_size
-        mine = minibatch[lay.dp_rank :: lay.dp]
-        chunks = [mine[i : i + size] for i in range(0, len(mine), size)]
-        if lay.ep > 1:
-            most = -(-len(minibatch[:: lay.dp]) // size)  # DP rank 0 has the most rows
+        lay = self.layout
+        chunks = self._packs(minibatch[lay.dp_rank :: lay.dp])
+        if lay.ep > 1:  # each rank cuts every DP rank's rows the same way, so all agree on the most
+            most = max(len(self._packs(minibatch[rank :: lay.dp])) for rank in range(lay.dp))
             chunks += [[] for _ in range(most - len(chunks))]
         return chunks
+
+    def _packs(self, rows: list[Row]) -> list[list[Row]]:
+        return packs(rows, max_rows=self.micro_batch_size, max_tokens=self.max_tokens_per_gpu)
 
     def _minibatch_step(
         self,
@@ -584,10 +592,7 @@ class MegatronTrainer:
     @torch.no_grad()
     def _logprobs(self, rows: list[Row]) -> list[list[float]]:
         """Every row's response log-probs, computed on the last stage and broadcast over the pipeline."""
-        parts = [
-            self._forward_logprobs(rows[start : start + self.micro_batch_size])[0]
-            for start in range(0, len(rows), self.micro_batch_size)
-        ]
+        parts = [self._forward_logprobs(chunk)[0] for chunk in self._packs(rows)]
         flat = torch.cat(parts) if parts else torch.empty(0, device=self.device)
         if self.layout.pp > 1:
             if not self.stage.last:
