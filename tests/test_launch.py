@@ -27,6 +27,8 @@ def test_default_task_learns_in_sync_mode(tmp_path):
     assert last > first + 0.1, (first, last)
     # the trainer recomputes what the engine sampled: same model, same log-probs
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
+    # The save is part of the training time, reported apart (slime's name beside ours).
+    assert all(0 < r["time/save"] <= r["time/train"] and r["perf/save_model_time"] == r["time/save"] for r in records)
 
 
 def test_partial_rollout_on_lmdb_keeps_every_group(tmp_path):
