@@ -534,7 +534,7 @@ class GRPOTrainer:
         """
         n_resp = max(s.response_len for s in samples) if width is None else width
         b = ResponseBatch.of(samples, self.pad_id).to(self.device)
-        at, pos = b.sample, b.position
+        at = (b.sample, b.position)  # where each scored token goes in the [B, R] results
 
         net = model or self.model
         replay = self.routing_replay.get(id(net))
@@ -548,15 +548,15 @@ class GRPOTrainer:
             # [N, V]: only the N rows that predict a response token reach the LM head.
             logits = response_logits(net, b.ids, b.attention, b.rows)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
-        picked = None if head_ids is None else head_ids[at, pos]
+        picked = None if head_ids is None else head_ids[at]
         logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked)
         if not entropy_grad:
             entropy = entropy.detach()
         shape = (len(samples), n_resp)
         return _Scored(
-            logp.new_zeros(shape).index_put((at, pos), logp),
-            entropy.new_zeros(shape).index_put((at, pos), entropy),
-            None if head is None else head.new_zeros((*shape, head.shape[-1])).index_put((at, pos), head),
+            logp.new_zeros(shape).index_put(at, logp),
+            entropy.new_zeros(shape).index_put(at, entropy),
+            None if head is None else head.new_zeros((*shape, head.shape[-1])).index_put(at, head),
         )
 
     # ---- publishing weights ------------------------------------------------------------------

@@ -44,7 +44,7 @@ class ResponseBatch:
     @classmethod
     def of(cls, samples: Sequence[Sample], pad_id: int) -> ResponseBatch:
         """Built on the CPU (the device never waits on a nonzero); `.to(device)` moves it."""
-        n_seq = max(len(s.prompt_ids) + s.response_len for s in samples)
+        n_seq = max(map(sample_tokens, samples))
         ids = torch.full((len(samples), n_seq), pad_id, dtype=torch.long)
         attention = torch.zeros((len(samples), n_seq), dtype=torch.long)
         sample, position, rows, targets = [], [], [], []
