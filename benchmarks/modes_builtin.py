@@ -41,7 +41,7 @@ from typing import Any
 from pipeline.events import read_events
 from pipeline.run.cli import main as launch_main
 from pipeline.tasks.tiny_model import make_model_folder
-from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
+from pipeline.timeline import render_timeline, slot_busy_fraction, steady_window, work_span
 
 MODES: dict[str, list[str]] = {
     "sync": ["--rollout-mode", "sync"],
@@ -252,6 +252,7 @@ def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, fl
 def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transport: str) -> dict[str, Any]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = list(read_events(out / "events.jsonl"))
+    window = steady_window(events)
     if args.timeline_dir:
         page = Path(args.timeline_dir) / f"timeline-builtin-{name.replace('+', '-')}.html"
         page.parent.mkdir(parents=True, exist_ok=True)
@@ -261,10 +262,17 @@ def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transp
         (page.parent / f"metrics-builtin-{name.replace('+', '-')}.jsonl").write_text(
             (out / "metrics.jsonl").read_text()
         )
+        (page.parent / f"events-builtin-{name.replace('+', '-')}.jsonl").write_text((out / "events.jsonl").read_text())
     return {
         "groups/s": args.steps * args.batch / wall,
         "tokens/s": sum(r["batch/tokens"] for r in records) / wall,
         "busy": slot_busy_fraction(events),
+        # Between the run's two ends (the trainer's warm-up in the first step, the final full
+        # checkpoint in the last), where the engine waits by design: what a long run sees.
+        "steady busy": slot_busy_fraction(events, start=window[0], end=window[1]) if window else float("nan"),
+        # Seconds the trainer waited for its batch after its warm-up: 0 in every step means the
+        # trainer set the pace, and the engine idled whenever the collector's bound was reached.
+        "trainer waits s": sum(r.get("time/rollout", 0.0) for r in records[1:]),
         "span": work_span(events),
         "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
         "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
@@ -279,29 +287,38 @@ def main(args: argparse.Namespace) -> None:
         root = Path(tmp)
         model = _model(args, root)
         modes = TAIL_MODES if args.length_tail else MODES
+        unknown = sorted(set(args.only) - set(modes))
+        if unknown:
+            raise SystemExit(f"--only {unknown[0]!r}: not a mode here; the modes are {', '.join(modes)}")
         results: dict[str, dict[str, Any]] = {}
         for name in modes:
+            if args.only and name not in args.only:
+                continue
             r = results[name] = run_mode(name, args, model, root)
             # Each mode's figures as soon as it ends: a run cut by a time limit still reports them.
             print(
-                f"mode {name}: {r['groups/s']:.3f} groups/s, work span {r['span']:.2f} s, slot busy {r['busy']:.3f}, "
-                f"train {r['train s']:.2f} s, publish {r['publish s']:.2f} s",
+                f"mode {name}: {r['groups/s']:.3f} groups/s, work span {r['span']:.2f} s, slot busy {r['busy']:.3f} "
+                f"(steady steps {r['steady busy']:.3f}), train {r['train s']:.2f} s, publish {r['publish s']:.2f} s, "
+                f"trainer waited {r['trainer waits s']:.1f} s after step 0",
                 flush=True,
             )
-    base = results["sync"]["groups/s"]
+    # The ratio is over sync; a run of other modes only (`--only`) shows their own figures.
+    base = results["sync"]["groups/s"] if "sync" in results else float("nan")
     cols = ["groups/s", "tokens/s", "ratio", "busy", "train s", "publish s"]
     print(
         f"\nbuilt-in engine, {args.model_size} model on {_engine_device(args.device)} (trainer {args.device}); "
         f"{args.steps} steps of {args.batch} groups x "
-        f"{args.group} samples; {args.dtype}; publish: {results['sync']['transport']}"
+        f"{args.group} samples; {args.dtype}; publish: {next(iter(results.values()))['transport']}"
         + (f"; length tail {args.length_tail}, max {args.max_len} tokens" if args.length_tail else "")
     )
     print(f"{'mode':16}" + "".join(f"{c:>11}" for c in cols))
     for name, r in results.items():
         r["ratio"] = r["groups/s"] / base
         print(f"{name:16}" + "".join(f"{r[c]:>11.3f}" for c in cols))
-    if args.length_tail:
+    if args.length_tail and "sync" in results:
         compare(results, simulated_twin(args, results))
+    elif "async+overlap" in results:
+        print(overlap_verdict(results["async+overlap"]))
 
 
 def compare(real: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]]) -> None:
@@ -317,7 +334,14 @@ def compare(real: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]]) ->
         ok = abs(t["ratio"] - r["ratio"]) <= 0.1 * r["ratio"] and abs(t["slot busy"] - r["busy"]) <= 0.1 * r["busy"]
         cells = f"{r['ratio']:>9.3f}{t['ratio']:>11.3f}{r['busy']:>9.3f}{t['slot busy']:>10.3f}"
         print(f"{name:16}{cells}  {'yes' if ok else 'NO'}")
-    overlap = real.get("async+overlap")
-    if overlap is not None:
-        verdict = "MET" if overlap["busy"] >= 0.95 else "MISSED"
-        print(f"target async busy with an overlapped publish: {overlap['busy']:.3f} (target >= 0.95): {verdict}")
+    if "async+overlap" in real:
+        print(overlap_verdict(real["async+overlap"]))
+
+
+def overlap_verdict(overlap: dict[str, Any]) -> str:
+    whole, steady = overlap["busy"], overlap["steady busy"]
+    verdict = "MET" if whole >= 0.95 else "MET in the steady steps" if steady >= 0.95 else "MISSED"
+    return (
+        f"target async busy with an overlapped publish: {whole:.3f} over the run, {steady:.3f} in the steady "
+        f"steps (target >= 0.95): {verdict}"
+    )

@@ -18,8 +18,9 @@ the variants taking turns step by step so that drift of the machine hits each al
     no step-KL    response rows without the step-KL check (`--max-step-kl 0`): what the check costs
 
 It prints each variant's median step time, its ratio to `all rows`, and the peak device memory of
-a step; then the seconds of writing the publish folder (`save_model`) in bf16 against fp32 (what a
-bf16 trainer wrote before), where disk publishes spend them. `--profile` adds the top device
+a step; then the seconds of writing the publish folder (`save_model`, where disk publishes spend
+them): fp32 and bf16 through `save_pretrained` (what a bf16 trainer wrote before) against bf16
+through one reused page-locked buffer (now). `--profile` adds the top device
 kernels of one `response rows` step (torch.profiler). The first step of each variant is a warm-up
 and is not counted.
 """
@@ -150,16 +151,31 @@ def main(argv: list[str] | None = None) -> int:
             t = statistics.median(ts)
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
             print(f"step {name:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than all rows{memory}")
-        # The publish between checkpoints (`save_model`): bf16 now, fp32 masters before; taking turns.
+        # The publish between checkpoints (`save_model`), taking turns: the fp32 masters through
+        # `save_pretrained` (what a bf16 trainer wrote first), bf16 through `save_pretrained` (the
+        # fifth session), bf16 through one reused page-locked buffer (`trainers/weights_file.py`, now).
+        import torch
+
         from trainers.checkpoint import write_folder_atomically
 
         trainer = variants["response rows"]
-        saves: dict[str, list[float]] = {"fp32 (before)": [], "bf16": []}
-        for i in range(2):
+
+        def bf16_save_pretrained(out: Path) -> None:
+            rounded: dict[int, torch.Tensor] = {}
+            state = {
+                n: rounded.setdefault(t.data_ptr(), t.detach().to(torch.bfloat16))
+                for n, t in trainer.model.state_dict().items()
+            }
+            trainer.model.save_pretrained(out, state_dict=state)
+
+        saves: dict[str, list[float]] = {"fp32 save_pretrained": [], "bf16 save_pretrained": [], "bf16 now": []}
+        for i in range(3):
             for name in saves:
                 started = time.perf_counter()
-                if name == "bf16":
+                if name == "bf16 now":
                     trainer.save_model(Path(tmp) / f"pub-{i}")
+                elif name == "bf16 save_pretrained":
+                    write_folder_atomically(Path(tmp) / f"sp-{i}", folder, bf16_save_pretrained)
                 else:
                     write_folder_atomically(Path(tmp) / f"old-{i}", folder, trainer.model.save_pretrained)
                 saves[name].append(time.perf_counter() - started)

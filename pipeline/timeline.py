@@ -22,7 +22,7 @@ from typing import Any
 from core.errors import ReplayError
 from pipeline.events import read_events
 
-__all__ = ["EVENTS_FILE", "render_timeline", "slot_busy_fraction", "work_span", "write_html"]
+__all__ = ["EVENTS_FILE", "render_timeline", "slot_busy_fraction", "steady_window", "work_span", "write_html"]
 
 EVENTS_FILE = "events.jsonl"  # the launcher's event log in the run dir
 
@@ -43,16 +43,30 @@ def work_span(events: Sequence[dict[str, Any]]) -> float:
     return max(e["end"] for e in spans) - min(e["start"] for e in spans) if spans else 0.0
 
 
-def slot_busy_fraction(events: Sequence[dict[str, Any]]) -> float:
-    """Share of slot-time with a request in flight, over the span the requests cover."""
+def slot_busy_fraction(
+    events: Sequence[dict[str, Any]], *, start: float | None = None, end: float | None = None
+) -> float:
+    """Share of slot-time with a request in flight, over the span the requests cover, or over
+    [`start`, `end`] where given (requests cut at its edges)."""
     reqs = [e for e in events if e["kind"] == "request"]
     if not reqs:
         return 0.0
     slots = {e["slot"] for e in reqs}
-    t0 = min(e["start"] for e in reqs)
-    t1 = max(e["end"] for e in reqs)
-    busy = sum(e["end"] - e["start"] for e in reqs)
+    t0 = min(e["start"] for e in reqs) if start is None else start
+    t1 = max(e["end"] for e in reqs) if end is None else end
+    busy = sum(max(0.0, min(e["end"], t1) - max(e["start"], t0)) for e in reqs)
     return busy / (len(slots) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def steady_window(events: Sequence[dict[str, Any]]) -> tuple[float, float] | None:
+    """From the end of the first publish to the start of the last training step: the steps
+    between a run's two ends (the first step holds the trainer's warm-up, the last one the
+    final full checkpoint, and the engine waits through both); None with fewer than 3 steps."""
+    trains = sorted(e["start"] for e in events if e["kind"] == "train")
+    publishes = sorted(e["end"] for e in events if e["kind"] == "publish")
+    if len(trains) < 3 or not publishes or publishes[0] >= trains[-1]:
+        return None
+    return publishes[0], trains[-1]
 
 
 def _on_one_clock(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
