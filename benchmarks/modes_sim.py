@@ -135,6 +135,7 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
         ),
         "async": RolloutPlan(mode="async", prefetch=args.batch, **common),
         "async, stale<=1": RolloutPlan(mode="async", prefetch=args.batch, max_staleness=1, **common),
+        "async, stale<=2": RolloutPlan(mode="async", prefetch=args.batch, max_staleness=2, **common),
         # The engine receives the weights beside decoding and swaps between two steps: no pause.
         "async, overlap": RolloutPlan(mode="async", prefetch=args.batch, overlap_publish=True, **common),
     }
