@@ -112,9 +112,9 @@ SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "
 def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The same modes on the simulated engine, its time model fitted to the real runs: decode step
     = a + b x rows (least squares over every decode-only step of every mode), prefill = base + per
-    token (least squares over the prefilling steps, their decode part taken out),
-    training and publish seconds the real medians; same steps, groups, limit, slots and length
-    distribution. Returns the simulated modes' results by the real modes' names."""
+    token (least squares over the prefilling steps, their decode part taken out), training seconds
+    each mode's own, step by step, publish seconds the real median; same steps, groups, limit,
+    slots and length distribution. Returns the simulated modes' results by the real modes' names."""
     import anyio
 
     from benchmarks import modes_sim as sim
@@ -122,16 +122,26 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     fs = [r["forward"] for r in results.values() if r["forward"]]
     base, per_row, n = _decode_fit(fs)
     prefill_base, prefill = _prefill_fit(fs, base, per_row)
-    train = statistics.median(r["train s"] for r in results.values())
+    # Each mode's own training times, step by step (`time/train`): the first step holds the
+    # trainer's warm-up and the last the final checkpoint, and a step beside a decoding engine on
+    # the same GPU is slower than one with the GPU alone (async against sync). One median for every
+    # mode and step, as before, gave sync's steady steps a training time 1.4x their own.
+    trains = {name: r["train steps"] for name, r in results.items()}
+    # The engine's side of sharing one GPU: its forwards slow while the trainer trains (measured
+    # in the async runs, the only ones that generate during training; 1 when the engine has a GPU
+    # of its own). The twin's engine slows as much while its trainer trains.
+    measured = [r["slowdown in training"] for r in results.values() if r["slowdown in training"]]
+    slowdown = max(1.0, statistics.median(measured)) if measured and _engine_device(args.device) == args.device else 1.0
     publish = results["sync"]["publish s"]
     print(
         f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows (from {n} steps), "
-        f"prefill {prefill_base * 1e3:.2f} ms + {prefill * 1e6:.1f} us/token, training {train:.2f} s, "
-        f"publish {publish:.2f} s"
+        f"prefill {prefill_base * 1e3:.2f} ms + {prefill * 1e6:.1f} us/token, training s a step "
+        + "; ".join(f"{name} " + " ".join(f"{t:.1f}" for t in ts) for name, ts in trains.items())
+        + f", publish {publish:.2f} s, forwards {slowdown:.2f}x slower while training"
     )
     twin = argparse.Namespace(
         batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=0.25,
-        train_time=train, prompt_len=16, timeline_dir=None,
+        train_time=0.0, train_slowdown=slowdown, prompt_len=16, timeline_dir=None,
         sim_flags=[
             "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", "0",
             "--prefill-base", str(prefill_base), "--prefill-per-token", str(prefill),
@@ -143,7 +153,17 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     work = Path(tempfile.mkdtemp(prefix="twin-"))
     # Time scale 0.25: a real step of a few ms is then ~1 ms of wall time, which the simulated engine
     # keeps (at 0.1 it ran late on a loaded CPU and its async modes came out slower than sync).
-    out = {name: anyio.run(sim.run_mode, SIM_NAMES[name], plans[SIM_NAMES[name]], twin, 0, work) for name in results}
+    out = {
+        name: anyio.run(
+            sim.run_mode,
+            SIM_NAMES[name],
+            plans[SIM_NAMES[name]],
+            argparse.Namespace(**{**vars(twin), "train_time": trains[name]}),
+            0,
+            work,
+        )
+        for name in results
+    }
     late = sum(r["late"] for r in out.values())
     if late:
         print(f"note: the simulated twin ran late on {late} forwards (its timing is then approximate)")
@@ -249,6 +269,28 @@ def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, fl
     )
 
 
+def _slowdown_in_training(events: list[dict[str, Any]]) -> float | None:
+    """How much slower a request generated while the trainer trained than while it did not: tokens
+    per second of requests (20 tokens or more) wholly outside training steps over those wholly
+    inside. Only async runs have both; with the engine and the trainer on one GPU it is the
+    sharing's cost to the engine. None without both kinds."""
+    trains = [(e["start"], e["end"]) for e in events if e["kind"] == "train"]
+    inside = [0.0, 0.0]  # tokens, seconds
+    outside = [0.0, 0.0]
+    for e in events:
+        seconds = e.get("end", 0.0) - e.get("start", 0.0)
+        if e["kind"] != "request" or e["tokens"] < 20 or seconds <= 0:
+            continue
+        overlap = sum(max(0.0, min(e["end"], b) - max(e["start"], a)) for a, b in trains) / seconds
+        side = inside if overlap > 0.95 else outside if overlap < 0.05 else None
+        if side is not None:
+            side[0] += e["tokens"]
+            side[1] += seconds
+    if not (inside[0] and outside[0]):
+        return None
+    return (outside[0] / outside[1]) / (inside[0] / inside[1])
+
+
 def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transport: str) -> dict[str, Any]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = list(read_events(out / "events.jsonl"))
@@ -275,6 +317,8 @@ def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transp
         "trainer waits s": sum(r.get("time/rollout", 0.0) for r in records[1:]),
         "span": work_span(events),
         "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
+        "train steps": [r.get("time/train", 0.0) for r in records],
+        "slowdown in training": _slowdown_in_training(events),
         "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
         "transport": transport,
     }

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import urllib.request
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -28,18 +30,43 @@ __all__ = ["SimulatedTrainer", "main", "plans", "reward", "run_mode", "workload"
 
 
 class SimulatedTrainer:
-    """Takes `seconds` of (scaled) time per step; the weights it publishes are a placeholder path."""
+    """Takes `seconds` of (scaled) time per step, or `seconds[step]` given one per step (the last
+    for any step beyond them); the weights it publishes are a placeholder path. With `slowdown`
+    (the engine's URL and a factor) the simulated engine runs that much slower while it trains: a
+    trainer on the engine's GPU (`/sim/slowdown`)."""
 
-    def __init__(self, seconds: float, weights: Path) -> None:
-        self._seconds = seconds
+    def __init__(
+        self, seconds: float | Sequence[float], weights: Path, *, slowdown: tuple[str, float] | None = None
+    ) -> None:
+        self._seconds = [seconds] if isinstance(seconds, int | float) else list(seconds)
+        if not self._seconds:
+            raise ValueError("SimulatedTrainer needs a training time, got an empty list")
         self._weights = weights
+        self._slowdown = slowdown
 
     def train_step(self, batch):
-        time.sleep(self._seconds)  # runs on a worker thread: this *is* the modelled training time
+        # Runs on a worker thread: this sleep *is* the modelled training time.
+        seconds = self._seconds[min(batch.step, len(self._seconds) - 1)]
+        if self._slowdown is None:
+            time.sleep(seconds)
+            return {}
+        url, factor = self._slowdown
+        _set_slowdown(url, factor)
+        try:
+            time.sleep(seconds)
+        finally:
+            _set_slowdown(url, 1.0)
         return {}
 
     def save_weights(self, path: Path) -> Path:
         return self._weights
+
+
+def _set_slowdown(url: str, factor: float) -> None:
+    body = orjson.dumps({"factor": factor})
+    request = urllib.request.Request(f"{url}/sim/slowdown", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        response.read()
 
 
 def reward(task, sample) -> float:
@@ -80,7 +107,7 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
             plan,
             engines=fleet,
             store=AsyncStore(store),
-            trainer=SimulatedTrainer(args.train_time * scale, work),
+            trainer=SimulatedTrainer(_scaled(args.train_time, scale), work, slowdown=_slowdown(args, engine.url)),
             dataset=workload(4096, args.prompt_len, seed),
             reward_fn=reward,
             filter_fn=None,
@@ -115,6 +142,15 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
         "slot busy": slot_busy_fraction(events.events),  # as the built-in engine's benchmark measures it
         "span": work_span(events.events),
     }
+
+
+def _slowdown(args: argparse.Namespace, url: str) -> tuple[str, float] | None:
+    factor = getattr(args, "train_slowdown", 1.0)
+    return (url, factor) if factor != 1.0 else None
+
+
+def _scaled(seconds: float | Sequence[float], scale: float) -> float | list[float]:
+    return seconds * scale if isinstance(seconds, int | float) else [t * scale for t in seconds]
 
 
 def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:

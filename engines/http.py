@@ -44,7 +44,7 @@ from engines.request import (
 from engines.scheduler import EngineCore
 from engines.seam import SamplingParams, WeightLoadError
 
-__all__ = ["FLUSHED", "EngineServer", "json_response"]
+__all__ = ["FLUSHED", "EngineServer", "json_body", "json_response"]
 
 log = logging.getLogger(__name__)
 FLUSHED = (
@@ -233,7 +233,7 @@ class EngineServer:
     # ---- control -------------------------------------------------------------------------------------
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, web.Response):
             return body
         rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
@@ -244,7 +244,7 @@ class EngineServer:
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, web.Response):
             return body
         try:
@@ -275,7 +275,7 @@ class EngineServer:
         return web.Response(status=200, text=FLUSHED)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, web.Response):
             return body
         model_path, version = body.get("model_path"), body.get("weight_version")
@@ -299,7 +299,7 @@ class EngineServer:
         return json_response({"success": True, "message": message, "num_paused_requests": paused})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, web.Response):
             return body
         version = body.get("new_version")
@@ -325,7 +325,7 @@ class EngineServer:
         """SGLang's `{"name", "truncate_size"}` -> the first `truncate_size` values of the live tensor."""
         if self.weight_group is None:
             return await self.unsupported_weights(request)
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, web.Response):
             return body
         try:
@@ -338,7 +338,7 @@ class EngineServer:
         """SGLang's answer shape for the group endpoints: `{"success", "message"}`, 400 on failure."""
         if self.weight_group is None:
             return await self.unsupported_weights(request)
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, web.Response):
             return body
         if method == "update" and body.get("abort_all_requests"):
@@ -494,7 +494,7 @@ def _weights_failed(message: str) -> web.Response:
     return json_response({"success": False, "message": message, "num_paused_requests": 0}, 400)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+async def json_body(request: web.Request) -> dict[str, Any] | web.Response:
     """The JSON object body; an empty body is `{}` (slime posts `json={}` or nothing)."""
     raw = await request.read()
     if not raw.strip():

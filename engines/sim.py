@@ -29,6 +29,10 @@ starts where the previous one was due to end, so event-loop overhead is absorbed
 stretching engine time. If overhead exceeds the scaled step time the engine falls behind; `/sim/stats`
 reports `max_lag` and `late_forwards` so a benchmark can see that its time scale is too aggressive.
 
+`POST /sim/slowdown {"factor": f}` makes every forward f times slower until it is set back to 1: a
+benchmark's simulated trainer sets it while it trains, to model an engine that shares its GPU with
+the trainer (measured on the built-in engine: decode 1.2x slower beside a training step).
+
 `GET /sim/stats` gives busy time, forwards, tokens, prefill tokens and running-request-seconds, all in
 engine seconds: `busy_fraction = busy_time / engine_time` (1.0: the engine computed every moment).
 
@@ -55,7 +59,7 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 
 from core.errors import ConfigError
-from engines.http import EngineServer, json_response
+from engines.http import EngineServer, json_body, json_response
 from engines.scheduler import CoreStatistics
 from engines.seam import Draw, Row, WeightLoadError
 from engines.serving import open_engine, run_main
@@ -191,6 +195,7 @@ class SimModel:
         self.staged_weight_updates = staged_weight_updates
         self._busy = self._decode_s = self._prefill_s = self._update_s = self._rrs = 0.0
         self._decode_steps = self._prefill_batches = self._prefill_tokens = self._cached_tokens = 0
+        self.slowdown = 1.0  # `/sim/slowdown`: a trainer on the same GPU, while it trains
 
     @property
     def tokenizer(self) -> SimTokenizer:
@@ -204,13 +209,13 @@ class SimModel:
         fresh = [r for r in rows if r.rid not in self._kv]
         if fresh:  # SGLang runs a waiting prefill before the next decode step
             served, tokens = {r.rid for r in fresh}, sum(self._prefill(r) for r in fresh)
-            seconds = self.timing.prefill_time(tokens)
+            seconds = self.timing.prefill_time(tokens) * self.slowdown
             self._prefill_s += seconds
             self._prefill_batches += 1
             self._prefill_tokens += tokens
         else:
             served = {r.rid for r in rows}
-            seconds = self.timing.decode_time(len(rows), sum(r.position for r in rows))
+            seconds = self.timing.decode_time(len(rows), sum(r.position for r in rows)) * self.slowdown
             self._decode_s += seconds
             self._decode_steps += 1
         await self.clock.spend(seconds)
@@ -351,7 +356,17 @@ def _sim_routes(server: EngineServer) -> list[web.RouteDef]:
     async def sim_stats(request: web.Request) -> web.Response:
         return json_response(asdict(model.statistics(server.core.statistics())))
 
-    return [web.get("/sim/stats", sim_stats)]
+    async def sim_slowdown(request: web.Request) -> web.Response:
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        factor = body.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            return json_response({"success": False, "message": f"factor must be a number > 0, got {factor!r}"}, 400)
+        model.slowdown = float(factor)
+        return json_response({"success": True, "factor": model.slowdown})
+
+    return [web.get("/sim/stats", sim_stats), web.post("/sim/slowdown", sim_slowdown)]
 
 
 # ---- running it ----------------------------------------------------------------------------------------

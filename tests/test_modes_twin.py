@@ -3,7 +3,10 @@ built-in engine reports in `/server_info` (`engines/kv_forward.py`'s `SlotStatis
 
 from __future__ import annotations
 
-from benchmarks.modes_builtin import _decode_fit, _prefill_fit
+import pytest
+
+from benchmarks.modes_builtin import _decode_fit, _prefill_fit, _slowdown_in_training
+from benchmarks.modes_sim import SimulatedTrainer
 
 
 def _sums(decode: list[tuple[int, float]], prefill: list[tuple[int, int, float]]) -> dict[str, float]:
@@ -48,3 +51,36 @@ def test_an_engine_that_reported_no_prefill_sums_fits_to_zero_not_an_error():
     fs = [{k: 0 for k in _sums([], [])}]
     assert _decode_fit(fs) == (0.0, 0.0, 0)
     assert _prefill_fit(fs, 0.0, 0.0) == (0.0, 0.0)
+
+
+def _request(start: float, end: float, tokens: int) -> dict[str, object]:
+    return {"kind": "request", "slot": 0, "start": start, "end": end, "tokens": tokens}
+
+
+def test_the_slowdown_in_training_compares_requests_wholly_inside_and_wholly_outside():
+    """Tokens per second outside training steps over inside; requests that straddle a step's
+    edge, or are too short to say, count on neither side."""
+    events = [
+        {"kind": "train", "step": 0, "start": 10.0, "end": 20.0},
+        _request(0.0, 2.0, 100),  # outside: 50 tokens/s
+        _request(3.0, 5.0, 100),  # outside
+        _request(11.0, 15.0, 100),  # inside: 25 tokens/s
+        _request(9.0, 12.0, 500),  # straddles the start: neither
+        _request(16.0, 16.1, 5),  # too short: neither
+    ]
+    assert _slowdown_in_training(events) == 2.0
+    assert _slowdown_in_training([e for e in events if e["start"] < 9.0 or e["kind"] == "train"]) is None
+
+
+def test_the_simulated_trainer_takes_each_step_its_own_time(tmp_path, monkeypatch):
+    """Per-step training times (the twin's: the real run's `time/train`), the last for any step beyond them."""
+    from types import SimpleNamespace
+
+    slept: list[float] = []
+    monkeypatch.setattr("benchmarks.modes_sim.time.sleep", slept.append)
+    trainer = SimulatedTrainer([0.5, 0.1, 0.3], tmp_path)
+    for step in range(5):
+        trainer.train_step(SimpleNamespace(step=step))
+    assert slept == [0.5, 0.1, 0.3, 0.3, 0.3]
+    with pytest.raises(ValueError, match="empty"):
+        SimulatedTrainer([], tmp_path)

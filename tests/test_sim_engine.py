@@ -285,6 +285,34 @@ async def test_decode_time_grows_with_batch_size_as_configured(http: aiohttp.Cli
 
 
 @pytest.mark.anyio
+async def test_a_slowdown_stretches_every_forward_until_set_back(http: aiohttp.ClientSession) -> None:
+    """`/sim/slowdown` models a trainer on the engine's GPU: forwards cost `factor` times their
+    time while it is set; bad factors are refused by value and leave it as it was."""
+    timing = DecodeTimeModel(
+        step_base=0.02, step_per_request=0.0, step_per_context_token=0.0, prefill_base=0.01, prefill_per_token=0.0
+    )
+    async with open_sim_server(time_scale=1e-4, timing=timing, lengths=HALF, prefix_cache_entries=0) as server:
+        per_run = []
+        for factor in (1.0, 3.0, 1.0):
+            status, raw = await post(http, server.url + "/sim/slowdown", {"factor": factor})
+            assert status == 200 and orjson.loads(raw)["factor"] == factor
+            before = await stats(http, server)
+            status, out = await generate(http, server.url, **body(1, max_new_tokens=20))
+            after = await stats(http, server)
+            assert status == 200 and len(out["output_ids"]) == 10
+            per_run.append(
+                (after["decode_time"] - before["decode_time"], after["prefill_time"] - before["prefill_time"])
+            )
+        assert per_run[0] == pytest.approx((9 * 0.02, 0.01))
+        assert per_run[1] == pytest.approx((3 * 9 * 0.02, 3 * 0.01))
+        assert per_run[2] == pytest.approx(per_run[0])
+        for bad in (0, -1.5, "2", True, None):
+            status, raw = await post(http, server.url + "/sim/slowdown", {"factor": bad})
+            assert status == 400 and repr(bad).encode() in raw
+        assert server.core.model.slowdown == 1.0
+
+
+@pytest.mark.anyio
 async def test_decode_time_grows_with_context(http: aiohttp.ClientSession) -> None:
     timing = DecodeTimeModel(
         step_base=0.02, step_per_request=0.0, step_per_context_token=0.001, prefill_base=0.005, prefill_per_token=0.0

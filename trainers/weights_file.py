@@ -94,7 +94,7 @@ class WeightsFileWriter:
             at += size
         for device in gpus:
             torch.cuda.synchronize(device)
-        return memoryview(buffer[:total].numpy()).cast("B")
+        return buffer[:total].numpy().data  # one-dimensional uint8: a memoryview of bytes
 
     def _host(self, size: int, *, pinned: bool) -> torch.Tensor:
         buffer = self._buffer
