@@ -38,6 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.events import read_events
 from pipeline.run.cli import main as launch_main
 from pipeline.tasks.tiny_model import make_model_folder
@@ -111,7 +113,7 @@ SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "
 
 def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The same modes on the simulated engine, its time model fitted to the real runs: decode step
-    = a + b x rows (least squares over every decode-only step of every mode), prefill = base + per
+    = a + b x rows + c x context (least squares over every decode-only step of every mode), prefill = base + per
     token (least squares over the prefilling steps, their decode part taken out), training seconds
     each mode's own, step by step, publish seconds the real median; same steps, groups, limit,
     slots and length distribution. Returns the simulated modes' results by the real modes' names."""
@@ -120,8 +122,8 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     from benchmarks import modes_sim as sim
 
     fs = [r["forward"] for r in results.values() if r["forward"]]
-    base, per_row, n = _decode_fit(fs)
-    prefill_base, prefill = _prefill_fit(fs, base, per_row)
+    base, per_row, per_context, n = _decode_fit(fs)
+    prefill_base, prefill = _prefill_fit(fs, base, per_row, per_context)
     # Each mode's own training times, step by step (`time/train`): the first step holds the
     # trainer's warm-up and the last the final checkpoint, and a step beside a decoding engine on
     # the same GPU is slower than one with the GPU alone (async against sync). One median for every
@@ -134,7 +136,8 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
     slowdown = max(1.0, statistics.median(measured)) if measured and _engine_device(args.device) == args.device else 1.0
     publish = results["sync"]["publish s"]
     print(
-        f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows (from {n} steps), "
+        f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows "
+        f"+ {per_context * 1e9:.1f} ns x context tokens (from {n} steps), "
         f"prefill {prefill_base * 1e3:.2f} ms + {prefill * 1e6:.1f} us/token, training s a step "
         + "; ".join(f"{name} " + " ".join(f"{t:.1f}" for t in ts) for name, ts in trains.items())
         + f", publish {publish:.2f} s, forwards {slowdown:.2f}x slower while training"
@@ -143,7 +146,7 @@ def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]])
         batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=0.25,
         train_time=0.0, train_slowdown=slowdown, prompt_len=16, timeline_dir=None,
         sim_flags=[
-            "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", "0",
+            "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", str(per_context),
             "--prefill-base", str(prefill_base), "--prefill-per-token", str(prefill),
             "--weight-update-time", str(publish),
             "--length-dist", args.length_tail,
@@ -177,30 +180,56 @@ def _line(n: float, x: float, y: float, xx: float, xy: float) -> tuple[float, fl
     return max(0.0, (y - b * x) / max(n, 1)), b
 
 
-def _decode_fit(fs: list[dict[str, Any]]) -> tuple[float, float, int]:
-    """A decode-only step's seconds = a + b x rows, over every such step the engine timed; (a, b, steps)."""
+def _decode_fit(fs: list[dict[str, Any]]) -> tuple[float, float, float, int]:
+    """A decode-only step's seconds = a + b x rows + c x context (the rows' positions summed), over
+    every such step the engine timed; (a, b, c, steps). Attention reads each row's whole context,
+    which long responses make a real part of the step. Without the context sums (an engine from
+    before them), or where the three-term fit gives a negative term, the fit is a + b x rows (c 0)."""
     n = sum(f["decode_timed_steps"] for f in fs)
-    keys = ("decode_rows", "decode_seconds", "decode_rows_squared", "decode_rows_seconds")
-    sums = (sum(f[k] for f in fs) for k in keys)
-    return (*_line(n, *sums), n)
+
+    def total(key: str) -> float:
+        return float(sum(f.get(key, 0) for f in fs))
+
+    rows, seconds = total("decode_rows"), total("decode_seconds")
+    if n and total("decode_context"):
+        ctx = total("decode_context")
+        gram = np.array(
+            [
+                [n, rows, ctx],
+                [rows, total("decode_rows_squared"), total("decode_rows_context")],
+                [ctx, total("decode_rows_context"), total("decode_context_squared")],
+            ]
+        )
+        moments = np.array([seconds, total("decode_rows_seconds"), total("decode_context_seconds")])
+        a, b, c = np.linalg.lstsq(gram, moments, rcond=None)[0]
+        if min(a, b, c) >= 0:
+            return float(a), float(b), float(c), n
+    a, b = _line(n, rows, seconds, total("decode_rows_squared"), total("decode_rows_seconds"))
+    return a, b, 0.0, n
 
 
-def _prefill_fit(fs: list[dict[str, Any]], a: float, b: float) -> tuple[float, float]:
+def _prefill_fit(fs: list[dict[str, Any]], a: float, b: float, c: float = 0.0) -> tuple[float, float]:
     """A prefill's seconds = base + per token x t, on the simulated engine's terms (a forward of its
-    own). The built-in engine decodes the held requests in the step that prefills (h rows beside
-    t prefill tokens): those seconds minus the decode fit's a + b x h are the prefill's. Dividing
-    the whole step by its tokens, as this did before, charged a 10 ms decode to a 16-token prompt
-    and made the twin's over-sampling 5x too costly. (base, per token)."""
+    own). The built-in engine decodes the held requests in the step that prefills (h rows with
+    context c_h beside t prefill tokens): those seconds minus the decode fit's a + b x h + c x c_h
+    are the prefill's. Dividing the whole step by its tokens, as this did before, charged a 10 ms
+    decode to a 16-token prompt and made the twin's over-sampling 5x too costly. (base, per token)."""
 
     def total(key: str) -> float:
         return float(sum(f.get(key, 0) for f in fs))
 
     n, t = total("prefills"), total("prefill_tokens")
-    r = total("prefill_seconds") - a * total("prefill_steps_decoding") - b * total("prefill_step_held_rows")
+    r = (
+        total("prefill_seconds")
+        - a * total("prefill_steps_decoding")
+        - b * total("prefill_step_held_rows")
+        - c * total("prefill_step_held_context")
+    )
     tr = (
         total("prefill_step_tokens_seconds")
         - a * total("prefill_step_tokens_decoding")
         - b * total("prefill_step_tokens_held")
+        - c * total("prefill_step_tokens_held_context")
     )
     return _line(n, t, r, total("prefill_step_tokens_squared"), tr)
 

@@ -97,6 +97,12 @@ class SlotStatistics:
     # For a fit of step time against rows (what the simulated engine's time model needs):
     decode_rows_squared: int = 0  # sum of rows^2 over decode steps
     decode_rows_seconds: float = 0.0  # sum of rows x seconds over decode steps
+    # ... and against the context the step attends over (c: the rows' positions summed), which
+    # grows with long responses: sums of c, c^2, rows x c and c x seconds over decode steps.
+    decode_context: int = 0
+    decode_context_squared: int = 0
+    decode_rows_context: int = 0
+    decode_context_seconds: float = 0.0
     # A step with a prefill also decodes the requests already held (one forward each, one step):
     # its seconds are both. Sums over those steps, so that a fit can take the decode part out
     # (`benchmarks/modes_builtin.py`): prefill tokens t, rows decoded beside them h, seconds s.
@@ -106,6 +112,8 @@ class SlotStatistics:
     prefill_step_held_rows: int = 0  # sum of h
     prefill_step_tokens_held: int = 0  # sum of t x h
     prefill_step_tokens_decoding: int = 0  # sum of t over the steps with h > 0
+    prefill_step_held_context: int = 0  # sum of the held rows' context c_h
+    prefill_step_tokens_held_context: int = 0  # sum of t x c_h
 
 
 _MIXED_COUNTS = tuple(
@@ -173,6 +181,8 @@ class KVCacheForward(TorchForward):
         self._rows_squared = self._timed_steps = 0
         self._mixed = dict.fromkeys(_MIXED_COUNTS, 0)
         self._mixed_tokens_seconds = 0.0
+        self._context_sums = dict.fromkeys(("decode_context", "decode_context_squared", "decode_rows_context"), 0)
+        self._context_seconds = 0.0
         self._step_prefill_tokens = 0  # the last prefill's tokens, read by `_timed`
         self.graphs = self._decode_graphs(decode, graph_max_batch, hidden_size=int(text.hidden_size))
 
@@ -261,6 +271,8 @@ class KVCacheForward(TorchForward):
             self._prefill_seconds += seconds
             tokens = self._step_prefill_tokens  # what `_prefill` computed this step
             held = len(rows) - len(fresh)
+            new = set(fresh)
+            context = sum(r.position for i, r in enumerate(rows) if i not in new)
             m = self._mixed
             m["prefill_steps_decoding"] += int(held > 0)
             m["prefill_step_tokens_squared"] += tokens * tokens
@@ -268,12 +280,20 @@ class KVCacheForward(TorchForward):
             m["prefill_step_held_rows"] += held
             m["prefill_step_tokens_held"] += tokens * held
             m["prefill_step_tokens_decoding"] += tokens if held else 0
+            m["prefill_step_held_context"] += context
+            m["prefill_step_tokens_held_context"] += tokens * context
         else:
+            context = sum(r.position for r in rows)
             self._decode_seconds += seconds
             self._timed_steps += 1
             self._decode_rows += len(rows)
             self._rows_squared += len(rows) ** 2
             self._rows_seconds += len(rows) * seconds
+            c = self._context_sums
+            c["decode_context"] += context
+            c["decode_context_squared"] += context * context
+            c["decode_rows_context"] += len(rows) * context
+            self._context_seconds += context * seconds
 
     def _prefill(self, rows: Sequence[Row]) -> torch.Tensor:
         for row in rows:
@@ -385,6 +405,8 @@ class KVCacheForward(TorchForward):
             prefill_seconds=self._prefill_seconds,
             decode_rows_squared=self._rows_squared,
             decode_rows_seconds=self._rows_seconds,
+            decode_context_seconds=self._context_seconds,
+            **self._context_sums,
             prefill_step_tokens_seconds=self._mixed_tokens_seconds,
             **self._mixed,
         )

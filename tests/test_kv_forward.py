@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,41 @@ def test_cached_decode_equals_recompute_token_for_token(model_dir: Path) -> None
     assert stats.max_slots_in_use == 4 and stats.prefills >= 4 and stats.decode_steps > 0
     # Requests finished out of slot order: the later ones moved down into the holes, K/V and all.
     assert stats.moves > 0
+
+
+def test_the_step_sums_for_the_twins_time_fit_count_rows_and_context(model_dir: Path) -> None:
+    """The sums `/server_info` reports for the simulated twin's fit (`benchmarks/modes_builtin.py`):
+    decode-only steps against their rows and context (the rows' positions summed), and the rows a
+    prefilling step decodes beside its prompts, with their context."""
+    kv = KVCacheForward(ModelRunner(model_dir), max_running_requests=3)
+    seen: set[int] = set()
+    want: Counter[str] = Counter()
+
+    class Recording:
+        def step(self, rows: list[Row]) -> Any:
+            fresh = [r for r in rows if r.key not in seen]
+            seen.update(r.key for r in rows)
+            held = [r for r in rows if r not in fresh]
+            context = sum(r.position for r in held)
+            if fresh:
+                want["prefill_step_held_rows"] += len(held)
+                want["prefill_step_held_context"] += context
+            else:
+                want["decode_timed_steps"] += 1
+                want["decode_context"] += context
+                want["decode_context_squared"] += context * context
+                want["decode_rows_context"] += len(rows) * context
+            return kv.step(rows)
+
+        def release(self, row: Row) -> None:
+            kv.release(row)
+
+    rng = random.Random(1)
+    _run_batched(Recording(), [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 30))) for _ in range(7)], 3)
+    stats = kv.statistics()
+    assert want["decode_timed_steps"] > 0 and want["prefill_step_held_rows"] > 0  # both kinds of step ran
+    assert {k: getattr(stats, k) for k in want} == dict(want)
+    assert stats.decode_context_seconds > 0
 
 
 def test_cache_memory_is_slots_times_context(model_dir: Path) -> None:
