@@ -101,20 +101,6 @@ def test_derived_defaults_follow_what_they_derive_from():
     assert config.rollout.over_sampling_batch_size == 3
 
 
-def test_async_is_bounded_to_staleness_2_unless_told_and_minus_one_lifts_the_bound():
-    """Async mode admits work at most 2 versions stale by default (BENCHMARKS.md section 12: long-tail
-    async learned 0.80-0.85 of sync unbounded); an explicit value wins, -1 means no bound all the
-    way to the plan, and sync keeps no bound (its rounds are one version)."""
-    from pipeline.run.cli import _plan
-
-    assert load_config(["--rollout-mode", "async"]).rollout.max_staleness == 2
-    assert _plan(load_config(["--rollout-mode", "async"])).max_staleness == 2
-    assert load_config(["--rollout-mode", "async", "--max-staleness", "0"]).rollout.max_staleness == 0
-    unbounded = load_config(["--rollout-mode", "async", "--max-staleness", "-1"])
-    assert unbounded.rollout.max_staleness == -1 and _plan(unbounded).max_staleness is None
-    assert load_config([]).rollout.max_staleness is None and _plan(load_config([])).max_staleness is None
-
-
 def test_explicit_paths_win_over_derived_ones():
     config = load_config(
         [
@@ -275,7 +261,7 @@ def test_several_bad_values_reported_together():
             "--rollout-top-k",
             "0",
             "--max-staleness",
-            "-2",
+            "-1",
             "--rollout-mode",
             "fast",
             "--lr",
@@ -294,7 +280,7 @@ def test_several_bad_values_reported_together():
         "--rollout-temperature=0.0: must be > 0 (the trainer's log-prob correction divides the logits by it)",
         "--rollout-top-p=1.5: must be in (0, 1]",
         "--rollout-top-k=0: must be -1 (off) or >= 1",
-        "--max-staleness=-2: must be >= -1",
+        "--max-staleness=-1: must be >= 0",
         "--rollout-mode='fast': must be one of sync, async",
         "--lr='nan': must be a finite number",
         "--reward-timeout=-3.0: must be > 0",

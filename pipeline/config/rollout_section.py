@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from core.types import PauseMode, RolloutMode, WeightTransport
 from pipeline.config.fields import opt
 
-__all__ = ["NO_STALENESS_BOUND", "RolloutConfig"]
-
-NO_STALENESS_BOUND = -1  # `--max-staleness -1`: async admits work however stale it will be
+__all__ = ["RolloutConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +93,8 @@ class RolloutConfig:
         None,
         "--max-staleness",
         "int",
-        ge=-1,
-        default_help="2 in async mode",
-        help="admit no work that would exceed this staleness (versions); -1: no bound",
+        ge=0,
+        help="admit no work that would exceed this staleness (versions); unset = no bound",
     )
     pause_mode: PauseMode = opt(
         PauseMode.ABORT,

@@ -33,10 +33,6 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # --max-step-kl's default, nats per token: on the toy task (traced in one process) ordinary steps
 # moved the policy 0.005-0.2, the steps after which the reward fell 0.8-7 (BENCHMARKS.md section 12 E).
 DEFAULT_MAX_STEP_KL = 0.2
-# Async admits no work that would be trained more than this many versions after it started, unless
-# told otherwise (`--max-staleness -1`: no bound). Unbounded, long-tail async learned 0.80-0.85 of
-# sync (staleness up to 6); bounded at 2, within 10% on every task (BENCHMARKS.md section 12).
-DEFAULT_ASYNC_MAX_STALENESS = 2
 
 
 def check_bounds(draft: Draft) -> None:
@@ -403,8 +399,6 @@ def derive_defaults(draft: Draft) -> None:
         # Score centering does not compose with OPSM (slime's rule, config/payloads.py): not derived on.
         off_policy = r["mode"] == RolloutMode.ASYNC or r["partial_rollout"] is True
         t["use_opsm"] = off_policy and r["use_score_centering"] is not True
-    if r["max_staleness"] is None and draft.ok("rollout", "mode") and r["mode"] == RolloutMode.ASYNC:
-        r["max_staleness"] = DEFAULT_ASYNC_MAX_STALENESS
     if t["micro_batch_size"] is None and draft.ok("trainer", "backend") and t["backend"] == "megatron":
         t["micro_batch_size"] = 8  # megatron packs a micro-batch into one sequence; torch takes the minibatch
     if t["max_step_kl"] is None and draft.ok("trainer", "backend"):

@@ -29,7 +29,6 @@ from core.types import StoreTransport
 from launch.gc_settings import settle_gc
 from pipeline.config import Config, RolloutConfig, load_config
 from pipeline.config.derived import derived
-from pipeline.config.rollout_section import NO_STALENESS_BOUND
 from pipeline.config.show import config_to_toml
 from pipeline.controller import run_pipeline
 from pipeline.events import EventLog
@@ -213,7 +212,7 @@ def _plan(config: Config) -> RolloutPlan:
         over_sampling=r.over_sampling_batch_size,
         prefetch=r.prefetch,
         fill_idle_slots=r.partial_fill_idle_slots,
-        max_staleness=None if r.max_staleness == NO_STALENESS_BOUND else r.max_staleness,
+        max_staleness=r.max_staleness,
         pause_mode=r.pause_mode,
         overlap_publish=r.overlap_weight_transfer,
         slots=config.engine.sglang_server_concurrency * n_engines,
