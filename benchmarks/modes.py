@@ -2,6 +2,7 @@
 
     python -m benchmarks.modes [--seeds 3] [--steps 10] [--time-scale 0.02] [--timeline-dir DIR] [--only NAME]
     python -m benchmarks.modes --engine builtin [--device cuda] [--model-size 0.6b] [--quick]  (modes_builtin.py)
+    python -m benchmarks.modes --twin-from DIR/twin-inputs.json [--twin-time-scale 1] [--timeline-dir DIR]
 
 The simulated runs are `modes_sim.py`; this module is the command line of both.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import anyio
 import structlog
@@ -66,9 +68,22 @@ if __name__ == "__main__":
         choices=["float32", "bfloat16"],
         help="builtin: the trainer's compute dtype (--trainer-dtype), and the engine's with --length-tail",
     )
+    parser.add_argument(
+        "--twin-from",
+        default=None,
+        metavar="FILE",
+        help="builtin: run only the simulated twin, from a real run's twin-inputs.json (in its --timeline-dir)",
+    )
+    parser.add_argument(
+        "--twin-time-scale", type=float, default=0.25, help="with --twin-from: wall seconds per engine second"
+    )
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     parsed = parser.parse_args()
-    if parsed.engine == "builtin":
+    if parsed.twin_from:
+        modes_builtin.rerun_twin(
+            Path(parsed.twin_from), time_scale=parsed.twin_time_scale, timeline_dir=parsed.timeline_dir
+        )
+    elif parsed.engine == "builtin":
         modes_builtin.main(parsed)
     else:
         anyio.run(modes_sim.main, parsed)

@@ -43,6 +43,7 @@ import numpy as np
 from pipeline.events import read_events
 from pipeline.run.cli import main as launch_main
 from pipeline.tasks.tiny_model import make_model_folder
+from pipeline.tasks.toy import toy_dataset
 from pipeline.timeline import render_timeline, slot_busy_fraction, steady_window, work_span
 
 MODES: dict[str, list[str]] = {
@@ -50,6 +51,8 @@ MODES: dict[str, list[str]] = {
     "sync+partial": ["--rollout-mode", "sync", "--partial-rollout", "--over-sampling-batch-size", "{double}"],
     "async": ["--rollout-mode", "async"],
 }
+ROLLOUT_SEED = 42  # the launcher's default
+NUM_PROMPTS = 512  # the toy dataset's size, the launcher's default
 TAIL_MODES = {**MODES, "async+overlap": ["--rollout-mode", "async", "--overlap-weight-transfer"]}
 
 
@@ -111,66 +114,157 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
 SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "async+overlap": "async, overlap"}
 
 
-def simulated_twin(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The same modes on the simulated engine, its time model fitted to the real runs: decode step
-    = a + b x rows + c x context (least squares over every decode-only step of every mode), prefill = base + per
-    token (least squares over the prefilling steps, their decode part taken out), training seconds
-    each mode's own, step by step, publish seconds the real median; same steps, groups, limit,
-    slots and length distribution. Returns the simulated modes' results by the real modes' names."""
+def twin_fit(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The simulated twin's time model, fitted to the real runs: decode step = a + b x rows + c x
+    context and prefill = base + per token (least squares, the prefilling steps' decode part taken
+    out) over the modes whose engine never decodes while the trainer trains; publish seconds the
+    real median; and how much slower the engine's forwards run while its trainer trains."""
+    fs = [r["forward"] for r in results.values() if r.get("forward")]
+    # Sync modes' engines idle while their trainer trains, so their steps are the engine's own
+    # cost. Fitted over every mode, the async modes' slower steps (one GPU shared with the
+    # trainer) leaked into the model of every mode and out of the measure of the sharing.
+    alone = [r["forward"] for r in results.values() if r.get("forward") and r["share in training"] < SHARED]
+    base, per_row, per_context, n = _decode_fit(alone or fs)
+    prefill_base, prefill = _prefill_fit(alone or fs, base, per_row, per_context)
+    slowdowns = [
+        _slowdown_from_decode(r["forward"], (base, per_row, per_context), r["share in training"])
+        for r in results.values()
+        if r.get("forward") and r["share in training"] >= SHARED
+    ]
+    shared = _engine_device(args.device) == args.device  # one GPU: 1 when the engine has its own
+    slowdown = max(1.0, statistics.median(slowdowns)) if slowdowns and shared else 1.0
+    return {
+        "decode_base": base, "decode_per_row": per_row, "decode_per_context": per_context, "decode_steps": n,
+        "prefill_base": prefill_base, "prefill_per_token": prefill,
+        "publish": results["sync"]["publish s"], "slowdown": slowdown,
+    }  # fmt: skip
+
+
+SHARED = 0.02  # a mode whose engine holds this share of its busy slot-time inside training steps
+
+
+def _share_in_training(events: list[dict[str, Any]]) -> float:
+    """The share of the engine's busy slot-seconds that fell inside training steps: 0 in sync modes
+    (the engine idles while the trainer trains), large in async ones."""
+    trains = [(e["start"], e["end"]) for e in events if e["kind"] == "train"]
+    busy = inside = 0.0
+    for e in events:
+        if e["kind"] == "request":
+            busy += e["end"] - e["start"]
+            inside += sum(max(0.0, min(e["end"], b) - max(e["start"], a)) for a, b in trains)
+    return inside / busy if busy else 0.0
+
+
+def _slowdown_from_decode(forward: dict[str, Any], fit: tuple[float, float, float], share: float) -> float:
+    """How much slower this engine's decode steps ran while its trainer trained: the steps' real
+    seconds over what the engine alone would take (`fit`, from the sync modes) is k = (1 - f) + f x s
+    for a share f of the steps inside training, so s = 1 + (k - 1) / f. Reading the requests' token
+    rates inside and outside training steps instead came out at 1.0 on the twin itself, whose
+    engine was set to 1.1: the rows and contexts around a training step are not those of the rest."""
+    a, b, c = fit
+    predicted = a * forward["decode_timed_steps"] + b * forward["decode_rows"] + c * forward.get("decode_context", 0)
+    if predicted <= 0 or share <= 0:
+        return 1.0
+    return 1.0 + (forward["decode_seconds"] / predicted - 1.0) / share
+
+
+def simulated_twin(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    fit: dict[str, float],
+    *,
+    time_scale: float = 0.25,
+    timeline_dir: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The same modes on the simulated engine with `fit`'s time model and each mode's own training
+    seconds, step by step; same steps, groups, limit, slots and length distribution. Returns the
+    simulated modes' results by the real modes' names. With `timeline_dir`, each mode's page and
+    events go there as `timeline-twin-*.html` and `events-twin-*.jsonl`, beside the real runs'."""
     import anyio
 
     from benchmarks import modes_sim as sim
 
-    fs = [r["forward"] for r in results.values() if r["forward"]]
-    base, per_row, per_context, n = _decode_fit(fs)
-    prefill_base, prefill = _prefill_fit(fs, base, per_row, per_context)
     # Each mode's own training times, step by step (`time/train`): the first step holds the
     # trainer's warm-up and the last the final checkpoint, and a step beside a decoding engine on
     # the same GPU is slower than one with the GPU alone (async against sync). One median for every
     # mode and step, as before, gave sync's steady steps a training time 1.4x their own.
     trains = {name: r["train steps"] for name, r in results.items()}
-    # The engine's side of sharing one GPU: its forwards slow while the trainer trains (measured
-    # in the async runs, the only ones that generate during training; 1 when the engine has a GPU
-    # of its own). The twin's engine slows as much while its trainer trains.
-    measured = [r["slowdown in training"] for r in results.values() if r["slowdown in training"]]
-    slowdown = max(1.0, statistics.median(measured)) if measured and _engine_device(args.device) == args.device else 1.0
-    publish = results["sync"]["publish s"]
     print(
-        f"simulated twin: decode step {base * 1e3:.2f} ms + {per_row * 1e6:.1f} us x rows "
-        f"+ {per_context * 1e9:.1f} ns x context tokens (from {n} steps), "
-        f"prefill {prefill_base * 1e3:.2f} ms + {prefill * 1e6:.1f} us/token, training s a step "
+        f"simulated twin: decode step {fit['decode_base'] * 1e3:.2f} ms + {fit['decode_per_row'] * 1e6:.1f} us x rows "
+        f"+ {fit['decode_per_context'] * 1e9:.1f} ns x context tokens (from {fit['decode_steps']} steps), "
+        f"prefill {fit['prefill_base'] * 1e3:.2f} ms + {fit['prefill_per_token'] * 1e6:.1f} us/token, "
+        "training s a step "
         + "; ".join(f"{name} " + " ".join(f"{t:.1f}" for t in ts) for name, ts in trains.items())
-        + f", publish {publish:.2f} s, forwards {slowdown:.2f}x slower while training"
+        + f", publish {fit['publish']:.2f} s, forwards {fit['slowdown']:.2f}x slower while training, "
+        f"time scale {time_scale}"
     )
     twin = argparse.Namespace(
-        batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=0.25,
-        train_time=0.0, train_slowdown=slowdown, prompt_len=16, timeline_dir=None,
+        rollout_seed=args.rollout_seed,
+        batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=time_scale,
+        train_time=0.0, train_slowdown=fit["slowdown"], prompt_len=16, timeline_dir=None,
         sim_flags=[
-            "--step-base", str(base), "--step-per-request", str(per_row), "--step-per-context-token", str(per_context),
-            "--prefill-base", str(prefill_base), "--prefill-per-token", str(prefill),
-            "--weight-update-time", str(publish),
+            "--step-base", str(fit["decode_base"]), "--step-per-request", str(fit["decode_per_row"]),
+            "--step-per-context-token", str(fit["decode_per_context"]),
+            "--prefill-base", str(fit["prefill_base"]), "--prefill-per-token", str(fit["prefill_per_token"]),
+            "--weight-update-time", str(fit["publish"]),
             "--length-dist", args.length_tail,
         ],
     )  # fmt: skip
     plans = sim.plans(twin)
+    # The real run's prompts and seed: each sample draws the length it drew there (the length tail
+    # and the simulated engine key it alike), so both sides run the same samples, not merely the
+    # same distribution. With 4 steps a round's longest sample, which sets its end, varied by
+    # seconds between draws.
+    prompts = toy_dataset(args.num_prompts, seed=args.rollout_seed)
     work = Path(tempfile.mkdtemp(prefix="twin-"))
     # Time scale 0.25: a real step of a few ms is then ~1 ms of wall time, which the simulated engine
-    # keeps (at 0.1 it ran late on a loaded CPU and its async modes came out slower than sync).
-    out = {
-        name: anyio.run(
-            sim.run_mode,
-            SIM_NAMES[name],
-            plans[SIM_NAMES[name]],
-            argparse.Namespace(**{**vars(twin), "train_time": trains[name]}),
-            0,
-            work,
+    # keeps on 16 cores (at 0.1 it ran late on a loaded CPU and its async modes came out slower
+    # than sync). Where it still runs late, rerun the twin slower from the saved inputs (`--twin-from`).
+    out = {}
+    for name in results:
+        mode_args = argparse.Namespace(**{**vars(twin), "train_time": trains[name]})
+        if timeline_dir:
+            mode_args.timeline_dir = timeline_dir
+        out[name] = anyio.run(
+            sim.run_mode, f"twin-{name.replace('+', '-')}", plans[SIM_NAMES[name]], mode_args, 0, work, prompts
         )
-        for name in results
-    }
     late = sum(r["late"] for r in out.values())
     if late:
         print(f"note: the simulated twin ran late on {late} forwards (its timing is then approximate)")
     return out
+
+
+# What a rerun of the twin needs from the real runs (`--twin-from`): the workload, the fit, and
+# each mode's measured figures. The raw forward statistics are fitted once, before saving.
+TWIN_WORKLOAD = ("steps", "batch", "group", "max_len", "length_tail", "device", "rollout_seed", "num_prompts")
+TWIN_RESULTS = ("span", "busy", "steady busy", "train steps", "share in training", "publish s")
+
+
+def save_twin_inputs(
+    path: Path, args: argparse.Namespace, results: dict[str, dict[str, Any]], fit: dict[str, float]
+) -> None:
+    inputs = {
+        "workload": {k: getattr(args, k) for k in TWIN_WORKLOAD},
+        "fit": fit,
+        "modes": {name: {k: r[k] for k in TWIN_RESULTS} for name, r in results.items()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(inputs, indent=1))
+
+
+def rerun_twin(path: Path, *, time_scale: float, timeline_dir: str | None) -> None:
+    """The simulated twin again from a real run's saved inputs, no GPU needed: at a slower time
+    scale where the first one ran late, or with its events kept for a step-by-step comparison."""
+    inputs = json.loads(path.read_text())
+    missing = [k for k in ("workload", "fit", "modes") if k not in inputs]
+    missing += [k for k in TWIN_WORKLOAD if k not in inputs.get("workload", {})]
+    if missing or "sync" not in inputs["modes"]:
+        raise SystemExit(
+            f"--twin-from {path}: not a twin-inputs file (needs workload, fit and a sync mode; missing {missing})"
+        )
+    args = argparse.Namespace(**inputs["workload"])
+    results = inputs["modes"]
+    compare(results, simulated_twin(args, results, inputs["fit"], time_scale=time_scale, timeline_dir=timeline_dir))
 
 
 def _line(n: float, x: float, y: float, xx: float, xy: float) -> tuple[float, float]:
@@ -286,6 +380,11 @@ def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, fl
             str(args.batch),
             "--n-samples-per-prompt",
             str(args.group),
+            # Stated, not defaulted: the twin takes the same seed and prompts to draw the same lengths.
+            "--rollout-seed",
+            str(ROLLOUT_SEED),
+            "--num-prompts",
+            str(NUM_PROMPTS),
             # The default --lr (5e-3) is the tiny toy model's. On the 0.6B shape it proposes steps
             # of 7-400 nats a token, which --max-step-kl (0.2) halves 6 times and then undoes:
             # every step trained nothing and cost 14 extra forwards (measured on the H200).
@@ -296,28 +395,6 @@ def _launch(args: argparse.Namespace, model: Path, out: Path, transport: str, fl
             *flags,
         ]
     )
-
-
-def _slowdown_in_training(events: list[dict[str, Any]]) -> float | None:
-    """How much slower a request generated while the trainer trained than while it did not: tokens
-    per second of requests (20 tokens or more) wholly outside training steps over those wholly
-    inside. Only async runs have both; with the engine and the trainer on one GPU it is the
-    sharing's cost to the engine. None without both kinds."""
-    trains = [(e["start"], e["end"]) for e in events if e["kind"] == "train"]
-    inside = [0.0, 0.0]  # tokens, seconds
-    outside = [0.0, 0.0]
-    for e in events:
-        seconds = e.get("end", 0.0) - e.get("start", 0.0)
-        if e["kind"] != "request" or e["tokens"] < 20 or seconds <= 0:
-            continue
-        overlap = sum(max(0.0, min(e["end"], b) - max(e["start"], a)) for a, b in trains) / seconds
-        side = inside if overlap > 0.95 else outside if overlap < 0.05 else None
-        if side is not None:
-            side[0] += e["tokens"]
-            side[1] += seconds
-    if not (inside[0] and outside[0]):
-        return None
-    return (outside[0] / outside[1]) / (inside[0] / inside[1])
 
 
 def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transport: str) -> dict[str, Any]:
@@ -347,13 +424,14 @@ def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transp
         "span": work_span(events),
         "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
         "train steps": [r.get("time/train", 0.0) for r in records],
-        "slowdown in training": _slowdown_in_training(events),
+        "share in training": _share_in_training(events),
         "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
         "transport": transport,
     }
 
 
 def main(args: argparse.Namespace) -> None:
+    args.rollout_seed, args.num_prompts = ROLLOUT_SEED, NUM_PROMPTS
     if args.quick:
         args.model_size, args.steps, args.batch, args.group = "tiny", 3, 4, 4
     with tempfile.TemporaryDirectory() as tmp:
@@ -389,7 +467,10 @@ def main(args: argparse.Namespace) -> None:
         r["ratio"] = r["groups/s"] / base
         print(f"{name:16}" + "".join(f"{r[c]:>11.3f}" for c in cols))
     if args.length_tail and "sync" in results:
-        compare(results, simulated_twin(args, results))
+        fit = twin_fit(args, results)
+        if args.timeline_dir:
+            save_twin_inputs(Path(args.timeline_dir) / "twin-inputs.json", args, results, fit)
+        compare(results, simulated_twin(args, results, fit, timeline_dir=args.timeline_dir))
     elif "async+overlap" in results:
         print(overlap_verdict(results["async+overlap"]))
 

@@ -88,7 +88,16 @@ async def sim_stats(url: str) -> dict:
         return orjson.loads(await r.read())
 
 
-async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed: int, work: Path) -> dict:
+async def run_mode(
+    name: str,
+    plan: RolloutPlan,
+    args: argparse.Namespace,
+    seed: int,
+    work: Path,
+    dataset: list[PromptTask] | None = None,
+) -> dict:
+    """One mode on a fresh simulated engine; `dataset` replaces the synthetic prompts (the twin
+    gives the real run's, so that every sample draws the length it drew there)."""
     scale = args.time_scale
     staged = ["--staged-weight-updates"] if plan.overlap_publish else []
     engine = await start_engine(
@@ -108,7 +117,7 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
             engines=fleet,
             store=AsyncStore(store),
             trainer=SimulatedTrainer(_scaled(args.train_time, scale), work, slowdown=_slowdown(args, engine.url)),
-            dataset=workload(4096, args.prompt_len, seed),
+            dataset=dataset if dataset is not None else workload(4096, args.prompt_len, seed),
             reward_fn=reward,
             filter_fn=None,
             weights_dir=work,
@@ -123,6 +132,10 @@ async def run_mode(name: str, plan: RolloutPlan, args: argparse.Namespace, seed:
         out.parent.mkdir(parents=True, exist_ok=True)
         title = f"{name}: {plan.num_steps} steps (wall seconds, time scale {scale})"
         out.write_text(render_timeline(events.events, title=title))
+        # The events beside the page: the twin's steps are compared with the real run's from these.
+        out.with_name(out.name.replace("timeline-", "events-", 1).removesuffix(".html") + ".jsonl").write_bytes(
+            b"".join(orjson.dumps(e) + b"\n" for e in events.events)
+        )
     batches = [store.batch(s) for s in range(plan.num_steps)]
     trained = sum(s.response_len for b in batches for s in b.samples)
     kept = sum(
@@ -161,7 +174,9 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
         slots=args.slots,
         max_response_len=args.max_len,
         sampling_params={"temperature": 1.0},
-        seed=1,
+        # The run's seed keys every sample's sampling seed, and so its drawn length: the twin of a
+        # real run takes that run's seed (and prompts) to draw the same lengths.
+        seed=getattr(args, "rollout_seed", 1),
     )
     return {
         "sync": RolloutPlan(mode="sync", **common),

@@ -93,6 +93,7 @@ def test_fused_norm_graph_decode_equals_recompute_at_fp32(tmp_path: Path) -> Non
     against the recompute forward (transformers' own attention, no cache), token for token at fp32."""
     import torch
 
+    from engines.fused_ops import unfuse_ops
     from engines.kv_forward import DecodeMode, KVCacheForward
     from engines.torch_model import ModelRunner
     from tests.test_kv_forward import _run_batched
@@ -104,11 +105,16 @@ def test_fused_norm_graph_decode_equals_recompute_at_fp32(tmp_path: Path) -> Non
     prompts = [tuple(rng.randrange(3, 60) for _ in range(rng.randrange(1, 120))) for _ in range(13)]
     reference = _run_batched(runner, prompts, len(prompts))
     kv = KVCacheForward(runner, max_running_requests=6, decode=DecodeMode.GRAPHS, fuse_ops=True)
-    for ref, got in zip(reference, _run_batched(kv, prompts, 6), strict=True):
-        assert [t for t, _ in got] == [t for t, _ in ref]
-        assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref, strict=True)) < 1e-4
-    assert "forward" in vars(runner.model.base_model.norm), "the norms were not compiled"
-    assert kv.statistics().moves > 0
+    try:
+        for ref, got in zip(reference, _run_batched(kv, prompts, 6), strict=True):
+            assert [t for t, _ in got] == [t for t, _ in ref]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref, strict=True)) < 1e-4
+        assert "forward" in vars(runner.model.base_model.norm), "the norms were not compiled"
+        assert kv.statistics().moves > 0
+    finally:
+        # The compiled rotary function replaces the modeling module's own for the whole process (an
+        # engine owns its process); here later tests train Qwen3 in this one, so it goes back.
+        unfuse_ops(runner.model)
 
 
 def test_a_publish_changes_the_graph_decodes_tokens(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.modes_builtin import _decode_fit, _prefill_fit, _slowdown_in_training
+from benchmarks.modes_builtin import _decode_fit, _prefill_fit, _share_in_training, twin_fit
 from benchmarks.modes_sim import SimulatedTrainer
 
 
@@ -94,19 +94,41 @@ def _request(start: float, end: float, tokens: int) -> dict[str, object]:
     return {"kind": "request", "slot": 0, "start": start, "end": end, "tokens": tokens}
 
 
-def test_the_slowdown_in_training_compares_requests_wholly_inside_and_wholly_outside():
-    """Tokens per second outside training steps over inside; requests that straddle a step's
-    edge, or are too short to say, count on neither side."""
+def test_the_share_in_training_counts_busy_slot_time_inside_training_steps():
     events = [
         {"kind": "train", "step": 0, "start": 10.0, "end": 20.0},
-        _request(0.0, 2.0, 100),  # outside: 50 tokens/s
-        _request(3.0, 5.0, 100),  # outside
-        _request(11.0, 15.0, 100),  # inside: 25 tokens/s
-        _request(9.0, 12.0, 500),  # straddles the start: neither
-        _request(16.0, 16.1, 5),  # too short: neither
+        _request(0.0, 2.0, 100),  # outside: 2 s
+        _request(11.0, 15.0, 100),  # inside: 4 s
+        _request(9.0, 12.0, 500),  # 1 s outside, 2 s inside
     ]
-    assert _slowdown_in_training(events) == 2.0
-    assert _slowdown_in_training([e for e in events if e["start"] < 9.0 or e["kind"] == "train"]) is None
+    assert _share_in_training(events) == pytest.approx(6 / 9)
+    assert _share_in_training([e for e in events if e["kind"] == "request"]) == 0.0
+
+
+def test_the_sharing_slowdown_is_what_async_decode_took_beyond_the_sync_fitted_model():
+    """The decode model comes from the modes whose engine idles while the trainer trains; an
+    async engine that decoded 40% of its steps beside training at 1.5x its own cost took
+    (0.6 + 0.4 x 1.5) x the model's seconds, and the fit gives 1.5 back. Fitted over every mode
+    instead, the async steps would raise the model and hide part of the sharing."""
+    import argparse
+
+    def step(r: int, c: int) -> float:
+        return 0.006 + 4e-5 * r + 2e-8 * c
+
+    alone = [(r, c, step(r, c)) for r, c in ((4, 900), (64, 9000), (64, 60000), (32, 40000), (8, 200))]
+    shared = [(64, 40000, step(64, 40000) * (1.5 if i % 5 < 2 else 1.0)) for i in range(50)]
+    prefill = [(16, 0, 0, 0.03 + 1.5e-5 * 16), (128, 0, 0, 0.03 + 1.5e-5 * 128)]
+
+    def mode(decode, share):
+        return {"forward": _context_sums(decode, prefill), "share in training": share, "publish s": 0.2}
+
+    results = {"sync": mode(alone, 0.0), "async": mode(shared, 0.4)}
+    fit = twin_fit(argparse.Namespace(device="cpu"), results)
+    assert (fit["decode_base"], fit["decode_per_row"], fit["decode_per_context"]) == pytest.approx(
+        (0.006, 4e-5, 2e-8), rel=1e-6
+    )
+    assert fit["slowdown"] == pytest.approx(1.5, rel=1e-6)
+    assert twin_fit(argparse.Namespace(device="cpu"), {"sync": mode(alone, 0.0)})["slowdown"] == 1.0
 
 
 def test_the_simulated_trainer_takes_each_step_its_own_time(tmp_path, monkeypatch):
@@ -121,3 +143,57 @@ def test_the_simulated_trainer_takes_each_step_its_own_time(tmp_path, monkeypatc
     assert slept == [0.5, 0.1, 0.3, 0.3, 0.3]
     with pytest.raises(ValueError, match="empty"):
         SimulatedTrainer([], tmp_path)
+
+
+def test_the_twin_reruns_from_saved_inputs_and_keeps_its_events(tmp_path, capsys):
+    """`--twin-from`: a real run's saved workload, fit and figures run the twin again without the
+    real engine, and each twin mode's events land beside the pages, one training span a step as long
+    as that mode's own training time at the time scale."""
+    import argparse
+    import json
+
+    from benchmarks.modes_builtin import TWIN_RESULTS, rerun_twin, save_twin_inputs
+
+    args = argparse.Namespace(
+        steps=2, batch=2, group=2, max_len=16, length_tail="lognormal:-1.9,0.8", device="cpu",
+        rollout_seed=3, num_prompts=32,
+    )  # fmt: skip
+    fit = {
+        "decode_base": 2e-3, "decode_per_row": 1e-5, "decode_per_context": 1e-8, "decode_steps": 10,
+        "prefill_base": 1e-3, "prefill_per_token": 1e-5, "publish": 0.01, "slowdown": 1.0,
+    }  # fmt: skip
+    results = {
+        name: {"span": 1.0, "busy": 0.5, "steady busy": 0.5, "train steps": [0.8, 0.2],
+               "share in training": 0.0, "publish s": 0.01, "forward": {"not": "saved"}}
+        for name in ("sync", "sync+partial", "async", "async+overlap")
+    }  # fmt: skip
+    path = tmp_path / "twin-inputs.json"
+    save_twin_inputs(path, args, results, fit)
+    saved = json.loads(path.read_text())
+    assert set(saved["modes"]["sync"]) == set(TWIN_RESULTS)  # the raw forward sums are fitted, not kept
+    rerun_twin(path, time_scale=0.5, timeline_dir=str(tmp_path / "pages"))
+    assert "async+overlap" in capsys.readouterr().out
+    for name in ("sync", "sync-partial", "async", "async-overlap"):
+        events = [
+            json.loads(line) for line in (tmp_path / "pages" / f"events-twin-{name}.jsonl").read_text().splitlines()
+        ]
+        trains = sorted((e for e in events if e["kind"] == "train"), key=lambda e: e["step"])
+        first, second = (e["end"] - e["start"] for e in trains)
+        assert first >= 0.4 and 0.1 <= second < 0.4, (name, first, second)  # 0.8 s and 0.2 s at scale 0.5
+    # The real run's prompts and seed: each twin sample ends where the length tail ended it there.
+    from engines.sim_model import LengthModel
+    from pipeline.tasks.toy import toy_dataset
+    from stages.continuation import sampling_seed
+
+    prompts = toy_dataset(32, seed=3)
+    lengths = LengthModel.parse("lognormal:-1.9,0.8")
+    events = [json.loads(line) for line in (tmp_path / "pages" / "events-twin-sync.jsonl").read_text().splitlines()]
+    requests = [e for e in events if e["kind"] == "request"]
+    assert len(requests) == 2 * 2 * 2
+    for r in requests:
+        prompt = prompts[int(r["group"].split("-p")[1])].prompt_ids
+        drawn = lengths.target(sampling_seed(3, r["group"], r["sample"]), prompt, 16)
+        assert r["tokens"] == (16 if drawn is None else drawn), r
+    path.write_text(json.dumps({"modes": {}}))
+    with pytest.raises(SystemExit, match="not a twin-inputs file"):
+        rerun_twin(path, time_scale=0.5, timeline_dir=None)
