@@ -21,6 +21,12 @@ drawn from the simulated engine's distribution, a function of the sample (`engin
 length_tail.py`), with `--max-len` the response limit; a fourth mode, async with an overlapped
 publish, runs then too.
 
+With the tail, a simulated twin of the same runs follows (`simulated_twin`): the real run's
+prompts and seed on the simulated engine, whose time model is fitted to the real engine's own
+step timings, each mode's training seconds and the GPU-sharing slowdown; ratios and slot-busy
+fractions are printed side by side. With `--timeline-dir` its inputs are saved
+(`twin-inputs.json`), and `python -m benchmarks.modes --twin-from FILE` runs the twin alone.
+
 Columns: groups/s and tokens/s end to end; ratio over sync; slot busy (share of engine slot time
 holding a request, from the run's events); train and publish seconds per step (medians).
 """
@@ -177,7 +183,8 @@ def simulated_twin(
     timeline_dir: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The same modes on the simulated engine with `fit`'s time model and each mode's own training
-    seconds, step by step; same steps, groups, limit, slots and length distribution. Returns the
+    seconds, step by step; same steps, groups, limit and slots, and the same samples (the real
+    run's prompts and seed, so each sample ends at the length it ended at there). Returns the
     simulated modes' results by the real modes' names. With `timeline_dir`, each mode's page and
     events go there as `timeline-twin-*.html` and `events-twin-*.jsonl`, beside the real runs'."""
     import anyio
