@@ -120,6 +120,9 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, root: Path) -> di
 SIM_NAMES = {"sync": "sync", "sync+partial": "sync+partial", "async": "async", "async+overlap": "async, overlap"}
 
 
+SHARED = 0.02  # a mode whose engine holds this share of its busy slot-time inside training steps
+
+
 def twin_fit(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The simulated twin's time model, fitted to the real runs: decode step = a + b x rows + c x
     context and prefill = base + per token (least squares, the prefilling steps' decode part taken
@@ -146,9 +149,6 @@ def twin_fit(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
     }  # fmt: skip
 
 
-SHARED = 0.02  # a mode whose engine holds this share of its busy slot-time inside training steps
-
-
 def _share_in_training(events: list[dict[str, Any]]) -> float:
     """The share of the engine's busy slot-seconds that fell inside training steps: 0 in sync modes
     (the engine idles while the trainer trains), large in async ones."""
@@ -169,7 +169,7 @@ def _slowdown_from_decode(forward: dict[str, Any], fit: tuple[float, float, floa
     engine was set to 1.1: the rows and contexts around a training step are not those of the rest."""
     a, b, c = fit
     predicted = a * forward["decode_timed_steps"] + b * forward["decode_rows"] + c * forward.get("decode_context", 0)
-    if predicted <= 0 or share <= 0:
+    if predicted <= 0:  # an engine from before the decode sums
         return 1.0
     return 1.0 + (forward["decode_seconds"] / predicted - 1.0) / share
 
@@ -208,7 +208,7 @@ def simulated_twin(
     twin = argparse.Namespace(
         rollout_seed=args.rollout_seed,
         batch=args.batch, group=args.group, steps=args.steps, slots=64, max_len=args.max_len, time_scale=time_scale,
-        train_time=0.0, train_slowdown=fit["slowdown"], prompt_len=16, timeline_dir=None,
+        train_time=0.0, train_slowdown=fit["slowdown"], prompt_len=16, timeline_dir=timeline_dir,
         sim_flags=[
             "--step-base", str(fit["decode_base"]), "--step-per-request", str(fit["decode_per_row"]),
             "--step-per-context-token", str(fit["decode_per_context"]),
@@ -230,8 +230,6 @@ def simulated_twin(
     out = {}
     for name in results:
         mode_args = argparse.Namespace(**{**vars(twin), "train_time": trains[name]})
-        if timeline_dir:
-            mode_args.timeline_dir = timeline_dir
         out[name] = anyio.run(
             sim.run_mode, f"twin-{name.replace('+', '-')}", plans[SIM_NAMES[name]], mode_args, 0, work, prompts
         )

@@ -128,14 +128,13 @@ async def run_mode(
         after = await sim_stats(engine.url)
     engine_seconds = wall / scale
     if args.timeline_dir and seed == 0:
-        out = Path(args.timeline_dir) / f"timeline-{name.replace(' ', '').replace(',', '-').replace('<=', 'le')}.html"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        stem = name.replace(" ", "").replace(",", "-").replace("<=", "le")
+        page = Path(args.timeline_dir) / f"timeline-{stem}.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
         title = f"{name}: {plan.num_steps} steps (wall seconds, time scale {scale})"
-        out.write_text(render_timeline(events.events, title=title))
+        page.write_text(render_timeline(events.events, title=title))
         # The events beside the page: the twin's steps are compared with the real run's from these.
-        out.with_name(out.name.replace("timeline-", "events-", 1).removesuffix(".html") + ".jsonl").write_bytes(
-            b"".join(orjson.dumps(e) + b"\n" for e in events.events)
-        )
+        page.with_name(f"events-{stem}.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events.events))
     batches = [store.batch(s) for s in range(plan.num_steps)]
     trained = sum(s.response_len for b in batches for s in b.samples)
     kept = sum(
