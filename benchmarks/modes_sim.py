@@ -184,6 +184,8 @@ def plans(args: argparse.Namespace) -> dict[str, RolloutPlan]:
             mode="sync", partial=True, over_sampling=2 * args.batch, fill_idle_slots=False, **common
         ),
         "async": RolloutPlan(mode="async", prefetch=args.batch, **common),
+        # The window ahead of the trainer always at its ceiling (`--no-async-pacing`).
+        "async, unpaced": RolloutPlan(mode="async", prefetch=args.batch, pace_async=False, **common),
         "async, stale<=1": RolloutPlan(mode="async", prefetch=args.batch, max_staleness=1, **common),
         "async, stale<=2": RolloutPlan(mode="async", prefetch=args.batch, max_staleness=2, **common),
         # The engine receives the weights beside decoding and swaps between two steps: no pause.

@@ -29,7 +29,7 @@ from core.clock import VersionClock
 from core.types import Group, RolloutMode
 from pipeline.metrics import GroupTimes
 from pipeline.plan import RolloutParts, RolloutPlan
-from pipeline.rollout_modes import Training, feed_async
+from pipeline.rollout_modes import Pace, Training, async_pace, feed_async
 from stages.admission import Admission, Outcome
 from stages.collector import Collector
 from stages.dispenser import Dispenser
@@ -51,6 +51,7 @@ class StageGraph:
     dispenser: Dispenser
     producers: Producers  # generator pool, reward and filter: in process, or on Ray actors
     collector: Collector
+    pace: Pace | None = None  # async admission's window (`pipeline.rollout_modes.Pace`); None: unpaced
 
     @classmethod
     def build(cls, plan: RolloutPlan, parts: RolloutParts, clock: VersionClock) -> StageGraph:
@@ -79,7 +80,8 @@ class StageGraph:
         collector = Collector(
             store=store, admission=admission, capacity=capacity, on_ready=times.ready, batch=plan.store_batch
         )
-        return cls(plan, admission, times, dispenser, producers, collector)
+        pace = async_pace(plan) if plan.mode is RolloutMode.ASYNC and plan.pace_async else None
+        return cls(plan, admission, times, dispenser, producers, collector, pace)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Training]:
@@ -100,7 +102,7 @@ class StageGraph:
                 await tg.start(self.dispenser.run, to_pool_send)
                 await tg.start(self.producers.run, to_pool, to_collect_send)
                 await tg.start(self.collector.run, to_collect)
-                training = Training()
+                training = Training(self.pace)
                 feeding = None
                 if plan.mode is RolloutMode.ASYNC:
                     feeding = await tg.start(feed_async, plan, self.admission, self.collector, training)

@@ -68,6 +68,7 @@ class RolloutPlan:
     fill_idle_slots: bool = True  # partial rollout: idle slots take one more group while the round waits
     prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
     max_staleness: int | None = None
+    pace_async: bool = True  # async: admit only as far ahead as keeps the trainer fed (`Pace`)
     pause_mode: PauseMode = PauseMode.ABORT
     overlap_publish: bool = False  # engines receive weights while decoding; no pause (publisher.py)
     slots: int = 64  # concurrent sample requests over all engines (C x E)

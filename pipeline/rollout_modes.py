@@ -9,7 +9,8 @@ grants admission tickets (`stages.admission.Admission`) and how many:
   stops the pool: running requests are aborted and their groups stored with their prefixes, resumed
   first next round (`fill_batch`);
 - async: a feeder task keeps the pool fed across training steps (`feed_async`, started with the
-  graph); the collector's bound and the staleness rule are the only brakes.
+  graph); the collector's bound, the pace (`Pace`: no further ahead than keeps the trainer fed)
+  and the staleness rule are its brakes.
 
 They speak only to the admission, the collector and the producer set (`stages.producers.Producers`),
 never to a stage inside it, so Ray producers run under the same modes.
@@ -29,7 +30,7 @@ from stages.admission import Admission
 from stages.collector import Collector
 from stages.producers import Producers
 
-__all__ = ["Training", "feed_async", "fill_batch"]
+__all__ = ["Pace", "Training", "async_pace", "feed_async", "fill_batch"]
 
 
 async def fill_batch(
@@ -72,19 +73,64 @@ async def fill_batch(
     pool.resume()
 
 
+class Pace:
+    """How far async admission runs ahead of the trainer: as far as keeps it fed, and no further.
+
+    A group finished earlier than the trainer needs it waits in the ready set while the weights
+    move on, and is trained staler for it; when the trainer is the bottleneck that buys no
+    throughput at all. So the feeder keeps a window: the groups it lets be ready or outstanding at
+    once. It starts at `ceiling` (the most the collector's bound and the slots allow, the unpaced
+    rule), and each time the trainer asks for a batch it learns from what the trainer found:
+
+    - fewer than a batch ready: the trainer waits for the engines, so more work ahead helps (more
+      groups run beside a slow group's stragglers); the window grows by the groups that were missing;
+    - more than a batch ready: the engines ran ahead, and the surplus only ages. The window drops
+      to what was in use (ready and in flight; the collector's bound or `--max-staleness` may
+      have held it lower), less half the surplus (half: one fast step is no trend), and never below
+      one batch, the least that lets generation overlap a training step.
+
+    A run whose engines are the bottleneck keeps the ceiling, as if unpaced; a run whose trainer is
+    the bottleneck settles at one batch ahead, staleness 1. `--max-staleness` still bounds both
+    (`feed_async`).
+    """
+
+    def __init__(self, *, batch_size: int, ceiling: int) -> None:
+        if batch_size < 1 or ceiling < batch_size:
+            raise ValueError(f"Pace(batch_size={batch_size}, ceiling={ceiling}): need 1 <= batch_size <= ceiling")
+        self.batch_size = batch_size
+        self.ceiling = ceiling
+        self.window = ceiling
+
+    def asked(self, *, ready: int, in_flight: int) -> None:
+        """The trainer asked for a batch and found `ready` groups ready and `in_flight` admitted
+        groups not yet ready."""
+        if ready < self.batch_size:
+            self.window = min(self.ceiling, self.window + self.batch_size - ready)
+            return
+        surplus = ready - self.batch_size
+        in_use = min(self.window, ready + in_flight)
+        self.window = max(self.batch_size, in_use - (surplus + 1) // 2)
+
+
 class Training:
     """The groups of the batch being trained whose weights are not published yet.
 
     They count as ahead of every group admitted meanwhile: that batch's publish bumps the version
     before any group admitted now can be trained. `changed` wakes the feeder when a step ends,
-    since taking a batch and publishing move no admission ticket.
+    since taking a batch and publishing move no admission ticket. `pace`, when async admission is
+    paced, hears what the trainer found each time it asked for a batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pace: Pace | None = None) -> None:
         self.groups = 0
+        self.pace = pace
         self.changed = anyio.Event()
 
-    def start(self, groups: int) -> None:
+    def start(self, groups: int, *, asked: tuple[int, int] | None = None) -> None:
+        """The trainer took `groups`; `asked`: the ready and in-flight groups it found when it asked."""
+        if self.pace is not None and asked is not None:
+            ready, in_flight = asked
+            self.pace.asked(ready=ready, in_flight=in_flight)
         self.groups = groups
         self._notify()
 
@@ -111,24 +157,38 @@ async def feed_async(
     at once: a group only starts generating when the pool has a free slot, so spare tickets cost
     nothing, while a group that waits for its last straggler no longer holds back new work. When
     the collector is full the cap is the second term alone, so finished groups held up behind it
-    cannot pile up without bound. With `max_staleness = N`, a group admitted at
+    cannot pile up without bound. With `training.pace`, ready and outstanding groups together
+    stay within the pace's window. With `max_staleness = N`, a group admitted at
     version v is only granted while at most `(N + 1) * batch_size` groups, itself included, are in
     training (taken, not yet published), ready or in flight: it then lands at the latest in the N-th
     batch after the one in training, trained at version v + N. (This assumes groups finish in the
     order they were admitted; one that is overtaken by later groups can end up staler.)
     """
-    in_flight_cap = 2 * max(1, -(-plan.slots // plan.n_samples))
+    in_flight_cap = _in_flight_cap(plan)
     capacity = plan.batch_size + plan.ahead
     with anyio.CancelScope() as scope:
         task_status.started(scope)
         while True:
             limit = in_flight_cap + max(0, capacity - collector.ready - training.groups)
+            if training.pace is not None:
+                limit = min(limit, training.pace.window - collector.ready)
             if plan.max_staleness is not None:
                 ahead = collector.ready + training.groups
                 limit = min(limit, (plan.max_staleness + 1) * plan.batch_size - ahead)
             if admission.outstanding < limit:
                 admission.grant(limit - admission.outstanding)
             await _first_of(admission.wait_change, training.changed.wait)
+
+
+def async_pace(plan: RolloutPlan) -> Pace:
+    """The pace of `feed_async` for `plan`: its window's ceiling is what the unpaced rule allows
+    (the collector's bound plus twice the groups the slots run at once)."""
+    return Pace(batch_size=plan.batch_size, ceiling=plan.batch_size + plan.ahead + _in_flight_cap(plan))
+
+
+def _in_flight_cap(plan: RolloutPlan) -> int:
+    """Twice the groups the slots run at once."""
+    return 2 * max(1, -(-plan.slots // plan.n_samples))
 
 
 async def _first_of(*waits: Callable[[], Any]) -> None:

@@ -157,6 +157,7 @@ class Rollout:
         if self._taken is not None:
             raise PipelineError(f"step {self._taken}'s batch is not committed yet: commit() it before the next batch")
         step = self._next_step
+        asked = (graph.collector.ready, graph.admission.outstanding)  # what async pacing learns from (`Pace`)
         if self.plan.mode is RolloutMode.SYNC:
             stopping = span(self.parts.events, "stop", step=step)
             await fill_batch(self.plan, graph.admission, graph.collector, graph.producers, stopping)
@@ -166,7 +167,7 @@ class Rollout:
         assert batch is not None, "the collector counted more ready groups than the store holds"
         batch = dataclasses.replace(batch, train_version=self.clock.version)  # for --mask-stale-tokens
         graph.collector.taken(len(batch.groups))
-        training.start(len(batch.groups))
+        training.start(len(batch.groups), asked=asked)
         self._taken = step
         return batch
 
@@ -204,6 +205,7 @@ class Rollout:
             "version": self.clock.version,
             "queue/ready": graph.collector.ready,
             "queue/in_flight": graph.admission.outstanding,
+            **({"queue/window": graph.pace.window} if graph.pace is not None else {}),
         }
 
     def _open(self) -> Training:

@@ -76,6 +76,8 @@ async def rollout_record(
         "queue/partial": await store.count(GroupState.PARTIAL),
         "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained
         "queue/in_flight": graph.admission.outstanding,
+        # async pacing's window: the groups it lets be ready or in flight at once
+        **({"queue/window": graph.pace.window} if graph.pace is not None else {}),
     }
 
 

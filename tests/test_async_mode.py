@@ -323,6 +323,7 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
         n_samples=N_SAMPLES,
         num_steps=steps,
         max_staleness=staleness,
+        pace_async=False,  # the bound alone: pacing would hold this trainer-bound run tighter still
         prefetch=2 * batch,
         slots=32,
         max_response_len=MAX_LEN,
@@ -362,6 +363,67 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
     assert store.max_ahead == (staleness + 1) * batch
     staleness_seen = [version - g.oldest_version for version, b in trainer.trained for g in b.groups]
     assert max(staleness_seen) == staleness  # the bound holds, and it is reached
+
+
+@pytest.mark.parametrize("paced", [True, False])
+async def test_a_trainer_bound_async_run_is_paced_to_one_batch_ahead(paced, tmp_path):
+    """The engines here are far faster than the gated trainer: every group admitted finishes before
+    the trainer asks again. Unpaced, the feeder keeps the staleness bound's 3 batches ahead of the
+    one in training; paced, the surplus it sees each time it asks shrinks its window to one batch,
+    so the last steps train groups exactly 1 version stale, with no step waiting for the engine."""
+    batch, steps = 2, 7
+    store, clock = WatchedStore(), VersionClock()
+    trainer = GatedTrainer(clock)
+    plan = RolloutPlan(
+        mode="async",
+        batch_size=batch,
+        n_samples=N_SAMPLES,
+        num_steps=steps,
+        max_staleness=2,
+        pace_async=paced,
+        prefetch=2 * batch,
+        slots=32,
+        max_response_len=MAX_LEN,
+        seed=3,
+    )
+    ahead_while_training = []
+    sink = MetricsSink(None)
+    async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=32) as fleet:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+
+                async def drive():
+                    for _ in range(steps):
+                        await trainer.started.receive()
+                        await quiesce(store)
+                        ahead_while_training.append(store._untrained())
+                        await trainer.go.send(None)
+
+                tg.start_soon(drive)
+                await run_pipeline(
+                    plan,
+                    engines=fleet,
+                    store=AsyncStore(store),
+                    trainer=trainer,
+                    dataset=dataset(),
+                    reward_fn=lambda task, sample: 1.0,
+                    filter_fn=None,
+                    weights_dir=tmp_path / "w",
+                    metrics=sink,
+                    clock=clock,
+                )
+    trainer.close()
+
+    staleness = [[version - g.oldest_version for g in b.groups] for version, b in trainer.trained]
+    windows = [r.get("queue/window") for r in sink.records]
+    if not paced:
+        assert ahead_while_training == [3 * batch] * steps
+        assert staleness[-3:] == [[2] * batch] * 3 and windows == [None] * steps
+        return
+    assert ahead_while_training[0] == 3 * batch  # the window starts wide: nothing is known yet
+    assert ahead_while_training[-3:] == [2 * batch] * 3
+    assert staleness[-3:] == [[1] * batch] * 3
+    assert windows[-3:] == [batch] * 3
 
 
 # -- 5. failures propagate --------------------------------------------------------------------

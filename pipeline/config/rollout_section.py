@@ -96,6 +96,13 @@ class RolloutConfig:
         ge=0,
         help="admit no work that would exceed this staleness (versions); unset = no bound",
     )
+    pace_async: bool = opt(
+        True,
+        "--async-pacing",
+        "bool",
+        help="async mode: admit only as far ahead of the trainer as keeps it fed, so a trainer-bound run "
+        "trains about 1 version stale (--no-async-pacing: always the collector's bound plus twice the slots' groups)",
+    )
     pause_mode: PauseMode = opt(
         PauseMode.ABORT,
         "--pause-mode",

@@ -213,6 +213,7 @@ def _plan(config: Config) -> RolloutPlan:
         prefetch=r.prefetch,
         fill_idle_slots=r.partial_fill_idle_slots,
         max_staleness=r.max_staleness,
+        pace_async=r.pace_async,
         pause_mode=r.pause_mode,
         overlap_publish=r.overlap_weight_transfer,
         slots=config.engine.sglang_server_concurrency * n_engines,
