@@ -13,6 +13,7 @@ real trainer, default flags), so what is measured is what a user runs. Modes:
     async-s1    --rollout-mode async --max-staleness 1
     async       --rollout-mode async, no staleness bound
     async-s2    --rollout-mode async --max-staleness 2 (only when named in --modes)
+    async-unpaced  --rollout-mode async --no-async-pacing (only when named in --modes)
 
 Tasks: `toy` (the default task), `long-tail` (`pipeline.tasks.long_tail`, written as a JSONL file
 and read back through --prompt-data with the toy reward) and `short-answer`
@@ -54,8 +55,10 @@ MODES: dict[str, tuple[str, ...]] = {
     "partial": ("--partial-rollout",),
     "async-s1": ("--rollout-mode", "async", "--max-staleness", "1"),
     "async": ("--rollout-mode", "async"),
-    # Not in the default design: a bound between the two above, asked for by name (`--modes`).
+    # Not in the default design, asked for by name (`--modes`): a bound between the two above, and
+    # async with admission unpaced (always its whole window ahead: the default before pacing).
     "async-s2": ("--rollout-mode", "async", "--max-staleness", "2"),
+    "async-unpaced": ("--rollout-mode", "async", "--no-async-pacing"),
 }
 DEFAULT_MODES = ("sync", "partial", "async-s1", "async")
 TASKS = ("toy", "long-tail", "short-answer")
