@@ -312,30 +312,20 @@ async def quiesce(store: WatchedStore):
         await changed.wait()
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 2])
-async def test_async_staleness_bound_is_exact(staleness, tmp_path):
-    batch, steps = 2, 4
+async def run_gated(plan, tmp_path, metrics=None):
+    """Run `plan` against the fake engine with a gated trainer. Each step the trainer waits until
+    the pipeline is quiet, so every admitted group finishes while it trains: the engine is never
+    the bottleneck. Returns the summary, the store, the trainer and the groups not yet trained at
+    each such moment (the one in training included)."""
     store, clock = WatchedStore(), VersionClock()
     trainer = GatedTrainer(clock)
-    plan = RolloutPlan(
-        mode="async",
-        batch_size=batch,
-        n_samples=N_SAMPLES,
-        num_steps=steps,
-        max_staleness=staleness,
-        pace_async=False,  # the bound alone: pacing would hold this trainer-bound run tighter still
-        prefetch=2 * batch,
-        slots=32,
-        max_response_len=MAX_LEN,
-        seed=3,
-    )
     ahead_while_training = []
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=32) as fleet:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
 
                 async def drive():
-                    for _ in range(steps):
+                    for _ in range(plan.num_steps):
                         await trainer.started.receive()
                         await quiesce(store)
                         ahead_while_training.append(store._untrained())
@@ -351,10 +341,33 @@ async def test_async_staleness_bound_is_exact(staleness, tmp_path):
                     reward_fn=lambda task, sample: 1.0,
                     filter_fn=None,
                     weights_dir=tmp_path / "w",
-                    metrics=MetricsSink(None),
+                    metrics=metrics or MetricsSink(None),
                     clock=clock,
                 )
     trainer.close()
+    return summary, store, trainer, ahead_while_training
+
+
+def gated_plan(*, steps, batch=2, **changes):
+    return RolloutPlan(
+        mode="async",
+        batch_size=batch,
+        n_samples=N_SAMPLES,
+        num_steps=steps,
+        prefetch=2 * batch,
+        slots=32,
+        max_response_len=MAX_LEN,
+        seed=3,
+        **changes,
+    )
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+async def test_async_staleness_bound_is_exact(staleness, tmp_path):
+    batch, steps = 2, 4
+    # The bound alone: pacing would hold this trainer-bound run tighter still.
+    plan = gated_plan(steps=steps, batch=batch, max_staleness=staleness, pace_async=False)
+    summary, store, trainer, ahead_while_training = await run_gated(plan, tmp_path)
 
     assert summary.final_version == steps and len(trainer.trained) == steps
     # With the trainer busy on one batch, exactly N more batches are admitted ahead of it:
@@ -372,47 +385,9 @@ async def test_a_trainer_bound_async_run_is_paced_to_one_batch_ahead(paced, tmp_
     one in training; paced, the surplus it sees each time it asks shrinks its window to one batch,
     so the last steps train groups exactly 1 version stale, with no step waiting for the engine."""
     batch, steps = 2, 7
-    store, clock = WatchedStore(), VersionClock()
-    trainer = GatedTrainer(clock)
-    plan = RolloutPlan(
-        mode="async",
-        batch_size=batch,
-        n_samples=N_SAMPLES,
-        num_steps=steps,
-        max_staleness=2,
-        pace_async=paced,
-        prefetch=2 * batch,
-        slots=32,
-        max_response_len=MAX_LEN,
-        seed=3,
-    )
-    ahead_while_training = []
     sink = MetricsSink(None)
-    async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=32) as fleet:
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-
-                async def drive():
-                    for _ in range(steps):
-                        await trainer.started.receive()
-                        await quiesce(store)
-                        ahead_while_training.append(store._untrained())
-                        await trainer.go.send(None)
-
-                tg.start_soon(drive)
-                await run_pipeline(
-                    plan,
-                    engines=fleet,
-                    store=AsyncStore(store),
-                    trainer=trainer,
-                    dataset=dataset(),
-                    reward_fn=lambda task, sample: 1.0,
-                    filter_fn=None,
-                    weights_dir=tmp_path / "w",
-                    metrics=sink,
-                    clock=clock,
-                )
-    trainer.close()
+    plan = gated_plan(steps=steps, batch=batch, max_staleness=2, pace_async=paced)
+    _, _, trainer, ahead_while_training = await run_gated(plan, tmp_path, sink)
 
     staleness = [[version - g.oldest_version for g in b.groups] for version, b in trainer.trained]
     windows = [r.get("queue/window") for r in sink.records]
