@@ -66,7 +66,7 @@ class RolloutPlan:
     partial: bool = False
     over_sampling: int | None = None  # refill granularity in groups (partial rollout)
     fill_idle_slots: bool = True  # partial rollout: idle slots take one more group while the round waits
-    prefetch: int | None = None  # ready groups kept ahead of the trainer (async)
+    prefetch: int | None = None  # the most ready groups kept ahead of the trainer (async)
     max_staleness: int | None = None
     pace_async: bool = True  # async: admit only as far ahead as keeps the trainer fed (`Pace`)
     pause_mode: PauseMode = PauseMode.ABORT

@@ -87,7 +87,7 @@ class RolloutConfig:
         "int",
         ge=0,
         default_help="--rollout-batch-size",
-        help="ready groups kept ahead of the trainer",
+        help="the most ready groups kept ahead of the trainer (async pacing keeps fewer when they would only age)",
     )
     max_staleness: int | None = opt(
         None,
