@@ -102,10 +102,10 @@ class StageGraph:
                 await tg.start(self.dispenser.run, to_pool_send)
                 await tg.start(self.producers.run, to_pool, to_collect_send)
                 await tg.start(self.collector.run, to_collect)
-                training = Training(self.pace)
+                training = Training()
                 feeding = None
                 if plan.mode is RolloutMode.ASYNC:
-                    feeding = await tg.start(feed_async, plan, self.admission, self.collector, training)
+                    feeding = await tg.start(feed_async, plan, self.admission, self.collector, training, self.pace)
                 yield training
                 await self._leave_nothing_behind(feeding)
                 tg.cancel_scope.cancel()

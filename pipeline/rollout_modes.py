@@ -117,20 +117,14 @@ class Training:
 
     They count as ahead of every group admitted meanwhile: that batch's publish bumps the version
     before any group admitted now can be trained. `changed` wakes the feeder when a step ends,
-    since taking a batch and publishing move no admission ticket. `pace`, when async admission is
-    paced, hears what the trainer found each time it asked for a batch.
+    since taking a batch and publishing move no admission ticket.
     """
 
-    def __init__(self, pace: Pace | None = None) -> None:
+    def __init__(self) -> None:
         self.groups = 0
-        self.pace = pace
         self.changed = anyio.Event()
 
-    def start(self, groups: int, *, asked: tuple[int, int] | None = None) -> None:
-        """The trainer took `groups`; `asked`: the ready and in-flight groups it found when it asked."""
-        if self.pace is not None and asked is not None:
-            ready, in_flight = asked
-            self.pace.asked(ready=ready, in_flight=in_flight)
+    def start(self, groups: int) -> None:
         self.groups = groups
         self._notify()
 
@@ -148,6 +142,7 @@ async def feed_async(
     admission: Admission,
     collector: Collector,
     training: Training,
+    pace: Pace | None,
     *,
     task_status: TaskStatus[anyio.CancelScope],
 ) -> None:
@@ -157,12 +152,13 @@ async def feed_async(
     at once: a group only starts generating when the pool has a free slot, so spare tickets cost
     nothing, while a group that waits for its last straggler no longer holds back new work. When
     the collector is full the cap is the second term alone, so finished groups held up behind it
-    cannot pile up without bound. With `training.pace`, ready and outstanding groups together
-    stay within the pace's window. With `max_staleness = N`, a group admitted at
-    version v is only granted while at most `(N + 1) * batch_size` groups, itself included, are in
-    training (taken, not yet published), ready or in flight: it then lands at the latest in the N-th
-    batch after the one in training, trained at version v + N. (This assumes groups finish in the
-    order they were admitted; one that is overtaken by later groups can end up staler.)
+    cannot pile up without bound. With a `pace`, ready and outstanding groups together stay within
+    its window (it moves when the trainer takes a batch, which `training.changed` signals). With
+    `max_staleness = N`, a group admitted at version v is only granted while at most
+    `(N + 1) * batch_size` groups, itself included, are in training (taken, not yet published),
+    ready or in flight: it then lands at the latest in the N-th batch after the one in training,
+    trained at version v + N. (This assumes groups finish in the order they were admitted; one that
+    is overtaken by later groups can end up staler.)
     """
     in_flight_cap = _in_flight_cap(plan)
     capacity = plan.batch_size + plan.ahead
@@ -170,8 +166,8 @@ async def feed_async(
         task_status.started(scope)
         while True:
             limit = in_flight_cap + max(0, capacity - collector.ready - training.groups)
-            if training.pace is not None:
-                limit = min(limit, training.pace.window - collector.ready)
+            if pace is not None:
+                limit = min(limit, pace.window - collector.ready)
             if plan.max_staleness is not None:
                 ahead = collector.ready + training.groups
                 limit = min(limit, (plan.max_staleness + 1) * plan.batch_size - ahead)

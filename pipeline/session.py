@@ -157,7 +157,8 @@ class Rollout:
         if self._taken is not None:
             raise PipelineError(f"step {self._taken}'s batch is not committed yet: commit() it before the next batch")
         step = self._next_step
-        asked = (graph.collector.ready, graph.admission.outstanding)  # what async pacing learns from (`Pace`)
+        # What the trainer finds as it asks: async pacing learns from it (`Pace.asked`).
+        ready, in_flight = graph.collector.ready, graph.admission.outstanding
         if self.plan.mode is RolloutMode.SYNC:
             stopping = span(self.parts.events, "stop", step=step)
             await fill_batch(self.plan, graph.admission, graph.collector, graph.producers, stopping)
@@ -166,8 +167,10 @@ class Rollout:
         batch = await self.store.take_batch(step, self.plan.batch_size)
         assert batch is not None, "the collector counted more ready groups than the store holds"
         batch = dataclasses.replace(batch, train_version=self.clock.version)  # for --mask-stale-tokens
+        if graph.pace is not None:
+            graph.pace.asked(ready=ready, in_flight=in_flight)
         graph.collector.taken(len(batch.groups))
-        training.start(len(batch.groups), asked=asked)
+        training.start(len(batch.groups))
         self._taken = step
         return batch
 
