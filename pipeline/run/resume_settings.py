@@ -60,6 +60,8 @@ REFUSED: Mapping[str, str] = {
     "storage.run_id": "the store belongs to one run",
     "trainer.backend": "the checkpoints (weights/vN) hold that backend's optimizer state",
 }
+# The RunMeta fields that are settings, checked before the recorded settings are.
+_META_SETTINGS = {"run_id": "storage.run_id", "n_samples_per_prompt": "rollout.n_samples_per_prompt"}
 # Values never written to disk (the store's settings, their history, the run folder's config.json):
 # a secret is recorded only as "<set>" or None, so a copied run folder does not carry the key.
 _SECRET = frozenset({"engine.api_key"})
@@ -142,8 +144,8 @@ def check_meta(store: Store, meta: RunMeta) -> None:
         old, new = getattr(stored, name), getattr(meta, name)
         if old == new:
             continue
-        if name == "n_samples_per_prompt":  # a setting: say how to resume anyway
-            raise _refused("rollout.n_samples_per_prompt", old, new)
+        if (setting := _META_SETTINGS.get(name)) is not None:  # a flag: say how to resume anyway
+            raise _refused(setting, old, new)
         raise IncompatibleStoreError(name, old, new)
     _record_setting_changes(store, stored, meta)
 
