@@ -15,6 +15,8 @@ sglang-router cannot tell an engine of this package from SGLang. Where it differ
 - `/health` is a liveness check (200 while the decode loop runs); `/health_generate` proves a decode
   step happens within its deadline, so it answers 503 while generation is paused.
 
+Every request passes `guards.py` first: SGLang's `--api-key` (401 without it, except the health
+probes) and a bound on the body (413 over it); a /generate body over 1 MiB is parsed on a worker thread.
 What differs between engines (identity, device, load, extra routes) comes from the core's
 `ModelForward` (seam.py) or from routes its launcher adds to `app` before serving.
 Over 400 lines because it is one short handler per SGLang endpoint; splitting the handlers of
