@@ -44,7 +44,6 @@ MIN_BODY = 16 * MIB
 _BYTES_PER_TOKEN_ID = 8  # "151935, ": the widest id of a 152k vocabulary with json.dumps' separator
 
 
-
 def authorized(method: str, path: str, authorization: str | None, key: str) -> bool:
     """Whether a request may pass an engine started with `--api-key key`."""
     if method == "OPTIONS" or path.startswith("/health"):
