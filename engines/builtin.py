@@ -3,7 +3,7 @@
     python -m engines.builtin --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-running-requests 64] [--context-length N] [--device cpu|cuda|cuda:N]
         [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fuse-ops]
-        [--weight-version 0] [--log-level info]
+        [--weight-version 0] [--log-level info] [--api-key KEY] [--max-body-mb MIB]
         [--length-tail lognormal:-1.9,0.8] [--length-tail-truncate-frac 0.1] [--length-tail-limit N]
 
 The HTTP surface (`http.py`) and scheduler (`scheduler.py`) are every engine's; this module loads
@@ -40,6 +40,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from core.errors import ConfigError
+from engines.guards import add_guard_arguments, guard_options
 from engines.http import EngineServer
 from engines.kv_forward import DecodeMode, KVCacheForward
 from engines.length_tail import LengthTail
@@ -171,11 +172,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
+    add_guard_arguments(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    guards, problems = guard_options(args)
+    if problems:
+        logging.basicConfig(stream=sys.stderr)
+        log.error("%s", ConfigError(problems))
+        return 2
     tail = None
     if args.length_tail:
         try:
@@ -205,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         fuse_ops=args.fuse_ops,
         length_tail=tail,
+        **guards,
     )
     # An unusable model folder or a port taken: say why in a line.
     return run_main(run, log_level=args.log_level, startup_errors=(WeightLoadError, ConfigError, OSError))

@@ -15,6 +15,8 @@ sglang-router cannot tell an engine of this package from SGLang. Where it differ
 - `/health` is a liveness check (200 while the decode loop runs); `/health_generate` proves a decode
   step happens within its deadline, so it answers 503 while generation is paused.
 
+Every request passes `guards.py` first: SGLang's `--api-key` (401 without it, except the health
+probes) and a bound on the body (413 over it); a /generate body over 1 MiB is parsed on a worker thread.
 What differs between engines (identity, device, load, extra routes) comes from the core's
 `ModelForward` (seam.py) or from routes its launcher adds to `app` before serving.
 Over 400 lines because it is one short handler per SGLang endpoint; splitting the handlers of
@@ -33,6 +35,7 @@ import anyio
 import orjson
 from aiohttp import web
 
+from engines.guards import MIB, default_max_body, guard_middlewares
 from engines.protocol import GenerateCall, parse_generate, render_output
 from engines.request import (
     EngineClosedError,
@@ -52,6 +55,10 @@ FLUSHED = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 
+# A body larger than this is parsed on a worker thread (see `EngineServer.generate`); a /generate
+# of one full-context prompt (32k tokens) is about 200 kB and stays on the loop.
+_PARSE_OFF_LOOP_BYTES = 1 * MIB
+
 # ---- the server ----------------------------------------------------------------------------------------
 
 
@@ -67,6 +74,8 @@ class EngineServer:
         served_model_name: str | None = None,
         health_check_timeout: float = 20.0,
         random_seed: int | None = None,
+        api_key: str | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         self.core = core
         self.host, self.port = host, port
@@ -80,6 +89,9 @@ class EngineServer:
         self._drained.set()
         # Set by an engine that takes weights over torch.distributed (`weight_group.WeightGroupReceiver`).
         self.weight_group: Any = None
+        self.api_key = api_key or None  # SGLang's --api-key: see guards.py
+        model = core.model
+        self.max_body_bytes = max_body_bytes or default_max_body(model.context_length, core.max_running_requests)
         self.app = self._build_app()
 
     @property
@@ -87,7 +99,9 @@ class EngineServer:
         return f"http://{self.host}:{self.port}"
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=512 * 1024 * 1024)
+        app = web.Application(
+            client_max_size=self.max_body_bytes, middlewares=guard_middlewares(self.api_key, self.max_body_bytes)
+        )
         r = app.router
         for path, handler in [
             ("/generate", self.generate),
@@ -130,10 +144,33 @@ class EngineServer:
     # ---- /generate ---------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if len(raw) > _PARSE_OFF_LOOP_BYTES:
+            # Millions of token ids take a second to parse and check; on a worker thread the decode
+            # loop and the other requests get the GIL back between its Python steps.
+            call, error, stream = await anyio.to_thread.run_sync(self._parse_generate, raw)
+        else:
+            call, error, stream = self._parse_generate(raw)
+        if call is not None:
+            try:
+                for req in call.requests:
+                    self.core.check_rid(req)  # before any of a batch is queued
+            except InvalidRequestError as exc:
+                call, error = None, str(exc)
+        if call is None:
+            if stream:  # SGLang reports errors found while streaming inside the stream
+                return await self._stream_error(request, str(error))
+            return _error(400, str(error))
+        if call.stream:
+            return await self._generate_stream(request, call)
+        return await self._generate_whole(call)
+
+    def _parse_generate(self, raw: bytes) -> tuple[GenerateCall | None, str | None, bool]:
+        """(call, None, stream), or (None, why it is refused, stream). Reads no state that changes."""
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            return _error(400, f"the body is not valid JSON: {exc}")
+            return None, f"the body is not valid JSON: {exc}", False
         stream = isinstance(body, dict) and bool(body.get("stream"))
         try:
             call = parse_generate(
@@ -145,14 +182,10 @@ class EngineServer:
                 top_logprobs=getattr(self.core.model, "runner", None) is not None,  # SC: a real distribution
             )
             for req in call.requests:
-                self.core.validate(req)
+                self.core.check_prompt(req)
         except InvalidRequestError as exc:
-            if stream:  # SGLang reports errors found while streaming inside the stream
-                return await self._stream_error(request, str(exc))
-            return _error(400, str(exc))
-        if call.stream:
-            return await self._generate_stream(request, call)
-        return await self._generate_whole(call)
+            return None, str(exc), stream
+        return call, None, stream
 
     async def _submit(self, call: GenerateCall) -> None:
         for req in call.requests:

@@ -1,6 +1,7 @@
 """The instant engine: answers every `/generate` at once, so a benchmark measures the controller alone.
 
     python -m engines.instant [--port 30000] [--tokens 1024] [--finish length] [--cpu 1]
+        [--api-key KEY] [--max-body-mb 16]
 
 It speaks the SGLang HTTP surface the pipeline uses (`reference/sglang-protocol.md`): `/generate`
 (non-streaming, token in, token out, with `output_token_logprobs`), `/model_info`,
@@ -12,7 +13,9 @@ Why a hand-rolled HTTP/1.1 server on a bare asyncio protocol rather than aiohttp
 be far cheaper per request than the controller it feeds, so the controller's core is the only
 bottleneck. Each answer is built by splicing the rid and version into pre-encoded bytes; the
 1k-entry log-prob array is encoded once per length. Only what aiohttp's client sends is parsed:
-`Content-Length` bodies, keep-alive, one request at a time per connection.
+`Content-Length` bodies, keep-alive, one request at a time per connection. `--api-key` and the
+body bound are every engine's (guards.py): 401 without the key, 413 for a body over the bound
+(16 MiB unless `--max-body-mb`), answered before that body is buffered.
 
 Pause: generation requests that arrive while paused wait (any mode: nothing is ever in flight
 here) and are answered on `/continue_generation` with the version then serving; an
@@ -32,10 +35,12 @@ from dataclasses import dataclass
 
 import orjson
 
+from engines.guards import MIB, MIN_BODY, UNAUTHORIZED, add_guard_arguments, authorized, too_large_message
+
 __all__ = ["InstantEngine", "main"]
 
 EOS_ID = 2
-_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}
+_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 413: b"Payload Too Large"}
 
 
 @dataclass(slots=True)
@@ -49,8 +54,20 @@ class _Parked:
 class InstantEngine:
     """The server state: version, pause flag, requests parked by a pause, and the answer cache."""
 
-    def __init__(self, *, tokens: int, finish: str, weight_version: str, model_path: str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        tokens: int,
+        finish: str,
+        weight_version: str,
+        model_path: str,
+        seed: int = 0,
+        api_key: str | None = None,
+        max_body: int = MIN_BODY,
+    ) -> None:
         self.tokens = tokens
+        self.api_key = api_key or None  # guards.py: SGLang's --api-key
+        self.max_body = max_body
         self.finish = finish
         self.version = weight_version
         self.model_path = model_path
@@ -104,30 +121,49 @@ def _respond(transport: asyncio.Transport, status: int, body: bytes, content_typ
 class _Connection(asyncio.Protocol):
     def __init__(self, engine: InstantEngine) -> None:
         self._engine = engine
-        self._buf = b""
+        self._buf = bytearray()
+        self._discard = 0  # bytes of a refused body still to come
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self._discard:
+            dropped = min(self._discard, len(data))
+            self._discard -= dropped
+            data = data[dropped:]
         self._buf += data
+        engine, transport = self._engine, self._transport
+        assert transport is not None
         while True:
             end = self._buf.find(b"\r\n\r\n")
             if end < 0:
                 return
             head = self._buf[:end].decode("latin-1").split("\r\n")
-            length = 0
+            headers = {}
             for line in head[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get("content-length", 0))
+            method, path, _ = head[0].split(" ", 2)
+            path = path.split("?", 1)[0]
+            if length > engine.max_body:  # answered now; the body is dropped as it comes, never held
+                message = too_large_message(length, engine.max_body)
+                _respond(transport, 413, orjson.dumps({"error": {"message": message}}))
+                del self._buf[: end + 4]
+                self._discard = length - min(length, len(self._buf))
+                del self._buf[:length]
+                continue
             if len(self._buf) < end + 4 + length:
                 return
-            body = self._buf[end + 4 : end + 4 + length]
-            self._buf = self._buf[end + 4 + length :]
-            method, path, _ = head[0].split(" ", 2)
-            self._handle(method, path.split("?", 1)[0], body)
+            body = bytes(self._buf[end + 4 : end + 4 + length])
+            del self._buf[: end + 4 + length]
+            key = engine.api_key
+            if key is not None and not authorized(method, path, headers.get("authorization"), key):
+                _respond(transport, 401, UNAUTHORIZED)
+                continue
+            self._handle(method, path, body)
 
     def _handle(self, method: str, path: str, body: bytes) -> None:
         engine, transport = self._engine, self._transport
@@ -178,7 +214,12 @@ class _Connection(asyncio.Protocol):
 
 async def serve(args: argparse.Namespace) -> None:
     engine = InstantEngine(
-        tokens=args.tokens, finish=args.finish, weight_version=args.weight_version, model_path=args.model_path
+        tokens=args.tokens,
+        finish=args.finish,
+        weight_version=args.weight_version,
+        model_path=args.model_path,
+        api_key=args.api_key,
+        max_body=MIN_BODY if args.max_body_mb is None else int(args.max_body_mb * MIB),
     )
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Connection(engine), args.host, args.port, backlog=1024)
@@ -200,9 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per answer (capped by max_new_tokens)")
     ap.add_argument("--finish", choices=["length", "stop"], default="length")
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
+    add_guard_arguments(ap)
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.max_body_mb is not None and not args.max_body_mb > 0:
+        ap.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     asyncio.run(serve(args))

@@ -8,6 +8,7 @@ honour is refused with InvalidRequestError (HTTP 400), never silently ignored.
 from __future__ import annotations
 
 import base64
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from engines.seam import SamplingParams
 __all__ = ["GenerateCall", "parse_generate", "parse_sampling_params", "render_output"]
 
 _SAMPLING_DEFAULTS = SamplingParams()
+# The culprit as the error shows it: a prompt can be megabytes, the message stays a line.
+_SHORT = reprlib.Repr()
+_SHORT.maxlist, _SHORT.maxstring, _SHORT.maxlevel = 8, 80, 2
 # Keys SGLang accepts that do not change what this engine computes.
 _SAMPLING_IGNORED = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
 # Keys SGLang accepts whose non-default values this engine cannot honour.
@@ -193,7 +197,7 @@ def parse_generate(
         elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
             batch, texts = True, text
         else:
-            raise InvalidRequestError(f"text must be a string or a list of strings, got {text!r}", text)
+            raise InvalidRequestError(f"text must be a string or a list of strings, got {_SHORT.repr(text)}", text)
         prompts = [tuple(tokenizer.encode(t)) for t in texts]
     elif input_ids is not None:
         if _is_ids(input_ids):
@@ -202,7 +206,7 @@ def parse_generate(
             batch, prompts = True, [tuple(x) for x in input_ids]
         else:
             raise InvalidRequestError(
-                f"input_ids must be a list of integers or a list of such lists, got {input_ids!r}",
+                f"input_ids must be a list of integers or a list of such lists, got {_SHORT.repr(input_ids)}",
                 input_ids,
             )
     else:

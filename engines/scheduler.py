@@ -114,7 +114,7 @@ class EngineCore:
             self._held -= 1
         if self._closed:
             raise EngineClosedError("the engine is shutting down")
-        self.validate(req)  # a rid may have been taken while we were held
+        self.check_rid(req)  # it may have been taken while we were held
         req.seed = req.params.sampling_seed if req.params.sampling_seed is not None else self._seeds.getrandbits(62)
         self._serials += 1
         req.serial = self._serials
@@ -128,8 +128,15 @@ class EngineCore:
 
     def validate(self, req: Request) -> None:
         """Raise InvalidRequestError if the engine cannot serve `req` (bad ids, too long, rid in use)."""
+        self.check_rid(req)
+        self.check_prompt(req)
+
+    def check_rid(self, req: Request) -> None:
         if req.rid in self._tracked:
             raise InvalidRequestError(f"Duplicate request ID: {req.rid!r}", req.rid)
+
+    def check_prompt(self, req: Request) -> None:
+        """`validate` without the rid: it reads only the model's constants, so a worker thread may run it."""
         if not req.prompt_ids:
             raise InvalidRequestError("input_ids cannot be empty.", req.prompt_ids)
         bad = [t for t in req.prompt_ids if not 0 <= t < self.model.vocab_size]

@@ -47,10 +47,13 @@ async def open_engine(
     health_check_timeout: float = 20.0,
     routes: Callable[[EngineServer], list[web.RouteDef]] | None = None,
     length_tail: LengthTail | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> AsyncIterator[EngineServer]:
     """Schedule `model` behind the HTTP surface on host:port (port 0 picks a free one); yield the server.
 
-    `routes` adds an engine's own endpoints (the simulated engine's `/sim/stats`)."""
+    `routes` adds an engine's own endpoints (the simulated engine's `/sim/stats`); `api_key` and
+    `max_body_bytes` guard every one of them (guards.py: None is no key, and the default bound)."""
     logging.getLogger("aiohttp.server").addFilter(_HTTP2_PROBE_FILTER)
     core = EngineCore(
         model,
@@ -66,6 +69,8 @@ async def open_engine(
         served_model_name=served_model_name,
         health_check_timeout=health_check_timeout,
         random_seed=random_seed,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
     )
     if routes is not None:
         server.app.add_routes(routes(server))

@@ -59,6 +59,7 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 
 from core.errors import ConfigError
+from engines.guards import add_guard_arguments, guard_options
 from engines.http import EngineServer, json_body, json_response
 from engines.scheduler import CoreStatistics
 from engines.seam import Draw, Row, WeightLoadError
@@ -390,6 +391,8 @@ async def open_sim_server(
     prefix_cache_entries: int = 4096,
     health_check_timeout: float = 20.0,
     staged_weight_updates: bool = False,
+    api_key: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> AsyncIterator[EngineServer]:
     """Start the decode loop and listen; yield the server (port 0 picks a free port).
 
@@ -418,6 +421,8 @@ async def open_sim_server(
         served_model_name=served_model_name,
         health_check_timeout=health_check_timeout,
         routes=_sim_routes,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
     ) as server:
         log.info("simulated engine at %s (time scale %g)", server.url, time_scale)
         yield server
@@ -465,6 +470,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
+    add_guard_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -492,6 +498,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         problems.append(f"--time-scale must be > 0, got {args.time_scale}")
     if args.max_running_requests < 1:
         problems.append(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    guards, bad_guards = guard_options(args)
+    problems += bad_guards
     if problems:
         raise ConfigError(problems)
     return dict(
@@ -510,6 +518,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         prefix_cache_entries=args.prefix_cache_entries,
         staged_weight_updates=args.staged_weight_updates,
         health_check_timeout=args.health_check_timeout,
+        **guards,
     )
 
 

@@ -114,11 +114,13 @@ async def start_engine(
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     module: str = "engines.builtin",
+    api_key: str | None = None,
 ) -> EngineProcess:
     """Spawn a built-in engine and wait until `/health_generate` answers 200.
 
     `module` picks the server: the built-in engine, or `engines.sim` (the simulated one,
-    which takes the same flags and only reports `model_path`).
+    which takes the same flags and only reports `model_path`). With `api_key` the engine
+    answers only requests that carry it (SGLang's `--api-key`), and the readiness probe sends it.
 
     Raises EngineUnavailableError if the process exits first (with its log tail) or the deadline
     passes; the process is stopped in both cases. A port picked here that another process grabbed
@@ -140,6 +142,7 @@ async def start_engine(
             "--port", str(chosen),
             "--max-running-requests", str(max_running_requests),
             "--weight-version", str(weight_version),
+            *(["--api-key", api_key] if api_key else []),
             *extra_args,
         ]  # fmt: skip
         child_env = {**os.environ, **(env or {})}
@@ -149,7 +152,7 @@ async def start_engine(
             process = await anyio.open_process(cmd, stdin=None, stdout=log_file, stderr=log_file, env=child_env)
         engine = EngineProcess(process, host=host, port=chosen, log_path=path, own_log=own_log)
         try:
-            await _wait_ready(engine, startup_timeout)
+            await _wait_ready(engine, startup_timeout, api_key)
         except EngineUnavailableError:
             await engine.stop(timeout=5.0)
             if port is None and attempt < 2 and "address already in use" in engine.log_tail():
@@ -164,11 +167,13 @@ async def start_engine(
     raise AssertionError("unreachable")
 
 
-async def _wait_ready(engine: EngineProcess, timeout: float) -> None:
+async def _wait_ready(engine: EngineProcess, timeout: float, api_key: str | None = None) -> None:
     # Polling is the only signal a separate process gives; each probe has its own short deadline.
     deadline = time.monotonic() + timeout
     probe = aiohttp.ClientTimeout(total=5.0)
-    async with aiohttp.ClientSession(timeout=probe) as session:
+    # SGLang lets the health probes through without the key; sent anyway, like every other call.
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(timeout=probe, headers=headers) as session:
         while True:
             if engine.returncode is not None:
                 raise EngineUnavailableError(

@@ -20,7 +20,7 @@ class ManagedEngines:
     def __init__(self, engines: list[EngineProcess], model_path: str | os.PathLike[str], **options: Any) -> None:
         self._by_url = {e.url: e for e in engines}
         self._model_path = model_path
-        # What `start_engine` got the first time (max_running_requests, ...); host and port are the
+        # What `start_engine` got the first time (max_running_requests, api_key, ...); host and port are the
         # old engine's, so the restarted one has its URL.
         self._options = {k: v for k, v in options.items() if k not in ("host", "port", "log_path")}
 

@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import IncompatibleStoreError
 from pipeline.config import config_to_dict, load_config
 from pipeline.replay import main as replay
 from pipeline.run.cli import main as launch
-from pipeline.run.resume_settings import REFUSED, changed_settings, refused_change, run_meta, without_secrets
+from pipeline.run.resume_settings import (
+    REFUSED,
+    changed_settings,
+    check_meta,
+    refused_change,
+    run_meta,
+    without_secrets,
+)
 from storage import LmdbStore
 
 BASE = ("--rollout-data-transport", "lmdb", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",
@@ -54,6 +62,21 @@ def test_a_changed_batch_size_is_accepted_recorded_and_shown_and_a_changed_backe
         after = store.read_meta()
         assert store.trained_step() == 2
     assert after == meta
+
+
+def test_a_changed_group_size_is_refused_with_the_flag_that_resumes_the_run(tmp_path):
+    """The store's own group size is checked before the settings are: that refusal says the fix too."""
+    stored = run_meta(load_config(["--n-samples-per-prompt", "8"]), [], tmp_path)
+    with LmdbStore(tmp_path / "rollout_data") as store:
+        check_meta(store, stored)  # a new store takes it
+        with pytest.raises(IncompatibleStoreError) as err:
+            check_meta(store, run_meta(load_config(["--n-samples-per-prompt", "4"]), [], tmp_path))
+        assert store.read_meta() == stored  # nothing recorded
+    assert str(err.value) == (
+        "the store was written with n_samples_per_prompt=8, this run has n_samples_per_prompt=4: a resume "
+        "cannot change it (stored groups hold that many samples each); run it with --n-samples-per-prompt 8 "
+        "again, or start a new run in another --output-dir"
+    )
 
 
 def test_every_recorded_setting_is_either_refused_or_recorded():

@@ -97,8 +97,8 @@ class EngineConfig:
         "--api-key",
         "str",
         metavar="KEY",
-        help="sent to engines and the router as 'Authorization: Bearer KEY', and given to the SGLang servers and "
-        "router the pipeline starts",
+        help="sent to engines and the router as 'Authorization: Bearer KEY', and given to the engines (built-in "
+        "or SGLang) and router the pipeline starts, which then refuse requests without it",
     )
     # Engine faults (issue 17): slime's flags and defaults, plus the floor the run goes on with.
     use_fault_tolerance: bool = opt(

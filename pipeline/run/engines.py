@@ -97,10 +97,18 @@ class RunEngines:
                         max_running_requests=slots,
                         log_dir=log_dir,
                         extra_args=["--device", e.device],
+                        api_key=key,
                     )
                 if e.use_fault_tolerance and e.launcher != "sglang":
                     # Restarted engines replace the started ones: stop whichever run at exit.
-                    managed = ManagedEngines(procs, self._model_path, host=e.host, max_running_requests=slots)
+                    managed = ManagedEngines(
+                        procs,
+                        self._model_path,
+                        host=e.host,
+                        max_running_requests=slots,
+                        extra_args=["--device", e.device],
+                        api_key=key,
+                    )
                     self._stack.push_async_callback(managed.stop)
                     faults["restarter"] = managed
                 else:

@@ -39,6 +39,7 @@ import structlog
 from core.errors import IncompatibleStoreError
 from core.types import PromptTask
 from pipeline.config import Config, config_to_dict
+from pipeline.config.schema import opt_of
 from storage import RunMeta, Store
 
 log = structlog.get_logger("launch")
@@ -59,6 +60,8 @@ REFUSED: Mapping[str, str] = {
     "storage.run_id": "the store belongs to one run",
     "trainer.backend": "the checkpoints (weights/vN) hold that backend's optimizer state",
 }
+# The RunMeta fields that are settings, checked before the recorded settings are.
+_META_SETTINGS = {"run_id": "storage.run_id", "n_samples_per_prompt": "rollout.n_samples_per_prompt"}
 # Values never written to disk (the store's settings, their history, the run folder's config.json):
 # a secret is recorded only as "<set>" or None, so a copied run folder does not carry the key.
 _SECRET = frozenset({"engine.api_key"})
@@ -138,9 +141,27 @@ def check_meta(store: Store, meta: RunMeta) -> None:
         store.write_meta(meta)
         return
     for name in ("run_id", "dataset_fingerprint", "tokenizer_fingerprint", "n_samples_per_prompt", "schema_version"):
-        if getattr(stored, name) != getattr(meta, name):
-            raise IncompatibleStoreError(name, getattr(stored, name), getattr(meta, name))
+        old, new = getattr(stored, name), getattr(meta, name)
+        if old == new:
+            continue
+        if (setting := _META_SETTINGS.get(name)) is not None:  # a flag: say how to resume anyway
+            raise _refused(setting, old, new)
+        raise IncompatibleStoreError(name, old, new)
     _record_setting_changes(store, stored, meta)
+
+
+def _refused(setting: str, old: object, new: object) -> IncompatibleStoreError:
+    """A refused change of `setting` ("section.name"), with the flag that resumes the run and the alternative."""
+    name, why = flag_of(setting), REFUSED[setting]
+    flag = opt_of(*setting.split(".", 1)).flag
+    return IncompatibleStoreError(
+        name,
+        old,
+        new,
+        reason=f"the store was written with {name}={old!r}, this run has {name}={new!r}: "
+        f"a resume cannot change it ({why}); run it with {flag} {old} again, or start a new run "
+        "in another --output-dir",
+    )
 
 
 def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> None:
@@ -151,16 +172,8 @@ def _record_setting_changes(store: Store, stored: RunMeta, meta: RunMeta) -> Non
         return  # a store written before settings were recorded: nothing to compare
     changes = changed_settings(before, now, step=store.trained_step() + 1)
     if (refused := refused_change(changes)) is not None:
-        change, why = refused
-        name = flag_of(change["setting"])
-        raise IncompatibleStoreError(
-            name,
-            change["from"],
-            change["to"],
-            reason=f"the store was written with {name}={change['from']!r}, this run has {name}={change['to']!r}: "
-            f"a resume cannot change it ({why}); run it with {name}={change['from']!r} again, or start a new run "
-            "in another --output-dir",
-        )
+        change, _ = refused
+        raise _refused(change["setting"], change["from"], change["to"])
     if not changes:
         return
     history = list(stored.extra.get("config_changes", ()))

@@ -2,8 +2,8 @@
 
 Flags the built-in engine has are passed through; the GPU ones (`--tp-size`,
 `--mem-fraction-static`) are accepted and echoed to the log with the visible devices, so tests can
-check what the launcher asked for. `--api-key` is enforced as SGLang does: every request except the
-health probes needs `Authorization: Bearer KEY`, or it gets 401.
+check what the launcher asked for. `--api-key` is the built-in engine's, which enforces it as SGLang
+does: every request except the health probes needs `Authorization: Bearer KEY`, or it gets 401.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
-from aiohttp import web
 
 import engines.builtin as engine_server
 
@@ -30,23 +28,8 @@ def main() -> int:
         file=sys.stderr,
         flush=True,
     )
-    if known.api_key:
-        expected = f"Bearer {known.api_key}"
-
-        @web.middleware
-        async def require_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
-            if not request.path.startswith("/health") and request.headers.get("Authorization") != expected:
-                return web.json_response({"error": "Unauthorized"}, status=401)
-            return await handler(request)
-
-        build = engine_server.EngineServer._build_app
-
-        def build_with_key(self):  # type: ignore[no-untyped-def]
-            app = build(self)
-            app.middlewares.append(require_key)
-            return app
-
-        engine_server.EngineServer._build_app = build_with_key  # type: ignore[method-assign]
+    if known.api_key:  # the built-in engine enforces it as SGLang does (engines/guards.py)
+        rest += ["--api-key", known.api_key]
     return engine_server.main(rest)
 
 
