@@ -51,14 +51,18 @@ class RunEngines:
         key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
         faults: dict[str, Any] = {"fault_policy": fault_policy(e)}
+        # R3 behind a router: the fleet checks that the router passes the routes' fields on, and
+        # sends R3 requests to the engines itself where it does not (sglang-router 0.3.2).
+        r3 = self._config.rollout.use_rollout_routing_replay
         try:
             if e.router_url:
                 fleet = EngineFleet(
                     router_url=e.router_url,
-                    concurrency=slots,
+                    concurrency=slots * e.num_engines,  # the plan's slots: C x the engines behind it
                     request_timeout=timeout,
                     max_retries=retries,
                     api_key=key,
+                    routed_experts=r3,
                     **faults,
                 )
             elif len(e.urls) == 1:
@@ -76,6 +80,7 @@ class RunEngines:
                     request_timeout=timeout,
                     max_retries=retries,
                     api_key=key,
+                    routed_experts=r3,
                     **faults,
                 )
             else:
@@ -88,6 +93,7 @@ class RunEngines:
                         engine=e,
                         log_dir=log_dir,
                         seed=self._config.rollout.seed,
+                        routed_experts=r3,
                     )
                 else:
                     procs = await start_engines(
@@ -117,6 +123,7 @@ class RunEngines:
                         request_timeout=timeout,
                         max_retries=retries,
                         api_key=key,
+                        routed_experts=r3,
                         **faults,
                     )
                 else:
