@@ -8,6 +8,7 @@ drops their fields go to the engines themselves, placed by the fleet (`dispatch.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -306,9 +307,8 @@ class EngineFleet:
         engines from now on. An engine that answers none itself, or cannot be reached, is refused."""
         state = self._open
         router = state.generator
-        answer = await router.generate(
-            _PROBE_INPUT, _PROBE_PARAMS, rid="r3-probe-router", return_logprob=False, **_R3_FIELDS
-        )
+        rid = f"r3-probe-{uuid.uuid4().hex}"  # unique: Ray producers probe the same engines at once
+        answer = await router.generate(_PROBE_INPUT, _PROBE_PARAMS, rid=rid, return_logprob=False, **_R3_FIELDS)
         if answer.routed_experts is not None:
             return  # the router passes the fields on: it places every request, as before
         if not state.workers:
@@ -320,7 +320,7 @@ class EngineFleet:
         engine = state.workers[0].url
         try:
             direct = await self._engine_generator(engine).generate(
-                _PROBE_INPUT, _PROBE_PARAMS, rid="r3-probe-engine", return_logprob=False, **_R3_FIELDS
+                _PROBE_INPUT, _PROBE_PARAMS, rid=rid + "-engine", return_logprob=False, **_R3_FIELDS
             )
         except EngineUnavailableError as exc:
             raise EngineUnavailableError(
