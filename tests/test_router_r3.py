@@ -118,6 +118,16 @@ async def test_r3_behind_a_router_is_refused_by_name_when_an_engine_sends_no_rou
     assert "--enable-return-routed-experts" in str(err.value)
 
 
+async def test_r3_on_one_engine_that_answers_no_routes_is_refused_before_the_first_sample():
+    """Not the router's doing, but the same symptom: SGLang without --enable-return-routed-experts.
+    Refused on entry, naming the flag, rather than sample by sample until the run gives up."""
+    async with FakeSGLang(weight_version="1") as engine:
+        with pytest.raises(EngineError, match="--enable-return-routed-experts") as err:
+            async with EngineFleet([engine.url], concurrency=2, request_timeout=20, routed_experts=True):
+                pass
+    assert err.value.url.startswith(engine.url)
+
+
 async def test_r3_behind_a_dropping_router_is_refused_when_its_engines_cannot_be_reached(router):
     gone = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(EngineUnavailableError) as err:

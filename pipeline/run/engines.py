@@ -51,8 +51,9 @@ class RunEngines:
         key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
         faults: dict[str, Any] = {"fault_policy": fault_policy(e)}
-        # R3 behind a router: the fleet checks that the router passes the routes' fields on, and
-        # sends R3 requests to the engines itself where it does not (sglang-router 0.3.2).
+        # R3: the fleet checks on entry that the engines answer routes, and behind a router that
+        # it passes their fields on; where it does not (sglang-router 0.3.2) R3 requests go to
+        # the engines directly.
         r3 = self._config.rollout.use_rollout_routing_replay
         try:
             if e.router_url:
@@ -67,7 +68,13 @@ class RunEngines:
                 )
             elif len(e.urls) == 1:
                 fleet = EngineFleet(
-                    list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key, **faults
+                    list(e.urls),
+                    concurrency=slots,
+                    request_timeout=timeout,
+                    max_retries=retries,
+                    api_key=key,
+                    routed_experts=r3,
+                    **faults,
                 )
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
@@ -128,7 +135,13 @@ class RunEngines:
                     )
                 else:
                     fleet = EngineFleet(
-                        urls, concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key, **faults
+                        urls,
+                        concurrency=slots,
+                        request_timeout=timeout,
+                        max_retries=retries,
+                        api_key=key,
+                        routed_experts=r3,
+                        **faults,
                     )
             return await self._stack.enter_async_context(fleet)
         except BaseException:

@@ -4,10 +4,10 @@ Why: sglang-router 0.3.2 (the last `sglang-router` release on PyPI, January 2026
 `/generate` body into a fixed request struct and serializes that struct again, so a field it does
 not declare never reaches the engine. R3's `return_routed_experts` and `routed_experts_start_len`
 are two of them: behind it every R3 answer comes back without `meta_info.routed_experts`. Routers
-that keep unknown fields do exist (smg >= 1.5.0, whose `GenerateRequest` carries them through a
-flattened map; forks such as radixark/sgl-router-for-miles that declare them), but the version
-string does not tell them apart (that fork also calls itself 0.3.2), so the fleet asks the router
-itself: one R3 request through it on entry (`EngineFleet(routed_experts=True)`), and where the
+that keep them do exist (smg >= 1.5.0, the gateway's successor package, whose `GenerateRequest`
+keeps unknown fields in a flattened map; forks such as radixark/sgl-router-for-miles that declare
+them), but a version string does not tell them apart (that fork also calls itself 0.3.2), so the
+fleet asks the router itself: one R3 request through it on entry (`EngineFleet(routed_experts=True)`), and where the
 answer has no routes while an engine's own answer does, `/generate` goes straight to the engines.
 
 `EnginePicker` then does the router's job for those requests. A request goes to its prompt's

@@ -72,10 +72,10 @@ class EngineFleet:
     `concurrency` is the most `/generate` requests the caller keeps in flight; the connection pool
     is that plus `CONTROL_HEADROOM`, so control calls never queue behind generation.
 
-    `routed_experts`: the requests ask for R3 routes. Behind a router, entry then checks with one
-    request that the router passes `return_routed_experts` on (sglang-router 0.3.2 does not), and
-    where it does not, `/generate` goes to the engines directly (`dispatch.EnginePicker`); an
-    engine that answers without routes itself is refused by name.
+    `routed_experts`: the requests ask for R3 routes. Entry then checks with one request that an
+    engine answers them (refused by name if not), and behind a router, that the router passes
+    `return_routed_experts` on (sglang-router 0.3.2 does not); where it does not, `/generate` goes
+    to the engines directly (`dispatch.EnginePicker`).
     """
 
     def __init__(
@@ -137,8 +137,8 @@ class EngineFleet:
                 self._state.workers = tuple(self._client(session, u) for u in self._given_workers)
             else:
                 await self.discover_workers()
-            if self._routed_experts and self._router_url is not None:
-                await self._route_routed_experts()
+            if self._routed_experts:
+                await self._check_routed_experts()
             if self._faults is not None:
                 await self._faults.__aenter__()
         except BaseException:
@@ -301,30 +301,38 @@ class EngineFleet:
             state.engine_generators[url] = client
         return client
 
-    async def _route_routed_experts(self) -> None:
-        """Make sure R3's fields reach the engines: one request through the router; if its answer
-        has no routes, the same request to an engine, and if that one has, /generate goes to the
-        engines from now on. An engine that answers none itself, or cannot be reached, is refused."""
+    async def _check_routed_experts(self) -> None:
+        """Make sure R3's fields reach the engines and are answered, before the first sample asks.
+
+        Behind a router: one R3 request through it; if its answer has no routes, the same request
+        to an engine, and if that one has them, the router drops the fields and /generate goes to
+        the engines from now on. An engine that answers none itself (SGLang without
+        --enable-return-routed-experts), or cannot be reached, is refused by name: otherwise every
+        sample would fail, one by one, until the run gave up."""
         state = self._open
-        router = state.generator
         rid = f"r3-probe-{uuid.uuid4().hex}"  # unique: Ray producers probe the same engines at once
-        answer = await router.generate(_PROBE_INPUT, _PROBE_PARAMS, rid=rid, return_logprob=False, **_R3_FIELDS)
-        if answer.routed_experts is not None:
-            return  # the router passes the fields on: it places every request, as before
-        if not state.workers:
-            raise EngineError(
-                router.url,
-                f"the router drops return_routed_experts ({_ROUTERS_THAT_DROP}), and lists no engine to "
-                "send R3 requests to directly",
-            )
-        engine = state.workers[0].url
+        if self._router_url is not None:
+            router = state.generator
+            answer = await router.generate(_PROBE_INPUT, _PROBE_PARAMS, rid=rid, return_logprob=False, **_R3_FIELDS)
+            if answer.routed_experts is not None:
+                return  # the router passes the fields on: it places every request, as before
+            if not state.workers:
+                raise EngineError(
+                    router.url,
+                    f"the router drops return_routed_experts ({_ROUTERS_THAT_DROP}), and lists no engine to "
+                    "send R3 requests to directly",
+                )
+        engine = state.workers[0].url if state.workers else state.generator.url
+        client = self._engine_generator(engine) if self._router_url is not None else state.generator
         try:
-            direct = await self._engine_generator(engine).generate(
+            direct = await client.generate(
                 _PROBE_INPUT, _PROBE_PARAMS, rid=rid + "-engine", return_logprob=False, **_R3_FIELDS
             )
         except EngineUnavailableError as exc:
+            if self._router_url is None:
+                raise
             raise EngineUnavailableError(
-                router.url,
+                self._router_url,
                 f"the router drops return_routed_experts ({_ROUTERS_THAT_DROP}), and its engine {engine} "
                 f"cannot be reached from here to send R3 requests to directly ({exc}): put a router that "
                 "passes it on in front of the engines, or give the engines' own URLs (--sglang-url, repeated)",
@@ -335,13 +343,14 @@ class EngineFleet:
                 "answers without meta_info.routed_experts although return_routed_experts was asked: "
                 "start SGLang with --enable-return-routed-experts, and serve an MoE model",
             )
-        state.picker = EnginePicker(self._concurrency)
-        log.warning(
-            "the router drops R3's return_routed_experts: /generate goes to the engines directly",
-            router=router.url,
-            engines=len(state.workers),
-            routers=_ROUTERS_THAT_DROP,
-        )
+        if self._router_url is not None:
+            state.picker = EnginePicker(self._concurrency)
+            log.warning(
+                "the router drops R3's return_routed_experts: /generate goes to the engines directly",
+                router=self._router_url,
+                engines=len(state.workers),
+                routers=_ROUTERS_THAT_DROP,
+            )
 
     # -- control calls reach every engine -----------------------------------------------------
 
