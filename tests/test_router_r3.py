@@ -93,6 +93,52 @@ async def test_r3_requests_bypass_a_router_that_drops_their_fields(moe_engines, 
     assert a.calls["/abort_request"] == b.calls["/abort_request"] == 1
 
 
+async def test_an_engines_eviction_ends_its_direct_r3_requests_and_the_next_go_elsewhere(moe_engines, router):
+    """Through the router, a request on an engine that hangs waits for its timeout; sent directly,
+    the engine's eviction ends it at once (the sample goes back to be continued), and later
+    requests go to the engines left."""
+    from stages.sglang.health import FaultPolicy
+
+    a, b = moe_engines
+    fleet = EngineFleet(
+        router_url=router.url,
+        concurrency=8,
+        request_timeout=60,
+        control_timeout=5,
+        fault_policy=FaultPolicy(interval=60.0, first_wait=60.0),
+        routed_experts=True,
+    )
+    with anyio.fail_after(30):
+        async with fleet:
+            assert fleet.generates_direct
+            a.hold_at = b.hold_at = 1  # every request stops after one token, as on a hung engine
+            async with anyio.create_task_group() as tg:
+                failed: list[EngineUnavailableError] = []
+
+                async def held() -> None:
+                    with pytest.raises(EngineUnavailableError) as err:
+                        await fleet.generate([5, 6, 7], {"max_new_tokens": 3}, rid="held", **R3)
+                    failed.append(err.value)
+
+                tg.start_soon(held)
+                async with anyio.create_task_group() as watching:  # whichever engine it went to
+
+                    async def watch(engine: FakeSGLang) -> None:
+                        await engine.wait_until(lambda: engine.held == 1)
+                        watching.cancel_scope.cancel()
+
+                    watching.start_soon(watch, a)
+                    watching.start_soon(watch, b)
+                hung = a if a.held else b
+                await fleet.evict(hung.url, "test: hung")
+            assert failed and failed[0].url == hung.url and "evicted" in str(failed[0])
+            left = b if hung is a else a
+            left.hold_at = None
+            result = await fleet.generate([5, 6, 7], {"max_new_tokens": 3}, rid="after", **R3)
+            assert result.routed_experts is not None
+    assert [p["rid"] for p in left.generate_payloads][-1] == "after"
+
+
 async def test_r3_requests_stay_with_a_router_that_passes_their_fields_on(moe_engines):
     """A router that forwards the body as sent (smg >= 1.5.0 keeps unknown fields) keeps placing
     R3 requests: nothing bypasses it."""
