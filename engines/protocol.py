@@ -333,7 +333,11 @@ def render_output(
         if req.top_logprobs_num:  # one list per output token, most likely first (SC reads them)
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in req.output_top_logprobs]
             meta["input_top_logprobs"] = [None]
-    if req.return_routed_experts and final:
+    waiting_abort = finish is not None and finish.kind is FinishKind.ABORT_WAITING
+    if req.return_routed_experts and final and not waiting_abort:
+        # SGLang collects the routes of a request that finishes in a forward (running, or aborted
+        # while running); one aborted in its waiting queue, a retracted one with tokens included,
+        # is answered by the tokenizer manager's _handle_abort_req, which sends none.
         meta["routed_experts"] = _routed_rows(req)
         meta["routed_experts_start_len"] = req.routed_start_len
     return {"text": text, "output_ids": ids, "meta_info": meta}

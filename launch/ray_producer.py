@@ -220,6 +220,7 @@ class ProducerCore:
             request_timeout=spec.request_timeout,
             max_retries=spec.max_retries,
             api_key=spec.api_key,
+            routed_experts=spec.routed_experts_top_k is not None,  # past a router that drops R3's fields
         ) as fleet:
             pool = GeneratorPool(
                 fleet,

@@ -44,9 +44,14 @@ def engine_devices(devices: str | None, *, engines: int, per_engine: int) -> lis
     return [ids[i * per_engine : (i + 1) * per_engine] for i in range(engines)]
 
 
-def sglang_command_args(*, per_engine: int, mem_fraction: float | None, api_key: str | None, seed: int) -> list[str]:
-    """The SGLang flags beyond those every engine gets (model path, host, port, concurrency, version)."""
+def sglang_command_args(
+    *, per_engine: int, mem_fraction: float | None, api_key: str | None, seed: int, routed_experts: bool = False
+) -> list[str]:
+    """The SGLang flags beyond those every engine gets (model path, host, port, concurrency, version).
+    `routed_experts` (R3): SGLang answers `return_routed_experts` only when started with its flag."""
     args = ["--tp-size", str(per_engine), "--random-seed", str(seed)]
+    if routed_experts:
+        args.append("--enable-return-routed-experts")
     if mem_fraction is not None:
         args += ["--mem-fraction-static", str(mem_fraction)]
     if api_key:
@@ -54,7 +59,9 @@ def sglang_command_args(*, per_engine: int, mem_fraction: float | None, api_key:
     return args
 
 
-async def start_sglang_servers(model_path: Path, *, engine: Any, log_dir: Path, seed: int = 0) -> list[EngineProcess]:
+async def start_sglang_servers(
+    model_path: Path, *, engine: Any, log_dir: Path, seed: int = 0, routed_experts: bool = False
+) -> list[EngineProcess]:
     """Start `engine.num_engines` SGLang servers (an `EngineConfig`); all healthy, or none left running."""
     if importlib.util.find_spec("sglang") is None:
         raise ConfigError(
@@ -69,6 +76,7 @@ async def start_sglang_servers(model_path: Path, *, engine: Any, log_dir: Path, 
         mem_fraction=engine.sglang_mem_fraction_static,
         api_key=engine.api_key,
         seed=seed,
+        routed_experts=routed_experts,
     )
     await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     started: list[EngineProcess | None] = [None] * len(groups)

@@ -145,6 +145,8 @@ class StageGraph:
             "tokens/generated_total": g.generated_tokens,
             # Tokens stamped with the older version because the engine sent no per-token spans.
             "versions/unknown_boundary_tokens": g.unknown_boundary_tokens,
+            # R3: tokens of aborted answers that came without their routes, replayed unrouted.
+            "tokens/unrouted_total": g.unrouted_tokens,
             **{f"filter/rejected/{reason}": n for reason, n in self.producers.filter_statistics().rejected.items()},
             **self.producers.metrics(),
         }

@@ -117,6 +117,10 @@ class GeneratorStatistics:
     # when the request was sent: stamped with the older version, since the boundary is unknown.
     unknown_boundary_tokens: int = 0
     agent_retries: int = 0  # agent runs made again after the agent raised (--agent-max-retries)
+    # R3: tokens kept without their routes (`NO_ROUTE` rows), from aborted answers that carried
+    # none: SGLang answers a request aborted in its waiting queue (one it had retracted, with
+    # tokens) without `routed_experts`. The trainer's router routes those tokens itself.
+    unrouted_tokens: int = 0
 
 
 class GeneratorPool:
@@ -173,7 +177,9 @@ class GeneratorPool:
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
-        self._stats = dict(requests=0, aborted=0, resumed=0, tokens=0, failed=0, unknown_boundary=0, agent_retries=0)
+        self._stats = dict(
+            requests=0, aborted=0, resumed=0, tokens=0, failed=0, unknown_boundary=0, agent_retries=0, unrouted=0
+        )
         self._failures = FailureLog("generate")
         self._busy = 0.0
         # Requests that failed for want of an engine since the last one that got an answer.
@@ -503,6 +509,13 @@ class GeneratorPool:
         try:
             routes = None
             top_k = self._payloads.routed_experts_top_k
+            if top_k is not None and result.routed_experts is None and segment.finish_reason is FinishReason.ABORT:
+                # SGLang collects a request's routes when it finishes in a forward; one aborted
+                # in the waiting queue (retracted earlier, so it has tokens) is answered without
+                # them (tokenizer_manager._handle_abort_req). Its tokens stay, routed by the
+                # trainer's own router (`NO_ROUTE` rows), rather than be generated again.
+                self._stats["unrouted"] += n
+                top_k = None
             if top_k is not None:
                 if result.routed_experts is None:
                     raise EngineError(
@@ -574,4 +587,5 @@ class GeneratorPool:
             self._busy,
             s["unknown_boundary"],
             s["agent_retries"],
+            s["unrouted"],
         )

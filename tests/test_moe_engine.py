@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from core.clock import VersionClock
+from core.columns import NO_ROUTE
 from core.types import PromptTask, SampleStatus
 from engines.builtin import EngineServer, open_server
 from engines.moe_routes import RouteRecorder
@@ -187,3 +188,39 @@ async def test_routes_survive_an_abort_and_a_continuation_byte_for_byte(moe_dirs
         ids = list(a.prompt_ids) + list(a.response_ids)
         expected = router_choices(v0, ids[:-1])[len(a.prompt_ids) - 1 :]
         assert (np.frombuffer(a.routes.data, dtype="<i4").reshape(expected.shape) == expected).all()
+
+
+async def test_a_request_aborted_while_retracted_keeps_its_tokens_unrouted_and_its_sample_goes_on(moe_dirs):
+    """SGLang collects a request's routes when it finishes in a forward; a request aborted in its
+    waiting queue, where a retract put it with its tokens, is answered by the tokenizer manager's
+    `_handle_abort_req`, which sends no `routed_experts`. The built-in engine answers the same, and
+    the pool keeps those tokens (NO_ROUTE rows: the trainer's router routes them) and continues
+    the sample as partial rollout does; the tokens after the cut get their routes."""
+    v0, _ = moe_dirs
+
+    async def abort_retracted(server: EngineServer, fleet: EngineFleet, clock: VersionClock) -> None:
+        while server.core.statistics().generated_tokens < 3 * N_SAMPLES:
+            await server.core.wait_step()
+        await fleet.pause("retract")  # back to the waiting queue, tokens and all
+        await fleet.abort_all()  # where the abort finds them
+        await fleet.continue_generation()
+
+    [group] = await engine_rollout(
+        v0,
+        [PromptTask(index=0, prompt_ids=tuple(PROMPT))],
+        n_samples=N_SAMPLES,
+        payloads=TokenPayloads(routed_experts_top_k=TOP_K),
+        max_response_len=MAX_LEN,
+        sampling_params={"ignore_eos": True},
+        slots=8,
+        during=abort_retracted,
+    )
+    for s in group.samples:
+        assert s.status is SampleStatus.TRUNCATED and len(s.response_ids) == MAX_LEN
+        assert s.routes is not None and s.resumed_at
+        cut = s.resumed_at[0]
+        rows = np.frombuffer(s.routes.data, dtype="<i4").reshape(MAX_LEN, LAYERS, TOP_K)
+        assert (rows[:cut] == NO_ROUTE).all()  # the aborted answer's tokens came without routes
+        ids = list(s.prompt_ids) + list(s.response_ids)
+        expected = router_choices(v0, ids[:-1])[len(s.prompt_ids) - 1 :]
+        assert (rows[cut:] == expected[cut:]).all()  # the continuation's did, from their forwards

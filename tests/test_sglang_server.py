@@ -45,6 +45,9 @@ def test_devices_split_into_engines_in_order_and_bad_splits_are_named(monkeypatc
         "--api-key",
         "k",
     ]
+    # R3: real SGLang answers return_routed_experts only when started with its flag.
+    r3 = sglang_command_args(per_engine=1, mem_fraction=None, api_key=None, seed=0, routed_experts=True)
+    assert "--enable-return-routed-experts" in r3
     monkeypatch.syspath_prepend(str(STANDIN))  # "installed"
     config = load_config(
         ["--rollout-engine", "sglang", "--sglang-devices", "0,1,2,3", "--rollout-num-gpus-per-engine", "2"]
@@ -122,6 +125,13 @@ def test_a_run_starts_two_sglang_servers_behind_the_router_with_the_key(tmp_path
             "0,1",
             "--api-key",
             "s3cret",
+            # R3 on the MoE toy: the servers are started with SGLang's flag for it, and since the
+            # router (0.3.2) drops the routes' fields, R3 requests go to them directly, key and all.
+            "--num-experts",
+            "8",
+            "--moe-router-topk",
+            "2",
+            "--use-rollout-routing-replay",
         ],
         cwd=ROOT,
         env=env,
@@ -135,5 +145,7 @@ def test_a_run_starts_two_sglang_servers_behind_the_router_with_the_key(tmp_path
     for i in (0, 1):
         assert f"CUDA_VISIBLE_DEVICES={i} " in (out / "logs" / f"sglang-{i}.log").read_text()
         assert "api_key=set" in (out / "logs" / f"sglang-{i}.log").read_text()
+        assert "enable_return_routed_experts=True" in (out / "logs" / f"sglang-{i}.log").read_text()
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-5  # the routes were replayed
     # Both servers refuse requests without the key, so every generation that trained went through
     # the router with it.

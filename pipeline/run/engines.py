@@ -51,19 +51,30 @@ class RunEngines:
         key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
         faults: dict[str, Any] = {"fault_policy": fault_policy(e)}
+        # R3: the fleet checks on entry that the engines answer routes, and behind a router that
+        # it passes their fields on; where it does not (sglang-router 0.3.2) R3 requests go to
+        # the engines directly.
+        r3 = self._config.rollout.use_rollout_routing_replay
         try:
             if e.router_url:
                 fleet = EngineFleet(
                     router_url=e.router_url,
-                    concurrency=slots,
+                    concurrency=slots * e.num_engines,  # the plan's slots: C x the engines behind it
                     request_timeout=timeout,
                     max_retries=retries,
                     api_key=key,
+                    routed_experts=r3,
                     **faults,
                 )
             elif len(e.urls) == 1:
                 fleet = EngineFleet(
-                    list(e.urls), concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key, **faults
+                    list(e.urls),
+                    concurrency=slots,
+                    request_timeout=timeout,
+                    max_retries=retries,
+                    api_key=key,
+                    routed_experts=r3,
+                    **faults,
                 )
             elif e.urls:
                 # Several engines need a router in front of them; the pipeline starts one.
@@ -76,6 +87,7 @@ class RunEngines:
                     request_timeout=timeout,
                     max_retries=retries,
                     api_key=key,
+                    routed_experts=r3,
                     **faults,
                 )
             else:
@@ -88,6 +100,7 @@ class RunEngines:
                         engine=e,
                         log_dir=log_dir,
                         seed=self._config.rollout.seed,
+                        routed_experts=r3,
                     )
                 else:
                     procs = await start_engines(
@@ -125,11 +138,18 @@ class RunEngines:
                         request_timeout=timeout,
                         max_retries=retries,
                         api_key=key,
+                        routed_experts=r3,
                         **faults,
                     )
                 else:
                     fleet = EngineFleet(
-                        urls, concurrency=slots, request_timeout=timeout, max_retries=retries, api_key=key, **faults
+                        urls,
+                        concurrency=slots,
+                        request_timeout=timeout,
+                        max_retries=retries,
+                        api_key=key,
+                        routed_experts=r3,
+                        **faults,
                     )
             return await self._stack.enter_async_context(fleet)
         except BaseException:

@@ -6,7 +6,8 @@ Three rooms, each importing only the one before it:
   log-probs, per-token version spans) and the shapes of control answers (`EngineLoad`).
 - `engine`: `EngineClient`, the HTTP calls to one URL (an engine, or the router for `/generate`).
 - `fleet`: `EngineFleet`, what the pipeline holds: `/generate` to one URL, control calls fanned out
-  to every engine.
+  to every engine; R3 requests behind a router that drops their fields go to the engines
+  themselves, placed by `dispatch.EnginePicker`.
 """
 
 from stages.sglang.engine import EngineClient, EngineStatistics

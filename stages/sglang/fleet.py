@@ -2,11 +2,13 @@
 
 `/generate` goes to one URL (the router, or the only engine), and every control call fans out to
 every engine concurrently, because the router does not forward `/abort_request`,
-`/pause_generation` or the weight endpoints.
+`/pause_generation` or the weight endpoints. The one exception: R3 requests behind a router that
+drops their fields go to the engines themselves, placed by the fleet (`dispatch.py` says why).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -14,9 +16,11 @@ from typing import Any, Self, TypeVar
 
 import aiohttp
 import anyio
+import structlog
 
 from core.errors import EngineError, EngineUnavailableError
 from core.types import PauseMode
+from stages.sglang.dispatch import EnginePicker, PickerStatistics
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
@@ -29,6 +33,18 @@ __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
 # pool saturated by `/generate` requests would queue the very `/abort_request` that frees it.
 CONTROL_HEADROOM = 32
 
+# The R3 probe (`EngineFleet(routed_experts=True)`): one token after one token, whose id every
+# vocabulary has.
+_PROBE_INPUT = (0,)
+_PROBE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
+_R3_FIELDS = {"return_routed_experts": True, "routed_experts_start_len": 0}
+# Which routers drop R3's fields and which keep them (dispatch.py has the sources).
+_ROUTERS_THAT_DROP = (
+    "sglang-router up to 0.3.2 (its last release) drops return_routed_experts; smg >= 1.5.0 passes it on"
+)
+
+log = structlog.get_logger(__name__)
+
 T = TypeVar("T")
 
 
@@ -38,6 +54,11 @@ class _FleetState:
     generator: EngineClient
     workers: tuple[EngineClient, ...] = field(default=())  # the live ones: evicted engines leave
     generate_pool: GeneratePool | None = None  # lean /generate connections (None: aiohttp's)
+    # Set when /generate goes to the engines themselves (R3 behind a router that drops its
+    # fields): the picker, and each engine's own /generate client (with its own lean pool).
+    picker: EnginePicker | None = None
+    engine_generators: dict[str, EngineClient] = field(default_factory=dict)
+    engine_pools: list[GeneratePool] = field(default_factory=list)
 
 
 class EngineFleet:
@@ -50,6 +71,11 @@ class EngineFleet:
 
     `concurrency` is the most `/generate` requests the caller keeps in flight; the connection pool
     is that plus `CONTROL_HEADROOM`, so control calls never queue behind generation.
+
+    `routed_experts`: the requests ask for R3 routes. Entry then checks with one request that an
+    engine answers them (refused by name if not), and behind a router, that the router passes
+    `return_routed_experts` on (sglang-router 0.3.2 does not); where it does not, `/generate` goes
+    to the engines directly (`dispatch.EnginePicker`).
     """
 
     def __init__(
@@ -66,6 +92,7 @@ class EngineFleet:
         fault_policy: FaultPolicy | None = None,
         restarter: EngineRestarter | None = None,
         lean_generate: bool = True,
+        routed_experts: bool = False,
     ) -> None:
         if not worker_urls and router_url is None:
             raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
@@ -90,6 +117,7 @@ class EngineFleet:
         self._lean_generate = lean_generate
         # With a fault policy, engine faults evict instead of failing the call (see faults.py).
         self._faults = FleetFaults(self, fault_policy, restarter) if fault_policy is not None else None
+        self._routed_experts = routed_experts
 
     async def __aenter__(self) -> Self:
         if self._state is not None:
@@ -109,14 +137,15 @@ class EngineFleet:
                 self._state.workers = tuple(self._client(session, u) for u in self._given_workers)
             else:
                 await self.discover_workers()
+            if self._routed_experts:
+                await self._check_routed_experts()
             if self._faults is not None:
                 await self._faults.__aenter__()
         except BaseException:
-            pool = self._state.generate_pool if self._state is not None else None
-            self._state = None
+            state, self._state = self._state, None
             with anyio.move_on_after(5, shield=True):
-                if pool is not None:
-                    await pool.aclose()
+                if state is not None:
+                    await _close_pools(state)
                 await session.close()
             raise
         return self
@@ -131,8 +160,7 @@ class EngineFleet:
             state, self._state = self._state, None
             if state is not None:
                 with anyio.move_on_after(5, shield=True):
-                    if state.generate_pool is not None:
-                        await state.generate_pool.aclose()
+                    await _close_pools(state)
                     await state.session.close()
 
     def _client(self, session: aiohttp.ClientSession, url: str) -> EngineClient:
@@ -146,7 +174,18 @@ class EngineFleet:
 
     @property
     def generate_url(self) -> str:
+        """Where `/generate` goes: the router or the only engine (R3 placed by the fleet: the router's URL too)."""
         return self._open.generator.url
+
+    @property
+    def generates_direct(self) -> bool:
+        """Whether `/generate` goes to the engines themselves, placed by the fleet, not the router."""
+        return self._open.picker is not None
+
+    def picker_statistics(self) -> PickerStatistics | None:
+        """Where the fleet placed its requests; None while the router places them."""
+        picker = self._open.picker
+        return picker.statistics() if picker is not None else None
 
     @property
     def worker_urls(self) -> tuple[str, ...]:
@@ -224,9 +263,94 @@ class EngineFleet:
         return_logprob: bool = True,
         **fields: Any,
     ) -> GenerateResult:
-        return await self._open.generator.generate(
-            input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
-        )
+        state = self._open
+        if state.picker is None:
+            return await state.generator.generate(
+                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        urls = tuple(w.url for w in state.workers)
+        if not urls:
+            raise EngineUnavailableError(state.generator.url, f"request {rid}: no live engine to send it to")
+        url = state.picker.pick(urls, input_ids)
+        try:
+            client = self._engine_generator(url)
+            if self._faults is None:
+                return await client.generate(
+                    input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+                )
+            # Through the router a request to an engine that hangs would wait for its timeout; here
+            # the engine's eviction ends it, and the sample goes back to be continued elsewhere.
+            with self._faults.cancelled_on_eviction(url):
+                return await client.generate(
+                    input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+                )
+            raise EngineUnavailableError(url, f"request {rid}: the engine was evicted while it ran")
+        finally:
+            state.picker.release(url)
+
+    def _engine_generator(self, url: str) -> EngineClient:
+        """`url`'s own `/generate` client, with lean connections of its own where they work."""
+        state = self._open
+        client = state.engine_generators.get(url)
+        if client is None:
+            pool = None
+            if self._lean_generate and GeneratePool.supports(url):
+                pool = GeneratePool(url, headers=self._headers, max_idle=self._concurrency)
+                state.engine_pools.append(pool)
+            client = EngineClient(url, state.session, counters=self._counters, generate_pool=pool, **self._client_kw)
+            state.engine_generators[url] = client
+        return client
+
+    async def _check_routed_experts(self) -> None:
+        """Make sure R3's fields reach the engines and are answered, before the first sample asks.
+
+        Behind a router: one R3 request through it; if its answer has no routes, the same request
+        to an engine, and if that one has them, the router drops the fields and /generate goes to
+        the engines from now on. An engine that answers none itself (SGLang without
+        --enable-return-routed-experts), or cannot be reached, is refused by name: otherwise every
+        sample would fail, one by one, until the run gave up."""
+        state = self._open
+        rid = f"r3-probe-{uuid.uuid4().hex}"  # unique: Ray producers probe the same engines at once
+        if self._router_url is not None:
+            router = state.generator
+            answer = await router.generate(_PROBE_INPUT, _PROBE_PARAMS, rid=rid, return_logprob=False, **_R3_FIELDS)
+            if answer.routed_experts is not None:
+                return  # the router passes the fields on: it places every request, as before
+            if not state.workers:
+                raise EngineError(
+                    router.url,
+                    f"the router drops return_routed_experts ({_ROUTERS_THAT_DROP}), and lists no engine to "
+                    "send R3 requests to directly",
+                )
+        engine = state.workers[0].url if state.workers else state.generator.url
+        client = self._engine_generator(engine) if self._router_url is not None else state.generator
+        try:
+            direct = await client.generate(
+                _PROBE_INPUT, _PROBE_PARAMS, rid=rid + "-engine", return_logprob=False, **_R3_FIELDS
+            )
+        except EngineUnavailableError as exc:
+            if self._router_url is None:
+                raise
+            raise EngineUnavailableError(
+                self._router_url,
+                f"the router drops return_routed_experts ({_ROUTERS_THAT_DROP}), and its engine {engine} "
+                f"cannot be reached from here to send R3 requests to directly ({exc}): put a router that "
+                "passes it on in front of the engines, or give the engines' own URLs (--sglang-url, repeated)",
+            ) from exc
+        if direct.routed_experts is None:
+            raise EngineError(
+                engine,
+                "answers without meta_info.routed_experts although return_routed_experts was asked: "
+                "start SGLang with --enable-return-routed-experts, and serve an MoE model",
+            )
+        if self._router_url is not None:
+            state.picker = EnginePicker(self._concurrency)
+            log.warning(
+                "the router drops R3's return_routed_experts: /generate goes to the engines directly",
+                router=self._router_url,
+                engines=len(state.workers),
+                routers=_ROUTERS_THAT_DROP,
+            )
 
     # -- control calls reach every engine -----------------------------------------------------
 
@@ -356,6 +480,12 @@ class EngineFleet:
         if failures:
             raise _fan_out_error(what, failures, len(workers))
         return {w.url: results[w.url] for w in workers}
+
+
+async def _close_pools(state: _FleetState) -> None:
+    for pool in (state.generate_pool, *state.engine_pools):
+        if pool is not None:
+            await pool.aclose()
 
 
 def _fan_out_error(what: str, failures: Mapping[str, EngineError], total: int) -> EngineError:

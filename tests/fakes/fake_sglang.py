@@ -506,7 +506,7 @@ class FakeSGLang:
             meta["input_token_logprobs"] = []
             if req.top_logprobs_num:
                 meta["output_top_logprobs"] = list(req.heads)
-        if req.routes is not None:
+        if req.routes is not None and not waiting:  # _handle_abort_req sends no routes either
             meta["routed_experts"] = req.routes.answer(req.routed_experts_start_len, len(req.output_ids))
             if not self.ignore_routed_experts_start_len:
                 meta["routed_experts_start_len"] = req.routed_experts_start_len

@@ -20,11 +20,14 @@ def main() -> int:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--mem-fraction-static", type=float, default=None)
     ap.add_argument("--api-key", default=None)
+    # R3: the built-in engine answers routes for any MoE model; SGLang needs this flag for it.
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
     known, rest = ap.parse_known_args()
     print(
         f"standin: tp_size={known.tp_size} mem_fraction_static={known.mem_fraction_static} "
         f"api_key={'set' if known.api_key else 'none'} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
-        f"HIP_VISIBLE_DEVICES={os.environ.get('HIP_VISIBLE_DEVICES')}",
+        f"HIP_VISIBLE_DEVICES={os.environ.get('HIP_VISIBLE_DEVICES')} "
+        f"enable_return_routed_experts={known.enable_return_routed_experts}",
         file=sys.stderr,
         flush=True,
     )
