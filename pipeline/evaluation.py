@@ -23,7 +23,6 @@ policies) and `python -m pipeline.eval` evaluates a run's saved weights instead.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import zlib
@@ -39,7 +38,8 @@ import structlog
 from core.errors import EngineError
 from core.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
 from stages.generator import GenerateEngine
-from stages.reward import RewardFn
+from stages.reward import RewardFn, call_reward
+from stages.reward_threads import RewardThreads
 
 __all__ = ["EvalLog", "EvalSet", "EvalSettings", "eval_due", "evaluate"]
 
@@ -92,26 +92,38 @@ async def evaluate(
 
     `on_sample` is called after each response is scored (a progress bar's tick)."""
     limiter = anyio.CapacityLimiter(settings.concurrency)
+    threads = RewardThreads()  # a plain def reward's calls, off the event loop (stages.reward_threads)
     out: dict[str, float] = {}
-    for s in sets:
-        results: list[Sample | None] = [None] * (len(s.tasks) * settings.n_samples)
+    try:
+        for s in sets:
+            results: list[Sample | None] = [None] * (len(s.tasks) * settings.n_samples)
 
-        async def one(i: int, task: PromptTask, j: int, s: EvalSet = s, results: list[Sample | None] = results) -> None:
-            async with limiter:
-                results[i * settings.n_samples + j] = await _sample(engine, s, task, j, settings, step)
-            if on_sample is not None:
-                on_sample()
+            async def one(
+                i: int, task: PromptTask, j: int, s: EvalSet = s, results: list[Sample | None] = results
+            ) -> None:
+                async with limiter:
+                    results[i * settings.n_samples + j] = await _sample(engine, s, task, j, settings, step, threads)
+                if on_sample is not None:
+                    on_sample()
 
-        async with anyio.create_task_group() as tg:
-            for i, task in enumerate(s.tasks):
-                for j in range(settings.n_samples):
-                    tg.start_soon(one, i, task, j)
-        out.update(_set_metrics(s.name, results))
+            async with anyio.create_task_group() as tg:
+                for i, task in enumerate(s.tasks):
+                    for j in range(settings.n_samples):
+                        tg.start_soon(one, i, task, j)
+            out.update(_set_metrics(s.name, results))
+    finally:
+        threads.close()
     return out
 
 
 async def _sample(
-    engine: GenerateEngine, s: EvalSet, task: PromptTask, j: int, settings: EvalSettings, step: int
+    engine: GenerateEngine,
+    s: EvalSet,
+    task: PromptTask,
+    j: int,
+    settings: EvalSettings,
+    step: int,
+    threads: RewardThreads,
 ) -> Sample | None:
     """One scored response, or None when the engine refused it or the reward failed."""
     params = dict(settings.sampling_params or {}, max_new_tokens=settings.max_response_len)
@@ -126,11 +138,10 @@ async def _sample(
         return None
     segment = Segment(result.token_ids, result.logprobs, result.finish_reason, 0)
     sample = Sample(index=j, prompt_ids=task.prompt_ids).extended(segment, max_response_len=settings.max_response_len)
+    [(ok, value)] = await call_reward(s.reward_fn, task, [sample], timeout=settings.reward_timeout, threads=threads)
     try:
-        value = s.reward_fn(task, sample)
-        if inspect.isawaitable(value):
-            with anyio.fail_after(settings.reward_timeout):
-                value = await value
+        if not ok:
+            raise value
         reward = float(value)
     except Exception as exc:  # a user reward's failure is counted, never the end of the run
         log.warning("evaluation reward failed", rid=rid, error=repr(exc))
