@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from pipeline.metric_sinks import SinkSettings, TensorBoardSink, WandbSink, open_step_sinks, scalars
-from pipeline.metrics import MetricsSink, restore_metrics_file
+from pipeline.metrics import MetricsSink, eval_record, is_eval_record, restore_metrics_file
 
 
 def _record(step: int, **extra: Any) -> dict[str, Any]:
@@ -99,6 +99,34 @@ def test_with_no_stored_records_trained_lines_stay_and_gaps_are_reported(tmp_pat
     _write(path, [_line(0), _line(2)])
     restored = restore_metrics_file(path, trained_step=2, stored={})
     assert _steps(path) == [0, 2] and restored.missing == (1,)
+
+
+def test_evaluations_own_lines_are_kept_in_place_and_never_judged_as_steps(tmp_path):
+    """`python -m pipeline.eval` and the evaluation before training write lines of their own
+    (`eval_record`); a resume keeps them, each before the step its weights went on to train,
+    except one of weights the store has not trained (a step lost in a crash made them)."""
+    path = tmp_path / "metrics.jsonl"
+    start = orjson.dumps(eval_record(0, {"eval/toy": 0.1}))  # the starting weights: step 0
+    after_1 = orjson.dumps(eval_record(2, {"eval/toy": 0.3}))  # the weights step 1 made
+    untrained = orjson.dumps(eval_record(4, {"eval/toy": 0.9}))
+    _write(path, [start, _line(0), _line(1), untrained, after_1])  # appended beside the run, late
+    sink = MetricsSink(path)
+    sink.write_eval(eval_record(1, {"eval/toy": 0.2}))
+    sink.close()
+    assert sink.records == []  # the steps' records only (the summary reads them)
+    restored = restore_metrics_file(path, trained_step=2, stored={s: _stored(s) for s in range(3)})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["version"], is_eval_record(r)) for r in records] == [
+        (0, 0, True),
+        (0, 0, False),
+        (0, 1, True),
+        (1, 1, False),
+        (1, 2, True),
+        (2, 2, False),
+    ]
+    assert restored.rebuilt == (2,) and len(restored.dropped) == 1
+    assert "an evaluation of version 4: weights not trained (trained step 2)" in restored.dropped[0]
+    assert path.with_name("metrics.jsonl.dropped").read_bytes().splitlines() == [untrained]
 
 
 def test_a_memory_store_restart_moves_the_earlier_life_aside(tmp_path):
