@@ -197,11 +197,19 @@ class WandbSink:
         # than W&B's by then. An inline evaluation in a step's record is at that step there too.
         self._run.define_metric("eval/*", step_metric=EVAL_STEP)
         self._last_step = -1
+        self._eval_pending = False
 
     def write(self, record: Mapping[str, Any]) -> None:
         values = {k: v for k, v in scalars(record).items() if not math.isnan(v)}
         if is_eval_record(record):
-            self._run.log(values)
+            # An evaluation's own line joins the row W&B has open without closing it: logged as a
+            # row of its own, it would take the step the run's next record needs, and W&B drops
+            # a record whose step is below its own. A second one before any step's record closes
+            # the first's row (python -m pipeline.eval: a row per evaluated version).
+            if self._eval_pending:
+                self._run.log({})
+            self._run.log(values, commit=False)
+            self._eval_pending = True
             return
         step = int(record["step"])
         # W&B ignores (with a warning) a step lower than one it has: a record rebuilt after a
@@ -212,6 +220,7 @@ class WandbSink:
             values[EVAL_STEP] = float(step)
         self._run.log(values, step=step)
         self._last_step = step
+        self._eval_pending = False
 
     def close(self) -> None:
         self._run.finish()

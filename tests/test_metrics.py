@@ -264,3 +264,29 @@ def test_wandb_offline_logs_every_number_of_the_record_by_name_and_step(tmp_path
     for r in records:
         row = {k: v for k, v in rows[r["step"]].items() if not k.startswith("_")}
         assert row == scalars(r)
+
+
+def test_wandb_puts_evaluations_on_their_axis_without_losing_a_step(tmp_path, monkeypatch):
+    """The starting weights' evaluation comes before step 0: logged as a row of its own, it took
+    W&B's step 0 and W&B dropped step 0's record. `python -m pipeline.eval`'s come one after
+    another: a row each."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    run, alone = tmp_path / "run", tmp_path / "alone"
+    sink = WandbSink(project="p", group=None, mode="offline", dir=run, run_id="run-1")
+    sink.write(eval_record(0, {"eval/toy": 0.1}))
+    for step in range(3):
+        sink.write(_record(step, **({"eval/toy": 0.5} if step == 1 else {})))
+    sink.close()
+    rows = {step: {k: v for k, v in row.items() if not k.startswith("_")} for step, row in _wandb_history(run).items()}
+    assert sorted(rows) == [0, 1, 2] and all(rows[s]["batch/tokens"] == 100 + s for s in range(3))
+    assert (rows[0]["eval/toy"], rows[0]["eval/step"]) == (0.1, 0)  # on eval/step 0, beside step 0
+    assert (rows[1]["eval/toy"], rows[1]["eval/step"]) == (0.5, 1)  # an inline one: at its step
+    sink = WandbSink(project="p", group=None, mode="offline", dir=alone, run_id="run-2")
+    for version in (3, 5):
+        sink.write(eval_record(version, {"eval/toy": version / 10}))
+    sink.close()
+    evaluated = [(row["eval/step"], row["eval/toy"]) for _, row in sorted(_wandb_history(alone).items())]
+    assert evaluated == [(2, 0.3), (4, 0.5)]
