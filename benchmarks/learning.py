@@ -132,15 +132,15 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         "seed": seed,
         "seconds": time.perf_counter() - started,
         "retried": retried,
-        "reward": [r["reward/mean"] for r in records],
-        "length": [r["response_len/mean"] for r in records],
+        "reward": [r["rollout/raw_reward"] for r in records],
+        "length": [r["rollout/response_len/mean"] for r in records],
         "staleness_max": max(r["staleness/max"] for r in records),
         "is_weight_max": max(r.get("train/is_weight_max", 0.0) for r in records),
         "entropy": [r.get("train/entropy", 0.0) for r in records],
-        "zero_std_groups": [r.get("reward/zero_std_groups", 0.0) for r in records],
+        "zero_std_groups": [r.get("rollout/zero_std/count", 0.0) for r in records],
         "grad_norm": [r.get("train/grad_norm", 0.0) for r in records],
-        "train_seconds": sum(r.get("time/train", 0.0) for r in records),
-        "ref_seconds": sum(r.get("train/ref_log_probs_time", 0.0) for r in records),
+        "train_seconds": sum(r.get("perf/train_time", 0.0) for r in records),
+        "ref_seconds": sum(r.get("perf/ref_log_probs_time", 0.0) for r in records),
     }
 
 

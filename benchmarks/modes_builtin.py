@@ -191,7 +191,7 @@ def simulated_twin(
 
     from benchmarks import modes_sim as sim
 
-    # Each mode's own training times, step by step (`time/train`): the first step holds the
+    # Each mode's own training times, step by step (`perf/train_time`): the first step holds the
     # trainer's warm-up and the last the final checkpoint, and a step beside a decoding engine on
     # the same GPU is slower than one with the GPU alone (async against sync). One median for every
     # mode and step, as before, gave sync's steady steps a training time 1.4x their own.
@@ -425,10 +425,10 @@ def _summary(name: str, args: argparse.Namespace, out: Path, wall: float, transp
         "steady busy": slot_busy_fraction(events, start=window[0], end=window[1]) if window else float("nan"),
         # Seconds the trainer waited for its batch after its warm-up: 0 in every step means the
         # trainer set the pace, and the engine idled whenever the collector's bound was reached.
-        "trainer waits s": sum(r.get("time/rollout", 0.0) for r in records[1:]),
+        "trainer waits s": sum(r.get("perf/train_wait_time", 0.0) for r in records[1:]),
         "span": work_span(events),
-        "train s": statistics.median(r["time/train"] for r in records) if "time/train" in records[0] else 0.0,
-        "train steps": [r.get("time/train", 0.0) for r in records],
+        "train s": statistics.median(r["perf/train_time"] for r in records) if "perf/train_time" in records[0] else 0.0,
+        "train steps": [r.get("perf/train_time", 0.0) for r in records],
         "share in training": _share_in_training(events),
         "publish s": statistics.median(r["time/publish_gate_closed"] for r in records),
         "transport": transport,

@@ -63,7 +63,7 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
     )
     wall = time.perf_counter() - started
     # End to end per step (the stand-in trainer takes no time, so this is rollout plus publishing).
-    rollout = sum(r["time/step"] for r in sink.records)
+    rollout = sum(r["perf/step_time"] for r in sink.records)
     groups = plan.batch_size * len(sink.records)
     tokens = sink.records[-1]["tokens/generated_total"]
     return {
@@ -71,8 +71,8 @@ async def measure(name: str, plan: RolloutPlan, fleet: EngineFleet, model: Path,
         "tokens_per_s": tokens / rollout,
         "rollout_s": rollout,
         "wall_s": wall,
-        "busy": sum(r["engine/busy_frac"] * r["time/step"] for r in sink.records)
-        / sum(r["time/step"] for r in sink.records),
+        "busy": sum(r["engine/busy_frac"] * r["perf/step_time"] for r in sink.records)
+        / sum(r["perf/step_time"] for r in sink.records),
         "off_policy": sum(r["off_policy_token_frac"] for r in sink.records) / len(sink.records),
         "stale_max": max(r["staleness/max"] for r in sink.records),
     }

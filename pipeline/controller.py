@@ -39,7 +39,7 @@ from core.errors import ConfigError
 from core.types import PromptTask, RolloutMode
 from pipeline.checkpoints import CheckpointPolicy, StepSaver, replay_then_publish
 from pipeline.events import EventLog, span
-from pipeline.metric_names import slime_aliases, throughput_metrics
+from pipeline.metric_names import throughput_metrics, trainer_record
 from pipeline.metrics import MetricsSink, batch_metrics
 from pipeline.plan import Engines, RolloutParts, RolloutPlan, RunSummary, Trainer
 from pipeline.session import Rollout
@@ -138,7 +138,7 @@ async def run_pipeline(
             metrics.write(record)
             if on_step is not None:
                 on_step(record)
-            log.debug("step", **{k: record[k] for k in ("step", "reward/mean", "staleness/max")})
+            log.debug("step", **{k: record[k] for k in ("step", "rollout/raw_reward", "staleness/max")})
 
     return RunSummary(plan.num_steps - rollout.first_step, rollout.clock.version, metrics.records)
 
@@ -167,13 +167,13 @@ async def _train_one_step(
         train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
         t_save = time.perf_counter()
         saved = await anyio.to_thread.run_sync(saving.save, trainer, step)
-        # Part of time/train: the weights the engines load next (a checkpoint every --save-interval).
-        record["time/save"] = time.perf_counter() - t_save
+        # Part of perf/train_time: the weights the engines load next (a checkpoint every --save-interval).
+        record["perf/save_model_time"] = time.perf_counter() - t_save
     # Which checkpoint a resume starts from after this commit, and what the step wrote to disk.
     record["checkpoint/step"] = saving.checkpoint_step
     record["checkpoint/bytes_written"] = saved.bytes_written
     train_seconds = time.perf_counter() - t_train
-    record.update({f"train/{k}": v for k, v in train_metrics.items()})
+    record.update(trainer_record(train_metrics))
     # A step runs from the previous commit to its own, so its time includes the previous publish
     # and the steps' times add up to the run's.
     step_seconds, busy = timer.lap(graph.producers.statistics().busy_slot_seconds)
@@ -182,7 +182,6 @@ async def _train_one_step(
     record.update(group_times)
     record.update(loads)
     record.update(throughput_metrics(record))
-    record.update(slime_aliases(record))
 
     # The weights the engines get are on disk (or in the trainer, for a distributed publish), and
     # every `--save-interval` steps a checkpoint too: commit the step, its metrics record in the

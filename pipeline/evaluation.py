@@ -6,24 +6,25 @@ serve), scores every response with the set's reward function, and returns the se
 
     eval/<name>                    mean reward (slime's key)
     eval/<name>-truncated_ratio    share of responses cut at the length cap (slime's key)
-    eval/<name>/reward_std, /reward_min, /reward_max, /response_len/mean, /truncated_ratio,
+    eval/<name>/reward_std, /reward_min, /reward_max, /response_len/mean,
     eval/<name>/samples, /failed   (a request the engine refused or a reward that raised: counted,
                                     left out of the means, never retried into another sample)
 
 Nothing here touches the store, the collector or the trainer: an evaluation's samples exist only
 in memory until its metrics are computed. `EvalLog` is the run's `eval.jsonl` (one line per
-evaluated step, written whole and fsynced): what a resumed run and `python -m pipeline.eval`
-read to never evaluate a step twice.
+evaluated version of the weights, written whole and fsynced): what a resumed run and
+`python -m pipeline.eval` read to never evaluate the same weights twice.
 
-Who calls it: the controller inline in sync mode, every `--eval-interval` steps after the step's
-publish (the engines then serve the step's weights and nothing else is in flight); async mode
-refuses inline evaluation (generation never pauses there, so an inline evaluation would mix
-policies) and `python -m pipeline.eval` evaluates a run's saved weights instead.
+Who calls it: the launcher once before the first step when evaluation is on (the starting
+weights, slime's evaluation before training; `--skip-eval-before-train` leaves it out), the
+controller inline in sync mode, every `--eval-interval` steps after the step's publish (the
+engines then serve the step's weights and nothing else is in flight); async mode refuses inline
+evaluation (generation never pauses there, so an inline evaluation would mix policies) and
+`python -m pipeline.eval` evaluates a run's saved weights instead.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import zlib
@@ -39,7 +40,8 @@ import structlog
 from core.errors import EngineError
 from core.types import FinishReason, PromptTask, Sample, SampleStatus, Segment
 from stages.generator import GenerateEngine
-from stages.reward import RewardFn
+from stages.reward import RewardFn, call_reward
+from stages.reward_threads import RewardThreads
 
 __all__ = ["EvalLog", "EvalSet", "EvalSettings", "eval_due", "evaluate"]
 
@@ -92,26 +94,38 @@ async def evaluate(
 
     `on_sample` is called after each response is scored (a progress bar's tick)."""
     limiter = anyio.CapacityLimiter(settings.concurrency)
+    threads = RewardThreads()  # a plain def reward's calls, off the event loop (stages.reward_threads)
     out: dict[str, float] = {}
-    for s in sets:
-        results: list[Sample | None] = [None] * (len(s.tasks) * settings.n_samples)
+    try:
+        for s in sets:
+            results: list[Sample | None] = [None] * (len(s.tasks) * settings.n_samples)
 
-        async def one(i: int, task: PromptTask, j: int, s: EvalSet = s, results: list[Sample | None] = results) -> None:
-            async with limiter:
-                results[i * settings.n_samples + j] = await _sample(engine, s, task, j, settings, step)
-            if on_sample is not None:
-                on_sample()
+            async def one(
+                i: int, task: PromptTask, j: int, s: EvalSet = s, results: list[Sample | None] = results
+            ) -> None:
+                async with limiter:
+                    results[i * settings.n_samples + j] = await _sample(engine, s, task, j, settings, step, threads)
+                if on_sample is not None:
+                    on_sample()
 
-        async with anyio.create_task_group() as tg:
-            for i, task in enumerate(s.tasks):
-                for j in range(settings.n_samples):
-                    tg.start_soon(one, i, task, j)
-        out.update(_set_metrics(s.name, results))
+            async with anyio.create_task_group() as tg:
+                for i, task in enumerate(s.tasks):
+                    for j in range(settings.n_samples):
+                        tg.start_soon(one, i, task, j)
+            out.update(_set_metrics(s.name, results))
+    finally:
+        threads.close()
     return out
 
 
 async def _sample(
-    engine: GenerateEngine, s: EvalSet, task: PromptTask, j: int, settings: EvalSettings, step: int
+    engine: GenerateEngine,
+    s: EvalSet,
+    task: PromptTask,
+    j: int,
+    settings: EvalSettings,
+    step: int,
+    threads: RewardThreads,
 ) -> Sample | None:
     """One scored response, or None when the engine refused it or the reward failed."""
     params = dict(settings.sampling_params or {}, max_new_tokens=settings.max_response_len)
@@ -126,11 +140,10 @@ async def _sample(
         return None
     segment = Segment(result.token_ids, result.logprobs, result.finish_reason, 0)
     sample = Sample(index=j, prompt_ids=task.prompt_ids).extended(segment, max_response_len=settings.max_response_len)
+    [(ok, value)] = await call_reward(s.reward_fn, task, [sample], timeout=settings.reward_timeout, threads=threads)
     try:
-        value = s.reward_fn(task, sample)
-        if inspect.isawaitable(value):
-            with anyio.fail_after(settings.reward_timeout):
-                value = await value
+        if not ok:
+            raise value
         reward = float(value)
     except Exception as exc:  # a user reward's failure is counted, never the end of the run
         log.warning("evaluation reward failed", rid=rid, error=repr(exc))
@@ -154,23 +167,23 @@ def _set_metrics(name: str, results: Sequence[Sample | None]) -> dict[str, float
         f"eval/{name}/reward_min": min(rewards, default=math.nan),
         f"eval/{name}/reward_max": max(rewards, default=math.nan),
         f"eval/{name}/response_len/mean": (sum(r.response_len for r in done) / len(done)) if done else math.nan,
-        f"eval/{name}/truncated_ratio": ratio,
         f"eval/{name}/samples": float(len(done)),
         f"eval/{name}/failed": float(len(results) - len(done)),
     }
 
 
 class EvalLog:
-    """The run's `eval.jsonl`: one JSON line per evaluated step (`{"step", "version", "eval/...": ...}`).
+    """The run's `eval.jsonl`: one JSON line per evaluation (`{"step", "version", "eval/...": ...}`;
+    `version` names the weights: 0 the starting ones, N those step N-1 made).
 
     Each line is written whole and fsynced before the evaluation counts as done; a torn last line
-    (a crash mid-write) is ignored on reading, so that step is evaluated again, once."""
+    (a crash mid-write) is ignored on reading, so those weights are evaluated again, once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def evaluated(self) -> dict[int, dict[str, Any]]:
-        """Step -> its record, for every complete line."""
+        """Version -> its record, for every complete line (a line without a version, step S's: S + 1)."""
         out: dict[int, dict[str, Any]] = {}
         if not self.path.exists():
             return out
@@ -180,7 +193,8 @@ class EvalLog:
             except orjson.JSONDecodeError:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
-                out[record["step"]] = record
+                version = record.get("version")
+                out[version if isinstance(version, int) else record["step"] + 1] = record
         return out
 
     def append(self, record: Mapping[str, Any]) -> None:

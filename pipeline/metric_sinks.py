@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.errors import ConfigError
-from pipeline.metrics import StepSink
+from pipeline.metrics import EVAL_STEP, StepSink, is_eval_record
 
 __all__ = ["SinkSettings", "TensorBoardSink", "WandbMode", "WandbSink", "open_step_sinks", "scalars", "wandb_mode"]
 
@@ -192,26 +192,35 @@ class WandbSink:
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
             reinit="create_new",
         )
+        # Every evaluation on its own axis, eval/step: W&B's own step only grows, and an evaluation's
+        # own line (the starting weights', `python -m pipeline.eval`'s) comes at an earlier step
+        # than W&B's by then. An inline evaluation in a step's record is at that step there too.
+        self._run.define_metric("eval/*", step_metric=EVAL_STEP)
         self._last_step = -1
-        self._eval_axis = False
+        self._eval_pending = False
 
     def write(self, record: Mapping[str, Any]) -> None:
-        if "eval/step" in record:
-            # An evaluation of an earlier step (`python -m pipeline.eval`): W&B's own step only
-            # grows, so these go on their own axis, eval/step, whatever W&B's step is by now.
-            if not self._eval_axis:
-                self._run.define_metric("eval/*", step_metric="eval/step")
-                self._eval_axis = True
-            self._run.log({k: v for k, v in scalars(record).items() if not math.isnan(v)})
+        values = {k: v for k, v in scalars(record).items() if not math.isnan(v)}
+        if is_eval_record(record):
+            # An evaluation's own line joins the row W&B has open without closing it: logged as a
+            # row of its own, it would take the step the run's next record needs, and W&B drops
+            # a record whose step is below its own. A second one before any step's record closes
+            # the first's row (python -m pipeline.eval: a row per evaluated version).
+            if self._eval_pending:
+                self._run.log({})
+            self._run.log(values, commit=False)
+            self._eval_pending = True
             return
         step = int(record["step"])
         # W&B ignores (with a warning) a step lower than one it has: a record rebuilt after a
         # resume may be; skip it here instead of flooding the log.
         if step <= self._last_step:
             return
-        values = {k: v for k, v in scalars(record).items() if not math.isnan(v)}
+        if any(k.startswith("eval/") for k in values):
+            values[EVAL_STEP] = float(step)
         self._run.log(values, step=step)
         self._last_step = step
+        self._eval_pending = False
 
     def close(self) -> None:
         self._run.finish()

@@ -11,6 +11,15 @@ after the commit (`AFTER_COMMIT`: the publish timings) are absent from a record 
 
 With the memory store nothing survives a crash: a restart is a new run from step 0, so every
 record of the earlier life is moved to `<file>.dropped`, and the file holds this life's steps only.
+
+Evaluation records: an evaluation that is no step's (the starting weights', before the first step;
+`python -m pipeline.eval`'s of saved weights; one a resumed run catches up on) is a line of its own,
+`eval_record`: `step` (the step whose weights it evaluated, 0 for the starting weights, as slime
+logs them), `eval/step` (the same: what marks the line as an evaluation, and W&B's axis for it),
+`version` (the weights: 0 the starting ones) and the `eval/...` keys an inline evaluation adds to
+its step's record. They are not step records: the restore keeps them (placed before the record of
+the step the evaluated weights went on to train) unless their weights are not the run's any more
+(a version past the trained step's), and readers of the step records skip them (`is_eval_record`).
 """
 
 from __future__ import annotations
@@ -33,11 +42,14 @@ from core.types import Batch, SampleStatus
 __all__ = [
     "AFTER_COMMIT",
     "AFTER_COMMIT_PREFIXES",
+    "EVAL_STEP",
     "GroupTimes",
     "MetricsSink",
     "RestoredMetrics",
     "StepSink",
     "batch_metrics",
+    "eval_record",
+    "is_eval_record",
     "restore_metrics_file",
 ]
 
@@ -48,6 +60,20 @@ log = structlog.get_logger("metrics")
 AFTER_COMMIT = ("time/publish_gate_closed", "time/publish_update", "time/eval")
 # Whole families measured after the commit: an inline evaluation runs after the step's publish.
 AFTER_COMMIT_PREFIXES = ("eval/",)
+# The key that marks an evaluation's own line in the metrics file (module docstring).
+EVAL_STEP = "eval/step"
+
+
+def eval_record(version: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+    """The metrics line of an evaluation of the weights of `version` that is no step's (module
+    docstring): at the step that made them (version - 1), the starting weights at step 0."""
+    step = max(version - 1, 0)
+    return {"step": step, EVAL_STEP: step, "version": version, **metrics}
+
+
+def is_eval_record(record: Mapping[str, Any]) -> bool:
+    """Whether a line of the metrics file is an evaluation's own, not a step's record."""
+    return EVAL_STEP in record
 
 
 def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = None) -> dict[str, float]:
@@ -69,17 +95,18 @@ def batch_metrics(batch: Batch, *, version: int, max_staleness: int | None = Non
     for g in batch.groups:
         scored = [float(s.reward) for s in g.samples if s.reward is not None]
         zero_std += bool(scored) and max(scored) - min(scored) <= 1e-6
+    # slime's names where slime has the concept (pipeline/metric_names.py, docs/metrics.md).
     return {
-        "reward/mean": _mean(rewards),
+        "rollout/raw_reward": _mean(rewards),
         "reward/std": _pstd([float(r) for r in rewards]),
         "reward/min": min(rewards, default=math.nan),
         "reward/max": max(rewards, default=math.nan),
         # Groups whose rewards are all equal: GRPO gives them advantage 0, so they teach nothing.
-        "reward/zero_std_groups": zero_std,
-        "response_len/mean": _mean([s.response_len for s in samples]),
-        "response_len/min": min((s.response_len for s in samples), default=0),
-        "response_len/max": max((s.response_len for s in samples), default=0),
-        "truncated_ratio": _mean([s.status is SampleStatus.TRUNCATED for s in samples]),
+        "rollout/zero_std/count": zero_std,
+        "rollout/response_len/mean": _mean([s.response_len for s in samples]),
+        "rollout/response_len/min": min((s.response_len for s in samples), default=0),
+        "rollout/response_len/max": max((s.response_len for s in samples), default=0),
+        "rollout/truncated_ratio": _mean([s.status is SampleStatus.TRUNCATED for s in samples]),
         "staleness/mean": _mean(staleness),
         "staleness/max": max(staleness, default=0),
         "staleness/multi_version_frac": _mean([len(s.versions) > 1 for s in samples]),
@@ -146,6 +173,14 @@ class MetricsSink:
             self._file.flush()
         self.write_extras(record)
 
+    def write_eval(self, record: Mapping[str, Any]) -> None:
+        """An evaluation's own line (`eval_record`): to the file and the extra sinks, not to
+        `records` (the steps')."""
+        if self._file is not None:
+            self._file.write(orjson.dumps(dict(record), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+            self._file.flush()
+        self.write_extras(record)
+
     def write_extras(self, record: Mapping[str, Any]) -> None:
         """The extra sinks only: for records the file already has (rebuilt on resume)."""
         for sink in list(self._extras):
@@ -202,8 +237,17 @@ def restore_metrics_file(path: Path, *, trained_step: int, stored: Mapping[int, 
     """
     lines = path.read_bytes().splitlines() if path.exists() else []
     kept: dict[int, bytes] = {}
+    evals: list[tuple[int, bytes]] = []  # (version, line): evaluations' own lines
     dropped: list[tuple[bytes, str]] = []
     for number, line in enumerate(lines, 1):
+        version = _evaluated_version(line)
+        if version is not None:
+            if version <= trained_step + 1:
+                evals.append((version, line))
+            else:
+                untrained = f"an evaluation of version {version}: weights not trained (trained step {trained_step})"
+                dropped.append((line, f"line {number}: {untrained}"))
+            continue
         step, why = _judge(line, trained_step, stored, kept)
         if why is None:
             kept[step] = line
@@ -215,16 +259,35 @@ def restore_metrics_file(path: Path, *, trained_step: int, stored: Mapping[int, 
             kept[step] = orjson.dumps(dict(stored[step]))
             rebuilt.append(step)
     missing = tuple(s for s in range(trained_step + 1) if s not in kept)
-    order = sorted(kept)
-    result = RestoredMetrics(len(order) - len(rebuilt), tuple(rebuilt), tuple(w for _, w in dropped), missing)
-    if result.changed or order != list(kept):  # kept: file order, then the rebuilt ones
+    # Step S's record, and before it the evaluations of version S (the weights it started from).
+    ordered = sorted([((s, 1), kept[s]) for s in kept] + [((v, 0), line) for v, line in evals], key=lambda x: x[0])
+    order = [line for _, line in ordered]
+    result = RestoredMetrics(len(kept) - len(rebuilt), tuple(rebuilt), tuple(w for _, w in dropped), missing)
+    placed = set(order)
+    in_file = [line for line in lines if line in placed]
+    if result.changed or order != in_file:  # in the file: its own order, the rebuilt ones missing
         if dropped:
             with path.with_name(path.name + ".dropped").open("ab") as aside:
                 aside.write(b"".join(line + b"\n" for line, _ in dropped))
                 aside.flush()
                 os.fsync(aside.fileno())
-        _replace(path, b"".join(kept[s] + b"\n" for s in order))
+        _replace(path, b"".join(line + b"\n" for line in order))
     return result
+
+
+def _evaluated_version(line: bytes) -> int | None:
+    """The version an evaluation's own line evaluated (`eval_record`), None for any other line."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or not is_eval_record(record):
+        return None
+    version = record.get("version")
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version
+    step = record.get("step")
+    return step + 1 if isinstance(step, int) and not isinstance(step, bool) else 0
 
 
 def _judge(

@@ -20,12 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.metrics import is_eval_record
+
 __all__ = ["PANELS", "draw", "main", "read_records"]
 
 # (title, keys drawn in it): a key may be missing from a run, a panel with none is left out.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward/mean",)),
-    ("response length (tokens)", ("response_len/mean", "response_len/max")),
+    ("reward", ("rollout/raw_reward",)),
+    ("response length (tokens)", ("rollout/response_len/mean", "rollout/response_len/max")),
     ("staleness (versions)", ("staleness/mean", "staleness/max")),
     ("KL", ("train/approx_kl_k3", "train/kl", "train/kl_mean", "train/ref_kl")),
     ("loss", ("train/loss",)),
@@ -34,16 +36,22 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The step records of a metrics file, in step order; a torn or non-JSON line is skipped."""
+    """The records of a metrics file in step order, the steps' and the evaluations' own lines
+    (`pipeline.metrics.eval_record`: what `--key eval/NAME` draws beside the inline ones); a torn
+    or non-JSON line is skipped."""
     records: dict[int, dict[str, Any]] = {}
+    evaluations: list[dict[str, Any]] = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records[record["step"]] = record  # a step written twice: the last one counts
-    return [records[step] for step in sorted(records)]
+            if is_eval_record(record):
+                evaluations.append(record)
+            else:
+                records[record["step"]] = record  # a step written twice: the last one counts
+    return sorted([*records.values(), *evaluations], key=lambda r: int(r["step"]))
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -20,12 +20,20 @@ from typing import IO, Any
 import orjson
 
 from core.errors import ReplayError
-from pipeline.metrics import AFTER_COMMIT, AFTER_COMMIT_PREFIXES
+from pipeline.metrics import AFTER_COMMIT, AFTER_COMMIT_PREFIXES, is_eval_record
 
 __all__ = ["DEFAULT_COLUMNS", "MetricsTable", "compare_metrics", "format_metrics", "write_csv"]
 
 # What the printed table shows unless --columns says otherwise (the CSV has every field).
-DEFAULT_COLUMNS = ("step", "version", "reward/mean", "response_len/mean", "staleness/max", "train/loss", "time/step")
+DEFAULT_COLUMNS = (
+    "step",
+    "version",
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "staleness/max",
+    "train/loss",
+    "perf/step_time",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,8 @@ def compare_metrics(
         except orjson.JSONDecodeError:
             problems.append(f"line {number} of the metrics file is not JSON (a write cut short?)")
             continue
+        if isinstance(record, dict) and is_eval_record(record):
+            continue  # an evaluation's own line, no step's record (`pipeline.metrics.eval_record`)
         step = record.get("step") if isinstance(record, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
             problems.append(f"line {number} of the metrics file has no integer step ({step!r})")

@@ -69,9 +69,9 @@ async def rollout_record(
         "groups/per_second_run": (step + 1 - timer.first_step)
         * plan.batch_size
         / (time.perf_counter() - timer.run_started),
-        "time/step": seconds,
-        "time/rollout": times.rollout,
-        "time/train": times.train,
+        "perf/step_time": seconds,
+        "perf/train_wait_time": times.rollout,  # the trainer's wait for its batch
+        "perf/train_time": times.train,
         "queue/ready": graph.collector.ready,
         "queue/partial": await store.count(GroupState.PARTIAL),
         "queue/quarantined": await store.count(GroupState.QUARANTINED),  # damaged records, never trained

@@ -49,8 +49,8 @@ def check_conversation(s: Sample) -> None:
 
 def test_the_built_in_tool_task_learns(tmp_path: Path) -> None:
     records = run(tmp_path / "run", "--num-rollout", "24")
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     assert last > first + 0.1, (first, last)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3  # tool tokens never weigh in
 

@@ -52,7 +52,13 @@ def test_plot_draws_the_learning_curves_of_a_memory_run(memory_run, tmp_path, ca
     assert plot.main([str(out), "-o", str(tmp_path / "c.png"), "--key", "train/entropy"]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     said = capsys.readouterr().out
-    for key in ("reward/mean", "response_len/mean", "staleness/mean", "train/approx_kl_k3", "train/entropy"):
+    for key in (
+        "rollout/raw_reward",
+        "rollout/response_len/mean",
+        "staleness/mean",
+        "train/approx_kl_k3",
+        "train/entropy",
+    ):
         assert key in said
 
 

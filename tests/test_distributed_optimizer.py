@@ -70,7 +70,7 @@ def test_the_built_in_task_learns_with_the_distributed_optimizer_in_bf16(tmp_pat
     records = _launch(
         tmp_path, "--trainer-device", "cuda", "--trainer-dtype", "bfloat16", "--use-distributed-optimizer"
     )
-    first = sum(r["reward/mean"] for r in records[:3]) / 3
-    last = sum(r["reward/mean"] for r in records[-3:]) / 3
+    first = sum(r["rollout/raw_reward"] for r in records[:3]) / 3
+    last = sum(r["rollout/raw_reward"] for r in records[-3:]) / 3
     print(f"distributed optimizer, bf16: reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.05, (first, last)

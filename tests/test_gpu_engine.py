@@ -223,6 +223,6 @@ def test_quick_start_learns_on_the_gpu(tmp_path: Path) -> None:
     )
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     assert last > first + 0.1, (first, last)

@@ -22,13 +22,13 @@ def run(tmp_path: Path, *flags: str) -> list[dict]:
 def test_default_task_learns_in_sync_mode(tmp_path):
     records = run(tmp_path, "--num-rollout", "40")
     assert [r["version"] for r in records] == list(range(40))
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     assert last > first + 0.1, (first, last)
     # the trainer recomputes what the engine sampled: same model, same log-probs
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
     # The save is part of the training time, reported apart (slime's name beside ours).
-    assert all(0 < r["time/save"] <= r["time/train"] and r["perf/save_model_time"] == r["time/save"] for r in records)
+    assert all(0 < r["perf/save_model_time"] <= r["perf/train_time"] for r in records)
 
 
 def test_partial_rollout_on_lmdb_keeps_every_group(tmp_path):
@@ -106,8 +106,8 @@ def test_async_mode_learns_and_reports_staleness(tmp_path):
     # A staleness bound keeps this small, fast-moving policy stable; without one the tiny model's
     # response length can spike mid-run before it recovers (see README, async section).
     records = run(tmp_path, "--num-rollout", "40", "--rollout-mode", "async", "--max-staleness", "1")
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     assert last > first + 0.08, (first, last)
     # generation ran ahead of training: some groups were trained versions after they started
     assert max(r["staleness/max"] for r in records) >= 1
@@ -136,7 +136,7 @@ def test_bring_your_own_prompts_and_reward(tmp_path):
         "4",
     )
     assert len(records) == 3
-    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+    assert all(0.0 <= r["rollout/raw_reward"] <= 1.0 for r in records)
 
 
 def test_prompts_that_all_fail_stop_the_run_naming_the_error(tmp_path, capsys):

@@ -347,8 +347,8 @@ def test_the_built_in_task_learns_with_megatron_ranks(tmp_path, flags):
     """
     records = _launch(tmp_path, *flags)
     assert [r["version"] for r in records] == list(range(12))
-    first = sum(r["reward/mean"] for r in records[:3]) / 3
-    last = sum(r["reward/mean"] for r in records[-3:]) / 3
+    first = sum(r["rollout/raw_reward"] for r in records[:3]) / 3
+    last = sum(r["rollout/raw_reward"] for r in records[-3:]) / 3
     assert last > first + 0.05, (first, last)
     # bf16: the trainer computes in bf16 while the engine samples from the fp32 weights it publishes.
     tolerance = 0.05 if "bfloat16" in flags else 1e-4

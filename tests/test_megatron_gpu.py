@@ -33,9 +33,9 @@ def test_one_step_on_the_gpu_matches_the_torch_trainer(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_built_in_task_learns_with_megatron_on_the_gpu(tmp_path, dtype):
     records = _launch(tmp_path, "--trainer-device", "cuda", "--trainer-dtype", dtype)
-    first = sum(r["reward/mean"] for r in records[:3]) / 3
-    last = sum(r["reward/mean"] for r in records[-3:]) / 3
-    steps = [r["time/train"] for r in records]
+    first = sum(r["rollout/raw_reward"] for r in records[:3]) / 3
+    last = sum(r["rollout/raw_reward"] for r in records[-3:]) / 3
+    steps = [r["perf/train_time"] for r in records]
     print(
         f"megatron on GPU, {dtype}: reward {first:.3f} -> {last:.3f}; train+save per step "
         f"{sum(steps) / len(steps):.3f}s (median {sorted(steps)[len(steps) // 2]:.3f}s); "
@@ -57,8 +57,8 @@ def test_the_moe_toy_learns_with_megatron_on_the_gpu_replaying_the_engines_route
         tmp_path, "--num-rollout", "30", "--trainer-device", "cuda", "--num-experts", "8", "--moe-router-topk", "2",
         "--use-rollout-routing-replay",
     )  # fmt: skip
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     worst = max(r["train/train_rollout_logprob_abs_diff"] for r in records)
     print(f"megatron MoE on GPU with R3: reward {first:.3f} -> {last:.3f}; logprob abs diff max {worst:.2e}")
     assert last > first + 0.1, (first, last)

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from pipeline.metric_sinks import SinkSettings, TensorBoardSink, WandbSink, open_step_sinks, scalars
-from pipeline.metrics import MetricsSink, restore_metrics_file
+from pipeline.metrics import MetricsSink, eval_record, is_eval_record, restore_metrics_file
 
 
 def _record(step: int, **extra: Any) -> dict[str, Any]:
@@ -99,6 +99,34 @@ def test_with_no_stored_records_trained_lines_stay_and_gaps_are_reported(tmp_pat
     _write(path, [_line(0), _line(2)])
     restored = restore_metrics_file(path, trained_step=2, stored={})
     assert _steps(path) == [0, 2] and restored.missing == (1,)
+
+
+def test_evaluations_own_lines_are_kept_in_place_and_never_judged_as_steps(tmp_path):
+    """`python -m pipeline.eval` and the evaluation before training write lines of their own
+    (`eval_record`); a resume keeps them, each before the step its weights went on to train,
+    except one of weights the store has not trained (a step lost in a crash made them)."""
+    path = tmp_path / "metrics.jsonl"
+    start = orjson.dumps(eval_record(0, {"eval/toy": 0.1}))  # the starting weights: step 0
+    after_1 = orjson.dumps(eval_record(2, {"eval/toy": 0.3}))  # the weights step 1 made
+    untrained = orjson.dumps(eval_record(4, {"eval/toy": 0.9}))
+    _write(path, [start, _line(0), _line(1), untrained, after_1])  # appended beside the run, late
+    sink = MetricsSink(path)
+    sink.write_eval(eval_record(1, {"eval/toy": 0.2}))
+    sink.close()
+    assert sink.records == []  # the steps' records only (the summary reads them)
+    restored = restore_metrics_file(path, trained_step=2, stored={s: _stored(s) for s in range(3)})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["version"], is_eval_record(r)) for r in records] == [
+        (0, 0, True),
+        (0, 0, False),
+        (0, 1, True),
+        (1, 1, False),
+        (1, 2, True),
+        (2, 2, False),
+    ]
+    assert restored.rebuilt == (2,) and len(restored.dropped) == 1
+    assert "an evaluation of version 4: weights not trained (trained step 2)" in restored.dropped[0]
+    assert path.with_name("metrics.jsonl.dropped").read_bytes().splitlines() == [untrained]
 
 
 def test_a_memory_store_restart_moves_the_earlier_life_aside(tmp_path):
@@ -236,3 +264,29 @@ def test_wandb_offline_logs_every_number_of_the_record_by_name_and_step(tmp_path
     for r in records:
         row = {k: v for k, v in rows[r["step"]].items() if not k.startswith("_")}
         assert row == scalars(r)
+
+
+def test_wandb_puts_evaluations_on_their_axis_without_losing_a_step(tmp_path, monkeypatch):
+    """The starting weights' evaluation comes before step 0: logged as a row of its own, it took
+    W&B's step 0 and W&B dropped step 0's record. `python -m pipeline.eval`'s come one after
+    another: a row each."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    run, alone = tmp_path / "run", tmp_path / "alone"
+    sink = WandbSink(project="p", group=None, mode="offline", dir=run, run_id="run-1")
+    sink.write(eval_record(0, {"eval/toy": 0.1}))
+    for step in range(3):
+        sink.write(_record(step, **({"eval/toy": 0.5} if step == 1 else {})))
+    sink.close()
+    rows = {step: {k: v for k, v in row.items() if not k.startswith("_")} for step, row in _wandb_history(run).items()}
+    assert sorted(rows) == [0, 1, 2] and all(rows[s]["batch/tokens"] == 100 + s for s in range(3))
+    assert (rows[0]["eval/toy"], rows[0]["eval/step"]) == (0.1, 0)  # on eval/step 0, beside step 0
+    assert (rows[1]["eval/toy"], rows[1]["eval/step"]) == (0.5, 1)  # an inline one: at its step
+    sink = WandbSink(project="p", group=None, mode="offline", dir=alone, run_id="run-2")
+    for version in (3, 5):
+        sink.write(eval_record(version, {"eval/toy": version / 10}))
+    sink.close()
+    evaluated = [(row["eval/step"], row["eval/toy"]) for _, row in sorted(_wandb_history(alone).items())]
+    assert evaluated == [(2, 0.3), (4, 0.5)]

@@ -132,7 +132,7 @@ def test_the_sharing_slowdown_is_what_async_decode_took_beyond_the_sync_fitted_m
 
 
 def test_the_simulated_trainer_takes_each_step_its_own_time(tmp_path, monkeypatch):
-    """Per-step training times (the twin's: the real run's `time/train`), the last for any step beyond them."""
+    """Per-step training times (the twin's: the real run's `perf/train_time`), the last for any step beyond them."""
     from types import SimpleNamespace
 
     slept: list[float] = []

@@ -45,8 +45,8 @@ def test_the_moe_toy_learns_in_sync_mode_with_routing_replay(tmp_path):
         8,
         2,
     )
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     # Measured: 0.061 -> 0.421 over 40 steps.
     assert last > first + 0.2, (first, last)
     # The trainer replays the engine's routes at the weights that sampled: the same log-probs.
@@ -69,8 +69,8 @@ def test_the_moe_toy_learns_in_async_mode_with_partial_rollout_and_routing_repla
         "16",
         *MOE,
     )
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    last = sum(r["reward/mean"] for r in records[-5:]) / 5
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5
     # Measured: 0.056 -> 0.395 over 40 steps, staleness up to 2, 62% of a batch's samples multi-version.
     assert last > first + 0.15, (first, last)
     assert max(r["staleness/max"] for r in records) >= 1

@@ -273,8 +273,8 @@ def test_the_built_in_task_learns_with_ranks_on_two_nodes(tmp_path):
     assert node1.returncode == 0, node1.stderr[-4000:]
     records = [orjson.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
     assert [r["version"] for r in records] == list(range(12))
-    first = sum(r["reward/mean"] for r in records[:3]) / 3
-    last = sum(r["reward/mean"] for r in records[-3:]) / 3
+    first = sum(r["rollout/raw_reward"] for r in records[:3]) / 3
+    last = sum(r["rollout/raw_reward"] for r in records[-3:]) / 3
     assert last > first + 0.05, (first, last)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-4
     # Node 1's rank wrote its optimizer shard into the folder rank 0 named (a shared filesystem's job).

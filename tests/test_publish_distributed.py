@@ -200,8 +200,8 @@ def test_quick_start_learns_with_distributed_publish(tmp_path: Path) -> None:
     # low steps. The second half's mean shows the learning with room on any path (first 5 steps
     # 0.12; second half 0.33-0.50 in 20 runs, 0.39-0.61 with 8 other seeds), where the last 5
     # steps alone once gave 0.19 under load.
-    first = sum(r["reward/mean"] for r in records[:5]) / 5
-    second_half = sum(r["reward/mean"] for r in records[20:]) / 20
+    first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
+    second_half = sum(r["rollout/raw_reward"] for r in records[20:]) / 20
     assert second_half > first + 0.1, (first, second_half)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in records) < 1e-3
     assert all(r["time/publish_update"] > 0 for r in records)

@@ -1,11 +1,15 @@
-"""The reward stage: sync rewards scored inline, async ones awaited under their deadline, failures
-recorded on the sample and the group stored as failed. Real parts: the memory store behind
-`AsyncStore`, anyio memory streams, the real stage."""
+"""The reward stage: sync rewards scored on worker threads and async ones awaited on the loop, both
+under the same deadline; failures recorded on the sample and the group stored as failed; retries
+after a growing wait. Real parts: the memory store behind `AsyncStore`, anyio memory streams, the
+real stage, real threads."""
 
 from __future__ import annotations
 
 import math
+import random
+import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import numpy as np
@@ -14,7 +18,7 @@ import structlog.testing
 
 from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus
 from stages.admission import Admission
-from stages.reward import RewardFn, RewardStage
+from stages.reward import RetryBackoff, RewardFn, RewardStage
 from storage import AsyncStore, Cursor, GroupState, MemoryStore
 from tests.test_store import fresh, generated
 
@@ -27,13 +31,15 @@ async def store() -> AsyncIterator[AsyncStore]:
         yield astore
 
 
-async def _scored(store: AsyncStore, fn: RewardFn, groups: list[Group], *, timeout: float = 5.0) -> list[Group]:
+async def _scored(
+    store: AsyncStore, fn: RewardFn, groups: list[Group], *, timeout: float = 5.0, **stage: Any
+) -> list[Group]:
     """Run `groups` (admitted, finished, unscored) through a RewardStage; what comes out downstream."""
     admission = Admission()
     admission.grant(len(groups))
     assert await admission.take_tickets(len(groups)) == len(groups)
     await store.admit([fresh(g.task.index) for g in groups], Cursor(0, len(groups), len(groups)))
-    stage = RewardStage(fn, timeout=timeout, store=store, admission=admission)
+    stage = RewardStage(fn, timeout=timeout, store=store, admission=admission, **stage)
     send_in, receive_in = anyio.create_memory_object_stream[Group](len(groups))
     send_out, receive_out = anyio.create_memory_object_stream[Group](len(groups))
     async with anyio.create_task_group() as tg:
@@ -59,7 +65,11 @@ async def _async_length(task: PromptTask, sample: Sample) -> float:
     return float(sample.response_len + sample.index)
 
 
-@pytest.mark.parametrize("fn", [_length, _async_length], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "fn",
+    [_length, _async_length, lambda task, sample: _async_length(task, sample)],
+    ids=["sync", "async", "def-awaitable"],
+)
 async def test_every_sample_gets_its_reward(store: AsyncStore, fn: RewardFn) -> None:
     out = await _scored(store, fn, [_unscored(0), _unscored(1)])
     assert [[s.reward for s in g.samples] for g in out] == [[3.0, 4.0], [3.0, 4.0]]
@@ -140,3 +150,86 @@ async def test_the_first_group_each_error_fails_is_logged_once(store: AsyncStore
     warned = [e for e in logs if e["log_level"] == "warning"]
     assert len(warned) == 1, warned
     assert warned[0]["error"] == "reward: RuntimeError('no verdict')" and warned[0]["failed_samples"] == "1/2"
+
+
+async def test_a_sync_reward_runs_off_the_loop_under_the_same_deadline(store: AsyncStore) -> None:
+    # Before: a plain def ran on the event loop with no deadline: a 12 s reward held the whole step
+    # with --reward-timeout 2. Now it runs on a worker thread: the deadline fails the sample, and
+    # the loop runs other tasks while the function still blocks.
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def blocking(task: PromptTask, sample: Sample) -> float:
+        entered.set()
+        release.wait(2)  # blocks its thread (the loop's, before) far past the 0.05 s deadline
+        returned.set()
+        return 1.0
+
+    ran_while_blocked: list[bool] = []
+
+    async def beside() -> None:
+        await anyio.to_thread.run_sync(entered.wait, 5)
+        await anyio.lowlevel.checkpoint()  # scheduled by the loop: only if the reward left it free
+        ran_while_blocked.append(not returned.is_set())
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(beside)
+            out = await _scored(store, blocking, [_unscored(0)], timeout=0.05)
+    finally:
+        release.set()  # the abandoned calls return; their threads go
+    assert ran_while_blocked == [True]
+    assert out == []
+    (stored,) = await store.groups(GroupState.FAILED)
+    assert [s.error for s in stored.samples] == ["reward: timed out", "reward: timed out"]
+
+
+async def test_calls_past_their_deadline_keep_their_threads_and_later_calls_say_so(store: AsyncStore) -> None:
+    # A thread cannot be killed: a call past its deadline keeps its thread until it returns. With
+    # every thread so stuck (one, here), the next call never starts, and its sample says why.
+    release, calls = threading.Event(), []
+
+    def hangs(task: PromptTask, sample: Sample) -> float:
+        calls.append(sample.index)
+        release.wait(5)
+        return 1.0
+
+    try:
+        await _scored(store, hangs, [_unscored(0)], timeout=0.05, threads=1)
+    finally:
+        release.set()
+    (stored,) = await store.groups(GroupState.FAILED)
+    assert calls == [0]
+    assert stored.samples[0].error == "reward: timed out"
+    error = stored.samples[1].error or ""
+    assert error.startswith("reward: timed out (no reward thread free: all 1 are in calls past their deadline"), error
+
+
+async def test_retries_wait_longer_each_time(store: AsyncStore) -> None:
+    # Before: a retry followed its failure at once; a reward service down for a moment was hit
+    # again by every sample that failed on it.
+    failures: dict[int, int] = {}
+
+    def flaky(task: PromptTask, sample: Sample) -> float:
+        failures[sample.index] = failures.get(sample.index, 0) + 1
+        if failures[sample.index] <= 3:
+            raise ConnectionError("reward service busy")
+        return 1.0
+
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await anyio.lowlevel.checkpoint()
+
+    (out,) = await _scored(store, flaky, [_unscored(0)], max_retries=3, sleep=sleep)
+    assert [s.reward for s in out.samples] == [1.0, 1.0]
+    assert len(waits) == 3 and waits == sorted(waits), waits
+    for wait, ceiling in zip(waits, (0.5, 1.0, 2.0), strict=True):
+        assert ceiling / 2 <= wait <= ceiling, waits
+
+
+def test_the_backoff_is_jittered_and_capped() -> None:
+    backoff, rng = RetryBackoff(first=0.5, cap=8.0), random.Random(0)
+    delays = [backoff.delay(retry, rng) for retry in range(8)]
+    assert all(4.0 <= d <= 8.0 for d in delays[4:]), delays  # capped: 0.5 * 2**4 = 8
+    assert len({backoff.delay(0, rng) for _ in range(5)}) == 5  # jittered: retries do not fall together

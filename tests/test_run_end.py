@@ -158,6 +158,11 @@ def test_sigterm_stops_the_run_whatever_it_inherited(tmp_path, start, wrap, pree
     assert "Traceback" not in text, text
     lines = [line for line in text.splitlines() if line.startswith(("terminated", "interrupted", "error"))]
     assert lines == ["terminated (SIGTERM): rollout state is in the store; run the same command again to resume"]
+    # SIGINT is the shell's to ignore in a script's background job: the run says so, and how to stop it.
+    said = "SIGINT is ignored in this process (inherited: a job started with & from a script)"
+    ignored = start in ("background job of a script", "SIGINT inherited ignored")
+    ignored |= signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # these tests run as such a job themselves
+    assert (said in text) == ignored, text[-3000:]
     end = time.monotonic() + 30  # an engine stopped by the launcher may still be reaped by init
     while any(_running(p) for p in engines):
         assert time.monotonic() < end, f"engines {engines} outlived the launcher"

@@ -141,3 +141,19 @@ def test_a_step_no_halving_brings_under_the_bound_is_undone_counted_and_said(mod
     with capture_logs() as logs:
         assert quiet.train_step(batch)["step_kl_undone"] == 0
     assert not [e for e in logs if "undone" in e["event"]]
+
+
+def test_a_step_without_an_optimizer_step_reports_the_same_step_kl_keys(model_dir):
+    # Before: the keys were written only when an optimizer step was checked, so a batch with no
+    # signal (every reward equal: advantages 0, no step) left them out of its record, and the
+    # record's key set changed from step to step. A step that takes no optimizer step moves the
+    # policy by exactly 0: that is what the keys say, with train/optimizer_steps 0 saying why.
+    trainer = GRPOTrainer(model_dir, lr=0.1, max_step_kl=0.2)
+    flat = _batch()
+    flat = Batch(0, (flat.groups[0].with_samples([dataclasses.replace(s, reward=1.0) for s in flat.samples]),))
+    still = trainer.train_step(flat)
+    moved = trainer.train_step(_batch(1))
+    assert still["optimizer_steps"] == 0 and moved["optimizer_steps"] == 1
+    keys = {k for k in moved if k.startswith("step_kl_")}
+    assert keys == {"step_kl_max", "step_kl_proposed_max", "step_kl_halvings", "step_kl_undone"}
+    assert {k: still[k] for k in keys} == dict.fromkeys(keys, 0.0)

@@ -61,8 +61,8 @@ def test_tp2_on_two_gpus_learns_with_the_nccl_publish(tmp_path):
         "--update-weight-transport",
         "distributed",
     )
-    first = sum(r["reward/mean"] for r in records[:3]) / 3
-    last = sum(r["reward/mean"] for r in records[-3:]) / 3
+    first = sum(r["rollout/raw_reward"] for r in records[:3]) / 3
+    last = sum(r["rollout/raw_reward"] for r in records[-3:]) / 3
     publish = [r["time/publish_update"] for r in records]
     print(
         f"TP=2 on two GPUs, bf16, NCCL publish: reward {first:.3f} -> {last:.3f}; "

@@ -258,6 +258,8 @@ class GRPOTrainer:
         if len(minibatches) > 1:
             proximal = torch.cat([self._logprobs_no_grad([samples[i] for i in mb], width) for mb in minibatches])
         totals: defaultdict[str, float] = defaultdict(float)
+        if self.max_step_kl is not None:
+            totals["step_kl_bound"] = self.max_step_kl  # the step_kl_* keys, every step (trainers.metrics)
         reference: torch.Tensor | None = None
         if self.reference is not None:
             started = time.perf_counter()

@@ -70,7 +70,8 @@ def step_metrics(
     totals: defaultdict[str, float],
     n_minibatches: int,
 ) -> dict[str, float]:
-    """The step's metrics (names without the `train/` prefix the controller adds)."""
+    """The step's metrics, under the trainer's names (`pipeline.metric_names.trainer_record` gives
+    the step record's: `train/<name>`, or slime's name where slime has one)."""
     samples = batch.samples
     masked = max(totals["masked_tokens"], 1.0)
     trained_tokens = totals["trained_tokens"]
@@ -107,7 +108,10 @@ def step_metrics(
         "lr": totals["lr"],
         "tokens": trained_tokens,  # response tokens that trained this step
     }
-    if totals.get("step_kl_checked"):  # --max-step-kl: the largest step, as proposed and as taken, and the halvings
+    # --max-step-kl: the largest step, as proposed and as taken, and the halvings. Present on every
+    # step while the bound is on (a fixed key set): a step with no optimizer step moved the policy
+    # by exactly 0, so all four are 0 then (train/optimizer_steps 0 says why).
+    if "step_kl_bound" in totals:
         out["step_kl_max"] = totals["step_kl"]
         out["step_kl_proposed_max"] = totals["step_kl_proposed"]
         out["step_kl_halvings"] = totals["step_kl_halvings"]

@@ -166,6 +166,13 @@ class RolloutConfig:
         ge=1,
         help="evaluate on the engines every N steps, inline (sync mode only; async: python -m pipeline.eval)",
     )
+    skip_eval_before_train: bool = opt(
+        False,
+        "--skip-eval-before-train",
+        "bool",
+        help="with --eval-interval: do not evaluate the starting weights before the first step (slime's flag); "
+        "a resumed run never does",
+    )
     # Evaluation (issue 31): slime's flags; the set is never mixed into training data.
     eval_prompt_data: tuple[str, ...] = opt(
         (),

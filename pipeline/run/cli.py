@@ -33,7 +33,7 @@ from pipeline.config.show import config_to_toml
 from pipeline.controller import run_pipeline
 from pipeline.events import EventLog
 from pipeline.plan import RolloutPlan
-from pipeline.run.end import RunPaths, StopOnSigterm, error_leaves, report_failure
+from pipeline.run.end import RunPaths, StopOnSigterm, error_leaves, report_failure, sigint_ignored
 from pipeline.run.engines import RunEngines, align_weight_versions
 from pipeline.run.folder import claim_run_folder, resume_hint, run_line
 from pipeline.run.node import node_main
@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(config.output.log_level)
     for warning in config.warnings:
         log.warning(warning)
+    if sigint_ignored():
+        log.warning(
+            "SIGINT is ignored in this process (inherited: a job started with & from a script): Ctrl-C and "
+            "kill -INT do not stop this run; SIGTERM does (kill PID)"
+        )
     stop = StopOnSigterm()
     started = time.monotonic()
     try:

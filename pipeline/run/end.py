@@ -6,7 +6,9 @@ Two things live here, both at the launcher's boundary:
   its store closed, exit 143), whatever signal dispositions the process inherited. It cancels the
   run's main task itself, as asyncio's runner does for SIGINT, instead of raising SIGINT: a job a
   non-interactive script starts with `&` inherits SIGINT *ignored*, and a SIGINT raised there does
-  nothing (the run trained on to its end and exited 0).
+  nothing (the run trained on to its end and exited 0). SIGINT itself is left as inherited
+  (`sigint_ignored`): the shell ignores it in such a job on purpose, and the launcher says so
+  when it starts.
 - `report_failure`: turns whatever ended the run (a pipeline error, an `OSError` such as a full
   disk, a safetensors or TensorBoard error that wraps one, anything crossing the task groups) into
   one `error:` line per distinct cause, naming what was being written, the cause and the fix, plus
@@ -34,7 +36,17 @@ import anyio
 
 from core.errors import PipelineError, StoreError
 
-__all__ = ["RunPaths", "StopOnSigterm", "error_leaves", "report_failure"]
+__all__ = ["RunPaths", "StopOnSigterm", "error_leaves", "report_failure", "sigint_ignored"]
+
+
+def sigint_ignored() -> bool:
+    """Whether this process inherited SIGINT ignored, as a job started with `&` from a
+    non-interactive script does. The shell does that on purpose: without job control its background
+    jobs share the terminal's process group with it, and a Ctrl-C meant for the script's foreground
+    command must not stop them. Python then installs no KeyboardInterrupt handler, and the launcher
+    keeps the shell's choice rather than override it: Ctrl-C and `kill -INT` do nothing to such a
+    run, SIGTERM (`kill PID`) stops it (`StopOnSigterm`)."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 class StopOnSigterm:

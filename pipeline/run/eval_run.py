@@ -1,19 +1,23 @@
-"""Evaluation from the config: the sets and sampling it names, inline in a sync run, and
-`python -m pipeline.eval`, which evaluates a run's saved weights on engines of its own.
+"""Evaluation from the config: the sets and sampling it names, inline in a sync run (the starting
+weights first, unless `--skip-eval-before-train`), and `python -m pipeline.eval`, which evaluates a
+run's saved weights on engines of its own.
 
     python -m pipeline.eval --output-dir RUN_DIR [the run's flags] [--eval-version N ...]
 
 Without `--eval-version` every saved weights folder (`RUN_DIR/checkpoints/vN` or `RUN_DIR/weights/vN`,
-N >= 1: the weights
-step N-1 made) that `RUN_DIR/eval.jsonl` does not hold yet is evaluated, oldest first; with it,
-the versions named (0 = the initial weights), also when already evaluated. The run's flags say
-what to evaluate and how (`--eval-prompt-data`, `--n-samples-per-eval-prompt`, `--eval-temperature`
-...) and which engines to use: `--sglang-url`/`--sglang-router-url` (engines of its own: their
-weights are replaced, so never a live run's), or built-in engines started and stopped here. The
-results go to `RUN_DIR/eval.jsonl` (one line per step) and to the run's TensorBoard and W&B (on the
-`eval/step` axis in W&B, which only accepts growing steps), with a progress bar over the samples.
+N >= 1: the weights step N-1 made) that `RUN_DIR/eval.jsonl` does not hold yet is evaluated, oldest
+first; with it, the versions named (0 = the initial weights), also when already evaluated. The
+run's flags say what to evaluate and how (`--eval-prompt-data`, `--n-samples-per-eval-prompt`,
+`--eval-temperature` ...) and which engines to use: `--sglang-url`/`--sglang-router-url` (engines of
+its own: their weights are replaced, so never a live run's), or built-in engines started and
+stopped here. The results go where the run's go: one line each to the run's metrics file
+(`pipeline.metrics.eval_record`: at the step that made the weights, with the inline evaluation's
+`eval/...` keys, marked by `eval/step`), to its TensorBoard and W&B (on the `eval/step` axis in
+W&B, which only accepts growing steps), and to `RUN_DIR/eval.jsonl`; with a progress bar over the
+samples on a terminal.
 
 An async run cannot evaluate inline (the config refuses it); this command runs beside it, or after.
+Beside it, both append to the metrics file (whole lines, one `write` each, in append mode).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,9 +39,9 @@ from pipeline.config import Config, config_to_dict, load_config
 from pipeline.config.derived import derived
 from pipeline.evaluation import EvalLog, EvalSet, EvalSettings, eval_due, evaluate
 from pipeline.metric_sinks import open_step_sinks
-from pipeline.metrics import MetricsSink
+from pipeline.metrics import MetricsSink, eval_record
 from pipeline.run.engines import RunEngines  # the run's engines: its own URLs, or built-in ones
-from pipeline.run.records import dashboard_settings
+from pipeline.run.records import dashboard_settings, draws_a_bar
 from stages.generator import GenerateEngine
 
 __all__ = ["InlineEvaluator", "eval_sets", "eval_settings", "main"]
@@ -96,9 +101,10 @@ def eval_settings(config: Config) -> EvalSettings:
 class InlineEvaluator:
     """`run_pipeline(evaluate=...)` for a sync run: every `--eval-interval` steps, on the engines.
 
-    A step already in `eval.jsonl` is never evaluated again (a resumed run); `catch_up` evaluates
-    the last trained step when a crash came between its commit and its evaluation (the resumed
-    engines serve exactly its weights), so no due step is lost either."""
+    Weights already in `eval.jsonl` are never evaluated again (a resumed run). `before_training`
+    evaluates the starting weights; `catch_up` evaluates the last trained step when a crash came
+    between its commit and its evaluation (the resumed engines serve exactly its weights), so no
+    due step is lost either."""
 
     def __init__(
         self,
@@ -116,22 +122,45 @@ class InlineEvaluator:
         self._version_of = version_of
 
     async def __call__(self, step: int) -> dict[str, float]:
-        if not eval_due(step, self.interval) or step in self._done:
+        version = self._version_of(step)
+        if not eval_due(step, self.interval) or version in self._done:
             return {}
-        metrics = await evaluate(self.engines, self.sets, self.settings, step=step)
-        self.log.append({"step": step, "version": self._version_of(step), **metrics})
-        self._done.add(step)
-        log.info("evaluated", step=step, **{k: round(v, 4) for k, v in metrics.items() if k.count("/") == 1})
+        return await self._evaluate(step, version)
+
+    async def before_training(self, start_step: int, sink: MetricsSink) -> dict[str, float]:
+        """Evaluate the starting weights, as slime does before training (`--skip-eval-before-train`
+        is the caller's): a baseline for every later evaluation. Only a run that starts at step 0
+        does it, and only once: a crash before step 0's commit leaves it in `eval.jsonl`, and a
+        run resumed past step 0 has engines that no longer serve those weights (evaluate them
+        with `python -m pipeline.eval --eval-version 0`). Its line goes to the metrics file and
+        the dashboards (`eval_record`, at step 0)."""
+        if start_step != 0 or 0 in self._done:
+            return {}
+        started = time.perf_counter()
+        metrics = await self._evaluate(0, 0)
+        sink.write_eval(eval_record(0, {**metrics, "time/eval": time.perf_counter() - started}))
         return metrics
 
     async def catch_up(self, last_trained_step: int, sink: MetricsSink | None = None) -> dict[str, float]:
-        """Evaluate `last_trained_step` if it was due and is not in the log; its record goes to the
-        dashboards (`sink`'s extras: its metrics line was written before the crash)."""
+        """Evaluate `last_trained_step` if it was due and is not in the log; its metrics get a line
+        of their own in the metrics file and the dashboards (`eval_record`: the step's line was
+        written before the crash)."""
         if last_trained_step < 0:
             return {}
+        started = time.perf_counter()
         metrics = await self(last_trained_step)
         if metrics and sink is not None:
-            sink.write_extras({"step": last_trained_step, **metrics})
+            version = self._version_of(last_trained_step)
+            sink.write_eval(eval_record(version, {**metrics, "time/eval": time.perf_counter() - started}))
+        return metrics
+
+    async def _evaluate(self, step: int, version: int) -> dict[str, float]:
+        metrics = await evaluate(self.engines, self.sets, self.settings, step=step)
+        self.log.append({"step": step, "version": version, **metrics})
+        self._done.add(version)
+        log.info(
+            "evaluated", step=step, version=version, **{k: round(v, 4) for k, v in metrics.items() if k.count("/") == 1}
+        )
         return metrics
 
 
@@ -158,7 +187,7 @@ def _parse(argv: Sequence[str]) -> tuple[list[int] | None, list[str]]:
         prog="python -m pipeline.eval",
         description="Evaluate a run's saved weights (RUN_DIR/checkpoints/vN, RUN_DIR/weights/vN) on engines; "
         "the run's flags say what "
-        "and how. Results: RUN_DIR/eval.jsonl, TensorBoard, W&B.",
+        "and how. Results: the run's metrics file (its own lines, eval/step), TensorBoard, W&B, RUN_DIR/eval.jsonl.",
         add_help=True,
     )
     parser.add_argument(
@@ -194,7 +223,7 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     folders = _saved_weights(out)
     saved = list(folders)
     if versions is None:
-        done = {int(r.get("version", r["step"] + 1)) for r in eval_log.evaluated().values()}
+        done = set(eval_log.evaluated())
         versions = [v for v in saved if v >= 1 and v not in done]
     missing = [v for v in versions if v != 0 and v not in saved]
     if missing:
@@ -210,7 +239,7 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     sets = eval_sets(config, tokenizer)
     settings = eval_settings(config)
-    sink = _dashboards(config, out)
+    sink = _metrics_sink(config, out)
     total = len(versions) * sum(len(s.tasks) for s in sets) * settings.n_samples
     bar = _bar(config, total)
     try:
@@ -218,13 +247,14 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
             for version in versions:
                 folder = model_path if version == 0 else folders[version]
                 await fleet.update_weights_from_disk(str(folder), weight_version=str(version))
-                step = version - 1
-                metrics = await evaluate(fleet, sets, settings, step=step, on_sample=bar)
-                eval_log.append({"step": step, "version": version, **metrics})
-                if step >= 0:
-                    sink.write_extras({"step": step, "eval/step": step, **metrics})
+                started = time.perf_counter()
+                record = eval_record(version, {})
+                metrics = await evaluate(fleet, sets, settings, step=record["step"], on_sample=bar)
+                eval_log.append({"step": record["step"], "version": version, **metrics})
+                sink.write_eval({**record, **metrics, "time/eval": time.perf_counter() - started})
                 print(
-                    f"v{version} (step {step}): " + "  ".join(f"{s.name} {metrics[f'eval/{s.name}']:.4f}" for s in sets)
+                    f"v{version} (step {record['step']}): "
+                    + "  ".join(f"{s.name} {metrics[f'eval/{s.name}']:.4f}" for s in sets)
                 )
     finally:
         sink.close()
@@ -234,12 +264,13 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     return 0
 
 
-def _dashboards(config: Config, out: Path) -> MetricsSink:
+def _metrics_sink(config: Config, out: Path) -> MetricsSink:
+    """The run's metrics file and dashboards, where the evaluations' lines go."""
     settings = dashboard_settings(config)
     extras = open_step_sinks(
         settings, output_dir=out, run_id=config.storage.run_id, warn=log.warning, config=config_to_dict(config)
     )
-    return MetricsSink(None, extras, warn=log.warning)
+    return MetricsSink(Path(derived(config.output.metrics_file, "output.metrics_file")), extras, warn=log.warning)
 
 
 class _NoBar:
@@ -248,7 +279,9 @@ class _NoBar:
 
 
 def _bar(config: Config, total: int) -> Callable[[], None]:
-    if not config.output.progress:
+    """A progress bar over the samples, on a terminal only (as the run's: `draws_a_bar`); in a log
+    file the line printed per version says it."""
+    if not draws_a_bar(config):
         return _NoBar()
     from tqdm import tqdm
 

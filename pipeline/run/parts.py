@@ -37,7 +37,8 @@ async def inline_evaluator(
     config: Config, state: RunState, engines: EngineFleet, out: Path, sink: MetricsSink
 ) -> InlineEvaluator | None:
     """With `--eval-interval` (sync mode; the rules refuse async), the evaluator `run_pipeline` calls
-    after each step; a step the crash left unevaluated is evaluated first (pipeline/run/eval_run.py)."""
+    after each step. First, a step the crash left unevaluated is evaluated, or, in a run starting at
+    step 0, the starting weights (unless `--skip-eval-before-train`): pipeline/run/eval_run.py."""
     if config.rollout.eval_interval is None:
         return None
     from transformers import AutoTokenizer
@@ -51,6 +52,8 @@ async def inline_evaluator(
         log_path=out / EVAL_FILE,
     )
     await evaluator.catch_up(state.start_step - 1, sink)
+    if not config.rollout.skip_eval_before_train:
+        await evaluator.before_training(state.start_step, sink)
     return evaluator
 
 

@@ -24,6 +24,7 @@ from storage import Store
 __all__ = [
     "Progress",
     "dashboard_settings",
+    "draws_a_bar",
     "metrics_sink",
     "print_summary",
     "records_written_back_on_error",
@@ -93,10 +94,16 @@ def metrics_sink(config: Config, out: Path, restored: RestoredMetrics, store: St
     return sink
 
 
+def draws_a_bar(config: Config) -> bool:
+    """Whether a progress bar is drawn: `--progress` and stderr a terminal. A bar redraws itself with
+    carriage returns, which a log file keeps, one per refresh; there, plain lines say it instead."""
+    return config.output.progress and sys.stderr.isatty()
+
+
 class Progress:
     def __init__(self, config: Config, start_step: int) -> None:
         self._bar = None
-        if config.output.progress and sys.stderr.isatty():  # in a log file, plain lines (below)
+        if draws_a_bar(config):  # in a log file, plain lines (below)
             from tqdm import tqdm
 
             self._bar = tqdm(total=config.rollout.num_rollout, initial=start_step, unit="step", dynamic_ncols=True)
@@ -106,7 +113,7 @@ class Progress:
             log.info(
                 "step",
                 step=record["step"],
-                reward=round(record["reward/mean"], 3),
+                reward=round(record["rollout/raw_reward"], 3),
                 staleness_max=record["staleness/max"],
                 multi_version=round(record["staleness/multi_version_frac"], 3),
                 groups_per_s=round(record["groups/per_second"], 2),
@@ -115,8 +122,8 @@ class Progress:
             )
             return
         self._bar.set_postfix(
-            reward=f"{record['reward/mean']:.3f}",
-            len=f"{record['response_len/mean']:.1f}",
+            reward=f"{record['rollout/raw_reward']:.3f}",
+            len=f"{record['rollout/response_len/mean']:.1f}",
             stale=record["staleness/max"],
             refresh=False,
         )
@@ -132,6 +139,6 @@ def print_summary(records: list[dict[str, Any]], num_rollout: int) -> None:
         print(f"nothing to do: the run has trained all of its --num-rollout={num_rollout} steps")
         return
     k = max(1, min(5, len(records) // 4))
-    first = statistics.fmean(r["reward/mean"] for r in records[:k])
-    last = statistics.fmean(r["reward/mean"] for r in records[-k:])
+    first = statistics.fmean(r["rollout/raw_reward"] for r in records[:k])
+    last = statistics.fmean(r["rollout/raw_reward"] for r in records[-k:])
     print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({len(records)} steps)")
