@@ -44,7 +44,8 @@ from core.errors import CorruptRecordError, PipelineError, ReplayError, StoreCor
 from core.types import StoreTransport
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
 from pipeline.run.folder import RUN_RECORD
-from pipeline.trainer_settings import build_trainer
+from pipeline.settings_history import settings_at
+from pipeline.trainer_settings import build_trainer, replayed_settings
 from storage import GroupState, LmdbStore, RunMeta
 
 __all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]
@@ -293,11 +294,16 @@ def replay_training(
             f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})"
         )
     # The run's own settings, as its config recorded them; what an older run did not record takes
-    # the schema's default, the same default the launcher used.
-    config = meta.extra.get("config", {}) if (meta := store.read_meta()) else {}
+    # the schema's default, the same default the launcher used. A setting a resume changed applies
+    # from the step recorded with it: each step trains with the settings it ran with.
+    extra = meta.extra if (meta := store.read_meta()) else {}
+    config = extra.get("config", {})
     trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
+    own = trainer.step_settings
     records = store.step_metrics(steps.start)
     for step in steps:
+        then = settings_at(extra, step)
+        trainer.use_settings(own if then is None else replayed_settings(own, then, config))
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches
         # The version the run trained the batch at (what --mask-stale-tokens measures from): its
