@@ -266,7 +266,7 @@ class _ReplaySettings:
         then = {step: settings_at(extra, step) or {} for step in range(first, last + 1)}
         if all(step_settings(t) == step_settings(now) for t in then.values()):
             return None  # nothing that changed touches a training step (rollout, engines, output...)
-        said = [_said(c) for c in changes if _touches_a_step(now, c)]
+        said = [_said(c) for c in changes if _touches_a_step(settings_at(extra, c["step"]) or {}, c)]
         use_settings = getattr(trainer, "use_settings", None)
         own = getattr(trainer, "step_settings", None)
         if use_settings is None or own is None:
@@ -327,16 +327,17 @@ async def replay_then_publish(
 
 def _said(change: Mapping[str, Any]) -> str:
     step = change["step"]
-    return f"{change['setting']}: {change['from']!r} until step {step - 1}, {change['to']!r} from step {step}"
+    return f"{change['setting']}: {change['from']!r} through step {step - 1}, {change['to']!r} from step {step}"
 
 
-def _touches_a_step(now: Mapping[str, Any], change: Mapping[str, Any]) -> bool:
-    """Whether the trainer's step settings differ with this change undone."""
+def _touches_a_step(after: Mapping[str, Any], change: Mapping[str, Any]) -> bool:
+    """Whether the trainer's step settings differ with this change undone from the settings
+    `after` it took effect (a rollout, engine or output setting does not touch them)."""
     section, name = str(change["setting"]).split(".", 1)
-    before = {k: dict(v) for k, v in now.items() if isinstance(v, Mapping)}
+    before = {k: dict(v) for k, v in after.items() if isinstance(v, Mapping)}
     before.setdefault(section, {})[name] = change["from"]
     try:
-        return step_settings(before) != step_settings(now)
+        return step_settings(before) != step_settings(after)
     except (TypeError, ValueError):  # only with another change undone too: it does touch the step
         return True
 

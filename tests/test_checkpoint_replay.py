@@ -353,3 +353,46 @@ def test_use_settings_trains_as_a_trainer_built_with_them(tmp_path, flags):
     a, b, c = (_weights(t) for t in (built, switched, plain))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+class _OwnTrainer:
+    """A trainer of a user's own: `train_step` and `save_weights`, no `use_settings`."""
+
+    def __init__(self, inner: GRPOTrainer) -> None:
+        self.inner = inner
+
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        return self.inner.train_step(batch, minibatch_samples=minibatch_samples)
+
+    def save_weights(self, path: Path) -> Path:
+        return self.inner.save_weights(path)
+
+
+def test_what_a_replay_cannot_run_as_it_first_ran_is_said(tmp_path, capsys):
+    """A setting fixed when the trainer is built (its dtype), and a trainer that cannot change its
+    settings between steps: the replay goes on with today's, and says which settings, both values
+    and from which step."""
+    from pipeline.run.resume_settings import changed_settings
+
+    model = make_model_folder(tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    policy = _policy(out, interval=4)
+    _train_run(out / "store", model, policy, split=4)
+    was, now = _config([]), _config(["--lr", "1e-3", "--trainer-dtype", "bfloat16"])
+    with LmdbStore(out / "store") as store:
+        store.write_meta(_meta(now))
+        meta = store.read_meta()
+        extra = {**meta.extra, "config_changes": changed_settings(was, now, step=5)}
+        store.write_meta(dataclasses.replace(meta, extra=extra))
+
+    async def replay() -> None:
+        async with AsyncStore(LmdbStore(out / "store")) as store:
+            trainer = _OwnTrainer(GRPOTrainer(policy.dir / "v4", global_batch_size=4))
+            await replay_stored_batches(trainer, store, policy, first=4, last=5, num_steps=STEPS, distributed=False)
+
+    capsys.readouterr()
+    anyio.run(replay)
+    said = capsys.readouterr().out
+    assert "settings fixed when the trainer is built" in said
+    assert "trainer.dtype: 'float32' through step 4, 'bfloat16' from step 5" in said
+    assert "no use_settings()" in said and "trainer.lr: 0.005 through step 4, 0.001 from step 5" in said
