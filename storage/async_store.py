@@ -191,9 +191,6 @@ class _GroupWriter:
         for call in batch:
             call.stage = _Stage.RUNNING
         self._running = True
-        self.groups += 1
-        self.calls += len(batch)
-        self.largest = max(self.largest, len(batch))
         group = _ThreadCall(functools.partial(self._run_grouped, [c.fn for c in batch]))
         try:
             with anyio.CancelScope(shield=True):  # a started group is never abandoned
@@ -204,6 +201,9 @@ class _GroupWriter:
             self._queue[:0] = batch
             self._running = False
             raise
+        self.groups += 1
+        self.calls += len(batch)
+        self.largest = max(self.largest, len(batch))
         if group.error is not None:  # the group as a whole failed (not one call): each caller hears it
             self._settle(batch, [(None, group.error)] * len(batch))
         else:
