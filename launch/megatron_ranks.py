@@ -229,21 +229,10 @@ def _rank_env(world_size: int, addr: str, port: int) -> dict[str, str]:
     }
 
 
-def _loss_settings(raw: dict[str, Any]) -> Any:
-    from trainers.loss import ImportanceCorrection, KLType, LossAggregation, LossSettings
-
-    raw = {
-        **raw,
-        "correction": ImportanceCorrection(raw["correction"]),
-        "aggregation": LossAggregation(raw["aggregation"]),
-        "kl_loss_type": KLType(raw.get("kl_loss_type", KLType.K1.value)),
-    }
-    return LossSettings(**raw)
-
-
 def _rank_main(raw: str) -> None:
     """One follower rank: join, build the same trainer from rank 0's model folder, follow."""
     from trainers.megatron.trainer import MegatronTrainer
+    from trainers.step_settings import loss_from_json
 
     payload = orjson.loads(raw)
     spec = payload["spec"]
@@ -257,7 +246,7 @@ def _rank_main(raw: str) -> None:
     )
     trainer_kwargs = dict(spec["trainer"])
     if trainer_kwargs.get("loss") is not None:  # a LossSettings, sent as JSON (enums by value)
-        trainer_kwargs["loss"] = _loss_settings(trainer_kwargs["loss"])
+        trainer_kwargs["loss"] = loss_from_json(trainer_kwargs["loss"])
     device = init_rank(
         rank=rank,
         world_size=spec["world"],

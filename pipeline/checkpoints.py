@@ -17,6 +17,11 @@ trained against and its minibatch split) until a checkpoint covers its step. A r
 newest checkpoint the store counts, then `replay_stored_batches` trains the stored batches of the
 steps after it again, in order, before any new work: nothing is regenerated, and the trainer ends
 where the killed run's committed steps had left it. On one CPU with a fixed seed that is bit for bit.
+A setting the resume changed takes effect from the first new step (the store records it): each
+replayed step runs with the trainer settings it first ran with (learning rate, loss, temperature,
+clips, micro-batches: `trainers.step_settings`, through `use_settings`), and the new steps with
+today's. What is fixed when the trainer is built (device, dtype, ranks, `--ref-load`, R3) cannot
+change between steps: a replayed step that first ran with another value is said in a warning.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -38,8 +43,13 @@ import structlog
 from core.clock import VersionClock
 from core.errors import ConfigError, StoreError
 from pipeline.plan import RolloutPlan, Trainer
+from pipeline.settings_history import changes_after, settings_at
+from pipeline.trainer_settings import FIXED_WHEN_BUILT, replayed_settings, step_settings
 from stages.publisher import WeightTarget, WeightTransfer, publish_weights
 from storage import AsyncStore
+
+if TYPE_CHECKING:
+    from trainers.step_settings import StepSettings
 
 __all__ = [
     "CheckpointPolicy",
@@ -190,9 +200,17 @@ async def replay_stored_batches(
         return None
     records = await store.step_metrics(first)
     takes_split = "minibatch_samples" in inspect.signature(trainer.train_step).parameters
+    meta = await store.read_meta()
+    settings = _ReplaySettings.of(trainer, meta.extra if meta is not None else {}, first, last)
     saved: StepSave | None = None
-    log.warning("replaying stored batches trained after the last checkpoint", steps=f"{first}..{last}")
+    log.warning(
+        "replaying stored batches trained after the last checkpoint",
+        steps=f"{first}..{last}",
+        **({"with_the_settings_they_first_ran_with": settings.said} if settings is not None else {}),
+    )
     for step in range(first, last + 1):
+        if settings is not None:
+            await settings.use(step)
         batch = await store.batch(step)
         if batch is None:
             raise StoreError(
@@ -214,7 +232,65 @@ async def replay_stored_batches(
             )
             if saved.checkpoint:
                 prune_checkpoints(policy, step + 1)
+    if settings is not None:
+        await settings.restore()  # the new steps run with today's settings
     return saved
+
+
+@dataclass(slots=True)
+class _ReplaySettings:
+    """The settings each replayed step first ran with, when some differ from today's: a setting a
+    resume changed takes effect from the step the store records (`pipeline.settings_history`), so
+    the steps before it, trained again, run as they first ran (`Trainer.use_settings`)."""
+
+    use_settings: Callable[[StepSettings], None]
+    by_step: dict[int, StepSettings]
+    own: StepSettings  # the trainer's before the replay, given back after it
+    said: list[str]  # the changes undone, for the log
+    applied: StepSettings | None = None
+
+    @classmethod
+    def of(cls, trainer: Trainer, extra: Mapping[str, Any], first: int, last: int) -> _ReplaySettings | None:
+        now = extra.get("config")
+        if not isinstance(now, Mapping):
+            return None  # a store that records no settings
+        changes = changes_after(extra, first)  # a replayed step ran with each one's "from"
+        fixed = [_said(c) for c in changes if c["setting"] in FIXED_WHEN_BUILT]
+        if fixed:
+            log.warning(
+                "settings fixed when the trainer is built changed since some replayed steps first ran: "
+                "those steps run with today's values, and may end elsewhere than the first time",
+                steps=f"{first}..{last}",
+                changes=fixed,
+            )
+        then = {step: settings_at(extra, step) or {} for step in range(first, last + 1)}
+        if all(step_settings(t) == step_settings(now) for t in then.values()):
+            return None  # nothing that changed touches a training step (rollout, engines, output...)
+        said = [_said(c) for c in changes if _touches_a_step(settings_at(extra, c["step"]) or {}, c)]
+        use_settings = getattr(trainer, "use_settings", None)
+        own = getattr(trainer, "step_settings", None)
+        if use_settings is None or own is None:
+            log.warning(
+                "settings changed since some replayed steps first ran, and this trainer has no "
+                "use_settings() to run them with those: they run with today's",
+                steps=f"{first}..{last}",
+                changes=said,
+            )
+            return None
+        by_step = {step: replayed_settings(own, t, now) for step, t in then.items()}
+        return cls(use_settings, by_step, own, said)
+
+    async def use(self, step: int) -> None:
+        await self._apply(self.by_step[step])
+
+    async def restore(self) -> None:
+        await self._apply(self.own)
+
+    async def _apply(self, settings: StepSettings) -> None:
+        if settings != self.applied:
+            # Blocking: megatron's ranks all take them; a first reference model is loaded.
+            await anyio.to_thread.run_sync(self.use_settings, settings)
+            self.applied = settings
 
 
 async def replay_then_publish(
@@ -247,6 +323,23 @@ async def replay_then_publish(
     clock.start_at(trained)
     await publish_weights(clock, engines, saved.folder, pause_mode=plan.pause_mode, transfer=transfer)
     return saved
+
+
+def _said(change: Mapping[str, Any]) -> str:
+    step = change["step"]
+    return f"{change['setting']}: {change['from']!r} through step {step - 1}, {change['to']!r} from step {step}"
+
+
+def _touches_a_step(after: Mapping[str, Any], change: Mapping[str, Any]) -> bool:
+    """Whether the trainer's step settings differ with this change undone from the settings
+    `after` it took effect (a rollout, engine or output setting does not touch them)."""
+    section, name = str(change["setting"]).split(".", 1)
+    before = {k: dict(v) for k, v in after.items() if isinstance(v, Mapping)}
+    before.setdefault(section, {})[name] = change["from"]
+    try:
+        return step_settings(before) != step_settings(after)
+    except (TypeError, ValueError):  # only with another change undone too: it does touch the step
+        return True
 
 
 @dataclass(slots=True)

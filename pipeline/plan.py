@@ -34,7 +34,11 @@ __all__ = ["Engines", "RolloutParts", "RolloutPlan", "RunSummary", "Trainer"]
 
 
 class Trainer(Protocol):
-    """A training backend. Both methods block; the controller runs them off the event loop."""
+    """A training backend. Both methods block; the controller runs them off the event loop.
+
+    A trainer that also has `step_settings` and `use_settings(settings)` (`trainers.step_settings`;
+    both built-in backends do) trains each stored step a resume replays with the settings it first
+    ran with (`pipeline.checkpoints`); without them, those steps run with today's."""
 
     def train_step(self, batch: Batch) -> Mapping[str, float]: ...
 

@@ -1,8 +1,9 @@
 """`python -m pipeline.replay RUN_DIR [summary | group GROUP_ID | train | timeline]`: look back at a run.
 
 A run launched with `--rollout-data-transport lmdb` leaves its whole rollout history in
-`RUN_DIR/rollout_data`: every group in its final state, the batch of every step, the cursor and the
-run's settings. This tool reads it without an engine:
+`RUN_DIR/rollout_data` (or its `--rollout-data-dir`, which `RUN_DIR/run.json` records): every group
+in its final state, the batch of every step, the cursor and the run's settings. This tool reads it
+without an engine:
 
     summary             groups by state, versions, staleness of trained batches, partial prefixes
     groups [--state S]  every group, one line each: id, state, prompt row, epoch, mean reward, error
@@ -40,8 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
+from core.types import StoreTransport
 from pipeline.replay_report import format_group, format_summary, group_record, summarize
-from pipeline.trainer_settings import build_trainer
+from pipeline.run.folder import RUN_RECORD
+from pipeline.settings_history import settings_at
+from pipeline.trainer_settings import build_trainer, replayed_settings
 from storage import GroupState, LmdbStore, RunMeta
 
 __all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]
@@ -119,17 +123,44 @@ def open_run_store(run_dir: str | Path) -> Iterator[tuple[Path, LmdbStore]]:
     if (run_dir / "data.mdb").exists():
         store_dir, run_dir = run_dir, run_dir.parent
     else:
-        store_dir = run_dir / STORE_DIR
-    if not (store_dir / "data.mdb").exists():
-        raise ReplayError(
-            f"{run_dir} has no rollout store ({store_dir / 'data.mdb'} is missing): a run with "
-            "--rollout-data-transport memory keeps nothing to replay; launch it with lmdb"
-        )
+        store_dir = _store_dir(run_dir)
     store = LmdbStore(store_dir, readonly=True)
     try:
         yield run_dir, store
     finally:
         store.close()
+
+
+def _store_dir(run_dir: Path) -> Path:
+    """The run folder's store: `rollout_data` in it, else where its `run.json` says the run put it
+    (`--rollout-data-dir` elsewhere: recorded absolute, or relative to the run folder)."""
+    default = run_dir / STORE_DIR
+    if (default / "data.mdb").exists():
+        return default
+    record = _run_record(run_dir)
+    recorded = record.get("store")
+    if record.get("transport") == StoreTransport.LMDB and isinstance(recorded, str):
+        store_dir = run_dir / recorded  # an absolute path stays as it is
+        if (store_dir / "data.mdb").exists():
+            return store_dir
+        raise ReplayError(
+            f"{run_dir / RUN_RECORD} says the run's rollout store is {store_dir}, and there is none there "
+            f"({store_dir / 'data.mdb'} is missing); if it moved, give its folder instead of the run's: "
+            f"python -m pipeline.replay STORE_DIR ..."
+        )
+    raise ReplayError(
+        f"{run_dir} has no rollout store ({default / 'data.mdb'} is missing): a run with "
+        "--rollout-data-transport memory keeps nothing to replay; launch it with lmdb"
+    )
+
+
+def _run_record(run_dir: Path) -> dict[str, Any]:
+    """The run folder's `run.json` (`pipeline.run.folder`); {} when there is none, or it is unreadable."""
+    try:
+        record = json.loads((run_dir / RUN_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _model_dir(run_dir: Path, meta: RunMeta | None) -> Path | None:
@@ -263,11 +294,16 @@ def replay_training(
             f"no batch is recorded for step(s) {missing} in {store.path} (trained step {store.trained_step()})"
         )
     # The run's own settings, as its config recorded them; what an older run did not record takes
-    # the schema's default, the same default the launcher used.
-    config = meta.extra.get("config", {}) if (meta := store.read_meta()) else {}
+    # the schema's default, the same default the launcher used. A setting a resume changed applies
+    # from the step recorded with it: each step trains with the settings it ran with.
+    extra = meta.extra if (meta := store.read_meta()) else {}
+    config = extra.get("config", {})
     trainer = build_trainer(model_dir, config, seed=seed, device="cpu")
+    own = trainer.step_settings
     records = store.step_metrics(steps.start)
     for step in steps:
+        then = settings_at(extra, step)
+        trainer.use_settings(own if then is None else replayed_settings(own, then, config))
         batch = store.batch(step)
         assert batch is not None  # checked above; a read-only store does not lose batches
         # The version the run trained the batch at (what --mask-stale-tokens measures from): its

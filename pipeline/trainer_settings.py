@@ -8,6 +8,7 @@ in the run's metadata; keys a run recorded before a flag existed take today's de
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +19,32 @@ from pipeline.config.derived import derived
 if TYPE_CHECKING:
     from trainers import GRPOTrainer
     from trainers.loss import LossSettings
+    from trainers.step_settings import StepSettings
 
-__all__ = ["build_trainer", "loss_settings", "megatron_settings"]
+__all__ = [
+    "FIXED_WHEN_BUILT",
+    "build_trainer",
+    "loss_settings",
+    "megatron_settings",
+    "replayed_settings",
+    "step_settings",
+]
+
+# Settings that shape how a step trains but are fixed when the trainer is built (its device and
+# precision, its layout over ranks, the reference weights, R3's router hooks): a replayed step that
+# first ran with another value runs with today's (`pipeline.checkpoints` says so).
+FIXED_WHEN_BUILT = (
+    "trainer.device",
+    "trainer.dtype",
+    "trainer.ref_load",
+    "rollout.use_rollout_routing_replay",
+    "trainer.num_ranks",
+    "trainer.num_nodes",
+    "trainer.tensor_model_parallel_size",
+    "trainer.pipeline_model_parallel_size",
+    "trainer.expert_model_parallel_size",
+    "trainer.use_distributed_optimizer",
+)
 
 
 def _sections(config: Mapping[str, Mapping[str, Any]]) -> tuple[TrainerConfig, RolloutConfig]:
@@ -56,6 +81,42 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
         entropy_coef=t.entropy_coef,
         score_centering=bool(r.use_score_centering),
     )
+
+
+def step_settings(config: Mapping[str, Mapping[str, Any]]) -> StepSettings:
+    """The `StepSettings` the config asks for: what a built-in trainer can change between steps."""
+    from trainers.step_settings import StepSettings
+
+    t, r = _sections(config)
+    return StepSettings(
+        lr=t.lr,
+        loss=loss_settings(config),
+        temperature=r.temperature,
+        max_grad_norm=t.max_grad_norm,
+        max_step_kl=t.max_step_kl or None,
+        micro_batch_size=t.micro_batch_size,
+        max_tokens_per_gpu=t.max_tokens_per_gpu,
+    )
+
+
+def replayed_settings(
+    own: StepSettings, then: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[str, Any]]
+) -> StepSettings:
+    """What a trainer running with `own` (built from the settings `now`) runs a step with that first
+    ran under the settings `then`: its own, but each value `then` and `now` set differently as
+    `then` set it. A trainer built with values of its own (not the config's) keeps those that no
+    recorded change touched."""
+    was, were = step_settings(then), step_settings(now)
+    loss = dataclasses.replace(own.loss, **_differing(was.loss, were.loss))
+    return dataclasses.replace(own, **{**_differing(was, were), "loss": loss})
+
+
+def _differing(then: Any, now: Any) -> dict[str, Any]:
+    return {
+        f.name: getattr(then, f.name)
+        for f in dataclasses.fields(then)
+        if f.name != "loss" and getattr(then, f.name) != getattr(now, f.name)
+    }
 
 
 def build_trainer(

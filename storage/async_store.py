@@ -7,7 +7,11 @@ and its transactions never overlap. The memory store never blocks, so its calls 
 Cancellation: a call that has started runs to the end. The worker thread is never abandoned (a
 transaction half-seen by its caller would lose work, e.g. groups claimed but never received), and
 the cancellation is delivered at the caller's next checkpoint. A call cancelled before it starts
-does nothing.
+does nothing. A cancel scope cannot reach a running call (anyio shields it) and delivers its
+cancellation again at the caller's next checkpoint; `Task.cancel()` from outside any scope (how a
+SIGTERM stops the run: `pipeline.run.end.StopOnSigterm`) passes through every shield and is
+delivered once, so the caller waits for its call's thread, still holding the writer's turn, and
+then re-raises it (`_ThreadCall`): cancellation stays cancellation, never a store error.
 
 Group commit: a store with `run_grouped` (the LMDB store) gets the calls that queue up while its
 previous transaction commits as one batch, run in one transaction with one fsync
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -84,6 +89,59 @@ class _Call:
         self.wake: anyio.Event | None = None
 
 
+class _ThreadCall:
+    """One blocking call on a worker thread, run to its end whatever cancels its caller.
+
+    anyio shields a worker-thread call from cancel scopes, but a `Task.cancel()` from outside them
+    (a SIGTERM's, `pipeline.run.end`) passes through: the await ends at once while the thread runs
+    on, and the limiter is given back, so the next call (or the store's close) would run beside a
+    transaction still open. Here the caller keeps the limiter until the thread has ended, then gets
+    the cancellation back to re-raise, with the call's outcome in `value`/`error`.
+    """
+
+    __slots__ = ("_ended", "error", "fn", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.value: Any = None
+        self.error: Exception | None = None
+        self._ended = threading.Event()
+
+    def _run(self) -> None:  # on the worker thread
+        try:
+            self.value = self.fn()
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self._ended.set()
+
+    async def run(self, limiter: anyio.CapacityLimiter) -> BaseException | None:
+        """Run the call holding `limiter`; the cancellation that arrived while it ran (None if none).
+        Cancelled while waiting for the limiter, it raises and the call never runs."""
+        async with limiter:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._run)
+                return None
+            except anyio.get_cancelled_exc_class() as exc:
+                cancelled = exc
+            # The thread runs on: wait for it on another one (no event-loop callback from a thread
+            # that may outlive the loop), through any further Task.cancel().
+            while not self._ended.is_set():
+                try:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(self._ended.wait)
+                except anyio.get_cancelled_exc_class():
+                    continue
+            return cancelled
+
+
+def _delivered_again() -> bool:
+    """Whether a cancel scope around the caller is cancelled (or past its deadline): it delivers the
+    cancellation again at the caller's next checkpoint. A `Task.cancel()` is delivered only once."""
+    return anyio.current_effective_deadline() <= anyio.current_time()
+
+
 class _GroupWriter:
     """Batches the calls queued while a group commits into the next group (see the module docstring)."""
 
@@ -121,6 +179,8 @@ class _GroupWriter:
                 while call.stage is not _Stage.DONE:
                     call.wake = anyio.Event()
                     await call.wake.wait()
+            if not _delivered_again():  # a Task.cancel(): nothing would deliver it again
+                raise
         if call.error is not None:
             raise call.error
         return call.value  # type: ignore[no-any-return]
@@ -131,20 +191,25 @@ class _GroupWriter:
         for call in batch:
             call.stage = _Stage.RUNNING
         self._running = True
+        group = _ThreadCall(functools.partial(self._run_grouped, [c.fn for c in batch]))
+        try:
+            with anyio.CancelScope(shield=True):  # a started group is never abandoned
+                cancelled = await group.run(self._limiter)
+        except anyio.get_cancelled_exc_class():  # a Task.cancel() before it started: it never ran
+            for call in batch:
+                call.stage = _Stage.QUEUED
+            self._queue[:0] = batch
+            self._running = False
+            raise
         self.groups += 1
         self.calls += len(batch)
         self.largest = max(self.largest, len(batch))
-        try:
-            with anyio.CancelScope(shield=True):  # a started group is never abandoned
-                outcomes = await anyio.to_thread.run_sync(
-                    self._run_grouped, [c.fn for c in batch], limiter=self._limiter
-                )
-        except BaseException as exc:  # the group as a whole failed (not one call): each caller hears it
-            self._settle(batch, [(None, exc if isinstance(exc, Exception) else StoreError(repr(exc)))] * len(batch))
-            if not isinstance(exc, Exception):
-                raise
-            return
-        self._settle(batch, outcomes)
+        if group.error is not None:  # the group as a whole failed (not one call): each caller hears it
+            self._settle(batch, [(None, group.error)] * len(batch))
+        else:
+            self._settle(batch, group.value)
+        if cancelled is not None:  # the callers have their outcomes; this one is cancelled
+            raise cancelled
 
     def _settle(self, batch: list[_Call], outcomes: list[tuple[Any, Exception | None]]) -> None:
         self._running = False
@@ -190,7 +255,13 @@ class AsyncStore:
             return fn(*args)
         if self._writer is not None:
             return await self._writer.call(functools.partial(fn, *args))
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        call = _ThreadCall(functools.partial(fn, *args))
+        cancelled = await call.run(self._limiter)
+        if cancelled is not None and not _delivered_again():
+            raise cancelled
+        if call.error is not None:
+            raise call.error
+        return call.value  # type: ignore[no-any-return]
 
     async def read_meta(self) -> RunMeta | None:
         return await self._call(self._store.read_meta)
@@ -342,7 +413,12 @@ class AsyncStore:
             if self._writer is None:
                 await self._call(self._store.close)
             else:  # never inside a group: it waits for the group in flight (the same limiter)
-                await anyio.to_thread.run_sync(self._store.close, limiter=self._limiter)
+                close = _ThreadCall(self._store.close)
+                cancelled = await close.run(self._limiter)
+                if cancelled is not None:
+                    raise cancelled
+                if close.error is not None:
+                    raise close.error
 
     async def __aenter__(self) -> AsyncStore:
         return self

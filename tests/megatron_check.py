@@ -1,8 +1,10 @@
 """Run in a fresh process by tests/test_megatron.py: one GRPO step, torch trainer vs megatron ranks.
 
 `python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH[/MAX_TOKENS] [DEVICE [LOSS [GLOBAL_BATCH
-[DTYPE]]]]]` writes OUT_DIR/result.json with both trainers' metrics, log-probs before the step, and
-the largest difference between their published weights. A process of its own, because megatron's
+[DTYPE [switched]]]]]]` writes OUT_DIR/result.json with both trainers' metrics, log-probs before the
+step, and the largest difference between their published weights. `switched`: the megatron ranks
+start with other settings (learning rate, temperature, the default loss) and are given the torch
+trainer's by `use_settings` before the step. A process of its own, because megatron's
 parallel state and the process group are global.
 """
 
@@ -106,6 +108,7 @@ def main(
     variant: str = "default",
     gbs: int | None = None,
     dtype: str = "float32",
+    switched: bool = False,
 ) -> None:
     from safetensors.torch import load_file
 
@@ -134,8 +137,9 @@ def main(
         tp=tp,
         log_dir=out / "logs",
         device=device,
-        loss=settings,
-        lr=1e-2,
+        loss=None if switched else settings,
+        lr=3e-3 if switched else 1e-2,
+        temperature=0.6 if switched else 1.0,
         # MICRO_BATCH is M, or M/T: also --max-tokens-per-gpu T (packed tokens a micro-batch).
         micro_batch_size=int(micro.split("/")[0]),
         max_tokens_per_gpu=int(micro.split("/")[1]) if "/" in micro else None,
@@ -144,6 +148,8 @@ def main(
         ref_path=None if ref is None else str(ref),
     )
     try:
+        if switched:
+            mg.use_settings(dataclasses.replace(mg.step_settings, lr=1e-2, loss=settings, temperature=1.0))
         model_dtypes = sorted({str(p.dtype) for p in mg.model.parameters()})
         mg_lp = mg.logprobs(batch.samples)
         mg_metrics = mg.train_step(batch)
@@ -180,4 +186,5 @@ if __name__ == "__main__":
         sys.argv[6] if len(sys.argv) > 6 else "default",
         int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None,
         sys.argv[8] if len(sys.argv) > 8 else "float32",
+        len(sys.argv) > 9 and sys.argv[9] == "switched",
     )

@@ -228,3 +228,171 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_no_te
         save_step(trainer, policy, 1, 10, distributed=False)
     assert sorted(p.name for p in policy.dir.iterdir()) == ["v1"]
     assert GRPOTrainer(policy.dir / "v1").steps == 1
+
+
+# --- settings changed on resume: a replayed step runs with the settings it first ran with ----------
+
+# (setting, flags for steps 0..4, from step 5 (a first resume), from step 6 (the resume that replays
+# steps 4 and 5)). Each binds on these batches: the trainer's log-probs are near -4 against behaviour
+# log-probs near -1, so importance weights are 0.04..0.15 (a TIS cap of 0.1 cuts some), every
+# negative sample is OPSM's, and of two minibatches a step the second is clipped (5: never).
+CHANGES = [
+    ("lr", ["--lr", "5e-3"], ["--lr", "2e-3"], ["--lr", "1e-3"]),
+    ("eps-clip", ["--eps-clip", "0.2"], ["--eps-clip", "0.1"], ["--eps-clip", "5"]),
+    ("tis-clip", ["--tis-clip", "2.0"], ["--tis-clip", "0.1"], ["--tis-clip", "0.08"]),
+    ("opsm", ["--no-use-opsm"], ["--use-opsm"], ["--no-use-opsm"]),
+]
+
+
+def _config(flags: list[str]) -> dict:
+    from pipeline.config import config_to_dict, load_config
+
+    return config_to_dict(load_config(["--global-batch-size", "4", *flags]))
+
+
+def _meta(config: dict):  # type: ignore[no-untyped-def]
+    from storage import RunMeta
+
+    return RunMeta("run", "data", "tokenizer", 4, extra={"config": config})
+
+
+def _admit_and_take(store: LmdbStore, step: int) -> Batch:
+    groups = [_group(step * GROUPS + k, step) for k in range(GROUPS)]
+    store.admit(
+        [Group.fresh(g.task, epoch=0, n_samples=4, version=step, seq=g.seq) for g in groups],
+        Cursor(index=(step + 1) * GROUPS, next_seq=(step + 1) * GROUPS),
+    )
+    for g in groups:
+        store.put_ready(g)
+    batch = store.take_batch(step, GROUPS)
+    assert batch is not None
+    return dataclasses.replace(batch, train_version=step)
+
+
+def _commit(store: LmdbStore, step: int, metrics: dict) -> None:
+    store.finish_batch(step, {"step": step, "version": step, **{f"train/{k}": v for k, v in metrics.items()}})
+
+
+@pytest.mark.parametrize(("setting", "first", "then", "now"), CHANGES, ids=[c[0] for c in CHANGES])
+def test_a_replayed_step_runs_with_the_settings_it_first_ran_with(tmp_path, setting, first, then, now):
+    """Steps 0..4 with one value, a resume changes it from step 5, a kill after step 5 (before the
+    checkpoint after it), and a resume with a third value: steps 4 and 5, trained again from
+    checkpoint v4, run with the first and second value (the store's record of settings says which),
+    and end bit for bit where the killed run had; the resumed trainer then runs with the third."""
+    from pipeline.run.resume_settings import check_meta
+    from pipeline.trainer_settings import build_trainer, step_settings
+
+    model = make_model_folder(tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    policy = _policy(out, interval=4)
+    configs = [_config(flags) for flags in (first, then, now)]
+    with LmdbStore(out / "store") as store:
+        check_meta(store, _meta(configs[0]))
+        trainer = build_trainer(model, configs[0], initial_model=model)
+        for step in range(5):
+            _commit(store, step, trainer.train_step(_admit_and_take(store, step)))
+            save_step(trainer, policy, step, STEPS, distributed=False)
+        # The first resume, after step 4 (no kill: it resumes from a save of its own), changes it.
+        resumed_at_5 = build_trainer(trainer.save_weights(tmp_path / "after-4"), configs[1], initial_model=model)
+        check_meta(store, _meta(configs[1]))
+        _commit(store, 5, resumed_at_5.train_step(_admit_and_take(store, 5)))
+        check_meta(store, _meta(configs[2]))  # the resume after the kill: from step 6
+        changes = store.read_meta().extra["config_changes"]
+    assert {c["step"] for c in changes} == {5, 6}
+    killed = _weights(resumed_at_5)
+
+    def replay(trainer: GRPOTrainer, meta_extra: dict | None = None) -> dict[str, torch.Tensor]:
+        async def go() -> None:
+            async with AsyncStore(LmdbStore(out / "store")) as store:
+                if meta_extra is not None:  # the record of settings as a store without history has it
+                    await store.write_meta(dataclasses.replace(await store.read_meta(), extra=meta_extra))
+                await replay_stored_batches(trainer, store, policy, first=4, last=5, num_steps=STEPS, distributed=False)
+
+        anyio.run(go)
+        return _weights(trainer)
+
+    resumed = build_trainer(policy.dir / "v4", configs[2], initial_model=model)
+    got = replay(resumed)
+    assert all(torch.equal(killed[k], got[k]) for k in killed), f"{setting}: the replay is not where the run was"
+    assert resumed.step_settings == step_settings(configs[2])  # the new steps run with today's
+
+    # The record of settings is what made it so: replayed with today's settings, the steps land elsewhere.
+    today = replay(build_trainer(policy.dir / "v4", configs[2], initial_model=model), {"config": configs[2]})
+    assert not all(torch.equal(killed[k], today[k]) for k in killed), f"{setting} does not bind on these batches"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-kl-loss", "--kl-loss-coef", "0.5"],  # a reference model the trainer was built without
+        ["--rollout-temperature", "0.7"],
+        ["--clip-grad", "0.01", "--max-step-kl", "0.01"],
+        ["--micro-batch-size", "3", "--loss-agg-mode", "seq-mean-token-mean", "--entropy-coef", "0.1"],
+    ],
+    ids=["kl", "temperature", "clips", "micro-batches-and-loss"],
+)
+def test_use_settings_trains_as_a_trainer_built_with_them(tmp_path, flags):
+    """`use_settings` between steps gives the step the trainer built with those settings would take,
+    bit for bit; without it the trainer lands elsewhere (each setting binds)."""
+    from pipeline.config import config_to_dict, load_config
+    from pipeline.trainer_settings import build_trainer, step_settings
+
+    model = make_model_folder(tmp_path / "model", seed=0)
+    asked, other = (config_to_dict(load_config(["--global-batch-size", "4", *f])) for f in (flags, []))
+    built = build_trainer(model, asked, initial_model=model)
+    switched = build_trainer(model, other, initial_model=model)
+    plain = build_trainer(model, other, initial_model=model)
+    switched.use_settings(step_settings(asked))
+    assert switched.step_settings == built.step_settings
+    for step in range(2):
+        batch = Batch(step, (_group(2 * step, step), _group(2 * step + 1, step)), train_version=step)
+        metrics = [t.train_step(batch) for t in (built, switched, plain)]
+        assert {k: v for k, v in metrics[0].items() if not k.endswith("_time")} == {
+            k: v for k, v in metrics[1].items() if not k.endswith("_time")
+        }
+    a, b, c = (_weights(t) for t in (built, switched, plain))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+class _OwnTrainer:
+    """A trainer of a user's own: `train_step` and `save_weights`, no `use_settings`."""
+
+    def __init__(self, inner: GRPOTrainer) -> None:
+        self.inner = inner
+
+    def train_step(self, batch: Batch, *, minibatch_samples: int | None = None) -> dict[str, float]:
+        return self.inner.train_step(batch, minibatch_samples=minibatch_samples)
+
+    def save_weights(self, path: Path) -> Path:
+        return self.inner.save_weights(path)
+
+
+def test_what_a_replay_cannot_run_as_it_first_ran_is_said(tmp_path, capsys):
+    """A setting fixed when the trainer is built (its dtype), and a trainer that cannot change its
+    settings between steps: the replay goes on with today's, and says which settings, both values
+    and from which step."""
+    from pipeline.run.resume_settings import changed_settings
+
+    model = make_model_folder(tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    policy = _policy(out, interval=4)
+    _train_run(out / "store", model, policy, split=4)
+    was, now = _config([]), _config(["--lr", "1e-3", "--trainer-dtype", "bfloat16"])
+    with LmdbStore(out / "store") as store:
+        store.write_meta(_meta(now))
+        meta = store.read_meta()
+        extra = {**meta.extra, "config_changes": changed_settings(was, now, step=5)}
+        store.write_meta(dataclasses.replace(meta, extra=extra))
+
+    async def replay() -> None:
+        async with AsyncStore(LmdbStore(out / "store")) as store:
+            trainer = _OwnTrainer(GRPOTrainer(policy.dir / "v4", global_batch_size=4))
+            await replay_stored_batches(trainer, store, policy, first=4, last=5, num_steps=STEPS, distributed=False)
+
+    capsys.readouterr()
+    anyio.run(replay)
+    said = capsys.readouterr().out
+    assert "settings fixed when the trainer is built" in said
+    assert "trainer.dtype: 'float32' through step 4, 'bfloat16' from step 5" in said
+    assert "no use_settings()" in said and "trainer.lr: 0.005 through step 4, 0.001 from step 5" in said

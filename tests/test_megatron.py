@@ -90,6 +90,7 @@ def _check(
     variant: str = "default",
     gbs: int | None = None,
     dtype: str = "float32",
+    switched: bool = False,
 ) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(
@@ -104,6 +105,7 @@ def _check(
             variant,
             str(gbs or "none"),
             dtype,
+            *(["switched"] if switched else []),
         ],
         env=env,
         capture_output=True,
@@ -184,6 +186,21 @@ def test_half_batch_steps_match_the_torch_trainer(tmp_path, world, tp, micro, va
     assert torch_m["optimizer_steps"] == 2
     # The second step's ratio against the proximal policy left the trust region for some tokens.
     assert torch_m["pg_clipfrac"] > 0
+    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+
+
+def test_settings_given_between_steps_reach_every_rank(tmp_path):
+    """`use_settings` (what a replayed step runs with, `pipeline.checkpoints`): TP=2 ranks started
+    with another learning rate, temperature and loss (no KL term: no reference model) are given the
+    torch trainer's before the step; both ranks load their reference shard then, and the step is the
+    torch trainer's (a rank left at the old learning rate would move its shard by 3e-3, not 1e-2)."""
+    r = _check(tmp_path, 2, 2, 3, variant="kl-k1-seqmean", switched=True)
+    torch_m, mg = r["torch"], r["megatron"]
+    for key, value in torch_m.items():
+        if not key.endswith("_time"):
+            assert mg[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert torch_m["kl_loss"] != 0 and mg["lr"] == 1e-2
+    assert r["logprob_diff"] < 1e-5
     assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
 
 

@@ -303,6 +303,30 @@ def test_summary_numbers_on_a_hand_built_store(tmp_path, capsys):
     assert "response tokens (version: tokens)  v0: 8  v1: 2  v2: 9" in out
 
 
+def test_a_run_whose_store_is_elsewhere_is_found_through_its_run_record(tmp_path, capsys):
+    """`--rollout-data-dir` outside the run folder: `run.json` records the store's absolute path, and
+    replay follows it (issue 46: `verify` said the run was a memory run)."""
+    from pipeline.config import load_config
+    from pipeline.run.folder import claim_run_folder
+
+    run, elsewhere = tmp_path / "run", tmp_path / "disk" / "store"
+    flags = ["--output-dir", str(run), "--rollout-data-transport", "lmdb", "--rollout-data-dir", str(elsewhere)]
+    claim_run_folder(load_config(flags))  # what the launcher writes first
+    _build_store(elsewhere)
+    with unchanged(elsewhere):
+        code, out, err = replay(capsys, str(run), "verify")
+        assert code == 0, err
+        assert f"store: {elsewhere}" in out and "nothing damaged" in out
+        code, out, err = replay(capsys, str(run))
+        assert code == 0 and "trained step: 1" in out, err
+    # Moved since: the error names where run.json says the store is, and the way to give its folder.
+    elsewhere.rename(tmp_path / "moved")
+    code, _, err = replay(capsys, str(run), "verify")
+    assert code == 1 and str(elsewhere) in err and "STORE_DIR" in err and "memory" not in err
+    code, out, _ = replay(capsys, str(tmp_path / "moved"), "verify")
+    assert code == 0 and "nothing damaged" in out
+
+
 def test_replay_reads_a_store_while_its_writer_holds_it(tmp_path, capsys):
     """Read-only means no writer lock: replay works beside a live controller (here, another process
     holding the store open as its writer), and cannot be mistaken for a second writer."""

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from pipeline.run.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
@@ -165,6 +167,35 @@ def test_a_resume_without_the_newest_checkpoint_trains_the_stored_batches_again(
     assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["v5"]
     meta = json.loads((run_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
     assert meta["trainer_steps"] == 5  # three replayed, two new: none twice, none lost
+
+
+def test_stored_steps_trained_again_run_with_the_settings_they_first_ran_with(run_copy, capsys, tmp_path):
+    """Issue 46: a resume that changes trainer settings records them from the next new step
+    (`trainer.lr: 0.005 -> 0.001 from_step=3`), but the steps after the last checkpoint, trained
+    again from the store first, ran with the old ones. The killed run's own weights after step 2 are
+    its checkpoint v3, moved aside here (as if the kill came before it was saved): the resume trains
+    steps 0..2 again from the base model with their settings and lands on them bit for bit, then
+    trains step 3 with the new ones; `replay train` feeds each step its settings too."""
+    from pipeline.replay import main as replay
+
+    killed = tmp_path / "v3-of-the-killed-run"
+    (run_copy / "checkpoints" / "v3").rename(killed)
+    changed = ("--lr", "1e-3", "--eps-clip", "0.05", "--tis-clip", "0.5", "--use-opsm")
+    assert run(run_copy, "--save-interval", "3", *changed, steps=4) == 0  # v3 is saved again, by the replay
+    assert "replaying stored batches" in capsys.readouterr().out
+    theirs, replayed = (load_file(str(d / "model.safetensors")) for d in (killed, run_copy / "checkpoints" / "v3"))
+    assert set(theirs) == set(replayed)
+    assert [k for k in theirs if not torch.equal(theirs[k], replayed[k])] == []
+    records = _metrics(run_copy)
+    assert [(r["step"], r["train/lr"]) for r in records] == [(0, 5e-3), (1, 5e-3), (2, 5e-3), (3, 1e-3)]
+
+    capsys.readouterr()
+    assert replay([str(run_copy), "train"]) == 0
+    again = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    for r, m in zip(again, records, strict=True):
+        for key in ("lr", "loss", "grad_norm", "opsm_mask_frac"):
+            assert r[key] == pytest.approx(m[f"train/{key}"], rel=1e-6, abs=1e-9), (r["step"], key)
 
 
 def test_a_resume_whose_batches_to_train_again_were_collected_names_the_folder(run_copy, capsys):

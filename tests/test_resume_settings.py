@@ -113,3 +113,25 @@ def test_the_engines_api_key_is_never_written_to_the_run_folder_or_the_store(tmp
     # Resuming with the same key, or another one, records no change of a value nobody can read.
     again = without_secrets(config_to_dict(load_config(["--api-key", "other", *BASE])))
     assert [c for c in changed_settings(meta.extra["config"], again, step=1) if "api_key" in c["setting"]] == []
+
+
+def test_the_settings_of_any_step_are_read_back_from_the_record_of_changes():
+    """`settings_at(step)` undoes the changes that took effect after `step`, newest first: two
+    resumes, one at step 5 and one at step 8 (which also sets a setting the store's writer did not
+    have: left out, so the schema's default applies)."""
+    from pipeline.settings_history import changes_after, settings_at
+
+    first = config_to_dict(load_config(["--lr", "5e-3"]))
+    second = config_to_dict(load_config(["--lr", "2e-3"]))
+    third = config_to_dict(load_config(["--lr", "1e-3", "--eps-clip", "0.05"]))
+    first["trainer"].pop("entropy_coef")  # a setting this store's first writer did not know
+    history = changed_settings(first, second, step=5) + changed_settings(second, third, step=8)
+    extra = {"config": third, "config_changes": history}
+    lr = [settings_at(extra, step)["trainer"]["lr"] for step in range(10)]
+    assert lr == [5e-3] * 5 + [2e-3] * 3 + [1e-3] * 2
+    assert [settings_at(extra, step)["trainer"]["eps_clip"] for step in (4, 7, 8)] == [0.2, 0.2, 0.05]
+    assert "entropy_coef" not in settings_at(extra, 4)["trainer"]
+    assert settings_at(extra, 9) == third
+    after_7 = [c["setting"] for c in changes_after(extra, 7)]
+    assert after_7 == ["trainer.eps_clip", "trainer.eps_clip_high", "trainer.lr"]
+    assert settings_at({}, 3) is None  # a store that records no settings

@@ -2,11 +2,13 @@
 
 Each call keeps its own result or error; a call that fails after writing part of itself aborts
 only itself; a caller's await returns only after its transaction is on disk, so a process killed
-in the middle of a group loses nothing that was acknowledged.
+in the middle of a group loses nothing that was acknowledged. A caller cancelled by `Task.cancel()`
+(how a SIGTERM stops a run) while its call runs is cancelled, not failed, once the call has ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -283,4 +285,98 @@ async def test_a_group_that_fails_as_a_whole_fails_each_of_its_callers_and_the_n
     assert sorted(errors) == [f"{i}: the disk went away" for i in (1, 2, 3)]
     await astore.put_ready(finished(g[1], 0))  # the writer goes on with the next group
     assert await astore.count(READY) == 2
+    await astore.aclose()
+
+
+# --- a Task.cancel() while a call runs: how a SIGTERM stops the run (pipeline.run.end) ----------------
+
+
+class HeldStore(LmdbStore):
+    """An LmdbStore whose `put_ready` says it started (`waiting`) and then waits for a turn the test
+    hands out (`turns`); `entered` counts the calls that got that far."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, sync=False)
+        self.turns = threading.Semaphore(0)
+        self.waiting: anyio.Event | None = None
+        self.entered = 0
+
+    def put_ready(self, group, **kwargs):  # type: ignore[no-untyped-def]
+        self.entered += 1
+        if self.waiting is not None:
+            anyio.from_thread.run_sync(self.waiting.set)
+        assert self.turns.acquire(timeout=10)
+        return super().put_ready(group, **kwargs)
+
+
+async def _put_recording(astore: AsyncStore, group, outcome: dict, tasks: dict, key: int) -> None:  # type: ignore[no-untyped-def]
+    tasks[key] = asyncio.current_task()
+    try:
+        await astore.put_ready(group)
+        outcome[key] = "returned"
+    except BaseException as exc:  # recorded, not raised: the test looks at what the caller got
+        outcome[key] = exc
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("group_commit", [True, False], ids=["group-commit", "a-transaction-a-call"])
+async def test_a_task_cancel_while_a_call_runs_cancels_its_caller_once_the_call_has_committed(
+    tmp_path: Path, group_commit: bool
+) -> None:
+    """The caller is natively cancelled while its put runs in the worker thread: the put commits, the
+    writer's turn stays taken until it has (the next call waits), and the caller gets the
+    cancellation, never a StoreError (issue 46: `error: CancelledError()` after a SIGTERM)."""
+    store = HeldStore(tmp_path / "s")
+    astore = AsyncStore(store, group_commit=group_commit)
+    g = [fresh(i) for i in range(2)]
+    await astore.admit(g, cursor_after(2))
+    outcome: dict[int, object] = {}
+    tasks: dict[int, asyncio.Task] = {}
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            store.waiting = anyio.Event()
+            tg.start_soon(_put_recording, astore, finished(g[0], 0), outcome, tasks, 0)
+            await store.waiting.wait()  # its put is in the worker thread
+            store.waiting = None
+            tasks[0].cancel()  # what StopOnSigterm does to the run's main task
+            tg.start_soon(astore.put_ready, finished(g[1], 0))
+            await anyio.wait_all_tasks_blocked()
+            assert outcome == {}, outcome  # the caller waits for its call to end
+            assert store.entered == 1  # and the next call for the writer's turn
+            store.turns.release(2)
+    assert isinstance(outcome[0], asyncio.CancelledError), outcome
+    assert await astore.count(READY) == 2  # the cancelled caller's put committed, and the next one ran
+    await astore.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_task_cancel_of_a_caller_whose_call_another_one_drives_is_not_swallowed(tmp_path: Path) -> None:
+    """Calls 1 and 2 share a group that call 1 drives; call 2's task is natively cancelled while the
+    group runs. A cancel scope would deliver the cancellation again at its next checkpoint; a
+    Task.cancel() is delivered once, so the caller must get it when its call ends, not its result."""
+    store = HeldStore(tmp_path / "s")
+    astore = AsyncStore(store)
+    g = [fresh(i) for i in range(3)]
+    await astore.admit(g, cursor_after(3))
+    outcome: dict[int, object] = {}
+    tasks: dict[int, asyncio.Task] = {}
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            store.waiting = anyio.Event()
+            tg.start_soon(_put_recording, astore, finished(g[0], 0), outcome, tasks, 0)
+            await store.waiting.wait()  # the first group, [0], runs
+            for i in (1, 2):
+                tg.start_soon(_put_recording, astore, finished(g[i], 0), outcome, tasks, i)
+            await anyio.wait_all_tasks_blocked()  # 1 and 2 queued behind it
+            store.waiting = anyio.Event()
+            store.turns.release()
+            await store.waiting.wait()  # the second group, [1, 2], runs, driven by 1
+            store.waiting = None
+            tasks[2].cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert 2 not in outcome  # its call runs on
+            store.turns.release(2)
+    assert outcome[0] == outcome[1] == "returned"
+    assert isinstance(outcome[2], asyncio.CancelledError), outcome
+    assert await astore.count(READY) == 3
     await astore.aclose()

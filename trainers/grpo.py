@@ -69,6 +69,7 @@ from trainers.response_rows import ResponseBatch, micro_batches, response_logits
 from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.sampler_heads import sampler_heads
 from trainers.step_kl import bounded_step, mean_k3
+from trainers.step_settings import StepSettings
 from trainers.token_scores import token_scores
 from trainers.weights_file import WeightsFileWriter
 
@@ -209,23 +210,19 @@ class GRPOTrainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.lr = lr
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        # The frozen reference policy of the KL term: `ref_path`, else the weights this trainer starts from.
-        self.reference: torch.nn.Module | None = None
-        self.ref_path: Path | None = None
-        if self.loss.needs_reference:
-            self.ref_path = Path(ref_path) if ref_path is not None else self.model_path
-            reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(self.ref_path, dtype=torch.float32)
-            reference.to(self.device)
-            reference.train()  # the same mode as the policy, so equal weights give equal log-probs
-            reference.requires_grad_(False)
-            self.reference = reference
         # R3 (--use-rollout-routing-replay): the MoE layers of the policy and the reference route
         # each response token as the engine did (trainers/routing_replay.py).
         self.routing_replay: dict[int, RoutingReplay] = {}
+        self._replays_routes = routing_replay
         if routing_replay:
-            for m in (self.model, self.reference):
-                if m is not None:
-                    self.routing_replay[id(m)] = RoutingReplay(m)
+            self.routing_replay[id(self.model)] = RoutingReplay(self.model)
+        # The frozen reference policy of the KL term: `ref_path`, else the weights this trainer
+        # starts from; loaded now if the loss needs it, or when a later step's settings do.
+        self.reference: torch.nn.Module | None = None
+        self.ref_path: Path | None = None
+        self._ref_source = Path(ref_path) if ref_path is not None else self.model_path
+        if self.loss.needs_reference:
+            self._load_reference()
         self.steps = 0  # train_step calls, across restarts
         if has_optimizer(self.model_path):
             names = optimizer_param_names(self.model, self.optimizer)
@@ -233,6 +230,49 @@ class GRPOTrainer:
                 self.optimizer, names, self.model_path / OPTIMIZER_DIR, self.device, owner=self.model_path
             )
             load_rng_state(self.model_path / OPTIMIZER_DIR)
+
+    def _load_reference(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.ref_path = self._ref_source
+        reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(self.ref_path, dtype=torch.float32)
+        reference.to(self.device)
+        reference.train()  # the same mode as the policy, so equal weights give equal log-probs
+        reference.requires_grad_(False)
+        self.reference = reference
+        if self._replays_routes:
+            self.routing_replay[id(reference)] = RoutingReplay(reference)
+
+    # ---- the settings a step runs with (trainers.step_settings) ------------------------------
+
+    @property
+    def step_settings(self) -> StepSettings:
+        """The settings the next step runs with."""
+        return StepSettings(
+            lr=self.lr,
+            loss=self.loss,
+            temperature=self.temperature,
+            max_grad_norm=self.max_grad_norm,
+            max_step_kl=self.max_step_kl,
+            micro_batch_size=self.micro_batch_size,
+            max_tokens_per_gpu=self.max_tokens_per_gpu,
+        )
+
+    def use_settings(self, settings: StepSettings) -> None:
+        """Run the next steps with `settings`: a resumed run replays a stored step with the settings
+        it first ran with (`pipeline.checkpoints`). AdamW's moments and step counts are untouched;
+        a reference model is loaded if this loss needs one and none is. Blocking."""
+        self.lr = settings.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = settings.lr
+        self.loss = settings.loss
+        self.temperature = settings.temperature
+        self.max_grad_norm = settings.max_grad_norm
+        self.max_step_kl = settings.max_step_kl
+        self.micro_batch_size = settings.micro_batch_size
+        self.max_tokens_per_gpu = settings.max_tokens_per_gpu
+        if self.loss.needs_reference and self.reference is None:
+            self._load_reference()
 
     # ---- the training step -------------------------------------------------------------------
 

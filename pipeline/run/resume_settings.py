@@ -22,7 +22,10 @@ Accepted and recorded: every other setting. Rollout shape (`--rollout-batch-size
 `--rollout-max-response-len`: a stored partial sample longer than a lowered limit is truncated,
 never regenerated), sampling, the trainer's loss and optimizer settings (the optimizer state is
 loaded, then the new learning rate applies), `--num-rollout` (extending a run is the usual reason
-to resume), engines, timeouts, producers, storage paths and output settings.
+to resume), engines, timeouts, producers, storage paths and output settings. A change applies from
+the step recorded with it: the stored batches of the steps after the last checkpoint, trained
+again on resume, run with the settings they first ran with (`pipeline.checkpoints`; the settings
+of any step: `pipeline.settings_history`).
 """
 
 from __future__ import annotations

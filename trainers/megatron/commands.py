@@ -22,6 +22,7 @@ class Command(IntEnum):
     SAVE = 2  # payload: the folder being written
     LOGPROBS = 3  # payload: rows
     GATHER = 4  # the full HF weights to rank 0, for a distributed publish
+    SETTINGS = 5  # payload: the StepSettings the next steps run with (a replayed step's)
 
 
 def broadcast_command(command: Command, payload: Any, device: torch.device) -> None:

@@ -76,6 +76,16 @@ class DistributedOptimizer:
         self._parts: list[Any] = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
         self._names = {p: n for n, p in model.named_parameters()}
 
+    def use(self, *, lr: float, max_grad_norm: float) -> None:
+        """The learning rate and gradient clip of the next steps (no scheduler here: the param
+        groups' `lr` is what Adam steps with); the optimizer state is untouched."""
+        for part in self._parts:
+            for group in part.param_groups:
+                group["lr"] = lr
+            part.config.clip_grad = max_grad_norm
+        if (chain := getattr(self.optimizer, "config", None)) is not None:  # a ChainedOptimizer's own copy
+            chain.clip_grad = max_grad_norm
+
     def zero_grad(self) -> None:
         self.module.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -112,6 +112,7 @@ from trainers.megatron.rows import (
     trained_token_count,
 )
 from trainers.megatron.schedule import InFlight, Stage, backward, forward
+from trainers.step_settings import StepSettings
 
 __all__ = ["OPTIMIZER_DIR", "MegatronTrainer"]
 
@@ -214,18 +215,14 @@ class MegatronTrainer:
         self._tied_copy = frozenset(n for n, full in self._names.items() if n == "output_layer.weight" and full != n)
         fp32 = load_hf_weights(self.model, self.model_path, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
         self.lr = lr
-        self.reference: torch.nn.Module | None = None
-        if self.loss.needs_reference:
-            self.reference = self._build_model()
-            ref = Path(ref_path) if ref_path is not None else self.model_path
-            load_hf_weights(self.reference, ref, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
-            self.reference.requires_grad_(False)
         # R3: the policy's and the reference's routers replay the same routes (router_replay.py).
-        self._replays = {
-            role: ReplayedRouters(net)
-            for role, net in (("policy", self.model), ("reference", self.reference))
-            if routing_replay and net is not None
-        }
+        self._replays = {"policy": ReplayedRouters(self.model)} if routing_replay else {}
+        # The KL term's frozen reference: loaded now if the loss needs it, or when a later step's
+        # settings do (`use_settings`).
+        self.reference: torch.nn.Module | None = None
+        self._ref_source = Path(ref_path) if ref_path is not None else self.model_path
+        if self.loss.needs_reference:
+            self._load_reference()
         self.steps = 0
         resume = self.model_path / OPTIMIZER_DIR
         self.distopt: DistributedOptimizer | None = None
@@ -254,6 +251,52 @@ class MegatronTrainer:
         return build_gpt_model(
             self.shape, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=self.dtype, on_cpu=self.device.type == "cpu"
         )
+
+    def _load_reference(self) -> None:
+        """This rank's shard of the reference model (every rank loads its own)."""
+        reference = self._build_model()
+        load_hf_weights(reference, self._ref_source, self.shape, tp_rank=self.layout.tp_rank, tp=self.layout.tp)
+        reference.requires_grad_(False)
+        self.reference = reference
+        if self._replays:
+            self._replays["reference"] = ReplayedRouters(reference)
+
+    # ---- the settings a step runs with (trainers.step_settings) ------------------------------
+
+    @property
+    def step_settings(self) -> StepSettings:
+        """The settings the next step runs with (max_step_kl: the torch trainer's alone)."""
+        return StepSettings(
+            lr=self.lr,
+            loss=self.loss,
+            temperature=self.temperature,
+            max_grad_norm=self.max_grad_norm,
+            micro_batch_size=self.micro_batch_size,
+            max_tokens_per_gpu=self.max_tokens_per_gpu,
+        )
+
+    def use_settings(self, settings: StepSettings) -> None:
+        """Run the next steps with `settings`, on every rank: a resumed run replays a stored step
+        with the settings it first ran with (`pipeline.checkpoints`). The optimizer's moments are
+        untouched; a reference model is loaded if this loss needs one and none is. Blocking."""
+        self._broadcast(_Command.SETTINGS, settings.to_json())
+        self._use_settings(settings)
+
+    def _use_settings(self, settings: StepSettings) -> None:
+        self.lr = settings.lr
+        if self.distopt is not None:
+            self.distopt.use(lr=settings.lr, max_grad_norm=settings.max_grad_norm)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = settings.lr
+        self.loss = settings.loss
+        self.temperature = settings.temperature
+        self.max_grad_norm = settings.max_grad_norm
+        if settings.micro_batch_size is not None:
+            self.micro_batch_size = settings.micro_batch_size
+        self.max_tokens_per_gpu = settings.max_tokens_per_gpu
+        if self.loss.needs_reference and self.reference is None:
+            self._load_reference()
 
     # ---- rank 0's API (the controller's Trainer protocol) --------------------------------------
 
@@ -331,6 +374,8 @@ class MegatronTrainer:
                 self._logprobs([Row.from_json(r) for r in payload])
             elif command is _Command.GATHER:
                 self._gather_hf()
+            elif command is _Command.SETTINGS:
+                self._use_settings(StepSettings.from_json(payload))
 
     def _broadcast(self, command: _Command, payload: Any) -> None:
         if self.layout.world > 1:
