@@ -50,7 +50,7 @@ class RunEngines:
         retries = self._config.rollout.max_retries
         key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
-        faults: dict[str, Any] = {"fault_policy": fault_policy(e)}
+        faults: dict[str, Any] = {"fault_policy": fault_policy(e), "silence_warning": e.silence_warning}
         try:
             if e.router_url:
                 fleet = EngineFleet(

@@ -3,11 +3,19 @@
 `/generate` goes to one URL (the router, or the only engine), and every control call fans out to
 every engine concurrently, because the router does not forward `/abort_request`,
 `/pause_generation` or the weight endpoints.
+
+A `/generate` that gets no answer within its deadline is never sent to the same engine again.
+Without a fault policy the run stops with `EngineLostError`, naming the engine (the liveness watch
+has said for a while that it is silent, or that it answers and is only slow). With one, the only
+engine's failure evicts it (as a failed control call does), and its requests come back as aborted
+ones that wait for an engine to serve (a restarted one at the same URL is a new process); behind
+a router, the heartbeat has taken a silent engine out before a request's deadline passes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -15,12 +23,13 @@ from typing import Any, Self, TypeVar
 import aiohttp
 import anyio
 
-from core.errors import EngineError, EngineUnavailableError
+from core.errors import EngineError, EngineLostError, EngineUnavailableError
 from core.types import PauseMode
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
 from stages.sglang.http1 import GeneratePool
+from stages.sglang.watch import LivenessWatch, request_timed_out
 from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
@@ -50,6 +59,9 @@ class EngineFleet:
 
     `concurrency` is the most `/generate` requests the caller keeps in flight; the connection pool
     is that plus `CONTROL_HEADROOM`, so control calls never queue behind generation.
+
+    Without a `fault_policy`, a `LivenessWatch` names an engine that has not answered `/health`
+    for `silence_warning` seconds while requests wait on it (None: no watch).
     """
 
     def __init__(
@@ -66,6 +78,7 @@ class EngineFleet:
         fault_policy: FaultPolicy | None = None,
         restarter: EngineRestarter | None = None,
         lean_generate: bool = True,
+        silence_warning: float | None = 30.0,
     ) -> None:
         if not worker_urls and router_url is None:
             raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
@@ -90,6 +103,20 @@ class EngineFleet:
         self._lean_generate = lean_generate
         # With a fault policy, engine faults evict instead of failing the call (see faults.py).
         self._faults = FleetFaults(self, fault_policy, restarter) if fault_policy is not None else None
+        self._request_timeout = request_timeout
+        # Without fault tolerance nothing evicts a hung engine; the watch at least says so.
+        self._watch = (
+            LivenessWatch(
+                lambda: self.workers,
+                silence=silence_warning,
+                request_timeout=request_timeout,
+                via_router=self._router_url is not None,
+            )
+            if self._faults is None and silence_warning is not None
+            else None
+        )
+        # Requests waiting for an engine to come back (fault policy, none live): abort reaches them.
+        self._waiting: dict[anyio.CancelScope, str] = {}
 
     async def __aenter__(self) -> Self:
         if self._state is not None:
@@ -111,6 +138,8 @@ class EngineFleet:
                 await self.discover_workers()
             if self._faults is not None:
                 await self._faults.__aenter__()
+            if self._watch is not None:
+                await self._watch.__aenter__()
         except BaseException:
             pool = self._state.generate_pool if self._state is not None else None
             self._state = None
@@ -125,6 +154,8 @@ class EngineFleet:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
+            if self._watch is not None and self._state is not None:
+                await self._watch.__aexit__(exc_type, exc, tb)
             if self._faults is not None and self._state is not None:
                 await self._faults.__aexit__(exc_type, exc, tb)  # raises what ended the run, if it did
         finally:
@@ -224,30 +255,105 @@ class EngineFleet:
         return_logprob: bool = True,
         **fields: Any,
     ) -> GenerateResult:
-        return await self._open.generator.generate(
-            input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
-        )
+        generator = self._open.generator
+        if self._faults is not None:
+            return await self._generate_tolerant(
+                self._faults, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        watch = self._watch
+        if watch is not None:
+            watch.request_started()
+        try:
+            return await generator.generate(
+                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        except EngineUnavailableError as exc:
+            # No fault policy: a request past its deadline ends the run instead of going back to the
+            # pool, which would send it to the same engine, to wait as long again.
+            if exc.timed_out:
+                raise self._timed_out(generator.url) from exc
+            raise
+        finally:
+            if watch is not None:
+                watch.request_ended()
+
+    def _timed_out(self, url: str) -> EngineLostError:
+        silent = None if self._watch is None else self._watch.silent_engines()
+        return request_timed_out(url, router_url=self._router_url, deadline=self._request_timeout, silent=silent)
+
+    async def _generate_tolerant(
+        self,
+        faults: FleetFaults,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        return_logprob: bool,
+        **fields: Any,
+    ) -> GenerateResult:
+        """With a fault policy: wait while no engine is live (a restart is under way), and hand a
+        request the only engine did not answer back as aborted, after evicting that engine."""
+        state = self._open
+        if not state.workers or faults.lost:
+            if not await self._wait_for_engine(faults, rid):
+                return GenerateResult.aborted_unanswered(rid, "aborted while it waited for an engine")
+        url = state.generator.url
+        admitted = faults.admissions(url)
+        try:
+            return await state.generator.generate(
+                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        except EngineUnavailableError as exc:
+            if self._router_url is not None:
+                raise  # the router did not answer: the heartbeat judges the engines behind it
+            # The only engine did not answer: that is evidence, as a failed control call is. Its
+            # requests all end here; the pool resumes each from its prefix once an engine serves.
+            await faults.evict(url, f"/generate: {exc}", admitted=admitted)
+            return GenerateResult.aborted_unanswered(rid, f"no answer from {url}, evicted: {exc}")
+
+    async def _wait_for_engine(self, faults: FleetFaults, rid: str) -> bool:
+        """Wait until an engine is live; False if an abort reached the request first. Raises
+        `EngineLostError` once no engine will be (`FleetFaults.lost`)."""
+        with anyio.CancelScope() as scope:
+            self._waiting[scope] = rid
+            try:
+                await faults.wait_live()
+            finally:
+                del self._waiting[scope]
+        return not scope.cancelled_caught
+
+    def _abort_waiting(self, rid: str | None) -> None:
+        for scope, waiting in self._waiting.items():
+            if rid is None or waiting.startswith(rid):  # SGLang matches an abort's rid by prefix
+                scope.cancel()
 
     # -- control calls reach every engine -----------------------------------------------------
 
     async def abort(self, rid: str) -> None:
+        self._abort_waiting(rid)
         # The router does not forward aborts and does not say where it sent a request.
         await self._fan_out("abort", lambda w: w.abort(rid))
 
     async def abort_all(self) -> None:
+        self._abort_waiting(None)
         await self._fan_out("abort_all", lambda w: w.abort_all())
+
+    @property
+    def _monitor(self) -> FleetFaults | LivenessWatch | None:
+        """What must know that a publish has the engines quiet: the heartbeat, or the watch."""
+        return self._faults if self._faults is not None else self._watch
 
     async def pause(self, mode: PauseMode | str) -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {[str(m) for m in PAUSE_MODES]}, got {mode!r}")
-        if self._faults is not None:
-            self._faults.paused = True  # /health_generate answers 503 while paused: probe /health
+        if (monitor := self._monitor) is not None:
+            monitor.paused = True  # /health_generate answers 503 while paused: /health, or no probe
         await self._fan_out("pause", lambda w: w.pause(mode))
 
     async def continue_generation(self) -> None:
         await self._fan_out("continue_generation", lambda w: w.continue_generation())
-        if self._faults is not None:
-            self._faults.paused = False
+        if (monitor := self._monitor) is not None:
+            monitor.paused = False
 
     async def flush_cache(self, deadline: float) -> None:
         await self._fan_out("flush_cache", lambda w: w.flush_cache(deadline))
@@ -267,10 +373,11 @@ class EngineFleet:
                     )
                 self._faults.current_weights = (path, weight_version)
             return
-        await self._fan_out(
-            "update_weights_from_disk",
-            lambda w: w.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache),
-        )
+        with self._watch.updating_weights() if self._watch is not None else nullcontext():
+            await self._fan_out(
+                "update_weights_from_disk",
+                lambda w: w.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache),
+            )
 
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
@@ -301,12 +408,13 @@ class EngineFleet:
                     ),
                 )
             return
-        await self._fan_out(
-            "update_weights_from_distributed",
-            lambda w: w.update_weights_from_distributed(
-                specs, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
-            ),
-        )
+        with self._watch.updating_weights() if self._watch is not None else nullcontext():
+            await self._fan_out(
+                "update_weights_from_distributed",
+                lambda w: w.update_weights_from_distributed(
+                    specs, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+                ),
+            )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._fan_out("destroy_weights_update_group", lambda w: w.destroy_weights_update_group(group_name))
@@ -352,6 +460,7 @@ class EngineFleet:
             # An unreachable engine is evicted and the call stands on the engines that live; an
             # engine evicted meanwhile (by the heartbeat) is no longer asked.
             failures = await self._faults.absorb(what, failures)
+            self._faults.raise_if_lost()
             workers = tuple(w for w in workers if w.url in results or w.url in failures)
         if failures:
             raise _fan_out_error(what, failures, len(workers))
