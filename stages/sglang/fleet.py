@@ -8,8 +8,10 @@ A `/generate` that gets no answer within its deadline is never sent to the same 
 Without a fault policy the run stops with `EngineLostError`, naming the engine (the liveness watch
 has said for a while that it is silent, or that it answers and is only slow). With one, the only
 engine's failure evicts it (as a failed control call does), and its requests come back as aborted
-ones that wait for an engine to serve (a restarted one at the same URL is a new process); behind
-a router, the heartbeat has taken a silent engine out before a request's deadline passes.
+ones that wait for an engine to serve (a restarted one at the same URL is a new process). Behind
+a router the client cannot pick the engine, but the heartbeat has taken a silent one out of the
+router long before a request's deadline passes, and the timed-out request comes back aborted, to
+resume on the engines that live.
 """
 
 from __future__ import annotations
@@ -304,12 +306,17 @@ class EngineFleet:
                 input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
             )
         except EngineUnavailableError as exc:
-            if self._router_url is not None:
-                raise  # the router did not answer: the heartbeat judges the engines behind it
-            # The only engine did not answer: that is evidence, as a failed control call is. Its
-            # requests all end here; the pool resumes each from its prefix once an engine serves.
-            await faults.evict(url, f"/generate: {exc}", admitted=admitted)
-            return GenerateResult.aborted_unanswered(rid, f"no answer from {url}, evicted: {exc}")
+            if self._router_url is None:
+                # The only engine did not answer: that is evidence, as a failed control call is. Its
+                # requests all end here; the pool resumes each from its prefix once an engine serves.
+                await faults.evict(url, f"/generate: {exc}", admitted=admitted)
+                return GenerateResult.aborted_unanswered(rid, f"no answer from {url}, evicted: {exc}")
+            if exc.timed_out:
+                # Behind the router the engine is unknown, but a silent one failed its heartbeat
+                # long before this deadline and is out of the router: the pool resumes the request
+                # on the engines that live (it is no sample's fault, and counts against none).
+                return GenerateResult.aborted_unanswered(rid, f"no answer through the router: {exc}")
+            raise  # the router itself did not answer
 
     async def _wait_for_engine(self, faults: FleetFaults, rid: str) -> bool:
         """Wait until an engine is live; False if an abort reached the request first. Raises
