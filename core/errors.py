@@ -11,6 +11,8 @@
     │   └── StoreLockedError   another controller holds the store
     ├── EngineError            an engine answered badly or not at all (names the URL and status)
     │   ├── EngineUnavailableError  cannot connect, or timed out
+    │   │   └── EngineLostError     no engine will serve the request: the run stops (a /generate
+    │   │                           past its deadline without fault tolerance; every restart failed)
     │   └── VersionMismatchError    an engine reports a weight version the clock did not publish
     ├── PublishError           a weight publish failed; the old version keeps serving
     ├── GroupsFailingError     every group of a long run of them failed (names the last error)
@@ -40,6 +42,7 @@ __all__ = [
     "ConfigError",
     "CorruptRecordError",
     "EngineError",
+    "EngineLostError",
     "EngineUnavailableError",
     "GroupsFailingError",
     "IncompatibleStoreError",
@@ -134,6 +137,19 @@ class EngineError(PipelineError):
 
 class EngineUnavailableError(EngineError):
     """The engine could not be reached, or did not answer within its deadline."""
+
+    @property
+    def timed_out(self) -> bool:
+        """No answer within the deadline (the connection itself may have been accepted: a hung
+        engine's kernel still completes the handshake), as opposed to a refused or reset one."""
+        return isinstance(self.__cause__, TimeoutError)
+
+
+class EngineLostError(EngineUnavailableError):
+    """No engine will serve the request, so the run stops rather than send it again: without
+    fault tolerance, an engine held a `/generate` past its deadline (sent there again, it would
+    wait as long again); with it, fewer than `--min-live-engines` remain once restarts failed.
+    The generator pool puts its groups back in the store on the way down."""
 
 
 class VersionMismatchError(EngineError):

@@ -77,6 +77,9 @@ class EngineProcess:
             if self.process.returncode is None:
                 try:
                     self.process.send_signal(signal.SIGTERM)
+                    # A stopped engine (SIGSTOP) acts on SIGTERM only once continued; otherwise
+                    # its stop would wait out the whole timeout before the SIGKILL.
+                    self.process.send_signal(signal.SIGCONT)
                 except ProcessLookupError:
                     pass
                 with anyio.move_on_after(timeout):

@@ -38,7 +38,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from core.clock import VersionClock
 from core.columns import LogProbs, TokenIds
-from core.errors import EngineError, EngineUnavailableError, PipelineError, VersionMismatchError
+from core.errors import EngineError, EngineLostError, EngineUnavailableError, PipelineError, VersionMismatchError
 from core.types import FinishReason, Group, Sample, SampleStatus, Segment, VersionSpan
 from stages.admission import Admission, Outcome
 from stages.agent import Agent, AgentContext, agent_name, run_agent_sample
@@ -409,6 +409,8 @@ class GeneratorPool:
         )
         try:
             result = await self._engine.generate(input_ids, params, rid=rid, **fields)
+        except EngineLostError:
+            raise  # no engine will serve it: the run stops, and the group goes back to the store
         except EngineError as exc:
             # Retries already happened inside the client. A request the engine refused (4xx) is
             # this sample's own problem: it fails, visibly. No engine at all (unreachable, 5xx, an
@@ -463,8 +465,9 @@ class GeneratorPool:
             return
         self._unavailable_run += 1
         if self._unavailable_run >= self._n_slots:
+            # The same words from every request that gets here, so the run's end says it once.
             raise EngineUnavailableError(
-                exc.url, f"the last {self._unavailable_run} requests found no engine to serve them; last: {exc}"
+                exc.url, f"{self._n_slots} requests in a row found no engine to serve them; the last: {exc}"
             ) from exc
 
     def _stamped(self, result: GenerateResult, sent_version: int) -> Segment:

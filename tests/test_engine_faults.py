@@ -16,17 +16,21 @@ from pathlib import Path
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from core.clock import VersionClock
-from core.errors import EngineError, EngineUnavailableError
-from core.types import FinishReason, PauseMode
+from core.errors import EngineError, EngineLostError, EngineUnavailableError
+from core.types import FinishReason, Group, PauseMode, PromptTask, SampleStatus
 from launch.engine_process import start_engines
 from launch.engine_restart import ManagedEngines
 from launch.router_process import RouterProcess, start_router
 from pipeline.tasks.tiny_model import make_model_folder
+from stages.admission import Admission
+from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet
+from stages.sglang import EngineFleet, GenerateResult
 from stages.sglang.health import FaultPolicy
+from storage import AsyncStore, Cursor, GroupState, MemoryStore
 
 pytestmark = pytest.mark.anyio
 
@@ -204,6 +208,27 @@ async def test_without_a_router_losing_the_only_engine_stops_with_a_clear_error(
         assert proc.url in str(error) and "--min-live-engines 1" in str(error)
 
 
+async def test_the_only_built_in_engine_is_given_up_only_once_its_restarts_are_spent(model, tmp_path):
+    """Issue 46.5: evicting the single engine the launcher started ended the run at once, with no
+    restart tried. Here every restart fails (its model folder is gone): the run ends only then."""
+    with anyio.fail_after(DEADLINE):
+        (proc,) = await start_engines(1, model, max_running_requests=4)
+    engines = ManagedEngines([proc], tmp_path / "no-such-model", max_running_requests=4)
+    policy = FaultPolicy(interval=0.25, timeout=2.0, max_restarts=1, restart_backoff=0.0)
+    try:
+        fleet = EngineFleet([proc.url], concurrency=4, control_timeout=5, fault_policy=policy, restarter=engines)
+        with pytest.raises(BaseExceptionGroup) as caught, anyio.fail_after(DEADLINE):
+            async with fleet:
+                proc.process.kill()
+                await anyio.sleep_forever()  # the fault handling ends this with its error
+    finally:
+        await engines.stop()
+    (error,) = caught.value.exceptions
+    assert isinstance(error, EngineLostError)
+    said = str(error)
+    assert proc.url in said and "not back after 1 restart tries" in said and "0 of 1 engines live" in said, said
+
+
 @pytest.mark.parametrize(
     ("field", "value", "rule"),
     [
@@ -281,3 +306,85 @@ async def test_with_fault_tolerance_a_hung_continue_evicts_the_engine(managed, m
             os.kill(pid, signal.SIGCONT)
         await until(lambda: _live(fleet, {a, b}), "b re-admitted")
         assert await fleet.weight_versions() == {a: "1", b: "1"}
+
+
+class _SentOnce:
+    """The fleet as the pool's engine, failing the test the moment a request goes out again under
+    a rid already sent: a timed-out request resent unchanged (no token came back) has the same rid."""
+
+    def __init__(self, fleet: EngineFleet, logs: list[dict[str, object]]) -> None:
+        self.fleet, self.logs = fleet, logs
+        self.rids: list[str] = []
+        self.warned_when_lost: bool | None = None
+
+    async def generate(self, input_ids, sampling_params, *, rid, **fields) -> GenerateResult:
+        assert rid not in self.rids, f"{rid} was sent to the engine again after it timed out there"
+        self.rids.append(rid)
+        try:
+            return await self.fleet.generate(input_ids, sampling_params, rid=rid, **fields)
+        except EngineLostError:
+            if self.warned_when_lost is None:
+                self.warned_when_lost = any("has not answered /health" in str(e["event"]) for e in self.logs)
+            raise
+
+    async def abort_all(self) -> None:
+        await self.fleet.abort_all()
+
+
+async def test_without_fault_tolerance_a_hung_engine_is_named_while_requests_wait_and_not_sent_them_again(model):
+    """Issue 46.4: with the engine SIGSTOPped mid-generation the run said nothing for two request
+    timeouts, and sent the timed-out requests back to the stopped engine. Now the liveness watch
+    names it while the requests wait, and the first timeout stops the run, naming the engine and
+    the fix, with the group back in the store."""
+    timeout, silence = 8.0, 1.5  # the watch must speak well before the requests' deadline
+    with anyio.fail_after(DEADLINE):
+        (proc,) = await start_engines(1, model, max_running_requests=8)
+    async with proc:
+        store, admission, clock = AsyncStore(MemoryStore()), Admission(), VersionClock()
+        group = Group.fresh(PromptTask(0, tuple(PROMPT)), epoch=0, n_samples=4, version=0, seq=0)
+        await store.admit([group], Cursor(0, 1, 1))
+        admission.grant(1)
+        fleet = EngineFleet([proc.url], concurrency=8, request_timeout=timeout, silence_warning=silence)
+        to_pool_send, to_pool = anyio.create_memory_object_stream[Group](0)
+        out_send, out = anyio.create_memory_object_stream[Group](4)
+        try:
+            with capture_logs() as logs, pytest.raises(BaseExceptionGroup) as caught, anyio.fail_after(DEADLINE):
+                sent = _SentOnce(fleet, logs)
+                pool = GeneratorPool(
+                    sent,
+                    slots=8,
+                    sampling_params={"ignore_eos": True},
+                    max_response_len=400,
+                    clock=clock,
+                    store=store,
+                    admission=admission,
+                )
+                async with fleet, to_pool_send, out, anyio.create_task_group() as tg:
+                    await fleet.update_weight_version("0")
+                    await tg.start(pool.run, to_pool, out_send)
+                    await admission.take_ticket()
+                    await to_pool_send.send(group)
+                    await until(lambda: running_on(fleet, proc.url), "the engine generating")
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    await anyio.sleep_forever()  # the pool ends this, at the first request's deadline
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+    errors = _leaves(caught.value)
+    assert errors and all(isinstance(e, EngineLostError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1  # the run's end says it in one line
+    said = str(errors[0])
+    assert proc.url in said and "hung" in said and "--use-fault-tolerance" in said, said
+    assert sent.warned_when_lost, [e["event"] for e in logs]  # named while the requests still waited
+    warning = next(str(e["event"]) for e in logs if "has not answered /health" in str(e["event"]))
+    assert proc.url in warning and "4 requests wait on it" in warning, warning
+    assert sorted(sent.rids) == sorted(f"{group.group_id}-s{i}-0" for i in range(4))  # each sent once
+    state, stored = await store.get(group.group_id) or (None, None)
+    assert state is GroupState.PARTIAL and stored is not None  # back in the store, nothing lost
+    assert all(s.status is not SampleStatus.FAILED for s in stored.samples)
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out

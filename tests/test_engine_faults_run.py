@@ -114,3 +114,37 @@ def test_a_run_goes_on_through_an_engine_fault_and_trains_every_prompt_once(tmp_
     assert last["engines/evictions_total"] >= 1 and last["time/reduced_capacity"] > 0, last
     assert last["engines/live"] == 1 + min(1, last["engines/restarts_total"]), last
     assert all(r["version"] == r["step"] for r in records)
+
+
+def test_the_quick_starts_single_engine_is_restarted_when_it_dies_and_the_run_completes(tmp_path):
+    """Issue 46.5: with `--use-fault-tolerance` and the one built-in engine the launcher started, a
+    SIGKILL during generation ended the run (`0 of 1 engines live`): no restart was tried, one group
+    was stored as failed, and the end printed a dozen near-identical `error:` lines. Now the engine
+    is restarted on its port, its requests resume from the store's prefixes, and the fault is one line."""
+    out = tmp_path / "run"
+    launcher = Launcher(out, 0, "--use-fault-tolerance", "--num-rollout", "2")
+    watch = Watch(out)
+    try:
+
+        def generating() -> bool:  # the first groups are admitted and the engine runs them
+            pids = _engine_pids(launcher)
+            admitted = watch.store is not None and watch.store.cursor().index > 0
+            return len(pids) == 1 and admitted and _running(pids[0]) > 0
+
+        launcher.wait_until("the engine generating the first groups", generating, deadline=DEADLINE)
+        (victim,) = _engine_pids(launcher)
+        os.kill(victim, signal.SIGKILL)
+        rc = launcher.finish(timeout=DEADLINE)
+        log = launcher.log.read_text(errors="replace")
+        assert rc == 0, log
+    finally:
+        if launcher.proc.poll() is None:
+            launcher.kill()
+        watch.close()
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        assert store.count(GroupState.FAILED) == 0  # an engine's death fails no group
+        assert store.count(GroupState.TRAINED) == 2 * BATCH
+    faults = [line for line in log.splitlines() if "evicted" in line or line.startswith("error:")]
+    assert len(faults) == 1 and "engine evicted" in faults[0] and "restarting it on its port" in faults[0], log
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["engines/evictions_total"], last["engines/restarts_total"], last["engines/live"]) == (1, 1, 1), last

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from core.errors import EngineUnavailableError, StoreError
+from core.errors import EngineError, EngineUnavailableError, StoreError
 from pipeline.run.end import RunPaths, report_failure
 
 
@@ -53,3 +53,19 @@ def test_a_bug_keeps_its_own_traceback_once_then_one_line(tmp_path, capsys):
         "error: ValueError: an unexpected value 7 (an unexpected error: please report it with the traceback above)"
     ]
     assert err.rstrip().endswith("running the same command again starts the run over")
+
+
+def test_one_engine_fault_is_one_line_however_many_requests_it_failed(tmp_path, capsys):
+    """Issue 46.5: an engine that died under a dozen requests ended the run with a dozen `error:`
+    lines that differed only in the request each named. One fault, one line."""
+    url = "http://127.0.0.1:30000"
+    failed = [
+        _raised(EngineError(f"{url}/generate", f"request g{i}-s0-0: no engine behind the router", status=503))
+        for i in range(13)
+    ]
+    lost = _raised(EngineUnavailableError(url, "evicted (heartbeat: connection refused)"))
+    other = _raised(EngineError("http://127.0.0.1:30001/generate", "request g0-s1-0: internal error", status=503))
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [ExceptionGroup("inner", [*failed, lost, other])])
+    assert report_failure(group, _paths(tmp_path)) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: {failed[0]}", f"error: {lost}", f"error: {other}"]

@@ -130,3 +130,12 @@ class EngineConfig:
     max_engine_restarts: int = opt(
         3, "--max-engine-restarts", "int", ge=0, help="restart tries per evicted built-in engine"
     )
+    # Issue 46: without fault tolerance nothing evicts a hung engine, but the run says so.
+    silence_warning: float = opt(
+        30.0,
+        "--engine-silence-warning",
+        "float",
+        gt=0,
+        help="without --use-fault-tolerance, warn once an engine has not answered /health for this many seconds "
+        "while requests wait on it (it is asked every sixth of that, only while requests wait)",
+    )

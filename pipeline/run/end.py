@@ -11,9 +11,10 @@ Two things live here, both at the launcher's boundary:
   when it starts.
 - `report_failure`: turns whatever ended the run (a pipeline error, an `OSError` such as a full
   disk, a safetensors or TensorBoard error that wraps one, anything crossing the task groups) into
-  one `error:` line per distinct cause, naming what was being written, the cause and the fix, plus
-  whether and how the run resumes. Only a bug (an exception this library does not know) keeps a
-  traceback, and then only its own, not the task groups' it crossed.
+  one `error:` line per distinct cause (one per engine fault, however many requests it failed),
+  naming what was being written, the cause and the fix, plus whether and how the run resumes.
+  Only a bug (an exception this library does not know) keeps a traceback, and then only its own,
+  not the task groups' it crossed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import anyio
 
-from core.errors import PipelineError, StoreError
+from core.errors import EngineError, PipelineError, StoreError
 
 __all__ = ["RunPaths", "StopOnSigterm", "error_leaves", "report_failure", "sigint_ignored"]
 
@@ -111,7 +112,15 @@ def report_failure(exc: BaseException, paths: RunPaths) -> int:
     if not leaves:  # only consequences (cancellations): nothing to explain but the group itself
         leaves = [exc]
     lines: list[str] = []
+    faults: set[tuple[type[BaseException], str, int | None]] = set()
     for leaf in leaves:
+        if isinstance(leaf, EngineError):
+            # One engine fault fails every request and call in flight on it, each in its own words
+            # (its rid, its count): the first says it for all of them.
+            fault = (type(leaf), leaf.url.split("/", 3)[2] if "://" in leaf.url else leaf.url, leaf.status)
+            if fault in faults:
+                continue
+            faults.add(fault)
         message = _explain(leaf, paths)
         if message is None:  # a bug: its own traceback (not the task groups'), then the one line
             message = f"{type(leaf).__name__}: {leaf} (an unexpected error: please report it with the traceback above)"

@@ -50,7 +50,7 @@ class RunEngines:
         retries = self._config.rollout.max_retries
         key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
         await self._stack.__aenter__()
-        faults: dict[str, Any] = {"fault_policy": fault_policy(e)}
+        faults: dict[str, Any] = {"fault_policy": fault_policy(e), "silence_warning": e.silence_warning}
         # R3: the fleet checks on entry that the engines answer routes, and behind a router that
         # it passes their fields on; where it does not (sglang-router 0.3.2) R3 requests go to
         # the engines directly.

@@ -1,8 +1,11 @@
 """`FleetFaults`: eviction, heartbeat, restart and re-admission for one `EngineFleet`.
 
 Lives as long as the fleet's `async with`: it owns a task group with the heartbeat and one
-recovery task per evicted engine. A failure that leaves fewer than `min_live` engines is raised
-from that task group, which ends the run with the error (and its engines named).
+recovery task per evicted engine. When fewer than `min_live` engines are live and no restart can
+bring one back (an engine the user runs, or every restart failed), `EngineLostError` is raised
+from that task group, which ends the run with the error (and its engines named), and to every
+request waiting for an engine. While a restart is under way the run waits for it: the single
+engine of a quick start is restarted, not given up on.
 
 Order on the way back matters: an engine takes the current weights and version first, is put back
 behind the router next, and only then joins the fan-out; `weights_lock` keeps a publish's weight
@@ -21,7 +24,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from core.errors import EngineError, EngineUnavailableError
+from core.errors import EngineError, EngineLostError, EngineUnavailableError
 from stages.sglang.engine import EngineClient
 from stages.sglang.health import (
     EngineRestarter,
@@ -80,6 +83,10 @@ class FleetFaults:
         self._scopes: dict[str, set[anyio.CancelScope]] = {}
         self._total = 0
         self._tg: anyio.abc.TaskGroup | None = None
+        # Re-admissions per URL: a failure seen by a request sent before the last one is old news.
+        self._admissions: dict[str, int] = {}
+        self._back = anyio.Event()  # set (and replaced) when an engine comes back or none will
+        self._lost: tuple[str, str] | None = None  # (url, why): the run ends with EngineLostError
 
     async def __aenter__(self) -> Self:
         self._total = len(self._fleet.workers)
@@ -146,11 +153,18 @@ class FleetFaults:
                 kept[url] = exc
         return kept
 
-    async def evict(self, url: str, reason: str) -> None:
+    async def evict(self, url: str, reason: str, *, admitted: int | None = None) -> None:
         """Take `url` out at once: no new control calls, its running ones cancelled, out of the
-        router; then restart or wait for it. Raises when fewer than `min_live` engines remain."""
+        router; then restart or wait for it. `admitted`: the engine's `admissions` when the
+        failing call was sent (a later re-admission makes that failure old news).
+
+        When fewer than `min_live` engines remain and no restart is coming, the run ends
+        (`lost`); with a restart coming, it waits for the restart to succeed or run out of tries.
+        """
         state_workers = self._fleet.workers
         if url not in {w.url for w in state_workers}:
+            return
+        if admitted is not None and admitted != self._admissions.get(url, 0):
             return
         live = tuple(w for w in state_workers if w.url != url)
         self._fleet.set_workers(live)
@@ -158,17 +172,58 @@ class FleetFaults:
         self.counters.capacity(len(live), self._total)
         for scope in self._scopes.get(url, ()):
             scope.cancel()
-        log.warning("engine evicted", url=url, reason=reason, live=len(live), total=self._total)
-        if len(live) < self.policy.min_live:
-            raise EngineUnavailableError(
-                url,
-                f"evicted ({reason}); {len(live)} of {self._total} engines live, fewer than "
-                f"--min-live-engines {self.policy.min_live}",
-            )
+        restarting = self._restarter is not None and self.policy.max_restarts > 0
+        fewer = len(live) < self.policy.min_live
+        then = "restarting it on its port" if restarting else ("the run stops" if fewer else "waiting for it")
+        # The one line a fault prints (its requests come back quietly, as aborted ones).
+        log.warning("engine evicted", url=url, reason=reason, live=len(live), total=self._total, then=then)
+        if fewer and not restarting:
+            self._lose(url, f"evicted ({reason}); {self._below_min(len(live))}")
+            return
         if self._fleet.router_url is not None:
             await self._router_remove(url)
         if self._tg is not None:
-            self._tg.start_soon(self._recover, url)
+            self._tg.start_soon(self._recover, url, reason)
+
+    def _below_min(self, live: int) -> str:
+        return f"{live} of {self._total} engines live, fewer than --min-live-engines {self.policy.min_live}"
+
+    def admissions(self, url: str) -> int:
+        """How often `url` came back: what `evict(admitted=...)` compares."""
+        return self._admissions.get(url, 0)
+
+    @property
+    def lost(self) -> bool:
+        """The run ends: fewer than `min_live` engines, and none coming back."""
+        return self._lost is not None
+
+    def raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise EngineLostError(*self._lost)
+
+    async def wait_live(self) -> None:
+        """Return once an engine is live; raise `EngineLostError` once none will be."""
+        while True:
+            self.raise_if_lost()
+            if self._fleet.workers:
+                return
+            await self._back.wait()
+
+    def _lose(self, url: str, why: str) -> None:
+        """End the run: from the task group (which cancels the fleet's user) and to every waiter."""
+        if self._lost is not None:
+            return
+        self._lost = (url, why)
+        self._notify_back()
+        if self._tg is not None:
+            self._tg.start_soon(self._raise_lost)
+
+    async def _raise_lost(self) -> None:
+        self.raise_if_lost()
+
+    def _notify_back(self) -> None:
+        self._back.set()
+        self._back = anyio.Event()
 
     # -- heartbeat ----------------------------------------------------------------------------
 
@@ -184,7 +239,7 @@ class FleetFaults:
             async with anyio.create_task_group() as tg:
                 for worker in self._fleet.workers:
                     tg.start_soon(probe, worker)
-            for url, reason in failed.items():  # here, so a run-ending error is raised as itself
+            for url, reason in failed.items():
                 await self.evict(url, reason)
             await anyio.sleep(self.policy.interval)
 
@@ -197,7 +252,7 @@ class FleetFaults:
             status, _ = await worker.probe(path, self.policy.timeout)
         except EngineUnavailableError as exc:
             quiet = self._quiet or path == "/health"
-            if quiet and self.policy.timeout <= _SGLANG_HEALTH_WAIT and isinstance(exc.__cause__, TimeoutError):
+            if quiet and self.policy.timeout <= _SGLANG_HEALTH_WAIT and exc.timed_out:
                 # SGLang ~0.5.x serves /health with /health_generate's handler, which waits 20 s
                 # for output that a pause or a weight load withholds, then answers 503: a shorter
                 # probe cannot tell that from a hung engine. A dead engine still refuses the
@@ -230,10 +285,11 @@ class FleetFaults:
 
     # -- restart and re-admission -------------------------------------------------------------
 
-    async def _recover(self, url: str) -> None:
-        if self._restarter is None:
+    async def _recover(self, url: str, reason: str) -> None:
+        if self._restarter is None or self.policy.max_restarts == 0:
             await self._wait_for_return(url)
             return
+        last = "no try made"
         for attempt in range(self.policy.max_restarts):
             if attempt:
                 await anyio.sleep(self.policy.restart_backoff * 2 ** (attempt - 1))
@@ -243,8 +299,15 @@ class FleetFaults:
                 await self.readmit(url)
                 return
             except (EngineError, OSError) as exc:  # e.g. the port still taken: try again, bounded
-                log.warning("engine restart failed", url=url, attempt=attempt + 1, error=str(exc))
+                last = str(exc)
+                log.warning("engine restart failed", url=url, attempt=attempt + 1, error=last)
         log.error("engine left out for good", url=url, tries=self.policy.max_restarts)
+        if (live := len(self._fleet.workers)) < self.policy.min_live:
+            self._lose(
+                url,
+                f"evicted ({reason}) and not back after {self.policy.max_restarts} restart tries (last: {last}); "
+                + self._below_min(live),
+            )
 
     async def _wait_for_return(self, url: str) -> None:
         """An engine the user runs: re-admit it once its heartbeat answers again."""
@@ -277,8 +340,10 @@ class FleetFaults:
                 await self._router_add(url)
             if url not in {w.url for w in self._fleet.workers}:
                 self._fleet.set_workers((*self._fleet.workers, client))
+            self._admissions[url] = self._admissions.get(url, 0) + 1
             self.counters.readmissions += 1
             self.counters.capacity(len(self._fleet.workers), self._total)
+            self._notify_back()
         log.warning("engine re-admitted", url=url, version=version, live=len(self._fleet.workers))
 
     # -- the router's worker API: /workers (sglang-router >= 0.2.2), else the legacy one ----------

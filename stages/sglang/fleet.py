@@ -4,12 +4,22 @@
 every engine concurrently, because the router does not forward `/abort_request`,
 `/pause_generation` or the weight endpoints. The one exception: R3 requests behind a router that
 drops their fields go to the engines themselves, placed by the fleet (`dispatch.py` says why).
+
+A `/generate` that gets no answer within its deadline is never sent to the same engine again.
+Without a fault policy the run stops with `EngineLostError`, naming the engine (the liveness watch
+has said for a while that it is silent, or that it answers and is only slow). With one, the only
+engine's failure evicts it (as a failed control call does), and its requests come back as aborted
+ones that wait for an engine to serve (a restarted one at the same URL is a new process). Behind
+a router the client cannot pick the engine, but the heartbeat has taken a silent one out of the
+router long before a request's deadline passes, and the timed-out request comes back aborted, to
+resume on the engines that live.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -18,13 +28,14 @@ import aiohttp
 import anyio
 import structlog
 
-from core.errors import EngineError, EngineUnavailableError
+from core.errors import EngineError, EngineLostError, EngineUnavailableError
 from core.types import PauseMode
 from stages.sglang.dispatch import EnginePicker, PickerStatistics
 from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
 from stages.sglang.faults import FleetFaults
 from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
 from stages.sglang.http1 import GeneratePool
+from stages.sglang.watch import LivenessWatch, request_timed_out
 from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
@@ -76,6 +87,9 @@ class EngineFleet:
     engine answers them (refused by name if not), and behind a router, that the router passes
     `return_routed_experts` on (sglang-router 0.3.2 does not); where it does not, `/generate` goes
     to the engines directly (`dispatch.EnginePicker`).
+
+    Without a `fault_policy`, a `LivenessWatch` names an engine that has not answered `/health`
+    for `silence_warning` seconds while requests wait on it (None: no watch).
     """
 
     def __init__(
@@ -93,6 +107,7 @@ class EngineFleet:
         restarter: EngineRestarter | None = None,
         lean_generate: bool = True,
         routed_experts: bool = False,
+        silence_warning: float | None = 30.0,
     ) -> None:
         if not worker_urls and router_url is None:
             raise ValueError("an EngineFleet needs worker URLs, a router URL, or both")
@@ -118,6 +133,20 @@ class EngineFleet:
         # With a fault policy, engine faults evict instead of failing the call (see faults.py).
         self._faults = FleetFaults(self, fault_policy, restarter) if fault_policy is not None else None
         self._routed_experts = routed_experts
+        self._request_timeout = request_timeout
+        # Without fault tolerance nothing evicts a hung engine; the watch at least says so.
+        self._watch = (
+            LivenessWatch(
+                lambda: self.workers,
+                silence=silence_warning,
+                request_timeout=request_timeout,
+                via_router=self._router_url is not None,
+            )
+            if self._faults is None and silence_warning is not None
+            else None
+        )
+        # Requests waiting for an engine to come back (fault policy, none live): abort reaches them.
+        self._waiting: dict[anyio.CancelScope, str] = {}
 
     async def __aenter__(self) -> Self:
         if self._state is not None:
@@ -141,6 +170,8 @@ class EngineFleet:
                 await self._check_routed_experts()
             if self._faults is not None:
                 await self._faults.__aenter__()
+            if self._watch is not None:
+                await self._watch.__aenter__()
         except BaseException:
             state, self._state = self._state, None
             with anyio.move_on_after(5, shield=True):
@@ -154,6 +185,8 @@ class EngineFleet:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
+            if self._watch is not None and self._state is not None:
+                await self._watch.__aexit__(exc_type, exc, tb)
             if self._faults is not None and self._state is not None:
                 await self._faults.__aexit__(exc_type, exc, tb)  # raises what ended the run, if it did
         finally:
@@ -264,20 +297,121 @@ class EngineFleet:
         **fields: Any,
     ) -> GenerateResult:
         state = self._open
-        if state.picker is None:
+        if state.picker is not None:
+            return await self._generate_direct(
+                state, state.picker, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        generator = state.generator
+        if self._faults is not None:
+            return await self._generate_tolerant(
+                self._faults, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        watch = self._watch
+        if watch is not None:
+            watch.request_started()
+        try:
+            return await generator.generate(
+                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+            )
+        except EngineUnavailableError as exc:
+            # No fault policy: a request past its deadline ends the run instead of going back to the
+            # pool, which would send it to the same engine, to wait as long again.
+            if exc.timed_out:
+                raise self._timed_out(generator.url) from exc
+            raise
+        finally:
+            if watch is not None:
+                watch.request_ended()
+
+    def _timed_out(self, url: str) -> EngineLostError:
+        silent = None if self._watch is None else self._watch.silent_engines()
+        return request_timed_out(url, router_url=self._router_url, deadline=self._request_timeout, silent=silent)
+
+    async def _generate_tolerant(
+        self,
+        faults: FleetFaults,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        return_logprob: bool,
+        **fields: Any,
+    ) -> GenerateResult:
+        """With a fault policy: wait while no engine is live (a restart is under way), and hand a
+        request the only engine did not answer back as aborted, after evicting that engine."""
+        state = self._open
+        if not state.workers or faults.lost:
+            if not await self._wait_for_engine(faults, rid):
+                return GenerateResult.aborted_unanswered(rid, "aborted while it waited for an engine")
+        url = state.generator.url
+        admitted = faults.admissions(url)
+        try:
             return await state.generator.generate(
                 input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
             )
+        except EngineUnavailableError as exc:
+            if self._router_url is None:
+                # The only engine did not answer: that is evidence, as a failed control call is. Its
+                # requests all end here; the pool resumes each from its prefix once an engine serves.
+                await faults.evict(url, f"/generate: {exc}", admitted=admitted)
+                return GenerateResult.aborted_unanswered(rid, f"no answer from {url}, evicted: {exc}")
+            if exc.timed_out:
+                # Behind the router the engine is unknown, but a silent one failed its heartbeat
+                # long before this deadline and is out of the router: the pool resumes the request
+                # on the engines that live (it is no sample's fault, and counts against none).
+                return GenerateResult.aborted_unanswered(rid, f"no answer through the router: {exc}")
+            raise  # the router itself did not answer
+
+    async def _wait_for_engine(self, faults: FleetFaults, rid: str) -> bool:
+        """Wait until an engine is live; False if an abort reached the request first. Raises
+        `EngineLostError` once no engine will be (`FleetFaults.lost`)."""
+        with anyio.CancelScope() as scope:
+            self._waiting[scope] = rid
+            try:
+                await faults.wait_live()
+            finally:
+                del self._waiting[scope]
+        return not scope.cancelled_caught
+
+    def _abort_waiting(self, rid: str | None) -> None:
+        for scope, waiting in self._waiting.items():
+            if rid is None or waiting.startswith(rid):  # SGLang matches an abort's rid by prefix
+                scope.cancel()
+
+    async def _generate_direct(
+        self,
+        state: _FleetState,
+        picker: EnginePicker,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        return_logprob: bool,
+        **fields: Any,
+    ) -> GenerateResult:
+        """R3 behind a router that drops its fields: the fleet places the request on an engine."""
         urls = tuple(w.url for w in state.workers)
         if not urls:
             raise EngineUnavailableError(state.generator.url, f"request {rid}: no live engine to send it to")
-        url = state.picker.pick(urls, input_ids)
+        url = picker.pick(urls, input_ids)
+        watch = self._watch
         try:
             client = self._engine_generator(url)
             if self._faults is None:
-                return await client.generate(
-                    input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
-                )
+                if watch is not None:
+                    watch.request_started()
+                try:
+                    return await client.generate(
+                        input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+                    )
+                except EngineUnavailableError as exc:
+                    # As through the router: a request past its deadline never goes back to this engine.
+                    if exc.timed_out:
+                        raise self._timed_out(url) from exc
+                    raise
+                finally:
+                    if watch is not None:
+                        watch.request_ended()
             # Through the router a request to an engine that hangs would wait for its timeout; here
             # the engine's eviction ends it, and the sample goes back to be continued elsewhere.
             with self._faults.cancelled_on_eviction(url):
@@ -286,7 +420,7 @@ class EngineFleet:
                 )
             raise EngineUnavailableError(url, f"request {rid}: the engine was evicted while it ran")
         finally:
-            state.picker.release(url)
+            picker.release(url)
 
     def _engine_generator(self, url: str) -> EngineClient:
         """`url`'s own `/generate` client, with lean connections of its own where they work."""
@@ -355,23 +489,30 @@ class EngineFleet:
     # -- control calls reach every engine -----------------------------------------------------
 
     async def abort(self, rid: str) -> None:
+        self._abort_waiting(rid)
         # The router does not forward aborts and does not say where it sent a request.
         await self._fan_out("abort", lambda w: w.abort(rid))
 
     async def abort_all(self) -> None:
+        self._abort_waiting(None)
         await self._fan_out("abort_all", lambda w: w.abort_all())
+
+    @property
+    def _monitor(self) -> FleetFaults | LivenessWatch | None:
+        """What must know that a publish has the engines quiet: the heartbeat, or the watch."""
+        return self._faults if self._faults is not None else self._watch
 
     async def pause(self, mode: PauseMode | str) -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {[str(m) for m in PAUSE_MODES]}, got {mode!r}")
-        if self._faults is not None:
-            self._faults.paused = True  # /health_generate answers 503 while paused: probe /health
+        if (monitor := self._monitor) is not None:
+            monitor.paused = True  # /health_generate answers 503 while paused: /health, or no probe
         await self._fan_out("pause", lambda w: w.pause(mode))
 
     async def continue_generation(self) -> None:
         await self._fan_out("continue_generation", lambda w: w.continue_generation())
-        if self._faults is not None:
-            self._faults.paused = False
+        if (monitor := self._monitor) is not None:
+            monitor.paused = False
 
     async def flush_cache(self, deadline: float) -> None:
         await self._fan_out("flush_cache", lambda w: w.flush_cache(deadline))
@@ -391,10 +532,11 @@ class EngineFleet:
                     )
                 self._faults.current_weights = (path, weight_version)
             return
-        await self._fan_out(
-            "update_weights_from_disk",
-            lambda w: w.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache),
-        )
+        with self._watch.updating_weights() if self._watch is not None else nullcontext():
+            await self._fan_out(
+                "update_weights_from_disk",
+                lambda w: w.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache),
+            )
 
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
@@ -425,12 +567,13 @@ class EngineFleet:
                     ),
                 )
             return
-        await self._fan_out(
-            "update_weights_from_distributed",
-            lambda w: w.update_weights_from_distributed(
-                specs, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
-            ),
-        )
+        with self._watch.updating_weights() if self._watch is not None else nullcontext():
+            await self._fan_out(
+                "update_weights_from_distributed",
+                lambda w: w.update_weights_from_distributed(
+                    specs, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+                ),
+            )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._fan_out("destroy_weights_update_group", lambda w: w.destroy_weights_update_group(group_name))
@@ -476,6 +619,7 @@ class EngineFleet:
             # An unreachable engine is evicted and the call stands on the engines that live; an
             # engine evicted meanwhile (by the heartbeat) is no longer asked.
             failures = await self._faults.absorb(what, failures)
+            self._faults.raise_if_lost()
             workers = tuple(w for w in workers if w.url in results or w.url in failures)
         if failures:
             raise _fan_out_error(what, failures, len(workers))

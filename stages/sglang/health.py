@@ -3,8 +3,9 @@ counters a run reports.
 
 An engine leaves the fleet on the first evidence that it cannot serve: a `/health_generate` that
 does not answer 200 within the timeout (a hung engine, e.g. SIGSTOP, is found this way, not only a
-dead one), or a control call that found it unreachable. It comes back only through
-`EngineFleet.readmit`, which makes its weights and version current before it takes work.
+dead one), a control call that found it unreachable, or (the only engine, no router in front) a
+`/generate` it did not answer. It comes back only through `EngineFleet.readmit`, which makes its
+weights and version current before it takes work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = ["EngineRestarter", "FaultCounters", "FaultPolicy", "FaultStatistics"]
 @dataclass(frozen=True, slots=True)
 class FaultPolicy:
     """slime's `--use-fault-tolerance` knobs (same names, same defaults), plus what slime lacks:
-    the fewest live engines the run goes on with, and how often a restart is tried."""
+    the fewest live engines the run goes on with (below it, the run waits while a restart is
+    under way, and stops once none is left), and how often a restart is tried."""
 
     interval: float = 30.0  # --rollout-health-check-interval
     timeout: float = 30.0  # --rollout-health-check-timeout

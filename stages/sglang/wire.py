@@ -77,6 +77,13 @@ class GenerateResult:
     heads: SamplerHeads | None = None
 
     @classmethod
+    def aborted_unanswered(cls, rid: str, message: str) -> GenerateResult:
+        """A request that no engine answered, handed back as SGLang answers one aborted before
+        prefill (no tokens, no version): the fault handling's answer for a request on an engine
+        that died or was evicted, which the pool resumes from its prefix once an engine serves."""
+        return cls(rid, TokenIds(), LogProbs(), FinishReason.ABORT, None, message, None, None, 0, None)
+
+    @classmethod
     def from_response(cls, payload: object, *, url: str, rid: str) -> GenerateResult:
         """Parse a non-streaming `/generate` body. Anything malformed is an `EngineError` naming `url`."""
         if not isinstance(payload, Mapping):
