@@ -11,12 +11,22 @@ Two kinds of folder, two purposes:
   `--update-weight-transport distributed`), and deleted once every live engine serves a later
   version (the next publish succeeded). At a checkpoint step the checkpoint itself is published.
 
+A checkpoint also records what it covers (`covers.json`: its step, the dataset cursor, and the
+groups below the cursor its steps did not settle; `Store.coverage`), so that a resume whose store
+is lost or damaged knows which prompts the weights already learned from, and which to generate
+again (`pipeline.run.reconcile`). A checkpoint written before that record existed (or by a save
+killed between the weights and the record) has none; the resume then reconciles from what the
+store still holds.
+
 Exactly once, relative to the checkpoint: the store keeps each trained batch (its groups, in order,
 with their samples, behaviour log-probs and versions) and its metrics record (the version it was
 trained against and its minibatch split) until a checkpoint covers its step. A resume loads the
 newest checkpoint the store counts, then `replay_stored_batches` trains the stored batches of the
 steps after it again, in order, before any new work: nothing is regenerated, and the trainer ends
 where the killed run's committed steps had left it. On one CPU with a fixed seed that is bit for bit.
+A group of such a batch whose record is damaged is left out of the batch (its prompt is generated
+again, named, by the launcher before the replay: `pipeline.run.state`); a batch left with no
+readable group trains nothing, and the steps after it are trained again all the same.
 """
 
 from __future__ import annotations
@@ -33,13 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import orjson
 import structlog
 
 from core.clock import VersionClock
-from core.errors import ConfigError, StoreError
+from core.errors import ConfigError, CorruptRecordError, StoreError
 from pipeline.plan import RolloutPlan, Trainer
 from stages.publisher import WeightTarget, WeightTransfer, publish_weights
-from storage import AsyncStore
+from storage import AsyncStore, Coverage, Cursor
 
 __all__ = [
     "CheckpointPolicy",
@@ -48,10 +59,12 @@ __all__ = [
     "checkpoint_versions",
     "folder_bytes",
     "prune_checkpoints",
+    "read_coverage",
     "remove_folder",
     "replay_stored_batches",
     "replay_then_publish",
     "save_step",
+    "write_coverage",
 ]
 
 log = structlog.get_logger("pipeline")
@@ -59,6 +72,8 @@ log = structlog.get_logger("pipeline")
 CHECKPOINTS_DIR = "checkpoints"
 PUBLISH_DIR = "weights"
 _OPTIMIZER_DIR = "optimizer"  # trainers.checkpoint.OPTIMIZER_DIR; both backends write it
+COVERAGE_FILE = "covers.json"  # in a checkpoint folder: what its steps settled (`Store.coverage`)
+_COVERAGE_FORMAT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +105,22 @@ class StepSave:
     bytes_written: int
 
 
-def save_step(trainer: Trainer, policy: CheckpointPolicy, step: int, num_steps: int, *, distributed: bool) -> StepSave:
-    """Save what step `step` must leave behind (blocking: run it off the event loop)."""
+def save_step(
+    trainer: Trainer,
+    policy: CheckpointPolicy,
+    step: int,
+    num_steps: int,
+    *,
+    distributed: bool,
+    coverage: Coverage | None = None,
+) -> StepSave:
+    """Save what step `step` must leave behind (blocking: run it off the event loop). A checkpoint
+    gets `coverage` (what steps 0..`step` settled) beside its weights."""
     version = step + 1
     if policy.due(step, num_steps):
         folder = trainer.save_weights(policy.dir / f"v{version}")
+        if coverage is not None:
+            write_coverage(folder, coverage)
         return StepSave(folder, True, folder_bytes(folder))
     target = policy.publish_dir / f"v{version}"
     if distributed:  # the weights travel over torch.distributed: nothing to write
@@ -102,6 +128,39 @@ def save_step(trainer: Trainer, policy: CheckpointPolicy, step: int, num_steps: 
     save_model: Callable[[Path], Path] = getattr(trainer, "save_model", None) or trainer.save_weights
     folder = save_model(target)
     return StepSave(folder, False, folder_bytes(folder))
+
+
+def write_coverage(folder: Path, coverage: Coverage) -> None:
+    """`covers.json` in the checkpoint `folder`, written whole or not at all (a kill in between
+    leaves a checkpoint without it, which a resume treats as one of an older version)."""
+    c = coverage.cursor
+    record = {
+        "format": _COVERAGE_FORMAT,
+        "step": coverage.step,
+        "cursor": {"epoch": c.epoch, "index": c.index, "next_seq": c.next_seq},
+        "unsettled": list(coverage.unsettled),
+    }
+    tmp = folder / f".{COVERAGE_FILE}.tmp"
+    tmp.write_bytes(orjson.dumps(record))
+    os.replace(tmp, folder / COVERAGE_FILE)
+
+
+def read_coverage(folder: Path) -> Coverage | None:
+    """What the checkpoint `folder` covers, or None when it has no record (written before the
+    record existed). A record that does not decode is a CorruptRecordError naming the file."""
+    path = folder / COVERAGE_FILE
+    if not path.exists():
+        return None
+    try:
+        record = orjson.loads(path.read_bytes())
+        if record.get("format") != _COVERAGE_FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, expected {_COVERAGE_FORMAT}")
+        c = record["cursor"]
+        cursor = Cursor(int(c["epoch"]), int(c["index"]), int(c["next_seq"]))
+        unsettled = tuple(str(gid) for gid in record["unsettled"])
+        return Coverage(int(record["step"]), cursor, unsettled)
+    except (OSError, orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecordError(str(path), f"the checkpoint's coverage record does not decode: {exc}") from exc
 
 
 def folder_bytes(folder: Path) -> int:
@@ -193,12 +252,20 @@ async def replay_stored_batches(
     saved: StepSave | None = None
     log.warning("replaying stored batches trained after the last checkpoint", steps=f"{first}..{last}")
     for step in range(first, last + 1):
-        batch = await store.batch(step)
+        damaged: list[CorruptRecordError] = []
+        batch = await store.batch(step, damaged=damaged)
         if batch is None:
             raise StoreError(
                 f"step {step} was trained after the last checkpoint (v{first}), but the store no longer "
                 f"holds its batch to train it again; resume from a store that kept it, or remove "
                 f"checkpoints newer than the batches kept"
+            )
+        if damaged:  # their prompts were requeued before the run (`pipeline.run.state`)
+            log.warning(
+                "a batch to train again holds damaged group records: trained without them",
+                step=step,
+                left_out=[str(e.key) for e in damaged],
+                trained=len(batch.groups),
             )
         record: Mapping[str, Any] = records.get(step, {})
         version = record.get("version")
@@ -207,10 +274,14 @@ async def replay_stored_batches(
         kwargs: dict[str, int] = {}
         if takes_split and isinstance(split, int | float):
             kwargs["minibatch_samples"] = int(split)
-        await anyio.to_thread.run_sync(functools.partial(trainer.train_step, batch, **kwargs))
+        if batch.groups:  # a batch with no readable group trains nothing; the next ones still do
+            await anyio.to_thread.run_sync(functools.partial(trainer.train_step, batch, **kwargs))
         if policy.due(step, num_steps) or step == last:
+            coverage = await store.coverage(step) if policy.due(step, num_steps) else None
             saved = await anyio.to_thread.run_sync(
-                functools.partial(save_step, trainer, policy, step, num_steps, distributed=distributed)
+                functools.partial(
+                    save_step, trainer, policy, step, num_steps, distributed=distributed, coverage=coverage
+                )
             )
             if saved.checkpoint:
                 prune_checkpoints(policy, step + 1)
@@ -277,12 +348,18 @@ class StepSaver:
         newest = [v for v in checkpoint_versions(policy.dir, policy.publish_dir) if v <= first_step]
         return cls(policy, weights_dir, num_steps, max(newest, default=0) - 1, transfer is not None, served)
 
-    def save(self, trainer: Trainer, step: int) -> StepSave:
-        """Blocking: run it off the event loop."""
+    def due(self, step: int) -> bool:
+        """Whether step `step` saves a full checkpoint (which records what it covers)."""
+        return self.policy is None or self.policy.due(step, self.num_steps)
+
+    def save(self, trainer: Trainer, step: int, coverage: Coverage | None = None) -> StepSave:
+        """Blocking: run it off the event loop. `coverage`: what a checkpoint records it covers."""
         if self.policy is None:
             folder = trainer.save_weights(self.weights_dir / f"v{step + 1}")
+            if coverage is not None:
+                write_coverage(folder, coverage)
             return StepSave(folder, True, folder_bytes(folder))
-        saved = save_step(trainer, self.policy, step, self.num_steps, distributed=self.distributed)
+        saved = save_step(trainer, self.policy, step, self.num_steps, distributed=self.distributed, coverage=coverage)
         if saved.checkpoint:
             self.checkpoint_step = step
         return saved

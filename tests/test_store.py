@@ -1224,8 +1224,10 @@ def test_the_transition_table_refuses_what_the_state_machine_lacks() -> None:
     transitions.check_move("g", PARTIAL, GroupState.QUARANTINED)
     with pytest.raises(StoreError, match="'g' cannot move from trained to ready: no such transition"):
         transitions.check_move("g", TRAINED, READY)
-    with pytest.raises(StoreError, match="from absent to trained"):
-        transitions.check_move("g", None, TRAINED)
+    with pytest.raises(StoreError, match="from absent to batched"):
+        transitions.check_move("g", None, BATCHED)
+    # Only `seed` makes a group TRAINED without training it: a salvaged batch to train again.
+    assert transitions.TRANSITIONS[(None, TRAINED)] is transitions.Move.SEED
     with pytest.raises(StoreError, match="from trained to quarantined"):  # trained is final: never taken back
         transitions.check_move("g", TRAINED, GroupState.QUARANTINED)
 
