@@ -203,13 +203,13 @@ def test_a_damaged_newest_meta_page_right_after_the_final_checkpoint_resumes_fro
         fh.write(b"\xa5" * 200)
     assert salvage_store(run_copy / "rollout_data").trained_step == 1  # the commit before the last
     capsys.readouterr()
-    assert run(run_copy, steps=5) == 0
+    assert run(run_copy, steps=4) == 0
     text = "".join(capsys.readouterr())
     assert "base model" not in text and "resuming from the newest checkpoint, checkpoint v3" in text, text
     with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
-        assert store.trained_step() == 4
-        trained = _prompts(g.group_id for step in (3, 4) for g in store.batch(step).groups)
-    assert len(trained) == 4 and not trained & covered
+        assert store.trained_step() == 3
+        trained = _prompts(g.group_id for g in store.batch(3).groups)
+    assert len(trained) == 2 and not trained & covered
 
 
 def test_a_damaged_record_of_a_trained_group_is_named_once_on_resume(run_copy, capsys):
@@ -339,9 +339,6 @@ def test_a_damaged_group_in_a_batch_to_train_again_is_left_out_and_its_prompt_ge
     assert not open_ - _prompts(again) - _prompts(held)
     state = json.loads((after_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
     assert state["trainer_steps"] == 5  # steps 2 and 3 trained again (step 2 without the victim), then 4
-    capsys.readouterr()
-    assert run(after_copy, steps=5, extra=AFTER) == 0  # nothing left to say
-    assert "prompts generated again" not in "".join(capsys.readouterr())
 
 
 def test_a_damaged_batch_record_to_train_again_moves_the_store_aside_and_the_rest_is_trained_again(after_copy, capsys):

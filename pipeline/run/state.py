@@ -348,11 +348,12 @@ def _open_lmdb(
             raise
     else:
         try:
-            _requeue_damaged(store, fresh)
             first_replayed = _first_replayed_step(store, policy)
-            _name_damaged_trained(store, first_replayed)
-            reason = _requeue_unreplayable(store, first_replayed, fresh, regenerated)
+            unreplayable, reason = _unreplayable(store, first_replayed)
             if reason is None:
+                _requeue_damaged(store, fresh)
+                _name_damaged_trained(store, first_replayed)
+                _requeue_unreplayable(store, unreplayable, fresh, regenerated)
                 _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
                 return store
         except BaseException:
@@ -419,32 +420,33 @@ def _name_damaged_trained(store: Store, first_replayed: int) -> None:
     store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
 
 
-def _requeue_unreplayable(
-    store: Store, first: int, fresh: Callable[[str], Group | None], regenerated: list[dict[str, Any]]
-) -> str | None:
-    """The batches of steps `first`.. are trained again before new work; a group of theirs whose
-    record is damaged cannot be, and the checkpoint does not cover its prompt: the replay leaves
-    it out (`pipeline.checkpoints`) and its prompt is generated again, once, named. Returns why
-    the store must be moved aside instead (a batch record itself is damaged: which prompts the
-    step trained is then known only from a salvage), else None."""
+def _unreplayable(store: Store, first: int) -> tuple[dict[str, int], str | None]:
+    """The batches of steps `first`.. are trained again before new work: the groups of theirs
+    whose records are damaged (id -> step), and why the store must be moved aside instead (a
+    batch record itself is damaged: which prompts its step trained is then known only from a
+    salvage), else None. Reads only."""
     damaged: dict[str, int] = {}
     for step in range(first, store.trained_step() + 1):
         errors: list[CorruptRecordError] = []
         try:
             store.batch(step, damaged=errors)  # None for a collected step: `_resume_point` says so
         except StoreError as exc:
-            return f"the batch record of step {step}, to be trained again, is damaged: {exc}"
+            return {}, f"the batch record of step {step}, to be trained again, is damaged: {exc}"
         damaged |= dict.fromkeys((_damaged_group(e) for e in errors), step)
+    return damaged, None
+
+
+def _requeue_unreplayable(
+    store: Store, damaged: dict[str, int], fresh: Callable[[str], Group | None], regenerated: list[dict[str, Any]]
+) -> None:
+    """Groups of the batches trained again whose records are damaged (id -> step) cannot be
+    trained again, and the checkpoint does not cover their prompts: the replay leaves them out
+    (`pipeline.checkpoints`) and their prompts are generated again, once each, named."""
     if not damaged:
-        return None
+        return
     requeued = store.requeue_trained(list(damaged), fresh)
     if requeued:  # said once: a later resume finds them requeued already
-        _say_regenerated(
-            {_REPLAY_DAMAGED: requeued},
-            regenerated,
-            steps=sorted(set(damaged.values())),
-        )
-    return None
+        _say_regenerated({_REPLAY_DAMAGED: requeued}, regenerated, steps=sorted(set(damaged.values())))
 
 
 _REPLAY_DAMAGED = "its group's record is damaged, in a batch trained after the newest checkpoint"
