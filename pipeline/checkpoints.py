@@ -132,7 +132,10 @@ def save_step(
 
 def write_coverage(folder: Path, coverage: Coverage) -> None:
     """`covers.json` in the checkpoint `folder`, written whole or not at all (a kill in between
-    leaves a checkpoint without it, which a resume treats as one of an older version)."""
+    leaves a checkpoint without it, which a resume treats as one of an older version). A trainer
+    of the user's whose save leaves no folder here has nothing to record it in."""
+    if not folder.is_dir():
+        return
     c = coverage.cursor
     record = {
         "format": _COVERAGE_FORMAT,
