@@ -11,6 +11,13 @@ Two kinds of folder, two purposes:
   `--update-weight-transport distributed`), and deleted once every live engine serves a later
   version (the next publish succeeded). At a checkpoint step the checkpoint itself is published.
 
+A checkpoint also records what it covers (`covers.json`: its step, the dataset cursor, and the
+groups below the cursor its steps did not settle; `Store.coverage`), so that a resume whose store
+is lost or damaged knows which prompts the weights already learned from, and which to generate
+again (`pipeline.run.reconcile`). A checkpoint written before that record existed (or by a save
+killed between the weights and the record) has none; the resume then reconciles from what the
+store still holds.
+
 Exactly once, relative to the checkpoint: the store keeps each trained batch (its groups, in order,
 with their samples, behaviour log-probs and versions) and its metrics record (the version it was
 trained against and its minibatch split) until a checkpoint covers its step. A resume loads the
@@ -22,6 +29,9 @@ replayed step runs with the trainer settings it first ran with (learning rate, l
 clips, micro-batches: `trainers.step_settings`, through `use_settings`), and the new steps with
 today's. What is fixed when the trainer is built (device, dtype, ranks, `--ref-load`, R3) cannot
 change between steps: a replayed step that first ran with another value is said in a warning.
+A group of such a batch whose record is damaged is left out of the batch (its prompt is generated
+again, named, by the launcher before the replay: `pipeline.run.state`); a batch left with no
+readable group trains nothing, and the steps after it are trained again all the same.
 """
 
 from __future__ import annotations
@@ -38,15 +48,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import orjson
 import structlog
 
 from core.clock import VersionClock
-from core.errors import ConfigError, StoreError
+from core.errors import ConfigError, CorruptRecordError, StoreError
 from pipeline.plan import RolloutPlan, Trainer
 from pipeline.settings_history import changes_after, settings_at
 from pipeline.trainer_settings import FIXED_WHEN_BUILT, replayed_settings, step_settings
 from stages.publisher import WeightTarget, WeightTransfer, publish_weights
-from storage import AsyncStore
+from storage import AsyncStore, Coverage, Cursor
 
 if TYPE_CHECKING:
     from trainers.step_settings import StepSettings
@@ -58,10 +69,12 @@ __all__ = [
     "checkpoint_versions",
     "folder_bytes",
     "prune_checkpoints",
+    "read_coverage",
     "remove_folder",
     "replay_stored_batches",
     "replay_then_publish",
     "save_step",
+    "write_coverage",
 ]
 
 log = structlog.get_logger("pipeline")
@@ -69,6 +82,8 @@ log = structlog.get_logger("pipeline")
 CHECKPOINTS_DIR = "checkpoints"
 PUBLISH_DIR = "weights"
 _OPTIMIZER_DIR = "optimizer"  # trainers.checkpoint.OPTIMIZER_DIR; both backends write it
+COVERAGE_FILE = "covers.json"  # in a checkpoint folder: what its steps settled (`Store.coverage`)
+_COVERAGE_FORMAT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +115,22 @@ class StepSave:
     bytes_written: int
 
 
-def save_step(trainer: Trainer, policy: CheckpointPolicy, step: int, num_steps: int, *, distributed: bool) -> StepSave:
-    """Save what step `step` must leave behind (blocking: run it off the event loop)."""
+def save_step(
+    trainer: Trainer,
+    policy: CheckpointPolicy,
+    step: int,
+    num_steps: int,
+    *,
+    distributed: bool,
+    coverage: Coverage | None = None,
+) -> StepSave:
+    """Save what step `step` must leave behind (blocking: run it off the event loop). A checkpoint
+    gets `coverage` (what steps 0..`step` settled) beside its weights."""
     version = step + 1
     if policy.due(step, num_steps):
         folder = trainer.save_weights(policy.dir / f"v{version}")
+        if coverage is not None:
+            write_coverage(folder, coverage)
         return StepSave(folder, True, folder_bytes(folder))
     target = policy.publish_dir / f"v{version}"
     if distributed:  # the weights travel over torch.distributed: nothing to write
@@ -112,6 +138,42 @@ def save_step(trainer: Trainer, policy: CheckpointPolicy, step: int, num_steps: 
     save_model: Callable[[Path], Path] = getattr(trainer, "save_model", None) or trainer.save_weights
     folder = save_model(target)
     return StepSave(folder, False, folder_bytes(folder))
+
+
+def write_coverage(folder: Path, coverage: Coverage) -> None:
+    """`covers.json` in the checkpoint `folder`, written whole or not at all (a kill in between
+    leaves a checkpoint without it, which a resume treats as one of an older version). A trainer
+    of the user's whose save leaves no folder here has nothing to record it in."""
+    if not folder.is_dir():
+        return
+    c = coverage.cursor
+    record = {
+        "format": _COVERAGE_FORMAT,
+        "step": coverage.step,
+        "cursor": {"epoch": c.epoch, "index": c.index, "next_seq": c.next_seq},
+        "unsettled": list(coverage.unsettled),
+    }
+    tmp = folder / f".{COVERAGE_FILE}.tmp"
+    tmp.write_bytes(orjson.dumps(record))
+    os.replace(tmp, folder / COVERAGE_FILE)
+
+
+def read_coverage(folder: Path) -> Coverage | None:
+    """What the checkpoint `folder` covers, or None when it has no record (written before the
+    record existed). A record that does not decode is a CorruptRecordError naming the file."""
+    path = folder / COVERAGE_FILE
+    if not path.exists():
+        return None
+    try:
+        record = orjson.loads(path.read_bytes())
+        if record.get("format") != _COVERAGE_FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, expected {_COVERAGE_FORMAT}")
+        c = record["cursor"]
+        cursor = Cursor(int(c["epoch"]), int(c["index"]), int(c["next_seq"]))
+        unsettled = tuple(str(gid) for gid in record["unsettled"])
+        return Coverage(int(record["step"]), cursor, unsettled)
+    except (OSError, orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecordError(str(path), f"the checkpoint's coverage record does not decode: {exc}") from exc
 
 
 def folder_bytes(folder: Path) -> int:
@@ -211,12 +273,20 @@ async def replay_stored_batches(
     for step in range(first, last + 1):
         if settings is not None:
             await settings.use(step)
-        batch = await store.batch(step)
+        damaged: list[CorruptRecordError] = []
+        batch = await store.batch(step, damaged=damaged)
         if batch is None:
             raise StoreError(
                 f"step {step} was trained after the last checkpoint (v{first}), but the store no longer "
                 f"holds its batch to train it again; resume from a store that kept it, or remove "
                 f"checkpoints newer than the batches kept"
+            )
+        if damaged:  # their prompts were requeued before the run (`pipeline.run.state`)
+            log.warning(
+                "a batch to train again holds damaged group records: trained without them",
+                step=step,
+                left_out=[str(e.key) for e in damaged],
+                trained=len(batch.groups),
             )
         record: Mapping[str, Any] = records.get(step, {})
         version = record.get("version")
@@ -225,10 +295,14 @@ async def replay_stored_batches(
         kwargs: dict[str, int] = {}
         if takes_split and isinstance(split, int | float):
             kwargs["minibatch_samples"] = int(split)
-        await anyio.to_thread.run_sync(functools.partial(trainer.train_step, batch, **kwargs))
+        if batch.groups:  # a batch with no readable group trains nothing; the next ones still do
+            await anyio.to_thread.run_sync(functools.partial(trainer.train_step, batch, **kwargs))
         if policy.due(step, num_steps) or step == last:
+            coverage = await store.coverage(step) if policy.due(step, num_steps) else None
             saved = await anyio.to_thread.run_sync(
-                functools.partial(save_step, trainer, policy, step, num_steps, distributed=distributed)
+                functools.partial(
+                    save_step, trainer, policy, step, num_steps, distributed=distributed, coverage=coverage
+                )
             )
             if saved.checkpoint:
                 prune_checkpoints(policy, step + 1)
@@ -370,12 +444,18 @@ class StepSaver:
         newest = [v for v in checkpoint_versions(policy.dir, policy.publish_dir) if v <= first_step]
         return cls(policy, weights_dir, num_steps, max(newest, default=0) - 1, transfer is not None, served)
 
-    def save(self, trainer: Trainer, step: int) -> StepSave:
-        """Blocking: run it off the event loop."""
+    def due(self, step: int) -> bool:
+        """Whether step `step` saves a full checkpoint (which records what it covers)."""
+        return self.policy is None or self.policy.due(step, self.num_steps)
+
+    def save(self, trainer: Trainer, step: int, coverage: Coverage | None = None) -> StepSave:
+        """Blocking: run it off the event loop. `coverage`: what a checkpoint records it covers."""
         if self.policy is None:
             folder = trainer.save_weights(self.weights_dir / f"v{step + 1}")
+            if coverage is not None:
+                write_coverage(folder, coverage)
             return StepSave(folder, True, folder_bytes(folder))
-        saved = save_step(trainer, self.policy, step, self.num_steps, distributed=self.distributed)
+        saved = save_step(trainer, self.policy, step, self.num_steps, distributed=self.distributed, coverage=coverage)
         if saved.checkpoint:
             self.checkpoint_step = step
         return saved

@@ -166,7 +166,9 @@ async def _train_one_step(
     with span(rollout.parts.events, "train", step=step):
         train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
         t_save = time.perf_counter()
-        saved = await anyio.to_thread.run_sync(saving.save, trainer, step)
+        # What a checkpoint covers, recorded in it: a resume whose store is lost reconciles from it.
+        coverage = await rollout.store.coverage(step) if saving.due(step) else None
+        saved = await anyio.to_thread.run_sync(saving.save, trainer, step, coverage)
         # Part of perf/train_time: the weights the engines load next (a checkpoint every --save-interval).
         record["perf/save_model_time"] = time.perf_counter() - t_save
     # Which checkpoint a resume starts from after this commit, and what the step wrote to disk.

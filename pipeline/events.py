@@ -10,6 +10,8 @@ seconds since the log was opened (`time.perf_counter` based, so they never go ba
     {"kind": "publish", "version": 5, "start": 2.31, "end": 2.35}
     {"kind": "stop", "step": 4, "start": 1.96, "end": 1.99}     # partial rollout's "enough": abort + drain
     {"kind": "run", "started_at": 1796012345.6}                  # first line of each process's events
+    {"kind": "regenerated", "count": 2, "groups": ["e0000-p000000004.requeued", ...], "why": {...}}
+                                   # prompts a resume generates again after damage to the store
 
 Recording costs one dict and one buffered write per request; `EventLog(None)` keeps the events in
 memory only (benchmarks draw them without touching disk).

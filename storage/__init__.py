@@ -19,6 +19,7 @@ from .memory import MemoryStore
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
+    Coverage,
     Cursor,
     GroupState,
     Lease,
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_OWNER",
     "PROFILES",
     "AsyncStore",
+    "Coverage",
     "Cursor",
     "GroupState",
     "Lease",

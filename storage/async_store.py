@@ -37,13 +37,14 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from core.errors import StoreError
+from core.errors import CorruptRecordError, StoreError
 from core.types import Batch, Group
 
 from .memory import MemoryStore
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
+    Coverage,
     Cursor,
     GroupState,
     Lease,
@@ -395,8 +396,11 @@ class AsyncStore:
         """A snapshot list (an iterator would read the store lazily from the event loop)."""
         return await self._call(lambda: list(self._store.groups(state)))
 
-    async def batch(self, step: int) -> Batch | None:
-        return await self._call(self._store.batch, step)
+    async def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
+        return await self._call(self._store.batch, step, damaged=damaged)
+
+    async def coverage(self, step: int) -> Coverage:
+        return await self._call(self._store.coverage, step)
 
     def statistics(self) -> StoreStatistics:
         """Synchronous: a writing store answers from memory, without a transaction."""

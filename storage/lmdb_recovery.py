@@ -1,5 +1,6 @@
 """An LMDB store's recovery and integrity: `recover` after an unclean stop, `seed` from a salvage,
-damaged groups quarantined and requeued, failed groups requeued, and `verify`.
+`coverage` (what a checkpoint records), damaged groups quarantined and requeued, failed groups
+and trained groups a resume cannot train again requeued, and `verify`.
 
 Every value is sealed (`storage.seal`: layout version + CRC-32 over key and payload) and checked
 on every read. A group whose record fails its checksum is never served: `claim_partial` and
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import lmdb
 
 from core.errors import CorruptRecordError
-from core.types import Group
+from core.types import Batch, Group
 
 from . import codec, keys
 from . import transitions as tr
@@ -21,11 +25,12 @@ from .lmdb_pages import check_data_file, walk_pages
 from .lmdb_transactions import LmdbTransactions
 from .lmdb_txn import Txn
 from .lmdb_verify import verify_records
-from .protocol import Cursor, GroupState, RecoveryReport, VerifyReport
+from .protocol import Coverage, Cursor, GroupState, RecoveryReport, VerifyReport, encode_step_metrics
 
 __all__ = ["Recovery"]
 
 _RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.BATCHED
+_TRAINED, _QUARANTINED = GroupState.TRAINED, GroupState.QUARANTINED
 
 
 class Recovery(LmdbTransactions):
@@ -54,27 +59,64 @@ class Recovery(LmdbTransactions):
         return self._write(fn)
 
     def seed(
-        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+        self,
+        cursor: Cursor,
+        trained_step: int,
+        *,
+        partial: Sequence[Group] = (),
+        ready: Sequence[Group] = (),
+        replay: Sequence[tuple[Batch, Mapping[str, Any] | None]] = (),
     ) -> None:
         records = [(g, _PARTIAL, codec.encode_group(g)) for g in partial]
         records += [(g, _READY, codec.encode_group(g)) for g in ready]
+        records += [(g, _TRAINED, codec.encode_group(g)) for batch, _ in replay for g in batch.groups]
+        batches = [
+            (
+                keys.step_key(batch.step),
+                codec.encode_batch_ref(batch.step, [g.group_id for g in batch.groups]),
+                None if metrics is None else encode_step_metrics(batch.step, metrics),
+            )
+            for batch, metrics in replay
+        ]
         cursor_record = codec.encode_cursor(cursor)
 
         def fn(w: Txn) -> None:
             held = sum(w.counts.values()) + w.txn.stat(self._dbs[keys.TOMBSTONES])["entries"]
-            tr.check_seed(trained_step, held, w.trained_step)
+            tr.check_seed(trained_step, held, w.trained_step, [batch.step for batch, _ in replay])
             for group, state, data in records:
                 gid = group.group_id
                 if not w.put(keys.GROUPS, keys.group_key(gid), data, overwrite=False):
                     raise tr.duplicate_in_admit(gid)
                 w.move(gid, None, state, group.oldest_version, group.seq)
+            for (batch, _), (step_key, ref, metrics) in zip(replay, batches, strict=True):
+                w.put(keys.BATCHES, step_key, ref)
+                if metrics is not None:
+                    w.put(keys.META, keys.step_metrics_key(batch.step), metrics)
             w.put(keys.META, keys.META_CURSOR, cursor_record)
             w.put(keys.META, keys.META_TRAINED_STEP, keys.i64_value(trained_step))
-            w.collected = (0, trained_step)  # the seeded steps have no batches here: nothing to collect
+            # The steps before the seeded batches have no batches here: nothing to collect.
+            w.collected = (0, trained_step - len(replay))
             w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
             w.cursor, w.trained_step = cursor, trained_step
 
         self._write(fn)
+
+    def coverage(self, step: int) -> Coverage:
+        def fn(txn: lmdb.Transaction) -> Coverage:
+            w = self._txn(txn)
+            unsettled = [gid for state in (_RUNNING, _PARTIAL, _READY) for gid in w.ids_in_state(state)]
+            # A quarantined group's prompt is settled once requeued (the new group says the rest).
+            unsettled += [gid for gid in w.ids_in_state(_QUARANTINED) if w.state_of(tr.requeue_id(gid)) is None]
+            # The batches of later steps (trained, or taken): BATCHED groups of `step` are settled.
+            later = w.txn.cursor(db=self._dbs[keys.BATCHES])
+            if later.set_range(keys.step_key(step + 1)):
+                for step_key, raw in later.iternext(keys=True, values=True):
+                    payload = w.unseal(keys.BATCHES, bytes(step_key), bytes(raw))
+                    unsettled += codec.decode_batch_ref(payload, key=keys.describe(keys.BATCHES, bytes(step_key)))[1]
+            # The cursor of this same transaction (a writer's own copy may be a group commit ahead).
+            return Coverage(step, self._load_counters(txn)[1], tuple(unsettled))
+
+        return self._read(fn)
 
     def quarantine_damaged(self) -> int:
         """Every group that can still be served (RUNNING, PARTIAL, READY, BATCHED) read and checked;
@@ -97,15 +139,23 @@ class Recovery(LmdbTransactions):
         return self._write(fn)
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
-        return self._requeue(GroupState.QUARANTINED, fresh)
+        return len(self._requeue(lambda w: w.ids_in_state(_QUARANTINED), fresh))
 
     def requeue_failed(self, fresh: Callable[[str], Group | None]) -> int:
-        return self._requeue(GroupState.FAILED, fresh)
+        return len(self._requeue(lambda w: w.ids_in_state(GroupState.FAILED), fresh))
 
-    def _requeue(self, state: GroupState, fresh: Callable[[str], Group | None]) -> int:
-        def fn(w: Txn) -> int:
-            requeued = 0
-            for gid in w.ids_in_state(state):
+    def requeue_trained(self, group_ids: Sequence[str], fresh: Callable[[str], Group | None]) -> list[str]:
+        def trained(w: Txn) -> list[str]:
+            for gid in group_ids:
+                w.expect(gid, _TRAINED)
+            return list(group_ids)
+
+        return self._requeue(trained, fresh)
+
+    def _requeue(self, ids: Callable[[Txn], Iterable[str]], fresh: Callable[[str], Group | None]) -> list[str]:
+        def fn(w: Txn) -> list[str]:
+            requeued = []
+            for gid in ids(w):
                 new_id = tr.requeue_id(gid)
                 key = keys.group_key(new_id)
                 if w.state_of(new_id) is not None or w.get(keys.TOMBSTONES, key) is not None:
@@ -115,7 +165,7 @@ class Recovery(LmdbTransactions):
                 group = dataclasses.replace(group, group_id=new_id)
                 w.put(keys.GROUPS, key, codec.encode_group(group))
                 w.move(new_id, None, _PARTIAL, group.oldest_version, group.seq)
-                requeued += 1
+                requeued.append(new_id)
             return requeued
 
         return self._write(fn)

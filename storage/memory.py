@@ -28,6 +28,7 @@ from .codec import meta_difference
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
+    Coverage,
     Cursor,
     GroupState,
     Lease,
@@ -304,20 +305,43 @@ class MemoryStore(PutMoves):
         return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
 
     def seed(
-        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+        self,
+        cursor: Cursor,
+        trained_step: int,
+        *,
+        partial: Sequence[Group] = (),
+        ready: Sequence[Group] = (),
+        replay: Sequence[tuple[Batch, Mapping[str, Any] | None]] = (),
     ) -> None:
         self._check_open()
-        tr.check_seed(trained_step, len(self._groups) + len(self._tombstones), self._trained_step)
-        ids = [g.group_id for g in (*partial, *ready)]
+        held = len(self._groups) + len(self._tombstones)
+        tr.check_seed(trained_step, held, self._trained_step, [batch.step for batch, _ in replay])
+        trained = [g for batch, _ in replay for g in batch.groups]
+        ids = [g.group_id for g in (*partial, *ready, *trained)]
         if len(set(ids)) != len(ids):
             raise tr.duplicate_in_admit(next(i for i in ids if ids.count(i) > 1))
+        records = {b.step: encode_step_metrics(b.step, m) for b, m in replay if m is not None}  # may refuse: first
         for group in partial:
             self._set(group, _PARTIAL)
         for group in ready:
             self._set(group, _READY)
+        for group in trained:
+            self._set(group, GroupState.TRAINED)
+        for batch, _ in replay:
+            self._batches[batch.step] = tuple(g.group_id for g in batch.groups)
+        self._step_metrics.update(records)
         self._cursor = cursor
-        self._trained_step = self._collected_step = trained_step
+        self._trained_step = trained_step
+        self._collected_step = trained_step - len(replay)
         self._transactions += 1
+
+    def coverage(self, step: int) -> Coverage:
+        self._check_open()
+        unsettled = [gid for state in (_RUNNING, _PARTIAL, _READY) for gid in self._members[state]]
+        quarantined = self._members[GroupState.QUARANTINED]
+        unsettled += [gid for gid in quarantined if tr.requeue_id(gid) not in self._groups]
+        unsettled += [gid for s, ids in sorted(self._batches.items()) if s > step for gid in ids]
+        return Coverage(step, self._cursor, tuple(unsettled))
 
     def quarantine_damaged(self) -> int:
         """Nothing in memory is ever damaged."""
@@ -326,20 +350,29 @@ class MemoryStore(PutMoves):
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         """Nothing is ever damaged in memory, but a QUARANTINED group is served the same way."""
-        return self._requeue(GroupState.QUARANTINED, fresh)
+        return len(self._requeue(list(self._members[GroupState.QUARANTINED]), fresh))
 
     def requeue_failed(self, fresh: Callable[[str], Group | None]) -> int:
-        return self._requeue(GroupState.FAILED, fresh)
+        return len(self._requeue(list(self._members[GroupState.FAILED]), fresh))
 
-    def _requeue(self, state: GroupState, fresh: Callable[[str], Group | None]) -> int:
+    def requeue_trained(self, group_ids: Sequence[str], fresh: Callable[[str], Group | None]) -> list[str]:
         self._check_open()
-        requeued = 0
-        for gid in list(self._members[state]):
+        for gid in group_ids:
+            entry = self._groups.get(gid)
+            if entry is None or entry[0] is not GroupState.TRAINED:
+                found = "missing" if entry is None else entry[0].value
+                raise StoreError(f"group {gid!r} is indexed as trained but its state is {found}")
+        return self._requeue(list(group_ids), fresh)
+
+    def _requeue(self, ids: Sequence[str], fresh: Callable[[str], Group | None]) -> list[str]:
+        self._check_open()
+        requeued = []
+        for gid in ids:
             new_id = tr.requeue_id(gid)
             if new_id in self._groups or new_id in self._tombstones or (group := fresh(gid)) is None:
                 continue
             self._set(dataclasses.replace(group, group_id=new_id), _PARTIAL)
-            requeued += 1
+            requeued.append(new_id)
         self._transactions += 1
         return requeued
 

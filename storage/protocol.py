@@ -57,6 +57,7 @@ from core.types import Batch, Group
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_OWNER",
+    "Coverage",
     "Cursor",
     "GroupState",
     "Lease",
@@ -93,6 +94,20 @@ class Cursor:
     epoch: int = 0
     index: int = 0
     next_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """What training steps 0..`step` settled, as a checkpoint of `step` records it (`Store.coverage`).
+
+    Every group below `cursor` is settled (trained in a step up to `step`, rejected by the filter,
+    failed) except those named in `unsettled`: running, partial, ready, batched or trained for a
+    later step, or quarantined with its prompt not requeued yet. Only the ids of the unsettled
+    groups are kept, so the record stays as small as the work in flight."""
+
+    step: int
+    cursor: Cursor
+    unsettled: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,11 +308,26 @@ class Store(Protocol):
         ...
 
     def seed(
-        self, cursor: Cursor, trained_step: int, *, partial: Sequence[Group] = (), ready: Sequence[Group] = ()
+        self,
+        cursor: Cursor,
+        trained_step: int,
+        *,
+        partial: Sequence[Group] = (),
+        ready: Sequence[Group] = (),
+        replay: Sequence[tuple[Batch, Mapping[str, Any] | None]] = (),
     ) -> None:
         """Start an empty store where another one left off (a damaged store's salvage): the cursor,
-        the last trained step (steps up to it count as trained and collected), and groups that
-        enter PARTIAL or READY. One transaction. Raises StoreError on a store that is not empty."""
+        the last trained step, and groups that enter PARTIAL or READY. `replay` holds the batches
+        of the last trained steps (consecutive, ending at `trained_step`), each with its metrics
+        record: their groups enter TRAINED, as `finish_batch` left them, so that a resume trains
+        them again; the steps before them count as trained and collected. One transaction.
+        Raises StoreError on a store that is not empty."""
+        ...
+
+    def coverage(self, step: int) -> Coverage:
+        """What steps 0..`step` settled (`Coverage`), read in one transaction: what a checkpoint of
+        `step` records, so that a resume from it after the store is lost knows which prompts the
+        checkpoint covers. Call it between `take_batch(step)` and the next step's batch."""
         ...
 
     def quarantine_damaged(self) -> int:
@@ -315,6 +345,13 @@ class Store(Protocol):
         """As `requeue_quarantined`, for FAILED groups (`--requeue-failed-groups` on resume, once
         the cause is fixed): each enters PARTIAL again, once, under `transitions.requeue_id`; the
         failed group stays, counted and visible. Returns how many were requeued."""
+        ...
+
+    def requeue_trained(self, group_ids: Sequence[str], fresh: Callable[[str], Group | None]) -> list[str]:
+        """The prompts of TRAINED groups whose training a resume cannot repeat (their records are
+        damaged and the checkpoint it resumes from is older than their step): for each not
+        requeued yet, `fresh(group_id)` enters PARTIAL under `transitions.requeue_id`, once. The
+        trained group stays as it is. Returns the new ids requeued now (empty when done before)."""
         ...
 
     def count(self, state: GroupState) -> int: ...

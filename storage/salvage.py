@@ -3,8 +3,10 @@
 `salvage_store(path)` opens a store that `LmdbStore` refused (a damaged meta page, a record that
 fails its checksum, counters that disagree) read-only and without LMDB's lock file, so the folder's
 bytes stay exactly as they were, and reads each thing on its own: a damaged cursor does not cost
-the trained step, a damaged group does not cost the others. The result seeds a fresh store
-(`Store.seed`); `problems` says what was lost and why.
+the trained step, a damaged group does not cost the others, a damaged groups tree does not cost
+the batch records. The result seeds a fresh store (`Store.seed`); `problems` says what was lost
+and why. What to make of it (which steps to train again, which prompts to generate again) is the
+launcher's decision (`pipeline.run.reconcile`), which also knows what the checkpoint covers.
 
 A damaged meta page is repaired in a temporary copy, never in place: LMDB keeps two meta pages and
 writes them in turn, and the pages of the older commit stay intact until the commit after next, so
@@ -18,9 +20,10 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import lmdb
 
@@ -35,7 +38,7 @@ from core.types import Group
 from . import codec, keys
 from .lmdb_pages import check_data_file, meta_page_size, walk_pages
 from .migrate import Databases, parse_layout
-from .protocol import Cursor, GroupState
+from .protocol import Cursor, GroupState, decode_step_metrics
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT, unseal
 
 __all__ = ["Salvage", "salvage_store", "unreadable_reason"]
@@ -54,21 +57,33 @@ class Salvage:
     partial: tuple[Group, ...] = ()  # readable unfinished groups (RUNNING and PARTIAL), prefixes kept
     ready: tuple[Group, ...] = ()  # readable finished, untrained groups (READY, and BATCHED of open steps)
     damaged: tuple[str, ...] = ()  # ids of unfinished groups whose records are damaged: their prompts go again
-    # The groups or their states could not be read, so which prompts below the cursor were
-    # unfinished is unknown. `trained_ids` then holds the groups the batch records of steps
-    # 0..trained_step name (the prompts trained for sure), or None where those records are gone
-    # too (`trained_unknown` says why): the launcher decides what to do with the rest.
+    # The state index could not be read: nothing above says which groups were unfinished, and
+    # the fields below that come from the states are empty.
     groups_lost: bool = False
-    trained_ids: frozenset[str] | None = None
-    trained_unknown: str = ""
+    settled: frozenset[str] = frozenset()  # REJECTED and FAILED groups: nothing to train or generate again
+    quarantined: frozenset[str] = frozenset()  # QUARANTINED groups (their prompts were requeued, or are due)
+    trained_ids: frozenset[str] | None = None  # TRAINED groups; None when the states are unreadable
+    # The batch records, by step: the ids each step trained (or an open step took). None when the
+    # batches tree is damaged; `unreadable_steps` are the records that fail their checksum.
+    batches: Mapping[int, tuple[str, ...]] | None = None
+    unreadable_steps: tuple[int, ...] = ()
+    collected_step: int | None = -1  # batches of steps up to it were garbage collected; None: unreadable
+    # For the steps after `salvage_store`'s `replay_after` (a checkpoint's step) up to the trained
+    # step: each batch's readable groups, in order, and its metrics record, to train them again;
+    # `replay_damaged` names the groups of those batches whose records cannot be read.
+    replay: Mapping[int, tuple[Group, ...]] = field(default_factory=dict)
+    replay_metrics: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    replay_damaged: tuple[str, ...] = ()
 
 
-def salvage_store(path: str | os.PathLike[str]) -> Salvage:
-    """Everything readable from the store at `path`, each record read on its own."""
+def salvage_store(path: str | os.PathLike[str], *, replay_after: int | None = None) -> Salvage:
+    """Everything readable from the store at `path`, each record read on its own. With
+    `replay_after` (the step of the checkpoint a resume loads), the groups and metrics records of
+    the batches of the steps after it are read too (`Salvage.replay`)."""
     path = os.fspath(path)
     try:
         with _readable_copy(path) as (where, repaired):
-            salvage = _read_env(where)
+            salvage = _read_env(where, replay_after)
     except (lmdb.Error, OSError, StoreError) as exc:
         return Salvage(None, None, (f"{path} does not open: {exc}",))
     if repaired:
@@ -122,7 +137,7 @@ def _readable_copy(path: str) -> Iterator[tuple[str, str]]:
         yield tmp, f"meta page {bad} is damaged ({'; '.join(problems)})"
 
 
-def _read_env(path: str) -> Salvage:
+def _read_env(path: str, replay_after: int | None) -> Salvage:
     # LMDB must never walk a damaged tree (a damaged node sends it reading past its page): the
     # trees are walked in Python first, and a damaged one is not read at all.
     data = os.path.join(path, "data.mdb")
@@ -137,14 +152,14 @@ def _read_env(path: str) -> Salvage:
     try:
         with env.begin() as txn:
             dbs = {name: env.open_db(name, txn=txn, create=False) for name in keys.DATABASES}
-            salvage = _read(txn, dbs, lost={name.encode() for name in damaged})
+            salvage = _read(txn, dbs, lost={name.encode() for name in damaged}, replay_after=replay_after)
     finally:
         env.close()
     lost = tuple(f"the {tree} tree is damaged and was not read: {why}" for tree, why in damaged.items())
     return dataclasses.replace(salvage, problems=(*lost, *salvage.problems))
 
 
-def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage:
+def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes], replay_after: int | None) -> Salvage:
     meta = dbs[keys.META]
     raw_layout = txn.get(keys.META_LAYOUT, db=meta)
     layout = (
@@ -179,52 +194,77 @@ def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes]) -> Salvage
     except (StoreError, lmdb.Error) as exc:
         trained = None
         problems.append(f"trained step: {exc}")
-    if cursor is None:
-        problems.append("no group is carried over: with the cursor unknown, the dataset starts again")
-        return Salvage(cursor, trained, tuple(problems))
-    if lost & {keys.STATE, keys.GROUPS}:
-        problems.append("no group is carried over: the groups or their states cannot be read")
-        trained_ids, unknown = _trained_ids(txn, dbs, read, trained, lost)
-        return Salvage(
-            cursor, trained, tuple(problems), groups_lost=True, trained_ids=trained_ids, trained_unknown=unknown
-        )
-    partial, ready, damaged = _groups(txn, dbs, read, problems, sealed=sealed)
-    return Salvage(cursor, trained, tuple(problems), tuple(partial), tuple(ready), tuple(damaged))
-
-
-def _trained_ids(
-    txn: lmdb.Transaction,
-    dbs: Databases,
-    read: Callable[[bytes, bytes], bytes | None],
-    trained: int | None,
-    lost: set[bytes],
-) -> tuple[frozenset[str] | None, str]:
-    """The groups the batch records of steps 0..`trained` name, or (None, why not)."""
-    if trained is None:
-        return None, "the last trained step is unreadable"
-    if keys.BATCHES in lost:
-        return None, "the batches tree is damaged too"
+    collected: int | None = -1
     try:
-        raw = read(keys.META, keys.META_COLLECTED)
-        collected = -1 if raw is None else keys.parse_collected(raw)[1]  # batches 0..collected are gone
+        if (raw := read(keys.META, keys.META_COLLECTED)) is not None:
+            collected = keys.parse_collected(raw)[1]
     except (StoreError, lmdb.Error) as exc:
-        return None, f"the garbage collection record is unreadable ({exc})"
-    if collected >= 0:
-        return None, (
-            f"the batch records of steps 0..{collected} are not in this store (garbage collected, or in a store "
-            "moved aside before)"
-        )
-    ids: set[str] = set()
-    for step in range(trained + 1):
-        key = keys.step_key(step)
+        collected = None
+        problems.append(f"garbage collection record: {exc}")
+    batches, unreadable = _batches(txn, dbs, read, problems) if keys.BATCHES not in lost else (None, ())
+    salvage = Salvage(cursor, trained, (), batches=batches, unreadable_steps=unreadable, collected_step=collected)
+    if keys.STATE in lost:
+        problems.append("no group's state is known: the state index cannot be read")
+        salvage = dataclasses.replace(salvage, groups_lost=True)
+    else:
+        records_lost = keys.GROUPS in lost
+        salvage = _groups(txn, dbs, read, problems, salvage, sealed=sealed, records_lost=records_lost)
+    if replay_after is not None and trained is not None and batches is not None and keys.GROUPS not in lost:
+        salvage = _replay(read, problems, salvage, range(replay_after + 1, trained + 1))
+    return dataclasses.replace(salvage, problems=tuple(problems))
+
+
+def _batches(
+    txn: lmdb.Transaction, dbs: Databases, read: Callable[[bytes, bytes], bytes | None], problems: list[str]
+) -> tuple[dict[int, tuple[str, ...]], tuple[int, ...]]:
+    """Every readable batch record (ids only), and the steps whose records are damaged."""
+    found: dict[int, tuple[str, ...]] = {}
+    unreadable: list[int] = []
+    try:
+        for key in txn.cursor(db=dbs[keys.BATCHES]).iternext(keys=True, values=False):
+            step = keys.parse_step_key(bytes(key))
+            try:
+                raw = read(keys.BATCHES, bytes(key))
+                assert raw is not None  # the key was just listed
+                found[step] = tuple(codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, bytes(key)))[1])
+            except StoreError as exc:
+                problems.append(f"the batch of step {step}: {exc}")
+                unreadable.append(step)
+    except (StoreError, lmdb.Error) as exc:  # a damaged page ends the walk: keep what came before it
+        problems.append(f"the batch records are damaged after {len(found)} steps: {exc}")
+    return found, tuple(unreadable)
+
+
+def _replay(
+    read: Callable[[bytes, bytes], bytes | None], problems: list[str], salvage: Salvage, steps: range
+) -> Salvage:
+    """The readable groups and the metrics record of each batch of `steps`, to train them again."""
+    assert salvage.batches is not None
+    replay: dict[int, tuple[Group, ...]] = {}
+    records: dict[int, Mapping[str, Any]] = {}
+    damaged: list[str] = []
+    for step in steps:
+        if step not in salvage.batches:
+            continue
+        groups = []
+        for gid in salvage.batches[step]:
+            key = keys.group_key(gid)
+            try:
+                raw = read(keys.GROUPS, key)
+                if raw is None:
+                    raise StoreError(f"group {gid!r} is in the batch of step {step} but has no record")
+                groups.append(codec.decode_group(raw, key=keys.describe(keys.GROUPS, key)))
+            except (StoreError, lmdb.Error) as exc:
+                problems.append(f"group {gid} (trained at step {step}): {exc}")
+                damaged.append(gid)
+        replay[step] = tuple(groups)
+        key = keys.step_metrics_key(step)
         try:
-            raw = read(keys.BATCHES, key)
-            if raw is None:
-                return None, f"the batch record of step {step} is missing"
-            ids.update(codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, key))[1])
-        except (StoreError, lmdb.Error) as exc:
-            return None, f"the batch record of step {step} is unreadable ({exc})"
-    return frozenset(ids), ""
+            if (raw := read(keys.META, key)) is not None:
+                records[step] = decode_step_metrics(raw, key=keys.describe(keys.META, key))
+        except (StoreError, lmdb.Error) as exc:  # trained again with today's split and its step's version
+            problems.append(f"the metrics record of step {step}: {exc}")
+    return dataclasses.replace(salvage, replay=replay, replay_metrics=records, replay_damaged=tuple(damaged))
 
 
 def _groups(
@@ -232,10 +272,13 @@ def _groups(
     dbs: Databases,
     read: Callable[[bytes, bytes], bytes | None],
     problems: list[str],
+    salvage: Salvage,
     *,
     sealed: bool,
-) -> tuple[list[Group], list[Group], list[str]]:
-    """The unfinished groups, each read on its own; a damaged one is named in `damaged`."""
+    records_lost: bool,
+) -> Salvage:
+    """Every group's state, and the unfinished groups, each read on its own; a damaged one (every
+    one, when the groups tree is damaged: `records_lost`) is named in `damaged`."""
     entries: list[tuple[str, GroupState]] = []
     try:
         for key, value in txn.cursor(db=dbs[keys.STATE]).iternext(keys=True, values=True):
@@ -252,10 +295,15 @@ def _groups(
     partial: list[Group] = []
     ready: list[Group] = []
     damaged: list[str] = []
+    by_state: dict[GroupState, set[str]] = {state: set() for state in GroupState}
     for gid, state in entries:
+        by_state[state].add(gid)
         if state not in _UNFINISHED_TO_PARTIAL | _UNFINISHED_TO_READY:
             continue  # trained, rejected, failed, quarantined: nothing to serve again
         key = keys.group_key(gid)
+        if records_lost:
+            damaged.append(gid)
+            continue
         try:
             raw = read(keys.GROUPS, key)
             if raw is None:
@@ -266,4 +314,12 @@ def _groups(
             damaged.append(gid)
             continue
         (partial if state in _UNFINISHED_TO_PARTIAL else ready).append(group)
-    return partial, ready, damaged
+    return dataclasses.replace(
+        salvage,
+        partial=tuple(partial),
+        ready=tuple(ready),
+        damaged=tuple(damaged),
+        settled=frozenset(by_state[GroupState.REJECTED] | by_state[GroupState.FAILED]),
+        quarantined=frozenset(by_state[GroupState.QUARANTINED]),
+        trained_ids=frozenset(by_state[GroupState.TRAINED]),
+    )

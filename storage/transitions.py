@@ -6,8 +6,11 @@ stores checked a lost lease differently). The shared store suite holds both to i
 
     move             from                       to
     admit            (new id)                   RUNNING      leased
-    seed             (new id)                   PARTIAL / READY   a fresh store continuing a damaged one
+    seed             (new id)                   PARTIAL / READY / TRAINED   a fresh store continuing a
+                                                             damaged one (TRAINED: a batch to train again)
     requeue_quarantined (new id)                PARTIAL      a quarantined group's prompt, again
+    requeue_trained  (new id)                   PARTIAL      a trained group's prompt, again: its record is
+                                                             damaged and a resume must train its step again
     requeue_failed   (new id)                   PARTIAL      a failed group's prompt, again (asked for)
     claim_partial    PARTIAL                    RUNNING      leased
     put_partial      RUNNING                    PARTIAL
@@ -84,6 +87,7 @@ TRANSITIONS: Mapping[tuple[GroupState | None, GroupState], Move] = {
     (None, _R): Move.ADMIT,
     (None, _P): Move.SEED,
     (None, _Y): Move.SEED,
+    (None, _T): Move.SEED,
     (_P, _R): Move.CLAIM,
     (_R, _P): Move.PUT,  # also reclaim_expired and recover: the same edge
     (_R, _Y): Move.PUT,
@@ -202,14 +206,18 @@ def out_of_order(step: int, earliest: int) -> StoreError:
     return StoreError(f"step {step} cannot finish before step {earliest}: steps finish in order")
 
 
-def check_seed(trained_step: int, held: int, current_step: int) -> None:
-    """`seed` starts a store: only an empty one, and only with a step >= -1."""
+def check_seed(trained_step: int, held: int, current_step: int, replay_steps: Sequence[int] = ()) -> None:
+    """`seed` starts a store: only an empty one, with a step >= -1, and batches to train again
+    only for the last trained steps, in order."""
     if held or current_step != -1:
         raise StoreError(
             f"only an empty store can be seeded; this one holds {held} groups and trained step {current_step}"
         )
     if trained_step < -1 or not math.isfinite(trained_step):
         raise ValueError(f"a seeded trained step is -1 or more, got {trained_step}")
+    expected = list(range(trained_step - len(replay_steps) + 1, trained_step + 1))
+    if list(replay_steps) != expected or (expected and expected[0] < 0):
+        raise ValueError(f"seeded batches are of the last trained steps {expected}, in order; got {list(replay_steps)}")
 
 
 def requeue_id(gid: str) -> str:

@@ -18,10 +18,10 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from core.types import Group, PromptTask
+from core.types import FinishReason, Group, PromptTask, Segment
 from pipeline.replay import main as replay
 from pipeline.run.cli import main as launch
-from storage import Cursor, GroupState, LmdbStore, keys
+from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
 from storage.migrate import layout_value
 from storage.seal import OVERHEAD
 
@@ -171,8 +171,9 @@ def test_with_the_groups_unreadable_the_prompts_no_trained_batch_names_are_gener
     capsys.readouterr()
     assert run(out, steps=5, extra=over) == 0
     text = "".join(capsys.readouterr())
-    said = [line for line in text.splitlines() if "generated again" in line and "below the cursor" in line]
-    assert len(said) == 1 and f"prompts={len(unaccounted)}" in said[0], text
+    said = [line for line in text.splitlines() if "prompts generated again" in line]
+    assert len(said) == 1 and f"count={len(unaccounted)}" in said[0], text
+    assert all(gid in said[0] for gid in unaccounted), text
     with LmdbStore(store_dir, readonly=True) as store:
         assert all(store.get(gid) is not None for gid in unaccounted), "a prompt below the cursor was dropped"
         trained_after = [g.task.index for step in (3, 4) for g in store.batch(step).groups]
@@ -184,6 +185,31 @@ def test_with_the_groups_unreadable_the_prompts_no_trained_batch_names_are_gener
     [aside] = [p for p in out.iterdir() if p.name.startswith("rollout_data.unreadable-")]
     assert "steps 0..2 were trained before this store was seeded from a damaged one" in summary, summary
     assert str(aside) in summary and "garbage collected: 0" not in summary, summary
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["with its record", "of an older version"])
+def test_a_damaged_newest_meta_page_right_after_the_final_checkpoint_resumes_from_it(run_copy, capsys, record):
+    """The base run's last commit (step 2's) is lost with the newer meta page: the other says step
+    1, while checkpoint v3 covers step 2. The resume reconciles from what v3 records (or, for a
+    checkpoint of an older version, from step 2's batch record) and trains none of its prompts
+    again."""
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        covered = _prompts(g.group_id for step in range(3) for g in store.batch(step).groups)
+    if not record:
+        (run_copy / "checkpoints" / "v3" / "covers.json").unlink(missing_ok=True)
+    data = run_copy / "rollout_data" / "data.mdb"
+    with data.open("r+b") as fh:
+        fh.seek(_newer_meta_page(data) * 4096 + 16)
+        fh.write(b"\xa5" * 200)
+    assert salvage_store(run_copy / "rollout_data").trained_step == 1  # the commit before the last
+    capsys.readouterr()
+    assert run(run_copy, steps=4) == 0
+    text = "".join(capsys.readouterr())
+    assert "base model" not in text and "resuming from the newest checkpoint, checkpoint v3" in text, text
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        assert store.trained_step() == 3
+        trained = _prompts(g.group_id for g in store.batch(3).groups)
+    assert len(trained) == 2 and not trained & covered
 
 
 def test_a_damaged_record_of_a_trained_group_is_named_once_on_resume(run_copy, capsys):
@@ -206,3 +232,209 @@ def test_a_damaged_record_of_a_trained_group_is_named_once_on_resume(run_copy, c
     assert "already trained" not in "".join(capsys.readouterr())
     with LmdbStore(store_dir, readonly=True) as store:
         assert store.trained_step() == 4
+
+
+# --- damage after the newest checkpoint (issue 46) ---------------------------------------------
+#
+# A 4-step partial-rollout run checkpointed at v2 (--save-interval 2), its v4 removed: the state a
+# kill leaves after step 3 committed and before its checkpoint. Steps 2 and 3 were trained after
+# the newest checkpoint, and unfinished groups carry tokens of versions up to 3. Whatever the
+# damage, the resume must train no prompt v2 covers again, lose none it does not cover (each
+# trained again from its stored batch, carried over, or generated again and named), and train no
+# token at a step older than its version.
+
+AFTER = ("--save-interval", "2", "--partial-rollout", "--over-sampling-batch-size", "4")
+
+
+@pytest.fixture(scope="module")
+def after_checkpoint_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("after") / "run"
+    assert run(out, steps=4, extra=AFTER) == 0
+    shutil.rmtree(out / "checkpoints" / "v4")
+    return out
+
+
+@pytest.fixture
+def after_copy(after_checkpoint_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(after_checkpoint_run, out)
+    return out
+
+
+def _prompts(gids) -> set[str]:
+    return {gid.split(".")[0] for gid in gids}
+
+
+def _before_damage(out: Path) -> tuple[set[str], set[str]]:
+    """(prompts checkpoint v2 covers, prompts admitted that it does not)."""
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        covered = _prompts(g.group_id for step in (0, 1) for g in store.batch(step).groups)
+        admitted = {f"e0000-p{i:09d}" for i in range(store.cursor().index)}
+    return covered, admitted - covered
+
+
+def _regenerated_events(out: Path) -> list[dict]:
+    lines = (out / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == "regenerated"]
+
+
+def _resume_after_damage(out: Path, capsys, covered: set[str], open_: set[str]) -> tuple[str, set[str]]:
+    """Resume to step 3 and check the promises; returns the log and the prompts generated again."""
+    capsys.readouterr()
+    assert run(out, steps=4, extra=AFTER) == 0
+    text = "".join(capsys.readouterr())
+    said = [line for line in text.splitlines() if "prompts generated again" in line]
+    events = _regenerated_events(out)
+    regenerated = {gid for e in events for gid in e["groups"]}
+    assert len(said) == len(events) <= 1, text
+    if said:
+        assert f"count={len(regenerated)}" in said[0] and all(gid in said[0] for gid in regenerated), said
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        assert store.trained_step() == 3
+        first = store.statistics().collected_step + 1  # the steps the fresh store holds batches of
+        trained = [g for step in range(max(first, 2), 4) for g in store.batch(step).groups]
+        records = store.step_metrics()
+        held = {g.group_id for s in (GroupState.PARTIAL, GroupState.READY) for g in store.groups(s)}
+        for step in range(max(first, 2), 4):
+            newest = max(v for g in store.batch(step).groups for x in g.samples for v in x.versions)
+            assert newest <= records[step]["version"] == step, f"step {step} trained version {newest} tokens"
+            assert records[step]["staleness/mean"] >= 0
+    ids = [g.group_id for g in trained]
+    assert not _prompts(ids) & covered, "a prompt checkpoint v2 covers was trained again"
+    assert len(_prompts(ids)) == len(ids), "a prompt was trained twice"
+    lost = open_ - _prompts(ids) - _prompts(held)
+    assert not lost, f"prompts neither trained again, carried over nor generated again: {lost}"
+    assert regenerated <= {*ids, *held}
+    return text, _prompts(regenerated)
+
+
+def test_a_damaged_group_in_a_batch_to_train_again_is_left_out_and_its_prompt_generated_again(after_copy, capsys):
+    """The store opens; a group of step 2 (trained after checkpoint v2) fails its checksum. The
+    replay trains the rest of its batch, the prompt is generated again under a new id, named in
+    one line and in events.jsonl, once, and the run goes on."""
+    covered, open_ = _before_damage(after_copy)
+    with LmdbStore(after_copy / "rollout_data", readonly=True) as store:
+        victim = store.batch(2).groups[0].group_id
+    env = lmdb.open(str(after_copy / "rollout_data"), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.GROUPS, txn=txn)
+        value = bytearray(txn.get(victim.encode(), db=db))
+        value[OVERHEAD + 5] ^= 0x01
+        txn.put(victim.encode(), bytes(value), db=db)
+    env.close()
+    capsys.readouterr()
+    assert run(after_copy, steps=5, extra=AFTER) == 0
+    text = "".join(capsys.readouterr())
+    assert not [p for p in after_copy.iterdir() if ".unreadable-" in p.name]  # it opens: not moved aside
+    said = [line for line in text.splitlines() if "prompts generated again" in line]
+    assert len(said) == 1 and f"'{victim}.requeued'" in said[0] and "count=1" in said[0], text
+    [event] = _regenerated_events(after_copy)
+    assert event["groups"] == [f"{victim}.requeued"] and event["steps"] == [2]
+    with LmdbStore(after_copy / "rollout_data", readonly=True) as store:
+        assert store.trained_step() == 4
+        again = [g.group_id for step in range(2, 5) for g in store.batch(step, damaged=[]).groups]
+        held = {g.group_id for s in (GroupState.PARTIAL, GroupState.READY) for g in store.groups(s)}
+    assert f"{victim}.requeued" in {*again, *held} and victim not in again
+    assert not _prompts(again) & covered and len(_prompts(again)) == len(again)
+    assert not open_ - _prompts(again) - _prompts(held)
+    state = json.loads((after_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
+    assert state["trainer_steps"] == 5  # steps 2 and 3 trained again (step 2 without the victim), then 4
+
+
+def test_a_damaged_batch_record_to_train_again_moves_the_store_aside_and_the_rest_is_trained_again(after_copy, capsys):
+    """Step 3's batch record itself fails its checksum: which prompts it trained is known only
+    from the groups' states, so the store is moved aside, step 2 trained again from its batch,
+    and step 3's prompts generated again, named."""
+    covered, open_ = _before_damage(after_copy)
+    with LmdbStore(after_copy / "rollout_data", readonly=True) as store:
+        step_3 = _prompts(g.group_id for g in store.batch(3).groups)
+    env = lmdb.open(str(after_copy / "rollout_data"), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.BATCHES, txn=txn)
+        value = bytearray(txn.get(keys.step_key(3), db=db))
+        value[-1] ^= 0x01
+        txn.put(keys.step_key(3), bytes(value), db=db)
+    env.close()
+    text, regenerated = _resume_after_damage(after_copy, capsys, covered, open_)
+    assert "the batch record of step 3, to be trained again, is damaged" in text and "steps=2..2" in text
+    assert step_3 <= regenerated
+
+
+def _tree_pages(store_dir: Path, tree: bytes) -> tuple[list[int], list[int]]:
+    """(branch pages, leaf pages) of the named tree, walked from its root."""
+    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES), readonly=True, lock=False)
+    with env.begin() as txn:
+        root = struct.unpack_from("<Q", bytes(txn.get(tree)), 40)[0]  # MDB_db.md_root
+    env.close()
+    data = (store_dir / "data.mdb").read_bytes()
+    branches, leaves, todo = [], [], [root]
+    while todo:
+        page = todo.pop()
+        flags, lower = struct.unpack_from("<HH", data, page * 4096 + 10)
+        if not flags & 0x01:
+            leaves.append(page)
+            continue
+        branches.append(page)
+        for offset in struct.unpack_from(f"<{(lower - 16) // 2}H", data, page * 4096 + 16):
+            lo, hi, high = struct.unpack_from("<HHH", data, page * 4096 + offset)
+            todo.append(lo | hi << 16 | high << 32)
+    return branches, leaves
+
+
+def _damage(store_dir: Path, where: str) -> None:
+    data = store_dir / "data.mdb"
+    if where == "meta page":  # the newer one: the other holds the commit before the last
+        page = _newer_meta_page(data)
+        start, size = page * 4096 + 16, 200
+    elif where == "leaf header":
+        page = _tree_pages(store_dir, keys.GROUPS)[1][0]
+        start, size = page * 4096, 16
+    elif where == "branch page":
+        branches = _tree_pages(store_dir, keys.GROUPS)[0]
+        assert branches, "the groups tree has no branch page"
+        start, size = branches[0] * 4096 + 16, 4096 - 16
+    else:  # truncated: the second half of the file is gone
+        with data.open("r+b") as fh:
+            fh.truncate(data.stat().st_size // 2)
+        return
+    with data.open("r+b") as fh:
+        fh.seek(start)
+        fh.write(b"\xa5" * size)
+
+
+@pytest.mark.parametrize("where", ["meta page", "leaf header", "branch page", "truncated"])
+def test_a_store_moved_aside_after_the_checkpoint_loses_no_prompt_and_trains_none_twice(after_copy, capsys, where):
+    """Salvage replays what the surviving trees hold and generates again, naming them, the
+    prompts it cannot account for; checkpoint v2's record says which prompts it covers even when
+    the cursor and the trained step are lost (truncated)."""
+    covered, open_ = _before_damage(after_copy)
+    _damage(after_copy / "rollout_data", where)
+    text, regenerated = _resume_after_damage(after_copy, capsys, covered, open_)
+    assert "moved aside" in text
+    if where == "meta page":  # the other meta page still reads every batch: trained again, none lost
+        assert "are trained again from the batches the unreadable store still holds" in text
+    else:
+        assert regenerated and not regenerated & covered
+
+
+def test_unfinished_groups_of_weights_the_resume_cannot_rebuild_are_generated_again(after_copy, capsys):
+    """The trained step is unreadable: the resume rebuilds only checkpoint v2 (version 2), so an
+    unfinished group holding tokens of version 3 (generated after step 2's publish) cannot be
+    trained as if on-policy (its behaviour log-probs came from weights the rewind threw away): its
+    prompt is generated again, named; groups of versions up to 2 are carried over."""
+    covered, open_ = _before_damage(after_copy)
+    with LmdbStore(after_copy / "rollout_data") as store:  # a run stopped mid-generation at version 3
+        cursor = store.cursor()
+        task = PromptTask(index=cursor.index, prompt_ids=(1, 2, 3))
+        stand_in = Group.fresh(task, epoch=0, n_samples=4, version=3, seq=cursor.next_seq)
+        store.admit([stand_in], Cursor(0, cursor.index + 1, cursor.next_seq + 1))
+        segment = Segment((5, 6), (-0.5, -0.7), FinishReason.ABORT, 3)
+        store.put_partial(
+            stand_in.with_samples([s.resumed().extended(segment, max_response_len=32) for s in stand_in.samples])
+        )
+    env = lmdb.open(str(after_copy / "rollout_data"), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        txn.put(keys.META_TRAINED_STEP, b"\x01\x02", db=env.open_db(keys.META, txn=txn))
+    env.close()
+    text, regenerated = _resume_after_damage(after_copy, capsys, covered, open_ | {stand_in.group_id})
+    assert "generated by weights the resume cannot rebuild" in text and stand_in.group_id in regenerated

@@ -95,15 +95,31 @@ def _resume_and_check(out: Path, capsys, *, reason: str) -> tuple[Path, str]:
     return aside, text
 
 
-def test_a_corrupt_cursor_is_set_aside_and_the_dataset_starts_again(run_copy, capsys):
+def _trained_again(out: Path) -> set[int]:
+    """The prompts the resumed steps 3 and 4 trained."""
+    with LmdbStore(out / "rollout_data", readonly=True) as store:
+        return {g.task.index for step in (3, 4) for g in store.batch(step).groups}
+
+
+def test_a_corrupt_cursor_is_set_aside_and_rollout_goes_on_past_what_the_store_and_checkpoint_name(run_copy, capsys):
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        cursor = store.cursor()
     _put_raw(run_copy / "rollout_data", keys.META_CURSOR, b"\xc1 not a cursor")
     aside, text = _resume_and_check(run_copy, capsys, reason="meta/cursor")
-    assert "beginning of the dataset" in text
+    assert "the dataset cursor is unreadable" in text and "beginning of the dataset" not in text
     salvaged = salvage_store(aside)
     assert (salvaged.cursor, salvaged.trained_step) == (None, 2)  # the trained step survived the cursor
-    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
-        indexes = {g.task.index for step in (3, 4) for g in store.batch(step).groups}
-    assert 0 in indexes  # the first prompt of the dataset again
+    assert min(_trained_again(run_copy)) >= cursor.index  # no prompt checkpoint v3 covers is trained again
+
+
+def test_a_corrupt_cursor_with_a_checkpoint_of_an_older_version_starts_the_dataset_again(run_copy, capsys):
+    """A checkpoint written before checkpoints recorded what they cover: nothing says where the
+    dataset stood, so it starts again, and the warning says what that costs."""
+    (run_copy / "checkpoints" / "v3" / "covers.json").unlink()
+    _put_raw(run_copy / "rollout_data", keys.META_CURSOR, b"\xc1 not a cursor")
+    _, text = _resume_and_check(run_copy, capsys, reason="meta/cursor")
+    assert "beginning of the dataset" in text and "steps 0..2 (about 6) are trained a second time" in text
+    assert 0 in _trained_again(run_copy)  # the first prompt of the dataset again
 
 
 def test_a_corrupt_run_meta_keeps_the_cursor(run_copy, capsys):
@@ -118,12 +134,15 @@ def test_a_corrupt_run_meta_keeps_the_cursor(run_copy, capsys):
     assert min(indexes) >= cursor.index  # continued where the readable cursor pointed
 
 
-def test_a_destroyed_file_header_resumes_from_the_newest_weights(run_copy, capsys):
+def test_a_destroyed_file_header_resumes_from_the_newest_checkpoint_and_the_cursor_it_records(run_copy, capsys):
+    with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
+        cursor = store.cursor()
     data = run_copy / "rollout_data" / "data.mdb"
     with data.open("r+b") as fh:
         fh.write(b"\0" * 8192)  # both LMDB meta pages
     _, text = _resume_and_check(run_copy, capsys, reason="both meta pages are damaged")
-    assert "newest complete weights folder" in text and "beginning of the dataset" in text
+    assert "resuming from the newest checkpoint, checkpoint v3" in text and "beginning of the dataset" not in text
+    assert min(_trained_again(run_copy)) >= cursor.index
 
 
 def test_a_store_of_another_run_is_refused_and_left_in_place(run_copy, capsys):

@@ -1224,8 +1224,10 @@ def test_the_transition_table_refuses_what_the_state_machine_lacks() -> None:
     transitions.check_move("g", PARTIAL, GroupState.QUARANTINED)
     with pytest.raises(StoreError, match="'g' cannot move from trained to ready: no such transition"):
         transitions.check_move("g", TRAINED, READY)
-    with pytest.raises(StoreError, match="from absent to trained"):
-        transitions.check_move("g", None, TRAINED)
+    with pytest.raises(StoreError, match="from absent to batched"):
+        transitions.check_move("g", None, BATCHED)
+    # Only `seed` makes a group TRAINED without training it: a salvaged batch to train again.
+    assert transitions.TRANSITIONS[(None, TRAINED)] is transitions.Move.SEED
     with pytest.raises(StoreError, match="from trained to quarantined"):  # trained is final: never taken back
         transitions.check_move("g", TRAINED, GroupState.QUARANTINED)
 
@@ -1248,3 +1250,38 @@ def test_both_stores_refuse_a_put_with_the_same_words(tmp_path: Path) -> None:
             messages.append(found)
     assert messages[0] == messages[1]
     assert messages[0][0] == "group 'e0000-p000000000' is ready, not running; it cannot become partial"
+
+
+def test_coverage_names_the_groups_a_step_did_not_settle(store: Store) -> None:
+    """What a checkpoint of a step records: every group below the cursor is settled by it except
+    those running, partial, ready, or in a later step's batch."""
+    store.admit([fresh(i) for i in range(8)], cursor_after(8))
+    for i in range(5):
+        store.put_ready(finished(fresh(i), 0))
+    store.put_partial(generated(fresh(5), 0))
+    store.put_rejected(finished(fresh(6), 0))  # filtered out: settled, nothing to generate again
+    step_0 = ids(store.take_batch(0, 2).groups)
+    assert store.coverage(0) == store.coverage(0)  # a read: nothing changes
+    covered = store.coverage(0)  # taken while step 0 trains: its batch is what the checkpoint learns
+    assert (covered.step, covered.cursor) == (0, cursor_after(8))
+    assert sorted(covered.unsettled) == sorted(ids(fresh(i) for i in (2, 3, 4, 5, 7)))
+    store.finish_batch(0)
+    step_1 = ids(store.take_batch(1, 2).groups)
+    store.finish_batch(1)
+    assert not set(step_0) & set(store.coverage(0).unsettled)
+    assert set(step_1) <= set(store.coverage(0).unsettled)  # trained after step 0: not its checkpoint's
+    assert not set(step_1) & set(store.coverage(1).unsettled)
+
+
+def test_requeue_trained_generates_a_trained_groups_prompt_again_once(store: Store) -> None:
+    store.admit([fresh(0), fresh(1)], cursor_after(2))
+    store.put_ready(finished(fresh(0), 0))
+    store.put_ready(finished(fresh(1), 0))
+    store.take_batch(0, 2)
+    store.finish_batch(0)
+    victim = fresh(1).group_id
+    assert store.requeue_trained([victim], lambda gid: fresh(1)) == [f"{victim}.requeued"]
+    assert store.requeue_trained([victim], lambda gid: fresh(1)) == []  # once
+    assert store.get(victim)[0] is TRAINED and store.get(f"{victim}.requeued")[0] is PARTIAL
+    with pytest.raises(StoreError, match="indexed as trained"):
+        store.requeue_trained([f"{victim}.requeued"], lambda gid: fresh(1))

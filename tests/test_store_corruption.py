@@ -17,6 +17,7 @@ import lmdb
 import pytest
 
 from core.errors import IncompatibleStoreError, StoreCorruptionError
+from core.types import Batch
 from pipeline.replay import main as replay
 from storage import Cursor, GroupState, LmdbStore, MemoryStore, keys, salvage_store
 from storage.migrate import layout_value
@@ -234,3 +235,20 @@ def test_seed_starts_only_an_empty_store_in_both_stores(tmp_path: Path) -> None:
                 store.seed(Cursor(), -1)
             with pytest.raises(Exception, match="already exists"):
                 store.admit([fresh(7)], cursor_after(10))
+
+
+def test_seed_with_batches_to_train_again_in_both_stores(tmp_path: Path) -> None:
+    """A salvage's batches of the steps after the checkpoint enter as trained steps, with their
+    metrics records, so a resume trains them again; the steps before count as collected."""
+    for store in (MemoryStore(), LmdbStore(tmp_path / "s", sync=False)):
+        with store:
+            with pytest.raises(ValueError, match="last trained steps"):
+                store.seed(cursor_after(9), 4, replay=[(Batch(3, (finished(fresh(0), 3),)), None)])
+            step_3, step_4 = (finished(fresh(0), 3), finished(fresh(1), 3)), (finished(fresh(2), 4),)
+            replay = [(Batch(3, step_3), {"version": 3}), (Batch(4, step_4), None)]
+            store.seed(cursor_after(9), 4, partial=[generated(fresh(7), 4)], replay=replay)
+            stats = store.statistics()
+            assert (stats.trained_step, stats.collected_step, stats.counts[GroupState.TRAINED]) == (4, 2, 3)
+            assert store.batch(3).groups == step_3 and store.batch(4).groups == step_4
+            assert store.step_metrics() == {3: {"version": 3}} and store.batch(2) is None
+            assert store.coverage(2).unsettled == (fresh(7).group_id, *(g.group_id for g in (*step_3, *step_4)))

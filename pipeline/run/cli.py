@@ -167,6 +167,8 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         # Engine slots, training steps and publishes, for `python -m pipeline.timeline`.
         events = EventLog(out / "events.jsonl")
         stack.callback(events.close)
+        for regenerated in state.regenerated:  # prompts generated again after damage to the store, named
+            events.record("regenerated", **regenerated)
         progress = Progress(config, state.start_step)
         stack.callback(progress.close)
         log.info(

@@ -12,24 +12,28 @@ rollout state continues from the store. Opening the store verifies it (LMDB's me
 layout, the counters against the records, the run record; see `storage.LmdbStore`). A store that
 is damaged or of another layout is never deleted: it is moved aside to
 `<data dir>.unreadable-<UTC time>`, a warning names both folders and what is damaged, and what is
-still readable in it (`storage.salvage_store`: the dataset cursor, the last trained step, every
-readable unfinished group) seeds a fresh store (`Store.seed`); the prompts of unfinished groups
-whose records are damaged are generated again. An unreadable cursor means starting from the
-beginning of the dataset (and carrying no group over); an unreadable trained step means resuming
-from the newest complete weights folder, or the base model when there is none. A store that opens
-but holds groups quarantined for a damaged record (`GroupState.QUARANTINED`) keeps them, and
-their prompts are generated again under a new id. A store written for another run (a fingerprint
-differs) is not damaged, and still stops the run with the difference named.
+still readable in it (`storage.salvage_store`), reconciled with what the newest checkpoint records
+it covers (`pipeline.run.reconcile`), seeds a fresh store (`Store.seed`): the batches of the steps
+after the checkpoint are trained again from their readable groups, unfinished groups whose tokens
+the resume can rebuild are carried over, and every other prompt admitted and not covered by the
+checkpoint is generated again. An unreadable cursor means continuing from the checkpoint's
+cursor, or, for a checkpoint that records none, from the beginning of the dataset (carrying no
+group over). A store that opens but holds groups quarantined for a damaged record
+(`GroupState.QUARANTINED`) keeps them, and their prompts are generated again under a new id; a
+damaged group record in a batch the resume trains again is left out of it, and its prompt
+generated again the same way (a damaged batch record there moves the store aside). Every prompt
+generated again after damage is named: one warning line (how many, which) and one
+`regenerated` event in events.jsonl. A store written for another run (a fingerprint differs) is
+not damaged, and still stops the run with the difference named.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,23 +43,25 @@ import structlog
 
 import storage
 from core.errors import ConfigError, CorruptRecordError, StoreError
-from core.types import Group, PromptTask, StoreTransport, group_id_for
+from core.types import Group, PromptTask, StoreTransport
 from pipeline.checkpoints import (
     CHECKPOINTS_DIR,
     PUBLISH_DIR,
     CheckpointPolicy,
     checkpoint_versions,
     prune_checkpoints,
+    read_coverage,
     remove_publish_folders,
 )
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.plan import Trainer
+from pipeline.run.reconcile import Reconciled, prompt_of, reconcile, summary_ids
 from pipeline.run.resume_settings import check_meta, run_meta
 from pipeline.trainer_settings import build_trainer
 from stages.reward import RewardFn
 from storage import (
-    Cursor,
+    Coverage,
     GroupState,
     RunMeta,
     Store,
@@ -68,8 +74,6 @@ from storage import (
 __all__ = ["RunState", "open_run_state"]
 
 log = structlog.get_logger("launch")
-
-_GROUP_ID = re.compile(r"^e(?P<epoch>\d+)-p(?P<index>\d+)(\.requeued)*$")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class RunState:
     # When the checkpoint is older than the store's last trained step: the stored batches of steps
     # `version`..`start_step - 1` are trained again before new work (`pipeline.checkpoints`).
     replay_from: int | None = None
+    # Prompts generated again after damage to the store: each an event for events.jsonl
+    # (`{"kind": "regenerated", "count", "groups", "why"}`), written once the run's log is open.
+    regenerated: tuple[dict[str, Any], ...] = ()
 
 
 def open_run_state(config: Config) -> RunState:
@@ -141,8 +148,9 @@ def open_run_state(config: Config) -> RunState:
     _claim_weights(out / "weights", config)
     for folder in (policy.publish_dir, policy.dir):
         _remove_unfinished_saves(folder)
+    regenerated: list[dict[str, Any]] = []
     if config.storage.transport is StoreTransport.LMDB:
-        store = _open_lmdb(config, meta, policy, dataset)
+        store = _open_lmdb(config, meta, policy, dataset, regenerated)
     else:
         store = open_store(config.storage.transport, None)
         check_meta(store, meta)
@@ -195,6 +203,7 @@ def open_run_state(config: Config) -> RunState:
         agent,
         checkpoints=policy,
         replay_from=replay_from,
+        regenerated=tuple(regenerated),
     )
 
 
@@ -305,7 +314,15 @@ def _dataset(config: Config, tokenizer: Any) -> tuple[list[PromptTask], RewardFn
 # --- the LMDB store: declaration, opening, and what happens when it is unreadable ---------------
 
 
-def _open_lmdb(config: Config, meta: RunMeta, policy: CheckpointPolicy, dataset: list[PromptTask]) -> Store:
+def _open_lmdb(
+    config: Config,
+    meta: RunMeta,
+    policy: CheckpointPolicy,
+    dataset: list[PromptTask],
+    regenerated: list[dict[str, Any]],
+) -> Store:
+    """The run's LMDB store, opened and checked, or a fresh one seeded from its salvage; the
+    prompts it generates again after damage are added to `regenerated` (events to log)."""
     s = config.storage
     data_dir = Path(derived(s.data_dir, "storage.data_dir"))
     plan = check_storage(
@@ -331,14 +348,22 @@ def _open_lmdb(config: Config, meta: RunMeta, policy: CheckpointPolicy, dataset:
             raise
     else:
         try:
-            _requeue_damaged(store, fresh)
-            _name_damaged_trained(store)
-            _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
+            first_replayed = _first_replayed_step(store, policy)
+            unreplayable, reason = _unreplayable(store, first_replayed)
+            if reason is None:
+                _requeue_damaged(store, fresh)
+                _name_damaged_trained(store, first_replayed)
+                _requeue_unreplayable(store, unreplayable, fresh, regenerated)
+                _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
+                return store
         except BaseException:
             store.close()
             raise
-        return store
-    return _continue_from_salvage(data_dir, options, meta, policy, reason, fresh, len(dataset))
+        store.close()
+    batch_size = config.rollout.rollout_batch_size
+    store, events = _continue_from_salvage(data_dir, options, meta, policy, reason, fresh, len(dataset), batch_size)
+    regenerated += events
+    return store
 
 
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
@@ -357,11 +382,21 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
     )
 
 
-def _name_damaged_trained(store: Store) -> None:
-    """Name, once, the damaged records of groups already trained (their data is history, nothing
-    to generate again: `replay verify` lists them, `replay group` cannot show them). Each resume
-    reads the groups trained since the last one checked (`RunMeta.extra["trained_checked_to"]`),
-    so a record is read back once, not at every start; `replay verify` reads everything."""
+def _first_replayed_step(store: Store, policy: CheckpointPolicy) -> int:
+    """The first step the resume trains again: the step after the newest checkpoint the store
+    counts (`_resume_point`); past the trained step when there is nothing to train again."""
+    trained = store.trained_step()
+    versions = checkpoint_versions(policy.dir, policy.publish_dir)
+    return max((v for v in versions if v <= trained + 1), default=0)
+
+
+def _name_damaged_trained(store: Store, first_replayed: int) -> None:
+    """Name, once, the damaged records of groups trained in steps a checkpoint covers (before
+    `first_replayed`): their data is history, nothing to generate again (`replay verify` lists
+    them, `replay group` cannot show them). Each resume reads the groups trained since the last
+    one checked (`RunMeta.extra["trained_checked_to"]`), so a record is read back once, not at
+    every start; `replay verify` reads everything. Those of the steps trained again are
+    `_requeue_unreplayable`'s."""
     meta = store.read_meta()
     if meta is None:
         return
@@ -369,7 +404,7 @@ def _name_damaged_trained(store: Store) -> None:
     if trained <= checked:
         return
     damaged: list[str] = []
-    for step in range(checked + 1, trained + 1):
+    for step in range(checked + 1, min(trained, first_replayed - 1) + 1):
         errors: list[CorruptRecordError] = []
         try:
             store.batch(step, damaged=errors)  # None for a collected or seeded step: nothing to read
@@ -383,6 +418,59 @@ def _name_damaged_trained(store: Store) -> None:
             records=damaged,
         )
     store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
+
+
+def _unreplayable(store: Store, first: int) -> tuple[dict[str, int], str | None]:
+    """The batches of steps `first`.. are trained again before new work: the groups of theirs
+    whose records are damaged (id -> step), and why the store must be moved aside instead (a
+    batch record itself is damaged: which prompts its step trained is then known only from a
+    salvage), else None. Reads only."""
+    damaged: dict[str, int] = {}
+    for step in range(first, store.trained_step() + 1):
+        errors: list[CorruptRecordError] = []
+        try:
+            store.batch(step, damaged=errors)  # None for a collected step: `_resume_point` says so
+        except StoreError as exc:
+            return {}, f"the batch record of step {step}, to be trained again, is damaged: {exc}"
+        damaged |= dict.fromkeys((_damaged_group(e) for e in errors), step)
+    return damaged, None
+
+
+def _requeue_unreplayable(
+    store: Store, damaged: dict[str, int], fresh: Callable[[str], Group | None], regenerated: list[dict[str, Any]]
+) -> None:
+    """Groups of the batches trained again whose records are damaged (id -> step) cannot be
+    trained again, and the checkpoint does not cover their prompts: the replay leaves them out
+    (`pipeline.checkpoints`) and their prompts are generated again, once each, named."""
+    if not damaged:
+        return
+    requeued = store.requeue_trained(list(damaged), fresh)
+    if requeued:  # said once: a later resume finds them requeued already
+        _say_regenerated({_REPLAY_DAMAGED: requeued}, regenerated, steps=sorted(set(damaged.values())))
+
+
+_REPLAY_DAMAGED = "its group's record is damaged, in a batch trained after the newest checkpoint"
+
+
+def _damaged_group(error: CorruptRecordError) -> str:
+    """The group id of a damaged group record (`groups/<id>` as the store names its key)."""
+    key = error.key if isinstance(error.key, str) else error.key.decode(errors="replace")
+    return key.split("/", 1)[1]
+
+
+def _say_regenerated(why: dict[str, Sequence[str]], events: list[dict[str, Any]], **context: Any) -> None:
+    """One warning line for the prompts generated again after damage (how many, which, why),
+    and the same as an event for events.jsonl."""
+    ids = [gid for group_ids in why.values() for gid in group_ids]
+    log.warning(
+        "prompts generated again after damage to the rollout store (not covered by the checkpoint, and their "
+        "data cannot be trained again)",
+        count=len(ids),
+        ids=summary_ids(ids),
+        why={reason: len(group_ids) for reason, group_ids in why.items()},
+        **context,
+    )
+    events.append({"count": len(ids), "groups": ids, "why": {r: list(g) for r, g in why.items()}, **context})
 
 
 def _failed_groups(store: Store, fresh: Callable[[str], Group | None], *, requeue: bool) -> None:
@@ -415,22 +503,24 @@ def _continue_from_salvage(
     reason: str,
     fresh: Callable[[str], Group | None],
     n_prompts: int,
-) -> Store:
-    """Move the unreadable store aside, read what can be read from it, and seed a fresh one."""
+    batch_size: int,
+) -> tuple[Store, list[dict[str, Any]]]:
+    """Move the unreadable store aside, read what can be read from it, reconcile that with the
+    newest checkpoint (`pipeline.run.reconcile`), and seed a fresh store with the result. Returns
+    the store and the events of the prompts generated again."""
     aside = _move_aside(data_dir)
-    salvage = storage.salvage_store(aside)
-    # A fresh store holds no trained batch to train again: the run continues from the newest
-    # checkpoint, and steps trained after it (their batches unreadable now) are lost.
-    checkpointed = max(checkpoint_versions(policy.dir, policy.publish_dir), default=0) - 1
-    trained = salvage.trained_step
-    if trained is None:
-        trained = checkpointed
-    elif trained > checkpointed:
-        log.warning(
-            "steps trained after the newest checkpoint cannot be trained again from the unreadable store",
-            lost_steps=f"{checkpointed + 1}..{trained}",
-        )
-        trained = checkpointed
+    versions = checkpoint_versions(policy.dir, policy.publish_dir)
+    version = max(versions, default=0)
+    coverage = _coverage_of(versions.get(version))
+    salvage = storage.salvage_store(aside, replay_after=version - 1)
+    plan = reconcile(
+        salvage,
+        checkpoint_step=version - 1,
+        coverage=coverage,
+        n_prompts=n_prompts,
+        batch_size=batch_size,
+        fresh=fresh,
+    )
     log.warning(
         "the rollout store is unreadable; it was moved aside, untouched, and a fresh store continues the run",
         moved_to=str(aside),
@@ -439,71 +529,80 @@ def _continue_from_salvage(
     )
     for problem in salvage.problems:
         log.warning("not recovered from the unreadable store", problem=problem)
-    if salvage.cursor is None:
-        log.warning("the dataset cursor is unreadable: rollout starts again from the beginning of the dataset")
-    if salvage.trained_step is None:
-        log.warning(
-            "the last trained step is unreadable: resuming from the newest complete weights folder"
-            if trained >= 0
-            else "the last trained step is unreadable and no weights were saved: starting from the base model",
-            resume_at_step=trained + 1,
-            weights=str(policy.dir / f"v{trained + 1}") if trained >= 0 else None,
-        )
-    again = [g for g in (fresh(gid) for gid in salvage.damaged) if g is not None]
-    if salvage.groups_lost and salvage.cursor is not None:
-        again += _unaccounted_prompts(salvage, salvage.cursor, n_prompts, fresh)
-    if salvage.partial or salvage.ready or again:
-        log.warning(
-            "groups carried over from the unreadable store",
-            partial=len(salvage.partial),
-            ready=len(salvage.ready),
-            damaged_generated_again=len(again),
-        )
+    events = _say_reconciled(salvage, plan, version, coverage)
     store = open_store(StoreTransport.LMDB, data_dir, **options)
     # Recorded so that replay says where the batches of the steps before the seed are.
-    salvaged_from = {"store": str(aside), "trained_step": trained}
+    salvaged_from = {"store": str(aside), "trained_step": plan.trained_step - len(plan.replay)}
     meta = dataclasses.replace(meta, extra={**meta.extra, "salvaged_from": salvaged_from})
     try:
         check_meta(store, meta)
-        store.seed(salvage.cursor or Cursor(), trained, partial=(*salvage.partial, *again), ready=salvage.ready)
+        store.seed(plan.cursor, plan.trained_step, partial=plan.partial, ready=plan.ready, replay=plan.replay)
     except BaseException:
         store.close()
         raise
-    return store
+    return store, events
 
 
-def _unaccounted_prompts(
-    salvage: storage.Salvage, cursor: Cursor, n_prompts: int, fresh: Callable[[str], Group | None]
-) -> list[Group]:
-    """With the groups and their states unreadable, the prompts below the cursor that the batch
-    records of the trained steps do not name were partial, ready, rejected or failed: which, the
-    lost trees would have said. They are generated again (fresh groups), said in one line; when
-    the batch records are gone too, which prompts were trained is unknown, and generating them
-    again could train a prompt twice, so they are not, and the line says so."""
-    admitted = [(epoch, index) for epoch in range(cursor.epoch + 1) for index in range(n_prompts)]
-    admitted = [(e, i) for e, i in admitted if e < cursor.epoch or i < cursor.index]
-    if salvage.trained_ids is None:
+def _coverage_of(checkpoint: Path | None) -> Coverage | None:
+    """What the checkpoint folder records it covers; None for the base model, a checkpoint of an
+    older version, or a record that does not decode (said)."""
+    if checkpoint is None:
+        return None
+    try:
+        return read_coverage(checkpoint)
+    except CorruptRecordError as exc:
+        log.warning("the checkpoint's record of what it covers is unreadable: reconciling without it", error=str(exc))
+        return None
+
+
+def _say_reconciled(
+    salvage: storage.Salvage, plan: Reconciled, version: int, coverage: Coverage | None
+) -> list[dict[str, Any]]:
+    """The warnings of a salvage reconciled: steps trained again or lost, the cursor, what was
+    carried over, and one line (and event) naming the prompts generated again."""
+    checkpoint = f"checkpoint v{version}" if version else "the base model"
+    replayed = [b.step for b, _ in plan.replay]
+    if replayed:
         log.warning(
-            "the groups of the unreadable store cannot be read and which prompts were trained is unknown: "
-            "prompts below the cursor that were unfinished are not generated again",
-            why=salvage.trained_unknown,
-            prompts_below_cursor=len(admitted),
+            "steps trained after the newest checkpoint are trained again from the batches the unreadable store "
+            "still holds (a damaged group is left out of its batch)",
+            steps=f"{replayed[0]}..{replayed[-1]}",
+            groups=sum(len(b.groups) for b, _ in plan.replay),
+            left_out=len(salvage.replay_damaged),
         )
-        return []
-    trained = set()
-    for gid in salvage.trained_ids:
-        if (match := _GROUP_ID.match(gid)) is not None:
-            trained.add((int(match["epoch"]), int(match["index"])))
-    missing = [group_id_for(e, i) for e, i in admitted if (e, i) not in trained]
-    groups = [g for g in (fresh(gid) for gid in missing) if g is not None]
-    if missing:
+    if salvage.trained_step is not None and salvage.trained_step > plan.trained_step:
         log.warning(
-            "the groups of the unreadable store cannot be read: prompts below the cursor that no trained batch "
-            "names (they were partial, ready, rejected or failed) are generated again",
-            prompts=len(missing),
-            ids=missing if len(missing) <= 20 else [*missing[:20], f"... {len(missing) - 20} more"],
+            "steps trained after the newest checkpoint cannot be trained again from the unreadable store: their "
+            "prompts are generated again",
+            lost_steps=f"{plan.trained_step + 1}..{salvage.trained_step}",
         )
-    return groups
+    if salvage.trained_step is None or salvage.trained_step < version - 1:
+        log.warning(
+            f"the unreadable store's last trained step is {'unreadable' if salvage.trained_step is None else 'older'}"
+            f": resuming from the newest checkpoint, {checkpoint}, "
+            + ("and what it records it covers" if coverage is not None else "which records nothing of what it covers"),
+            store_trained_step=salvage.trained_step,
+            resume_at_step=plan.trained_step + 1,
+        )
+    if salvage.cursor is None and not plan.start_over:
+        log.warning(
+            f"the dataset cursor is unreadable: rollout continues from the cursor {checkpoint} records, or past the "
+            "last prompt the unreadable store names",
+            cursor=f"epoch {plan.cursor.epoch}, index {plan.cursor.index}",
+        )
+    for note in plan.notes:
+        log.warning("the unreadable store cannot be fully reconciled", note=note)
+    if salvage.partial or salvage.ready or plan.covered_dropped:
+        log.warning(
+            "groups carried over from the unreadable store",
+            partial=len(plan.partial) - len(plan.regenerated),
+            ready=len(plan.ready),
+            covered_by_the_checkpoint_dropped=plan.covered_dropped,
+        )
+    events: list[dict[str, Any]] = []
+    if plan.regenerated:
+        _say_regenerated(dict(plan.why), events, checkpoint=checkpoint)
+    return events
 
 
 def _fresh_group_for(dataset: list[PromptTask], n_samples: int) -> Callable[[str], Group | None]:
@@ -511,11 +610,11 @@ def _fresh_group_for(dataset: list[PromptTask], n_samples: int) -> Callable[[str
     None when the id names no dataset row (another dataset, a hand-made id)."""
 
     def fresh(group_id: str) -> Group | None:
-        match = _GROUP_ID.match(group_id)
-        if match is None or int(match["index"]) >= len(dataset):
+        prompt = prompt_of(group_id)
+        if isinstance(prompt, str) or prompt[1] >= len(dataset):
             return None
-        task = dataset[int(match["index"])]
-        return Group.fresh(task, epoch=int(match["epoch"]), n_samples=n_samples, version=0, seq=0)
+        epoch, index = prompt
+        return Group.fresh(dataset[index], epoch=epoch, n_samples=n_samples, version=0, seq=0)
 
     return fresh
 
