@@ -114,6 +114,15 @@ def _check(
     return orjson.loads((tmp_path / "result.json").read_bytes())
 
 
+def _assert_same_steps(r: dict) -> None:
+    """The two backends took the same optimizer steps (tests/adam_bound.py): the first step's
+    gradients within fp32's rounding of the minibatch's sums, and every weight within what AdamW
+    makes of the gradients' differences. Not a fixed bound on the weights: where a gradient is
+    near its rounding, AdamW's step there is rounding too, of up to lr (1e-4 failed on AVX2)."""
+    assert r["gradient_excess"] <= 1.0, r["gradient_excess"]
+    assert r["weights_excess"] <= 1.0, (r["weights_excess"], r["weights_diff"])
+
+
 @pytest.mark.parametrize(
     ("world", "tp", "micro", "variant"),
     [
@@ -162,8 +171,8 @@ def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant)
     else:
         assert torch_m["is_mask_frac"] > 0  # tokens were dropped
     assert r["logprob_diff"] < 1e-5
-    # Adam's first step moves every weight by ~lr; the two backends land within 1% of that step.
-    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+    assert r["weights_moved"] > 5e-3  # Adam's first step moves every weight by ~lr
+    _assert_same_steps(r)
     assert r["names"][0] == r["names"][1]
     assert r["optimizer_files"] == sorted(f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
 
@@ -184,7 +193,8 @@ def test_half_batch_steps_match_the_torch_trainer(tmp_path, world, tp, micro, va
     assert torch_m["optimizer_steps"] == 2
     # The second step's ratio against the proximal policy left the trust region for some tokens.
     assert torch_m["pg_clipfrac"] > 0
-    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+    assert r["weights_moved"] > 5e-3
+    _assert_same_steps(r)
 
 
 def test_bf16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path):
