@@ -2,9 +2,12 @@
 
 `python tests/megatron_check.py OUT_DIR WORLD TP [MICRO_BATCH[/MAX_TOKENS] [DEVICE [LOSS [GLOBAL_BATCH
 [DTYPE [switched]]]]]]` writes OUT_DIR/result.json with both trainers' metrics, log-probs before the
-step, and the largest difference between their published weights. `switched`: the megatron ranks
-start with other settings (learning rate, temperature, the default loss) and are given the torch
-trainer's by `use_settings` before the step. A process of its own, because megatron's
+step, the largest difference between their published weights and, by tests/adam_bound.py, how close
+the first optimizer step's gradients (rank 0's) come to their fp32 rounding bound and the weights to
+what AdamW makes of the two runs' moments (the last step's from every rank's saved AdamW state;
+an earlier one's, with GLOBAL_BATCH, from the first step's rounding bound). `switched`: the megatron
+ranks start with other settings (learning rate, temperature, the default loss) and are given the
+torch trainer's by `use_settings` before the step. A process of its own, because megatron's
 parallel state and the process group are global.
 """
 
@@ -99,6 +102,32 @@ def _settings(variant: str):
     return LossSettings(**raw)
 
 
+def _torch_moments(folder: Path, shape) -> dict:
+    """The torch trainer's saved AdamW moments, (exp_avg, exp_avg_sq) by megatron name (full tensors)."""
+    from safetensors.torch import load_file
+
+    from trainers.megatron.qwen3 import hf_to_megatron
+
+    names = orjson.loads((folder / "optimizer" / "state.json").read_bytes())["param_names"]
+    state = load_file(str(folder / "optimizer" / "state.safetensors"))
+    m, v = (
+        hf_to_megatron({n: state[f"{i}.{key}"] for i, n in enumerate(names)}, shape)
+        for key in ("exp_avg", "exp_avg_sq")
+    )
+    return {k: (t, v[k]) for k, t in m.items()}
+
+
+def _megatron_moments(folder: Path, tp: int) -> dict:
+    """The megatron ranks' saved AdamW moments joined over TP (ranks 0..TP-1 are DP rank 0's), by name."""
+    from safetensors.torch import load_file
+
+    from trainers.megatron.qwen3 import unshard
+
+    shards = [load_file(str(folder / "optimizer" / f"rank{r}.safetensors")) for r in range(tp)]
+    names = {k.rsplit(".", 1)[0] for k in shards[0] if k.endswith(".exp_avg")}
+    return {n: tuple(unshard(n, [s[f"{n}.{key}"] for s in shards]) for key in ("exp_avg", "exp_avg_sq")) for n in names}
+
+
 def main(
     out: Path,
     world: int,
@@ -114,7 +143,16 @@ def main(
 
     from launch.megatron_ranks import start_megatron_trainer
     from pipeline.tasks.tiny_model import make_model_folder
+    from tests.adam_bound import (
+        adam_tolerance,
+        first_step_bound,
+        gradient_excess,
+        record_gradients,
+        saved_moments_apart,
+        weight_excess,
+    )
     from trainers import GRPOTrainer
+    from trainers.megatron.qwen3 import hf_to_megatron, shard
 
     model = make_model_folder(out / "model")
     settings = _settings(variant)
@@ -128,6 +166,7 @@ def main(
     if settings.score_centering:
         batch = with_heads(batch)
     torch_lp = torch_trainer.logprobs(batch.samples)
+    torch_grads = record_gradients(torch_trainer.optimizer, torch_trainer.model.named_parameters())
     torch_metrics = torch_trainer.train_step(batch)
     torch_trainer.save_weights(out / "torch")
 
@@ -152,13 +191,34 @@ def main(
             mg.use_settings(dataclasses.replace(mg.step_settings, lr=1e-2, loss=settings, temperature=1.0))
         model_dtypes = sorted({str(p.dtype) for p in mg.model.parameters()})
         mg_lp = mg.logprobs(batch.samples)
+        # Rank 0's gradients as its optimizer takes them (its TP shard; every DP rank's summed).
+        mg_grads = record_gradients(mg.optimizer, [(mg._names[n], p) for n, p in mg.master.named()])
         mg_metrics = mg.train_step(batch)
         mg.save_weights(out / "megatron")
     finally:
         mg.close()
     a, b = load_file(str(out / "torch" / "model.safetensors")), load_file(str(out / "megatron" / "model.safetensors"))
     base = load_file(str(model / "model.safetensors"))
+    # tests/adam_bound.py: the first step's gradients against fp32's rounding of the minibatch's sums,
+    # the weights against what AdamW makes of the gradients' differences.
+    shape, steps = mg.shape, len(torch_grads)
+    ref = [hf_to_megatron(g, shape) for g in torch_grads]
+    positions = sum(len(s.prompt_ids) + s.response_len for s in batch.samples[: gbs or len(batch.samples)])
+    # Every rank's moments are in its saved shard, so the last step's are known for all the weights;
+    # the earlier step (a half-batch split) differs by the first step's rounding bound.
+    assert steps <= 2, f"{steps} optimizer steps: only the first and the last are bounded here"
+    apart = [{k: (d, d) for k, d in first_step_bound(ref[0], positions=positions).items()}] * (steps - 1)
+    apart.append(
+        saved_moments_apart(_torch_moments(out / "torch", shape), _megatron_moments(out / "megatron", tp), step=steps)
+    )
+    weights = hf_to_megatron(a, shape)
+    tolerance = adam_tolerance(ref, apart, weights, lr=1e-2)
     result = {
+        # Rank 0's first-step gradients (its TP shard of the reference's) against the rounding bound.
+        "gradient_excess": gradient_excess(
+            ref[0], mg_grads[0], positions=positions, shard=lambda name, full: shard(name, full, 0, tp)
+        ),
+        "weights_excess": weight_excess(hf_to_megatron(b, shape), weights, tolerance),
         "torch": torch_metrics,
         "megatron": mg_metrics,
         "logprob_diff": max(

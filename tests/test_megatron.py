@@ -116,6 +116,15 @@ def _check(
     return orjson.loads((tmp_path / "result.json").read_bytes())
 
 
+def _assert_same_steps(r: dict) -> None:
+    """The two backends took the same optimizer steps (tests/adam_bound.py): the first step's
+    gradients within fp32's rounding of the minibatch's sums, and every weight within what AdamW
+    makes of the gradients' differences. Not a fixed bound on the weights: where a gradient is
+    near its rounding, AdamW's step there is rounding too, of up to lr (1e-4 failed on AVX2)."""
+    assert r["gradient_excess"] <= 1.0, r["gradient_excess"]
+    assert r["weights_excess"] <= 1.0, (r["weights_excess"], r["weights_diff"])
+
+
 @pytest.mark.parametrize(
     ("world", "tp", "micro", "variant"),
     [
@@ -164,8 +173,8 @@ def test_one_step_matches_the_torch_trainer(tmp_path, world, tp, micro, variant)
     else:
         assert torch_m["is_mask_frac"] > 0  # tokens were dropped
     assert r["logprob_diff"] < 1e-5
-    # Adam's first step moves every weight by ~lr; the two backends land within 1% of that step.
-    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+    assert r["weights_moved"] > 5e-3  # Adam's first step moves every weight by ~lr
+    _assert_same_steps(r)
     assert r["names"][0] == r["names"][1]
     assert r["optimizer_files"] == sorted(f"rank{i}.{ext}" for i in range(world) for ext in ("json", "safetensors"))
 
@@ -186,7 +195,8 @@ def test_half_batch_steps_match_the_torch_trainer(tmp_path, world, tp, micro, va
     assert torch_m["optimizer_steps"] == 2
     # The second step's ratio against the proximal policy left the trust region for some tokens.
     assert torch_m["pg_clipfrac"] > 0
-    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+    assert r["weights_moved"] > 5e-3
+    _assert_same_steps(r)
 
 
 def test_settings_given_between_steps_reach_every_rank(tmp_path):
@@ -201,7 +211,9 @@ def test_settings_given_between_steps_reach_every_rank(tmp_path):
             assert mg[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert torch_m["kl_loss"] != 0 and mg["lr"] == 1e-2
     assert r["logprob_diff"] < 1e-5
-    assert r["weights_moved"] > 5e-3 and r["weights_diff"] < 1e-4
+    assert r["weights_moved"] > 5e-3
+    # Within what AdamW makes of the two runs' fp32 rounding (tests/adam_bound.py), as the one-step test.
+    assert r["gradient_excess"] <= 1.0 and r["weights_excess"] <= 1.0, (r["weights_excess"], r["weights_diff"])
 
 
 def test_bf16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path):

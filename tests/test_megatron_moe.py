@@ -114,6 +114,57 @@ def test_the_moe_step_matches_the_torch_trainer_and_replays_the_engines_routes(t
     _assert_replays_and_matches_torch(r)
 
 
+STEPS = 8  # batches of tests/megatron_moe_steps_check.py: 16 optimizer steps
+TOKEN_FRACTIONS = ("pg_clipfrac", "tis_clip_ratio", "is_mask_frac", "opsm_mask_frac")
+
+
+def test_eight_moe_steps_with_routing_replay_stay_on_the_torch_trainers_path(tmp_path):
+    """Issue 45: "the megatron backend learns the MoE toy worse than torch". Traced: on the same
+    batches the two stay within fp32 rounding, step after step; in a run the rollouts sample
+    from each trainer's own weights, and rounding alone splits two runs (torch against torch
+    with micro-batches parts as fast), after which the rewards of any two runs differ by as
+    much as the issue's (40 steps, 12 seeds each: megatron 0.52 +- 0.07, torch 0.48 +- 0.10).
+
+    One rank, the MoE toy's settings (R3, half a batch per optimizer step, megatron's
+    micro-batches of 8), 8 batches off one real rollout, so later steps train off-policy.
+    Every step's metrics agree; the first step's gradients are within fp32's rounding of the
+    minibatch's sums; after every batch each weight is within what AdamW makes of the two
+    runs' gradient differences (tests/adam_bound.py): a difference in the optimizer (its
+    state across batches, lr, betas, eps, weight decay, clipping) or in the masters would show.
+    """
+    r = _check_steps(tmp_path, STEPS)
+    assert r["routed"]  # every sample carries the engine's routes: R3 is on the path
+    assert r["gradient_excess"] <= 1.0, r["gradient_excess"]
+    assert [s["optimizer_steps"] for s in r["steps"]] == list(range(2, 2 * STEPS + 1, 2))
+    for i, step in enumerate(r["steps"]):
+        torch_m, mg = step["torch"], step["megatron"]
+        assert set(mg) == set(torch_m)
+        for key, value in torch_m.items():
+            if key in TOKEN_FRACTIONS:  # a token whose ratio sits at a bound may fall either side
+                assert mg[key] == pytest.approx(value, abs=1.5 / torch_m["tokens"]), (i, key)
+            elif not key.endswith("_time"):
+                # The weights differ by rounding that grows step by step (AdamW where g ~ 0, then
+                # through the model): measured under 1e-5 by the 8th batch; 1e-4 leaves a margin.
+                assert mg[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (i, key)
+        assert step["weights_excess"] <= 1.0, (i, step["weights_excess"], step["weights_diff"])
+    last = r["steps"][-1]
+    assert last["weights_moved"] > 0.05 and last["torch"]["tis_clip_ratio"] > 0  # far, and off-policy
+
+
+def _check_steps(tmp_path: Path, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "megatron_moe_steps_check.py"), str(tmp_path), str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert done.returncode == 0, done.stderr[-4000:] + logs
+    return orjson.loads((tmp_path / "result.json").read_bytes())
+
+
 def test_expert_parallel_step_matches_the_torch_trainer_and_publishes_every_expert(tmp_path):
     """Two ranks, EP=2 (data parallel 2, each rank holding 4 of the 8 experts of each layer), with
     the same checks as one rank: R3 (the routers run on each rank's own tokens before the dispatch,
