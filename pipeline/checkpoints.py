@@ -38,7 +38,7 @@ import structlog
 from core.clock import VersionClock
 from core.errors import ConfigError, StoreError
 from pipeline.plan import RolloutPlan, Trainer
-from stages.publisher import WeightTarget, WeightTransfer, publish_weights
+from stages.publisher import EngineMemory, WeightTarget, WeightTransfer, publish_weights
 from storage import AsyncStore
 
 __all__ = [
@@ -227,12 +227,16 @@ async def replay_then_publish(
     *,
     resume_from: int,
     transfer: WeightTransfer | None,
+    memory: EngineMemory | None = None,
 ) -> StepSave | None:
     """Train the stored batches after the loaded checkpoint (version `resume_from`) again, then
     publish the result: the engines then serve the version the store's last trained step made, as
     they did before the kill. Runs before the stage graph starts: nothing generates meanwhile.
+    Colocated (`memory`), the engines release their GPU memory for the replay, as after a round.
     Returns what was published (None: nothing to replay)."""
     trained = await store.trained_step()
+    if memory is not None and trained >= resume_from:
+        await memory.release()
     saved = await replay_stored_batches(
         trainer,
         store,

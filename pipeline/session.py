@@ -39,7 +39,7 @@ from pipeline.rollout_modes import Training, fill_batch
 from stages.agent import Agent
 from stages.continuation import Detokenize, sampling_problems
 from stages.producers import ProducersFactory
-from stages.publisher import PublishReport, WeightTransfer, publish_weights
+from stages.publisher import EngineMemory, PublishReport, WeightTransfer, publish_weights
 from stages.reward import RewardFn
 from storage import AsyncStore
 
@@ -75,6 +75,7 @@ class Rollout:
         agent: Agent | None = None,
         weight_transfer: WeightTransfer | None = None,
         producers: ProducersFactory | None = None,
+        engine_memory: EngineMemory | None = None,
     ) -> None:
         parts = RolloutParts(
             engines=engines,
@@ -87,6 +88,7 @@ class Rollout:
             agent=agent,
             weight_transfer=weight_transfer,
             producers=producers,
+            engine_memory=engine_memory,
         )
         self._assemble(plan, parts, clock)
 
@@ -172,6 +174,11 @@ class Rollout:
         graph.collector.taken(len(batch.groups))
         training.start(len(batch.groups))
         self._taken = step
+        if self.parts.engine_memory is not None and self.plan.mode is RolloutMode.SYNC:
+            # Colocated: the round is over and the engines idle; their GPU memory goes to the
+            # trainer until the publish takes it back (`publish_tensor.ColocatedWeights`).
+            with span(self.parts.events, "release", step=step):
+                await self.parts.engine_memory.release()
         return batch
 
     async def commit(self, batch: Batch, metrics: Mapping[str, Any] | None = None) -> None:
