@@ -171,7 +171,9 @@ class ColocatedWeights:
         send_dtype: torch.dtype | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         flush_deadline: float = 60.0,
+        serialize: Callable[[FlatBucket], str] = serialize_bucket,
     ) -> None:
+        """`serialize` turns a bucket into the wire entry (CUDA IPC; a CPU test gives its own)."""
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self._parameters = parameters
@@ -180,6 +182,7 @@ class ColocatedWeights:
         self.send_dtype = send_dtype
         self.bucket_bytes = bucket_bytes
         self.flush_deadline = flush_deadline
+        self._serialize = serialize
         self.released: set[str] = set()  # what this object released and has not resumed
         self._tp_sizes: dict[str, int] | None = None
         self.buckets_sent = 0
@@ -201,6 +204,8 @@ class ColocatedWeights:
         throughout: nothing decodes between buckets). Raises EngineError naming the engine."""
         if self._tp_sizes is None:
             self._tp_sizes = await self._engines.tp_sizes()
+        # What training left cached goes back first: the engines' memory is mapped again next.
+        await anyio.to_thread.run_sync(_free_ipc, self.device)
         failed = True
         try:
             await self._resume([WEIGHTS])
@@ -224,7 +229,7 @@ class ColocatedWeights:
             lambda: flatten_bucket(named, dtype=self.send_dtype, device=self.device)
         )
         try:
-            entry = await anyio.to_thread.run_sync(serialize_bucket, bucket)
+            entry = await anyio.to_thread.run_sync(self._serialize, bucket)
             # The buffer stays alive until every engine answered: each copied it by then.
             await self._engines.update_weights_from_tensor(
                 entry, tp_sizes=self._tp_sizes, weight_version=weight_version, flush_cache=flush_cache
@@ -238,7 +243,19 @@ class ColocatedWeights:
         wanted = [t for t in tags if t in self.released]
         if not wanted:
             return
-        await self._engines.resume_memory_occupation(wanted)
+        try:
+            await self._engines.resume_memory_occupation(wanted)
+        except EngineError as exc:
+            # The engine gave its memory to the trainer after the round and does not take it
+            # back: it died (or was restarted) while the trainer trained. Said with what is kept.
+            kind = type(exc)
+            raise kind(
+                exc.url,
+                f"{str(exc).removeprefix(exc.url).lstrip(': ')}; colocated, the engine released its GPU memory "
+                "for training and did not take it back (did it die while the trainer trained?); the trained "
+                "step is committed, the store and the checkpoints are intact",
+                status=exc.status,
+            ) from exc
         self.released.difference_update(wanted)
 
     async def _resume_rest(self, *, quiet: bool) -> None:
