@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from core.clock import VersionClock
-from core.errors import ConfigError, EngineError, PipelineError
+from core.errors import ConfigError, EngineError, PipelineError, PublishError
 from core.types import Batch, PromptTask, RolloutMode
 from pipeline.events import EventLog, span
 from pipeline.graph import StageGraph
@@ -44,6 +44,11 @@ from stages.reward import RewardFn
 from storage import AsyncStore
 
 __all__ = ["Rollout"]
+
+_RELEASED_HINT = (
+    "colocated, the engines had released their GPU memory for training (an engine that is gone died "
+    "meanwhile); the trained step is committed, the store and the checkpoints are intact"
+)
 
 
 class Rollout:
@@ -194,15 +199,22 @@ class Rollout:
         """Load the weights folder `weights` into every engine (the same publisher as the launcher)."""
         training = self._open()
         with span(self.parts.events, "publish", version=self.clock.version + 1):
-            report = await publish_weights(
-                self.clock,
-                self.engines,
-                Path(weights),
-                pause_mode=self.plan.pause_mode,
-                transfer=self.parts.weight_transfer,
-                overlap=self.plan.overlap_publish,
-                gates=self.graph.producers.gates,
-            )
+            try:
+                report = await publish_weights(
+                    self.clock,
+                    self.engines,
+                    Path(weights),
+                    pause_mode=self.plan.pause_mode,
+                    transfer=self.parts.weight_transfer,
+                    overlap=self.plan.overlap_publish,
+                    gates=self.graph.producers.gates,
+                )
+            except PublishError as exc:
+                if self.parts.engine_memory is None or self.plan.mode is not RolloutMode.SYNC:
+                    raise
+                # Colocated, the engines were released while the trainer trained: an engine that
+                # cannot be reached now died in between. Say so, and what was kept.
+                raise PublishError(exc.version, f"{exc.reason}; {_RELEASED_HINT}") from exc
         training.done()
         return report
 
