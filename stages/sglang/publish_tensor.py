@@ -28,6 +28,7 @@ import base64
 import io
 import pickle
 import sys
+import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -186,6 +187,8 @@ class ColocatedWeights:
         self.released: set[str] = set()  # what this object released and has not resumed
         self._tp_sizes: dict[str, int] | None = None
         self.buckets_sent = 0
+        # The last send's parts, in seconds: resuming the weights, the buckets, resuming the rest.
+        self.timings: dict[str, float] = {}
 
     async def release(self) -> None:
         """After a round: flush the engines' cache and give all their GPU memory to the trainer."""
@@ -207,16 +210,22 @@ class ColocatedWeights:
         # What training left cached goes back first: the engines' memory is mapped again next.
         await anyio.to_thread.run_sync(_free_ipc, self.device)
         failed = True
+        self.timings = {}
         try:
+            t0 = time.perf_counter()
             await self._resume([WEIGHTS])
+            t1 = time.perf_counter()
             plan = await anyio.to_thread.run_sync(self._plan)
             for i, named in enumerate(plan):
                 last = i == len(plan) - 1
                 await self._send_bucket(named, weight_version if last else None, flush_cache and last)
+            self.timings.update(resume_weights=t1 - t0, buckets=time.perf_counter() - t1)
             failed = False
         finally:
             with anyio.CancelScope(shield=True):
+                t2 = time.perf_counter()
                 await self._resume_rest(quiet=failed)
+                self.timings["resume_rest"] = time.perf_counter() - t2
 
     def _plan(self) -> list[list[tuple[str, torch.Tensor]]]:
         return plan_buckets(self._parameters(), bucket_bytes=self.bucket_bytes, dtype=self.send_dtype)
