@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -99,16 +100,23 @@ class TorchMemorySaver(MemorySaver):
 
     enabled = True
 
-    def __init__(self, *, weights_cpu_backup: bool = False) -> None:
+    def __init__(self, device: torch.device, *, weights_cpu_backup: bool = False) -> None:
         super().__init__()
         from torch_memory_saver import torch_memory_saver
 
         self._saver = torch_memory_saver
+        self._device = device
         self.weights_backed_up = weights_cpu_backup
 
-    def region(self, tag: str) -> AbstractContextManager[object]:
+    @contextlib.contextmanager
+    def region(self, tag: str) -> Iterator[None]:
+        import torch
+
         backup = tag == WEIGHTS and self.weights_backed_up
-        return self._saver.region(tag=tag, enable_cpu_backup=backup)  # type: ignore[no-any-return]
+        # The library keys its pools by the current device, and its region config is per thread:
+        # entered on the allocating thread, with the engine's device current.
+        with torch.cuda.device(self._device), self._saver.region(tag=tag, enable_cpu_backup=backup):
+            yield
 
     def cuda_graph(
         self, graph: torch.cuda.CUDAGraph, *, pool: Any, stream: Any, capture_error_mode: str
@@ -148,7 +156,7 @@ def open_memory_saver(device: torch.device, *, enabled: bool, weights_cpu_backup
         )
     if problems:
         raise ConfigError(problems)
-    return TorchMemorySaver(weights_cpu_backup=weights_cpu_backup)
+    return TorchMemorySaver(device, weights_cpu_backup=weights_cpu_backup)
 
 
 def preload_environment() -> dict[str, str] | None:

@@ -161,6 +161,9 @@ class MemoryOccupation:
         if self._device is not None:
             import torch
 
+            # A worker thread of the lane: the engine's device (and its context) current here, for
+            # the driver calls under the library.
+            torch.cuda.set_device(self._device)
             torch.cuda.synchronize(self._device)
             # Cached blocks of the default pool (activations, graph warm-ups) go back too: measured
             # from outside the process, a released engine should hold little beyond its context.
@@ -169,6 +172,10 @@ class MemoryOccupation:
             self._saver.pause(tag)
 
     def _resume(self, tags: Sequence[str]) -> None:
+        if self._device is not None:
+            import torch
+
+            torch.cuda.set_device(self._device)
         for tag in tags:
             self._saver.resume(tag)
         if KV_CACHE in tags:

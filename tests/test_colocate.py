@@ -54,24 +54,42 @@ def _entries(bucket: FlatBucket) -> list[BucketEntry]:
     return out
 
 
-def test_a_flattened_bucket_comes_back_bit_for_bit_in_mixed_dtypes() -> None:
+def test_a_flattened_bucket_comes_back_bit_for_bit() -> None:
     g = torch.Generator().manual_seed(0)
     named = [
-        ("embed", torch.randn(5, 3, generator=g)),  # fp32 master, sent as bf16
-        ("norm", torch.randn(7, generator=g)),  # odd sizes: the next entry's offset must stay aligned
+        ("embed", torch.randn(5, 3, generator=g)),  # fp32 masters, sent as bf16
+        ("norm", torch.randn(7, generator=g)),
         ("proj", torch.randn(2, 3, 4, generator=g)),
     ]
     bucket = flatten_bucket(named, dtype=torch.bfloat16, device=torch.device("cpu"))
-    assert bucket.flat.dtype == torch.uint8 and all(m.start_idx % 16 == 0 for m in bucket.metadata)
+    assert bucket.flat.dtype == torch.bfloat16 and [m.start_idx for m in bucket.metadata] == [0, 15, 22]
     got = unflatten(Bucket(bucket.flat, _entries(bucket)))
     assert [n for n, _ in got] == ["embed", "norm", "proj"]
     for (_, sent), (_, back) in zip(named, got, strict=True):
         assert back.dtype == torch.bfloat16 and back.shape == sent.shape
         assert torch.equal(back.view(torch.int16), sent.to(torch.bfloat16).view(torch.int16))
-    # Without a send dtype each tensor keeps its own (int tensors too), in one byte buffer.
-    kept = flatten_bucket([("a", torch.arange(3)), ("b", torch.ones(2))], dtype=None, device=torch.device("cpu"))
-    a, b = unflatten(Bucket(kept.flat, _entries(kept)))
-    assert torch.equal(a[1], torch.arange(3)) and torch.equal(b[1], torch.ones(2))
+    # Without a send dtype each bucket takes one dtype of its own (every SGLang reads that layout).
+    mixed = [("a", torch.arange(3)), ("b", torch.ones(2)), ("c", torch.zeros(2))]
+    plan = plan_buckets(mixed, bucket_bytes=1 << 20, dtype=None)
+    assert [[n for n, _ in b] for b in plan] == [["a"], ["b", "c"]]
+    with pytest.raises(ValueError, match="one dtype"):
+        flatten_bucket(mixed, dtype=None, device=torch.device("cpu"))
+
+
+def test_sglangs_byte_layout_for_mixed_dtypes_is_read_too() -> None:
+    """What slime sends to a newer SGLang: one uint8 buffer, byte offsets, a dtype per entry."""
+    parts = [("w", torch.randn(3, 2).to(torch.bfloat16)), ("b", torch.randn(4))]
+    flat = torch.cat([parts[0][1].flatten().view(torch.uint8), parts[1][1].view(torch.uint8)])
+    entries = []
+    for (name, t), start in zip(parts, (0, 12), strict=True):
+        entry = BucketEntry()
+        nbytes = t.numel() * t.element_size()
+        entry.__setstate__(
+            {"name": name, "shape": t.shape, "dtype": t.dtype, "start_idx": start, "end_idx": start + nbytes}
+        )
+        entries.append(entry)
+    got = dict(unflatten(Bucket(flat, entries)))
+    assert torch.equal(got["w"].view(torch.int16), parts[0][1].view(torch.int16)) and torch.equal(got["b"], parts[1][1])
 
 
 def test_the_older_single_dtype_layout_is_read_too() -> None:
@@ -199,7 +217,7 @@ def test_a_bucket_that_is_not_base64_or_not_a_pickle_is_refused_clearly() -> Non
 
 
 def test_buckets_are_bounded_and_keep_the_order() -> None:
-    named = [(f"w{i}", torch.zeros(100)) for i in range(10)]  # 200 bf16 bytes each, 208 padded
+    named = [(f"w{i}", torch.zeros(100)) for i in range(10)]  # 200 bf16 bytes each
     plan = plan_buckets(named, bucket_bytes=500, dtype=torch.bfloat16)
     assert [len(b) for b in plan] == [2, 2, 2, 2, 2]
     assert [n for b in plan for n, _ in b] == [n for n, _ in named]

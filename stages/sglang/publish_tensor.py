@@ -11,15 +11,17 @@ CUDA IPC handles (`/update_weights_from_tensor`), with no copy through disk or N
 clock gates it as any publish). Only the tags this object released are resumed: SGLang's memory
 saver exits the server on a resume of memory that is not released, so the client must not guess.
 
-A bucket is SGLang's `FlattenedTensorBucket` layout, built here without SGLang: the tensors of up to
-`bucket_bytes` copied (in the engine's dtype) into one uint8 buffer on the trainer's GPU, each at a
-16-byte-aligned byte offset, and `{"flattened_tensor": buffer, "metadata": [...]}` pickled the way
-`MultiprocessingSerializer` does (torch's CUDA reduction: the buffer travels as an IPC handle, its
-device as the GPU's UUID, as SGLang's patched reduction sends it). The metadata entries are plain
-`types.SimpleNamespace`s with SGLang's field names: SGLang reads them by attribute, and the
-built-in engine maps them onto its own class. The buffer lives until every engine answered for it
-(an engine answers once it copied the bucket), then it is freed and torch's IPC bookkeeping
-collected: the trainer's extra memory is one bucket.
+A bucket is SGLang's `FlattenedTensorBucket` layout, built here without SGLang: tensors of one dtype
+(the engine's, with `send_dtype`), up to `bucket_bytes`, copied into one flat buffer of that dtype on
+the trainer's GPU, offsets in elements, and `{"flattened_tensor": buffer, "metadata": [...]}`
+pickled the way `MultiprocessingSerializer` does (torch's CUDA reduction: the buffer travels as an
+IPC handle, its device as the GPU's UUID, as SGLang's patched reduction sends it). One dtype per
+bucket is the layout every SGLang reads: the older one slices elements, the newer one (bytes, any
+dtype) views a slice in the entry's dtype, which for a buffer of that dtype is the same slice.
+The metadata entries are plain `types.SimpleNamespace`s with SGLang's field names: SGLang reads
+them by attribute, and the built-in engine maps them onto its own class. The buffer lives until
+every engine answered for it (an engine answers once it copied the bucket), then it is freed and
+torch's IPC bookkeeping collected: the trainer's extra memory is one bucket.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ log = structlog.get_logger("publisher")
 # SGLang's memory tags (`sglang.srt.constants.GPU_MEMORY_TYPE_*`).
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
 ALL_TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
-_ALIGN = 16  # byte offset of each tensor in a bucket: any dtype's view of its slice is aligned
 
 
 class ColocatedTarget(Protocol):
@@ -75,7 +76,7 @@ class ColocatedTarget(Protocol):
 class FlatBucket:
     """One bucket ready to send: the buffer the handle points to, and its metadata."""
 
-    flat: torch.Tensor  # uint8, on the trainer's GPU
+    flat: torch.Tensor  # one dtype, on the trainer's GPU
     metadata: list[types.SimpleNamespace]
 
     @property
@@ -86,13 +87,15 @@ class FlatBucket:
 def plan_buckets(
     named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int, dtype: torch.dtype | None
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """The tensors in order, cut into buckets of at most `bucket_bytes` in the sent dtype (a larger
-    tensor alone). Nothing is copied: the entries are the trainer's own tensors, detached."""
+    """The tensors in order, cut into buckets of one dtype (`dtype`, or each tensor's) and at most
+    `bucket_bytes` (a larger tensor alone). Nothing is copied: the entries are the trainer's own
+    tensors, detached."""
     out: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in named:
-        nbytes = _padded(t.numel() * (dtype or t.dtype).itemsize)
-        if out[-1] and size + nbytes > bucket_bytes:
+        kind = dtype or t.dtype
+        nbytes = t.numel() * kind.itemsize
+        if out[-1] and (size + nbytes > bucket_bytes or (dtype or out[-1][0][1].dtype) != kind):
             out.append([])
             size = 0
         out[-1].append((name, t.detach()))
@@ -103,28 +106,25 @@ def plan_buckets(
 def flatten_bucket(
     named: Sequence[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None, device: torch.device
 ) -> FlatBucket:
-    """Copy `named` (converted to `dtype`, None: as they are) into one new uint8 buffer on `device`."""
-    offsets, end = [], 0
-    for _, t in named:
-        offsets.append(end)
-        end += _padded(t.numel() * (dtype or t.dtype).itemsize)
-    flat = torch.empty(end, dtype=torch.uint8, device=device)
+    """Copy `named` (converted to `dtype`; None: their own, which must be one) into one new flat
+    buffer of that dtype on `device`."""
+    kinds = {dtype or t.dtype for _, t in named}
+    if len(kinds) != 1:
+        raise ValueError(f"a bucket holds one dtype, got {sorted(map(str, kinds))}: cut it with plan_buckets")
+    (kind,) = kinds
+    flat = torch.empty(sum(t.numel() for _, t in named), dtype=kind, device=device)
     metadata = []
+    start = 0
     with torch.no_grad():
-        for (name, t), start in zip(named, offsets, strict=True):
-            kind = dtype or t.dtype
-            nbytes = t.numel() * kind.itemsize
-            flat[start : start + nbytes].view(kind).view(t.shape).copy_(t)
+        for name, t in named:
+            end = start + t.numel()
+            flat[start:end].view(t.shape).copy_(t)
             metadata.append(
                 types.SimpleNamespace(
-                    name=name,
-                    shape=torch.Size(t.shape),
-                    dtype=kind,
-                    start_idx=start,
-                    end_idx=start + nbytes,
-                    numel=nbytes,
+                    name=name, shape=torch.Size(t.shape), dtype=kind, start_idx=start, end_idx=end, numel=t.numel()
                 )
             )
+            start = end
     if flat.is_cuda:
         torch.cuda.synchronize(flat.device)  # the copies are done before any handle to them exists
     return FlatBucket(flat, metadata)
@@ -275,10 +275,6 @@ class ColocatedWeights:
                 raise
             # The publish failed already and says why; this one would hide it.
             log.warning("resuming the engines' KV cache after a failed publish failed too", error=str(exc))
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _free_ipc(device: torch.device) -> None:
