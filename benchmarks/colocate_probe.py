@@ -18,7 +18,7 @@ shape "fits" when all of that ran; one that runs out of memory says where. Memor
   KV pool, what a release gave back, what it kept (its CUDA context and the small buffers outside
   the releasable regions), and the device in use while both hold their memory (the second round).
 
-Prints one JSON line per shape, then the table and `largest: SHAPE`.
+Prints one JSON line per shape, each followed by the table so far and `largest: SHAPE`.
 """
 
 from __future__ import annotations
@@ -229,6 +229,7 @@ async def main(args: argparse.Namespace) -> None:
             row = await probe(shape, root, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            _table(rows)  # after every shape: a probe cut off by its time limit still leaves its table
             return bool(row["fits"])
 
         ups = [s for s in args.shapes.split(",") if s]
@@ -242,7 +243,6 @@ async def main(args: argparse.Namespace) -> None:
             for shape in [s for s in args.smaller.split(",") if s]:
                 if await run(shape):
                     break
-    _table(rows)
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
@@ -270,7 +270,7 @@ def _table(rows: list[dict[str, Any]]) -> None:
             print(f"       {r['shape']} failed at {r.get('failed_at')}: {r.get('error')}")
     fits = [r["shape"] for r in rows if r["fits"]]
     largest = max(fits, key=lambda s: list(SHAPES).index(s)) if fits else "none"
-    print(f"largest: {largest}")
+    print(f"largest: {largest}", flush=True)
 
 
 if __name__ == "__main__":

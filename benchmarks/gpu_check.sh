@@ -70,5 +70,6 @@ printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
   sed -n '/medians of/,/^target/p' "$out/colocate-publish.log" 2>/dev/null
   grep -h -E '^[0-9]+ (passed|failed)|passed|failed' "$out/colocate-tests.log" 2>/dev/null | tail -n 1
   grep -h -E '^engine resident|Error|error:' "$out/colocate-tests.log" 2>/dev/null | head -n 5
-  sed -n '/^colocated on one GPU/,/^largest/p' "$out/colocate-probe.log" 2>/dev/null
+  awk '/^colocated on one GPU/{b=""} {b=b $0 "\n"} /^largest/{last=b} END{printf "%s", last}' \
+    "$out/colocate-probe.log" 2>/dev/null   # the last table: printed after each shape
 } | tee -a "$out/summary.txt"

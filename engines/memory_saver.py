@@ -154,6 +154,12 @@ def open_memory_saver(device: torch.device, *, enabled: bool, weights_cpu_backup
             "start it with python -m engines.builtin, which sets it (or set LD_PRELOAD to "
             f"{_hook_library() or 'the hook library'})"
         )
+    elif not _hook_active():
+        problems.append(
+            "--enable-memory-saver: torch_memory_saver's hook is in LD_PRELOAD but does not serve cudaMalloc "
+            "(the loader could not preload it: is the CUDA runtime it needs on LD_LIBRARY_PATH? the process "
+            "log's first lines say); nothing could be released"
+        )
     if problems:
         raise ConfigError(problems)
     return TorchMemorySaver(device, weights_cpu_backup=weights_cpu_backup)
@@ -168,11 +174,49 @@ def preload_environment() -> dict[str, str] | None:
     if library is None:
         return None
     current = os.environ.get("LD_PRELOAD", "")
-    return {**os.environ, "LD_PRELOAD": f"{library}:{current}" if current else library}
+    env = {**os.environ, "LD_PRELOAD": f"{library}:{current}" if current else library}
+    # The hook needs the CUDA runtime when the process starts, before torch is imported: the one
+    # torch loads may sit in its wheels' folder (nvidia/.../lib), which only torch's own RPATH names.
+    runtime = _cuda_runtime_dir()
+    if runtime is not None:
+        paths = [runtime, *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+        env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(paths))
+    return env
+
+
+def _cuda_runtime_dir() -> str | None:
+    """The folder of the CUDA (or HIP) runtime library this process loaded with torch."""
+    import torch  # noqa: F401  (loads the runtime on GPU builds)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.strip() else ""
+                if "/libcudart.so" in path or "/libamdhip64.so" in path:
+                    return os.path.dirname(path)
+    except OSError:  # not Linux
+        pass
+    return None
 
 
 def _hook_preloaded() -> bool:
     return any(_HOOK in part for part in os.environ.get("LD_PRELOAD", "").split(":"))
+
+
+def _hook_active() -> bool:
+    """Whether the process's cudaMalloc is the preloaded hook's (the loader skips a preload it
+    cannot load, with one line on stderr, and the regions would then release nothing)."""
+    import ctypes
+
+    library = next((p for p in os.environ.get("LD_PRELOAD", "").split(":") if _HOOK in p), None)
+    if library is None:
+        return False
+    try:
+        hook = ctypes.cast(ctypes.CDLL(library).cudaMalloc, ctypes.c_void_p).value
+        served = ctypes.cast(ctypes.CDLL(None).cudaMalloc, ctypes.c_void_p).value
+    except (OSError, AttributeError):  # not loadable, or no cudaMalloc in the process's global scope
+        return False
+    return hook is not None and hook == served
 
 
 def _hook_library() -> str | None:
