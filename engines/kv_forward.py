@@ -165,8 +165,7 @@ class KVCacheForward(TorchForward):
             )
         use_slot_attention(runner.model)
         if fuse_ops:
-            with runner.memory.region(WEIGHTS):
-                _fuse_ops(runner)
+            _fuse_ops(runner)
         # transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x).
         params = inspect.signature(runner.model.base_model.forward).parameters
         # Not a bound method: the graphs hold this, and a cycle through them would leave a dropped
@@ -450,7 +449,9 @@ def _fuse_ops(runner: ModelRunner) -> None:
     from engines.fused_ops import fuse_ops, unfuse_ops
     from engines.fused_projections import fuse_projections
 
-    if fuse_projections(runner.model):  # the live weights are views of the fused tensors now
+    with runner.memory.region(WEIGHTS):  # the fused tensors are weights: released with them
+        fused = fuse_projections(runner.model)
+    if fused:  # the live weights are views of the fused tensors now
         runner.refresh_live_weights()
     if not fuse_ops(runner.model):
         return

@@ -16,8 +16,10 @@ forward reads memory while it moves.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -158,25 +160,30 @@ class MemoryOccupation:
         return None
 
     def _pause(self, tags: Sequence[str]) -> None:
-        if self._device is not None:
-            import torch
+        with self._on_device():
+            if self._device is not None:
+                import torch
 
-            # A worker thread of the lane: the engine's device (and its context) current here, for
-            # the driver calls under the library.
-            torch.cuda.set_device(self._device)
-            torch.cuda.synchronize(self._device)
-            # Cached blocks of the default pool (activations, graph warm-ups) go back too: measured
-            # from outside the process, a released engine should hold little beyond its context.
-            torch.cuda.empty_cache()
-        for tag in tags:
-            self._saver.pause(tag)
+                torch.cuda.synchronize(self._device)
+                # Cached blocks of the default pool (activations, graph warm-ups) go back too:
+                # measured from outside the process, a released engine should hold little beyond
+                # its context.
+                torch.cuda.empty_cache()
+            for tag in tags:
+                self._saver.pause(tag)
 
     def _resume(self, tags: Sequence[str]) -> None:
-        if self._device is not None:
-            import torch
+        with self._on_device():
+            for tag in tags:
+                self._saver.resume(tag)
+            if KV_CACHE in tags:
+                self._after_kv_resume()
 
-            torch.cuda.set_device(self._device)
-        for tag in tags:
-            self._saver.resume(tag)
-        if KV_CACHE in tags:
-            self._after_kv_resume()
+    def _on_device(self) -> AbstractContextManager[object]:
+        """The lane runs on a worker thread: the engine's device (and its context) current there,
+        for the driver calls under the library."""
+        if self._device is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.device(self._device)
