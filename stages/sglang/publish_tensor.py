@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import io
 import pickle
-import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -207,8 +206,8 @@ class ColocatedWeights:
         throughout: nothing decodes between buckets). Raises EngineError naming the engine."""
         if self._tp_sizes is None:
             self._tp_sizes = await self._engines.tp_sizes()
-        # What training left cached goes back first: the engines' memory is mapped again next.
-        await anyio.to_thread.run_sync(_free_ipc, self.device)
+        if self.released:  # what training left cached goes back first: the engines map theirs again
+            await anyio.to_thread.run_sync(_give_back_cache, self.device)
         failed = True
         self.timings = {}
         try:
@@ -223,6 +222,8 @@ class ColocatedWeights:
             failed = False
         finally:
             with anyio.CancelScope(shield=True):
+                if self.released:  # the buckets' blocks go back before the KV cache is mapped again
+                    await anyio.to_thread.run_sync(_give_back_cache, self.device)
                 t2 = time.perf_counter()
                 await self._resume_rest(quiet=failed)
                 self.timings["resume_rest"] = time.perf_counter() - t2
@@ -234,19 +235,24 @@ class ColocatedWeights:
         self, named: list[tuple[str, torch.Tensor]], weight_version: str | None, flush_cache: bool
     ) -> None:
         assert self._tp_sizes is not None
-        bucket = await anyio.to_thread.run_sync(
-            lambda: flatten_bucket(named, dtype=self.send_dtype, device=self.device)
-        )
+        held: list[FlatBucket] = []
+
+        def build() -> str:  # one worker-thread hop: the copies, then the handle to them
+            held.append(flatten_bucket(named, dtype=self.send_dtype, device=self.device))
+            return self._serialize(held[0])
+
         try:
-            entry = await anyio.to_thread.run_sync(self._serialize, bucket)
+            entry = await anyio.to_thread.run_sync(build)
             # The buffer stays alive until every engine answered: each copied it by then.
             await self._engines.update_weights_from_tensor(
                 entry, tp_sizes=self._tp_sizes, weight_version=weight_version, flush_cache=flush_cache
             )
             self.buckets_sent += 1
         finally:
-            del bucket
-            await anyio.to_thread.run_sync(_free_ipc, self.device)
+            held.clear()
+            # The engines closed their handles before answering: the block is free for the next
+            # bucket (kept cached: the next one reuses it rather than allocating anew).
+            await anyio.to_thread.run_sync(_collect_ipc, self.device)
 
     async def _resume(self, tags: Sequence[str]) -> None:
         wanted = [t for t in tags if t in self.released]
@@ -277,8 +283,14 @@ class ColocatedWeights:
             log.warning("resuming the engines' KV cache after a failed publish failed too", error=str(exc))
 
 
-def _free_ipc(device: torch.device) -> None:
-    """Release the CUDA IPC bookkeeping of buckets the engines closed, and their cached blocks."""
-    if device.type == "cuda" and "torch.cuda" in sys.modules:
+def _collect_ipc(device: torch.device) -> None:
+    """Release the CUDA IPC bookkeeping of buckets the engines closed."""
+    if device.type == "cuda":
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+def _give_back_cache(device: torch.device) -> None:
+    """Blocks this process keeps cached go back to the device, for the engines to map theirs."""
+    if device.type == "cuda":
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
         torch.cuda.empty_cache()
