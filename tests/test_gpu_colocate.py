@@ -12,7 +12,8 @@ on the same GPU, as `--colocate` starts it. Memory is measured from outside the 
   change nothing;
 - a trainer that died holding the IPC handles: the engine's update fails with a clear message and
   the engine takes the next publish;
-- an engine that dies between release and resume: the publish fails naming it and what is kept.
+- an engine that dies between release and resume: the publish fails naming it and what is kept;
+- a `--colocate` run of the quick start to its end, released after every round.
 """
 
 from __future__ import annotations
@@ -312,3 +313,22 @@ async def _dies_released(folder: Path) -> None:
         said = str(failed.value)
         assert engine.url in said and clock.version == 0
         print(said)
+
+
+def test_a_colocated_run_trains_and_generates_on_one_gpu(tmp_path: Path) -> None:
+    """`python -m pipeline.launch --colocate`: the engine started with the memory saver on the
+    trainer's GPU, released after every round, the weights by CUDA IPC, the run to its end."""
+    import json
+
+    from pipeline.run.cli import main
+
+    _ready()
+    out = tmp_path / "run"
+    argv = ["--output-dir", str(out), "--no-progress", "--log-level", "warning", "--num-rollout", "3"]
+    code = main([*argv, "--colocate", "--trainer-device", "cuda", "--trainer-dtype", "bfloat16"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert len(records) == 3 and kinds.count("release") == 3 and kinds.count("publish") == 3
+    assert all(r["time/publish_update"] > 0 for r in records)
