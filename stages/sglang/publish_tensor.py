@@ -192,12 +192,10 @@ class ColocatedWeights:
     async def release(self) -> None:
         """After a round: flush the engines' cache and give all their GPU memory to the trainer."""
         await self._engines.flush_cache(self.flush_deadline)
-        try:
-            await self._engines.release_memory_occupation(None)
-        finally:
-            # Whatever answered, the engines may have released: resume them at the next publish
-            # (an engine that released nothing resumes nothing; the built-in one says so).
-            self.released.update(ALL_TAGS)
+        # Raises (the run stops) when an engine refused or did not answer; a refused release
+        # released nothing, and nothing is marked to resume.
+        await self._engines.release_memory_occupation(None)
+        self.released.update(ALL_TAGS)
 
     async def send(self, weight_version: str, *, flush_cache: bool = True) -> None:
         """Resume the weights' memory, hand every tensor over bucket by bucket, resume the rest.
