@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks (about 15 minutes on one H200 in all; run as two subsets where a call has 10), run from the repository root:
+# The GPU checks (about 24 minutes on one H200 in all; run as subsets where a call has 10), run from the repository root:
 #
 #   bash benchmarks/gpu_wheels.sh build/wheels-gpu     # here, once: the wheels the GPU image lacks
 #   bash benchmarks/gpu_check.sh [WHEELS_DIR]                        # there, with WHEELS_DIR carried
 #   STEPS="engine" bash benchmarks/gpu_check.sh DIR                  # a subset: one step per call where
 #   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
+#   STEPS="colocate" bash benchmarks/gpu_check.sh DIR                # colocated on one GPU: 520 s of limits
 #
 # Installs the carried wheels into a private site dir (no index, no deps: the image keeps its own
 # torch and transformers), runs the project from PYTHONPATH, then: `pytest -m gpu -x`, the engine
@@ -37,7 +38,7 @@ want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }   # STEPS="engin
 want pytest-gpu && step pytest-gpu 170 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py
 want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtype bfloat16 --qwen3-06b --batches 1,16,128 \
   --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-ops --reference-batches 128
-want publish-transfer && step publish-transfer 75 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
+want publish-transfer && step publish-transfer 100 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
   --model-size 0.6b --publishes 3
 # Responses up to 1024 tokens (the tail's median 153): at 256 a batch's generation took less of the
 # GPU than its training step, so async was trainer-bound and the engine waited by design
@@ -47,6 +48,15 @@ want modes-builtin && step modes-builtin 560 python3 -m benchmarks.modes --engin
   --dtype bfloat16 --steps 4 --length-tail lognormal:-1.9,0.8 --max-len 1024 --timeline-dir "$out/timelines"
 # Time scale 0.1: at the default 0.02 its engine ran late on 16,138 forwards on 4 cores (its
 # ratios then say nothing); about 80 s at 0.1.
+# Colocated on one GPU (issue 47; STEPS="colocate", at most 8.7 minutes): the GPU tests (IPC publish
+# bit-exact, release measured from outside, refusals, a dead trainer, a dead engine, a --colocate run), the publish
+# benchmark's rows (disk, CUDA IPC, the colocated sequence with its resumes; 0.6B, bf16) and the
+# largest Qwen3 shape that trains and generates colocated, with its memory split.
+want colocate && step colocate-tests 150 python3 -m pytest -m gpu -x -q -p no:cacheprovider -s tests/test_gpu_colocate.py
+want colocate && step colocate-publish 100 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
+  --model-size 0.6b --publishes 3
+want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --shapes 4b,8b --smaller 1.7b,0.6b \
+  --budget 235 --min-left 130
 want modes-sim && step modes-sim 150 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 1024 --slots 64 --train-time 3.5 --time-scale 0.1 \
   --only sync --only sync+partial --only async --only "async, overlap" --timeline-dir "$out/timelines"
 printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
@@ -55,4 +65,11 @@ printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
   grep -h '^target ' "$out/engine.log" 2>/dev/null
   grep -h '^mode ' "$out/modes-builtin.log" 2>/dev/null   # each finished mode, also from a run cut short
   sed -n '/within 10%/,$p' "$out/modes-builtin.log" 2>/dev/null
+  # Colocated: the IPC stall verdict, the publish table, the probe's memory table and largest shape.
+  grep -h '^target ipc' "$out/colocate-publish.log" 2>/dev/null
+  sed -n '/medians of/,/^target/p' "$out/colocate-publish.log" 2>/dev/null
+  grep -h -E '^[0-9]+ (passed|failed)|passed|failed' "$out/colocate-tests.log" 2>/dev/null | tail -n 1
+  grep -h -E '^engine resident|Error|error:' "$out/colocate-tests.log" 2>/dev/null | head -n 5
+  awk '/^colocated on one GPU/{b=""} {b=b $0 "\n"} /^largest/{last=b} END{printf "%s", last}' \
+    "$out/colocate-probe.log" 2>/dev/null   # the last table: printed after each shape
 } | tee -a "$out/summary.txt"

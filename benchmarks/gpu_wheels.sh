@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare what the H200 machine (Python 3.12, torch 2.11 cu130 on the image) lacks for the
-# megatron GPU tests: the project's pure-Python deps as cp312 wheels plus megatron-core 0.19.2.
+# megatron GPU tests: the project's pure-Python deps as cp312 wheels plus megatron-core 0.19.2,
+# and torch-memory-saver 0.0.10 for --colocate (2.6 MB: its CUDA 12 and 13 hook libraries).
 # The GPU image already has torch, transformers, numpy, safetensors, tokenizers, tqdm and triton.
 # DIR must be git-ignored (.git/info/exclude) and carried to the GPU host.
 #
@@ -15,5 +16,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$dir" anyio aiohttp aiohappyeyeballs aiosignal attrs frozenlist \
   multidict propcache yarl idna sniffio orjson msgpack lmdb structlog hypothesis sortedcontainers pytest \
-  pluggy iniconfig typing_extensions megatron-core==0.19.2
+  pluggy iniconfig typing_extensions megatron-core==0.19.2 torch-memory-saver==0.0.10
 ls "$dir" | wc -l

@@ -1,15 +1,22 @@
-"""Publish stall and transfer time: disk vs torch.distributed, paused vs overlapped, on one engine.
+"""Publish stall and transfer time: disk vs torch.distributed vs CUDA IPC, paused vs overlapped, on one engine.
 
     python -m benchmarks.publish_transfer [--quick] [--device cpu|cuda] [--dtype bfloat16]
-        [--model-size tiny|0.6b] [--publishes 3]
+        [--model-size tiny|0.6b] [--publishes 3] [--bucket-mb 512]
 
 A built-in engine subprocess serves the model while one long streamed request decodes; the trainer
 side (this process) holds the same model and publishes it `--publishes` times per way:
 
 - disk: `save_pretrained` into a fresh folder, then `/update_weights_from_disk` (save time shown apart);
 - distributed: broadcast over the weight-update group (gloo on CPU, NCCL on a GPU);
+- ipc (GPU): `/update_weights_from_tensor`, the trainer's tensors handed over as CUDA IPC handles in
+  flattened buckets of `--bucket-mb` (what `--colocate` sends; `stages/sglang/publish_tensor.py`);
 - each paused (`in_place`: the engine stops for the whole update) and overlapped (the engine keeps
-  decoding into a staging copy and swaps between two steps).
+  decoding into a staging copy and swaps between two steps); ipc is paused only (the rules refuse
+  overlap with it: each bucket goes into the live weights);
+- ipc, colocated (GPU, torch-memory-saver installed): slime's sequence with nothing streaming, as
+  after a sync round: release every tag, then the publish (resume weights, the buckets, resume the
+  KV cache and graphs); its stall is the gate, the engine's whole stop, and `resume` the part of it
+  the two resumes took.
 
 Columns (medians, seconds): save (disk only), transfer (the update call), gate (the publish end to
 end, as the pipeline's admission gate sees it), stall (the longest gap between two streamed
@@ -39,6 +46,7 @@ from pipeline.tasks.tiny_model import make_model_folder
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
 from stages.sglang.publish_distributed import DistributedWeightSender
+from stages.sglang.publish_tensor import ColocatedWeights
 
 
 class _Stream:
@@ -83,7 +91,7 @@ async def _publish_once(
     clock: VersionClock,
     fleet: EngineFleet,
     model: torch.nn.Module,
-    sender: DistributedWeightSender,
+    senders: dict[str, Any],
     root: Path,
     stream: _Stream,
 ) -> dict[str, float]:
@@ -102,7 +110,7 @@ async def _publish_once(
         folder,
         pause_mode=PauseMode.IN_PLACE,
         overlap=overlap,
-        transfer=sender if way == "distributed" else None,
+        transfer=senders.get(way),
     )
     end = time.perf_counter()
     await anyio.sleep(0.5)  # let the stream show the first token after the publish
@@ -116,13 +124,24 @@ async def _publish_once(
 
 def _placement(device: str) -> tuple[str, tuple[str, ...]]:
     """The engine's device and the ways to publish: NCCL refuses two ranks on one GPU, so on a
-    one-GPU machine the distributed rows are left out (said in the output)."""
+    one-GPU machine the distributed rows are left out (said in the output); CUDA IPC needs the
+    engine on the trainer's GPU, so with two GPUs it has its own run (`--ipc-only`)."""
     if not device.startswith("cuda"):
+        print("CPU: CUDA IPC rows left out", flush=True)
         return device, ("disk", "distributed")
     if torch.cuda.device_count() > 1:
         return "cuda:1", ("disk", "distributed")
     print("one GPU: NCCL cannot join trainer and engine on it; distributed rows left out", flush=True)
-    return device, ("disk",)
+    return device, ("disk", "ipc")
+
+
+def _memory_saver(device: str) -> list[str]:
+    """Colocated rows need the engine's memory saver (and its package)."""
+    import importlib.util
+
+    if device.startswith("cuda") and importlib.util.find_spec("torch_memory_saver") is not None:
+        return ["--enable-memory-saver"]
+    return []
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -134,14 +153,23 @@ async def main(args: argparse.Namespace) -> None:
         dtype = getattr(torch, args.dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
         engine_device, ways = _placement(args.device)
+        saver = _memory_saver(engine_device) if "ipc" in ways else []
         engine = await start_engine(
             path,
             startup_timeout=600,
-            extra_args=["--device", engine_device, "--dtype", args.dtype, "--context-length", str(args.context)],
-        )
+            extra_args=[
+                "--device", engine_device, "--dtype", args.dtype, "--context-length", str(args.context), *saver,
+            ],
+        )  # fmt: skip
         rows: dict[str, list[dict[str, float]]] = {}
         async with engine, EngineFleet([engine.url]) as fleet:
-            sender = DistributedWeightSender(model.named_parameters, fleet, device=args.device)
+            senders: dict[str, Any] = {}
+            if "distributed" in ways:
+                senders["distributed"] = DistributedWeightSender(model.named_parameters, fleet, device=args.device)
+            if "ipc" in ways:
+                senders["ipc"] = ColocatedWeights(
+                    model.named_parameters, fleet, device=args.device, bucket_bytes=args.bucket_mb << 20
+                )
             clock = VersionClock()
             stream = _Stream()
             async with anyio.create_task_group() as tg:
@@ -149,23 +177,55 @@ async def main(args: argparse.Namespace) -> None:
                 while len(stream.arrivals) < 3:  # noqa: ASYNC110 - a benchmark waiting for a stream's first tokens
                     await anyio.sleep(0.05)
                 for way in ways:
-                    for overlap in (False, True):
+                    for overlap in (False, True) if way != "ipc" else (False,):
                         name = f"{way}, {'overlapped' if overlap else 'paused'}"
                         for _ in range(args.publishes):
-                            one = await _publish_once(way, overlap, clock, fleet, model, sender, root, stream)
+                            one = await _publish_once(way, overlap, clock, fleet, model, senders, root, stream)
                             rows.setdefault(name, []).append(one)
                         print(f"{name}: {orjson.dumps(rows[name][-1]).decode()}", flush=True)
                 tg.cancel_scope.cancel()
-            await sender.close()
+            if saver:
+                await fleet.abort_all()  # the stream's last request: a release needs an idle engine
+                colocated = senders["ipc"]
+                for _ in range(args.publishes):
+                    one = await _colocated_once(clock, fleet, model, colocated, root)
+                    rows.setdefault("ipc, colocated", []).append(one)
+                print(f"ipc, colocated: {orjson.dumps(rows['ipc, colocated'][-1]).decode()}", flush=True)
+            if "distributed" in senders:
+                await senders["distributed"].close()
     _table(args, rows)
+
+
+async def _colocated_once(
+    clock: VersionClock, fleet: EngineFleet, model: torch.nn.Module, colocated: ColocatedWeights, root: Path
+) -> dict[str, float]:
+    """slime's sequence after a sync round: release, (training), publish with the resumes."""
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-3)
+    await colocated.release()
+    report = await publish_weights(clock, fleet, root, pause_mode=PauseMode.ABORT, transfer=colocated)
+    t = colocated.timings
+    return {
+        "save": 0.0,
+        "transfer": t["buckets"],
+        "gate": report.gate_closed_seconds,
+        "stall": report.gate_closed_seconds,
+        "resume": t["resume_weights"] + t["resume_rest"],
+    }
 
 
 def _table(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> None:
     print(f"\n{args.model_size} model, {args.dtype} on {args.device}; medians of {args.publishes} publishes (seconds)")
-    cols = ["save", "transfer", "gate", "stall"]
+    cols = ["save", "transfer", "gate", "stall", "resume"]
     print(f"{'way':26}" + "".join(f"{c:>10}" for c in cols))
     for name, runs in rows.items():
-        print(f"{name:26}" + "".join(f"{statistics.median(r[c] for r in runs):>10.3f}" for c in cols))
+        cells = [statistics.median(r[c] for r in runs) if c in runs[0] else float("nan") for c in cols]
+        print(f"{name:26}" + "".join(f"{v:>10.3f}" for v in cells))
+    ipc = rows.get("ipc, paused")
+    if ipc:
+        stall = statistics.median(r["stall"] for r in ipc)
+        verdict = "met" if stall <= 0.020 else "MISSED"
+        print(f"target ipc publish stall <= 20 ms: {stall * 1e3:.1f} ms ({verdict})")
 
 
 if __name__ == "__main__":
@@ -176,6 +236,7 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="the tiny model, 2 publishes per way (CPU smoke run)")
     parser.add_argument("--publishes", type=int, default=3)
     parser.add_argument("--context", type=int, default=4096, help="the streamed request's room (tokens)")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="ipc: the most MiB in one bucket (slime's 512)")
     a = parser.parse_args()
     if a.quick:
         a.model_size, a.publishes, a.context = "tiny", 2, min(a.context, 500)

@@ -160,7 +160,7 @@ class VersionMismatchError(EngineError):
 
 class PublishError(PipelineError):
     def __init__(self, version: int, reason: str) -> None:
-        self.version = version
+        self.version, self.reason = version, reason
         super().__init__(f"publishing version {version} failed, version {version - 1} keeps serving: {reason}")
 
 

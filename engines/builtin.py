@@ -5,6 +5,7 @@
         [--dtype float32] [--kv-cache slots|none] [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fuse-ops]
         [--weight-version 0] [--log-level info] [--api-key KEY] [--max-body-mb MIB]
         [--length-tail lognormal:-1.9,0.8] [--length-tail-truncate-frac 0.1] [--length-tail-limit N]
+        [--enable-memory-saver] [--enable-weights-cpu-backup] [--mem-fraction-static F]
 
 The HTTP surface (`http.py`) and scheduler (`scheduler.py`) are every engine's; this module loads
 the model folder and picks the forward: `kv_forward.KVCacheForward` (the default: a KV cache of
@@ -22,6 +23,14 @@ staging copy while decoding goes on, then copied into the live weights between t
 the version spans of running requests mark that step exactly. (With the KV forward, running
 requests keep the K/V their earlier tokens got from the old weights, as SGLang's do.)
 
+Colocated with a trainer on one GPU (slime's `--colocate`): `--enable-memory-saver` (SGLang's flag)
+allocates the weights, the KV cache and the CUDA graphs' pool in releasable regions
+(`memory_saver.py`), so `/release_memory_occupation` gives them back while the trainer trains and
+`/resume_memory_occupation` takes them again (`occupation.py`); the new weights come by CUDA IPC
+(`/update_weights_from_tensor`, `tensor_weights.py`). `--mem-fraction-static F` (SGLang's) caps the
+weights plus the KV cache at F of the GPU's memory, by shortening the cache's context (its slots
+are the concurrency the pipeline counts on), so that trainer and engine fit side by side.
+
 In-process use (tests): `async with open_server(model_dir, port=0) as server: server.url`.
 """
 
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -42,10 +52,13 @@ from anyio.abc import TaskStatus
 from core.errors import ConfigError
 from engines.guards import add_guard_arguments, guard_options
 from engines.http import EngineServer
-from engines.kv_forward import DecodeMode, KVCacheForward
+from engines.kv_forward import DecodeMode, KVCacheForward, kv_bytes_per_position
 from engines.length_tail import LengthTail
+from engines.memory_saver import open_memory_saver, preload_environment
+from engines.occupation import MemoryOccupation
 from engines.serving import open_engine, run_main
 from engines.sim_model import LengthModel
+from engines.tensor_weights import TensorWeightReceiver
 from engines.torch_model import ModelRunner, TorchForward, WeightLoadError
 from engines.weight_group import WeightGroupReceiver
 
@@ -67,6 +80,9 @@ async def open_server(
     cuda_graph_max_bs: int | None = None,
     fuse_ops: bool = False,
     length_tail: LengthTail | None = None,
+    enable_memory_saver: bool = False,
+    weights_cpu_backup: bool = False,
+    mem_fraction_static: float | None = None,
     **options: Any,
 ) -> AsyncIterator[EngineServer]:
     """Load the model, start the decode loop and listen; yield the server (port 0 picks a free port).
@@ -89,12 +105,27 @@ async def open_server(
         problems.append(f"max_running_requests must be >= 1, got {max_running_requests}")
     if cuda_graph_max_bs is not None and cuda_graph_max_bs < 1:
         problems.append(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
+    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+        problems.append(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     if problems:
         raise ConfigError(problems)
+    try:
+        saver = open_memory_saver(
+            torch.device(device), enabled=enable_memory_saver, weights_cpu_backup=weights_cpu_backup
+        )
+    except RuntimeError as exc:  # a device string torch does not know
+        raise ConfigError([f"device {device!r} is not usable here: {exc}"]) from exc
     load = functools.partial(
-        ModelRunner, model_path, dtype=getattr(torch, dtype), device=device, context_length=context_length
+        ModelRunner,
+        model_path,
+        dtype=getattr(torch, dtype),
+        device=device,
+        context_length=context_length,
+        memory=saver,
     )
     runner = await anyio.to_thread.run_sync(load)
+    if mem_fraction_static is not None and kv_cache == "slots":
+        runner.context_length = _fitting_context(runner, max_running_requests, mem_fraction_static)
     if runner.device.type == "cuda":
         # cuDNN's SDPA builds a graph for every new KV length: 79-95 ms a step cold on an H200.
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -113,9 +144,41 @@ async def open_server(
     async with open_engine(
         forward, max_running_requests=max_running_requests, length_tail=length_tail, **options
     ) as server:
-        server.weight_group = WeightGroupReceiver(runner, server.core)
+        occupation = MemoryOccupation(
+            saver,
+            server.core,
+            weight_groups=runner.tied_groups,
+            after_kv_resume=forward.zero_cache if isinstance(forward, KVCacheForward) else lambda: None,
+            device=runner.device if runner.device.type == "cuda" else None,
+        )
+        server.occupation = occupation
+        server.weight_group = WeightGroupReceiver(runner, server.core, occupation=occupation)
+        server.weight_tensors = TensorWeightReceiver(runner, server.core, occupation)
         log.info("built-in engine serving %s at %s", model_path, server.url)
         yield server
+
+
+def _fitting_context(runner: ModelRunner, slots: int, fraction: float) -> int:
+    """The longest context whose slot cache, beside the weights, stays within `fraction` of the
+    GPU's memory (SGLang's --mem-fraction-static: weights plus KV pool); never above the model's."""
+    import torch
+
+    if runner.device.type != "cuda":
+        raise ConfigError([f"--mem-fraction-static sizes GPU memory; this engine runs on {runner.device}"])
+    _, total = torch.cuda.mem_get_info(runner.device)
+    budget = fraction * total - runner.weight_bytes()
+    per_position = kv_bytes_per_position(runner.config, runner.model.dtype) * (slots + 1)
+    context = min(runner.context_length, int(budget // per_position))
+    if context < 2:
+        raise ConfigError(
+            [
+                f"--mem-fraction-static {fraction:g}: {fraction:g} of {total / 2**30:.1f} GiB leaves "
+                f"{max(budget, 0) / 2**30:.2f} GiB beside {runner.weight_bytes() / 2**30:.2f} GiB of weights, "
+                f"less than a KV cache of {slots} slots of 2 positions; raise it or lower --max-running-requests"
+            ]
+        )
+    log.info("--mem-fraction-static %g: KV cache context %d positions x %d slots", fraction, context, slots)
+    return context
 
 
 async def serve(
@@ -169,6 +232,23 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="the run's response limit, so that a resumed request heads for its first request's end",
     )
+    ap.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="SGLang's: allocate weights, KV cache and CUDA graphs so that /release_memory_occupation can give "
+        "their GPU memory back (torch_memory_saver; GPU only)",
+    )
+    ap.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="SGLang's: keep a CPU copy of the weights while released, so a resume brings them back unchanged",
+    )
+    ap.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="SGLang's: weights plus KV cache within this fraction of the GPU's memory (shortens the cache's context)",
+    )
     ap.add_argument("--health-check-timeout", type=float, default=20.0)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--skip-server-warmup", action="store_true", help="accepted for SGLang compatibility")
@@ -178,6 +258,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.enable_memory_saver and (env := preload_environment()) is not None:
+        # torch_memory_saver hooks the CUDA allocator through LD_PRELOAD, which only a process's
+        # start reads: start again, in place (same pid), with it.
+        argv = list(sys.argv[1:] if argv is None else argv)
+        os.execve(sys.executable, [sys.executable, "-m", "engines.builtin", *argv], env)
     guards, problems = guard_options(args)
     if problems:
         logging.basicConfig(stream=sys.stderr)
@@ -212,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         fuse_ops=args.fuse_ops,
         length_tail=tail,
+        enable_memory_saver=args.enable_memory_saver,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
+        mem_fraction_static=args.mem_fraction_static,
         **guards,
     )
     # An unusable model folder or a port taken: say why in a line.

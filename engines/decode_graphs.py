@@ -106,7 +106,10 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         capture: bool,
+        capture_region: Callable[..., AbstractContextManager[object]] | None = None,
     ) -> None:
+        """`capture_region(graph, pool=, stream=, capture_error_mode=)` captures in place of
+        `torch.cuda.graph` (a memory saver's, so that the graphs' pool can be given back)."""
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a cuda device, got {device}")
         self.batch_buckets = batch_buckets(max_batch)
@@ -121,6 +124,7 @@ class DecodeGraphs:
         self._capture = capture
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._capture_region = capture_region
         self._replays = 0
 
     @property
@@ -195,7 +199,11 @@ class DecodeGraphs:
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the event loop's thread may use the device meanwhile (weights received over NCCL).
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+        if self._capture_region is not None:
+            region = self._capture_region(graph, pool=self._pool, stream=side, capture_error_mode="thread_local")
+        else:
+            region = torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local")
+        with region:
             self._step(batch, kv)
         log.debug("captured the decode graph for batch %d, kv %d", batch, kv)
         return graph

@@ -7,9 +7,12 @@ sglang-router cannot tell an engine of this package from SGLang. Where it differ
 - no prompt log-probs, no penalties, no grammars, no multimodal input, no LoRA, and top-logprobs
   (SC) and routed experts (R3, MoE models) from the torch forwards only:
   asking for one is an HTTP 400, never silently ignored; `cached_tokens` is always 0;
-- weights change through `/update_weights_from_disk`, or over torch.distributed where the launcher
-  set `weight_group` (the built-in engine); `/update_weights_from_tensor` answers 400
-  `success: false`; memory release/resume are accepted no-ops;
+- weights change through `/update_weights_from_disk`, over torch.distributed where the launcher
+  set `weight_group`, and by CUDA IPC (`/update_weights_from_tensor`, flattened buckets only) where
+  it set `weight_tensors` (the built-in engine on a GPU: `tensor_weights.py`); elsewhere those answer
+  400 `success: false`. Memory release/resume (`occupation.py`) work on a GPU engine started with
+  `--enable-memory-saver` and are refused with the reason elsewhere; while memory is released,
+  `/generate` answers 503 saying why (SGLang would decode on unmapped memory);
 - `/flush_cache` succeeds while requests are retracted by `pause_generation(mode=retract)`: they hold
   no cache (slime patches SGLang to behave the same, so that a weight publish can flush);
 - `/health` is a liveness check (200 while the decode loop runs); `/health_generate` proves a decode
@@ -36,10 +39,12 @@ import orjson
 from aiohttp import web
 
 from engines.guards import MIB, default_max_body, guard_middlewares
+from engines.occupation import MemoryOccupation, OccupationError, parse_tags
 from engines.protocol import GenerateCall, parse_generate, render_output
 from engines.request import (
     EngineClosedError,
     FinishKind,
+    GenerationHeldError,
     InvalidRequestError,
     PauseMode,
     Request,
@@ -89,6 +94,10 @@ class EngineServer:
         self._drained.set()
         # Set by an engine that takes weights over torch.distributed (`weight_group.WeightGroupReceiver`).
         self.weight_group: Any = None
+        # Set by an engine that takes weights by CUDA IPC (`tensor_weights.TensorWeightReceiver`).
+        self.weight_tensors: Any = None
+        # Set by an engine that can give its GPU memory back (`occupation.MemoryOccupation`).
+        self.occupation: MemoryOccupation | None = None
         self.api_key = api_key or None  # SGLang's --api-key: see guards.py
         model = core.model
         self.max_body_bytes = max_body_bytes or default_max_body(model.context_length, core.max_running_requests)
@@ -111,7 +120,7 @@ class EngineServer:
             ("/update_weights_from_disk", self.update_weights_from_disk),
             ("/update_weight_version", self.update_weight_version),
             ("/update_weights_from_distributed", self.update_weights_from_distributed),
-            ("/update_weights_from_tensor", self.unsupported_weights),
+            ("/update_weights_from_tensor", self.update_weights_from_tensor),
             ("/init_weights_update_group", self.init_weights_update_group),
             ("/destroy_weights_update_group", self.destroy_weights_update_group),
             ("/get_weights_by_name", self.get_weights_by_name),
@@ -120,8 +129,8 @@ class EngineServer:
         r.add_put("/generate", self.generate)
         for path, handler in [
             ("/flush_cache", self.flush_cache),
-            ("/release_memory_occupation", self.memory_occupation),
-            ("/resume_memory_occupation", self.memory_occupation),
+            ("/release_memory_occupation", self.release_memory_occupation),
+            ("/resume_memory_occupation", self.resume_memory_occupation),
         ]:
             r.add_get(path, handler)
             r.add_post(path, handler)
@@ -197,7 +206,7 @@ class EngineServer:
                 await self._submit(call)
             except InvalidRequestError as exc:
                 return _error(400, str(exc))
-            except EngineClosedError as exc:
+            except (EngineClosedError, GenerationHeldError) as exc:
                 return _error(503, str(exc))
             self._enter()  # only now: a request held at the pause gate must not block a pause
             try:
@@ -220,7 +229,7 @@ class EngineServer:
             await self.core.submit(req)
         except InvalidRequestError as exc:
             return await self._stream_error(request, str(exc))
-        except EngineClosedError as exc:
+        except (EngineClosedError, GenerationHeldError) as exc:
             return _error(503, str(exc))
         self._enter()
         try:
@@ -318,6 +327,11 @@ class EngineServer:
             return _weights_failed(f"weight_version must be a string, got {version!r}")
         if body.get("load_format") not in (None, "auto", "safetensors"):
             return _weights_failed(f"load_format {body['load_format']!r} is not supported by the built-in engine")
+        if self.occupation is not None:
+            try:
+                self.occupation.refuse_weights_update("/update_weights_from_disk")
+            except OccupationError as exc:
+                return _weights_failed(str(exc))
         if body.get("abort_all_requests"):
             self.core.abort(abort_all=True)
         paused = self.core.num_running + self.core.num_waiting if self.core.paused else 0
@@ -326,6 +340,8 @@ class EngineServer:
         except WeightLoadError as exc:
             log.warning("update_weights_from_disk failed: %s", exc)
             return _weights_failed(str(exc))
+        if self.occupation is not None:
+            self.occupation.written(None)  # every weight: a folder holds them all
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
@@ -392,8 +408,45 @@ class EngineServer:
             400,
         )
 
-    async def memory_occupation(self, request: web.Request) -> web.Response:
-        return json_response(None)  # nothing to release on the CPU; SGLang's handler returns null
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's `{"success", "message"}`, 400 on failure; CUDA IPC buckets (`tensor_weights.py`)."""
+        if self.weight_tensors is None:
+            return await self.unsupported_weights(request)
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("abort_all_requests"):
+            self.core.abort(abort_all=True)
+        try:
+            message = await self.weight_tensors.update(body)
+        except Exception as exc:  # TensorUpdateError: refused or failed, the engine keeps serving
+            log.warning("update_weights_from_tensor failed: %s", exc)
+            return json_response({"success": False, "message": str(exc)}, 400)
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return json_response({"success": True, "message": message})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._occupation_call(request, release=True)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._occupation_call(request, release=False)
+
+    async def _occupation_call(self, request: web.Request, *, release: bool) -> web.Response:
+        """SGLang's answer: 200 with a null body; 400 `{"error": {"message"}}` when refused."""
+        what = "release_memory_occupation" if release else "resume_memory_occupation"
+        if self.occupation is None:
+            return _error(400, f"{what} is not supported by this engine: it has no GPU memory to give back")
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            tags = parse_tags(body)
+            said = await (self.occupation.release(tags) if release else self.occupation.resume(tags))
+        except OccupationError as exc:
+            return _error(400, str(exc))
+        log.info("%s: %s", what, said)
+        return json_response(None)
 
     # ---- info ------------------------------------------------------------------------------------------
 
@@ -404,6 +457,8 @@ class EngineServer:
         """200 once the engine proves it decodes: the next step of a busy engine, else a 1-token request."""
         if not self.core.alive:
             return web.Response(status=503)
+        if self.core.generation_held is not None:  # memory released: alive, but nothing can decode
+            return web.Response(status=503, text=self.core.generation_held)
         with anyio.move_on_after(self.health_check_timeout):
             if self.core.num_running and self.core.paused is None:
                 await self.core.wait_step()
@@ -416,7 +471,7 @@ class EngineServer:
             try:
                 await self.core.submit(probe)
                 await probe.wait_finished()
-            except EngineClosedError:
+            except (EngineClosedError, GenerationHeldError):
                 return web.Response(status=503)
             finally:
                 self.core.cancel(probe)
@@ -470,6 +525,8 @@ class EngineServer:
                 "stream_interval": 1,
                 "incremental_streaming_output": False,
                 "internal_states": [asdict(c.statistics())],
+                "enable_memory_saver": self.occupation is not None and self.occupation.enabled,
+                "memory_occupation": None if self.occupation is None else asdict(self.occupation.statistics()),
                 "version": model.engine_version,
                 **model.server_details(),
             }

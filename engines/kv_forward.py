@@ -60,6 +60,7 @@ import torch
 
 from core.errors import ConfigError
 from engines.decode_graphs import DecodeGraphs, GraphStatistics
+from engines.memory_saver import KV_CACHE, WEIGHTS
 from engines.moe_routes import wants_routes, with_routes
 from engines.seam import Draw, Row
 from engines.slot_attention import SlotCache, SlotPlan, use_slot_attention
@@ -67,7 +68,7 @@ from engines.torch_model import ModelRunner, TorchForward, draw_tokens, to_devic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeMode", "KVCacheForward", "SlotCache", "SlotStatistics"]
+__all__ = ["DecodeMode", "KVCacheForward", "SlotCache", "SlotStatistics", "kv_bytes_per_position"]
 
 
 class DecodeMode(enum.Enum):
@@ -150,15 +151,18 @@ class KVCacheForward(TorchForward):
         text = getattr(config, "get_text_config", lambda: config)()
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        self.cache = SlotCache(
-            layers=int(text.num_hidden_layers),
-            slots=max_running_requests,
-            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            context=self.context_length,
-            head_dim=head_dim,
-            dtype=runner.model.dtype,
-            device=device,
-        )
+        # The cache, the fused weights and the graphs' pool each in their region of the runner's
+        # memory saver, so a colocated engine can give each back (`memory_saver.py`).
+        with runner.memory.region(KV_CACHE):
+            self.cache = SlotCache(
+                layers=int(text.num_hidden_layers),
+                slots=max_running_requests,
+                kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                context=self.context_length,
+                head_dim=head_dim,
+                dtype=runner.model.dtype,
+                device=device,
+            )
         use_slot_attention(runner.model)
         if fuse_ops:
             _fuse_ops(runner)
@@ -201,7 +205,15 @@ class KVCacheForward(TorchForward):
             dtype=self.runner.model.dtype,
             device=self.runner.device,
             capture=decode is DecodeMode.GRAPHS,
+            capture_region=self.runner.memory.cuda_graph,
         )
+
+    def zero_cache(self) -> None:
+        """Zero every slot: after the cache's memory is given back and taken again its contents are
+        undefined, and a masked-out position that holds a NaN still poisons the attention (0 x NaN)."""
+        with torch.inference_mode():
+            self.cache.keys.zero_()
+            self.cache.values.zero_()
 
     # ---- the forward -------------------------------------------------------------------------------
 
@@ -424,11 +436,22 @@ class KVCacheForward(TorchForward):
         }
 
 
+def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one position of one slot takes, over every layer."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * dtype.itemsize
+
+
 def _fuse_ops(runner: ModelRunner) -> None:
     from engines.fused_ops import fuse_ops, unfuse_ops
     from engines.fused_projections import fuse_projections
 
-    if fuse_projections(runner.model):  # the live weights are views of the fused tensors now
+    with runner.memory.region(WEIGHTS):  # the fused tensors are weights: released with them
+        fused = fuse_projections(runner.model)
+    if fused:  # the live weights are views of the fused tensors now
         runner.refresh_live_weights()
     if not fuse_ops(runner.model):
         return

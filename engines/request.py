@@ -22,6 +22,7 @@ __all__ = [
     "EngineClosedError",
     "Finish",
     "FinishKind",
+    "GenerationHeldError",
     "InvalidRequestError",
     "PauseMode",
     "Request",
@@ -39,6 +40,11 @@ class InvalidRequestError(PipelineError):
 
 class EngineClosedError(PipelineError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+class GenerationHeldError(PipelineError):
+    """The engine runs no request now: its GPU memory is released (`release_memory_occupation`),
+    or its weights are undefined until the next update (HTTP 503, the reason as the message)."""
 
 
 class FinishKind(enum.StrEnum):

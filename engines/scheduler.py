@@ -35,6 +35,7 @@ from engines.request import (
     EngineClosedError,
     Finish,
     FinishKind,
+    GenerationHeldError,
     InvalidRequestError,
     PauseMode,
     Request,
@@ -87,6 +88,8 @@ class EngineCore:
         self._running: list[Request] = []
         self._tracked: dict[str, Request] = {}
         self._pause: PauseMode | None = None
+        # Why no request may run now (the engine's memory is released: `occupation.py`), or None.
+        self._held_by: str | None = None
         self._unpaused = anyio.Event()
         self._unpaused.set()
         self._work = anyio.Event()  # set when the loop may have something new to do
@@ -104,8 +107,11 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------------
 
     async def submit(self, req: Request) -> None:
-        """Queue a request; waits while the engine is paused (SGLang holds, it does not reject)."""
+        """Queue a request; waits while the engine is paused (SGLang holds, it does not reject).
+        Raises GenerationHeldError while generation is held (memory released), before or after
+        the pause gate: a request held at the gate must not run on memory given back meanwhile."""
         self.validate(req)
+        self._check_held()
         self._held += 1
         try:
             while self._pause is not None and not self._closed:
@@ -114,6 +120,7 @@ class EngineCore:
             self._held -= 1
         if self._closed:
             raise EngineClosedError("the engine is shutting down")
+        self._check_held()
         self.check_rid(req)  # it may have been taken while we were held
         req.seed = req.params.sampling_seed if req.params.sampling_seed is not None else self._seeds.getrandbits(62)
         self._serials += 1
@@ -214,6 +221,30 @@ class EngineCore:
         self._pause = None
         self._unpaused.set()
         self._work.set()
+
+    # ---- holding generation (memory released) ----------------------------------------------------
+
+    def hold_generation(self, reason: str | None) -> None:
+        """Refuse new requests with `reason` and run no step until called with None. The caller
+        (`occupation.MemoryOccupation`) holds only an idle engine."""
+        self._held_by = reason
+        self._work.set()
+
+    @property
+    def generation_held(self) -> str | None:
+        """Why requests are refused now, or None."""
+        return self._held_by
+
+    def _check_held(self) -> None:
+        if self._held_by is not None:
+            raise GenerationHeldError(self._held_by)
+
+    async def run_in_lane(self, fn: Callable[[], object]) -> None:
+        """Run the blocking `fn` on the compute thread's lane: between two forwards, never beside
+        one, and to its end once started (a release or resume of GPU memory must not be cut)."""
+        with anyio.CancelScope(shield=True):
+            async with self._lane:
+                await anyio.to_thread.run_sync(fn)
 
     def _retract_running(self) -> None:
         # Back to the head of the queue, in order, so they are re-admitted before newer requests.
@@ -329,7 +360,7 @@ class EngineCore:
             self.abort(abort_all=True)
 
     async def _wait_work(self) -> None:
-        while self._pause is not None or not (self._running or self._waiting):
+        while self._pause is not None or self._held_by is not None or not (self._running or self._waiting):
             self.model.idle()
             self._work = anyio.Event()
             await self._work.wait()

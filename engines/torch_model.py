@@ -38,6 +38,7 @@ import anyio
 import torch
 
 from core.errors import ConfigError
+from engines.memory_saver import WEIGHTS, MemorySaver, NoMemorySaver
 from engines.moe_routes import RouteRecorder, fuse_expert_tensors, wants_routes, with_routes
 from engines.seam import Draw, Row, SamplingParams, WeightLoadError
 
@@ -82,7 +83,10 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         context_length: int | None = None,
+        memory: MemorySaver | None = None,
     ) -> None:
+        """`memory`: where the weights are allocated, so that a colocated engine can give their GPU
+        memory back (`memory_saver.py`); None allocates them plainly."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -96,9 +100,14 @@ class ModelRunner:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError) as exc:
             raise WeightLoadError(str(model_path), str(exc)) from exc
+        self.memory = memory or NoMemorySaver()
         try:
             self.device = torch.device(device)
-            self.model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` by its own
+            # Buffers (the rotary tables) outside the weights' region: no update rewrites them, so
+            # a release must not take them. Then the parameters, inside it.
+            _move_buffers(self.model, self.device)
+            with self.memory.region(WEIGHTS):
+                self.model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` by its own
         except (RuntimeError, AssertionError) as exc:  # a bad string, or a build without that backend
             raise ConfigError([f"device {device!r} is not usable here: {exc}"]) from exc
         self.model.eval()
@@ -202,6 +211,18 @@ class ModelRunner:
         with torch.no_grad():
             for name, t in tensors.items():
                 live[name].copy_(t)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the live weights (each tied group counted once)."""
+        live = self._weights.params
+        return sum(live[g[0]].numel() * live[g[0]].element_size() for g in self._weights.tied_groups)
+
+
+def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
 
 
 def draw_tokens(logits: torch.Tensor, rows: Sequence[Row]) -> list[Draw]:

@@ -22,6 +22,7 @@ import anyio
 import torch
 
 from core.weight_group import open_group, parse_dtype
+from engines.occupation import MemoryOccupation, OccupationError
 from engines.scheduler import EngineCore
 from engines.torch_model import ModelRunner
 
@@ -44,9 +45,17 @@ class _Bucket:
 class WeightGroupReceiver:
     """One engine's membership of a weight-update group and what it staged so far."""
 
-    def __init__(self, runner: ModelRunner, core: EngineCore, *, timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        core: EngineCore,
+        *,
+        timeout: float = 300.0,
+        occupation: MemoryOccupation | None = None,
+    ) -> None:
         self._runner = runner
         self._core = core
+        self._occupation = occupation  # released weights refuse an update; a swap gives them values
         self._timeout = timeout
         self._group: Any = None  # a torch process group (see publish_distributed.Group)
         self._group_name = ""
@@ -86,6 +95,11 @@ class WeightGroupReceiver:
         group = self._group
         if group is None:
             raise WeightGroupError("no weight update group: call /init_weights_update_group first")
+        if self._occupation is not None:
+            try:
+                self._occupation.refuse_weights_update("/update_weights_from_distributed")
+            except OccupationError as exc:
+                raise WeightGroupError(str(exc)) from exc
         try:
             bucket = _parse_bucket(body)
         except WeightGroupError:
@@ -107,6 +121,8 @@ class WeightGroupReceiver:
                 return f"Staged {len(self._staged)} tensors; waiting for {len(missing)} more."
             staged, self._staged = self._staged, {}
             await self._core.apply_staged(staged, weight_version=None if version is None else str(version))
+            if self._occupation is not None:
+                self._occupation.written(None)  # a complete set
         return "Succeeded to update parameter online."
 
     async def destroy(self, body: dict[str, Any]) -> str:

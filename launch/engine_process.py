@@ -149,6 +149,10 @@ async def start_engine(
             *extra_args,
         ]  # fmt: skip
         child_env = {**os.environ, **(env or {})}
+        if "--enable-memory-saver" in extra_args and module == "engines.builtin":
+            # The memory saver's allocation hook must be preloaded when the engine starts; set
+            # here, the engine need not start a second time to set it itself (engines/builtin.py).
+            child_env.update(_memory_saver_preload())
         # The child imports `launch` from wherever this module lives, even if cwd is elsewhere.
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, child_env.get("PYTHONPATH")) if p)
         with open(path, "ab") as log_file:  # noqa: ASYNC230 - the child needs a real fd; a local log opens at once
@@ -168,6 +172,17 @@ async def start_engine(
             raise
         return engine
     raise AssertionError("unreachable")
+
+
+def _memory_saver_preload() -> dict[str, str]:
+    """LD_PRELOAD (and the CUDA runtime's folder) for an engine started with --enable-memory-saver;
+    empty when the package is missing here (the engine then says so itself)."""
+    from engines.memory_saver import preload_environment
+
+    env = preload_environment()
+    if env is None:
+        return {}
+    return {k: env[k] for k in ("LD_PRELOAD", "LD_LIBRARY_PATH") if k in env}
 
 
 async def _wait_ready(engine: EngineProcess, timeout: float, api_key: str | None = None) -> None:

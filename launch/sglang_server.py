@@ -7,7 +7,8 @@ of them, passed as its `--tp-size`), pinned with CUDA_VISIBLE_DEVICES (NVIDIA) a
 HIP_VISIBLE_DEVICES (AMD ROCm; ROCm builds of SGLang read it). Each is started with the model
 path, a free loopback port (or `--engine-host`), `--weight-version 0` (the clock's first version),
 `--max-running-requests` = `--sglang-server-concurrency`, the memory fraction and the API key when
-given, and waited for until `/health_generate` answers. The caller puts them behind the router when
+given (with `--colocate`: `--enable-memory-saver`, on the trainer's GPU), and waited for until
+`/health_generate` answers. The caller puts them behind the router when
 there are several, as it does for built-in engines, and stops them on exit (SIGTERM, then SIGKILL;
 guarded, so they die with the controller too).
 
@@ -26,7 +27,7 @@ import anyio
 from core.errors import ConfigError
 from launch.engine_process import EngineProcess, start_engine
 
-__all__ = ["engine_devices", "sglang_command_args", "start_sglang_servers"]
+__all__ = ["engine_devices", "sglang_command_args", "start_sglang_servers", "torch_device_index"]
 
 _MODULE = "sglang.launch_server"
 
@@ -45,18 +46,33 @@ def engine_devices(devices: str | None, *, engines: int, per_engine: int) -> lis
 
 
 def sglang_command_args(
-    *, per_engine: int, mem_fraction: float | None, api_key: str | None, seed: int, routed_experts: bool = False
+    *,
+    per_engine: int,
+    mem_fraction: float | None,
+    api_key: str | None,
+    seed: int,
+    routed_experts: bool = False,
+    memory_saver: bool = False,
 ) -> list[str]:
     """The SGLang flags beyond those every engine gets (model path, host, port, concurrency, version).
-    `routed_experts` (R3): SGLang answers `return_routed_experts` only when started with its flag."""
+    `routed_experts` (R3): SGLang answers `return_routed_experts` only when started with its flag.
+    `memory_saver`: colocated with the trainer, the server must be able to release its memory."""
     args = ["--tp-size", str(per_engine), "--random-seed", str(seed)]
     if routed_experts:
         args.append("--enable-return-routed-experts")
     if mem_fraction is not None:
         args += ["--mem-fraction-static", str(mem_fraction)]
+    if memory_saver:
+        args += ["--enable-memory-saver"]
     if api_key:
         args += ["--api-key", api_key]
     return args
+
+
+def torch_device_index(device: str) -> int:
+    """The index in "cuda:N" (0 for plain "cuda")."""
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
 
 
 async def start_sglang_servers(
@@ -70,13 +86,17 @@ async def start_sglang_servers(
                 "(pip install sglang), or use --rollout-engine builtin"
             ]
         )
-    groups = engine_devices(engine.sglang_devices, engines=engine.num_engines, per_engine=engine.gpus_per_engine)
+    devices = engine.sglang_devices
+    if engine.colocate and devices is None:  # on the trainer's GPU (the engine's device follows it)
+        devices = str(torch_device_index(engine.device))
+    groups = engine_devices(devices, engines=engine.num_engines, per_engine=engine.gpus_per_engine)
     extra = sglang_command_args(
         per_engine=engine.gpus_per_engine,
         mem_fraction=engine.sglang_mem_fraction_static,
         api_key=engine.api_key,
         seed=seed,
         routed_experts=routed_experts,
+        memory_saver=engine.colocate,
     )
     await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     started: list[EngineProcess | None] = [None] * len(groups)

@@ -56,7 +56,7 @@ from core.errors import ConfigError, CorruptRecordError, StoreError
 from pipeline.plan import RolloutPlan, Trainer
 from pipeline.settings_history import changes_after, settings_at
 from pipeline.trainer_settings import FIXED_WHEN_BUILT, replayed_settings, step_settings
-from stages.publisher import WeightTarget, WeightTransfer, publish_weights
+from stages.publisher import EngineMemory, WeightTarget, WeightTransfer, publish_weights
 from storage import AsyncStore, Coverage, Cursor
 
 if TYPE_CHECKING:
@@ -377,12 +377,16 @@ async def replay_then_publish(
     *,
     resume_from: int,
     transfer: WeightTransfer | None,
+    memory: EngineMemory | None = None,
 ) -> StepSave | None:
     """Train the stored batches after the loaded checkpoint (version `resume_from`) again, then
     publish the result: the engines then serve the version the store's last trained step made, as
     they did before the kill. Runs before the stage graph starts: nothing generates meanwhile.
+    Colocated (`memory`), the engines release their GPU memory for the replay, as after a round.
     Returns what was published (None: nothing to replay)."""
     trained = await store.trained_step()
+    if memory is not None and trained >= resume_from:
+        await memory.release()
     saved = await replay_stored_batches(
         trainer,
         store,

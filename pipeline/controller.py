@@ -47,7 +47,7 @@ from pipeline.step_record import StepTimer, StepTimes, engine_loads, rollout_rec
 from stages.agent import Agent
 from stages.continuation import Detokenize
 from stages.producers import ProducersFactory
-from stages.publisher import WeightTransfer
+from stages.publisher import EngineMemory, WeightTransfer
 from stages.reward import RewardFn
 from storage import AsyncStore
 
@@ -77,6 +77,7 @@ async def run_pipeline(
     evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
     checkpoints: CheckpointPolicy | None = None,
     resume_from: int | None = None,
+    engine_memory: EngineMemory | None = None,
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
@@ -86,6 +87,9 @@ async def run_pipeline(
     `evaluate(step)` (sync mode: `pipeline.evaluation`) runs after each step's publish, when the
     engines serve that step's weights and nothing else is in flight; what it returns (nothing on
     a step that is not due) joins the step's record after the commit, as the publish times do.
+
+    `engine_memory` (colocated, sync): the engines release their GPU memory after each round and
+    the publish (`weight_transfer`) takes it back (`stages.sglang.publish_tensor`).
 
     `checkpoints`: the cadence, retention and folders of `pipeline.checkpoints`; None saves a full
     checkpoint at every step to `weights_dir/vN` (the older layout). `resume_from`: the version of
@@ -112,12 +116,21 @@ async def run_pipeline(
         agent=agent,
         weight_transfer=weight_transfer,
         producers=producers,
+        engine_memory=engine_memory,
     )
     replayed = None
     if resume_from is not None and checkpoints is not None:
         assert clock is not None, "a replay needs the clock the engines were loaded at"
         replayed = await replay_then_publish(
-            plan, trainer, store, engines, clock, checkpoints, resume_from=resume_from, transfer=weight_transfer
+            plan,
+            trainer,
+            store,
+            engines,
+            clock,
+            checkpoints,
+            resume_from=resume_from,
+            transfer=weight_transfer,
+            memory=engine_memory,
         )
     # The rollout side is the embedding object itself; this function adds the built-in trainer
     # loop and the metrics record.

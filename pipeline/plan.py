@@ -25,7 +25,7 @@ from stages.agent import Agent
 from stages.continuation import Detokenize
 from stages.generator import GenerateEngine
 from stages.producers import ProducersFactory
-from stages.publisher import WeightTarget, WeightTransfer
+from stages.publisher import EngineMemory, WeightTarget, WeightTransfer
 from stages.reward import RewardFn
 from stages.sglang.payloads import TokenPayloads
 from storage import AsyncStore
@@ -122,6 +122,8 @@ class RolloutParts:
     agent: Agent | None = None  # multi-turn samples; None: one request per sample
     weight_transfer: WeightTransfer | None = None  # None: engines load each published folder from disk
     producers: ProducersFactory | None = None  # None: generator pool, reward and filter in process
+    # Colocated (sync): what the engines give back after each round while the trainer trains.
+    engine_memory: EngineMemory | None = None
 
 
 @dataclass(frozen=True, slots=True)

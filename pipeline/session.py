@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from core.clock import VersionClock
-from core.errors import ConfigError, EngineError, PipelineError
+from core.errors import ConfigError, EngineError, PipelineError, PublishError
 from core.types import Batch, PromptTask, RolloutMode
 from pipeline.events import EventLog, span
 from pipeline.graph import StageGraph
@@ -39,11 +39,16 @@ from pipeline.rollout_modes import Training, fill_batch
 from stages.agent import Agent
 from stages.continuation import Detokenize, sampling_problems
 from stages.producers import ProducersFactory
-from stages.publisher import PublishReport, WeightTransfer, publish_weights
+from stages.publisher import EngineMemory, PublishReport, WeightTransfer, publish_weights
 from stages.reward import RewardFn
 from storage import AsyncStore
 
 __all__ = ["Rollout"]
+
+_RELEASED_HINT = (
+    "colocated, the engines had released their GPU memory for training (an engine that is gone died "
+    "meanwhile); the trained step is committed, the store and the checkpoints are intact"
+)
 
 
 class Rollout:
@@ -75,6 +80,7 @@ class Rollout:
         agent: Agent | None = None,
         weight_transfer: WeightTransfer | None = None,
         producers: ProducersFactory | None = None,
+        engine_memory: EngineMemory | None = None,
     ) -> None:
         parts = RolloutParts(
             engines=engines,
@@ -87,6 +93,7 @@ class Rollout:
             agent=agent,
             weight_transfer=weight_transfer,
             producers=producers,
+            engine_memory=engine_memory,
         )
         self._assemble(plan, parts, clock)
 
@@ -172,6 +179,11 @@ class Rollout:
         graph.collector.taken(len(batch.groups))
         training.start(len(batch.groups))
         self._taken = step
+        if self.parts.engine_memory is not None and self.plan.mode is RolloutMode.SYNC:
+            # Colocated: the round is over and the engines idle; their GPU memory goes to the
+            # trainer until the publish takes it back (`publish_tensor.ColocatedWeights`).
+            with span(self.parts.events, "release", step=step):
+                await self.parts.engine_memory.release()
         return batch
 
     async def commit(self, batch: Batch, metrics: Mapping[str, Any] | None = None) -> None:
@@ -187,15 +199,22 @@ class Rollout:
         """Load the weights folder `weights` into every engine (the same publisher as the launcher)."""
         training = self._open()
         with span(self.parts.events, "publish", version=self.clock.version + 1):
-            report = await publish_weights(
-                self.clock,
-                self.engines,
-                Path(weights),
-                pause_mode=self.plan.pause_mode,
-                transfer=self.parts.weight_transfer,
-                overlap=self.plan.overlap_publish,
-                gates=self.graph.producers.gates,
-            )
+            try:
+                report = await publish_weights(
+                    self.clock,
+                    self.engines,
+                    Path(weights),
+                    pause_mode=self.plan.pause_mode,
+                    transfer=self.parts.weight_transfer,
+                    overlap=self.plan.overlap_publish,
+                    gates=self.graph.producers.gates,
+                )
+            except PublishError as exc:
+                if self.parts.engine_memory is None or self.plan.mode is not RolloutMode.SYNC:
+                    raise
+                # Colocated, the engines were released while the trainer trained: an engine that
+                # cannot be reached now died in between. Say so, and what was kept.
+                raise PublishError(exc.version, f"{exc.reason}; {_RELEASED_HINT}") from exc
         training.done()
         return report
 

@@ -4,9 +4,10 @@
     -> update weights -> version += 1 -> continue engines -> open admission
 
 The weights travel as a saved folder (`/update_weights_from_disk`) or, given a `WeightTransfer`,
-over torch.distributed (`publish_distributed.py`). The version moves only if every engine took the
-weights. Whatever happens, the engines are told to continue: a failed publish leaves the old version
-serving, and says why.
+over torch.distributed (`publish_distributed.py`) or by CUDA IPC to engines colocated on the
+trainer's GPU (`publish_tensor.py`, which first takes back the memory the engines released). The
+version moves only if every engine took the weights. Whatever happens, the engines are told to
+continue: a failed publish leaves the old version serving, and says why.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from core.clock import VersionClock
 from core.errors import EngineError, EngineUnavailableError, PublishError
 from core.types import PauseMode
 
-__all__ = ["AdmissionGates", "PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
+__all__ = ["AdmissionGates", "EngineMemory", "PublishReport", "WeightTarget", "WeightTransfer", "publish_weights"]
 
 # The backstop on telling the engines to continue, which runs shielded (a publish cancelled midway
 # must still leave the engines generating). Each engine's call has its own deadline, the fleet's
@@ -50,6 +51,15 @@ class WeightTransfer(Protocol):
     async def send(self, weight_version: str, *, flush_cache: bool) -> None:
         """Move the weights and stamp `weight_version`; `flush_cache` only while the engines hold
         no request (SGLang's scheduler asserts the flush after the update, and refuses it then)."""
+
+
+class EngineMemory(Protocol):
+    """GPU memory the engines give the trainer while it trains, colocated on its GPU
+    (`publish_tensor.ColocatedWeights`, slime's `--colocate`): released after a round, taken back
+    by the next publish's weight transfer."""
+
+    async def release(self) -> None:
+        """The engines are idle (the round is over): flush their cache and release their memory."""
 
 
 class AdmissionGates(Protocol):

@@ -664,8 +664,9 @@ async def test_update_weight_version_and_unsupported_weight_paths(
     assert (await get_json(http, server.url + "/model_info"))["weight_version"] == "42"
     status, raw = await post(http, server.url + "/update_weights_from_distributed", {"names": []})
     assert status == 400 and orjson.loads(raw)["success"] is False
+    # A CPU engine cannot give memory back, nor take CUDA IPC handles: both say why (test_colocate.py).
     status, raw = await post(http, server.url + "/release_memory_occupation", {})
-    assert (status, orjson.loads(raw)) == (200, None)
+    assert status == 400 and "runs on cpu" in orjson.loads(raw)["error"]["message"]
 
 
 # ---- batching, info -----------------------------------------------------------------------------------

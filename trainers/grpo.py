@@ -309,6 +309,10 @@ class GRPOTrainer:
             totals["ref_log_probs_time"] = time.perf_counter() - started
         for mb in minibatches:
             self._minibatch_step(samples, mb, t, proximal, reference, totals)
+        # The gradients are spent: freed now rather than at the next step's zero_grad, they do not
+        # sit in GPU memory (the size of the parameters) while the engines generate, which a
+        # colocated engine's KV cache shares (--colocate).
+        self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
         if totals["step_kl_undone"]:

@@ -60,6 +60,14 @@ class EngineConfig:
         help="torch device of the built-in engines: cpu, cuda or cuda:N (the trainer's is --trainer-device)",
     )
     host: str = opt("127.0.0.1", "--engine-host", "str", metavar="HOST", help="address built-in engines bind to")
+    # slime's --colocate (issue 47): trainer and engine share the GPU.
+    colocate: bool = opt(
+        False,
+        "--colocate",
+        "bool",
+        help="the engine shares the trainer's GPU: in sync mode it releases its memory while the trainer trains "
+        "and takes the new weights by CUDA IPC (update_weights_from_tensor); in async mode it keeps its memory",
+    )
     # Real SGLang servers started by the pipeline (launch/sglang_server.py).
     launcher: str = opt(
         "builtin",
@@ -86,8 +94,9 @@ class EngineConfig:
         "--sglang-mem-fraction-static",
         "float",
         gt=0,
-        default_help="SGLang's default",
-        help="--rollout-engine sglang: GPU memory fraction for weights and KV cache",
+        default_help="SGLang's default; 0.4 for a colocated built-in engine",
+        help="GPU memory fraction for the engine's weights and KV cache (SGLang's --mem-fraction-static), for "
+        "--rollout-engine sglang and, with --colocate, the built-in engine (0.4 there unless given)",
     )
     sglang_startup_timeout: float = opt(
         900.0, "--sglang-startup-timeout", "float", gt=0, help="seconds for a started SGLang server to become healthy"

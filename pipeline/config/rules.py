@@ -99,6 +99,7 @@ def check_rules(draft: Draft) -> None:
     _megatron_rules(draft)
     expert_parallel_rules(draft)
     _sglang_rules(draft)
+    _colocate_rules(draft)
     payload_rules(draft)
     run_id = get("storage", "run_id")
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id):
@@ -256,6 +257,8 @@ def _sglang_rules(draft: Draft) -> None:
     get, show, problem = draft.get, draft.show, draft.problems.append
     if get("engine", "launcher") != "sglang":
         for name in ("sglang_devices", "sglang_mem_fraction_static"):
+            if name == "sglang_mem_fraction_static" and get("engine", "colocate"):
+                continue  # sizes the colocated built-in engine too
             if draft.given("engine", name):
                 draft.warnings.append(f"{show('engine', name)} without --rollout-engine sglang: ignored")
         return
@@ -283,6 +286,69 @@ def _sglang_rules(draft: Draft) -> None:
                 f"{show('engine', 'num_engines')}: --sglang-devices makes {len(ids) // per} "
                 "engines; leave --rollout-num-engines out"
             )
+
+
+def _colocate_rules(draft: Draft) -> None:
+    """--colocate (slime's): one engine on the torch trainer's GPU, weights by CUDA IPC."""
+    get, show, problem = draft.get, draft.show, draft.problems.append
+    if not get("engine", "colocate"):
+        return
+    flag = show("engine", "colocate")
+    device = str(get("trainer", "device") or "")
+    if not device.startswith("cuda"):
+        problem(
+            f"{flag} with {show('trainer', 'device')}: colocated means the trainer and the engine share a GPU "
+            "(CUDA IPC hands the weights over, the engine's memory is released while the trainer trains); "
+            "use --trainer-device cuda (or cuda:N), or drop --colocate on a CPU"
+        )
+    rollout_device = get("engine", "device")
+    if draft.given("engine", "device") and device.startswith("cuda") and rollout_device != device:
+        problem(
+            f"{flag} with {show('engine', 'device')} and {show('trainer', 'device')}: the engine runs on the "
+            "trainer's GPU; leave --rollout-device out (it follows --trainer-device)"
+        )
+    if get("trainer", "backend") == "megatron":
+        problem(
+            f"{flag} with --train-backend=megatron: colocating megatron ranks with engines is not built; "
+            "use the torch trainer, or --update-weight-transport distributed with engines on their own GPUs"
+        )
+    if get("rollout", "update_weight_transport") == "distributed":
+        problem(
+            f"{flag} with {show('rollout', 'update_weight_transport')}: colocated weights go by CUDA IPC "
+            "(update_weights_from_tensor); leave --update-weight-transport out"
+        )
+    urls = get("engine", "urls") or ()
+    engines = len(urls) if urls else get("engine", "num_engines")
+    if engines is not None and engines > 1:
+        problem(
+            f"{flag} with {engines} engines: the torch trainer uses one GPU and one engine shares it "
+            "(more would each hold the weights again on that GPU); use one engine"
+        )
+    if get("engine", "launcher") == "sglang" and (get("engine", "gpus_per_engine") or 1) > 1:
+        problem(
+            f"{flag} with {show('engine', 'gpus_per_engine')}: the engine shares the trainer's one GPU; "
+            "use --rollout-num-gpus-per-engine 1"
+        )
+    if get("engine", "use_fault_tolerance"):
+        problem(
+            f"{flag} with --use-fault-tolerance: a restarted engine would allocate its weights and KV cache "
+            "while the trainer holds the GPU; run colocated without it (an engine fault stops the run, which "
+            "resumes from the store)"
+        )
+    if get("rollout", "overlap_weight_transfer"):
+        problem(
+            f"{flag} with {show('rollout', 'overlap_weight_transfer')}: an IPC publish writes each bucket into "
+            "the live weights, so decoding between buckets would mix versions; leave it out"
+        )
+    if get("rollout", "producers") == "ray":
+        problem(f"{flag} with --rollout-producers=ray: not combined; the engine shares this host's GPU anyway")
+    for url in [*urls, *([get("engine", "router_url")] if get("engine", "router_url") else [])]:
+        host = urllib.parse.urlsplit(url).hostname
+        if host not in _LOOPBACK:
+            problem(f"{flag} with --sglang-url={url!r}: a colocated engine runs on this host, on the trainer's GPU")
+    fraction = get("engine", "sglang_mem_fraction_static")
+    if fraction is not None and draft.ok("engine", "sglang_mem_fraction_static") and fraction >= 1:
+        problem(f"{show('engine', 'sglang_mem_fraction_static')}: must be in (0, 1)")
 
 
 def _engine_rules(draft: Draft) -> None:
@@ -382,6 +448,8 @@ def derive_defaults(draft: Draft) -> None:
                 r[name] = r["rollout_batch_size"]
     if draft.ok("engine", "urls") and e["urls"]:
         e["num_engines"] = len(e["urls"])
+    if e.get("colocate") and not draft.given("engine", "device") and str(t.get("device") or "").startswith("cuda"):
+        e["device"] = t["device"]  # the colocated engine runs on the trainer's GPU
     devices = draft.get("engine", "sglang_devices") if e.get("launcher") == "sglang" else None
     if devices is not None and not draft.given("engine", "num_engines"):
         # Each engine takes --rollout-num-gpus-per-engine of the listed GPUs (checked in the rules).

@@ -37,7 +37,7 @@ from pipeline.run.end import RunPaths, StopOnSigterm, error_leaves, report_failu
 from pipeline.run.engines import RunEngines, align_weight_versions
 from pipeline.run.folder import claim_run_folder, resume_hint, run_line
 from pipeline.run.node import node_main
-from pipeline.run.parts import garbage_collector, inline_evaluator, ray_producers, weight_transfer
+from pipeline.run.parts import engine_memory, garbage_collector, inline_evaluator, ray_producers, weight_transfer
 from pipeline.run.records import Progress, metrics_sink, print_summary, records_written_back_on_error, restore_metrics
 from pipeline.run.state import open_run_state
 from stages.continuation import penalties_in
@@ -203,6 +203,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
                 evaluate=evaluate,
                 checkpoints=state.checkpoints,
                 resume_from=state.replay_from,
+                engine_memory=engine_memory(config, transfer),
             )
         return summary.metrics
 

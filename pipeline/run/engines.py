@@ -16,7 +16,7 @@ from pipeline.config.derived import derived
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
 
-__all__ = ["RunEngines", "align_weight_versions", "fault_policy"]
+__all__ = ["COLOCATED_MEM_FRACTION", "RunEngines", "align_weight_versions", "builtin_engine_args", "fault_policy"]
 
 
 def fault_policy(e: EngineConfig) -> FaultPolicy | None:
@@ -29,6 +29,21 @@ def fault_policy(e: EngineConfig) -> FaultPolicy | None:
         min_live=e.min_live_engines,
         max_restarts=e.max_engine_restarts,
     )
+
+
+# A colocated built-in engine's share of the GPU (weights plus KV cache) unless
+# --sglang-mem-fraction-static says: the trainer's parameters and optimizer state stay resident
+# while the engine generates (BENCHMARKS.md, the colocated memory table).
+COLOCATED_MEM_FRACTION = 0.4
+
+
+def builtin_engine_args(e: EngineConfig) -> list[str]:
+    """The flags a started built-in engine gets beyond those every engine gets."""
+    args = ["--device", e.device]
+    if e.colocate:
+        fraction = e.sglang_mem_fraction_static or COLOCATED_MEM_FRACTION
+        args += ["--enable-memory-saver", "--mem-fraction-static", str(fraction)]
+    return args
 
 
 class RunEngines:
@@ -109,7 +124,7 @@ class RunEngines:
                         host=e.host,
                         max_running_requests=slots,
                         log_dir=log_dir,
-                        extra_args=["--device", e.device],
+                        extra_args=builtin_engine_args(e),
                         api_key=key,
                     )
                 if e.use_fault_tolerance and e.launcher != "sglang":
@@ -119,7 +134,7 @@ class RunEngines:
                         self._model_path,
                         host=e.host,
                         max_running_requests=slots,
-                        extra_args=["--device", e.device],
+                        extra_args=builtin_engine_args(e),
                         api_key=key,
                     )
                     self._stack.push_async_callback(managed.stop)

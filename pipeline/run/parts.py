@@ -1,6 +1,6 @@
 """The parts of a run its flags switch on, each built from the config and closed with the run:
 Ray producers (`--rollout-producers ray`), the distributed weight transfer
-(`--update-weight-transport distributed`), the store's garbage collection
+(`--update-weight-transport distributed`) or by CUDA IPC (`--colocate`), the store's garbage collection
 (`--rollout-gc-keep-steps`) and inline evaluation (`--eval-interval`). Each is None (or a plain
 pass-through) when its flag is off.
 """
@@ -16,7 +16,7 @@ import anyio
 import structlog
 
 from core.errors import ConfigError, EngineError
-from core.types import WeightTransport
+from core.types import RolloutMode, WeightTransport
 from pipeline.config import Config
 from pipeline.config.rules import producer_slots_problem
 from pipeline.metrics import MetricsSink
@@ -26,9 +26,10 @@ from pipeline.run.state import RunState
 from stages.producers import ProducersFactory
 from stages.sglang import EngineFleet
 from stages.sglang.publish_distributed import DistributedWeightSender
+from stages.sglang.publish_tensor import ColocatedWeights
 from storage import AsyncStore
 
-__all__ = ["garbage_collector", "inline_evaluator", "path_of", "ray_producers", "weight_transfer"]
+__all__ = ["engine_memory", "garbage_collector", "inline_evaluator", "path_of", "ray_producers", "weight_transfer"]
 
 log = structlog.get_logger("launch")
 
@@ -119,9 +120,22 @@ def path_of(fn: Callable[..., Any]) -> str:
 
 async def weight_transfer(
     config: Config, trainer: Any, engines: EngineFleet, stack: AsyncExitStack
-) -> DistributedWeightSender | None:
+) -> DistributedWeightSender | ColocatedWeights | None:
     """With `--update-weight-transport distributed`, the trainer is rank 0 of a group with the
-    engines: join it now (a failure shows at start, not at the first publish), leave it at exit."""
+    engines: join it now (a failure shows at start, not at the first publish), leave it at exit.
+    With `--colocate`, the weights go by CUDA IPC from the trainer's GPU (`publish_tensor`); in
+    sync mode the same object releases the engines' memory after each round (`engine_memory`)."""
+    if config.engine.colocate:
+        import torch
+
+        return ColocatedWeights(
+            trainer.model.named_parameters,
+            engines,
+            device=trainer.device,
+            # What the torch trainer saves for the engines: bf16 when it trains under bf16 autocast.
+            send_dtype=torch.bfloat16 if getattr(trainer, "autocast", False) else None,
+            bucket_bytes=config.rollout.update_weight_buffer_size,
+        )
     if config.rollout.update_weight_transport != WeightTransport.DISTRIBUTED:
         return None
     # The torch trainer's parameters carry HF names already; the megatron backend gathers its
@@ -143,6 +157,14 @@ async def weight_transfer(
 
     stack.push_async_callback(leave)
     return sender
+
+
+def engine_memory(config: Config, transfer: object) -> ColocatedWeights | None:
+    """Colocated in sync mode, what releases the engines' memory after each round (the transfer
+    itself); in async mode the engine keeps its memory and generates while the trainer trains."""
+    if isinstance(transfer, ColocatedWeights) and config.rollout.mode is RolloutMode.SYNC:
+        return transfer
+    return None
 
 
 @asynccontextmanager

@@ -305,6 +305,53 @@ class EngineClient:
         doc = await self._control("POST", "/update_weights_from_distributed", body, timeout=self._request_timeout)
         self._check_success("/update_weights_from_distributed", doc)
 
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        weight_version: str | None,
+        flush_cache: bool = True,
+        load_format: str = "flattened_bucket",
+    ) -> None:
+        """Hand over one bucket of tensors by CUDA IPC (SGLang 3.3): one serialized entry per TP rank
+        of the engine (`stages.sglang.publish_tensor`). Returns once the engine has copied them, so
+        the caller may free what the handles point to. Bounded by `request_timeout`."""
+        body = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+        }
+        doc = await self._control("POST", "/update_weights_from_tensor", body, timeout=self._request_timeout)
+        self._check_success("/update_weights_from_tensor", doc)
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Give the engine's GPU memory back (SGLang 3.4; the server needs `--enable-memory-saver`):
+        `tags` among weights, kv_cache, cuda_graph; None is all. Bounded by `request_timeout`:
+        unmapping tens of GB is no quick control call."""
+        body = {"tags": None if tags is None else list(tags)}
+        await self._control("POST", "/release_memory_occupation", body, timeout=self._request_timeout)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take released GPU memory again (SGLang 3.4); resumed weights hold nothing until a publish."""
+        body = {"tags": None if tags is None else list(tags)}
+        await self._control("POST", "/resume_memory_occupation", body, timeout=self._request_timeout)
+
+    async def tp_size(self) -> int:
+        """The engine's tensor-parallel size (`/server_info`, or `/get_server_info` on older servers)."""
+        status, data = await self.control_raw("GET", "/server_info", None)
+        path = "/server_info"
+        if status == 404:
+            path = "/get_server_info"
+            status, data = await self.control_raw("GET", path, None)
+        doc = self.expect_ok(path, status, data)
+        size = doc.get("tp_size", 1) if isinstance(doc, Mapping) else None
+        if not isinstance(size, int) or size < 1:
+            self._counters.errors += 1
+            raise EngineError(self.url + path, f"no usable tp_size in {preview(doc)}")
+        return size
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         doc = await self._control("POST", "/destroy_weights_update_group", {"group_name": group_name})
         self._check_success("/destroy_weights_update_group", doc)

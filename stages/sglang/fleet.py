@@ -575,6 +575,27 @@ class EngineFleet:
                 ),
             )
 
+    async def update_weights_from_tensor(
+        self, entry: str, *, tp_sizes: Mapping[str, int], weight_version: str | None, flush_cache: bool
+    ) -> None:
+        """One bucket to every engine by CUDA IPC: `entry` (a serialized bucket) once per TP rank of
+        each engine, as SGLang reads it (`stages.sglang.publish_tensor`)."""
+        await self._fan_out(
+            "update_weights_from_tensor",
+            lambda w: w.update_weights_from_tensor(
+                [entry] * tp_sizes.get(w.url, 1), weight_version=weight_version, flush_cache=flush_cache
+            ),
+        )
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self._fan_out("release_memory_occupation", lambda w: w.release_memory_occupation(tags))
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self._fan_out("resume_memory_occupation", lambda w: w.resume_memory_occupation(tags))
+
+    async def tp_sizes(self) -> dict[str, int]:
+        return await self._fan_out("tp_size", lambda w: w.tp_size())
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._fan_out("destroy_weights_update_group", lambda w: w.destroy_weights_update_group(group_name))
 

@@ -26,7 +26,14 @@ It is scriptable without sleeps:
   set; `loading = True` holds `/update_weights_from_disk` (and answers
   `/health*` 503) until cleared;
 - a weight update that asks for a flush while requests are held answers 500 and leaves the fake
-  unhealthy, as SGLang's scheduler asserts that flush and dies.
+  unhealthy, as SGLang's scheduler asserts that flush and dies;
+- memory occupation as a server started with `--enable-memory-saver` (SGLang 3.3, 3.4): released
+  tags are kept (`released`), and what kills SGLang kills the fake (500, unhealthy): a release
+  while requests are held (an assertion), a resume of a tag that is not released (torch_memory_saver
+  exits the process), a tensor update into released weights or a `/generate` on a released KV
+  cache (the kernels touch unmapped memory). `memory_log` keeps (path, body) of the memory and
+  tensor calls and `control_log` the path of every call but `/generate` and the health probes, in
+  order; `tp_size` is what `/server_info` reports.
 
 Run it with `async with FakeSGLang() as fake:` and point a client at `fake.url` (127.0.0.1, port 0).
 """
@@ -194,10 +201,14 @@ class FakeSGLang:
         self.starting_polls = 0  # /health* answer 503 this many more times, like a server still starting
         self.flush_busy_times = 0  # /flush_cache answers 400 this many more times even when idle
         self.weight_update_error: str | None = None  # while set, weight updates fail with this message
+        self.tp_size = 1
         self._loading = False
 
         # What happened, for assertions.
         self.calls: Counter[str] = Counter()
+        self.control_log: list[str] = []
+        self.memory_log: list[tuple[str, Any]] = []
+        self.released: set[str] = set()
         self.generate_payloads: list[dict[str, Any]] = []
         self.loaded_paths: list[str] = []
         self.finished: list[FakeRequest] = []
@@ -341,7 +352,7 @@ class FakeSGLang:
             web.post("/flush_cache", self._flush_cache),
             web.post("/update_weights_from_disk", self._update_weights_from_disk),
             web.post("/update_weights_from_distributed", self._update_weights_stub),
-            web.post("/update_weights_from_tensor", self._update_weights_stub),
+            web.post("/update_weights_from_tensor", self._update_weights_from_tensor),
             web.post("/init_weights_update_group", self._update_weights_stub),
             web.post("/destroy_weights_update_group", self._update_weights_stub),
             web.post("/update_weight_version", self._update_weight_version),
@@ -354,13 +365,15 @@ class FakeSGLang:
             web.get("/health_generate", self._health),
             web.get("/v1/loads", self._loads),
             web.get("/v1/models", self._models),
-            web.route("*", "/release_memory_occupation", self._null),
-            web.route("*", "/resume_memory_occupation", self._null),
+            web.route("*", "/release_memory_occupation", self._memory_occupation),
+            web.route("*", "/resume_memory_occupation", self._memory_occupation),
         ]
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         self.calls[request.path] += 1
+        if request.path != "/generate" and not request.path.startswith("/health"):
+            self.control_log.append(request.path)
         self._notify()
         faults = self._faults.get(request.path)
         if faults:
@@ -390,6 +403,8 @@ class FakeSGLang:
             assert request.transport is not None
             request.transport.close()
             return web.Response(status=500)  # never reaches the client
+        if "kv_cache" in self.released:
+            return self._die("illegal memory access: a forward on the released KV cache")
         params = dict(body.get("sampling_params") or {})
         # New requests wait in the tokenizer manager while paused: not tracked, not in loads.
         await self.wait_until(lambda: self.paused is None or self._closing)
@@ -634,7 +649,7 @@ class FakeSGLang:
         return _json(
             {
                 "model_path": self.model_path,
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "dp_size": 1,
                 "pp_size": 1,
                 "disaggregation_mode": "null",
@@ -663,8 +678,33 @@ class FakeSGLang:
         card = {"id": self.model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": self.model_path}
         return _json({"object": "list", "data": [card]})
 
-    async def _null(self, request: web.Request) -> web.Response:
+    async def _memory_occupation(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        self.memory_log.append((request.path, body))
+        tags = body.get("tags") or ["weights", "kv_cache", "cuda_graph"]
+        if request.path == "/release_memory_occupation":
+            if self._requests:
+                return self._die("AssertionError: release_memory_occupation should be called only when idle.")
+            self.released.update(tags)
+        else:
+            if any(t not in self.released for t in tags):
+                return self._die(f"[torch_memory_saver.cpp] Cannot resume allocation that is not paused ({tags})")
+            self.released.difference_update(tags)
+        self._notify()
         return _json(None)
+
+    async def _update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        self.memory_log.append((request.path, body))
+        if "weights" in self.released:
+            return self._die("illegal memory access: weights loaded into released memory")
+        return await self._update_weights_stub(request)
+
+    def _die(self, message: str) -> web.Response:
+        """What takes a real SGLang server down: it answers no more."""
+        self.healthy = False
+        self._notify()
+        return _error(500, message)
 
 
 _ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
