@@ -5,8 +5,9 @@ components from it (store, engines, trainer, dataset) and hands them to `run_pip
 turns how the run ended into an exit status. Built elsewhere in `pipeline/run/`: the engines
 (`engines`: the user's, or built-in ones started and stopped here), what the run records beside
 the store (`records`: metrics file, dashboards, progress), the parts flags switch on (`parts`: Ray
-producers, distributed weight transfer, garbage collection, inline evaluation), and the run's
-state from its folder (`state`).
+producers, distributed weight transfer, garbage collection, inline evaluation), the run's
+state from its folder (`state`), the model it starts from (`model_folder`, `hub`), and its folder
+(`folder`: checked first, written once owned, removed again when the start fails).
 """
 
 from __future__ import annotations

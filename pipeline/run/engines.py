@@ -1,6 +1,7 @@
 """The engines a run uses: the user's (`--sglang-url`, `--sglang-router-url`), or built-in ones
 (or real SGLang servers) this process starts, behind the real sglang-router when there are
-several, and stops on exit. The run and `python -m pipeline.eval` open them the same way.
+several, and stops on exit. The run and `python -m pipeline.eval` open them the same way. Before
+the first request every engine serves the run's starting weights (`load_starting_weights`).
 """
 
 from __future__ import annotations

@@ -99,8 +99,10 @@ class RunFolder:
     def started(self) -> None:
         """The run is under way (engines up, trainer built): `runs/latest` may point at it."""
         self.has_started = True
-        if self.given.parent == Path("runs"):  # where default folders go (relative to the working directory)
-            _point_latest(self.given)
+        # Where default folders go (relative to the working directory); by the folder's own name,
+        # so that `--output-dir runs/latest` (a resume through the link) keeps pointing at it.
+        if self.given.parent == Path("runs") and self.path.parent == Path("runs").resolve():
+            _point_latest(self.path)
 
     def undo(self) -> None:
         """A start that failed after taking the folder removes what it made there: a folder it

@@ -3,6 +3,13 @@
 A store remembers what it was written for (run id, dataset and tokenizer fingerprints, group size);
 reopening it for anything else is refused with the difference named, before any state is touched.
 
+Nothing is written into the run folder before the run owns it: the store open (an LMDB store's
+writer lock taken) and every check passed. A refused start (a second controller on a live store,
+a store of another run id, another run's checkpoints) leaves the folder as it found it, the live
+run's `config.json` and the checkpoint it may be saving right now included. Only then are the
+run's records written (`RunFolder.take`), the tiny model moved in (`pipeline.run.model_folder`),
+the checkpoints' owner recorded, and what crashed saves left removed.
+
 Before an LMDB store is opened, `storage.check_storage` checks where it lives against the
 deployment's declaration or profile (a network filesystem nobody declared stops the run) and says
 whether commits are fsynced.
@@ -117,7 +124,10 @@ def _open(config: Config, folder: RunFolder, model: StartingModel) -> RunState:
         raise ConfigError([f"--hf-checkpoint={str(model.path)!r}: its tokenizer cannot be loaded ({said})"]) from exc
     dataset, reward_fn = _dataset(config, tokenizer)
 
-    meta = run_meta(config, dataset, model.source)
+    # A Hub id's tokenizer is fingerprinted as the id names it (no local file: "none"), also when
+    # an unreachable Hub has the run load its cached copy: a store begun online resumes offline.
+    e = config.engine
+    meta = run_meta(config, dataset, Path(e.hf_checkpoint) if e.hf_checkpoint else model.source)
     policy = CheckpointPolicy(
         out / CHECKPOINTS_DIR,
         out / PUBLISH_DIR,
