@@ -239,9 +239,16 @@ class Rollout:
 async def _check_engine_versions(engines: Engines, version: int) -> None:
     """Every engine must report `version` before the first request: an answer from a version the
     clock did not publish is refused, so an engine that reports another one (a fresh SGLang says
-    "default"; a resumed loop's engines may still serve the base model) would have every request
-    refused, round after round through the whole dataset. Engines that cannot say (a seam of the
-    user's own, without `weight_versions`) are trusted."""
+    "default"; a resumed loop's engines may still serve the base model; an engine reused from
+    another run says that run's last version) would have every request refused, round after round
+    through the whole dataset. Engines that cannot say (a seam of the user's own, without
+    `weight_versions`) are trusted.
+
+    The fix named is always a load of the weights this rollout starts from, never a new label
+    (`update_weight_version`): a label says nothing about which weights an engine holds, and an
+    engine relabelled over another run's weights would have step 0 train on samples of weights
+    nobody trained from. The Rollout does not know those weights' folder, so it names the fix and
+    stops; `python -m pipeline.launch` loads them itself (`pipeline.run.engines`)."""
     weight_versions = getattr(engines, "weight_versions", None)
     if weight_versions is None:
         return
@@ -250,8 +257,12 @@ async def _check_engine_versions(engines: Engines, version: int) -> None:
         if found == str(version):
             continue
         if version == 0:
-            fix = "start it with --weight-version 0 (a fresh SGLang says 'default'), or call "
-            fix += "`await engines.update_weight_version('0')` before opening the Rollout"
+            fix = (
+                "load the weights the rollout starts from (your base model's folder) before opening it, "
+                "`await engines.update_weights_from_disk(base_model_folder, weight_version='0')`, or start a "
+                "fresh engine on them with --weight-version 0. Do not relabel it with update_weight_version: "
+                "the version would then name weights it may not hold"
+            )
         else:
             fix = (
                 f"load version {version}'s weights first (what step {version - 1} saved), "

@@ -95,6 +95,20 @@ async def test_engines_that_report_another_version_are_refused_on_entry_with_the
             assert not fake.finished, "a request went out before the versions were checked"
 
 
+async def test_the_fix_named_for_a_first_start_is_a_load_never_a_relabel() -> None:
+    """Issue 45.1: the fix named was `update_weight_version('0')`, which labels whatever weights the
+    engine holds (a reused engine's: another run's) as the base model's."""
+    for reported in ("default", "3"):
+        async with FakeSGLang(weight_version=reported) as fake, EngineFleet([fake.url]) as fleet:
+            async with AsyncStore(MemoryStore()) as store:
+                rollout = Rollout(plan(1), engines=fleet, store=store, dataset=DATASET, reward_fn=reward)
+                with pytest.raises(EngineError, match=f"weight_version {reported!r}.*version 0") as err:
+                    await rollout.__aenter__()
+            said = str(err.value)
+            assert "update_weights_from_disk(base_model_folder, weight_version='0')" in said
+            assert "`await engines.update_weight_version" not in said
+
+
 async def first_failed_group(agent: Agent) -> Group:
     """Run `agent` until a group fails; that group, as stored."""
     async with (

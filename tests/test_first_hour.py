@@ -81,6 +81,56 @@ def test_an_offline_hub_id_is_one_line(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in err and len(err.splitlines()) == 2  # the count line and the problem
 
 
+def test_ray_producers_without_ray_installed_fail_at_config_load(monkeypatch):
+    """Issue 45.7: before, the engines started, and 8 s later a traceback asked for a bug report."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # what find_spec sees when it is not installed
+    [problem] = problems_of(["--rollout-producers", "ray"])
+    assert "--rollout-producers='ray': Ray is not installed" in problem
+    assert "pip install 'rollout-pipeline[ray]'" in problem and "--rollout-producers local" in problem
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path, monkeypatch) -> str:
+    """A Hub address nobody answers at (a closed loopback port), and an empty Hugging Face cache;
+    offline mode (conftest's, so that no test reaches a real hub) off, since nothing answers."""
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    return endpoint
+
+
+def test_an_unreachable_hub_is_one_line_at_once(tmp_path, unreachable_hub, capsys):
+    """Issue 45.8: a Hub id with no network took 51 s and 44 retry lines before its one clear line."""
+    out = tmp_path / "run"
+    code = main(["--output-dir", str(out), "--no-progress", "--hf-checkpoint", "nobody-here/no-such-model"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--hf-checkpoint='nobody-here/no-such-model': no such local folder, not in the Hugging Face cache" in err
+    assert f"the Hub ({unreachable_hub}) cannot be reached" in err and "hf download nobody-here/no-such-model" in err
+    assert "Retrying" not in err and len(err.splitlines()) == 2  # the count line and the problem
+    assert not out.exists()
+
+
+def test_an_unreachable_hub_loads_the_model_from_the_cache(tmp_path, unreachable_hub):
+    from pipeline.run.hub import checkpoint_path
+    from pipeline.tasks.tiny_model import make_model_folder
+
+    repo = tmp_path / "hub-cache" / "models--someone--tiny"
+    snapshot = make_model_folder(repo / "snapshots" / "0123abcd", seed=1)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    assert checkpoint_path("someone/tiny") == snapshot  # the folder: nothing later asks the Hub either
+
+
 @pytest.fixture
 async def web_app() -> AsyncIterator[str]:
     """Not SGLang: a web app answering every path with its page (a notebook server, say)."""

@@ -145,17 +145,36 @@ def test_a_destroyed_file_header_resumes_from_the_newest_checkpoint_and_the_curs
     assert min(_trained_again(run_copy)) >= cursor.index
 
 
+def _files(out: Path) -> dict[str, bytes]:
+    """Every file of a run folder, as bytes; LMDB's lock file (its reader table) aside."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "lock.mdb"}
+
+
+def _changed(out: Path, before: dict[str, bytes]) -> list[str]:
+    """The files of `out` written, made or removed since `before` was taken."""
+    now = _files(out)
+    return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+
+
 def test_a_store_of_another_run_is_refused_and_left_in_place(run_copy, capsys):
-    before = _digest(run_copy / "rollout_data" / "data.mdb")
-    assert run(run_copy, "--rollout-queue-run-id", "other") == 1
+    before = _files(run_copy)
+    assert run(run_copy, "--rollout-queue-run-id", "other", "--rollout-temperature", "0.5") == 1
     err = capsys.readouterr().err
     assert "run_id='default'" in err and "run_id='other'" in err
-    assert not [p for p in run_copy.iterdir() if ".unreadable-" in p.name]
-    assert _digest(run_copy / "rollout_data" / "data.mdb") == before
+    # The folder as it was, its config.json included (the refused run used to write its own there).
+    assert _changed(run_copy, before) == []
 
 
 def test_a_store_held_by_a_live_controller_is_refused_and_left_in_place(run_copy, capsys):
+    """A second controller on a live run's store is refused, and leaves the folder as it was: the
+    live run's config.json (it said the refused run's 7 steps at temperature 0.5, while the live
+    run trained on at 1.0) and the checkpoint the live run is saving (`.v4.tmp-*`, which the
+    refused start's clean-up of unfinished saves used to delete)."""
     store_dir = run_copy / "rollout_data"
+    saving = run_copy / "checkpoints" / ".v4.tmp-live"
+    saving.mkdir()
+    (saving / "model.safetensors").write_bytes(b"half of a checkpoint")
+    before = _files(run_copy)
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -170,11 +189,11 @@ def test_a_store_held_by_a_live_controller_is_refused_and_left_in_place(run_copy
     )
     try:
         assert holder.stdout.readline().strip() == "open"
-        assert run(run_copy, steps=5) == 1
+        assert run(run_copy, "--rollout-temperature", "0.5", steps=7) == 1
     finally:
         holder.communicate(timeout=30)
     assert f"the rollout store {store_dir} is held by pid {holder.pid}" in capsys.readouterr().err
-    assert not [p for p in run_copy.iterdir() if ".unreadable-" in p.name]
+    assert _changed(run_copy, before) == []
 
 
 def test_a_resume_without_the_newest_checkpoint_trains_the_stored_batches_again(run_copy, capsys):

@@ -100,10 +100,12 @@ def test_every_recorded_setting_is_either_refused_or_recorded():
 
 def test_the_engines_api_key_is_never_written_to_the_run_folder_or_the_store(tmp_path):
     """A run folder is copied, shared and attached to bug reports: the key stays out of it."""
-    from pipeline.run.folder import claim_run_folder
+    from pipeline.run.folder import check_run_folder
 
     config = load_config(["--output-dir", str(tmp_path / "run"), "--api-key", "sekrit-123", *BASE])
-    out = claim_run_folder(config)
+    folder = check_run_folder(config)
+    folder.take(config)
+    out = folder.path
     assert config.engine.api_key == "sekrit-123"  # the run itself still sends it
     written = (out / "config.json").read_text()
     assert "sekrit-123" not in written and '"api_key": "<set>"' in written

@@ -252,11 +252,15 @@ def full_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, int], Path]]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def _run_to_error(out: Path, tmp: Path, *flags: str) -> tuple[int, str]:
+def _run_to_error(out: Path, tmp: Path, *flags: str, tmpdir: Path | None = None) -> tuple[int, str]:
     log = tmp / "launch.log"
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
-            _launch_command(out, *flags), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=_env(tmp / "tmp")
+            _launch_command(out, *flags),
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=_env(tmpdir or tmp / "tmp"),
         )
     try:
         code = proc.wait(timeout=DEADLINE)
@@ -290,6 +294,26 @@ def test_a_full_disk_while_saving_weights_is_one_line_and_the_run_resumes(tmp_pa
     code, text = _run_to_error(out, tmp_path, *flags)
     assert code == 0, text[-3000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_a_full_disk_while_the_model_folder_is_written_is_one_line_and_the_next_start_runs(tmp_path, full_tmpfs):
+    """Issue 46.7: a first start on a full disk named the wrong writer ("saving the weights", while it
+    was building `model/`) and left a half-built `model/` on which every later start failed, space
+    freed or not. The tiny model goes in whole or not at all, and the line names it."""
+    out = full_tmpfs("run", 64)  # run.json and config.json fit, the tiny model (~350 KiB) does not
+    code, text = _run_to_error(out, tmp_path, "--num-rollout", "1")
+    _assert_one_line(code, text, "writing the model folder", resumable=False)
+    assert not [p.name for p in out.iterdir() if "model" in p.name], "a half-built model folder was left"
+    (out / ".filler").unlink()  # the fix the line names
+    code, text = _run_to_error(out, tmp_path, "--num-rollout", "1")
+    assert code == 0, text[-3000:]
+
+
+def test_a_full_temporary_disk_while_the_tiny_model_is_built_is_one_line(tmp_path, full_tmpfs):
+    code, text = _run_to_error(tmp_path / "run", tmp_path, "--num-rollout", "1", tmpdir=full_tmpfs("tmp", 64))
+    _assert_one_line(code, text, "building the tiny model", resumable=False)
+    assert "point TMPDIR at a folder with room" in text
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_full_disk_under_the_rollout_store_is_one_line(tmp_path, full_tmpfs):

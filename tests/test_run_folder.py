@@ -102,3 +102,26 @@ def test_the_hint_after_a_stopped_run_is_true_for_its_transport():
     assert "a memory run keeps no rollout state" in _resume_hint(load_config([]))
     lmdb = _resume_hint(load_config(["--rollout-data-transport", "lmdb"]))
     assert "run the same command again to resume" in lmdb and "runs/default" in lmdb
+
+
+def test_a_failed_start_leaves_no_run_folder_and_runs_latest_where_it_was(tmp_path, monkeypatch, capsys):
+    """Issue 45.9: every failed start left a run folder and moved runs/latest to it (five empty
+    folders in an hour; `pipeline.plot runs/latest` then found no step record). A start refused
+    before the run owns its folder (a model whose tokenizer does not load) writes nothing; one that fails
+    after (its engine does not come up on broken weights) removes the folder it made, store and all."""
+    from pipeline.tasks.tiny_model import make_model_folder
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)
+    (tmp_path / "runs" / "latest").symlink_to("earlier", target_is_directory=True)
+    no_tokenizer = make_model_folder(tmp_path / "no-tokenizer")
+    (no_tokenizer / "tokenizer.json").write_text("not a tokenizer")
+    broken = make_model_folder(tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    flags = (*SMALL, "--num-rollout", "1")
+    assert main([*flags, "--hf-checkpoint", str(no_tokenizer)]) == 2
+    assert "its tokenizer cannot be loaded" in capsys.readouterr().err
+    assert main([*flags, "--hf-checkpoint", str(broken), "--rollout-data-transport", "lmdb"]) == 1
+    assert "the engine exited with code" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["earlier", "latest"]
+    assert (tmp_path / "runs" / "latest").readlink() == Path("earlier")

@@ -113,7 +113,7 @@ def _fresh_run_folder(draft: Draft) -> None:
 
 
 def _check_installed_backends(draft: Draft) -> None:
-    """megatron-core and SGLang, when asked for, must be importable here (found, not imported)."""
+    """megatron-core, the router, Ray and SGLang, when asked for, must be importable here (found, not imported)."""
     import importlib.util
 
     if draft.get("trainer", "backend") == "megatron" and (
@@ -132,6 +132,12 @@ def _check_installed_backends(draft: Draft) -> None:
         draft.problems.append(
             f"{given}: several engines need the sglang-router in front of them, and it is not installed "
             "for this Python (pip install 'rollout-pipeline[router]', or one engine)"
+        )
+    if draft.get("rollout", "producers") == "ray" and importlib.util.find_spec("ray") is None:
+        # Found here, not after the engines came up, in a traceback asking for a bug report.
+        draft.problems.append(
+            f"{draft.show('rollout', 'producers')}: Ray is not installed for this Python ({sys.executable}); "
+            "install it (pip install 'rollout-pipeline[ray]') or use --rollout-producers local"
         )
     if draft.get("engine", "launcher") == "sglang" and importlib.util.find_spec("sglang") is None:
         draft.problems.append(

@@ -5,8 +5,9 @@ components from it (store, engines, trainer, dataset) and hands them to `run_pip
 turns how the run ended into an exit status. Built elsewhere in `pipeline/run/`: the engines
 (`engines`: the user's, or built-in ones started and stopped here), what the run records beside
 the store (`records`: metrics file, dashboards, progress), the parts flags switch on (`parts`: Ray
-producers, distributed weight transfer, garbage collection, inline evaluation), and the run's
-state from its folder (`state`).
+producers, distributed weight transfer, garbage collection, inline evaluation), the run's
+state from its folder (`state`), the model it starts from (`model_folder`, `hub`), and its folder
+(`folder`: checked first, written once owned, removed again when the start fails).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from pipeline.controller import run_pipeline
 from pipeline.events import EventLog
 from pipeline.plan import RolloutPlan
 from pipeline.run.end import RunPaths, StopOnSigterm, error_leaves, report_failure, sigint_ignored
-from pipeline.run.engines import RunEngines, align_weight_versions
-from pipeline.run.folder import claim_run_folder, resume_hint, run_line
+from pipeline.run.engines import RunEngines, load_starting_weights
+from pipeline.run.folder import RunFolder, cannot_create, check_run_folder, resume_hint, run_line
 from pipeline.run.node import node_main
 from pipeline.run.parts import engine_memory, garbage_collector, inline_evaluator, ray_producers, weight_transfer
 from pipeline.run.records import Progress, metrics_sink, print_summary, records_written_back_on_error, restore_metrics
@@ -127,34 +128,46 @@ async def _run_stoppable(config: Config, stop: StopOnSigterm) -> list[dict[str, 
 
 
 async def _run(config: Config) -> list[dict[str, Any]]:
-    out = Path(derived(config.output.dir, "output.dir"))
-    # Before anything is written: a new run never writes into another run's folder.
-    claim_run_folder(config)
+    # Before anything is written: a new run never writes into another run's folder, and writes
+    # nothing into its own before it owns it (`open_run_state` takes it once the store is open).
+    folder = check_run_folder(config)
+    try:
+        return await _run_in(config, folder)
+    except BaseException:
+        folder.undo()  # a start that failed leaves no run folder behind (a run that started keeps its own)
+        raise
+
+
+async def _run_in(config: Config, folder: RunFolder) -> list[dict[str, Any]]:
+    out = folder.path
     # Checked before anything starts, so that a path that cannot be written is one error line, not
     # a traceback after the engines came up.
     metrics_file = Path(derived(config.output.metrics_file, "output.metrics_file"))
-    for flag, path, make in (("--output-dir", out, out), ("--metrics-file", metrics_file, metrics_file.parent)):
-        try:
-            await anyio.Path(make).mkdir(parents=True, exist_ok=True)
-            if path is metrics_file:
-                await anyio.Path(path).touch()
-        except OSError as exc:  # a file in the way, no permission, a read-only filesystem
-            raise ConfigError([f"{flag}={path}: cannot be created ({exc.strerror})"]) from exc
+    if (problem := cannot_create(metrics_file.parent)) is not None:
+        raise ConfigError([f"--metrics-file={metrics_file}: cannot be created ({problem})"])
     async with AsyncExitStack() as stack:
-        state = open_run_state(config)  # model folder, dataset, store, fingerprints, resume point
-        restored = restore_metrics(config, state.store)
+        state = open_run_state(config, folder)  # model, dataset, store, fingerprints, resume point; the folder
         store = AsyncStore(state.store)
         stack.push_async_callback(store.aclose)
+        try:
+            await anyio.Path(metrics_file.parent).mkdir(parents=True, exist_ok=True)
+            await anyio.Path(metrics_file).touch()
+        except OSError as exc:  # a file in the way, no permission, a read-only filesystem
+            raise ConfigError([f"--metrics-file={metrics_file}: cannot be created ({exc.strerror})"]) from exc
+        restored = restore_metrics(config, state.store)
         stack.push(records_written_back_on_error(config, state.store))
-        engines = await stack.enter_async_context(RunEngines(config, state.model_path))
+        run_engines = RunEngines(config, state.model_path)
+        engines = await stack.enter_async_context(run_engines)
         clock = VersionClock(state.version)
-        # The engines must report the clock's version before the first request: a fresh engine
-        # says "default" or "0"; a resumed run loads the weights of the last finished step.
-        if state.weights is None:
-            await align_weight_versions(engines, clock.version)
-            engines.set_current_weights(None, str(clock.version))  # what a re-admitted engine is made
-        else:
-            await engines.update_weights_from_disk(str(state.weights), weight_version=str(clock.version))
+        # An engine's weights are what the run says they are: the engines this process started
+        # hold the base model; any other engine (the user's, a reused one) is loaded with the
+        # run's starting weights, never relabelled (`pipeline.run.engines.load_starting_weights`).
+        await load_starting_weights(
+            engines,
+            version=clock.version,
+            weights=state.weights or state.model_path,
+            started_on_them=run_engines.started_here and state.weights is None,
+        )
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
         if callable(close := getattr(trainer, "close", None)):
             stack.callback(close)  # the megatron backend: releases and waits for ranks 1..N-1
@@ -183,6 +196,7 @@ async def _run(config: Config) -> list[dict[str, Any]]:
         plan = _plan(config)
         producers = await ray_producers(config, state, engines, plan, store, stack)
         evaluate = await inline_evaluator(config, state, engines, out, sink)
+        folder.started()  # runs/latest points here from now on
         async with garbage_collector(store, config.storage.gc_keep_steps, progress.update_step) as on_step:
             summary = await run_pipeline(
                 plan,

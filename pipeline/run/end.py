@@ -37,7 +37,7 @@ import anyio
 
 from core.errors import EngineError, PipelineError, StoreError
 
-__all__ = ["RunPaths", "StopOnSigterm", "error_leaves", "report_failure", "sigint_ignored"]
+__all__ = ["RunPaths", "StopOnSigterm", "WriteError", "error_leaves", "report_failure", "sigint_ignored"]
 
 
 def sigint_ignored() -> bool:
@@ -94,6 +94,16 @@ class StopOnSigterm:
             loop.call_soon_threadsafe(lambda: None)
             return
         raise KeyboardInterrupt
+
+
+class WriteError(Exception):
+    """Writing `what` in `where` failed (the cause is chained): `report_failure` names this writer,
+    not the library it called (safetensors, for a model folder, would say "saving the weights").
+    `room` says where more room comes from, when not from the run's own flags."""
+
+    def __init__(self, what: str, where: Path, *, room: str | None = None) -> None:
+        super().__init__(f"{what} ({where}) failed")
+        self.what, self.where, self.room = what, where, room
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,7 @@ def _explain(exc: BaseException, paths: RunPaths) -> str | None:
     number = _os_errno(exc)
     if number is not None:
         writer, where = _writer(exc, paths)
-        return _os_line(number, writer, where, exc)
+        return _os_line(number, writer, where, exc, room=exc.room if isinstance(exc, WriteError) else None)
     if isinstance(exc, OSError):  # no errno to go by: say what it is and where
         writer, where = _writer(exc, paths)
         return f"{writer} ({where}) failed: {type(exc).__name__}: {exc}"
@@ -217,6 +227,8 @@ _WRITERS = (
 
 def _writer(exc: BaseException, paths: RunPaths) -> tuple[str, Path]:
     """(what was being written, the path that names its filesystem), from where `exc` was raised."""
+    if isinstance(exc, WriteError):
+        return exc.what, exc.where
     frames = traceback.extract_tb(exc.__traceback__)
     kind = None
     for frame in reversed(frames):  # innermost first: the writer nearest the failing call
@@ -243,17 +255,15 @@ def _writer(exc: BaseException, paths: RunPaths) -> tuple[str, Path]:
     return "writing the run's files", paths.output_dir
 
 
-def _os_line(number: int, writer: str, where: Path, exc: BaseException) -> str:
+def _os_line(number: int, writer: str, where: Path, exc: BaseException, *, room: str | None = None) -> str:
     cause = os.strerror(number)
     if number == errno.EIO and _nearly_full(where):
         # LMDB reports a short write (the disk filled up in the middle of it) as EIO.
         number, cause = errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (reported as: {cause})"
     if number in (errno.ENOSPC, errno.EDQUOT):
         free = _free_space(where)
-        return (
-            f"{writer} ({where}) failed: {cause}{free}; free space on that filesystem (or give the run more "
-            "room: --output-dir, --rollout-data-dir, --metrics-file)"
-        )
+        room = room or "give the run more room: --output-dir, --rollout-data-dir, --metrics-file"
+        return f"{writer} ({where}) failed: {cause}{free}; free space on that filesystem (or {room})"
     if number in (errno.EROFS, errno.EACCES, errno.EPERM):
         return f"{writer} ({where}) failed: {cause}; make it writable for this user"
     if number == errno.EIO:

@@ -1,6 +1,7 @@
 """The engines a run uses: the user's (`--sglang-url`, `--sglang-router-url`), or built-in ones
 (or real SGLang servers) this process starts, behind the real sglang-router when there are
-several, and stops on exit. The run and `python -m pipeline.eval` open them the same way.
+several, and stops on exit. The run and `python -m pipeline.eval` open them the same way. Before
+the first request every engine serves the run's starting weights (`load_starting_weights`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,23 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import structlog
+
 from core.errors import EngineError
 from pipeline.config import Config, EngineConfig
 from pipeline.config.derived import derived
 from stages.sglang import EngineFleet
 from stages.sglang.health import FaultPolicy
 
-__all__ = ["COLOCATED_MEM_FRACTION", "RunEngines", "align_weight_versions", "builtin_engine_args", "fault_policy"]
+__all__ = [
+    "COLOCATED_MEM_FRACTION",
+    "RunEngines",
+    "builtin_engine_args",
+    "fault_policy",
+    "load_starting_weights",
+]
+
+log = structlog.get_logger("launch")
 
 
 def fault_policy(e: EngineConfig) -> FaultPolicy | None:
@@ -53,6 +64,9 @@ class RunEngines:
         self._config = config
         self._model_path = model_path
         self._stack = AsyncExitStack()
+        # Whether the engines are ones this process started on `model_path` (with --weight-version 0),
+        # so that what they hold is known; the user's engines may hold anything.
+        self.started_here = False
 
     async def __aenter__(self) -> EngineFleet:
         from launch.engine_process import start_engines
@@ -143,6 +157,7 @@ class RunEngines:
                     for proc in procs:
                         self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
                 urls = [p.url for p in procs]
+                self.started_here = True
                 if len(urls) > 1:
                     router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
                     self._stack.push_async_exit(router)
@@ -185,23 +200,43 @@ class RunEngines:
         return logs / "router.log"
 
 
-async def align_weight_versions(engines: EngineFleet, version: int) -> None:
-    """Make every engine report `version` before the first request (a fresh SGLang says "default").
+async def load_starting_weights(
+    engines: EngineFleet, *, version: int, weights: Path, started_on_them: bool = False
+) -> None:
+    """Make every engine serve `weights` (the run's starting weights) as `version` before the first request.
 
-    Engines that already do are left alone; an engine too old for `/update_weight_version` is
-    named, with the launch flag that fixes it.
+    An engine's weights are what the run says they are, or the run loads them; a version is never
+    relabelled onto weights nobody checked. A version label says nothing about which weights an
+    engine holds: one reused from an earlier run reports that run's last version (its last
+    weights); a fresh SGLang says "default" whatever `--model-path` it was given, and an engine
+    whose weights moved without a version (an update from another client) says what it said
+    before. So unless this process started the engines on `weights` (`started_on_them`: they
+    report `version` and hold it), every engine loads `weights` from disk
+    (`/update_weights_from_disk` with `weight_version`): one load at start-up, the price of
+    knowing. An engine that cannot load them (the path is not readable where it runs) is
+    named, with the version it reports and the fix.
     """
+    want = str(version)
     reported = await engines.weight_versions()
-    if all(v == str(version) for v in reported.values()):
+    if started_on_them and all(v == want for v in reported.values()):
+        engines.set_current_weights(None, want)  # a restarted engine starts from these weights itself
         return
+    log.info(
+        "loading the run's starting weights into the engines",
+        weights=str(weights),
+        version=want,
+        reported=reported,
+    )
     try:
-        await engines.update_weight_version(str(version))
+        # With a fault policy the fleet remembers these as what a returning engine is made to load.
+        await engines.update_weights_from_disk(str(weights), weight_version=want)
     except EngineError as exc:
-        if exc.status != 404:
-            raise
+        said = ", ".join(f"{url} reports weight_version {v!r}" for url, v in reported.items())
         raise EngineError(
             exc.url,
-            f"reports weight_version {reported} and has no /update_weight_version; "
-            f"start it with --weight-version {version}",
-            status=404,
+            f"the run starts from {weights} as weight_version {want!r} ({said}), and loading those weights "
+            f"failed ({exc}). An engine is never relabelled to a version whose weights it may not hold: make "
+            f"{weights} readable at that path where the engine runs, or leave out --sglang-url/"
+            "--sglang-router-url to have the run start its own engines",
+            status=exc.status,
         ) from exc

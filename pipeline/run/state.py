@@ -3,6 +3,13 @@
 A store remembers what it was written for (run id, dataset and tokenizer fingerprints, group size);
 reopening it for anything else is refused with the difference named, before any state is touched.
 
+Nothing is written into the run folder before the run owns it: the store open (an LMDB store's
+writer lock taken) and every check passed. A refused start (a second controller on a live store,
+a store of another run id, another run's checkpoints) leaves the folder as it found it, the live
+run's `config.json` and the checkpoint it may be saving right now included. Only then are the
+run's records written (`RunFolder.take`), the tiny model moved in (`pipeline.run.model_folder`),
+the checkpoints' owner recorded, and what crashed saves left removed.
+
 Before an LMDB store is opened, `storage.check_storage` checks where it lives against the
 deployment's declaration or profile (a network filesystem nobody declared stops the run) and says
 whether commits are fsynced.
@@ -56,6 +63,8 @@ from pipeline.checkpoints import (
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
 from pipeline.plan import Trainer
+from pipeline.run.folder import RunFolder
+from pipeline.run.model_folder import StartingModel, starting_model
 from pipeline.run.reconcile import Reconciled, prompt_of, reconcile, summary_ids
 from pipeline.run.resume_settings import check_meta, run_meta
 from pipeline.trainer_settings import build_trainer
@@ -96,58 +105,43 @@ class RunState:
     regenerated: tuple[dict[str, Any], ...] = ()
 
 
-def open_run_state(config: Config) -> RunState:
+def open_run_state(config: Config, folder: RunFolder) -> RunState:
+    """Open the run: its model, dataset and store; take its folder once the store is open and
+    checked (nothing is written into the folder before: it may be a live run's); then tidy it.
+
+    Raises ConfigError or StoreError (a refusal: the folder as it was found), or WriteError."""
+    out = folder.path
+    model = starting_model(config, out)
+    try:
+        return _open(config, folder, model)
+    finally:
+        model.discard()  # installed, or the start failed: the temporary build goes
+
+
+def _open(config: Config, folder: RunFolder, model: StartingModel) -> RunState:
     from transformers import AutoTokenizer
 
-    from pipeline.tasks.tiny_model import built_shape_problem, make_model_folder
-
-    out = Path(derived(config.output.dir, "output.dir"))
-    if config.engine.hf_checkpoint:
-        model_path = Path(config.engine.hf_checkpoint)
-    else:
-        model_path = out / "model"
-        if not (model_path / "config.json").exists():
-            if config.engine.num_experts is None:
-                make_model_folder(model_path, seed=config.rollout.seed)
-            else:  # the tiny Qwen3-MoE (R3 has routes to replay)
-                make_model_folder(
-                    model_path,
-                    seed=config.rollout.seed,
-                    arch="moe",
-                    num_experts=config.engine.num_experts,
-                    moe_router_topk=config.rollout.moe_router_topk or 2,
-                )
-        else:
-            problem = built_shape_problem(
-                model_path, num_experts=config.engine.num_experts, moe_router_topk=config.rollout.moe_router_topk
-            )
-            if problem is not None:
-                raise ConfigError([problem])
+    out = folder.path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model.source)
     except (OSError, ValueError) as exc:
-        # A Hub id with no network (or a typo of one) ends in a long traceback through
-        # huggingface_hub and transformers; its first line says what happened.
+        # A Hub id's failures are said before this (`pipeline.run.hub`); a folder that is not a
+        # model ends in a long traceback through transformers, whose first line says what happened.
         said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        why = (
-            f"its tokenizer cannot be loaded ({said})"
-            if model_path.exists()
-            else f"no such local folder, and it cannot be loaded as a Hugging Face Hub id ({said}); "
-            "download it first (huggingface-cli download) and pass its folder"
-        )
-        raise ConfigError([f"--hf-checkpoint={str(model_path)!r}: {why}"]) from exc
+        raise ConfigError([f"--hf-checkpoint={str(model.path)!r}: its tokenizer cannot be loaded ({said})"]) from exc
     dataset, reward_fn = _dataset(config, tokenizer)
 
-    meta = run_meta(config, dataset, model_path)
+    # A Hub id's tokenizer is fingerprinted as the id names it (no local file: "none"), also when
+    # an unreachable Hub has the run load its cached copy: a store begun online resumes offline.
+    e = config.engine
+    meta = run_meta(config, dataset, Path(e.hf_checkpoint) if e.hf_checkpoint else model.source)
     policy = CheckpointPolicy(
         out / CHECKPOINTS_DIR,
         out / PUBLISH_DIR,
         interval=config.output.save_interval,
         keep_last=config.output.save_keep_last,
     )
-    _claim_weights(out / "weights", config)
-    for folder in (policy.publish_dir, policy.dir):
-        _remove_unfinished_saves(folder)
+    owner = _check_weights_owner(out / "weights", config)
     regenerated: list[dict[str, Any]] = []
     if config.storage.transport is StoreTransport.LMDB:
         store = _open_lmdb(config, meta, policy, dataset, regenerated)
@@ -160,12 +154,34 @@ def open_run_state(config: Config) -> RunState:
                 "model, and its checkpoints replace those in the run folder",
                 checkpoints=str(policy.dir),
             )
-    trained = store.trained_step()
     try:
-        version, weights = _resume_point(store, policy, trained)
+        return _take_folder(config, folder, model, store, policy, owner, dataset, reward_fn, tuple(regenerated))
     except BaseException:
         store.close()
         raise
+
+
+def _take_folder(
+    config: Config,
+    folder: RunFolder,
+    model: StartingModel,
+    store: Store,
+    policy: CheckpointPolicy,
+    owner: Path | None,
+    dataset: list[PromptTask],
+    reward_fn: RewardFn,
+    regenerated: tuple[dict[str, Any], ...],
+) -> RunState:
+    out = folder.path
+    trained = store.trained_step()
+    version, weights = _resume_point(store, policy, trained)
+    # The store is open (an LMDB store's writer lock is this process's) and every check passed:
+    # the folder is this run's from here, and only from here is anything written into it.
+    folder.take(config)
+    model_path = model.install()
+    _record_weights_owner(out / "weights", config, owner)
+    for saves in (policy.publish_dir, policy.dir):
+        _remove_unfinished_saves(saves)
     # What the engines loaded between checkpoints is never needed again: a resume reloads the
     # checkpoint. Checkpoints beyond the newest --save-keep-last go too (a kill may have come
     # between a commit and that deletion).
@@ -227,8 +243,10 @@ def _resume_point(store: Store, policy: CheckpointPolicy, trained: int) -> tuple
 _OWNER_FILE = "owner.json"  # in the weights folder: which LMDB store counts these checkpoints
 
 
-def _claim_weights(weights_dir: Path, config: Config) -> None:
-    """Refuse to write checkpoints over those an LMDB store of another run counts as trained.
+def _check_weights_owner(weights_dir: Path, config: Config) -> Path | None:
+    """Refuse to write checkpoints over those an LMDB store of another run counts as trained; the
+    owner recorded now (None: nobody). Looks only: `_record_weights_owner` writes, once the run
+    owns its folder.
 
     A run saves `checkpoints/vN` and `weights/vN`. In a folder whose checkpoints belong to an LMDB store
     (a durable run that can still resume), a memory run or an LMDB run on another store would
@@ -240,11 +258,7 @@ def _claim_weights(weights_dir: Path, config: Config) -> None:
     the folder over.
     """
     out = weights_dir.parent.resolve()
-    ours = (
-        Path(derived(config.storage.data_dir, "storage.data_dir")).resolve()
-        if config.storage.transport is StoreTransport.LMDB
-        else None
-    )
+    ours = _store_dir(config)
     record = weights_dir / _OWNER_FILE
     owner: Path | None
     if record.exists():
@@ -270,12 +284,27 @@ def _claim_weights(weights_dir: Path, config: Config) -> None:
             f"trained. Give this run another --output-dir, or resume that run with "
             f"--rollout-data-transport lmdb --rollout-data-dir {owner}"
         )
-    if owner != ours or not record.exists():
-        weights_dir.mkdir(parents=True, exist_ok=True)
-        mine = None if ours is None else str(ours.relative_to(out) if ours.is_relative_to(out) else ours)
-        tmp = record.with_name(f".{_OWNER_FILE}.tmp")
-        tmp.write_bytes(orjson.dumps({"lmdb_store": mine}))
-        os.replace(tmp, record)
+    return owner
+
+
+def _record_weights_owner(weights_dir: Path, config: Config, owner: Path | None) -> None:
+    """`weights/owner.json` names this run's store (None for a memory run), unless it already does."""
+    out = weights_dir.parent.resolve()
+    ours = _store_dir(config)
+    record = weights_dir / _OWNER_FILE
+    if record.exists() and owner == ours:
+        return
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    mine = None if ours is None else str(ours.relative_to(out) if ours.is_relative_to(out) else ours)
+    tmp = record.with_name(f".{_OWNER_FILE}.tmp")
+    tmp.write_bytes(orjson.dumps({"lmdb_store": mine}))
+    os.replace(tmp, record)
+
+
+def _store_dir(config: Config) -> Path | None:
+    if config.storage.transport is not StoreTransport.LMDB:
+        return None
+    return Path(derived(config.storage.data_dir, "storage.data_dir")).resolve()
 
 
 def _remove_unfinished_saves(weights_dir: Path) -> None:
