@@ -65,7 +65,7 @@ from storage import (
     unreadable_reason,
 )
 
-__all__ = ["RunState", "open_run_state"]
+__all__ = ["RunState", "open_for_resume", "open_run_state"]
 
 log = structlog.get_logger("launch")
 
@@ -198,12 +198,18 @@ def open_run_state(config: Config) -> RunState:
     )
 
 
-def _resume_point(store: Store, policy: CheckpointPolicy, trained: int) -> tuple[int, Path | None]:
-    """The newest full checkpoint the store counts (version <= trained step + 1; a newer one was
-    saved by a step that never committed), and its folder; (0, None) for the base model. The
-    stored batches of the steps after it must still be there, to be trained again."""
+def _resume_version(policy: CheckpointPolicy, trained: int) -> int:
+    """The version of the newest full checkpoint the store counts (<= trained step + 1; a newer one
+    was saved by a step that never committed); 0 for the base model."""
     versions = checkpoint_versions(policy.dir, policy.publish_dir)  # publish_dir: the older layout
-    version = max((v for v in versions if v <= trained + 1), default=0)
+    return max((v for v in versions if v <= trained + 1), default=0)
+
+
+def _resume_point(store: Store, policy: CheckpointPolicy, trained: int) -> tuple[int, Path | None]:
+    """The newest full checkpoint the store counts, and its folder; (0, None) for the base model.
+    The stored batches of the steps after it must still be there, to be trained again."""
+    versions = checkpoint_versions(policy.dir, policy.publish_dir)  # publish_dir: the older layout
+    version = _resume_version(policy, trained)
     collected = store.statistics().collected_step
     if version <= trained and collected >= version:
         where = f"checkpoint v{version}" if version else "the base model (no checkpoint was saved)"
@@ -330,15 +336,41 @@ def _open_lmdb(config: Config, meta: RunMeta, policy: CheckpointPolicy, dataset:
         if reason is None:
             raise
     else:
-        try:
-            _requeue_damaged(store, fresh)
-            _name_damaged_trained(store)
-            _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
-        except BaseException:
-            store.close()
-            raise
+        _resume_checks(store, policy, fresh, requeue_failed=config.storage.requeue_failed_groups)
         return store
     return _continue_from_salvage(data_dir, options, meta, policy, reason, fresh, len(dataset))
+
+
+def open_for_resume(
+    data_dir: Path,
+    options: dict[str, Any],
+    meta: RunMeta,
+    policy: CheckpointPolicy,
+    fresh: Callable[[str], Group | None],
+    *,
+    requeue_failed: bool = False,
+) -> Store:
+    """A run's LMDB store as a resume opens it: checked (pages, layout, counters, the run record),
+    recovered after an unclean stop, damaged groups quarantined, the damaged records of what it
+    trains again named, failed groups of earlier runs said. What it reads is bounded by the work in
+    flight and the steps since the checkpoint, not by the store's size
+    (`benchmarks.store_at_size` times it). A StoreError means the store does not open."""
+    store = _open_checked(data_dir, options, meta)
+    _resume_checks(store, policy, fresh, requeue_failed=requeue_failed)
+    return store
+
+
+def _resume_checks(
+    store: Store, policy: CheckpointPolicy, fresh: Callable[[str], Group | None], *, requeue_failed: bool
+) -> None:
+    """What a resume checks in a store that opened (closed again if a check fails)."""
+    try:
+        _requeue_damaged(store, fresh)
+        _name_damaged_trained(store, from_step=_resume_version(policy, store.trained_step()))
+        _failed_groups(store, fresh, requeue=requeue_failed)
+    except BaseException:
+        store.close()
+        raise
 
 
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
@@ -357,11 +389,14 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
     )
 
 
-def _name_damaged_trained(store: Store) -> None:
-    """Name, once, the damaged records of groups already trained (their data is history, nothing
-    to generate again: `replay verify` lists them, `replay group` cannot show them). Each resume
-    reads the groups trained since the last one checked (`RunMeta.extra["trained_checked_to"]`),
-    so a record is read back once, not at every start; `replay verify` reads everything."""
+def _name_damaged_trained(store: Store, *, from_step: int) -> None:
+    """Name, once, the damaged records of the trained groups a resume trains again: the batches of
+    steps `from_step` (the checkpoint's version) on, not yet checked
+    (`RunMeta.extra["trained_checked_to"]`). What a resume reads stays what it trains again,
+    never the whole store: the groups trained before the checkpoint are history (nothing to
+    generate or train again), and `replay verify` reads and names every damaged one of them.
+    (Before issue 49 this read every trained group once, at a store's first resume: its whole
+    size.)"""
     meta = store.read_meta()
     if meta is None:
         return
@@ -369,7 +404,7 @@ def _name_damaged_trained(store: Store) -> None:
     if trained <= checked:
         return
     damaged: list[str] = []
-    for step in range(checked + 1, trained + 1):
+    for step in range(max(checked + 1, from_step), trained + 1):
         errors: list[CorruptRecordError] = []
         try:
             store.batch(step, damaged=errors)  # None for a collected or seeded step: nothing to read
@@ -378,8 +413,8 @@ def _name_damaged_trained(store: Store) -> None:
         damaged += [str(e.key if isinstance(e.key, str) else e.key.decode(errors="replace")) for e in errors]
     if damaged:
         log.warning(
-            "the rollout store holds damaged records of groups already trained: their data is lost, nothing is "
-            "trained again (said once; `python -m pipeline.replay OUTPUT_DIR verify` lists every damaged record)",
+            "the rollout store holds damaged records of groups already trained, in the batches since the checkpoint: "
+            "their data is lost (said once; `python -m pipeline.replay OUTPUT_DIR verify` lists every damaged record)",
             records=damaged,
         )
     store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
