@@ -25,7 +25,7 @@ Printed per W, over the steps after the first (start-up excluded):
 - response tokens/s and samples/s trained (wall), and the ratio to the 128-GPU DAPO run
   (0.5M tokens/s) and to the goal (1M tokens/s);
 - store write MB/s (what the controller wrote: /proc/self/io `wchar`, LMDB's pwrites) and the
-  store's size (data.mdb, and pages in use);
+  store's size (data.mdb; with --gc-keep-steps also the pages its trees hold);
 - controller RSS (anonymous, and file-backed: LMDB's map), its peak;
 - event-loop lag: a task that sleeps 10 ms and measures how late it wakes (p50, p99, max);
 - busy fractions: the controller's CPU / wall (the whole process; near 1.0 on one pinned core:
@@ -59,6 +59,7 @@ import structlog
 
 from benchmarks.controller_overhead import reward, stat_cpu_seconds, workload
 from benchmarks.ray_producers import actor_cpu, pin_process, thread_cpu
+from benchmarks.store_at_size import live_bytes
 from engines.production_payloads import RouteShape
 from launch.engine_process import EngineProcess, free_port, start_engine
 from launch.gc_settings import settle_gc
@@ -102,6 +103,10 @@ class TimedStore:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.busy = 0.0
+
+    @property
+    def store(self) -> Any:
+        return self._store
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -243,7 +248,7 @@ async def run_one(
     store = AsyncStore(timed)  # type: ignore[arg-type]  # a forwarding proxy of a Store
     data_file = folder / "store" / "data.mdb"
     marks: list[dict[str, Any]] = []
-    sizes: list[tuple[int, int, int]] = []  # per step: data.mdb bytes, pages in use x page size, trained groups
+    sizes: list[tuple[int, int, int]] = []  # per step: data.mdb bytes, bytes its trees hold, trained groups
     probe = Probe()
     final: dict[str, float] = {}
     policy = CheckpointPolicy(
@@ -266,7 +271,8 @@ async def run_one(
         )
         st = store.statistics()
         size = data_file.stat().st_size if data_file.exists() else 0
-        sizes.append((size, st.bytes_used, st.counts.get(GroupState.TRAINED, 0)))
+        held = live_bytes(timed.store) if args.gc_keep_steps is not None and args.store != "memory" else 0
+        sizes.append((size, held, st.counts.get(GroupState.TRAINED, 0)))
 
     dataset = workload(args.batch * (args.steps + 4) * (2 if args.mode == "async" else 1), args.prompt_len)
 
@@ -404,7 +410,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 f"store size, W={r['producers'] or 'local'}, collection keeping {args.gc_keep_steps} steps: "
                 f"data.mdb {sizes[0][0] / 1e6:,.1f} MB after step 0, {sizes[-1][0] / 1e6:,.1f} MB after step "
                 f"{len(sizes) - 1}; over the last half min/max {min(s[0] for s in half) / 1e6:,.1f}/"
-                f"{max(s[0] for s in half) / 1e6:,.1f} MB (pages in use {min(s[1] for s in half) / 1e6:,.1f}/"
+                f"{max(s[0] for s in half) / 1e6:,.1f} MB (its trees hold {min(s[1] for s in half) / 1e6:,.1f}/"
                 f"{max(s[1] for s in half) / 1e6:,.1f} MB, trained groups held {min(s[2] for s in half)}/"
                 f"{max(s[2] for s in half)}); at the end, {r['final']['trained_held']} trained groups held, "
                 f"{r['final']['collected']} collected, {r['final']['checkpoints']} checkpoints kept"

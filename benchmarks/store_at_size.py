@@ -4,6 +4,10 @@ resume and `replay verify` on it.
     python -m benchmarks.store_at_size [--size-gb 100] [--shape 48x8/128] [--group 16]
         [--tokens 8192] [--batch 64] [--after-checkpoint 2] [--dir /the/disk/to/test] [--keep]
 
+`--steady-steps N` runs N steps with collection keeping `--gc-keep-steps` (as
+`--rollout-gc-keep-steps`) instead, and prints the store's size step by step: what it holds, the
+file's high-water mark (LMDB reuses freed pages; it never shrinks the file), and their growth.
+
 1. Build: steps of `--batch` groups of `--group` samples, long-tailed response lengths around
    `--tokens` (the simulated engine's length model), per-token log-probs, version spans and R3
    routes at `--shape` packed as the client packs them (SC heads with `--sc-top-k`), through
@@ -169,6 +173,78 @@ def build(path: Path, args: argparse.Namespace, meta: RunMeta) -> dict[str, Any]
     }
 
 
+def live_bytes(store: LmdbStore) -> int:
+    """Bytes of the pages the store's trees hold now (branch, leaf and overflow pages of every
+    database): what it holds, beside `bytes_used`, the file's high-water mark, which counts the
+    pages LMDB freed and keeps for reuse. Reads the store's own environment (a benchmark's look
+    inside)."""
+    env = store._open_env()
+    pages = 0
+    with env.begin() as txn:
+        for db in (*store._dbs.values(), None):
+            st = txn.stat(db) if db is not None else env.stat()
+            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+    return pages * int(env.stat()["psize"])
+
+
+def steady(path: Path, args: argparse.Namespace, meta: RunMeta) -> dict[str, Any]:
+    """`--steady-steps N`: N steps through the store API with collection keeping the last
+    `--gc-keep-steps` (as `--rollout-gc-keep-steps` runs it after each commit); the file's size,
+    its high-water mark and the pages held, step by step."""
+    samples = Samples(args)
+    store = LmdbStore(path, sync=args.sync)
+    keep = args.gc_keep_steps
+    index = 0
+    sizes: list[tuple[int, int, int]] = []  # data.mdb bytes, high-water bytes, live bytes
+    start = time.perf_counter()
+    try:
+        store.write_meta(meta)
+        for step in range(args.steady_steps):
+            fresh = []
+            for _ in range(args.batch):
+                task = PromptTask(index=index, prompt_ids=tuple(range(index % 1000, index % 1000 + args.prompt_len)))
+                fresh.append(Group.fresh(task, epoch=0, n_samples=args.group, version=step, seq=index))
+                index += 1
+            store.admit(fresh, Cursor(0, index, index))
+            seeds = [[g.seq * 131 + s.index for s in g.samples] for g in fresh]
+            store.put_ready_groups(
+                [
+                    g.with_samples(
+                        [
+                            samples.sample(s.index, g.task.prompt_ids, seed, step)
+                            for s, seed in zip(g.samples, ss, strict=True)
+                        ]
+                    )
+                    for g, ss in zip(fresh, seeds, strict=True)
+                ]
+            )
+            store.take_batch(step, args.batch)
+            store.finish_batch(step, {"step": step})
+            if step - keep >= 0:
+                store.collect_garbage(step - keep)
+            sizes.append((os.path.getsize(path / "data.mdb"), store.statistics().bytes_used, live_bytes(store)))
+            if (step + 1) % max(1, args.steady_steps // 10) == 0:
+                f, h, live = sizes[-1]
+                print(
+                    f"  step {step}: data.mdb {f / 1e6:,.1f} MB, high-water {h / 1e6:,.1f} MB, "
+                    f"held {live / 1e6:,.1f} MB",
+                    flush=True,
+                )
+    finally:
+        store.close()
+    half = sizes[len(sizes) // 2 :]
+    grew = (half[-1][1] - half[0][1]) / max(1, len(half) - 1) * 100
+    return {
+        "steady steps": len(sizes),
+        "steady s": time.perf_counter() - start,
+        "held MB (last half, max)": max(x[2] for x in half) / 1e6,
+        "high-water MB (mid, end)": (half[0][1] / 1e6, half[-1][1] / 1e6),
+        "data.mdb MB (end)": sizes[-1][0] / 1e6,
+        "high-water growth MB per 100 steps (last half)": grew / 1e6,
+        "sizes": sizes,
+    }
+
+
 def drop_cache(file: Path) -> None:
     """Evict `file`'s clean pages from the page cache (what a reboot leaves: nothing)."""
     fd = os.open(file, os.O_RDONLY)
@@ -282,6 +358,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         run_id="store-at-size", dataset_fingerprint="d", tokenizer_fingerprint="t", n_samples_per_prompt=args.group
     )
     out: dict[str, Any] = {}
+    if args.steady_steps:
+        try:
+            out.update(steady(path, args, meta))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(
+            f"steady state over {out['steady steps']} steps ({args.batch} groups x {args.group} samples a step, "
+            f"collection keeping {args.gc_keep_steps}): held at most {out['held MB (last half, max)']:,.1f} MB "
+            f"over the last half; high-water {out['high-water MB (mid, end)'][0]:,.1f} MB at its start, "
+            f"{out['high-water MB (mid, end)'][1]:,.1f} MB at the end "
+            f"({out['high-water growth MB per 100 steps (last half)']:+,.2f} MB per 100 steps); data.mdb "
+            f"{out['data.mdb MB (end)']:,.1f} MB; {out['steady s']:.0f} s",
+            flush=True,
+        )
+        if args.json:
+            Path(args.json).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+        return out
     try:
         print(
             f"building {args.size_gb:g} GB: {args.batch} groups x {args.group} samples a step, lengths {args.lengths} "
@@ -335,6 +428,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warm", action="store_true", help="keep the page cache (a process restart, not a reboot)")
     p.add_argument("--dir", default=None, help="where to build (the disk to measure)")
     p.add_argument("--keep", action="store_true")
+    p.add_argument(
+        "--steady-steps", type=int, default=0, help="instead: N steps with collection, the size step by step"
+    )
+    p.add_argument("--gc-keep-steps", type=int, default=2, help="with --steady-steps: steps collection keeps")
     p.add_argument("--json", default=None)
     return p
 

@@ -129,3 +129,12 @@ def test_the_benchmark_builds_resumes_and_verifies_a_store_and_prints_its_figure
     printed = capsys.readouterr().out
     assert "the 10 s goal" in printed and "of the disk's sequential read" in printed
     assert not any(p.name.startswith("store-at-size-") for p in tmp_path.iterdir())  # deleted without --keep
+
+
+def test_under_collection_what_the_store_holds_stays_flat_and_the_sizes_print(tmp_path, capsys):
+    out = bench.main(_args(tmp_path, steady_steps=40, gc_keep_steps=2))
+    held = [live for _, _, live in out["sizes"]]
+    assert len(held) == 40 and min(held) > 0
+    # Collection keeps 2 steps: what the trees hold late is what they held early on, not 4x it.
+    assert max(held[20:]) <= 2 * max(held[4:12])
+    assert "steady state over 40 steps" in capsys.readouterr().out
