@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from core.columns import SamplerHeads, TokenRoutes
 from core.types import FinishReason, Group, PromptTask, Sample, Segment
 from storage import Cursor, LmdbStore, MemoryStore, Store, codec
@@ -58,13 +60,14 @@ def make_group(index: int, *, samples: int, tokens: int, finish: FinishReason = 
     return group.with_samples(out)
 
 
-def with_payloads(group: Group, *, layers: int, top_k: int, sc_k: int) -> Group:
-    """`group` with R3 routes and SC heads on every token (deterministic filler of the right size)."""
+def with_payloads(group: Group, *, layers: int, top_k: int, sc_k: int, experts: int = 128) -> Group:
+    """`group` with R3 routes and SC heads on every token (deterministic filler of the right size),
+    the routes packed as the client stores them (one byte an id for <= 255 experts)."""
     out = []
     for s in group.samples:
         n = s.response_len
-        expert_ids = bytes((i * 7 + s.index) % 128 for i in range(n * layers * top_k * 4))
-        routes = TokenRoutes(expert_ids, layers=layers, top_k=top_k)
+        expert_ids = ((np.arange(n * layers * top_k) * 7 + s.index) % experts).astype("<i4").tobytes()
+        routes = TokenRoutes.packed(expert_ids, layers=layers, top_k=top_k, experts=experts)
         heads = SamplerHeads(bytes(n * sc_k * 4), bytes((i * 3) % 251 for i in range(n * sc_k * 8)), k=sc_k)
         out.append(dataclasses.replace(s, routes=routes, heads=heads))
     return group.with_samples(out)
@@ -74,7 +77,7 @@ def payload_costs(root: Path, args: argparse.Namespace) -> list[tuple[str, str]]
     """Bytes per token and write/read time of group records with vs without R3/SC payloads."""
     n, tokens = args.payload_commits, 1024  # a loaded record is ~14 MB: a few dozen are plenty
     plain = [make_group(i, samples=8, tokens=tokens) for i in range(n)]
-    shape = dict(layers=args.r3_layers, top_k=args.r3_top_k, sc_k=args.sc_top_k)
+    shape = dict(layers=args.r3_layers, top_k=args.r3_top_k, sc_k=args.sc_top_k, experts=args.r3_experts)
     loaded = [with_payloads(g, **shape) for g in plain]
     rows: list[tuple[str, str]] = []
     measured: dict[str, tuple[float, float, float]] = {}
@@ -89,7 +92,7 @@ def payload_costs(root: Path, args: argparse.Namespace) -> list[tuple[str, str]]
             read = (time.perf_counter() - start) / n
         measured[name] = (per_token, write, read)
     (b0, w0, r0), (b1, w1, r1) = measured["without"], measured["with"]
-    what = f"R3 {args.r3_layers} layers x top-{args.r3_top_k} + SC top-{args.sc_top_k}"
+    what = f"R3 {args.r3_layers} layers x top-{args.r3_top_k} of {args.r3_experts} + SC top-{args.sc_top_k}"
     rows += [
         ("payloads: bytes/token without / with", f"{b0:.1f} / {b1:.1f}  (x{b1 / b0:.1f}; {what})"),
         ("payloads: write ms/group without / with", f"{w0 * 1e3:.2f} / {w1 * 1e3:.2f}  (x{w1 / w0:.0f}, unsynced)"),
@@ -234,6 +237,7 @@ if __name__ == "__main__":
     parser.add_argument("--groups", type=int, default=100_000, help="groups in the store that is reopened")
     parser.add_argument("--only-payloads", action="store_true", help="measure only the R3/SC payload costs")
     parser.add_argument("--r3-layers", type=int, default=48, help="MoE layers of the routes (Qwen3-30B-A3B: 48)")
+    parser.add_argument("--r3-experts", type=int, default=128, help="experts per layer (packs the routes)")
     parser.add_argument("--r3-top-k", type=int, default=8, help="experts per token per layer (Qwen3-30B-A3B: 8)")
     parser.add_argument("--sc-top-k", type=int, default=20, help="sampler heads per token")
     parser.add_argument("--payload-commits", type=int, default=20, help="group-sized commits with and without payloads")

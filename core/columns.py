@@ -29,7 +29,9 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Self, SupportsIndex
 
-__all__ = ["NO_ROUTE", "LogProbs", "LossMask", "SamplerHeads", "TokenIds", "TokenRoutes"]
+import numpy as np
+
+__all__ = ["NO_ROUTE", "ROUTE_CODES", "LogProbs", "LossMask", "SamplerHeads", "TokenIds", "TokenRoutes", "route_code"]
 
 if TYPE_CHECKING:
     _Ints = array[int]
@@ -233,9 +235,24 @@ for _column in (TokenIds, LogProbs, LossMask):
 # a read-only memoryview over those very bytes (no copy; `torch.frombuffer`/`numpy.frombuffer`
 # read it in place). A store record's bytes become a sample's payload without a copy either.
 
-_ROUTES_CODE, _ROUTE_WIDTH = "i", 4  # int32 expert ids
 _HEAD_ID_WIDTH, _HEAD_LOGPROB_WIDTH = 4, 8  # int32 token ids, float64 log-probs (bit for bit, as LogProbs)
 NO_ROUTE = -1  # an expert id for "no route recorded": environment tokens, tokens from before R3 was on
+
+# R3 routes are packed in the smallest integer type that holds the model's expert ids: one byte an
+# expert for up to 255 experts (Qwen3-30B-A3B's 128: 48 layers x top-8 = 384 bytes a token, a
+# quarter of SGLang's int32), two for up to 32,767 (DeepSeek-V3's 256), four beyond. The rows are
+# all ones bytes where no route was recorded: 255 in uint8, -1 in int16 and int32, so `unrouted`
+# is the same fill whatever the type, and `NO_ROUTE` is what every reader of ids sees.
+ROUTE_CODES = {"B": 1, "h": 2, "i": 4}  # `array`/`memoryview` item code -> bytes an expert id
+_ROUTE_DTYPES = {"B": "<u1", "h": "<i2", "i": "<i4"}  # the same as numpy dtypes
+_ROUTE_LIMIT = {"B": 255, "h": 2**15 - 1, "i": 2**31 - 1}  # expert ids below this fit (255 is uint8's NO_ROUTE)
+
+
+def route_code(experts: int) -> str:
+    """The item code of the smallest type that holds expert ids `0..experts - 1` and `NO_ROUTE`."""
+    if experts < 1:
+        raise ValueError(f"route_code: a model routes to at least 1 expert, got {experts}")
+    return next(code for code in ROUTE_CODES if experts <= _ROUTE_LIMIT[code])
 
 
 def _rows_of(name: str, data: bytes, row_bytes: int) -> int:
@@ -257,48 +274,110 @@ def _little_endian_view(name: str, data: bytes, code: str, shape: list[int]) -> 
 class TokenRoutes:
     """R3: for each response token, the experts every MoE layer chose in the forward that sampled it.
 
-    int32 `[tokens, layers, top_k]` (SGLang's `routed_experts` rows, the row of position p - 1
-    for the token at position p). `NO_ROUTE` (-1) rows mark tokens no model forward sampled
-    (environment tokens) or that were generated before routes were asked for.
+    `[tokens, layers, top_k]` expert ids (SGLang's `routed_experts` rows, the row of position
+    p - 1 for the token at position p), packed in `code`'s type (`ROUTE_CODES`: uint8, int16 or
+    int32; `packed` picks it from the expert count). Rows of all ones bytes mark tokens no model
+    forward sampled (environment tokens) or that were generated before routes were asked for:
+    `NO_ROUTE` to every reader of ids (`tolist_flat`, `row`), 255 in a uint8 `view`/`array`.
     """
 
-    __slots__ = ("_data", "layers", "top_k")
+    __slots__ = ("_data", "code", "layers", "top_k")
 
-    def __init__(self, data: bytes, *, layers: int, top_k: int) -> None:
+    def __init__(self, data: bytes, *, layers: int, top_k: int, code: str = "i") -> None:
         if layers < 1 or top_k < 1:
             raise ValueError(f"TokenRoutes: layers={layers} and top_k={top_k} must both be >= 1")
-        self.layers, self.top_k = layers, top_k
-        _rows_of("TokenRoutes", data, layers * top_k * _ROUTE_WIDTH)
+        if code not in ROUTE_CODES:
+            raise ValueError(f"TokenRoutes: item code {code!r} is not one of {sorted(ROUTE_CODES)} (uint8/int16/int32)")
+        self.layers, self.top_k, self.code = layers, top_k, code
+        _rows_of("TokenRoutes", data, layers * top_k * ROUTE_CODES[code])
         self._data = data
 
     @classmethod
-    def unrouted(cls, n: int, *, layers: int, top_k: int) -> TokenRoutes:
+    def packed(
+        cls, int32_rows: bytes | memoryview, *, layers: int, top_k: int, experts: int | None = None
+    ) -> TokenRoutes:
+        """Rows of little-endian int32 ids (SGLang's form) packed into the smallest type that holds
+        `experts` ids, or, with `experts` unknown, the largest id among them: one pass over the
+        rows, the only copy between the wire and the store. Raises ValueError naming an id that is
+        neither an expert of `experts` nor `NO_ROUTE`."""
+        ids = np.frombuffer(int32_rows, dtype="<i4")
+        if not ids.size:
+            return cls(b"", layers=layers, top_k=top_k, code=route_code(experts or 1))
+        low, high = int(ids.min()), int(ids.max())
+        if low < NO_ROUTE or (experts is not None and high >= experts):
+            bad = low if low < NO_ROUTE else high
+            raise ValueError(
+                f"TokenRoutes: expert id {bad} is outside 0..{'' if experts is None else experts - 1} "
+                f"(or {NO_ROUTE} for no route){'' if experts is None else f' of a model with {experts} experts'}"
+            )
+        code = route_code(experts if experts is not None else high + 1)
+        data = (ids if code == "i" else ids.astype(_ROUTE_DTYPES[code])).tobytes()  # -1 wraps to 255 in uint8
+        return cls(data, layers=layers, top_k=top_k, code=code)
+
+    @classmethod
+    def unrouted(cls, n: int, *, layers: int, top_k: int, code: str = "i") -> TokenRoutes:
         """`n` rows of `NO_ROUTE`."""
-        return cls(b"\xff" * (n * layers * top_k * _ROUTE_WIDTH), layers=layers, top_k=top_k)
+        return cls(b"\xff" * (n * layers * top_k * ROUTE_CODES[code]), layers=layers, top_k=top_k, code=code)
 
     @property
     def data(self) -> bytes:
-        """The rows as little-endian int32 bytes (the wire's and the store's form)."""
+        """The rows as little-endian bytes of `code`'s type (the store's form)."""
         return self._data
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes an expert id: 1, 2 or 4."""
+        return ROUTE_CODES[self.code]
+
     def __len__(self) -> int:
-        return len(self._data) // (self.layers * self.top_k * _ROUTE_WIDTH)
+        return len(self._data) // (self.layers * self.top_k * ROUTE_CODES[self.code])
 
     def view(self) -> memoryview:
-        """A read-only `[tokens, layers, top_k]` int32 view of the bytes, without a copy."""
-        return _little_endian_view("TokenRoutes", self._data, _ROUTES_CODE, [len(self), self.layers, self.top_k])
+        """A read-only `[tokens, layers, top_k]` view of the bytes in `code`'s type, without a copy."""
+        return _little_endian_view("TokenRoutes", self._data, self.code, [len(self), self.layers, self.top_k])
+
+    def array(self) -> np.ndarray[Any, Any]:
+        """A read-only numpy `[tokens, layers, top_k]` array over the bytes, without a copy (uint8
+        rows hold 255 where `NO_ROUTE` is meant: `as_ids` widens and maps it)."""
+        flat = np.frombuffer(self._data, dtype=_ROUTE_DTYPES[self.code])
+        return flat.reshape(len(self), self.layers, self.top_k)
+
+    def as_ids(self, dtype: Any = np.int64) -> np.ndarray[Any, Any]:
+        """The ids widened to `dtype` (a signed type; int64 is what torch's `gather` indexes with),
+        `NO_ROUTE` as -1: one new array, the only copy between the store's bytes and a trainer's plan."""
+        wide = self.array().astype(dtype)
+        if self.code == "B":
+            wide[wide == 255] = NO_ROUTE
+        return wide
+
+    def unrouted_rows(self) -> int:
+        """Rows marked `NO_ROUTE` (tokens no sampling forward routed)."""
+        if not self._data:
+            return 0
+        first = self.array()[:, 0, 0]
+        return int(np.count_nonzero(first == (255 if self.code == "B" else NO_ROUTE)))
 
     def rows(self, start: int, end: int) -> TokenRoutes:
-        row = self.layers * self.top_k * _ROUTE_WIDTH
-        return TokenRoutes(self._data[start * row : end * row], layers=self.layers, top_k=self.top_k)
+        row = self.layers * self.top_k * ROUTE_CODES[self.code]
+        return TokenRoutes(self._data[start * row : end * row], layers=self.layers, top_k=self.top_k, code=self.code)
 
     def row(self, t: int) -> list[list[int]]:
-        """Token `t`'s experts, a list of `top_k` ids per layer."""
+        """Token `t`'s experts, a list of `top_k` ids per layer (`NO_ROUTE` where none was recorded)."""
         flat = self.rows(t, t + 1).tolist_flat()
         return [flat[i * self.top_k : (i + 1) * self.top_k] for i in range(self.layers)]
 
     def tolist_flat(self) -> list[int]:
-        return list(struct.unpack(f"<{len(self._data) // _ROUTE_WIDTH}i", self._data))
+        ids: list[int] = self.as_ids().reshape(-1).tolist()
+        return ids
+
+    def widened(self, code: str) -> TokenRoutes:
+        """The same ids in `code`'s type, which must hold them (a copy, unless it is this type)."""
+        if code == self.code:
+            return self
+        if ROUTE_CODES[code] < ROUTE_CODES[self.code]:
+            raise ValueError(f"TokenRoutes: cannot narrow {self.code!r} routes to {code!r}")
+        data = self.as_ids(_ROUTE_DTYPES[code]).tobytes()
+        return TokenRoutes(data, layers=self.layers, top_k=self.top_k, code=code)
 
     def joined(self, other: TokenRoutes) -> TokenRoutes:
         if (other.layers, other.top_k) != (self.layers, self.top_k):
@@ -310,18 +389,27 @@ class TokenRoutes:
             return self
         if not self._data:
             return other
-        return TokenRoutes(self._data + other._data, layers=self.layers, top_k=self.top_k)
+        if other.code != self.code:  # a wider id arrived (expert count unknown): both in the wider type
+            code = max(self.code, other.code, key=ROUTE_CODES.__getitem__)
+            return self.widened(code).joined(other.widened(code))
+        return TokenRoutes(self._data + other._data, layers=self.layers, top_k=self.top_k, code=self.code)
 
     def __eq__(self, other: object) -> bool:
+        # The same ids are equal in any type (a uint8 NO_ROUTE is an int32 one).
         if not isinstance(other, TokenRoutes):
             return NotImplemented
-        return (self.layers, self.top_k, self._data) == (other.layers, other.top_k, other._data)
+        if (self.layers, self.top_k, len(self)) != (other.layers, other.top_k, len(other)):
+            return False
+        if self.code == other.code:
+            return self._data == other._data
+        return bool(np.array_equal(self.as_ids(), other.as_ids()))
 
     def __hash__(self) -> int:
-        return hash((self.layers, self.top_k, self._data))
+        return hash((self.layers, self.top_k, self.widened("i")._data))
 
     def __repr__(self) -> str:
-        return f"TokenRoutes({len(self)} tokens x {self.layers} layers x top-{self.top_k})"
+        dtype = {"B": "uint8", "h": "int16", "i": "int32"}[self.code]
+        return f"TokenRoutes({len(self)} tokens x {self.layers} layers x top-{self.top_k}, {dtype})"
 
     def __copy__(self) -> TokenRoutes:
         return self

@@ -308,9 +308,9 @@ def _joined_routes(old: TokenRoutes | None, n_old: int, new: TokenRoutes | None,
     if new is None:
         if old is None or not n_new:
             return old
-        return old.joined(TokenRoutes.unrouted(n_new, layers=old.layers, top_k=old.top_k))
+        return old.joined(TokenRoutes.unrouted(n_new, layers=old.layers, top_k=old.top_k, code=old.code))
     if old is None:
-        old = TokenRoutes.unrouted(n_old, layers=new.layers, top_k=new.top_k)
+        old = TokenRoutes.unrouted(n_old, layers=new.layers, top_k=new.top_k, code=new.code)
     return old.joined(new)
 
 

@@ -6,7 +6,7 @@
 It speaks the SGLang HTTP surface the pipeline uses (`reference/sglang-protocol.md`): `/generate`
 (non-streaming, token in, token out, with `output_token_logprobs`), `/model_info`,
 `/update_weight_version`, `/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
-`/flush_cache`, `/abort_request` and the health probes. There is no model and no scheduler: a
+`/flush_cache`, `/abort_request`, `/v1/loads` and the health probes. There is no model and no scheduler: a
 request gets `min(max_new_tokens, --tokens)` tokens the moment it arrives.
 
 Why a hand-rolled HTTP/1.1 server on a bare asyncio protocol rather than aiohttp's: the point is to
@@ -20,6 +20,15 @@ body bound are every engine's (guards.py): 401 without the key, 413 for a body o
 Pause: generation requests that arrive while paused wait (any mode: nothing is ever in flight
 here) and are answered on `/continue_generation` with the version then serving; an
 `/abort_request` answers them as aborted with no tokens, as SGLang answers aborted waiting requests.
+
+Production payloads (`--max-tokens N`, the issue-49 load generator): answers as a production run's
+are, encoded once and cut per request (`engines.production_payloads`): long-tailed lengths
+(`--lengths lognormal:MU,SIGMA`, fractions of `--length-limit`, `--truncate-frac`) up to N tokens,
+`output_ids`, per-token log-probs, `weight_versions` spans, R3 routes at `--routes 48x8/128` when
+a request sets `return_routed_experts` (base64 int32, from `routed_experts_start_len`, echoed),
+and SC heads when it sets `top_logprobs_num`. `--extra-ports P1,P2,...` serves more engines from
+this one process, each with its own version and pause state (one process answers for many
+ports, as a benchmark behind a router of 64 engines needs); `/instant/stats` reports per port.
 """
 
 from __future__ import annotations
@@ -30,12 +39,15 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
 
+from core.errors import ConfigError
 from engines.guards import MIB, MIN_BODY, UNAUTHORIZED, add_guard_arguments, authorized, too_large_message
+from engines.production_payloads import ProductionAnswers, RouteShape
+from engines.sim_model import LengthModel
 
 __all__ = ["InstantEngine", "main"]
 
@@ -49,6 +61,16 @@ class _Parked:
     rid: str
     n_tokens: int
     prompt_tokens: int
+    request: _Asked | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """What a production-payload answer depends on, from its request."""
+
+    stopped: bool
+    routes_from: int | None  # routed_experts_start_len, when routes were asked for
+    heads: int  # top_logprobs_num (0: none)
 
 
 class InstantEngine:
@@ -64,8 +86,12 @@ class InstantEngine:
         seed: int = 0,
         api_key: str | None = None,
         max_body: int = MIN_BODY,
+        production: ProductionAnswers | None = None,
     ) -> None:
         self.tokens = tokens
+        self.production = production  # shared by every port of the process
+        self.answered_tokens = 0
+        self.sent_bytes = 0
         self.api_key = api_key or None  # guards.py: SGLang's --api-key
         self.max_body = max_body
         self.finish = finish
@@ -104,11 +130,60 @@ class InstantEngine:
             b',"output_token_logprobs":', self._logprob_bytes(n), b"}}",
         ))  # fmt: skip
 
+    def production_answer(
+        self, rid: str, n: int, prompt_tokens: int, asked: _Asked, *, aborted: bool = False
+    ) -> list[bytes | memoryview]:
+        """The pieces of a production answer's body (`engines.production_payloads`)."""
+        answers = self.production
+        assert answers is not None
+        if aborted:
+            n, finish = 0, b'{"type":"abort","message":"Abort in waiting queue"}'
+        elif asked.stopped:
+            finish = b'{"type":"stop","matched":%d}' % EOS_ID
+        else:
+            finish = b'{"type":"length","length":%d}' % n
+        version = orjson.dumps(self.version)
+        eos = answers.eos_logprob if asked.stopped and not aborted else None
+        pieces: list[bytes | memoryview] = [b'{"text":"","output_ids":']
+        pieces += answers.output_ids.first(n, b"%d" % EOS_ID if eos else None)
+        pieces += [
+            b',"meta_info":{"id":', orjson.dumps(rid),
+            b',"finish_reason":', finish,
+            b',"prompt_tokens":%d,"completion_tokens":%d,"cached_tokens":0,"weight_version":' % (prompt_tokens, n),
+            version,
+            b',"weight_versions":[{"version":', version, b',"start":0,"end":%d}]' % n,
+            b',"output_token_logprobs":',
+        ]  # fmt: skip
+        pieces += answers.logprobs.first(n, eos)
+        if asked.heads and n:
+            pieces.append(b',"output_top_logprobs":')
+            pieces += answers.heads(asked.heads).first(n)
+        if asked.routes_from is not None and answers.routes is not None:
+            rows = max(0, prompt_tokens + n - 1 - asked.routes_from)
+            pieces.append(b',"routed_experts_start_len":%d,"routed_experts":"' % asked.routes_from)
+            pieces += answers.routes.rows(rows)
+            pieces.append(b'"')
+        pieces.append(b"}}")
+        self.answered_tokens += n
+        return pieces
+
+    def respond_generate(self, transport: asyncio.Transport, p: _Parked, *, aborted: bool = False) -> None:
+        if p.request is None:
+            body = self.answer(p.rid, p.n_tokens, p.prompt_tokens, aborted=aborted)
+            self.sent_bytes += len(body)
+            _respond(transport, 200, body)
+            return
+        pieces = self.production_answer(p.rid, p.n_tokens, p.prompt_tokens, p.request, aborted=aborted)
+        length = sum(len(piece) for piece in pieces)
+        self.sent_bytes += length
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
+        transport.writelines([head, *pieces])
+
     def release_parked(self, *, aborted: bool) -> None:
         parked, self.parked = self.parked, []
         for p in parked:
             if not p.transport.is_closing():
-                _respond(p.transport, 200, self.answer(p.rid, p.n_tokens, p.prompt_tokens, aborted=aborted))
+                self.respond_generate(p.transport, p, aborted=aborted)
 
 
 def _respond(transport: asyncio.Transport, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
@@ -176,12 +251,22 @@ class _Connection(asyncio.Protocol):
         if path == "/generate":
             engine.requests += 1
             params = doc.get("sampling_params") or {}
-            n = min(int(params.get("max_new_tokens", engine.tokens)), engine.tokens)
             rid, prompt = str(doc.get("rid", "")), len(doc.get("input_ids") or ())
-            if engine.paused:
-                engine.parked.append(_Parked(transport, rid, n, prompt))
+            asked = None
+            if engine.production is None:
+                n = min(int(params.get("max_new_tokens", engine.tokens)), engine.tokens)
             else:
-                _respond(transport, 200, engine.answer(rid, n, prompt))
+                limit = int(params.get("max_new_tokens", engine.production.max_tokens))
+                n, stopped = engine.production.tokens_for(limit, int(params.get("sampling_seed") or 0))
+                routes_from = None
+                if doc.get("return_routed_experts"):
+                    routes_from = int(doc.get("routed_experts_start_len") or 0)
+                asked = _Asked(stopped, routes_from, int(doc.get("top_logprobs_num") or 0))
+            parked = _Parked(transport, rid, n, prompt, asked)
+            if engine.paused:
+                engine.parked.append(parked)
+            else:
+                engine.respond_generate(transport, parked)
         elif path in ("/model_info", "/get_model_info"):
             _respond(transport, 200, orjson.dumps({"model_path": engine.model_path, "weight_version": engine.version}))
         elif path == "/update_weight_version":
@@ -206,29 +291,63 @@ class _Connection(asyncio.Protocol):
             _respond(transport, 200, b"Cache flushed.\n", b"text/plain")
         elif path in ("/health", "/health_generate"):
             _respond(transport, 200, b"")
+        elif path == "/v1/loads":  # nothing ever runs here; what a pause parked waits
+            loads = {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": len(engine.parked)}]}
+            _respond(transport, 200, orjson.dumps(loads))
         elif path == "/instant/stats":
-            _respond(transport, 200, orjson.dumps({"requests": engine.requests}))
+            stats = {"requests": engine.requests, "tokens": engine.answered_tokens, "bytes": engine.sent_bytes}
+            _respond(transport, 200, orjson.dumps(stats))
         else:
             _respond(transport, 404, orjson.dumps({"error": {"message": f"no route {method} {path}"}}))
 
 
-async def serve(args: argparse.Namespace) -> None:
-    engine = InstantEngine(
-        tokens=args.tokens,
-        finish=args.finish,
-        weight_version=args.weight_version,
-        model_path=args.model_path,
-        api_key=args.api_key,
-        max_body=MIN_BODY if args.max_body_mb is None else int(args.max_body_mb * MIB),
+def production_answers(args: argparse.Namespace) -> ProductionAnswers | None:
+    """The answers the production-payload flags describe (None without `--max-tokens`)."""
+    if args.max_tokens is None:
+        return None
+    lengths = None if args.lengths is None else LengthModel.parse(args.lengths, truncate_frac=args.truncate_frac)
+    return ProductionAnswers(
+        max_tokens=args.max_tokens,
+        lengths=lengths,
+        length_limit=args.length_limit,
+        routes=None if args.routes is None else RouteShape.parse(args.routes),
+        max_prompt=args.max_prompt,
     )
+
+
+def _connections(engine: InstantEngine) -> Callable[[], _Connection]:
+    return lambda: _Connection(engine)
+
+
+async def serve(args: argparse.Namespace, production: ProductionAnswers | None = None) -> None:
+    ports = [args.port, *args.extra_ports]
+    engines = [
+        InstantEngine(
+            tokens=args.tokens,
+            finish=args.finish,
+            weight_version=args.weight_version,
+            model_path=args.model_path,
+            api_key=args.api_key,
+            max_body=MIN_BODY if args.max_body_mb is None else int(args.max_body_mb * MIB),
+            production=production,
+        )
+        for _ in ports
+    ]
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Connection(engine), args.host, args.port, backlog=1024)
+    servers = [
+        await loop.create_server(_connections(engine), args.host, port, backlog=1024)
+        for engine, port in zip(engines, ports, strict=True)
+    ]
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"instant engine on http://{args.host}:{args.port}, {args.tokens} tokens per answer", flush=True)
-    async with server:
+    what = f"{args.tokens} tokens per answer" if production is None else f"production payloads up to {args.max_tokens}"
+    print(f"instant engine on http://{args.host}:{ports[0]} (+{len(ports) - 1} ports), {what}", flush=True)
+    try:
         await stop.wait()
+    finally:
+        for server in servers:
+            server.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,16 +360,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per answer (capped by max_new_tokens)")
     ap.add_argument("--finish", choices=["length", "stop"], default="length")
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
+    ap.add_argument(
+        "--extra-ports", type=_ports, default=[], help="comma-separated: more engines served by this process"
+    )
+    prod = ap.add_argument_group("production payloads (issue 49's load generator)")
+    prod.add_argument("--max-tokens", type=int, default=None, help="turns them on: the longest answer, e.g. 32768")
+    prod.add_argument("--lengths", default=None, help="lognormal:MU,SIGMA or fixed:FRACTION of --length-limit")
+    prod.add_argument("--truncate-frac", type=float, default=0.10, help="of samples that run to the limit")
+    prod.add_argument("--length-limit", type=int, default=None, help="the run's response limit (default --max-tokens)")
+    prod.add_argument("--routes", default=None, help="R3 rows answered when asked: LAYERSxTOPK/EXPERTS, e.g. 48x8/128")
+    prod.add_argument("--max-prompt", type=int, default=4096, help="prompt tokens the route rows are encoded for")
     add_guard_arguments(ap)
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.max_tokens is None and (args.lengths or args.routes):
+        ap.error("--lengths and --routes shape production payloads: add --max-tokens N (the longest answer)")
     if args.max_body_mb is not None and not args.max_body_mb > 0:
         ap.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    try:
+        production = production_answers(args)  # encoded before the port opens: ready means ready
+    except ConfigError as exc:
+        ap.error(str(exc))
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    asyncio.run(serve(args))
+    asyncio.run(serve(args, production))
     return 0
+
+
+def _ports(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ports") from None
 
 
 if __name__ == "__main__":

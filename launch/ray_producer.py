@@ -87,6 +87,7 @@ class ProducerSpec:
     # back inside the groups' codec records.
     routed_experts_top_k: int | None = None
     sampler_top_k: int | None = None
+    routed_experts_count: int | None = None  # the model's experts per layer: the routes' packed type
 
     @property
     def slots(self) -> int:
@@ -233,7 +234,7 @@ class ProducerCore:
                 seed=spec.seed,
                 agent=agent,
                 agent_max_retries=spec.agent_max_retries,
-                payloads=TokenPayloads(spec.routed_experts_top_k, spec.sampler_top_k),
+                payloads=TokenPayloads(spec.routed_experts_top_k, spec.sampler_top_k, spec.routed_experts_count),
             )
             stages = RewardStage(
                 reward,

@@ -35,10 +35,11 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from core.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
 from core.types import StoreTransport
@@ -48,7 +49,15 @@ from pipeline.settings_history import settings_at
 from pipeline.trainer_settings import build_trainer, replayed_settings
 from storage import GroupState, LmdbStore, RunMeta
 
-__all__ = ["ReplayError", "main", "open_run_store", "parse_steps", "replay_training", "write_timeline"]
+__all__ = [
+    "ReplayError",
+    "main",
+    "open_run_store",
+    "parse_steps",
+    "replay_training",
+    "verify_progress",
+    "write_timeline",
+]
 
 STORE_DIR = "rollout_data"  # where `--rollout-data-transport lmdb` puts the store by default
 MODEL_DIR = "model"  # where the launcher writes the base model when no --hf-checkpoint is given
@@ -200,8 +209,8 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     try:
-        with open_run_store(args.run_dir) as (_, store):
-            report = store.verify()
+        with open_run_store(args.run_dir) as (_, store), verify_progress(store.statistics().bytes_used) as progress:
+            report = store.verify(progress=progress)
             path = store.path
     except StoreCorruptionError as exc:  # LMDB's own pages: nothing can be read through LMDB
         print(f"damaged: {exc}\nthe store does not open; a resume moves it aside and salvages what it can")
@@ -212,6 +221,41 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"store: {path}\n{len(report.damaged)} damaged ({report.records} records checked):")
     print("\n".join(f"  {d}" for d in report.damaged))
     return 1
+
+
+@contextmanager
+def verify_progress(
+    total: int, stream: TextIO | None = None, *, every: float = 10.0
+) -> Iterator[Callable[[int], None]]:
+    """A progress callback for `verify` over `total` bytes (the store's pages in use), on stderr:
+    a tqdm bar on a terminal, else a plain line every `every` seconds and one at the end (a log
+    file or a CI job has no use for a redrawn bar)."""
+    out = sys.stderr if stream is None else stream
+    start = time.monotonic()
+    if out.isatty():
+        from tqdm import tqdm
+
+        with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=out) as bar:
+            yield bar.update
+        return
+    done, next_line = 0, start + every
+
+    def update(n: int) -> None:
+        nonlocal done, next_line
+        done += n
+        now = time.monotonic()
+        if now >= next_line:
+            next_line = now + every
+            print(_progress_line(done, total, now - start), file=out, flush=True)
+
+    yield update
+    print(_progress_line(done, 0, time.monotonic() - start), file=out, flush=True)
+
+
+def _progress_line(done: int, total: int, seconds: float) -> str:
+    """`total` 0: the last line (the pages in use hold more than the records: it never says 100%)."""
+    share = f" of about {total / 1e6:,.0f} MB ({min(100 * done / total, 99):.0f}%)" if total else " (done)"
+    return f"verify: {done / 1e6:,.0f} MB read{share} in {seconds:,.1f} s, {done / 1e6 / max(seconds, 1e-9):,.0f} MB/s"
 
 
 def _groups(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.columns import NO_ROUTE
 from core.errors import CorruptRecordError
 from core.types import Batch, Group, Sample
 from storage import Cursor, GroupState, RunMeta, Store
@@ -217,13 +216,13 @@ def _payloads_record(s: Sample) -> dict[str, Any]:
     # that built `s` already checked them: one row per token, whole rows (else the record is damaged).
     out: dict[str, Any] = {}
     if s.routes is not None:
-        view = s.routes.view()
         out["routed_experts"] = {
             "layers": s.routes.layers,
             "top_k": s.routes.top_k,
             "rows": len(s.routes),
-            "unrouted_tokens": sum(1 for t in range(len(s.routes)) if view[t, 0, 0] == NO_ROUTE),
-            "experts": view.tolist() if len(s.routes) else [],
+            "bytes_per_id": s.routes.itemsize,
+            "unrouted_tokens": s.routes.unrouted_rows(),
+            "experts": s.routes.as_ids().tolist(),  # NO_ROUTE (-1) where none was recorded
         }
     if s.heads is not None:
         out["sampler_heads"] = {

@@ -536,6 +536,7 @@ class GeneratorPool:
                     top_k=top_k,
                     layers=layers,
                     url=result.rid,
+                    experts=self._payloads.routed_experts_count,
                 )
                 if routes is not None:
                     self._route_layers = routes.layers

@@ -8,7 +8,10 @@ bit, loss mask uint8, or nil when it is all ones): the smallest form, and a samp
 with one copy. Prompt ids stay tuples (one per group) and are packed the same way.
 R3 routes and SC sampler heads, where a sample has them, are a 13th sample field: their rows'
 bytes with their shape, wrapped on read without a further copy (`TokenRoutes`, `SamplerHeads`).
-A sample without them is the 12-field record that code from before them reads too.
+A sample without them is the 12-field record that code from before them reads too. Routes are
+packed (one byte an expert id for models of up to 255 experts, `core.columns.route_code`) and
+name their item code: `[layers, top_k, data, code]`; the three-field form of the first payload
+records is int32 and still read.
 Where the cost hides now: msgpack and the dataclasses, a few microseconds a sample; before the
 columns, decoding a group of 8 x 1k tokens built 16k int and float objects (0.6 ms on a slow core).
 
@@ -114,7 +117,9 @@ def _payloads_record(s: Sample) -> dict[str, Any]:
     # rows) with their shape; read back, the payload wraps the record's bytes without a copy.
     rec: dict[str, Any] = {}
     if s.routes is not None:
-        rec["r3"] = [s.routes.layers, s.routes.top_k, s.routes.data]
+        # Payload schema 2: the packed ids' item code last (ROUTE_CODES). Schema 1 records (three
+        # fields, int32 ids) are read as they are: stores written before packing open and replay.
+        rec["r3"] = [s.routes.layers, s.routes.top_k, s.routes.data, s.routes.code]
     if s.heads is not None:
         rec["sc"] = [s.heads.k, s.heads.token_ids_data, s.heads.logprobs_data]
     return rec
@@ -127,8 +132,11 @@ def _payloads_from(rec: Any) -> tuple[TokenRoutes | None, SamplerHeads | None]:
         raise _Malformed(f"per-token payloads are not a map of r3/sc: {rec!r:.80}")
     routes = heads = None
     if "r3" in rec:
-        layers, top_k, data = rec["r3"]
-        routes = TokenRoutes(data, layers=layers, top_k=top_k)
+        r3 = rec["r3"]
+        if type(r3) is not list or len(r3) not in (3, 4):
+            raise _Malformed(f"R3 routes are not [layers, top_k, data(, code)]: {r3!r:.80}")
+        layers, top_k, data = r3[:3]
+        routes = TokenRoutes(data, layers=layers, top_k=top_k, code=r3[3] if len(r3) == 4 else "i")
     if "sc" in rec:
         k, ids, logprobs = rec["sc"]
         heads = SamplerHeads(ids, logprobs, k=k)

@@ -170,8 +170,9 @@ class Recovery(LmdbTransactions):
 
         return self._write(fn)
 
-    def verify(self) -> VerifyReport:
-        """Every record read and checked, every index checked (see `storage.lmdb_verify`)."""
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Every record read and checked, every index checked (see `storage.lmdb_verify`);
+        `progress(n)` is told the bytes of each value read."""
         data_file = os.path.join(self._path, "data.mdb")
         pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
         if not pages:
@@ -180,5 +181,5 @@ class Recovery(LmdbTransactions):
             return VerifyReport(0, tuple(pages))
         counts = self._counters()[0]
         with self._lock:  # (a live writer may move on between the two reads: verify a stopped run)
-            report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts)
+            report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts, progress=progress)
         return VerifyReport(report.records, (*pages, *report.damaged))

@@ -6,12 +6,18 @@ much as reading the store once (see BENCHMARKS.md, "store costs"). `python -m pi
 RUN_DIR verify` runs it. It never stops at the first problem: a damaged record is named and the
 walk goes on; a damaged page that ends a database's walk is named, and the next database is
 walked.
+
+It streams: one record in memory at a time (the largest record bounds what it holds, never the
+store's size), each state entry's index entries checked as the entry is read, and `progress`
+told the bytes of every value read (`replay verify`'s progress bar). LMDB's map is file-backed:
+the pages read count in the process's RSS as page cache the kernel takes back, not as its own.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import lmdb
 
@@ -49,18 +55,25 @@ def _checker(db: bytes, key: bytes) -> Callable[[bytes, str], object]:
 
 
 def verify_records(
-    env: lmdb.Environment, dbs: Databases, *, sealed: bool, counts: dict[GroupState, int]
+    env: lmdb.Environment,
+    dbs: Databases,
+    *,
+    sealed: bool,
+    counts: dict[GroupState, int],
+    progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
+    """`progress(n)`: called with the bytes of each value read."""
     damaged: list[str] = []
     records = 0
-    states: dict[str, tuple[GroupState, int, int]] = {}
+    found: Counter[GroupState] = Counter()
     for db in SEALED_DATABASES:
         # A fresh transaction each: an LMDB error poisons its transaction, not the next database.
         with env.begin() as txn:
-            records += _walk_values(txn, dbs, db, sealed=sealed, damaged=damaged, states=states)
+            records += _walk_values(txn, dbs, db, sealed=sealed, damaged=damaged, found=found, progress=progress)
     try:
         with env.begin() as txn:
-            damaged += _index_problems(txn, dbs, states, counts)
+            entries = {name: txn.stat(dbs[name])["entries"] for name in keys.DATABASES}
+        damaged += _count_problems(found, counts, entries)
     except lmdb.Error as exc:
         damaged.append(f"the indexes cannot be walked: LMDB: {exc}")
     return VerifyReport(records=records, damaged=tuple(damaged))
@@ -73,12 +86,16 @@ def _walk_values(
     *,
     sealed: bool,
     damaged: list[str],
-    states: dict[str, tuple[GroupState, int, int]],
+    found: Counter[GroupState],
+    progress: Callable[[int], None] | None,
 ) -> int:
-    """Every value of `db` unsealed and decoded; damage appended to `damaged`. Returns values read."""
+    """Every value of `db` unsealed and decoded, a state entry's index entries checked as it is
+    read (`found` counts the states); damage appended to `damaged`. Returns values read."""
     records = 0
     try:
         for raw_key, value in txn.cursor(db=dbs[db]).iternext(keys=True, values=True):
+            if progress is not None:
+                progress(len(value))
             key = bytes(raw_key)
             if db == keys.META and key == keys.META_LAYOUT:
                 continue  # checked on open, in its own form
@@ -90,35 +107,41 @@ def _walk_values(
                 damaged.append(str(exc))
                 continue
             if db == keys.STATE:
-                states[key.decode(errors="replace")] = decoded  # type: ignore[assignment]
+                entry: tuple[GroupState, int, int] = decoded  # type: ignore[assignment]  # the STATE checker's
+                state, version, seq = entry
+                found[state] += 1
+                damaged += _index_problems(txn, dbs, key.decode(errors="replace"), state, version, seq)
     except lmdb.Error as exc:
         damaged.append(f"database {db.decode()!r} is damaged after {records} records: LMDB: {exc}")
     return records
 
 
 def _index_problems(
-    txn: lmdb.Transaction,
-    dbs: Databases,
-    states: dict[str, tuple[GroupState, int, int]],
-    counts: dict[GroupState, int],
+    txn: lmdb.Transaction, dbs: Databases, gid: str, state: GroupState, version: int, seq: int
 ) -> list[str]:
-    """Each state entry has its record and index entries, and the counters match the states."""
+    """A state entry has its record and index entries."""
     problems: list[str] = []
-    try:
-        for gid, (state, version, seq) in states.items():
-            key = keys.group_key(gid)
-            if txn.get(key, db=dbs[keys.GROUPS]) is None:
-                problems.append(f"group {gid!r} ({state.value}) has a state entry but no record")
-            if txn.get(keys.by_state_key(state, gid), db=dbs[keys.BY_STATE]) is None:
-                problems.append(f"group {gid!r} ({state.value}) is missing from the by-state index")
-            if state in _ORDER_DB and txn.get(keys.order_key(version, seq, gid), db=dbs[_ORDER_DB[state]]) is None:
-                problems.append(f"group {gid!r} ({state.value}) is missing from its serving order")
-            if state is GroupState.RUNNING and txn.get(key, db=dbs[keys.LEASES]) is None:
-                problems.append(f"group {gid!r} is running but has no lease")
-        entries = {name: txn.stat(dbs[name])["entries"] for name in keys.DATABASES}
-    except lmdb.Error as exc:
-        return [*problems, f"the indexes cannot be walked: LMDB: {exc}"]
-    found = Counter(state for state, _, _ in states.values())
+    key = keys.group_key(gid)
+    if not _has(txn, dbs[keys.GROUPS], key):
+        problems.append(f"group {gid!r} ({state.value}) has a state entry but no record")
+    if not _has(txn, dbs[keys.BY_STATE], keys.by_state_key(state, gid)):
+        problems.append(f"group {gid!r} ({state.value}) is missing from the by-state index")
+    if state in _ORDER_DB and not _has(txn, dbs[_ORDER_DB[state]], keys.order_key(version, seq, gid)):
+        problems.append(f"group {gid!r} ({state.value}) is missing from its serving order")
+    if state is GroupState.RUNNING and not _has(txn, dbs[keys.LEASES], key):
+        problems.append(f"group {gid!r} is running but has no lease")
+    return problems
+
+
+def _has(txn: lmdb.Transaction, db: Any, key: bytes) -> bool:
+    # A cursor finds the key without copying its value (a group record can be tens of MB).
+    found: bool = txn.cursor(db=db).set_key(key)
+    return found
+
+
+def _count_problems(found: Counter[GroupState], counts: dict[GroupState, int], entries: dict[bytes, int]) -> list[str]:
+    """The counters against the states found and LMDB's entry counts."""
+    problems: list[str] = []
     if dict(found) != {s: n for s, n in counts.items() if n}:
         shown = ", ".join(
             f"{s.value} {counts.get(s, 0)} counted, {found.get(s, 0)} found"

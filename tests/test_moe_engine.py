@@ -187,7 +187,7 @@ async def test_routes_survive_an_abort_and_a_continuation_byte_for_byte(moe_dirs
         # And they are the engine's routers' choices for each token's sampling position.
         ids = list(a.prompt_ids) + list(a.response_ids)
         expected = router_choices(v0, ids[:-1])[len(a.prompt_ids) - 1 :]
-        assert (np.frombuffer(a.routes.data, dtype="<i4").reshape(expected.shape) == expected).all()
+        assert (a.routes.as_ids().reshape(expected.shape) == expected).all()
 
 
 async def test_a_request_aborted_while_retracted_keeps_its_tokens_unrouted_and_its_sample_goes_on(moe_dirs):
@@ -219,7 +219,7 @@ async def test_a_request_aborted_while_retracted_keeps_its_tokens_unrouted_and_i
         assert s.status is SampleStatus.TRUNCATED and len(s.response_ids) == MAX_LEN
         assert s.routes is not None and s.resumed_at
         cut = s.resumed_at[0]
-        rows = np.frombuffer(s.routes.data, dtype="<i4").reshape(MAX_LEN, LAYERS, TOP_K)
+        rows = s.routes.as_ids().reshape(MAX_LEN, LAYERS, TOP_K)
         assert (rows[:cut] == NO_ROUTE).all()  # the aborted answer's tokens came without routes
         ids = list(s.prompt_ids) + list(s.response_ids)
         expected = router_choices(v0, ids[:-1])[len(s.prompt_ids) - 1 :]

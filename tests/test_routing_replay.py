@@ -88,7 +88,7 @@ def rerouted_tokens(model_dir: Path, samples: list[Sample]) -> int:
         with torch.no_grad(), recorder.recording():
             model(input_ids=torch.tensor([ids[:-1]]))
         own = np.sort(recorder.take().numpy()[len(s.prompt_ids) - 1 :], axis=-1)
-        stored = np.sort(np.frombuffer(s.routes.data, dtype="<i4").reshape(own.shape), axis=-1)
+        stored = np.sort(s.routes.as_ids().reshape(own.shape), axis=-1)
         n += int((own != stored).any(axis=(1, 2)).sum())
     return n
 

@@ -102,7 +102,8 @@ def test_the_new_tokens_rows_are_cut_from_an_answer_that_starts_where_asked_or_a
     ignored = routes_for_new_tokens(_rows([0, 1, 2, 3, 4]), echoed_start=None, layers=1, **common)
     silent = routes_for_new_tokens(_rows([3, 4]), echoed_start=None, layers=None, **common)
     assert honoured is not None and ignored is not None and silent is not None
-    assert honoured.data == ignored.data == silent.data == _rows([3, 4])
+    assert honoured == ignored == silent == TokenRoutes(_rows([3, 4]), layers=1, top_k=1)
+    assert honoured.data == bytes([3, 4])  # packed: ids 3 and 4 need one byte each
     # Two layers of top-2, echoed from 0: rows of 4 ints.
     wide = routes_for_new_tokens(_rows(list(range(20))), echoed_start=0, layers=None, **(common | {"top_k": 2}))
     assert wide is not None and (wide.layers, wide.top_k) == (2, 2) and wide.tolist_flat() == list(range(12, 20))
@@ -245,7 +246,9 @@ def assert_payloads_from_the_sampling_forwards(group: Group, seeds: dict[tuple[s
     for s in group.samples:
         assert s.status.finished and s.routes is not None and s.heads is not None
         assert (s.routes.layers, s.routes.top_k) == (SHAPE.layers, SHAPE.top_k)
-        assert s.routes.data == expected_routes(s), f"sample {s.index}: routes not from the sampling forwards"
+        assert s.routes.code == "B", "the fake's 8 experts fit one byte an id"
+        int32 = s.routes.widened("i").data
+        assert int32 == expected_routes(s), f"sample {s.index}: routes not from the sampling forwards"
         assert s.heads == expected_heads(s, seeds[(group.group_id, s.index)])
 
 
@@ -304,7 +307,7 @@ async def test_a_publish_mid_request_keeps_each_tokens_route_from_the_forward_th
         s = group.samples[0]
         prompt_len = len(s.prompt_ids)
         re_prefilled = _route_row(SHAPE, "1", prompt_len - 1, s.prompt_ids[-1], prompt_len + 2)
-        assert s.routes is not None and s.routes.rows(0, 1).data != re_prefilled
+        assert s.routes is not None and s.routes.rows(0, 1).widened("i").data != re_prefilled
         continuation = [p for p in fake.generate_payloads if len(p["input_ids"]) == prompt_len + 2]
         assert continuation and all(p["routed_experts_start_len"] == prompt_len + 1 for p in continuation)
 
@@ -471,8 +474,8 @@ def test_replay_shows_and_verifies_the_payloads(tmp_path, capsys):
 
 def test_a_payload_out_of_step_with_its_tokens_is_a_damaged_record_naming_the_key():
     record = msgpack.unpackb(encode_group(_group_with_payloads()), raw=False)
-    layers, top_k, data = record[-1][0][12]["r3"]
-    record[-1][0][12]["r3"] = [layers, top_k, data[: len(data) // 2]]  # one row for two tokens
+    layers, top_k, data, code = record[-1][0][12]["r3"]
+    record[-1][0][12]["r3"] = [layers, top_k, data[: len(data) // 2], code]  # one row for two tokens
     with pytest.raises(CorruptRecordError, match=r"'groups/x' does not decode: .*1 rows of routed experts for 2"):
         decode_group(msgpack.packb(record, use_bin_type=True), key="groups/x")
 
@@ -482,11 +485,11 @@ def test_store_costs_reports_the_payloads_raw_size_per_token(tmp_path):
 
     from benchmarks.store_costs import payload_costs
 
-    args = argparse.Namespace(payload_commits=2, r3_layers=2, r3_top_k=2, sc_top_k=2)
+    args = argparse.Namespace(payload_commits=2, r3_layers=2, r3_top_k=2, sc_top_k=2, r3_experts=128)
     rows = dict(payload_costs(tmp_path, args))
     without, with_ = (float(x) for x in rows["payloads: bytes/token without / with"].split("(")[0].split(" / "))
-    # Raw rows: 2 x 2 int32 routes + 2 x (int32 + float64) heads = 40 bytes a token, nothing more.
-    assert with_ - without == pytest.approx(40, abs=0.1)
+    # Raw rows: 2 x 2 uint8 routes (128 experts) + 2 x (int32 + float64) heads = 28 bytes a token, nothing more.
+    assert with_ - without == pytest.approx(28, abs=0.1)
     assert "payloads: read ms/group without / with" in rows
 
 
@@ -522,7 +525,8 @@ async def test_an_agents_model_turns_get_routes_and_its_tool_tokens_are_marked_u
         row = SHAPE.layers * SHAPE.top_k * 4
         # Model tokens: the sampling forward's rows (the second turn's prefill re-read the first
         # turn, and its rows are not taken); tool tokens: NO_ROUTE and id -1 rows.
-        assert s.routes.rows(0, 2).data == want[: 2 * row] and s.routes.rows(4, 6).data == want[4 * row :]
+        int32 = s.routes.widened("i")
+        assert int32.rows(0, 2).data == want[: 2 * row] and int32.rows(4, 6).data == want[4 * row :]
         assert s.routes.rows(2, 4).tolist_flat() == [NO_ROUTE] * (2 * SHAPE.layers * SHAPE.top_k)
         heads = expected_heads(s, seeds[(group.group_id, s.index)])
         assert s.heads.rows(0, 2) == heads.rows(0, 2) and s.heads.rows(4, 6) == heads.rows(4, 6)

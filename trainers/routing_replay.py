@@ -27,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 from core.types import Sample
@@ -96,7 +95,7 @@ def replay_plan(samples: Sequence[Sample], width: int, *, layers: int, top_k: in
                 f"routes {layers} layers x top-{top_k} (rollout and trainer models differ?)"
             )
         p = len(s.prompt_ids)
-        # One copy, widened to the long ids `gather` takes (the bytes stay the sample's, read-only).
-        rows = torch.from_numpy(np.frombuffer(routes.data, dtype="<i4").astype(np.int64))
-        plan[i, p - 1 : p - 1 + len(routes)] = rows.reshape(len(routes), layers, top_k)
+        # The one copy between the store's bytes and the forward: the packed ids (a view of the
+        # record's bytes, uint8 for <= 255 experts) widened to the long ids `gather` takes.
+        plan[i, p - 1 : p - 1 + len(routes)] = torch.from_numpy(routes.as_ids())
     return plan.reshape(len(samples) * width, layers, top_k)

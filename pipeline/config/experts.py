@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.config.draft import Draft
 
-__all__ = ["check_experts", "expert_parallel_rules", "experts_in_folder"]
+__all__ = ["check_experts", "expert_parallel_rules", "experts_in_folder", "routed_expert_count"]
 
 
 def expert_parallel_rules(draft: Draft) -> None:
@@ -57,3 +57,14 @@ def experts_in_folder(config: dict[str, Any]) -> int:
     if config.get("model_type") != "qwen3_moe":
         return 0
     return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def routed_expert_count(config: dict[str, Any]) -> int | None:
+    """Experts per MoE layer of any Hugging Face config.json that names them (Qwen-MoE's
+    `num_experts`, Mixtral's `num_local_experts`, DeepSeek's `n_routed_experts`), for packing R3's
+    routes (`core.columns.route_code`); None when it names none."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import orjson
 import structlog
 
 from core.clock import VersionClock
@@ -30,6 +31,7 @@ from core.types import StoreTransport
 from launch.gc_settings import settle_gc
 from pipeline.config import Config, RolloutConfig, load_config
 from pipeline.config.derived import derived
+from pipeline.config.experts import routed_expert_count
 from pipeline.config.show import config_to_toml
 from pipeline.controller import run_pipeline
 from pipeline.events import EventLog
@@ -249,8 +251,23 @@ def _plan(config: Config) -> RolloutPlan:
         payloads=TokenPayloads(
             routed_experts_top_k=r.moe_router_topk if r.use_rollout_routing_replay else None,
             sampler_top_k=r.score_centering_top_k if r.use_score_centering else None,
+            routed_experts_count=_expert_count(config) if r.use_rollout_routing_replay else None,
         ),
     )
+
+
+def _expert_count(config: Config) -> int | None:
+    """The model's experts per MoE layer, where a file says it (the tiny model's --num-experts, a
+    local --hf-checkpoint's config.json): R3's routes are then packed by it, one byte an id up to
+    255. A Hub id's is not read here: the routes are packed by the ids the engines send."""
+    if config.engine.num_experts is not None:
+        return config.engine.num_experts
+    folder = Path(config.engine.hf_checkpoint).expanduser() if config.engine.hf_checkpoint else None
+    try:
+        found = orjson.loads((folder / "config.json").read_bytes()) if folder is not None else None
+    except (OSError, orjson.JSONDecodeError):
+        return None  # the load step named an unreadable config.json already
+    return routed_expert_count(found) if isinstance(found, dict) else None
 
 
 def _sampling_params(r: RolloutConfig) -> dict[str, Any]:

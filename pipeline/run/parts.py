@@ -97,6 +97,7 @@ async def ray_producers(
             api_key=config.engine.api_key or None,
             routed_experts_top_k=plan.payloads.routed_experts_top_k,
             sampler_top_k=plan.payloads.sampler_top_k,
+            routed_experts_count=plan.payloads.routed_experts_count,
         )
 
     settings = RaySettings(

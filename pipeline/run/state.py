@@ -80,7 +80,7 @@ from storage import (
     unreadable_reason,
 )
 
-__all__ = ["RunState", "open_run_state"]
+__all__ = ["RunState", "open_for_resume", "open_run_state"]
 
 log = structlog.get_logger("launch")
 
@@ -223,12 +223,18 @@ def _take_folder(
     )
 
 
-def _resume_point(store: Store, policy: CheckpointPolicy, trained: int) -> tuple[int, Path | None]:
-    """The newest full checkpoint the store counts (version <= trained step + 1; a newer one was
-    saved by a step that never committed), and its folder; (0, None) for the base model. The
-    stored batches of the steps after it must still be there, to be trained again."""
+def _resume_version(policy: CheckpointPolicy, trained: int) -> int:
+    """The version of the newest full checkpoint the store counts (<= trained step + 1; a newer one
+    was saved by a step that never committed); 0 for the base model."""
     versions = checkpoint_versions(policy.dir, policy.publish_dir)  # publish_dir: the older layout
-    version = max((v for v in versions if v <= trained + 1), default=0)
+    return max((v for v in versions if v <= trained + 1), default=0)
+
+
+def _resume_point(store: Store, policy: CheckpointPolicy, trained: int) -> tuple[int, Path | None]:
+    """The newest full checkpoint the store counts, and its folder; (0, None) for the base model.
+    The stored batches of the steps after it must still be there, to be trained again."""
+    versions = checkpoint_versions(policy.dir, policy.publish_dir)  # publish_dir: the older layout
+    version = _resume_version(policy, trained)
     collected = store.statistics().collected_step
     if version <= trained and collected >= version:
         where = f"checkpoint v{version}" if version else "the base model (no checkpoint was saved)"
@@ -376,23 +382,61 @@ def _open_lmdb(
         if reason is None:
             raise
     else:
-        try:
-            first_replayed = _first_replayed_step(store, policy)
-            unreplayable, reason = _unreplayable(store, first_replayed)
-            if reason is None:
-                _requeue_damaged(store, fresh)
-                _name_damaged_trained(store, first_replayed)
-                _requeue_unreplayable(store, unreplayable, fresh, regenerated)
-                _failed_groups(store, fresh, requeue=config.storage.requeue_failed_groups)
-                return store
-        except BaseException:
-            store.close()
-            raise
+        reason = _resume_checks(store, policy, fresh, regenerated, requeue_failed=config.storage.requeue_failed_groups)
+        if reason is None:
+            return store
         store.close()
     batch_size = config.rollout.rollout_batch_size
     store, events = _continue_from_salvage(data_dir, options, meta, policy, reason, fresh, len(dataset), batch_size)
     regenerated += events
     return store
+
+
+def open_for_resume(
+    data_dir: Path,
+    options: dict[str, Any],
+    meta: RunMeta,
+    policy: CheckpointPolicy,
+    fresh: Callable[[str], Group | None],
+    *,
+    requeue_failed: bool = False,
+) -> Store:
+    """A run's LMDB store as a resume opens it: checked (pages, layout, counters, the run record),
+    recovered after an unclean stop, damaged groups quarantined, the damaged records of what it
+    trains again named, failed groups of earlier runs said. What it reads is bounded by the work in
+    flight and the steps since the checkpoint, not by the store's size
+    (`benchmarks.store_at_size` times it). A StoreError means the store does not open."""
+    store = _open_checked(data_dir, options, meta)
+    reason = _resume_checks(store, policy, fresh, [], requeue_failed=requeue_failed)
+    if reason is not None:
+        store.close()
+        raise StoreError(f"{data_dir}: {reason}; the launcher moves such a store aside and salvages it")
+    return store
+
+
+def _resume_checks(
+    store: Store,
+    policy: CheckpointPolicy,
+    fresh: Callable[[str], Group | None],
+    regenerated: list[dict[str, Any]],
+    *,
+    requeue_failed: bool,
+) -> str | None:
+    """What a resume checks in a store that opened (closed again if a check fails): why it must be
+    moved aside and salvaged instead, else None. It reads the batches it trains again, never the
+    groups a checkpoint covers: those are history, and `replay verify` names their damaged records
+    (before issue 49 the first resume read every trained group once: the store's whole size)."""
+    try:
+        first_replayed = _resume_version(policy, store.trained_step())
+        unreplayable, reason = _unreplayable(store, first_replayed)
+        if reason is None:
+            _requeue_damaged(store, fresh)
+            _requeue_unreplayable(store, unreplayable, fresh, regenerated)
+            _failed_groups(store, fresh, requeue=requeue_failed)
+        return reason
+    except BaseException:
+        store.close()
+        raise
 
 
 def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None:
@@ -409,44 +453,6 @@ def _requeue_damaged(store: Store, fresh: Callable[[str], Group | None]) -> None
         quarantined=quarantined,
         requeued_now=requeued,
     )
-
-
-def _first_replayed_step(store: Store, policy: CheckpointPolicy) -> int:
-    """The first step the resume trains again: the step after the newest checkpoint the store
-    counts (`_resume_point`); past the trained step when there is nothing to train again."""
-    trained = store.trained_step()
-    versions = checkpoint_versions(policy.dir, policy.publish_dir)
-    return max((v for v in versions if v <= trained + 1), default=0)
-
-
-def _name_damaged_trained(store: Store, first_replayed: int) -> None:
-    """Name, once, the damaged records of groups trained in steps a checkpoint covers (before
-    `first_replayed`): their data is history, nothing to generate again (`replay verify` lists
-    them, `replay group` cannot show them). Each resume reads the groups trained since the last
-    one checked (`RunMeta.extra["trained_checked_to"]`), so a record is read back once, not at
-    every start; `replay verify` reads everything. Those of the steps trained again are
-    `_requeue_unreplayable`'s."""
-    meta = store.read_meta()
-    if meta is None:
-        return
-    checked, trained = int(meta.extra.get("trained_checked_to", -1)), store.trained_step()
-    if trained <= checked:
-        return
-    damaged: list[str] = []
-    for step in range(checked + 1, min(trained, first_replayed - 1) + 1):
-        errors: list[CorruptRecordError] = []
-        try:
-            store.batch(step, damaged=errors)  # None for a collected or seeded step: nothing to read
-        except StoreError as exc:  # the batch record itself
-            damaged.append(str(exc))
-        damaged += [str(e.key if isinstance(e.key, str) else e.key.decode(errors="replace")) for e in errors]
-    if damaged:
-        log.warning(
-            "the rollout store holds damaged records of groups already trained: their data is lost, nothing is "
-            "trained again (said once; `python -m pipeline.replay OUTPUT_DIR verify` lists every damaged record)",
-            records=damaged,
-        )
-    store.write_meta(dataclasses.replace(meta, extra={**meta.extra, "trained_checked_to": trained}))
 
 
 def _unreplayable(store: Store, first: int) -> tuple[dict[str, int], str | None]:

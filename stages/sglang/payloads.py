@@ -49,9 +49,13 @@ class TokenPayloads:
     routed_experts_top_k: int | None = None
     # --use-score-centering --score-centering-top-k: the sampler's top-k per token.
     sampler_top_k: int | None = None
+    # The model's experts per MoE layer, where the launcher knows it: the routes are stored in the
+    # smallest type that holds that many ids (`core.columns.route_code`; 128 experts: one byte an
+    # id). None: the smallest type that holds the largest id of each answer, widened as needed.
+    routed_experts_count: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("routed_experts_top_k", "sampler_top_k"):
+        for name in ("routed_experts_top_k", "routed_experts_count", "sampler_top_k"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"TokenPayloads {name}={value!r}: must be an integer >= 1 or None")
@@ -97,8 +101,10 @@ def routes_for_new_tokens(
     top_k: int,
     layers: int | None,
     url: str,
+    experts: int | None = None,
 ) -> TokenRoutes | None:
-    """The rows of the `completion` new tokens from an answer's routed experts.
+    """The rows of the `completion` new tokens from an answer's routed experts, packed
+    (`TokenRoutes.packed`: one byte an id for up to 255 `experts`; the int32 rows are never kept).
 
     The rows start at `echoed_start` (`meta_info.routed_experts_start_len`) when the engine says
     so, else at `sent_start` or, for a server that ignored it, 0: whichever the element count
@@ -118,7 +124,11 @@ def routes_for_new_tokens(
             continue
         row = found * top_k * 4
         first = input_len - 1 - start
-        return TokenRoutes(data[first * row : (first + completion) * row], layers=found, top_k=top_k)
+        rows = memoryview(data)[first * row : (first + completion) * row]  # no copy before the packing one
+        try:
+            return TokenRoutes.packed(rows, layers=found, top_k=top_k, experts=experts)
+        except ValueError as exc:
+            raise EngineError(url, f"meta_info.routed_experts: {exc}") from exc
     raise EngineError(
         url,
         f"meta_info.routed_experts holds {values} int32 values, which is no whole number of rows of "

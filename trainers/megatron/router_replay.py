@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from core.columns import TokenRoutes
 from trainers.megatron.rows import Row
 
 __all__ = ["PartialRouterReplay", "ReplayedRouters", "plan"]
@@ -130,8 +130,10 @@ def plan(
     for r in rows:
         p = len(r.prompt_ids)
         if r.routes is not None:
-            flat = np.frombuffer(base64.b64decode(r.routes), dtype="<i4").astype(np.int64)
-            routes = torch.from_numpy(flat).reshape(-1, layers, top_k)
+            code, packed = r.routes
+            stored = TokenRoutes(base64.b64decode(packed), layers=layers, top_k=top_k, code=code)
+            # The one copy: the packed ids widened to the long ids megatron's replay indexes with.
+            routes = torch.from_numpy(stored.as_ids())
             out[at + p - 1 : at + p - 1 + len(routes)] = routes
         at += p + len(r.response_ids)
     return out.to(device)

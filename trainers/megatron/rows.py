@@ -56,9 +56,11 @@ class Row:
     behaviour: list[float]
     mask: list[bool]  # the token trains (every mask applied); all False for a sample that does not train
     advantage: float
-    # R3: the response tokens' routes, little-endian int32 [tokens, layers, top_k] in base64 (JSON
-    # carries it to the ranks); None when the trainer does not replay routes or the sample has none.
-    routes: str | None = None
+    # R3: the response tokens' routes as stored, [item code, base64 of the packed little-endian
+    # [tokens, layers, top_k] ids] (`core.columns.TokenRoutes`; JSON carries it to the ranks, a
+    # quarter of int32's bytes for <= 255 experts); None when the trainer does not replay routes
+    # or the sample has none.
+    routes: list[str] | None = None
     # SC: the sampler's top-k head of each response token: [k, ids (<i4), log-probs (<f8)], the
     # bytes in base64; None when the loss does not center scores or the sample has no heads.
     heads: list[Any] | None = None
@@ -95,8 +97,8 @@ class Row:
         return cls(*raw)
 
 
-def _routes(s: Sample, shape: tuple[int, int] | None) -> str | None:
-    """The sample's routes for a row (base64), checked against the trained model's `shape`."""
+def _routes(s: Sample, shape: tuple[int, int] | None) -> list[str] | None:
+    """The sample's routes for a row ([code, base64]), checked against the trained model's `shape`."""
     routes = s.routes
     if shape is None or routes is None or not len(routes):
         return None
@@ -107,7 +109,7 @@ def _routes(s: Sample, shape: tuple[int, int] | None) -> str | None:
         )
     if len(routes) > s.response_len:
         raise ValueError(f"sample {s.index}: {len(routes)} route rows for {s.response_len} response tokens")
-    return base64.b64encode(routes.data).decode("ascii")
+    return [routes.code, base64.b64encode(routes.data).decode("ascii")]
 
 
 def _heads(s: Sample) -> list[Any] | None:
