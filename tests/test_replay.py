@@ -307,11 +307,12 @@ def test_a_run_whose_store_is_elsewhere_is_found_through_its_run_record(tmp_path
     """`--rollout-data-dir` outside the run folder: `run.json` records the store's absolute path, and
     replay follows it (issue 46: `verify` said the run was a memory run)."""
     from pipeline.config import load_config
-    from pipeline.run.folder import claim_run_folder
+    from pipeline.run.folder import check_run_folder
 
     run, elsewhere = tmp_path / "run", tmp_path / "disk" / "store"
     flags = ["--output-dir", str(run), "--rollout-data-transport", "lmdb", "--rollout-data-dir", str(elsewhere)]
-    claim_run_folder(load_config(flags))  # what the launcher writes first
+    config = load_config(flags)
+    check_run_folder(config).take(config)  # what the launcher writes once the run owns its folder
     _build_store(elsewhere)
     with unchanged(elsewhere):
         code, out, err = replay(capsys, str(run), "verify")

@@ -78,14 +78,14 @@ async def test_r3_requests_bypass_a_router_that_drops_their_fields(moe_engines, 
     a, b = moe_engines
     async with r3_fleet(router.url) as fleet:
         assert fleet.generates_direct  # the router's answer had no routes, an engine's did
-        prompts = [[5, 6, 7 + i] for i in range(8)]
+        prompts = [[5, 6, 7 + i] for i in range(16)]  # all 16 preferring one of two engines: 2 in 65,536
         for prompt in prompts:
             for s in range(2):  # a group's samples share their prompt
                 result = await fleet.generate(prompt, {"max_new_tokens": 3}, rid=f"p{prompt[-1]}-s{s}", **R3)
                 assert result.routed_experts is not None
         await fleet.abort_all()  # control calls still reach every engine
     sent = [p for e in (a, b) for p in e.generate_payloads if p["rid"].startswith("p")]
-    assert len(sent) == 16 and all(p["return_routed_experts"] is True for p in sent)
+    assert len(sent) == 32 and all(p["return_routed_experts"] is True for p in sent)
     where = {p["rid"]: e.url for e in (a, b) for p in e.generate_payloads}
     # Each prompt's two samples went to one engine; the prompts went to both.
     assert all(where[f"p{p[-1]}-s0"] == where[f"p{p[-1]}-s1"] for p in prompts)

@@ -41,6 +41,17 @@ class PickerStatistics:
     preferred: int  # of those, sent to their prompt's preferred engine
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: 64 bits in, 64 well-mixed bits out."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 class EnginePicker:
     """Chooses the engine for each `/generate`; `share` is the fleet's concurrency, split over the
     live engines when a request is placed."""
@@ -59,8 +70,10 @@ class EnginePicker:
         counted as holding it until `release`."""
         if not urls:
             raise ValueError("no engine to send the request to")
-        key = hash((len(input_ids), tuple(input_ids[-_KEY_TOKENS:])))
-        preferred = max(urls, key=lambda u: hash((key, self._url_key(u))))
+        key = hash((len(input_ids), tuple(input_ids[-_KEY_TOKENS:]))) & _MASK
+        # Rendezvous: each engine's score mixes the prompt's key with the engine's; a plain tuple
+        # hash of the two is too regular (with two engines, 8 prompts all chose one 7% of the time).
+        preferred = max(urls, key=lambda u: _mix(key ^ self._url_key(u)))
         share = -(-self._concurrency // len(urls))
         load = self._in_flight.get(preferred, 0)
         if load < share:
