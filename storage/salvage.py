@@ -85,11 +85,17 @@ def salvage_store(path: str | os.PathLike[str], *, replay_after: int | None = No
         with _readable_copy(path) as (where, repaired):
             salvage = _read_env(where, replay_after)
     except (lmdb.Error, OSError, StoreError) as exc:
-        return Salvage(None, None, (f"{path} does not open: {exc}",))
+        return _nothing(f"{path} does not open: {exc}")
     if repaired:
         note = f"{repaired}; read from the other meta page (the last commit or the one before it)"
         return dataclasses.replace(salvage, problems=(note, *salvage.problems))
     return salvage
+
+
+def _nothing(*problems: str) -> Salvage:
+    """Nothing read: no cursor, no trained step, no group's state (`groups_lost`: an empty
+    salvage must not read as a store whose states say nothing was in flight)."""
+    return Salvage(None, None, problems, groups_lost=True)
 
 
 def unreadable_reason(exc: StoreError) -> str | None:
@@ -143,11 +149,11 @@ def _read_env(path: str, replay_after: int | None) -> Salvage:
     data = os.path.join(path, "data.mdb")
     problems = check_data_file(data)
     if any("past the end" not in p for p in problems):  # a truncated file is walked: the rest is not
-        return Salvage(None, None, tuple(f"nothing can be read: {p}" for p in problems))
+        return _nothing(*(f"nothing can be read: {p}" for p in problems))
     damaged = walk_pages(data)
     if "main" in damaged or "meta" in damaged:
         tree = "main" if "main" in damaged else "meta"
-        return Salvage(None, None, (f"the {tree} tree is damaged, so nothing can be found: {damaged[tree]}",))
+        return _nothing(f"the {tree} tree is damaged, so nothing can be found: {damaged[tree]}")
     env = lmdb.open(path, readonly=True, lock=False, subdir=True, create=False, max_dbs=len(keys.DATABASES))
     try:
         with env.begin() as txn:
@@ -172,7 +178,7 @@ def _read(txn: lmdb.Transaction, dbs: Databases, *, lost: set[bytes], replay_aft
             f"the store has layout {layout}, written by a newer rollout-pipeline; this version reads layouts "
             f"{LEGACY_LAYOUT} to {LAYOUT_VERSION} and reads nothing from it"
         )
-        return Salvage(None, None, (newer,))
+        return _nothing(newer)
     sealed = layout == LAYOUT_VERSION
     problems: list[str] = []
 

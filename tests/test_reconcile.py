@@ -8,7 +8,7 @@ salvage without a checkpoint record, a record of another step).
 from __future__ import annotations
 
 from core.types import Batch, Group, group_id_for
-from pipeline.run.reconcile import DAMAGED, NOT_REPLAYED, TOO_NEW, UNKNOWN, reconcile
+from pipeline.run.reconcile import DAMAGED, NOT_REPLAYED, TOO_NEW, UNKNOWN, prompt_of, reconcile
 from storage import Coverage, Cursor, Salvage
 from tests.test_store import finished, fresh, generated
 
@@ -54,10 +54,37 @@ def test_with_a_record_nothing_covered_is_kept_and_every_open_prompt_is_accounte
 
 
 def test_with_a_record_and_nothing_readable_the_record_alone_decides():
+    """A store truncated with its main tree in the lost half (what `salvage_store` returns then):
+    whatever it admitted after the checkpoint's cursor is unknown. The cursor rewinds to the
+    checkpoint's, which admits those prompts again as new work; only the prompts the record names
+    unsettled are generated again (generating any prompt at or past the cursor would admit it twice)."""
     coverage = Coverage(1, Cursor(0, 8, 8), (_id(5), _id(7)))
     plan = _plan(Salvage(None, None, ("nothing can be read",), groups_lost=True), coverage)
     assert plan.cursor == Cursor(0, 8, 8) and plan.trained_step == 1 and not plan.replay
     assert plan.regenerated == (_id(5), _id(7)) and dict(plan.why) == {UNKNOWN: (_id(5), _id(7))}
+    assert not plan.ready and all(prompt_of(g.group_id) < (0, 8) for g in plan.partial)
+
+
+def test_with_the_cursor_lost_and_the_states_read_the_cursor_goes_past_the_last_prompt_any_record_names():
+    """The cursor and trained step are unreadable, the states and batch records are not: the
+    cursor is past the newest prompt any surviving record names (partial 12), never the older one
+    checkpoint v2 records (9), so no group carried over is admitted twice; every prompt below it
+    that nothing accounts for is generated again, and the ones the lost store admitted after 12
+    (which nothing names) are admitted again from the cursor."""
+    coverage = Coverage(1, Cursor(0, 9, 9), tuple(_id(i) for i in range(4, 9)))
+    salvage = Salvage(
+        None,
+        None,
+        ("cursor: damaged", "trained step: damaged"),
+        partial=(generated(fresh(12), 2),),
+        settled=frozenset({_id(10)}),
+        trained_ids=frozenset({_id(4), _id(5)}),
+        batches={2: (_id(4), _id(5))},
+    )
+    plan = _plan(salvage, coverage)
+    assert plan.cursor == Cursor(0, 13, 13) and plan.trained_step == 1 and not plan.replay
+    assert [g.group_id for g in plan.partial if g.group_id not in plan.regenerated] == [_id(12)]
+    assert dict(plan.why) == {NOT_REPLAYED: (_id(4), _id(5)), UNKNOWN: tuple(map(_id, (6, 7, 8, 9, 11)))}
 
 
 def test_without_a_record_a_lost_cursor_starts_the_dataset_again_and_says_what_that_costs():

@@ -175,6 +175,7 @@ def test_a_store_of_a_newer_layout_is_refused_naming_both_and_never_interpreted(
             LmdbStore(path, readonly=readonly)
     salvaged = salvage_store(path)
     assert (salvaged.cursor, salvaged.trained_step, salvaged.partial) == (None, None, ())
+    assert salvaged.groups_lost, "nothing was read: the states must not read as saying nothing was in flight"
     assert "layout 3" in salvaged.problems[0]
 
 

@@ -622,7 +622,8 @@ def _say_reconciled(
     if salvage.cursor is None and not plan.start_over:
         log.warning(
             f"the dataset cursor is unreadable: rollout continues from the cursor {checkpoint} records, or past the "
-            "last prompt the unreadable store names",
+            "last prompt the unreadable store names; the prompts admitted after that, which nothing readable names, "
+            "are admitted again from there as new work",
             cursor=f"epoch {plan.cursor.epoch}, index {plan.cursor.index}",
         )
     for note in plan.notes:
