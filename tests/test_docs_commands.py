@@ -127,7 +127,9 @@ def _code_lines(text: str) -> list[tuple[int, str, str | None]]:
         while stripped.endswith("\\") and i < len(lines):
             stripped = stripped[:-1] + " " + lines[i].strip()
             i += 1
-        if re.search(r"\bpython3? -m ", stripped):
+        # A command starts the line (after VAR=value words, or a pip install and its &&); an indented
+        # line of prose in a list item that names `python -m` does not.
+        if re.match(r"([A-Z_]+=\S+\s+)*(python3? -m |pip install .*&& *python3? -m )", stripped):
             out.append((number, stripped, marker))
     return out
 
