@@ -1,5 +1,5 @@
 """`pipeline.Rollout` in a loop the user owns, stopped and opened again on the same store: what a
-user embedding the pipeline relies on (README "Embedding"). Real parts: the LMDB store, real HTTP
+user embedding the pipeline relies on (docs/agents-and-embedding.md, "Embedding"). Real parts: the LMDB store, real HTTP
 to the protocol-speaking fake engine, the real stage graph."""
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_config_errors_are_listed_together(capsys):
 
 def test_async_mode_learns_and_reports_staleness(tmp_path):
     # A staleness bound keeps this small, fast-moving policy stable; without one the tiny model's
-    # response length can spike mid-run before it recovers (see README, async section).
+    # response length can spike mid-run before it recovers (see docs/modes.md, staleness).
     records = run(tmp_path, "--num-rollout", "40", "--rollout-mode", "async", "--max-staleness", "1")
     first = sum(r["rollout/raw_reward"] for r in records[:5]) / 5
     last = sum(r["rollout/raw_reward"] for r in records[-5:]) / 5

@@ -3,7 +3,7 @@
 Same checks as the CPU ones, on CUDA/ROCm with NCCL: parity of one step with the torch trainer
 (fp32), the built-in task end to end through `python -m pipeline.launch --train-backend megatron
 --trainer-device cuda` in fp32 and in bf16 (`--trainer-dtype bfloat16`), and the step time of both
-backends on a Qwen3-0.6B-shaped model, bf16 then fp32 (printed; copy it into BENCHMARKS.md).
+backends on a Qwen3-0.6B-shaped model, bf16 then fp32 (printed; copy it into docs/benchmarks/09-trainer-backends.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The README's "Embedding" code runs as written: every block is part of `examples/embedding.py`,
+"""The docs' "Embedding" code (docs/agents-and-embedding.md; the README's before the docs moved to
+docs/) runs as written: every block is part of `examples/embedding.py`,
 and that file runs, with relative paths, against an engine the user started in another folder
 (a real built-in engine process over HTTP, a real LMDB store), then resumes."""
 
@@ -23,23 +24,23 @@ from tests.fakes import FakeSGLang
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "agents-and-embedding.md"
 EXAMPLE = ROOT / "examples" / "embedding.py"
 
 
 def embedding_blocks() -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Embedding") : text.index("## Layout")]
+    text = PAGE.read_text(encoding="utf-8")
+    section = text[text.index("## Embedding") :]  # the page's last section
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-def test_every_embedding_block_of_the_readme_is_part_of_the_example_file() -> None:
+def test_every_embedding_block_of_the_docs_is_part_of_the_example_file() -> None:
     blocks, source = embedding_blocks(), EXAMPLE.read_text(encoding="utf-8")
     assert len(blocks) >= 2
     for block in blocks:
-        # Split at blank lines: the README may leave out what lies between two definitions.
+        # Split at blank lines: the page may leave out what lies between two definitions.
         for part in filter(str.strip, block.split("\n\n")):
-            assert part.strip("\n") in source, f"README block not in {EXAMPLE.name}:\n{part}"
+            assert part.strip("\n") in source, f"{PAGE.name} block not in {EXAMPLE.name}:\n{part}"
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ Skipped unless torch sees at least two devices. What they run:
   full HF tensors and sends them to the engine on GPU 1); the reward rises.
 
 Written and checked on one-GPU and CPU machines only: the two-GPU machine was not lent when this
-was written, so these tests have not run yet (see the README's GPU section).
+was written, so these tests have not run yet (see docs/megatron.md, "Verified where").
 """
 
 from __future__ import annotations
