@@ -42,18 +42,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from benchmarks.target_summary import TargetSpec, last_quarter, read_runs, trailing_mean
 
 # The published ratios the prediction stands beside: (sync hours, async hours, what was reached).
 PUBLISHED = {
-    "AReaL": (41.0, 14.8, "1.5B to AIME24 42.2 (2.77x)"),
-    "verl fully-async": (41.0, 17.0, "400 steps at equal accuracy (published as 2.35x)"),
+    "AReaL": (41.0, 14.8, "a 1.5B model to AIME24 42.2"),
+    "verl fully-async": (41.0, 17.0, "400 steps at equal accuracy; published as 2.35x"),
 }
 # The twin's plan for each mode (benchmarks/modes_sim.plans), and the learning each takes: a mode
 # without learning runs of its own learns as the one named (learning.py's async for the overlap).
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-steps", type=int, default=3)
     p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per engine second")
     args = p.parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))  # no per-step lines
     if args.sim_steps < 2:
         p.error("--sim-steps must be >= 2: the first step and at least one steady one")
 

@@ -67,8 +67,9 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
 # the colocated one in about two more. The state (runs.jsonl, state.json) comes back in $OUT; on a
 # cold machine, carry it back in $TTT_DIR. The base model is rebuilt there (about a minute).
 ttt_dir=${TTT_DIR:-build/ttt}
+# shellcheck disable=SC2086  # TTT_FLAGS: more flags, word by word (--base-steps 3000, --modes sync,async)
 named ttt && step ttt 570 python3 -m benchmarks.time_to_target --preset h200 --out "$ttt_dir" \
-  --budget-s "${TTT_BUDGET:-480}"
+  --budget-s "${TTT_BUDGET:-480}" ${TTT_FLAGS:-}
 named ttt && for f in runs.jsonl state.json summary.md time_to_target.png; do
   [ -f "$ttt_dir/$f" ] && cp "$ttt_dir/$f" "$out/ttt-$f"; done
 want modes-sim && step modes-sim 150 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 1024 --slots 64 --train-time 3.5 --time-scale 0.1 \

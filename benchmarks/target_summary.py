@@ -226,7 +226,7 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
                 met = "MET" if row["time_ratio"] <= goal else "MISSED"
                 lines.append(
                     f"target {mode} time <= {goal}x {row['baseline']}: {row['time_ratio']:.2f}x "
-                    f"({row['time_to_target']:.0f} s against {row['time_to_target'] / row['time_ratio']:.0f} s): {met}"
+                    f"({row['time_to_target']:.1f} s against {row['time_to_target'] / row['time_ratio']:.1f} s): {met}"
                 )
         if row["reward_ratio"] is not None:
             met = "MET" if row["reward_ratio"] >= 1 - FINAL_REWARD_TOLERANCE else "MISSED"
@@ -257,9 +257,10 @@ def table(rows: Sequence[dict[str, Any]], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: str) -> None:
-    """Reward against wall-clock seconds, one line per mode and seed (a colour per mode), the
-    target as a dashed line."""
+def plot(runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: str, smooth: int = 1) -> None:
+    """Reward against wall-clock seconds, one line per mode and seed (a colour per mode; colocated
+    modes dashed), the reward as its trailing mean over `smooth` steps (what reaching the target
+    reads), the target dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,12 +276,13 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: st
                 continue
             clock = list(itertools.accumulate(run["step_seconds"]))
             style = "--" if mode.endswith("-colocated") else "-"
-            ax.plot(clock, run["reward"], style, color=colours(i % 10), alpha=0.75, linewidth=1.2,
+            reward = trailing_mean(run["reward"], smooth)
+            ax.plot(clock, reward, style, color=colours(i % 10), alpha=0.75, linewidth=1.2,
                     label=mode if first else None)  # fmt: skip
             first = False
     ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.3f}")
     ax.set_xlabel("wall-clock seconds (the run's steps, from its controller's start)")
-    ax.set_ylabel("reward (rollout/raw_reward)")
+    ax.set_ylabel("reward (rollout/raw_reward)" + (f", trailing mean over {smooth} steps" if smooth > 1 else ""))
     ax.set_title(title)
     ax.legend(loc="lower right")
     fig.tight_layout()

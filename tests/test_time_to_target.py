@@ -112,8 +112,8 @@ def test_summarize_holds_each_mode_against_sync() -> None:
     assert rows["async-overlap"]["reached"] == 1 and rows["async-overlap"]["time_ratio"] is None
     assert rows["async-overlap"]["reward_ratio"] == pytest.approx(0.45 / 0.8)
     lines = verdicts(list(rows.values()))
-    assert "target partial time <= 0.8x sync: 0.90x (36 s against 40 s): MISSED" in lines
-    assert "target async time <= 0.6x sync: 0.50x (20 s against 40 s): MET" in lines
+    assert "target partial time <= 0.8x sync: 0.90x (36.0 s against 40.0 s): MISSED" in lines
+    assert "target async time <= 0.6x sync: 0.50x (20.0 s against 40.0 s): MET" in lines
     assert "target async final reward within 5% of sync: 1.000: MET" in lines
     assert any(line.startswith("target async-overlap time") and "not measured" in line for line in lines)
     assert "target async-overlap final reward within 5% of sync: 0.562: MISSED" in lines
@@ -270,10 +270,35 @@ def test_the_base_model_data_writes_the_asked_letter_half_the_time() -> None:
     assert {a[0] for a in answers} == {"a", "b", "c"}
 
 
-def test_base_model_batches_keep_the_token_budget() -> None:
-    rng = random.Random(0)
-    rows = [([1] * 10, [2] * n) for n in (5, 90, 7, 40, 300, 12, 33)]
-    batches = _batches(rows, 400, rng)
+def test_base_model_batches_mix_lengths_and_take_every_row_once() -> None:
+    rows = [([1] * 10, [2] * n) for n in range(1, 101)]
+    batches = _batches(rows, 32, random.Random(0))
     assert sorted(i for b in batches for i in b) == list(range(len(rows)))
-    for b in batches:
-        assert len(b) == 1 or len(b) * max(sum(map(len, rows[i])) for i in b) <= 400
+    assert [len(b) for b in batches] == [32, 32, 32, 4]
+    # Shuffled, not sorted by length: a batch holds short and long answers alike.
+    assert all(max(b) - min(b) > 50 for b in batches[:3])
+
+
+# ---- the cluster twin's arithmetic ------------------------------------------------------------------
+
+
+def test_the_cluster_twin_takes_steps_to_target_from_the_seed_mean_curve(tmp_path: Path) -> None:
+    from benchmarks.cluster_twin import _learning_runs, predict, steps_to_target
+
+    runs = [
+        _run("sync", 0, [0.1, 0.5, 0.7, 0.9], [1.0] * 4),
+        _run("sync", 1, [0.1, 0.3, 0.5, 0.7], [1.0] * 4),  # seed mean 0.1, 0.4, 0.6, 0.8
+        _run("async", 0, [0.2, 0.2, 0.2, 0.2], [1.0] * 4),
+        _run("sync", 100, [0.9] * 4, [1.0] * 4, calibration=True),  # not a compared seed
+    ]
+    assert steps_to_target(runs, 0.6, smooth=1) == {"sync": (3, 2), "async": (None, 1)}
+    assert steps_to_target(runs, 0.6, smooth=2) == {"sync": (4, 2), "async": (None, 1)}
+    assert predict(100.0, 20.0, 1) == 100.0 and predict(100.0, 20.0, 4) == 160.0
+    # learning.py's runs.jsonl: one task's runs, by --task.
+    path = tmp_path / "runs.jsonl"
+    lines = [{**_run("sync", 0, [0.1], [1.0]), "task": t} for t in ("toy", "long-tail")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [r["task"] for r in _learning_runs(path, "long-tail")] == ["long-tail"]
+    assert [r["task"] for r in _learning_runs(path, None)] == ["long-tail"]  # the first, sorted
+    with pytest.raises(SystemExit, match="--task 'math'"):
+        _learning_runs(path, "math")

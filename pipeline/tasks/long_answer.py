@@ -6,7 +6,7 @@ reasoning run.
 The long-tail task (`pipeline.tasks.long_tail`) asks for at most 24 copies under a 64-token cap,
 and its reward pays half for the right character whatever the length, so a policy that writes a
 few right characters and stops keeps most of it. Here the asked count `N` follows P(N) ~ 1/N over
-`min_count..max_count` (with the defaults, 1..1024: median about 32, one prompt in eleven above
+`min_count..max_count` (with the defaults, 1..1024: median 24, mean 136, one prompt in eleven above
 512), and the reward pays for the fraction of the asked answer written:
 
     0                                   not stopped on EOS (truncated, aborted, failed) or empty
@@ -14,9 +14,13 @@ few right characters and stops keeps most of it. Here the asked count `N` follow
 
 so "bbb<eos>" scores 1 for N = 3, a right answer half as long as asked 0.5, one twice as long 0.5,
 and a policy earns the reward of a long prompt only by writing that long an answer, then stopping.
-The reward rises in two stages a tiny model reaches within a few dozen steps: the right character
-(the random model writes it one time in 64), then lengths that grow with the asked count; the
-response lengths then follow the prompts' long tail, so every round has its stragglers.
+
+From random weights the tiny model learns little of it in a few dozen steps: on the CPU (counts up
+to 48) the reward went from 0.003 to about 0.1 in 40 steps, and the written length stayed
+uncorrelated with the asked count (r = 0.02). The time-to-target benchmark starts from a base model taught the answers'
+format (`benchmarks/base_model.py`): it writes the asked length, in the asked letter half the time,
+so the response lengths follow the prompts' long tail from the first step, and RL teaches the
+letter: the reward rises from about 0.45 to about 0.8 within a few dozen steps.
 
 Written as JSONL (`long_answer_rows`) and read back through `--prompt-data` with
 `--custom-rm-path pipeline.tasks.long_answer:long_answer_reward`.
