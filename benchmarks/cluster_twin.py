@@ -36,6 +36,9 @@ What it assumes, said again with the table:
    `--step-per-context-token` x context tokens (defaults: 8 ms, 50 us, 10 ns: a 1.5B model's
    3 GB of weights and 28 KB of KV a token, read at about 3 TB/s, plus SGLang's step overhead),
    a prefill `--prefill-per-token` (10 us).
+5. Tokens in blocks of `--coarsen` (8): the simulated engine makes one token for 8 real ones at
+   8 decode steps' cost, so samples end on multiples of 8 tokens; the event loop keeps up with
+   2k forwards a round where it could not with 16k.
 """
 
 from __future__ import annotations
@@ -115,13 +118,20 @@ def _simulate(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     from benchmarks import modes_sim as sim
 
+    # One simulated token stands for `coarsen` real ones, so a 16k-token round is 2k forwards the
+    # event loop keeps up with (at 16k it ran late on every forward, and the lateness, not the time
+    # model, set the steps' seconds). A forward then costs `coarsen` real decode steps, each over
+    # `coarsen` times the context: base and per-request costs x k, per-context-token x k^2, prefill
+    # per token x k. The lengths are fractions of the limit (`--length-tail`), so they scale alike.
+    k = args.coarsen
     twin = argparse.Namespace(
-        batch=args.groups, group=args.group, steps=args.sim_steps, slots=args.slots, max_len=args.max_len,
-        time_scale=args.time_scale, train_time=args.train_seconds, prompt_len=args.prompt_len, timeline_dir=None,
+        batch=args.groups, group=args.group, steps=args.sim_steps, slots=args.slots, max_len=args.max_len // k,
+        time_scale=args.time_scale, train_time=args.train_seconds, prompt_len=max(1, args.prompt_len // k),
+        timeline_dir=None,
         sim_flags=[
-            "--step-base", str(args.step_base), "--step-per-request", str(args.step_per_request),
-            "--step-per-context-token", str(args.step_per_context_token),
-            "--prefill-per-token", str(args.prefill_per_token),
+            "--step-base", str(args.step_base * k), "--step-per-request", str(args.step_per_request * k),
+            "--step-per-context-token", str(args.step_per_context_token * k * k),
+            "--prefill-per-token", str(args.prefill_per_token * k),
             "--weight-update-time", str(args.publish_seconds),
             "--length-dist", args.length_tail, "--truncate-frac", str(args.truncate_frac),
         ],
@@ -163,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-seconds", type=float, default=70.0)
     p.add_argument("--publish-seconds", type=float, default=2.0)
     p.add_argument("--sim-steps", type=int, default=3)
-    p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per engine second")
+    p.add_argument("--time-scale", type=float, default=0.05, help="wall seconds per engine second")
+    p.add_argument("--coarsen", type=int, default=8, help="real tokens one simulated token stands for")
     args = p.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))  # no per-step lines
     if args.sim_steps < 2:
