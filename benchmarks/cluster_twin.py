@@ -19,8 +19,9 @@ Two measured inputs, one simulated:
   takes `--train-seconds` a step, a publish of `--publish-seconds`. The step's seconds are the
   first step's, then the mean of the rest for every later step.
 - The prediction: time to target = first step + (steps to target - 1) x steady step, per mode, and
-  its ratio over sync's, beside AReaL's (sync 41.0 h / async 14.8 h = 2.77x, 1.5B to AIME24 42.2)
-  and verl's (41 h / 17 h for 400 steps at equal accuracy, published as 2.35x).
+  its ratio over sync's ("speed-up"); "long run" leaves the first step's fill out (steps to target x
+  steady step), what a run of hundreds of steps sees; both beside AReaL's (sync 41.0 h / async
+  14.8 h = 2.77x, 1.5B to AIME24 42.2) and verl's (41 h / 17 h for 400 steps at equal accuracy, published as 2.35x).
 
 What it assumes, said again with the table:
 
@@ -198,17 +199,22 @@ def main(argv: list[str] | None = None) -> int:
         steady = (total - first) / (args.sim_steps - 1)
         rows.append((mode, k, first, steady, None if k is None else predict(first, steady, k)))
     sync = next((t for m, _, _, _, t in rows if m == "sync"), None)
+    # Over many steps the first step's fill weighs nothing: steps to target x the steady step.
+    sync_long = next((k * st for m, k, _, st, _ in rows if m == "sync" and k is not None), None)
     print(
         f"\npredicted time to target at cluster scale: {args.engines} engines x {args.groups} groups x {args.group} "
         f"samples a step, up to {args.max_len} tokens ({args.length_tail}, {args.truncate_frac:.0%} at the limit), "
         f"training {args.train_seconds:g} s a step, publish {args.publish_seconds:g} s"
     )
     cols = ("steps to target", 16), ("first step s", 14), ("steady step s", 15), ("time to target h", 18)
-    print(f"{'mode':16}" + "".join(f"{c:>{w}}" for c, w in cols) + f"{'speed-up':>10}")
+    print(f"{'mode':16}" + "".join(f"{c:>{w}}" for c, w in cols) + f"{'speed-up':>10}{'long run':>10}")
     for mode, k, first, steady, t in rows:
         speed = "-" if t is None or sync is None else f"{sync / t:.2f}x"
+        long = "-" if k is None or sync_long is None else f"{sync_long / (k * steady):.2f}x"
         hours = "never" if t is None else f"{t / 3600:.2f}"
-        print(f"{mode:16}{'never' if k is None else k:>16}{first:>14.0f}{steady:>15.0f}{hours:>18}{speed:>10}")
+        print(
+            f"{mode:16}{'never' if k is None else k:>16}{first:>14.0f}{steady:>15.0f}{hours:>18}{speed:>10}{long:>10}"
+        )
     for name, (sync_h, async_h, what) in PUBLISHED.items():
         print(f"published, {name}: sync {sync_h} h, async {async_h} h: {sync_h / async_h:.2f}x ({what})")
     print(
