@@ -6,6 +6,9 @@
 #   STEPS="engine" bash benchmarks/gpu_check.sh DIR                  # a subset: one step per call where
 #   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
 #   STEPS="colocate" bash benchmarks/gpu_check.sh DIR                # colocated on one GPU: 520 s of limits
+#   STEPS="ttt" bash benchmarks/gpu_check.sh DIR                     # time to target: 570 s a call, the
+#                                                                    # same command again continues (below;
+#                                                                    # carry build/ttt-state from the last)
 #
 # Installs the carried wheels into a private site dir (no index, no deps: the image keeps its own
 # torch and transformers), runs the project from PYTHONPATH, then: `pytest -m gpu -x`, the engine
@@ -35,6 +38,7 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name rc=$rc ($((SECONDS - t0)) s)"; tail -n 15 "$out/$name.log"
 }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }   # STEPS="engine modes-builtin": a subset
+named() { [[ " ${STEPS:-} " == *" $1 "* ]]; }   # a step that runs only when STEPS names it
 want pytest-gpu && step pytest-gpu 170 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py
 want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtype bfloat16 --qwen3-06b --batches 1,16,128 \
   --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-ops --reference-batches 128
@@ -57,6 +61,26 @@ want colocate && step colocate-publish 100 python3 -m benchmarks.publish_transfe
   --model-size 0.6b --publishes 3
 want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --shapes 4b,8b --smaller 1.7b,0.6b \
   --budget 235 --min-left 130
+# Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
+# task, each a real launcher run, one at a time, appended to $TTT_DIR/runs.jsonl as it ends. A call
+# runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again
+# continues. runs.jsonl and state.json come back in $OUT/ttt/; put them in build/ttt-state/ and
+# carry that folder to the next call (a warm machine keeps $TTT_DIR, base model included; a cold
+# one builds the base model again, about 1.5 minutes). TTT_FLAGS adds flags (--steps 20 --lr 1e-3).
+ttt_dir=${TTT_DIR:-build/ttt}
+ttt_state=${TTT_STATE:-build/ttt-state}
+if named ttt && [ -f "$ttt_state/state.json" ]; then
+  mkdir -p "$ttt_dir" && cp "$ttt_state/state.json" "$ttt_state/runs.jsonl" "$ttt_dir/" 2>/dev/null
+fi
+# shellcheck disable=SC2086  # TTT_FLAGS: more flags, word by word
+named ttt && step ttt 570 python3 -m benchmarks.time_to_target --preset h200 --out "$ttt_dir" \
+  --budget-s "${TTT_BUDGET:-480}" ${TTT_FLAGS:-}
+if named ttt; then
+  mkdir -p "$out/ttt"
+  for f in runs.jsonl state.json summary.md time_to_target.png; do
+    [ -f "$ttt_dir/$f" ] && cp "$ttt_dir/$f" "$out/ttt/$f"
+  done
+fi
 want modes-sim && step modes-sim 150 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 1024 --slots 64 --train-time 3.5 --time-scale 0.1 \
   --only sync --only sync+partial --only async --only "async, overlap" --timeline-dir "$out/timelines"
 printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
@@ -72,4 +96,7 @@ printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
   grep -h -E '^engine resident|Error|error:' "$out/colocate-tests.log" 2>/dev/null | head -n 5
   awk '/^colocated on one GPU/{b=""} {b=b $0 "\n"} /^largest/{last=b} END{printf "%s", last}' \
     "$out/colocate-probe.log" 2>/dev/null   # the last table: printed after each shape
+  # Time to target: the base model's check, each run's line, the table, the verdicts, what is left.
+  grep -h -E '^base model check|^run |^target fixed' "$out/ttt.log" 2>/dev/null
+  cat "$out/ttt/summary.md" 2>/dev/null
 } | tee -a "$out/summary.txt"

@@ -153,6 +153,9 @@ async def run_mode(
         "late": after.get("late_forwards", 0) - before.get("late_forwards", 0),
         "slot busy": slot_busy_fraction(events.events),  # as the built-in engine's benchmark measures it
         "span": work_span(events.events),
+        # The first step holds the pipeline's fill (and async's first window): a twin that
+        # extrapolates to more steps takes the rest as the steady step (benchmarks/cluster_twin.py).
+        "first step s": sink.records[0]["perf/step_time"] / scale,
     }
 
 

@@ -22,7 +22,8 @@ a step; then the seconds of writing the publish folder (`save_model`, where disk
 them): fp32 and bf16 through `save_pretrained` (what a bf16 trainer wrote before) against bf16
 through one reused page-locked buffer (now). `--profile` adds the top device
 kernels of one `response rows` step (torch.profiler). The first step of each variant is a warm-up
-and is not counted.
+and is not counted. Then the step against its arithmetic (`step_flops`: real tokens, no padding, at
+`--peak-tflops`), and issue 48's target: within 2x of it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,24 @@ def _all_rows() -> Iterator[None]:
         grpo.response_logits = kept
 
 
+def step_flops(model: Any, samples: list[Any], *, step_kl: bool, minibatches: int) -> float:
+    """The arithmetic of one training step, counting real tokens only (no padding): a forward is
+    2 x the body's parameters a token (prompt and response), 2 x the LM head's at each response
+    token, and the causal attention's 2 x L^2 x width a layer; a backward twice a forward. A step
+    is one forward and backward of every sample, one forward more for the proximal log-probs
+    when the batch is cut into several minibatches, and one more for the step-KL check."""
+    config = model.config
+    head = config.vocab_size * config.hidden_size
+    body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding is the head
+    width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    forward = 0.0
+    for s in samples:
+        length = len(s.prompt_ids) + s.response_len
+        forward += 2 * body * length + 2 * head * s.response_len + 2 * length**2 * width * config.num_hidden_layers
+    passes = 3 + (1 if minibatches > 1 else 0) + (1 if step_kl else 0)
+    return forward * passes
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -99,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=16384, help="the + budget variant's --max-tokens-per-gpu")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--peak-tflops", type=float, default=790.0, help="the device's bf16 matrix rate (an H200 measured 790)"
+    )
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
 
@@ -151,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             t = statistics.median(ts)
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
             print(f"step {name:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than all rows{memory}")
+        for checked in (True, False):
+            flops = step_flops(variants["response rows"].model, samples, step_kl=checked, minibatches=2)
+            name = "response rows" if checked else "no step-KL"
+            floor = flops / (args.peak_tflops * 1e12)
+            ratio = statistics.median(times[name]) / floor
+            print(
+                f"flops estimate, {name}: {flops / 1e12:.1f} TFLOP, {floor * 1e3:.0f} ms at {args.peak_tflops:g} "
+                f"TFLOP/s: the step takes {ratio:.1f}x it (target <= 2x: {'MET' if ratio <= 2 else 'MISSED'})"
+            )
         # The publish between checkpoints (`save_model`), taking turns: the fp32 masters through
         # `save_pretrained` (what a bf16 trainer wrote first), bf16 through `save_pretrained` (the
         # fifth session), bf16 through one reused page-locked buffer (`trainers/weights_file.py`, now).

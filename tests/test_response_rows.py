@@ -131,3 +131,30 @@ def test_megatron_packs_cut_in_order_within_rows_and_tokens():
     cut = packs(rows, max_rows=8, max_tokens=30)
     assert [[len(r.prompt_ids) + len(r.response_ids) for r in c] for c in cut] == [[11, 12], [13, 17], [40], [11, 12]]
     assert [len(c) for c in packs(rows, max_rows=3, max_tokens=None)] == [3, 3, 1]
+
+
+def test_the_trainer_scores_a_right_padded_batch_without_a_padding_mask_as_each_sample_alone(tmp_path):
+    """No padding mask reaches the model (SDPA keeps its causal kernels: no explicit [B, 1, L, L]
+    mask, no K/V copies for GQA), and each sample's log-probs are those it gets alone, unpadded."""
+    from trainers import GRPOTrainer
+
+    rng = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (p, r) in enumerate([(3, 9), (7, 2), (5, 14), (2, 1)]):  # padded to 19 positions
+        ids = torch.randint(3, 40, (p + r,), generator=rng).tolist()
+        seg = Segment(tuple(ids[p:]), tuple([-1.0] * r), FinishReason.STOP, 0)
+        samples.append(Sample(index=i, prompt_ids=tuple(ids[:p])).extended(seg, max_response_len=64))
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "m"))
+    masks = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    try:
+        together = trainer.logprobs(samples)
+    finally:
+        hook.remove()
+    assert masks and all(m is None for m in masks)
+    for sample, scores in zip(samples, together, strict=True):
+        (alone,) = trainer.logprobs([sample])
+        assert len(scores) == sample.response_len
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(alone), rtol=0, atol=1e-5)

@@ -196,6 +196,10 @@ class GRPOTrainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # cuDNN's SDPA builds a graph for every new sequence length, and every micro-batch of a
+            # long-tailed batch brings one (the built-in engine turns it off for the same reason).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         # bf16 computes the forward and backward under torch.autocast; the weights, their gradients
         # and AdamW's state stay fp32 (master weights), whichever dtype.
         self.autocast = dtype == "bfloat16"
@@ -593,8 +597,13 @@ class GRPOTrainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
             replay.replaying(plan) if replay is not None else contextlib.nullcontext(),
         ):
-            # [N, V]: only the N rows that predict a response token reach the LM head.
-            logits = response_logits(net, b.ids, b.attention, b.rows)
+            # [N, V]: only the N rows that predict a response token reach the LM head. No padding
+            # mask: the batch is right-padded, so under the causal mask no real token attends to a
+            # pad. Passed one, SDPA gets an explicit [B, 1, L, L] mask instead of `is_causal`: no
+            # flash kernel, K and V copied for every query head (GQA's `repeat_kv`), and, on an H100 or
+            # H200, cuDNN's attention, which builds a graph for each new length (a long-tailed batch's
+            # micro-batches each have one).
+            logits = response_logits(net, b.ids, None, b.rows)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
         picked = None if head_ids is None else head_ids[at]
         logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked)

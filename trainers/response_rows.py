@@ -109,9 +109,10 @@ def _head_rows(head: torch.nn.Module, positions: torch.Tensor, fired: list[bool]
 
 
 def response_logits(
-    net: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor
+    net: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor | None, positions: torch.Tensor
 ) -> torch.Tensor:
-    """[N, V] logits of `net` over `ids` [B, L] at the flat positions `positions` (b * L + l)."""
+    """[N, V] logits of `net` over `ids` [B, L] at the flat positions `positions` (b * L + l);
+    `attention` None for a right-padded batch, where the causal mask alone keeps pads unseen."""
     find = getattr(net, "get_output_embeddings", None)
     head = find() if callable(find) else None
     fired: list[bool] = []

@@ -1,0 +1,538 @@
+"""Wall-clock seconds to a reward target, every rollout mode, several seeds, on one device (issue 48).
+
+    python -m benchmarks.time_to_target --preset h200 [--out build/ttt] [--budget-s 500]   # on a GPU host
+    python -m benchmarks.time_to_target --quick                                             # CPU smoke test
+    python -m benchmarks.time_to_target --summarize DIR                                     # the table again
+
+AReaL's and verl's headline figures are wall time to a reward at equal accuracy; the project's own
+were throughput on a model that learns nothing, and learning per step on a CPU. This joins them:
+each mode is a real `python -m pipeline.launch` run (the built-in engine over real HTTP and the real
+trainer on the same device, the real publish), and the measure is the run's own wall clock to a
+reward target fixed before the runs.
+
+**The task** (`pipeline/tasks/long_answer.py`): "say b x517:" -> 517 b's then the end token,
+the asked count drawn with P(N) ~ 1/N up to `max_count` (1,024 on the H200: median 24, mean 136, one prompt
+in eleven above 512), the reward the fraction of the asked answer written (0 without the end
+token). The model starts from a base model that writes answers of the asked length in the asked
+letter half the time (`benchmarks/base_model.py`, built once per output folder), so response
+lengths follow the prompts' long tail from the first step and generation dominates a step; RL
+teaches the letter. `--preset cpu` is the same at a small shape and answers up to 48 tokens (the
+learning per step the cluster twin takes as a stand-in); `--quick`, a smoke test of the mechanics.
+
+**The modes**: sync; partial (`--partial-rollout`, over-sampling 2x); async; async-overlap (async
+with `--overlap-weight-transfer`); and, on a GPU, the colocated ones (`--colocate`: the engine on
+the trainer's GPU, weights by CUDA IPC; sync releases the engine's memory while training, async
+keeps it; an overlapped publish is refused with --colocate). The others run the engine on the same
+GPU beside the trainer, weights from disk. Each mode runs `--seeds` (0,1,2) at equal steps.
+
+**The target** is fixed before the runs it judges: `--target 0.8x` takes 0.8 x the mean reward
+over the last quarter of one sync run's steps, the run of `--calibration-seed`: by default seed 0's
+sync run, which goes first, fixes the target before any other run starts and counts as seed 0's
+(one run less of device time); a seed outside `--seeds` makes a calibration run of its own, left out
+of the table. `--target 0.62` takes that reward. It is written in `state.json` and
+every later call keeps it. A run reaches it at the first step whose trailing mean reward over
+`--smooth` steps does (`benchmarks/target_summary.py`); its time is the sum of the steps'
+`perf/step_time` to there: from the controller's start (engine start and model load left out, the
+trainer's first-step warm-up counted), as AReaL and verl count training time.
+
+**Per mode** (`summary.md`): time to target (mean over seeds, and how many reached it), its ratio
+to sync's (a colocated mode's to colocated sync's), steps to target, reward over the last quarter,
+steps, groups/s, engine busy (`engine/busy_frac` over the run), publish stall (mean
+`time/publish_gate_closed`), the verdicts against the issue's targets (async <= 0.6x sync's time,
+partial <= 0.8x, final reward within 5%), and `time_to_target.png`: reward against wall-clock
+seconds, a line per mode and seed. Each run's record also has the correlation between the asked
+count and the written length (`length_corr`): whether lengths still follow the prompts.
+
+**Calls of a few minutes**: runs go one at a time (they share the device), each appended to
+`runs.jsonl` as it ends. `--budget-s` is this call's allowance: a run whose mode's past runs took
+longer than what is left is not started. The same command again continues: it keeps the target,
+rebuilds the base model if it is missing (deterministic: `state.json` keeps its fingerprint, and a
+rebuild that differs is named), and skips every finished run. Non-colocated modes run first, seed
+by seed, then the colocated ones, so a cut set has whole seeds of the first four.
+
+**The shape, and why** (the `h200` preset: hidden 512, 8 layers, 8 heads, GQA 8/4, intermediate
+1,024: about 19M parameters, the tiny tokenizer's 64 ids), from the H200 figures in BENCHMARKS.md:
+
+- Decode. The built-in engine's CUDA-graph decode of the 0.6B shape (28 layers) replays in 4.4 ms
+  at batch 1 and 8.1 ms at 64 rows of 1,024 context (section 7b): launch-bound, about 0.16-0.29
+  ms a layer, plus about 1 ms of host work a step. Eight layers: about 2.5-3.5 ms a step. A sync
+  round of 16 groups x 8 samples waits for its longest answer: four rounds in five ask for more
+  than 512 (P(N > 512) = 0.09 a prompt, 16 prompts), so about 1,000 decode steps, 2.5-3.5 s.
+- Prefill. One prompt a step (section 10b: 34-37 ms at 28 layers): about 10 ms at 8, 1.3 s for
+  128 samples.
+- Training. About 20k real tokens a step (128 samples, mean answer about 140); 19M parameters make
+  that under 0.1 s of bf16 arithmetic, so the step is launch-bound: about 0.3 s (four micro-batches
+  of like length under `--max-tokens-per-gpu 32768`, each with its forward, backward and the
+  step-KL check's forward). Publish from disk: 38 MB, about 0.1 s.
+- So a sync step is about 4-5 s, nearly all generation, as in a reasoning run.
+- Steps to the target. On the CPU (`--preset cpu`: hidden 128 x 4 layers, counts up to 48, 8
+  groups a step, lr 1e-3) the reward rose from about 0.55 to about 0.85 in 6-8 steps. The preset
+  trains at lr 3e-4, for a rise over about 20-30 steps: the target (0.8x sync's plateau) near step
+  15-25, sync there in about 1.5-2 minutes, the low end of the issue's 2-4. 40 steps a run: sync
+  about 3.3 minutes with its start, partial about 2.5, async and async-overlap about 1.7 each.
+- Device time. The non-colocated set (4 modes x 3 seeds) is about 28 minutes, the colocated one
+  (3 x 3) about 22, and each call that finds the machine cold builds the base model again (about
+  1.5 minutes): the whole set is under the issue's hour, but not the 30 minutes of one session;
+  the state carried from call to call (runs.jsonl, state.json) lets later sessions continue it.
+  `--steps 20 --lr 1e-3` (the CPU's rate) makes every run half as long and puts the target
+  about step 5: the non-colocated set in about three calls, sync at the target in well under a
+  minute, where the first step's warm-up weighs much more.
+- A larger shape (the 0.6B's 28 layers: about 15 s a sync step, 2.5-5 minutes to the target)
+  makes the trainer and the engine compete for the GPU much more (BENCHMARKS.md 10b: decode 1.64x
+  slower beside a training step), but its base model takes about 10 minutes of supervised steps
+  to count to 1,024, a whole device call, in every call that finds the machine cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.target_summary import (
+    TargetSpec,
+    figures,
+    last_quarter,
+    plot,
+    read_runs,
+    summarize,
+    table,
+    trailing_mean,
+    verdicts,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+REWARD = "pipeline.tasks.long_answer:long_answer_reward"
+MODES: dict[str, tuple[str, ...]] = {
+    "sync": (),
+    "partial": ("--partial-rollout", "--over-sampling-batch-size", "{double}"),
+    "async": ("--rollout-mode", "async"),
+    "async-overlap": ("--rollout-mode", "async", "--overlap-weight-transfer"),
+    "sync-colocated": ("--colocate",),
+    "partial-colocated": ("--colocate", "--partial-rollout", "--over-sampling-batch-size", "{double}"),
+    "async-colocated": ("--colocate", "--rollout-mode", "async"),
+}
+COLOCATED = tuple(m for m in MODES if m.endswith("-colocated"))
+STATE, RUNS, SUMMARY, PICTURE = "state.json", "runs.jsonl", "summary.md", "time_to_target.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every run of an output folder shares; a later call must ask for the same."""
+
+    device: str
+    hidden: int
+    layers: int
+    heads: int
+    max_count: int
+    max_len: int  # --rollout-max-response-len
+    batch: int  # groups per step
+    group: int  # samples per group
+    steps: int
+    lr: float
+    base_steps: int
+    base_batch: int
+    base_lr: float
+    smooth: int
+
+
+PRESETS: dict[str, Plan] = {
+    # The issue's design on one H200 (the module docstring says why this shape).
+    "h200": Plan(
+        device="cuda", hidden=512, layers=8, heads=8, max_count=1024, max_len=1280, batch=16, group=8,
+        steps=40, lr=3e-4, base_steps=2000, base_batch=32, base_lr=1e-3, smooth=3,
+    ),
+    # The same at a small shape and answers up to 48 tokens, on a CPU: learning per step that the
+    # cluster twin can take as a stand-in (benchmarks/cluster_twin.py), a minute or two a run.
+    "cpu": Plan(
+        device="cpu", hidden=128, layers=4, heads=4, max_count=48, max_len=64, batch=8, group=8,
+        steps=24, lr=1e-3, base_steps=600, base_batch=32, base_lr=3e-3, smooth=3,
+    ),
+    # The smoke test (`--quick`): the mechanics end to end in a few minutes on a CPU, nothing learned.
+    "quick": Plan(
+        device="cpu", hidden=64, layers=2, heads=4, max_count=24, max_len=32, batch=4, group=4,
+        steps=6, lr=1e-3, base_steps=60, base_batch=32, base_lr=3e-3, smooth=3,
+    ),
+}  # fmt: skip
+
+
+# The preset's settings a flag may change (`--base-steps 3000`, `--steps 64`, ...).
+OVERRIDES: dict[str, type] = {
+    "device": str, "hidden": int, "layers": int, "heads": int, "max_count": int, "max_len": int, "batch": int,
+    "group": int, "steps": int, "lr": float, "base_steps": int, "base_batch": int, "base_lr": float, "smooth": int,
+}  # fmt: skip
+
+
+def run_name(mode: str, seed: int, calibration: bool = False) -> str:
+    return f"{mode}-calibration-s{seed}" if calibration else f"{mode}-s{seed}"
+
+
+def planned_runs(modes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """The compared runs in the order they go: the non-colocated modes seed by seed, then the
+    colocated ones, so a set cut short holds whole seeds of the first."""
+    first = [m for m in modes if m not in COLOCATED]
+    later = [m for m in modes if m in COLOCATED]
+    return [(m, s) for group in (first, later) for s in seeds for m in group]
+
+
+def estimate(mode: str, done: list[dict[str, Any]]) -> float | None:
+    """Seconds a run of `mode` is expected to take (start to end, as `wall` records): its mode's
+    past runs' mean, else the longest past run, else None (nothing has run)."""
+    own = [r["wall"] for r in done if r["mode"] == mode]
+    if own:
+        return statistics.fmean(own)
+    return max((r["wall"] for r in done), default=None)
+
+
+def fits(expected: float | None, left: float) -> bool:
+    """Whether a run expected to take `expected` seconds fits in `left` (10% to spare); a run
+    with no estimate is started (the first of a folder)."""
+    return expected is None or expected * 1.1 <= left
+
+
+def launch_flags(plan: Plan, mode: str, seed: int, *, base: Path, prompts: Path, out: Path) -> list[str]:
+    """The `python -m pipeline.launch` flags of one run."""
+    flags = [
+        "--output-dir", str(out), "--no-progress", "--log-level", "warning",
+        "--hf-checkpoint", str(base),
+        "--prompt-data", str(prompts), "--custom-rm-path", REWARD,
+        "--num-rollout", str(plan.steps),
+        "--rollout-batch-size", str(plan.batch), "--n-samples-per-prompt", str(plan.group),
+        "--rollout-max-response-len", str(plan.max_len),
+        "--rollout-seed", str(seed),
+        "--lr", str(plan.lr),
+    ]  # fmt: skip
+    if plan.device.startswith("cuda"):
+        flags += ["--trainer-device", plan.device, "--trainer-dtype", "bfloat16"]
+        # Micro-batches of like length: less padding of a long-tailed batch (benchmarks/trainer_step.py).
+        flags += ["--max-tokens-per-gpu", "32768"]
+        if mode not in COLOCATED:  # a colocated engine follows --trainer-device
+            flags += ["--rollout-device", plan.device]
+    flags += [f.format(double=2 * plan.batch) for f in MODES[mode]]
+    return flags
+
+
+def record(
+    out: Path, mode: str, seed: int, plan: Plan, counts: list[int], *, wall: float, calibration: bool
+) -> dict[str, Any]:
+    """One run's line of runs.jsonl, read from its metrics.jsonl and events.jsonl."""
+    from pipeline.metrics import is_eval_record
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if not is_eval_record(r)]
+    return {
+        "mode": mode,
+        "seed": seed,
+        "calibration": calibration,
+        "batch": plan.batch,
+        "wall": wall,
+        "reward": [r["rollout/raw_reward"] for r in steps],
+        "step_seconds": [r["perf/step_time"] for r in steps],
+        "busy": [r.get("engine/busy_frac", 0.0) for r in steps],
+        "publish_stall": [r.get("time/publish_gate_closed", 0.0) for r in steps],
+        "train_seconds": [r.get("perf/train_time", 0.0) for r in steps],
+        "length": [r.get("rollout/response_len/mean", 0.0) for r in steps],
+        "length_max": [r.get("rollout/response_len/max", 0) for r in steps],
+        "truncated": [r.get("rollout/truncated_ratio", 0.0) for r in steps],
+        "staleness_max": max((r.get("staleness/max", 0) for r in steps), default=0),
+        "length_corr": length_correlation(out / "events.jsonl", counts),
+    }
+
+
+def length_correlation(events: Path, counts: list[int]) -> float:
+    """Pearson r between the count a sample's prompt asked for and the length it wrote (its last
+    request's prefix plus tokens), over the run's finished samples; nan when it cannot be told."""
+    last: dict[tuple[str, int], dict[str, Any]] = {}
+    if not events.exists():
+        return math.nan
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("kind") != "request" or e.get("finish") in (None, "abort"):
+            continue
+        key = (e["group"], e["sample"])
+        if key not in last or e["end"] > last[key]["end"]:
+            last[key] = e
+    asked, written = [], []
+    for (group, _), e in last.items():
+        index = int(group.rsplit("-p", 1)[1])
+        if index < len(counts):
+            asked.append(counts[index])
+            written.append(e.get("prefix", 0) + e.get("tokens", 0))
+    try:
+        return float(statistics.correlation(asked, written))
+    except statistics.StatisticsError:
+        return math.nan
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> tuple[Path, Path, list[int]]:
+    """The prompts file and the base model (built when missing); (base folder, prompts, counts)."""
+    from pipeline.tasks.long_answer import long_answer_rows
+
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.jsonl"
+    rows = long_answer_rows(4096, seed=7, max_count=plan.max_count)
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    counts = [int(r["label"]["count"]) for r in rows]  # type: ignore[index]
+    base = work / "base"
+    if not (base / "base.json").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        cmd = [
+            sys.executable, "-m", "benchmarks.base_model", "--out", str(base), "--device", plan.device,
+            "--hidden", str(plan.hidden), "--layers", str(plan.layers), "--heads", str(plan.heads),
+            "--max-count", str(plan.max_count), "--max-positions", str(plan.max_len + 64),
+            "--steps", str(plan.base_steps), "--batch", str(plan.base_batch), "--lr", str(plan.base_lr),
+        ]  # fmt: skip
+        print(f"building the base model ({plan.base_steps} supervised steps on {plan.device})", flush=True)
+        done = subprocess.run(cmd, cwd=REPO, env=_env(), check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"the base model failed to build (exit {done.returncode})")
+    built = json.loads((base / "base.json").read_text())
+    known = state.get("base")
+    if known and known["fingerprint"] != built["fingerprint"]:
+        print(
+            f"note: the base model was built again and differs from the one earlier runs used "
+            f"({built['fingerprint'][:12]} against {known['fingerprint'][:12]}); runs record which they used",
+            flush=True,
+        )
+    state.setdefault("base", built)
+    return base, prompts, counts
+
+
+def _run(
+    plan: Plan,
+    mode: str,
+    seed: int,
+    work: Path,
+    base: Path,
+    prompts: Path,
+    counts: list[int],
+    extra: list[str],
+    *,
+    calibration: bool = False,
+) -> dict[str, Any] | None:
+    """One launcher run; its record, or None (said why) when it failed."""
+    out = work / "runs" / run_name(mode, seed, calibration)
+    shutil.rmtree(out, ignore_errors=True)  # a run cut short by an earlier call starts over
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launch",
+        *launch_flags(plan, mode, seed, base=base, prompts=prompts, out=out),
+    ]
+    started = time.perf_counter()
+    done = subprocess.run([*cmd, *extra], cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        print(f"run {run_name(mode, seed, calibration)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return None
+    rec = record(out, mode, seed, plan, counts, wall=wall, calibration=calibration)
+    rec["base"] = json.loads((base / "base.json").read_text())["fingerprint"][:12]
+    for heavy in ("weights", "checkpoints", "model"):  # what a run leaves beyond its figures
+        shutil.rmtree(out / heavy, ignore_errors=True)
+    return rec
+
+
+def _report(runs: list[dict[str, Any]], out: Path, state: dict[str, Any], left: int) -> None:
+    target = state["target"]["value"]
+    smooth = state["plan"]["smooth"]
+    rows = summarize(runs, target, smooth)
+    plan = state["plan"]
+    head = (
+        f"time to target on {plan['device']}: long-answer task (counts up to {plan['max_count']}, cap "
+        f"{plan['max_len']}), base model hidden {plan['hidden']} x {plan['layers']} layers, {plan['steps']} steps "
+        f"of {plan['batch']} groups x {plan['group']}; target {target:.3f} ({state['target']['spec']}"
+        + (
+            f" of the plateau {state['target']['plateau']:.3f} of {state['target'].get('from') or 'sync'}"
+            if state["target"].get("plateau")
+            else ""
+        )
+        + f"), trailing mean over {smooth} steps"
+    )
+    lines = [head, "", table(rows, target), "", *verdicts(rows)]
+    corr = [r["length_corr"] for r in runs if not math.isnan(r.get("length_corr", math.nan))]
+    if corr:
+        lines.append(f"asked count against written length: r = {min(corr):.3f} .. {max(corr):.3f} over the runs")
+    if left:
+        lines.append(f"{left} run(s) left: the same command again continues")
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    (out / SUMMARY).write_text(text + "\n")
+    try:
+        plot(runs, out / PICTURE, target, title=f"reward against wall-clock seconds ({plan['device']})", smooth=smooth)
+        print(f"picture: {out / PICTURE}")
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no picture")
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    plan = PRESETS["quick" if args.quick else args.preset]
+    changes = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    return dataclasses.replace(plan, **changes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    p = argparse.ArgumentParser(prog="python -m benchmarks.time_to_target", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="h200", choices=sorted(PRESETS))
+    p.add_argument("--quick", action="store_true", help="the CPU smoke test: --preset quick, one seed")
+    p.add_argument("--out", type=Path, default=REPO / "build" / "ttt")
+    p.add_argument("--work", type=Path, default=None, help="base model and run folders (default: OUT/work)")
+    p.add_argument("--modes", default=None, help=f"of {', '.join(MODES)} (default: all the device allows)")
+    p.add_argument("--seeds", default=None, help="compared seeds (default 0,1,2; --quick: 0)")
+    p.add_argument("--target", default="0.8x", help="a reward (0.62) or a share of sync's plateau (0.8x)")
+    p.add_argument(
+        "--calibration-seed",
+        type=int,
+        default=0,
+        help="the sync run whose plateau fixes a relative target: a compared seed's (default 0), or a run of its own",
+    )
+    p.add_argument("--budget-s", type=float, default=math.inf, help="this call's seconds; the rest waits")
+    p.add_argument("--summarize", type=Path, default=None, metavar="DIR", help="report DIR's runs, run nothing")
+    for name, kind in OVERRIDES.items():  # the preset's settings, one by one
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="the preset's, unless given")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+
+    if args.summarize:
+        _report(read_runs(args.summarize / RUNS), args.summarize, json.loads((args.summarize / STATE).read_text()), 0)
+        return 0
+    try:
+        spec = TargetSpec.parse(args.target)
+    except ValueError as exc:
+        p.error(str(exc))
+    plan = _plan(args)
+    gpu = plan.device.startswith("cuda")
+    modes = args.modes.split(",") if args.modes else [m for m in MODES if gpu or m not in COLOCATED]
+    if unknown := [m for m in modes if m not in MODES]:
+        p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    if not gpu and (cpu_colocated := [m for m in modes if m in COLOCATED]):
+        p.error(f"--modes {cpu_colocated}: --colocate shares a GPU; on {plan.device} leave them out")
+    seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
+    asked = dataclasses.asdict(plan)
+    if "plan" in state and state["plan"] != asked:
+        differ = {k: (state["plan"].get(k), v) for k, v in asked.items() if state["plan"].get(k) != v}
+        raise SystemExit(
+            f"{out}: its runs were made with other settings ({differ}, as (then, now)); run with the "
+            "same flags to continue, or give another --out"
+        )
+    state["plan"] = asked
+    if "target" in state and state["target"]["spec"] != str(spec):
+        raise SystemExit(
+            f"--target {spec}: {out} fixed its target before its runs as {state['target']['spec']} "
+            f"({state['target']['value']:.3f}); keep it, or give another --out"
+        )
+    work = args.work or out / "work"
+    base, prompts, counts = _prepare(plan, work, state)
+    state_path.write_text(json.dumps(state, indent=1))
+
+    runs_path = out / RUNS
+    runs = read_runs(runs_path)
+
+    budget: float = args.budget_s
+
+    def budget_left() -> float:
+        return budget - (time.perf_counter() - started)
+
+    def keep(rec: dict[str, Any]) -> None:
+        runs.append(rec)
+        with runs_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        reached = "-"
+        if "target" in state:
+            fig = figures(rec, state["target"]["value"], plan.smooth)
+            reached = "never" if fig.time_to_target is None else f"{fig.time_to_target:.1f} s"
+        print(
+            f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: {len(rec['reward'])} steps in "
+            f"{sum(rec['step_seconds']):.1f} s ({rec['wall']:.0f} s with its start), reward {rec['reward'][0]:.3f} -> "
+            f"{rec['reward'][-1]:.3f}, to target {reached}, length r {rec['length_corr']:.2f}",
+            flush=True,
+        )
+
+    if "target" not in state:
+        plateau, source = None, None
+        if spec.relative:
+            # A compared seed's sync run fixes the target before any other run starts, and counts
+            # as that seed's sync run; another seed makes a run of its own, left out of the table.
+            compared = args.calibration_seed in seeds
+            source = f"sync, seed {args.calibration_seed}" + ("" if compared else " (a calibration run)")
+            found = [
+                r
+                for r in runs
+                if r["mode"] == "sync" and r["seed"] == args.calibration_seed and r.get("calibration") != compared
+            ]
+            if not found:
+                print(f"{source} fixes the target", flush=True)
+                rec = _run(
+                    plan, "sync", args.calibration_seed, work, base, prompts, counts, extra, calibration=not compared
+                )
+                if rec is None:
+                    raise SystemExit("the run that fixes the target failed: no target, no other runs")
+                keep(rec)
+                found = [rec]
+            plateau = last_quarter(found[0]["reward"])
+            start = trailing_mean(found[0]["reward"], plan.smooth)[min(plan.smooth, len(found[0]["reward"])) - 1]
+            if start >= spec.resolve(plateau):
+                print(
+                    f"note: the target ({spec.resolve(plateau):.3f}) is at or below where {source} started "
+                    f"({start:.3f} over its first {plan.smooth} steps): every run reaches it at once; a higher "
+                    "--target (in another --out) measures the rise",
+                    flush=True,
+                )
+        state["target"] = {"spec": str(spec), "value": spec.resolve(plateau), "plateau": plateau, "from": source}
+        state_path.write_text(json.dumps(state, indent=1))
+        print(f"target fixed: {state['target']['value']:.3f} ({spec})", flush=True)
+        for rec in runs:  # the run that fixed it, now that there is a target to reach
+            reached = figures(rec, state["target"]["value"], plan.smooth).time_to_target
+            print(f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: to target "
+                  + ("never" if reached is None else f"{reached:.1f} s"), flush=True)  # fmt: skip
+
+    finished = {(r["mode"], r["seed"]) for r in runs if not r.get("calibration")}
+    todo = [(m, s) for m, s in planned_runs(modes, seeds) if (m, s) not in finished]
+    failed: list[str] = []
+    skipped: defaultdict[str, int] = defaultdict(int)
+    for mode, seed in todo:
+        expected = estimate(mode, runs)
+        if not fits(expected, budget_left()):
+            skipped[mode] += 1
+            continue
+        rec = _run(plan, mode, seed, work, base, prompts, counts, extra)
+        if rec is None:
+            failed.append(run_name(mode, seed))
+            continue
+        keep(rec)
+    left = sum(skipped.values()) + len(failed)
+    if skipped:
+        print("left for the next call (budget): " + ", ".join(f"{m} x{n}" for m, n in skipped.items()))
+    _report(runs, out, state, left)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
