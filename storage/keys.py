@@ -16,7 +16,11 @@ One environment holds these named databases:
                    an epoch wrap, and the rule "an id exists once" is the store's to keep; a tombstone
                    is about 40 bytes with its B-tree share, against ~100 KB for the group it replaces)
 
-`meta` also holds b"collected" -> two i64 (groups collected, last step collected).
+`meta` also holds b"collected" -> two i64 (groups collected, last step collected), and
+b"history/" + the dataset row in 12 digits -> that prompt's history (`storage.history`): one key per prompt, so
+reading the history of k prompts is k lookups. Under `meta` for the reason the metrics records are:
+a store written before histories existed still opens read-only (a new named database would be
+missing there), and simply has none.
 
 Leases are not indexed by expiry: only RUNNING groups have one (the in-flight work, thousands at
 most), so `reclaim_expired` and `renew_leases` scan them all, which costs less than keeping a
@@ -46,6 +50,7 @@ __all__ = [
     "META_COLLECTED",
     "META_COUNTS",
     "META_CURSOR",
+    "META_HISTORY",
     "META_LAYOUT",
     "META_RUN",
     "META_STEP_METRICS",
@@ -63,6 +68,7 @@ __all__ = [
     "group_id_of_by_state_key",
     "group_id_of_order_key",
     "group_key",
+    "history_key",
     "i64_value",
     "lease_value",
     "order_key",
@@ -100,6 +106,8 @@ META_COLLECTED = b"collected"
 # `finish_batch`; under `meta` rather than in a database of their own, so a store written before
 # these records existed still opens read-only (a new named database would be missing there).
 META_STEP_METRICS = b"metrics/"
+# b"history/" + the dataset row in 12 digits -> the prompt's history (`storage.history`).
+META_HISTORY = b"history/"
 
 # One byte per state, fixed forever: stored on disk, so never derived from enum order.
 _STATE_CODE = {
@@ -174,6 +182,14 @@ def parse_step_key(key: bytes) -> int:
 
 def step_metrics_key(step: int) -> bytes:
     return META_STEP_METRICS + step_key(step)
+
+
+def history_key(index: int) -> bytes:
+    """Key in `meta` of dataset row `index`'s history: the row in 12 decimal digits, so histories
+    sort by row and an error names the key as `meta/history/000000000017`."""
+    if not 0 <= index < 10**12:
+        raise StoreError(f"a dataset row for a history key is 0..{10**12 - 1}, got {index}")
+    return META_HISTORY + f"{index:012d}".encode()
 
 
 def i64_value(value: int) -> bytes:

@@ -18,6 +18,7 @@ import lmdb
 from core.errors import StoreError
 
 from . import codec, keys
+from .history import decode_history
 from .migrate import SEALED_DATABASES, Databases, counter_problems
 from .protocol import GroupState, VerifyReport
 from .seal import unseal
@@ -37,6 +38,8 @@ def _checker(db: bytes, key: bytes) -> Callable[[bytes, str], object]:
         return lambda raw, where: codec.decode_batch_ref(raw, key=where)
     if db == keys.LEASES:
         return lambda raw, where: keys.parse_lease(raw, key=where)
+    if db == keys.META and key.startswith(keys.META_HISTORY):
+        return lambda raw, where: decode_history(raw, key=where)
     if db == keys.TOMBSTONES or key in (keys.META_TRAINED_STEP,):
         return lambda raw, where: keys.parse_i64(raw, key=where)
     meta = {
