@@ -16,11 +16,15 @@ One environment holds these named databases:
                    an epoch wrap, and the rule "an id exists once" is the store's to keep; a tombstone
                    is about 40 bytes with its B-tree share, against ~100 KB for the group it replaces)
 
-`meta` also holds b"collected" -> two i64 (groups collected, last step collected), and
-b"history/" + the dataset row in 12 digits -> that prompt's history (`storage.history`): one key per prompt, so
-reading the history of k prompts is k lookups. Under `meta` for the reason the metrics records are:
-a store written before histories existed still opens read-only (a new named database would be
-missing there), and simply has none.
+`meta` also holds b"collected" -> two i64 (groups collected, last step collected).
+
+One more database is optional (`OPTIONAL_DATABASES`): a writer creates it, a reader opens it where
+it exists, and a store written before it simply has none.
+
+    history        the dataset row in 12 digits -> that prompt's history (`storage.history`): one
+                   key per prompt, so reading the histories of k prompts is k lookups. A database
+                   of its own, not keys under `meta`: it grows with the prompt set, and `meta`
+                   holds what a salvage needs (cursor, trained step), which must stay a small tree.
 
 Leases are not indexed by expiry: only RUNNING groups have one (the in-flight work, thousands at
 most), so `reclaim_expired` and `renew_leases` scan them all, which costs less than keeping a
@@ -45,16 +49,17 @@ __all__ = [
     "BY_STATE",
     "DATABASES",
     "GROUPS",
+    "HISTORY",
     "LEASES",
     "META",
     "META_COLLECTED",
     "META_COUNTS",
     "META_CURSOR",
-    "META_HISTORY",
     "META_LAYOUT",
     "META_RUN",
     "META_STEP_METRICS",
     "META_TRAINED_STEP",
+    "OPTIONAL_DATABASES",
     "PARTIAL_ORDER",
     "READY_ORDER",
     "STATE",
@@ -94,6 +99,8 @@ BATCHES = b"batches"
 LEASES = b"leases"
 TOMBSTONES = b"tombstones"
 DATABASES = (META, GROUPS, STATE, BY_STATE, PARTIAL_ORDER, READY_ORDER, BATCHES, LEASES, TOMBSTONES)
+HISTORY = b"history"
+OPTIONAL_DATABASES = (HISTORY,)  # a writer creates them; a reader of an older store finds none
 
 # Keys in `meta`.
 META_RUN = b"run"
@@ -106,8 +113,6 @@ META_COLLECTED = b"collected"
 # `finish_batch`; under `meta` rather than in a database of their own, so a store written before
 # these records existed still opens read-only (a new named database would be missing there).
 META_STEP_METRICS = b"metrics/"
-# b"history/" + the dataset row in 12 digits -> the prompt's history (`storage.history`).
-META_HISTORY = b"history/"
 
 # One byte per state, fixed forever: stored on disk, so never derived from enum order.
 _STATE_CODE = {
@@ -185,11 +190,11 @@ def step_metrics_key(step: int) -> bytes:
 
 
 def history_key(index: int) -> bytes:
-    """Key in `meta` of dataset row `index`'s history: the row in 12 decimal digits, so histories
-    sort by row and an error names the key as `meta/history/000000000017`."""
+    """Key in `history` of dataset row `index`: the row in 12 decimal digits, so histories sort by
+    row and an error names the record as `history/000000000017`."""
     if not 0 <= index < 10**12:
         raise StoreError(f"a dataset row for a history key is 0..{10**12 - 1}, got {index}")
-    return META_HISTORY + f"{index:012d}".encode()
+    return f"{index:012d}".encode()
 
 
 def i64_value(value: int) -> bytes:

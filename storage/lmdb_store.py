@@ -92,6 +92,7 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
         try:
             self._env = env_.open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
             self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
+            self._dbs.update(env_.open_optional(self._env, readonly=readonly))
             self._page_size = self._env.stat()["psize"]
         except lmdb.Error as exc:
             self.close()

@@ -127,9 +127,11 @@ class Txn:
     # --- prompt histories -----------------------------------------------------------------------
 
     def history(self, index: int) -> PromptHistory | None:
+        if keys.HISTORY not in self.dbs:  # a reader of a store from before histories
+            return None
         key = keys.history_key(index)
-        raw = self.get(keys.META, key)
-        return None if raw is None else decode_history(raw, key=keys.describe(keys.META, key))
+        raw = self.get(keys.HISTORY, key)
+        return None if raw is None else decode_history(raw, key=keys.describe(keys.HISTORY, key))
 
     def note_outcome(self, group: Group) -> None:
         """A group leaving RUNNING for READY or REJECTED: its outcome joins its prompt's history,
@@ -139,7 +141,7 @@ class Txn:
             return
         index = group.task.index
         updated = updated_history(self.history(index), index, outcome)
-        self.put(keys.META, keys.history_key(index), encode_history(updated))
+        self.put(keys.HISTORY, keys.history_key(index), encode_history(updated))
 
     # --- leases ---------------------------------------------------------------------------------
 
