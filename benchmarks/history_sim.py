@@ -20,8 +20,10 @@ its own (`--length-prompt-sigma`: the same prompt is long or short in every epoc
     dapo-skip       dapo + --skip-zero-std-prompts
 
 Reported per setting (medians over seeds; times in engine seconds): step time p50, p90, their
-ratio (the tail) and mean, the first epoch's steps left out (no history yet: every prompt counts
-as longest, the order is the cursor's); generated tokens per trained group; prompts skipped.
+ratio (the tail) and mean; the round tail (median over rounds of the time from the last request's
+start to the round's end: what starting the long ones first shrinks) and the share of slot-time
+idle in a round; the first epoch's steps left out (no history yet: every prompt counts as
+longest, the order is the cursor's); generated tokens per trained group; prompts skipped.
 Nothing learns here (the rewards are fixed), so "to the same reward" is the learning benchmark's
 (`python -m benchmarks.learning --design history`); here a skip saves exactly what the filter
 would have thrown away.
@@ -45,7 +47,9 @@ from benchmarks.modes_sim import SimulatedTrainer, sim_stats, workload
 from core.types import PromptTask, Sample
 from launch.engine_process import start_engine
 from pipeline import RolloutPlan, run_pipeline
+from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
+from pipeline.timeline import slot_busy_fraction
 from stages.filter import reward_std_nonzero
 from stages.sglang import EngineFleet
 from storage import AsyncStore, MemoryStore
@@ -102,6 +106,7 @@ async def run_setting(setting: str, args: argparse.Namespace, seed: int, work: P
     async with engine, EngineFleet([engine.url], concurrency=args.slots) as fleet:
         store = MemoryStore()
         sink = MetricsSink(None)
+        events = EventLog(None)
         before = await sim_stats(engine.url)
         started = time.perf_counter()
         await run_pipeline(
@@ -114,6 +119,7 @@ async def run_setting(setting: str, args: argparse.Namespace, seed: int, work: P
             filter_fn=reward_std_nonzero if dapo else None,
             weights_dir=work,
             metrics=sink,
+            events=events,
         )
         wall = time.perf_counter() - started
         after = await sim_stats(engine.url)
@@ -121,6 +127,7 @@ async def run_setting(setting: str, args: argparse.Namespace, seed: int, work: P
     first_epoch = -(-args.prompts // args.batch)
     steps = [r["perf/step_time"] / scale for r in sink.records[first_epoch:]] or [0.0]
     last = sink.records[-1]
+    tails, idle = round_tails(events.events, skip=first_epoch)
     return {
         "p50": statistics.median(steps),
         "p90": statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0],
@@ -129,9 +136,34 @@ async def run_setting(setting: str, args: argparse.Namespace, seed: int, work: P
         "tokens/group": last["tokens/generated_total"] / (args.batch * args.steps),
         "skipped": float(last.get("filter/rejected/skipped_zero_std", 0.0)),
         "rejected": float(last.get("filter/rejected/rejected", 0.0)),
+        "round tail": statistics.median(tails) / scale if tails else 0.0,
+        "idle": statistics.median(idle) if idle else 0.0,
         "engine s": wall / scale,
         "late": float(after.get("late_forwards", 0) - before.get("late_forwards", 0)),
     }
+
+
+def round_tails(events: list[dict[str, Any]], *, skip: int) -> tuple[list[float], list[float]]:
+    """Per sync round after the first `skip`: the tail (wall seconds from the last request's start
+    to the round's last end: no slot takes new work, the round waits on its slowest samples) and
+    the share of slot-time idle from the round's first start to its end."""
+    trains = sorted((e["start"], e["end"]) for e in events if e["kind"] == "train")
+    requests = [e for e in events if e["kind"] == "request"]
+    tails, idle = [], []
+    opened = 0.0
+    for step, (train_start, train_end) in enumerate(trains):
+        mine = [e for e in requests if opened <= e["start"] < train_start]
+        opened = train_end
+        if step < skip or not mine:
+            continue
+        first, last_start, end = (
+            min(e["start"] for e in mine),
+            max(e["start"] for e in mine),
+            max(e["end"] for e in mine),
+        )
+        tails.append(end - last_start)
+        idle.append(1.0 - slot_busy_fraction(mine, start=first, end=end))
+    return tails, idle
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -149,13 +181,14 @@ async def main(args: argparse.Namespace) -> None:
         f"{args.slots} slots, max {args.max_len} tokens, lengths lognormal({args.mu}, {args.sigma}) x prompt "
         f"factor e^({args.prompt_sigma} z), truncate {args.truncate_frac}; engine seconds, first epoch left out"
     )
-    cols = ["p50", "p90", "tail", "mean", "tokens/group", "skipped", "rejected", "late"]
-    print(f"{'setting':16}" + "".join(f"{c:>13}" for c in cols) + f"{'tail vs':>10}{'tokens vs':>11}")
+    cols = ["p50", "p90", "tail", "mean", "round tail", "idle", "tokens/group", "skipped", "rejected", "late"]
+    print(f"{'setting':16}" + "".join(f"{c:>13}" for c in cols) + f"{'tail vs':>10}{'r.tail vs':>10}{'tokens vs':>11}")
     med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in results.items()}
     for setting, m in med.items():
         base = med.get(PAIRS.get(setting, setting), m)
         cells = "".join(f"{m[c]:>13.2f}" for c in cols)
-        print(f"{setting:16}{cells}{m['tail'] / base['tail']:>10.2f}{m['tokens/group'] / base['tokens/group']:>11.2f}")
+        vs = [m["tail"] / base["tail"], m["round tail"] / (base["round tail"] or 1.0)]
+        print(f"{setting:16}{cells}{vs[0]:>10.2f}{vs[1]:>10.2f}{m['tokens/group'] / base['tokens/group']:>11.2f}")
     if any(m["late"] for m in med.values()):
         print("note: the simulated engine ran late on some forwards; raise --time-scale for exact timing")
 
