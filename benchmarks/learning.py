@@ -15,7 +15,10 @@ many epochs, evaluated every `--eval-every` steps (5) on the same rows; the sett
 not all start at once (otherwise the order they start in cannot matter). Its table (`history_table`)
 gives per setting the generated tokens and the wall time (summed step times) to reach 90% of its
 baseline's final reward (dapo for dapo-skip, sync for length), the final reward (the mean
-evaluation over the last quarter of the steps), and the step-time tail (p90 over p50 of the steps).
+evaluation over the last quarter of the steps), the step-time tail (p90 over p50 of the steps) and
+the same of the rollout part alone (`perf/train_wait_time`: in sync mode the trainer waits exactly
+for the round; the whole step also holds training, publishing and checkpoints, the same in every
+setting).
 
 Each run is `python -m pipeline.launch` in its own process (built-in engine over real HTTP, the
 real trainer, default flags), so what is measured is what a user runs. Modes:
@@ -200,6 +203,8 @@ def _run(
         # evaluations ({step: reward}, 0 = the starting weights), the prompts skipped.
         "tokens": [r.get("tokens/generated_total", 0.0) for r in records],
         "step_time": [r.get("perf/step_time", 0.0) for r in records],
+        # In sync mode the trainer waits exactly for the round: the rollout part of the step.
+        "rollout_time": [r.get("perf/train_wait_time", 0.0) for r in records],
         "eval": dict(sorted(evals.items())),
         "skipped": records[-1].get("filter/rejected/skipped_zero_std", 0.0) if records else 0.0,
         "rejected": records[-1].get("filter/rejected/rejected", 0.0) if records else 0.0,
@@ -332,6 +337,10 @@ def history_rows(runs: list[dict[str, Any]], reach: float = REACH) -> list[dict[
             p50, p90 = _quantile(times, 0.5), _quantile(times, 0.9)
             base_times = [t for r in by_mode[str(got["base"])] for t in r["step_time"]]
             base_tail = _quantile(base_times, 0.9) / _quantile(base_times, 0.5)
+            rounds = [t for r in rs for t in r.get("rollout_time", [])] or [0.0]
+            base_rounds = [t for r in by_mode[str(got["base"])] for t in r.get("rollout_time", [])] or [0.0]
+            r50, r90 = _quantile(rounds, 0.5), _quantile(rounds, 0.9)
+            base_r50, base_r90 = _quantile(base_rounds, 0.5), _quantile(base_rounds, 0.9)
 
             def ratio(key: str, got: dict[str, Any] = got, base: dict[str, Any] = base) -> float | None:
                 return got[key] / base[key] if got[key] is not None and base[key] else None
@@ -357,6 +366,11 @@ def history_rows(runs: list[dict[str, Any]], reach: float = REACH) -> list[dict[
                     "tail": p90 / p50 if p50 else None,
                     "tail_vs_baseline": (p90 / p50) / base_tail if p50 and base_tail else None,
                     "step_mean": statistics.mean(times),
+                    "rollout_p50": r50,
+                    "rollout_p90": r90,
+                    "rollout_tail": r90 / r50 if r50 else None,
+                    "rollout_tail_vs_baseline": (r90 / r50) / (base_r90 / base_r50) if r50 and base_r50 else None,
+                    "rollout_p90_vs_baseline": r90 / base_r90 if base_r90 else None,
                     "skipped": statistics.mean(r.get("skipped", 0.0) for r in rs),
                     "rejected": statistics.mean(r.get("rejected", 0.0) for r in rs),
                     "minutes": statistics.mean(r["seconds"] for r in rs) / 60,
@@ -372,8 +386,9 @@ def history_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"| task | setting (vs) | final reward (± seed std) | vs baseline | steps to {REACH:.0%} of baseline's "
         "| tokens to it (vs baseline) | wall s to it (vs baseline) | tokens in all | step p50 / p90 s "
-        "| tail p90/p50 (vs baseline) | skipped / filtered |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tail p90/p50 (vs baseline) | rollout p50 / p90 s (p90 vs baseline) | rollout tail p90/p50 (vs baseline) "
+        "| skipped / filtered |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -382,7 +397,9 @@ def history_table(rows: list[dict[str, Any]]) -> str:
             f"| {num(r['tokens_to_target'], '.0f')} ({num(r['tokens_vs_baseline'], '.2f')}) "
             f"| {num(r['wall_to_target'], '.0f')} ({num(r['wall_vs_baseline'], '.2f')}) | {r['tokens_total']:.0f} "
             f"| {r['step_p50']:.2f} / {r['step_p90']:.2f} | {num(r['tail'], '.2f')} "
-            f"({num(r['tail_vs_baseline'], '.2f')}) | {r['skipped']:.0f} / {r['rejected']:.0f} |"
+            f"({num(r['tail_vs_baseline'], '.2f')}) | {r['rollout_p50']:.2f} / {r['rollout_p90']:.2f} "
+            f"({num(r['rollout_p90_vs_baseline'], '.2f')}) | {num(r['rollout_tail'], '.2f')} "
+            f"({num(r['rollout_tail_vs_baseline'], '.2f')}) | {r['skipped']:.0f} / {r['rejected']:.0f} |"
         )
     return "\n".join(lines)
 

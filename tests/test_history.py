@@ -381,13 +381,13 @@ def reward_by_row(task: PromptTask, sample) -> float:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["memory", "lmdb"])
+@pytest.mark.parametrize(("mode", "transport"), [("sync", "memory"), ("sync", "lmdb"), ("async", "memory")])
 async def test_a_run_skips_prompts_on_a_streak_stores_each_skip_and_counts_it_under_the_filters_name(
-    transport: str, tmp_path: Path
+    mode: str, transport: str, tmp_path: Path
 ) -> None:
     dataset = [PromptTask(index=i, prompt_ids=(3, 100 + i), label=i) for i in range(8)]
     plan = RolloutPlan(
-        mode="sync", batch_size=2, n_samples=2, num_steps=10, slots=8, max_response_len=8, seed=5,
+        mode=mode, batch_size=2, n_samples=2, num_steps=10, slots=8, max_response_len=8, seed=5,
         skip_zero_std=True, skip_explore_floor=0.1,
     )  # fmt: skip
     raw = MemoryStore() if transport == "memory" else LmdbStore(tmp_path / "rollout")
