@@ -29,9 +29,11 @@ def _task(kind: str, char: str = "b", count: int = 0) -> PromptTask:
 @pytest.mark.parametrize(
     ("kind", "count", "text", "eos", "reward"),
     [
-        ("easy", 0, "zz", True, 1.0),  # any stop scores: solved as soon as the policy stops
-        ("easy", 0, "", True, 1.0),
-        ("easy", 0, "zz", False, 0.0),
+        ("easy", 0, "b", True, 1.0),  # the asked character, any count, then the end token
+        ("easy", 0, "bbbbb", True, 1.0),
+        ("easy", 0, "", True, 0.0),  # the end token alone earns nothing
+        ("easy", 0, "bz", True, 0.0),
+        ("easy", 0, "bb", False, 0.0),
         ("hard", 12, "b" * 12, True, 1.0),  # the exact count, then the end token
         ("hard", 12, "b" * 11, True, 0.0),  # no partial credit
         ("hard", 12, "b" * 12, False, 0.0),

@@ -1,9 +1,13 @@
 """A task for the prompt-history benchmark (issue 50): a finite prompt set, seen over many epochs,
 whose prompts split three ways.
 
-- **easy** ("hi b:"), `EASY_SHARE` of the rows: reward 1 for any response that stops on EOS within
-  the cap. The policy learns to stop within a few steps, and from then on every sample of the
-  group scores 1: zero reward variance, which the DAPO filter rejects after generating the group.
+- **easy** ("hi b:"), `EASY_SHARE` of the rows: reward 1 for any answer made only of the asked
+  character (one or more), then EOS. The policy gets there as soon as it writes the asked
+  character and stops, which the learnable rows teach in the first steps, and from then on every
+  sample of the group scores 1: zero reward variance, which the DAPO filter rejects after
+  generating the group. (Not "any stop": that rewards the bare end token, and a policy that learns
+  it stops answering the other rows too, until no group has a spread and the filter never fills
+  a batch.)
 - **hard** ("say c x13:", 10..`HARD_MAX_COUNT` copies), `HARD_SHARE` of the rows: reward 1 only for
   exactly the asked count of the asked character, then EOS. The tiny model does not get there in
   a benchmark's length (the learnable rows ask for at most 4): every sample scores 0, zero
@@ -62,9 +66,10 @@ def easy_hard_reward(task: PromptTask, sample: Sample) -> float:
     kind = task.label["kind"]
     response = sample.response_ids
     stopped = sample.status is SampleStatus.COMPLETED and bool(response) and response[-1] == EOS_ID
+    answer = tuple(response[:-1]) if stopped else ()
+    char = encode(str(task.label["char"]))[0]
     if kind == "easy":
-        return 1.0 if stopped else 0.0
+        return 1.0 if answer and all(t == char for t in answer) else 0.0
     if kind == "hard":
-        want = encode(str(task.label["char"]) * int(task.label["count"]))
-        return 1.0 if stopped and tuple(response[:-1]) == want else 0.0
+        return 1.0 if answer == (char,) * int(task.label["count"]) else 0.0
     return toy_reward(task, sample)
