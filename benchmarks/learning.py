@@ -10,8 +10,9 @@
 `easy-hard` (`pipeline.tasks.easy_hard`: a share of prompts solved early, a share not solvable
 yet, the rest learnable) and `long-tail`, each a finite set of `--prompts` rows (96) seen over
 many epochs, evaluated every `--eval-every` steps (5) on the same rows; the settings `dapo`
-(sync + the DAPO filter), `dapo-skip` (and `--skip-zero-std-prompts`), `sync` and `length`
-(`--length-aware-admission`), with `--sglang-server-concurrency 16` so a round's 64 samples do
+(sync + the DAPO filter), `dapo-skip` (and `--skip-zero-std-prompts`), `dapo-skip-explore` (the
+same with `--skip-explore-floor 0.3`), `sync` and `length` (`--length-aware-admission`; and
+`partial-length` against `partial` when named), with `--sglang-server-concurrency 16` so a round's 64 samples do
 not all start at once (otherwise the order they start in cannot matter). Its table (`history_table`)
 gives per setting the generated tokens and the wall time (summed step times) to reach 90% of its
 baseline's final reward (dapo for dapo-skip, sync for length), the final reward (the mean
@@ -67,6 +68,7 @@ from typing import Any
 from pipeline.metrics import EVAL_STEP, is_eval_record
 
 REPO = Path(__file__).resolve().parents[1]
+_DAPO = ("--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero")
 MODES: dict[str, tuple[str, ...]] = {
     "sync": (),
     "partial": ("--partial-rollout",),
@@ -77,18 +79,20 @@ MODES: dict[str, tuple[str, ...]] = {
     "async-s2": ("--rollout-mode", "async", "--max-staleness", "2"),
     "async-unpaced": ("--rollout-mode", "async", "--no-async-pacing"),
     # The prompts' histories (issue 50), asked for by name or by `--design history`.
-    "dapo": ("--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero"),
-    "dapo-skip": ("--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero", "--skip-zero-std-prompts"),
+    "dapo": _DAPO,
+    "dapo-skip": (*_DAPO, "--skip-zero-std-prompts"),
+    # A higher exploration floor: prompts on a streak come back 3 times in 10 instead of 1.
+    "dapo-skip-explore": (*_DAPO, "--skip-zero-std-prompts", "--skip-explore-floor", "0.3"),
     "length": ("--length-aware-admission",),
     "partial-length": ("--partial-rollout", "--length-aware-admission"),
 }
 DEFAULT_MODES = ("sync", "partial", "async-s1", "async")
 TASKS = ("toy", "long-tail", "short-answer", "easy-hard")
 # `--design history`: each treatment against its baseline, on a finite prompt set over many epochs.
-HISTORY_PAIRS = {"dapo-skip": "dapo", "length": "sync", "partial-length": "partial"}
+HISTORY_PAIRS = {"dapo-skip": "dapo", "dapo-skip-explore": "dapo", "length": "sync", "partial-length": "partial"}
 HISTORY_DESIGN = {
     "tasks": "easy-hard,long-tail",
-    "modes": "sync,length,dapo,dapo-skip",
+    "modes": "sync,length,dapo,dapo-skip,dapo-skip-explore",
     "prompts": 96,
     "eval_every": 5,
     "steps": 60,
@@ -361,6 +365,9 @@ def history_rows(runs: list[dict[str, Any]], reach: float = REACH) -> list[dict[
                     "wall_to_target": got["wall"],
                     "wall_vs_baseline": ratio("wall"),
                     "tokens_total": statistics.mean(r["tokens"][-1] for r in rs),
+                    # A run whose policy leaves almost no group with a spread makes the filter
+                    # generate without end: one such seed dominates the mean, so the median too.
+                    "tokens_total_median": statistics.median(r["tokens"][-1] for r in rs),
                     "step_p50": p50,
                     "step_p90": p90,
                     "tail": p90 / p50 if p50 else None,
@@ -385,7 +392,7 @@ def history_table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         f"| task | setting (vs) | final reward (± seed std) | vs baseline | steps to {REACH:.0%} of baseline's "
-        "| tokens to it (vs baseline) | wall s to it (vs baseline) | tokens in all | step p50 / p90 s "
+        "| tokens to it (vs baseline) | wall s to it (vs baseline) | tokens in all (median) | step p50 / p90 s "
         "| tail p90/p50 (vs baseline) | rollout p50 / p90 s (p90 vs baseline) | rollout tail p90/p50 (vs baseline) "
         "| skipped / filtered |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -395,7 +402,8 @@ def history_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['task']} | {r['mode']} ({r['baseline']}) | {r['final_reward']:.3f} ± {r['seed_std']:.3f} "
             f"| {r['vs_baseline']:.2f} | {num(r['steps_to_target'], 'd')} "
             f"| {num(r['tokens_to_target'], '.0f')} ({num(r['tokens_vs_baseline'], '.2f')}) "
-            f"| {num(r['wall_to_target'], '.0f')} ({num(r['wall_vs_baseline'], '.2f')}) | {r['tokens_total']:.0f} "
+            f"| {num(r['wall_to_target'], '.0f')} ({num(r['wall_vs_baseline'], '.2f')}) "
+            f"| {r['tokens_total']:.0f} ({r['tokens_total_median']:.0f}) "
             f"| {r['step_p50']:.2f} / {r['step_p90']:.2f} | {num(r['tail'], '.2f')} "
             f"({num(r['tail_vs_baseline'], '.2f')}) | {r['rollout_p50']:.2f} / {r['rollout_p90']:.2f} "
             f"({num(r['rollout_p90_vs_baseline'], '.2f')}) | {num(r['rollout_tail'], '.2f')} "
