@@ -3,7 +3,23 @@
     python -m benchmarks.learning [--steps 100] [--seeds 0,1,2] [--parallel 6] [--quick]
                                   [--tasks toy,long-tail,short-answer] [--modes sync,partial,async-s1,async]
                                   [--out DIR] [-- extra pipeline flags]
+    python -m benchmarks.learning --design history [--steps 60] [--seeds 0,1,2] [--parallel 16]
     python -m benchmarks.learning --summarize DIR/runs.jsonl [...]   (the table of finished runs)
+
+`--design history` (issue 50) measures what the prompts' stored histories buy: the tasks
+`easy-hard` (`pipeline.tasks.easy_hard`: a share of prompts solved early, a share not solvable
+yet, the rest learnable) and `long-tail`, each a finite set of `--prompts` rows (96) seen over
+many epochs, evaluated every `--eval-every` steps (5) on the same rows; the settings `dapo`
+(sync + the DAPO filter), `dapo-skip` (and `--skip-zero-std-prompts`), `dapo-skip-explore` (the
+same with `--skip-explore-floor 0.3`), `sync` and `length` (`--length-aware-admission`; and
+`partial-length` against `partial` when named), with `--sglang-server-concurrency 16` so a round's 64 samples do
+not all start at once (otherwise the order they start in cannot matter). Its table (`history_table`)
+gives per setting the generated tokens and the wall time (summed step times) to reach 90% of its
+baseline's final reward (dapo for dapo-skip, sync for length), the final reward (the mean
+evaluation over the last quarter of the steps), the step-time tail (p90 over p50 of the steps) and
+the same of the rollout part alone (`perf/train_wait_time`: in sync mode the trainer waits exactly
+for the round; the whole step also holds training, publishing and checkpoints, the same in every
+setting).
 
 Each run is `python -m pipeline.launch` in its own process (built-in engine over real HTTP, the
 real trainer, default flags), so what is measured is what a user runs. Modes:
@@ -49,7 +65,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from pipeline.metrics import EVAL_STEP, is_eval_record
+
 REPO = Path(__file__).resolve().parents[1]
+_DAPO = ("--dynamic-sampling-filter-path", "stages.filter:reward_std_nonzero")
 MODES: dict[str, tuple[str, ...]] = {
     "sync": (),
     "partial": ("--partial-rollout",),
@@ -59,9 +78,27 @@ MODES: dict[str, tuple[str, ...]] = {
     # async with admission unpaced (always its whole window ahead: the default before pacing).
     "async-s2": ("--rollout-mode", "async", "--max-staleness", "2"),
     "async-unpaced": ("--rollout-mode", "async", "--no-async-pacing"),
+    # The prompts' histories (issue 50), asked for by name or by `--design history`.
+    "dapo": _DAPO,
+    "dapo-skip": (*_DAPO, "--skip-zero-std-prompts"),
+    # A higher exploration floor: prompts on a streak come back 3 times in 10 instead of 1.
+    "dapo-skip-explore": (*_DAPO, "--skip-zero-std-prompts", "--skip-explore-floor", "0.3"),
+    "length": ("--length-aware-admission",),
+    "partial-length": ("--partial-rollout", "--length-aware-admission"),
 }
 DEFAULT_MODES = ("sync", "partial", "async-s1", "async")
-TASKS = ("toy", "long-tail", "short-answer")
+TASKS = ("toy", "long-tail", "short-answer", "easy-hard")
+# `--design history`: each treatment against its baseline, on a finite prompt set over many epochs.
+HISTORY_PAIRS = {"dapo-skip": "dapo", "dapo-skip-explore": "dapo", "length": "sync", "partial-length": "partial"}
+HISTORY_DESIGN = {
+    "tasks": "easy-hard,long-tail",
+    "modes": "sync,length,dapo,dapo-skip,dapo-skip-explore",
+    "prompts": 96,
+    "eval_every": 5,
+    "steps": 60,
+    "concurrency": 16,
+}
+REACH = 0.9  # "the same reward": this share of the baseline's final reward
 AT_CAP = 0.95  # a step's mean response length this close to the cap counts as "at the cap"
 COLLAPSE_STEPS = 5  # consecutive steps that make a collapse, of either kind
 SHORT_LEN = 2.0  # a step's mean response length at or below this counts as "short"
@@ -73,25 +110,44 @@ FALLEN = 0.75
 BEST_STEPS = 10
 
 
-def _task_flags(task: str, work: Path) -> tuple[str, ...]:
+def _task_flags(task: str, work: Path, prompts: int = 4096, eval_every: int | None = None) -> tuple[str, ...]:
+    """The flags of `task` with `prompts` rows (JSONL tasks; the toy task's `--num-prompts`), and
+    with `eval_every`, an inline evaluation of the same rows every that many steps."""
     if task == "toy":
-        return ()
+        flags: tuple[str, ...] = ("--num-prompts", str(prompts)) if prompts != 4096 else ()
+        return (*flags, "--eval-interval", str(eval_every)) if eval_every else flags
     if task == "short-answer":
         from pipeline.tasks.short_answer import short_answer_rows
 
-        path = work / "short_answer.jsonl"
-        if not path.exists():
-            path.write_text("".join(json.dumps(row) + "\n" for row in short_answer_rows(4096, seed=7)))
-        return ("--prompt-data", str(path), "--custom-rm-path", "pipeline.tasks.short_answer:short_answer_reward")
-    from pipeline.tasks.long_tail import long_tail_rows
+        rows, reward = short_answer_rows(prompts, seed=7), "pipeline.tasks.short_answer:short_answer_reward"
+    elif task == "easy-hard":
+        from pipeline.tasks.easy_hard import easy_hard_rows
 
-    path = work / "long_tail.jsonl"
+        rows, reward = easy_hard_rows(prompts, seed=7), "pipeline.tasks.easy_hard:easy_hard_reward"
+    else:
+        from pipeline.tasks.long_tail import long_tail_rows
+
+        rows, reward = long_tail_rows(prompts, seed=7), "pipeline.tasks.toy:toy_reward"
+    # The 4096-row files keep their old names (runs of the earlier designs point at them).
+    path = work / (f"{task.replace('-', '_')}.jsonl" if prompts == 4096 else f"{task}-{prompts}.jsonl")
     if not path.exists():
-        path.write_text("".join(json.dumps(row) + "\n" for row in long_tail_rows(4096, seed=7)))
-    return ("--prompt-data", str(path), "--custom-rm-path", "pipeline.tasks.toy:toy_reward")
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ("--prompt-data", str(path), "--custom-rm-path", reward)
+    if eval_every:
+        flags += ("--eval-interval", str(eval_every), "--eval-prompt-data", "train", str(path))
+    return flags
 
 
-def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[str]) -> dict[str, Any]:
+def _run(
+    task: str,
+    mode: str,
+    seed: int,
+    steps: int,
+    work: Path,
+    extra: list[str],
+    prompts: int = 4096,
+    eval_every: int | None = None,
+) -> dict[str, Any]:
     out = work / f"{task}-{mode}-s{seed}"
     cmd = [
         sys.executable,
@@ -107,7 +163,7 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         "--rollout-seed",
         str(seed),
         *MODES[mode],
-        *_task_flags(task, work),
+        *_task_flags(task, work, prompts, eval_every),
         *extra,
     ]
     # The repo first, and whatever the caller's PYTHONPATH already names after it (a --target install).
@@ -125,7 +181,13 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{task}/{mode}/seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if not is_eval_record(r)]  # an evaluation's own line is no step's
+    # The mean reward of each evaluation, by steps trained: 0 for the starting weights' own line,
+    # s + 1 for the one in step s's record (it evaluated that step's weights).
+    names = (k for r in lines for k in r if k.startswith("eval/") and k.count("/") == 1 and "-" not in k)
+    name = next((k for k in names if k != EVAL_STEP), None)
+    evals = {(0 if is_eval_record(r) else int(r["step"]) + 1): float(r[name]) for r in lines if name and name in r}
     return {
         "task": task,
         "mode": mode,
@@ -141,6 +203,15 @@ def _run(task: str, mode: str, seed: int, steps: int, work: Path, extra: list[st
         "grad_norm": [r.get("train/grad_norm", 0.0) for r in records],
         "train_seconds": sum(r.get("perf/train_time", 0.0) for r in records),
         "ref_seconds": sum(r.get("perf/ref_log_probs_time", 0.0) for r in records),
+        # What the histories change (issue 50): tokens generated so far and each step's time, the
+        # evaluations ({step: reward}, 0 = the starting weights), the prompts skipped.
+        "tokens": [r.get("tokens/generated_total", 0.0) for r in records],
+        "step_time": [r.get("perf/step_time", 0.0) for r in records],
+        # In sync mode the trainer waits exactly for the round: the rollout part of the step.
+        "rollout_time": [r.get("perf/train_wait_time", 0.0) for r in records],
+        "eval": dict(sorted(evals.items())),
+        "skipped": records[-1].get("filter/rejected/skipped_zero_std", 0.0) if records else 0.0,
+        "rejected": records[-1].get("filter/rejected/rejected", 0.0) if records else 0.0,
     }
 
 
@@ -223,6 +294,124 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _quantile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values`, interpolated between the two nearest (numpy's default)."""
+    xs = sorted(values)
+    at = q * (len(xs) - 1)
+    lo = int(at)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
+
+
+def final_reward(run: dict[str, Any]) -> float:
+    """The mean evaluation over the last quarter of the steps (the last quarter's training reward
+    for a run without evaluations)."""
+    steps = len(run["reward"])
+    late = [float(v) for s, v in run.get("eval", {}).items() if int(s) >= steps - max(1, steps // 4)]
+    if late:
+        return statistics.mean(late)
+    return statistics.mean(run["reward"][-max(1, steps // 4) :])
+
+
+def history_rows(runs: list[dict[str, Any]], reach: float = REACH) -> list[dict[str, Any]]:
+    """One row per task and setting of `--design history` (the module docstring's columns).
+
+    "The same reward" is `reach` x the baseline's final reward (each setting against its baseline
+    in `HISTORY_PAIRS`, a baseline against itself): the first evaluation at which the seed-mean
+    reward reaches it, and the seed-mean tokens generated and step seconds spent until then."""
+    rows = []
+    for task in dict.fromkeys(r["task"] for r in runs):
+        by_mode = {m: [r for r in runs if r["task"] == task and r["mode"] == m] for m in MODES}
+        by_mode = {m: rs for m, rs in by_mode.items() if rs}
+        finals = {m: [final_reward(r) for r in rs] for m, rs in by_mode.items()}
+        reached: dict[str, dict[str, float | None]] = {}
+        for mode, rs in by_mode.items():
+            base = HISTORY_PAIRS.get(mode, mode) if HISTORY_PAIRS.get(mode) in by_mode else mode
+            target = reach * statistics.mean(finals[base])
+            evals = [{int(k): float(v) for k, v in r.get("eval", {}).items()} for r in rs]  # JSON keys are text
+            points = sorted(set.intersection(*(set(e) for e in evals))) if evals else []
+            step = next((p for p in points if statistics.mean(e[p] for e in evals) >= target), None)
+            tokens = wall = None
+            if step is not None:
+                tokens = statistics.mean(r["tokens"][step - 1] if step else 0.0 for r in rs)
+                wall = statistics.mean(sum(r["step_time"][:step]) for r in rs)
+            reached[mode] = {"base": base, "target": target, "step": step, "tokens": tokens, "wall": wall}
+        for mode, rs in by_mode.items():
+            got, base = reached[mode], reached[str(reached[mode]["base"])]
+            times = [t for r in rs for t in r["step_time"]]
+            p50, p90 = _quantile(times, 0.5), _quantile(times, 0.9)
+            base_times = [t for r in by_mode[str(got["base"])] for t in r["step_time"]]
+            base_tail = _quantile(base_times, 0.9) / _quantile(base_times, 0.5)
+            rounds = [t for r in rs for t in r.get("rollout_time", [])] or [0.0]
+            base_rounds = [t for r in by_mode[str(got["base"])] for t in r.get("rollout_time", [])] or [0.0]
+            r50, r90 = _quantile(rounds, 0.5), _quantile(rounds, 0.9)
+            base_r50, base_r90 = _quantile(base_rounds, 0.5), _quantile(base_rounds, 0.9)
+
+            def ratio(key: str, got: dict[str, Any] = got, base: dict[str, Any] = base) -> float | None:
+                return got[key] / base[key] if got[key] is not None and base[key] else None
+
+            rows.append(
+                {
+                    "task": task,
+                    "mode": mode,
+                    "baseline": got["base"],
+                    "seeds": len(rs),
+                    "final_reward": statistics.mean(finals[mode]),
+                    "seed_std": statistics.stdev(finals[mode]) if len(rs) > 1 else 0.0,
+                    "vs_baseline": statistics.mean(finals[mode]) / statistics.mean(finals[str(got["base"])]),
+                    "target": got["target"],
+                    "steps_to_target": got["step"],
+                    "tokens_to_target": got["tokens"],
+                    "tokens_vs_baseline": ratio("tokens"),
+                    "wall_to_target": got["wall"],
+                    "wall_vs_baseline": ratio("wall"),
+                    "tokens_total": statistics.mean(r["tokens"][-1] for r in rs),
+                    # A run whose policy leaves almost no group with a spread makes the filter
+                    # generate without end: one such seed dominates the mean, so the median too.
+                    "tokens_total_median": statistics.median(r["tokens"][-1] for r in rs),
+                    "step_p50": p50,
+                    "step_p90": p90,
+                    "tail": p90 / p50 if p50 else None,
+                    "tail_vs_baseline": (p90 / p50) / base_tail if p50 and base_tail else None,
+                    "step_mean": statistics.mean(times),
+                    "rollout_p50": r50,
+                    "rollout_p90": r90,
+                    "rollout_tail": r90 / r50 if r50 else None,
+                    "rollout_tail_vs_baseline": (r90 / r50) / (base_r90 / base_r50) if r50 and base_r50 else None,
+                    "rollout_p90_vs_baseline": r90 / base_r90 if base_r90 else None,
+                    "skipped": statistics.mean(r.get("skipped", 0.0) for r in rs),
+                    "rejected": statistics.mean(r.get("rejected", 0.0) for r in rs),
+                    "minutes": statistics.mean(r["seconds"] for r in rs) / 60,
+                }
+            )
+    return rows
+
+
+def history_table(rows: list[dict[str, Any]]) -> str:
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [
+        f"| task | setting (vs) | final reward (± seed std) | vs baseline | steps to {REACH:.0%} of baseline's "
+        "| tokens to it (vs baseline) | wall s to it (vs baseline) | tokens in all (median) | step p50 / p90 s "
+        "| tail p90/p50 (vs baseline) | rollout p50 / p90 s (p90 vs baseline) | rollout tail p90/p50 (vs baseline) "
+        "| skipped / filtered |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['task']} | {r['mode']} ({r['baseline']}) | {r['final_reward']:.3f} ± {r['seed_std']:.3f} "
+            f"| {r['vs_baseline']:.2f} | {num(r['steps_to_target'], 'd')} "
+            f"| {num(r['tokens_to_target'], '.0f')} ({num(r['tokens_vs_baseline'], '.2f')}) "
+            f"| {num(r['wall_to_target'], '.0f')} ({num(r['wall_vs_baseline'], '.2f')}) "
+            f"| {r['tokens_total']:.0f} ({r['tokens_total_median']:.0f}) "
+            f"| {r['step_p50']:.2f} / {r['step_p90']:.2f} | {num(r['tail'], '.2f')} "
+            f"({num(r['tail_vs_baseline'], '.2f')}) | {r['rollout_p50']:.2f} / {r['rollout_p90']:.2f} "
+            f"({num(r['rollout_p90_vs_baseline'], '.2f')}) | {num(r['rollout_tail'], '.2f')} "
+            f"({num(r['rollout_tail_vs_baseline'], '.2f')}) | {r['skipped']:.0f} / {r['rejected']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict[str, Any]], path: Path, cap: int) -> None:
     import matplotlib
 
@@ -253,10 +442,14 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     parser = argparse.ArgumentParser(prog="python -m benchmarks.learning", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--design", choices=("modes", "history"), default="modes", help="the defaults below")
+    parser.add_argument("--steps", type=int, default=None, help="100 (history: 60)")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--tasks", default=",".join(TASKS))
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
+    parser.add_argument("--tasks", default=None, help=f"of {', '.join(TASKS)} (default: the design's)")
+    parser.add_argument("--modes", default=None, help=f"of {', '.join(MODES)} (default: the design's)")
+    parser.add_argument("--prompts", type=int, default=None, help="rows of each task's prompt set (4096; history: 96)")
+    parser.add_argument("--eval-every", type=int, default=None, help="evaluate the rows every N steps (history: 5)")
+    parser.add_argument("--concurrency", type=int, default=None, help="--sglang-server-concurrency (64; history: 16)")
     parser.add_argument(
         "--parallel",
         type=int,
@@ -273,7 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         done = [json.loads(line) for path in args.summarize for line in path.read_text().splitlines()]
         print(table(summarize(done, args.max_len)))
+        if any(r["mode"] in HISTORY_PAIRS or r.get("eval") for r in done):
+            print(history_table(history_rows(done)))
         return 0
+    history = args.design == "history"
+    design: dict[str, Any] = (
+        HISTORY_DESIGN
+        if history
+        else {"tasks": ",".join(TASKS[:3]), "modes": ",".join(DEFAULT_MODES), "prompts": 4096, "steps": 100}
+    )
+    for name, value in design.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     if args.quick:
         args.steps, args.seeds, args.tasks = 8, "0", "toy"
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -283,12 +487,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown {name}(s) {unknown}; known: {', '.join(known)}")
     out = args.out or Path(tempfile.mkdtemp(prefix="learning-"))
     out.mkdir(parents=True, exist_ok=True)
-    extra = ["--rollout-max-response-len", str(args.max_len), *extra]
+    concurrency = ("--sglang-server-concurrency", str(args.concurrency)) if args.concurrency else ()
+    extra = ["--rollout-max-response-len", str(args.max_len), *concurrency, *extra]
 
     jobs = [(t, m, s) for t in tasks for s in seeds for m in modes]
     print(f"{len(jobs)} runs of {args.steps} steps, {args.parallel} at a time, in {out}", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool, (out / "runs.jsonl").open("w") as log:
-        futures = [pool.submit(_run, t, m, s, args.steps, out, extra) for t, m, s in jobs]
+        futures = [
+            pool.submit(_run, t, m, s, args.steps, out, extra, args.prompts, args.eval_every) for t, m, s in jobs
+        ]
         runs = []
         # As they finish, each on its own line of runs.jsonl: a call cut short keeps what finished.
         for f in as_completed(futures):
@@ -303,10 +510,13 @@ def main(argv: list[str] | None = None) -> int:
     order = {job: i for i, job in enumerate(jobs)}
     runs.sort(key=lambda r: order[(r["task"], r["mode"], r["seed"])])
     rows = summarize(runs, args.max_len)
+    more = {"history_rows": history_rows(runs)} if history else {}
     (out / "summary.json").write_text(
-        json.dumps({"rows": rows, "runs": runs, "steps": args.steps, "extra_flags": extra}, indent=1)
+        json.dumps({"rows": rows, **more, "runs": runs, "steps": args.steps, "extra_flags": extra}, indent=1)
     )
     print(table(rows))
+    if history:
+        print(history_table(more["history_rows"]))
     try:
         plot(runs, out / "learning.png", args.max_len)
         print(f"picture: {out / 'learning.png'}")

@@ -2,7 +2,7 @@
 instead of a network, so a benchmark of minutes of GPU time runs in seconds on a laptop.
 
     python -m engines.sim [--port 30000] [--time-scale 0.01] [--max-running-requests 128]
-        [--length-dist lognormal:-1.9,0.8] [--truncate-frac 0.1] [--step-base 0.02] ...
+        [--length-dist lognormal:-1.9,0.8] [--truncate-frac 0.1] [--length-prompt-sigma 0] [--step-base 0.02] ...
 
 What is real: the HTTP server, request parsing, output shapes, the scheduler with its waiting queue,
 `--max-running-requests`, abort, pause (abort / retract / in_place), continue and the flush-cache busy
@@ -454,6 +454,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="lognormal:MU,SIGMA or fixed:FRACTION, as fractions of the length limit",
     )
     ap.add_argument("--truncate-frac", type=float, default=lm.truncate_frac, help="share that runs to the limit")
+    ap.add_argument(
+        "--length-prompt-sigma",
+        type=float,
+        default=lm.prompt_sigma,
+        help="spread of each prompt's own length factor (log scale; 0: every prompt alike)",
+    )
     ap.add_argument("--step-base", type=float, default=d.step_base)
     ap.add_argument("--step-per-request", type=float, default=d.step_per_request)
     ap.add_argument("--step-per-context-token", type=float, default=d.step_per_context_token)
@@ -491,7 +497,9 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     except ConfigError as exc:
         problems += exc.problems
     try:
-        lengths = LengthModel.parse(args.length_dist, truncate_frac=args.truncate_frac)
+        lengths = LengthModel.parse(
+            args.length_dist, truncate_frac=args.truncate_frac, prompt_sigma=args.length_prompt_sigma
+        )
     except ConfigError as exc:
         problems += exc.problems
     if not args.time_scale > 0:

@@ -99,12 +99,18 @@ class LengthModel:
     Defaults: median X = e^-1.9 ~ 15% of the limit, sigma 0.8 (the 90th percentile is ~42%), and 10%
     truncated; the lognormal itself adds ~1% more past the limit, so ~11% finish with `length` and the
     mean response is ~0.29 L: a round's slowest sample is ~3.5x the mean, which is the bubble.
+
+    `prompt_sigma` (default 0: every prompt alike) gives each prompt a length of its own: X becomes
+    `lognormal(mu + prompt_sigma * z_prompt, sigma)`, with `z_prompt` a standard normal drawn from
+    the prompt's tokens alone (no seed), so the same prompt is long or short in every epoch, as
+    hard prompts are in RL. That is what a length prediction from a prompt's history can use.
     """
 
     kind: str = "lognormal"
     mu: float = -1.9
     sigma: float = 0.8
     truncate_frac: float = 0.10
+    prompt_sigma: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -116,11 +122,13 @@ class LengthModel:
             problems.append(f"sigma must be >= 0, got {self.sigma}")
         if not 0.0 <= self.truncate_frac <= 1.0:
             problems.append(f"truncate_frac must be in [0, 1], got {self.truncate_frac}")
+        if not self.prompt_sigma >= 0:
+            problems.append(f"prompt_sigma must be >= 0, got {self.prompt_sigma}")
         if problems:
             raise ConfigError(problems)
 
     @classmethod
-    def parse(cls, spec: str, *, truncate_frac: float = 0.10) -> LengthModel:
+    def parse(cls, spec: str, *, truncate_frac: float = 0.10, prompt_sigma: float = 0.0) -> LengthModel:
         """`lognormal:MU,SIGMA` or `fixed:FRACTION` (fractions of the length limit)."""
         kind, _, args = spec.partition(":")
         try:
@@ -128,9 +136,9 @@ class LengthModel:
         except ValueError as exc:
             raise ConfigError([f"length distribution {spec!r}: arguments must be numbers"]) from exc
         if kind == "lognormal" and len(values) == 2:
-            return cls("lognormal", values[0], values[1], truncate_frac)
+            return cls("lognormal", values[0], values[1], truncate_frac, prompt_sigma)
         if kind == "fixed" and len(values) == 1:
-            return cls("fixed", values[0], 0.0, truncate_frac)
+            return cls("fixed", values[0], 0.0, truncate_frac, prompt_sigma)
         raise ConfigError([f"length distribution {spec!r} is not lognormal:MU,SIGMA or fixed:FRACTION"])
 
     def target(self, seed: int, prompt: Sequence[int], limit: int) -> int | None:
@@ -146,9 +154,17 @@ class LengthModel:
             x = self.mu
         else:
             x = math.exp(self.mu + self.sigma * _NORMAL.inv_cdf(min(max(u_len, 1e-12), 1 - 1e-12)))
+        if self.prompt_sigma:
+            x *= math.exp(self.prompt_sigma * _prompt_z(prompt))
         if x * limit >= limit:
             return None
         return max(1, math.ceil(x * limit))
+
+
+def _prompt_z(prompt: Sequence[int]) -> float:
+    """A standard normal draw of the prompt alone (the same in every epoch and for every seed)."""
+    digest = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=8, person=b"sim-prompt").digest()
+    return _NORMAL.inv_cdf(min(max(_unit(int.from_bytes(digest, "little")), 1e-12), 1 - 1e-12))
 
 
 def _unit(bits: int) -> float:

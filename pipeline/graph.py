@@ -37,6 +37,7 @@ from stages.filter import FilterStage
 from stages.generator import GeneratorPool
 from stages.producers import LocalProducers, Producers
 from stages.reward import RewardStage
+from stages.selection import SKIP_REASON, PromptSelection
 
 __all__ = ["StageGraph", "failing_limit"]
 
@@ -70,6 +71,12 @@ class StageGraph:
             admission=admission,
             on_admit=times.admitted,
             batch=plan.store_batch,
+            selection=PromptSelection(
+                seed=plan.seed,
+                skip_zero_std=plan.skip_zero_std,
+                explore_floor=plan.skip_explore_floor,
+                longest_first=plan.length_aware_admission,
+            ),
         )
         # A producers factory puts generation elsewhere (Ray actors: `launch.ray_producers`).
         producers = (
@@ -147,9 +154,20 @@ class StageGraph:
             "versions/unknown_boundary_tokens": g.unknown_boundary_tokens,
             # R3: tokens of aborted answers that came without their routes, replayed unrouted.
             "tokens/unrouted_total": g.unrouted_tokens,
-            **{f"filter/rejected/{reason}": n for reason, n in self.producers.filter_statistics().rejected.items()},
+            **self._rejected_by_reason(),
             **self.producers.metrics(),
         }
+
+    def _rejected_by_reason(self) -> dict[str, float]:
+        """Groups the filter rejected, by reason, and the prompts skipped before generation under
+        the filter's name (`filter/rejected/skipped_zero_std`, there from the first step when
+        skipping is on): a skip is the filter's rejection of a zero-variance group, made before its
+        samples were generated. Skips take no admission ticket, so `groups/rejected_total` (the
+        tickets the filter settled) does not count them."""
+        rejected: dict[str, float] = dict(self.producers.filter_statistics().rejected)
+        if self.plan.skip_zero_std:
+            rejected[SKIP_REASON] = rejected.get(SKIP_REASON, 0) + self.dispenser.statistics().skipped
+        return {f"filter/rejected/{reason}": n for reason, n in rejected.items()}
 
 
 def failing_limit(plan: RolloutPlan) -> int:

@@ -27,6 +27,7 @@ from stages.generator import GenerateEngine
 from stages.producers import ProducersFactory
 from stages.publisher import EngineMemory, WeightTarget, WeightTransfer
 from stages.reward import RewardFn
+from stages.selection import LENGTH_AWARE_RULE
 from stages.sglang.payloads import TokenPayloads
 from storage import AsyncStore
 
@@ -87,6 +88,12 @@ class RolloutPlan:
     store_batch: int = 64
     # R3 routes and SC sampler heads asked of the engines with every request (off: neither).
     payloads: TokenPayloads = field(default_factory=TokenPayloads)
+    # The prompts' stored histories (`stages.selection`): skip a prompt on a zero-reward-variance
+    # streak before generating it (at least `skip_explore_floor` of them still come back), and
+    # hand a sync round's new prompts to the pool longest predicted first.
+    skip_zero_std: bool = False
+    skip_explore_floor: float = 0.1
+    length_aware_admission: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_batch, int) or self.store_batch < 1:
@@ -98,6 +105,8 @@ class RolloutPlan:
                     allowed = ", ".join(kind)
                     raise ValueError(f"RolloutPlan {name}={value!r}: must be one of {allowed}")
                 object.__setattr__(self, name, kind(value))
+        if self.length_aware_admission and self.mode is RolloutMode.ASYNC:
+            raise ValueError(f"RolloutPlan length_aware_admission with mode=async: {LENGTH_AWARE_RULE}")
 
     @property
     def ahead(self) -> int:

@@ -43,7 +43,7 @@ from typing import Any, TextIO
 
 from core.errors import CorruptRecordError, PipelineError, ReplayError, StoreCorruptionError
 from core.types import StoreTransport
-from pipeline.replay_report import format_group, format_summary, group_record, summarize
+from pipeline.replay_report import format_group, format_history, format_summary, group_record, summarize
 from pipeline.run.folder import RUN_RECORD
 from pipeline.settings_history import settings_at
 from pipeline.trainer_settings import build_trainer, replayed_settings
@@ -292,6 +292,7 @@ def _group(args: argparse.Namespace) -> int:
                 raise ReplayError(f"no group of prompt {args.group_id} in the store at {store.path}")
             if len(ids) > 1:
                 print(f"prompt {args.group_id} has {len(ids)} groups: " + ", ".join(ids))
+                print(format_history(store.prompt_history([int(args.group_id)]).get(int(args.group_id))))
                 print(f"show one with: python -m pipeline.replay {args.run_dir} group {ids[0]}")
                 return 0
             args.group_id = ids[0]

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import CorruptRecordError
 from core.types import Batch, Group, Sample
-from storage import Cursor, GroupState, RunMeta, Store
+from stages.selection import SKIP_REASON, predicted_length
+from storage import Cursor, GroupState, PromptHistory, RunMeta, Store
 
-__all__ = ["RunSummary", "format_group", "format_summary", "group_record", "recorded_batches", "summarize"]
+__all__ = [
+    "RunSummary",
+    "format_group",
+    "format_history",
+    "format_summary",
+    "group_record",
+    "recorded_batches",
+    "summarize",
+]
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -44,6 +53,8 @@ class RunSummary:
     collected: int = 0  # TRAINED groups deleted by garbage collection (--rollout-gc-keep-steps)
     collected_step: int = -1  # the last step garbage collection covered; its batches are gone
     damaged: tuple[str, ...] = ()  # records that failed their checksum: reported, left out of the numbers
+    rejected_reasons: Mapping[str, int] = field(default_factory=dict)  # REJECTED groups by reason, skips included
+    skipped_by_epoch: Mapping[int, int] = field(default_factory=dict)  # prompts skipped before generation
 
 
 def recorded_batches(store: Store, damaged: list[CorruptRecordError] | None = None) -> Iterator[Batch]:
@@ -65,6 +76,8 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
     tokens: Counter[int] = Counter()
     prefix_lens: Counter[int] = Counter()
     partial_groups = partial_samples = partial_finished = resumed = 0
+    reasons: Counter[str] = Counter()
+    skipped: Counter[int] = Counter()
     damaged: list[CorruptRecordError] = []
     for state in GroupState:
         if state is GroupState.QUARANTINED:
@@ -75,6 +88,10 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
                 for span in sample.spans:
                     tokens[span.version] += span.end - span.start
                 resumed += bool(sample.resumed_at)
+            if state is GroupState.REJECTED:
+                reasons[group.rejected_reason or "rejected"] += 1
+                if group.rejected_reason == SKIP_REASON:
+                    skipped[group.epoch] += 1
             if state is GroupState.PARTIAL:
                 partial_groups += 1
                 for sample in group.samples:
@@ -107,6 +124,8 @@ def summarize(store: Store, *, store_path: str) -> RunSummary:
         collected=stats.collected,
         collected_step=stats.collected_step,
         damaged=tuple(dict.fromkeys(str(exc) for exc in damaged)),
+        rejected_reasons=dict(sorted(reasons.items())),
+        skipped_by_epoch=dict(sorted(skipped.items())),
     )
 
 
@@ -152,6 +171,14 @@ def format_summary(s: RunSummary) -> str:
     total = sum(s.counts.values())
     lines.append(f"groups: {total} in all")
     lines += [f"  {state.value:<9} {s.counts.get(state, 0)}" for state in GroupState]
+    if s.rejected_reasons:
+        lines.append("rejected groups by reason: " + ", ".join(f"{r} {n}" for r, n in s.rejected_reasons.items()))
+    if s.skipped_by_epoch:
+        # The epoch's accounting of --skip-zero-std-prompts: each is a REJECTED group without tokens.
+        lines.append(
+            f"prompts skipped before generation ({SKIP_REASON}: their latest groups all had equal rewards), "
+            f"by epoch: {_histogram(s.skipped_by_epoch, 'e')}"
+        )
     lines.append("versions:")
     lines.append(f"  admitted at (version: groups)      {_histogram(s.admitted_versions, 'v')}")
     lines.append(f"  response tokens (version: tokens)  {_histogram(s.token_versions, 'v')}")
@@ -269,6 +296,22 @@ def format_group(r: Mapping[str, Any]) -> str:
         if s["response_text"] is not None:
             lines.append(f"    response: {s['response_text']!r}")
     return "\n".join(lines)
+
+
+def format_history(history: PromptHistory | None) -> str:
+    """A prompt's stored history (`storage.history`), as `replay group ROW` prints it."""
+    if history is None:
+        return "history: none stored (no group of this prompt finished with its rewards)"
+    length = predicted_length(history)
+    recent = "; ".join(
+        f"e{o.epoch} v{o.version} reward {o.reward_mean:.3f}{' (all equal)' if o.zero_std else ''} "
+        f"len {o.length_mean:.1f} (max {o.length_max})"
+        for o in history.recent
+    )
+    return (
+        f"history: {history.groups} groups finished, zero-variance streak {history.zero_std_streak}, "
+        f"predicted length {'-' if length is None else f'{length:.1f}'}; latest: {recent}"
+    )
 
 
 def _histogram(counts: Mapping[int, int], prefix: str) -> str:

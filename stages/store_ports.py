@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from core.types import Group
-from storage import Cursor, GroupState
+from storage import Cursor, GroupState, PromptHistory
 
 __all__ = [
     "CollectorStore",
@@ -29,13 +29,16 @@ __all__ = [
 
 
 class DispenserStore(Protocol):
-    """`stages.dispenser.Dispenser`: partial groups first, then new prompts and the cursor, together."""
+    """`stages.dispenser.Dispenser`: partial groups first, then new prompts and the cursor, together
+    with the prompts skipped on the way; the prompts' histories, for skips and order."""
 
     async def cursor(self) -> Cursor: ...
 
     async def claim_partial(self, limit: int) -> list[Group]: ...
 
-    async def admit(self, groups: Sequence[Group], cursor: Cursor) -> None: ...
+    async def admit(self, groups: Sequence[Group], cursor: Cursor, *, skipped: Sequence[Group] = ()) -> None: ...
+
+    async def prompt_history(self, indexes: Sequence[int]) -> dict[int, PromptHistory]: ...
 
 
 class PoolStore(Protocol):

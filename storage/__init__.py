@@ -14,6 +14,7 @@ from core.types import StoreTransport
 
 from .async_store import AsyncStore
 from .declaration import PROFILES, StorageDeclaration, StoragePlan, check_storage, load_declaration
+from .history import GroupOutcome, PromptHistory
 from .lmdb_store import LmdbStore
 from .memory import MemoryStore
 from .protocol import (
@@ -39,10 +40,12 @@ __all__ = [
     "AsyncStore",
     "Coverage",
     "Cursor",
+    "GroupOutcome",
     "GroupState",
     "Lease",
     "LmdbStore",
     "MemoryStore",
+    "PromptHistory",
     "RecoveryReport",
     "RunMeta",
     "Salvage",

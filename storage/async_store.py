@@ -40,6 +40,7 @@ import anyio.to_thread
 from core.errors import CorruptRecordError, StoreError
 from core.types import Batch, Group
 
+from .history import PromptHistory
 from .memory import MemoryStore
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
@@ -274,9 +275,21 @@ class AsyncStore:
         return await self._call(self._store.cursor)
 
     async def admit(
-        self, groups: Sequence[Group], cursor: Cursor, *, owner: str | None = None, lease_seconds: float | None = None
+        self,
+        groups: Sequence[Group],
+        cursor: Cursor,
+        *,
+        skipped: Sequence[Group] = (),
+        owner: str | None = None,
+        lease_seconds: float | None = None,
     ) -> None:
-        await self._call(self._store.admit, groups, cursor, **_given(owner=owner, lease_seconds=lease_seconds))
+        # `skipped` only when there are some: a store written before skips takes no such keyword.
+        given = _given(owner=owner, lease_seconds=lease_seconds, skipped=tuple(skipped) or None)
+        await self._call(self._store.admit, groups, cursor, **given)
+
+    async def prompt_history(self, indexes: Sequence[int]) -> dict[int, PromptHistory]:
+        """The stored history of each of these dataset rows that has one (`Store.prompt_history`)."""
+        return await self._call(self._store.prompt_history, indexes)
 
     async def claim_partial(
         self, limit: int, *, owner: str | None = None, lease_seconds: float | None = None

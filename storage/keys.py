@@ -18,6 +18,14 @@ One environment holds these named databases:
 
 `meta` also holds b"collected" -> two i64 (groups collected, last step collected).
 
+One more database is optional (`OPTIONAL_DATABASES`): a writer creates it, a reader opens it where
+it exists, and a store written before it simply has none.
+
+    history        the dataset row in 12 digits -> that prompt's history (`storage.history`): one
+                   key per prompt, so reading the histories of k prompts is k lookups. A database
+                   of its own, not keys under `meta`: it grows with the prompt set, and `meta`
+                   holds what a salvage needs (cursor, trained step), which must stay a small tree.
+
 Leases are not indexed by expiry: only RUNNING groups have one (the in-flight work, thousands at
 most), so `reclaim_expired` and `renew_leases` scan them all, which costs less than keeping a
 second index up to date on every claim and put.
@@ -41,6 +49,7 @@ __all__ = [
     "BY_STATE",
     "DATABASES",
     "GROUPS",
+    "HISTORY",
     "LEASES",
     "META",
     "META_COLLECTED",
@@ -50,6 +59,7 @@ __all__ = [
     "META_RUN",
     "META_STEP_METRICS",
     "META_TRAINED_STEP",
+    "OPTIONAL_DATABASES",
     "PARTIAL_ORDER",
     "READY_ORDER",
     "STATE",
@@ -63,6 +73,7 @@ __all__ = [
     "group_id_of_by_state_key",
     "group_id_of_order_key",
     "group_key",
+    "history_key",
     "i64_value",
     "lease_value",
     "order_key",
@@ -88,6 +99,8 @@ BATCHES = b"batches"
 LEASES = b"leases"
 TOMBSTONES = b"tombstones"
 DATABASES = (META, GROUPS, STATE, BY_STATE, PARTIAL_ORDER, READY_ORDER, BATCHES, LEASES, TOMBSTONES)
+HISTORY = b"history"
+OPTIONAL_DATABASES = (HISTORY,)  # a writer creates them; a reader of an older store finds none
 
 # Keys in `meta`.
 META_RUN = b"run"
@@ -174,6 +187,14 @@ def parse_step_key(key: bytes) -> int:
 
 def step_metrics_key(step: int) -> bytes:
     return META_STEP_METRICS + step_key(step)
+
+
+def history_key(index: int) -> bytes:
+    """Key in `history` of dataset row `index`: the row in 12 decimal digits, so histories sort by
+    row and an error names the record as `history/000000000017`."""
+    if not 0 <= index < 10**12:
+        raise StoreError(f"a dataset row for a history key is 0..{10**12 - 1}, got {index}")
+    return f"{index:012d}".encode()
 
 
 def i64_value(value: int) -> bytes:

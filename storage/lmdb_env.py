@@ -31,6 +31,7 @@ __all__ = [
     "check_before_open",
     "data_file",
     "open_env",
+    "open_optional",
     "release_writer_lock",
     "take_writer_lock",
     "writer_alive",
@@ -67,7 +68,11 @@ def open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.En
     """The environment with every rollout database's slot. `sync=False` trades durability of the
     last transactions on an OS crash for speed (a process crash still loses nothing committed)."""
     options: dict[str, Any] = dict(
-        map_size=map_size, max_dbs=len(keys.DATABASES), subdir=True, readonly=readonly, sync=sync
+        map_size=map_size,
+        max_dbs=len(keys.DATABASES) + len(keys.OPTIONAL_DATABASES),
+        subdir=True,
+        readonly=readonly,
+        sync=sync,
     )
     try:
         return lmdb.open(path, create=not readonly, metasync=sync, lock=True, **options)
@@ -79,13 +84,26 @@ def open_env(path: str, *, map_size: int, sync: bool, readonly: bool) -> lmdb.En
     return lmdb.open(path, create=False, lock=False, **options)
 
 
+def open_optional(env: lmdb.Environment, *, readonly: bool) -> dict[bytes, Any]:
+    """The optional databases (`keys.OPTIONAL_DATABASES`): a writer creates them; a reader opens
+    those the store has (a store from before one existed has none, and reads as empty there)."""
+    found = {}
+    for name in keys.OPTIONAL_DATABASES:
+        try:
+            found[name] = env.open_db(name, create=not readonly)
+        except lmdb.NotFoundError:
+            continue
+    return found
+
+
 def not_a_rollout_store(path: str, main_keys: list[str], *, readonly: bool) -> IncompatibleStoreError | None:
     """The error for an LMDB file another program wrote (its main tree holds keys no rollout store
     writes), or one a reader cannot use (it lacks the rollout databases); None for a rollout store,
     or an empty file a writer is about to fill. Checked before LMDB opens it: a writer would add
     its databases to the other program's file, a reader would fail on LMDB's MDB_NOTFOUND."""
     ours = {name.decode() for name in keys.DATABASES}
-    others = sorted(set(main_keys) - ours)
+    optional = {name.decode() for name in keys.OPTIONAL_DATABASES}
+    others = sorted(set(main_keys) - ours - optional)
     missing = sorted(ours - set(main_keys)) if readonly else []
     if not others and not missing:
         return None

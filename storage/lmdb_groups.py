@@ -17,7 +17,7 @@ from .transitions import PutMoves, check_lease
 
 __all__ = ["GroupMoves"]
 
-_RUNNING, _PARTIAL, _READY = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY
+_RUNNING, _PARTIAL, _READY, _REJECTED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.REJECTED
 
 
 class GroupMoves(LmdbTransactions, PutMoves):
@@ -28,28 +28,30 @@ class GroupMoves(LmdbTransactions, PutMoves):
         *,
         owner: str = DEFAULT_OWNER,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        skipped: Sequence[Group] = (),
     ) -> None:
         check_lease(owner, lease_seconds)
+        tr.check_skipped(skipped)
         # Encode before the transaction: the write lock is held only for the writes themselves.
         records = []
         seen: set[str] = set()
-        for group in groups:
+        for group, to in [*((g, _RUNNING) for g in groups), *((g, _REJECTED) for g in skipped)]:
             gid = group.group_id
             if gid in seen:
                 raise tr.duplicate_in_admit(gid)
             seen.add(gid)
-            records.append((gid, keys.group_key(gid), codec.encode_group(group), group.oldest_version, group.seq))
+            records.append((gid, keys.group_key(gid), codec.encode_group(group), group.oldest_version, group.seq, to))
         cursor_record = codec.encode_cursor(cursor)
 
         def fn(w: Txn) -> None:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
-            for gid, key, data, version, seq in records:
+            for gid, key, data, version, seq, to in records:
                 if (step := w.get(keys.TOMBSTONES, key)) is not None:
                     raise tr.already_collected(gid, keys.parse_i64(step, key=keys.describe(keys.TOMBSTONES, key)))
                 if not w.put(keys.GROUPS, key, data, overwrite=False):
                     state = w.state_of(gid)
                     raise tr.already_exists(gid, None if state is None else state[0])
-                w.move(gid, None, _RUNNING, version, seq, lease)
+                w.move(gid, None, to, version, seq, lease if to is _RUNNING else None)
             w.put(keys.META, keys.META_CURSOR, cursor_record)
             w.cursor = cursor
 
@@ -90,6 +92,9 @@ class GroupMoves(LmdbTransactions, PutMoves):
                 assert old is not None
                 w.put(keys.GROUPS, key, data)
                 w.move(gid, old, to, version, seq)
+            if to is _READY or to is _REJECTED:
+                for group in groups:
+                    w.note_outcome(group)
 
         def committed(_: None) -> None:
             if to is not _READY:

@@ -107,6 +107,8 @@ class LeaseMoves(LmdbTransactions):
                 else:
                     w.put(keys.GROUPS, key, data)
                     w.move(gid, old, state, group.oldest_version, group.seq)
+                    if state is _READY or state is GroupState.REJECTED:
+                        w.note_outcome(group)
             return refused
 
         def committed(refused: dict[str, str]) -> None:

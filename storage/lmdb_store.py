@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import lmdb
 
@@ -47,6 +47,7 @@ from core.types import Group
 
 from . import codec, keys
 from . import lmdb_env as env_
+from .history import PromptHistory
 from .lmdb_batches import BatchMoves
 from .lmdb_groups import GroupMoves
 from .lmdb_leases import LeaseMoves
@@ -91,6 +92,7 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
         try:
             self._env = env_.open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
             self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
+            self._dbs.update(env_.open_optional(self._env, readonly=readonly))
             self._page_size = self._env.stat()["psize"]
         except lmdb.Error as exc:
             self.close()
@@ -142,6 +144,13 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
 
     def count(self, state: GroupState) -> int:
         return self._counters()[0][state]
+
+    def prompt_history(self, indexes: Sequence[int]) -> dict[int, PromptHistory]:
+        def fn(txn: lmdb.Transaction) -> dict[int, PromptHistory]:
+            w = self._txn(txn)
+            return {i: h for i in indexes if (h := w.history(i)) is not None}
+
+        return self._read(fn)
 
     def get(self, group_id: str) -> tuple[GroupState, Group] | None:
         def fn(txn: lmdb.Transaction) -> tuple[GroupState, Group] | None:

@@ -22,6 +22,7 @@ from core.types import Batch, Group
 
 from . import codec, keys
 from . import transitions as tr
+from .history import PromptHistory, decode_history, encode_history, outcome_of, updated_history
 from .protocol import Cursor, GroupState
 from .seal import seal, unseal
 
@@ -122,6 +123,25 @@ class Txn:
                     break
                 found.append(keys.group_id_of_by_state_key(bytes(key)))
         return found
+
+    # --- prompt histories -----------------------------------------------------------------------
+
+    def history(self, index: int) -> PromptHistory | None:
+        if keys.HISTORY not in self.dbs:  # a reader of a store from before histories
+            return None
+        key = keys.history_key(index)
+        raw = self.get(keys.HISTORY, key)
+        return None if raw is None else decode_history(raw, key=keys.describe(keys.HISTORY, key))
+
+    def note_outcome(self, group: Group) -> None:
+        """A group leaving RUNNING for READY or REJECTED: its outcome joins its prompt's history,
+        in this transaction (a group without every reward adds nothing)."""
+        outcome = outcome_of(group)
+        if outcome is None:
+            return
+        index = group.task.index
+        updated = updated_history(self.history(index), index, outcome)
+        self.put(keys.HISTORY, keys.history_key(index), encode_history(updated))
 
     # --- leases ---------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import lmdb
 from core.errors import StoreError
 
 from . import codec, keys
+from .history import decode_history
 from .migrate import SEALED_DATABASES, Databases, counter_problems
 from .protocol import GroupState, VerifyReport
 from .seal import unseal
@@ -43,6 +44,8 @@ def _checker(db: bytes, key: bytes) -> Callable[[bytes, str], object]:
         return lambda raw, where: codec.decode_batch_ref(raw, key=where)
     if db == keys.LEASES:
         return lambda raw, where: keys.parse_lease(raw, key=where)
+    if db == keys.HISTORY:
+        return lambda raw, where: decode_history(raw, key=where)
     if db == keys.TOMBSTONES or key in (keys.META_TRAINED_STEP,):
         return lambda raw, where: keys.parse_i64(raw, key=where)
     meta = {
@@ -66,7 +69,7 @@ def verify_records(
     damaged: list[str] = []
     records = 0
     found: Counter[GroupState] = Counter()
-    for db in SEALED_DATABASES:
+    for db in (*SEALED_DATABASES, *(name for name in keys.OPTIONAL_DATABASES if name in dbs)):
         # A fresh transaction each: an LMDB error poisons its transaction, not the next database.
         with env.begin() as txn:
             records += _walk_values(txn, dbs, db, sealed=sealed, damaged=damaged, found=found, progress=progress)

@@ -8,6 +8,9 @@ through `claim_partial` and READY only through `take_batch`, and both pop from t
 never need deletions from the middle: every take is O(k log n). A lease reclaim puts a group back
 into PARTIAL, which is a push, so that holds with leases too.
 
+Prompt histories (`storage.history`) live in a dict by dataset row, one small summary per prompt,
+for as long as the store: a memory run remembers its prompts for its own lifetime.
+
 `clock` (default `time.time`) measures lease expiry, injectable for tests as in the LMDB store.
 """
 
@@ -25,6 +28,7 @@ from core.types import Batch, Group
 from . import keys
 from . import transitions as tr
 from .codec import meta_difference
+from .history import PromptHistory, outcome_of, updated_history
 from .protocol import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_OWNER,
@@ -44,6 +48,7 @@ from .transitions import PutMoves, check_hand_over, check_lease
 __all__ = ["MemoryStore"]
 
 _RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.BATCHED
+_REJECTED = GroupState.REJECTED
 _Order = tuple[int, int, str]
 
 
@@ -67,6 +72,7 @@ class MemoryStore(PutMoves):
         self._batches: dict[int, tuple[str, ...]] = {}
         self._open_steps: set[int] = set()  # batches taken but not finished: steps > trained_step
         self._step_metrics: dict[int, bytes] = {}  # step -> its metrics record, as the LMDB store keeps it
+        self._history: dict[int, PromptHistory] = {}  # dataset row -> its history, for the store's life
         self._transactions = 0
         self._closed = False
 
@@ -98,11 +104,13 @@ class MemoryStore(PutMoves):
         *,
         owner: str = DEFAULT_OWNER,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        skipped: Sequence[Group] = (),
     ) -> None:
         self._check_open()
         check_lease(owner, lease_seconds)
+        tr.check_skipped(skipped)
         seen: set[str] = set()
-        for group in groups:
+        for group in (*groups, *skipped):
             gid = group.group_id
             keys.group_key(gid)  # the same id rules as the LMDB store
             if gid in seen:
@@ -116,6 +124,9 @@ class MemoryStore(PutMoves):
         for group in groups:
             self._set(group, _RUNNING)
             self._leases[group.group_id] = lease
+        for group in skipped:
+            tr.check_move(group.group_id, None, _REJECTED)
+            self._set(group, _REJECTED)
         self._cursor = cursor
         self._transactions += 1
 
@@ -378,6 +389,10 @@ class MemoryStore(PutMoves):
 
     # --- reading --------------------------------------------------------------------------------
 
+    def prompt_history(self, indexes: Sequence[int]) -> dict[int, PromptHistory]:
+        self._check_open()
+        return {i: h for i in indexes if (h := self._history.get(i)) is not None}
+
     def count(self, state: GroupState) -> int:
         self._check_open()
         return len(self._members[state])
@@ -418,6 +433,7 @@ class MemoryStore(PutMoves):
             self._closed = True
             self._groups.clear()
             self._batches.clear()
+            self._history.clear()
 
     def __enter__(self) -> MemoryStore:
         return self
@@ -462,6 +478,9 @@ class MemoryStore(PutMoves):
         del self._members[old][gid]
         if old is _RUNNING:
             del self._leases[gid]
+            if (new is _READY or new is _REJECTED) and (outcome := outcome_of(group)) is not None:
+                index = group.task.index
+                self._history[index] = updated_history(self._history.get(index), index, outcome)
         self._set(group, new)
 
     def _batch_of(self, step: int) -> Batch:

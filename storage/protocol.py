@@ -13,6 +13,8 @@ A group moves through these states; every arrow is one store method and one tran
       hand_over_groups: many leases moved, one transaction; accept_results: a producer's results,
       each a put_* or its lease handed back, one transaction, each fenced on its own)
      any state but TRAINED ──(its record fails its checksum)──► QUARANTINED
+     admit(skipped=...) ──► REJECTED   a prompt skipped before generation (`rejected_reason` says
+                                       why), stored with the cursor that passed it
 
 `storage.transitions` holds this table and every message a refused move gives; both stores use it.
 
@@ -36,6 +38,10 @@ that lost its lease must not overwrite the group another owner now runs). The de
 "controller", a lease that never expires) are the single-process controller's: nothing expires,
 and `recover()` after a restart requeues everything RUNNING regardless of leases.
 
+History. A group moving RUNNING -> READY or REJECTED with every reward set adds its outcome to its
+dataset row's `PromptHistory` (`storage.history`) in the same transaction; `prompt_history(rows)`
+reads them, one lookup a row. Skipped groups add nothing (nothing was generated).
+
 Garbage. `collect_garbage(step)` deletes the TRAINED groups and the batch records of steps up to
 `step` (call it once the checkpoint of `step` is durable). Counters keep the truth: `count(TRAINED)`
 falls, `StoreStatistics.collected` rises by the same number.
@@ -53,6 +59,8 @@ import orjson
 
 from core.errors import CorruptRecordError
 from core.types import Batch, Group
+
+from .history import PromptHistory
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
@@ -179,12 +187,20 @@ class Store(Protocol):
         *,
         owner: str = DEFAULT_OWNER,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        skipped: Sequence[Group] = (),
     ) -> None:
         """New groups enter RUNNING, leased to `owner` for `lease_seconds`, and the cursor moves to
-        `cursor`, together.
+        `cursor`, together. `skipped`: prompts the cursor passes without generating them (each a
+        fresh group with its `rejected_reason`), which enter REJECTED in the same transaction, so
+        a skip is stored exactly when the cursor moves past its prompt.
 
         Raises StoreError, storing nothing, if any group id already exists or was collected.
         """
+        ...
+
+    def prompt_history(self, indexes: Sequence[int]) -> dict[int, PromptHistory]:
+        """The history of each dataset row in `indexes` that has one (`storage.history`), read in
+        one transaction, one lookup a row."""
         ...
 
     def claim_partial(

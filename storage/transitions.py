@@ -6,6 +6,8 @@ stores checked a lost lease differently). The shared store suite holds both to i
 
     move             from                       to
     admit            (new id)                   RUNNING      leased
+    admit(skipped=)  (new id)                   REJECTED     a prompt skipped before generation, with
+                                                             the cursor that passed it
     seed             (new id)                   PARTIAL / READY / TRAINED   a fresh store continuing a
                                                              damaged one (TRAINED: a batch to train again)
     requeue_quarantined (new id)                PARTIAL      a quarantined group's prompt, again
@@ -60,6 +62,7 @@ __all__ = [
     "check_move",
     "check_put",
     "check_result_state",
+    "check_skipped",
     "duplicate_in_admit",
     "no_batch",
     "out_of_order",
@@ -80,11 +83,13 @@ class Move(enum.Enum):
     RECOVER = "recover"
     QUARANTINE = "quarantine"
     SEED = "seed"
+    SKIP = "skip"
 
 
 # (from, to) -> the move that makes it. `None` as `from` is a group the store does not hold yet.
 TRANSITIONS: Mapping[tuple[GroupState | None, GroupState], Move] = {
     (None, _R): Move.ADMIT,
+    (None, GroupState.REJECTED): Move.SKIP,
     (None, _P): Move.SEED,
     (None, _Y): Move.SEED,
     (None, _T): Move.SEED,
@@ -169,6 +174,18 @@ def check_result_state(gid: str, to: GroupState) -> None:
     if to is not _R and to not in _PUT_TARGETS:
         allowed = sorted(s.value for s in (_R, *_PUT_TARGETS))
         raise ValueError(f"result for group {gid!r}: state {to.value!r} is not one of {allowed}")
+
+
+def check_skipped(groups: Sequence[Group]) -> None:
+    """A skipped group names why it was skipped and carries no generated token: it is stored as
+    the prompt's REJECTED group, and replay shows the reason."""
+    for group in groups:
+        if not group.rejected_reason:
+            raise ValueError(f"skipped group {group.group_id!r} has no rejected_reason; a skip says why")
+        if any(s.response_len for s in group.samples):
+            raise ValueError(
+                f"skipped group {group.group_id!r} has generated tokens; only a prompt not generated yet is skipped"
+            )
 
 
 def duplicate_in_admit(gid: str) -> StoreError:

@@ -157,6 +157,27 @@ def test_length_model_targets_follow_the_configured_distribution() -> None:
     assert LengthModel("fixed", 0.25, 0.0, 1.0).target(1, [3], 100) is None
 
 
+def test_a_prompt_spread_makes_each_prompt_long_or_short_in_every_epoch() -> None:
+    """With `prompt_sigma` a prompt's length is its own (the same seeds of another pass draw alike):
+    a length predicted from the prompt's past groups has something to predict."""
+    model = LengthModel("lognormal", -2.5, 0.3, truncate_frac=0.0, prompt_sigma=1.0)
+    prompts = [[7, 8, p] for p in range(40)]
+
+    def mean_len(prompt: list[int], seeds: range) -> float:
+        return statistics.fmean(model.target(s, prompt, 1000) or 1000 for s in seeds)
+
+    first = [mean_len(p, range(0, 8)) for p in prompts]
+    again = [mean_len(p, range(100, 108)) for p in prompts]  # other seeds: another epoch's samples
+    rank = {p: r for r, p in enumerate(sorted(range(40), key=lambda i: first[i]))}
+    again_rank = {p: r for r, p in enumerate(sorted(range(40), key=lambda i: again[i]))}
+    assert sum(abs(rank[i] - again_rank[i]) for i in range(40)) / 40 < 4  # nearly the same order
+    assert max(first) > 5 * min(first)  # and prompts differ a lot
+    plain = LengthModel("lognormal", -2.5, 0.3, truncate_frac=0.0)  # 0: the draws of before, unchanged
+    assert [plain.target(s, [7, 8, 1], 1000) for s in range(5)] == [68, 87, 52, 97, 44]
+    with pytest.raises(ConfigError, match="prompt_sigma"):
+        LengthModel(prompt_sigma=-1.0)
+
+
 def test_length_and_time_models_reject_bad_values() -> None:
     assert LengthModel.parse("lognormal:-1,0.5", truncate_frac=0.2) == LengthModel("lognormal", -1.0, 0.5, 0.2)
     for spec in ("lognormal:1", "pareto:1,2", "fixed:x", "fixed:0"):

@@ -180,9 +180,11 @@ def test_a_store_of_a_newer_layout_is_refused_naming_both_and_never_interpreted(
 
 
 def _to_layout_1(path: Path) -> None:
-    """What the previous version wrote: the same records, unsealed, and an 8-byte layout record."""
-    env = lmdb.open(str(path), max_dbs=len(keys.DATABASES))
+    """What the previous version wrote: the same records, unsealed, and an 8-byte layout record
+    (and no prompt histories: that version kept none)."""
+    env = lmdb.open(str(path), max_dbs=len(keys.DATABASES) + len(keys.OPTIONAL_DATABASES))
     with env.begin(write=True) as txn:
+        txn.drop(env.open_db(keys.HISTORY, txn=txn), delete=True)
         for name in (keys.META, keys.GROUPS, keys.STATE, keys.BATCHES, keys.LEASES, keys.TOMBSTONES):
             db = env.open_db(name, txn=txn)
             for key, value in list(txn.cursor(db=db).iternext(keys=True, values=True)):

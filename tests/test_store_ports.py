@@ -30,6 +30,7 @@ from stages.dispenser import Dispenser
 from stages.filter import FilterStage
 from stages.generator import GeneratorPool
 from stages.reward import RewardStage
+from stages.selection import PromptSelection
 from stages.store_ports import (
     CollectorStore,
     DispenserStore,
@@ -110,7 +111,11 @@ async def test_the_dispenser_and_the_collector_run_through_their_ports_alone() -
         admission = Admission()
         dispensing = Only(DispenserStore, store)
         prompts = [fresh(i).task for i in range(6)]
-        dispenser = Dispenser(dispensing, prompts, n_samples=2, clock=VersionClock(), admission=admission, batch=4)
+        # Reading the histories (for length-aware order) is one of its calls too.
+        selection = PromptSelection(longest_first=True)
+        dispenser = Dispenser(
+            dispensing, prompts, n_samples=2, clock=VersionClock(), admission=admission, batch=4, selection=selection
+        )
         admission.grant(3)
         send, receive = anyio.create_memory_object_stream[Group](0)
         async with receive, anyio.create_task_group() as tg:

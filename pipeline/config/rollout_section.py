@@ -80,6 +80,31 @@ class RolloutConfig:
     repetition_penalty: float = opt(
         1.0, "--rollout-repetition-penalty", "float", gt=0, help="SGLang's repetition_penalty; not with partial/async"
     )
+    # The prompts' stored histories (issue 50, `stages.selection`): both off by default.
+    skip_zero_std_prompts: bool = opt(
+        False,
+        "--skip-zero-std-prompts",
+        "bool",
+        help="skip, before generating it, a prompt whose last k groups all had equal rewards (what the "
+        "DAPO filter rejects after generating them), with probability 1 - 2^-k capped at 1 - "
+        "--skip-explore-floor; stored as a rejected group (filter/rejected/skipped_zero_std). Pays "
+        "where prompts repeat over epochs",
+    )
+    skip_explore_floor: float = opt(
+        0.1,
+        "--skip-explore-floor",
+        "float",
+        gt=0,
+        help="--skip-zero-std-prompts: the least probability, in (0, 1], that a prompt on a streak is "
+        "generated again when the cursor reaches it, so one the policy can now learn from comes back",
+    )
+    length_aware_admission: bool = opt(
+        False,
+        "--length-aware-admission",
+        "bool",
+        help="sync mode: hand a round's new prompts to the engines longest first, predicted from their "
+        "past groups' lengths (a prompt never seen counts as longest), so the last requests to start are short",
+    )
     num_rollout: int = opt(100, "--num-rollout", "int", ge=0, help="training steps (0: set up the run, train nothing)")
     prefetch: int | None = opt(
         None,

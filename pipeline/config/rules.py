@@ -16,6 +16,7 @@ from core.types import RolloutMode, StoreTransport
 from pipeline.config.draft import Draft
 from pipeline.config.experts import expert_parallel_rules
 from pipeline.config.fields import options
+from pipeline.config.history import history_rules, history_warnings
 from pipeline.config.payloads import payload_rules
 from pipeline.config.schema import SECTIONS
 from stages.continuation import PENALTY_RULE
@@ -101,6 +102,7 @@ def check_rules(draft: Draft) -> None:
     _sglang_rules(draft)
     _colocate_rules(draft)
     payload_rules(draft)
+    history_rules(draft)
     run_id = get("storage", "run_id")
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id):
         problem(
@@ -499,6 +501,7 @@ def warn_odd_settings(draft: Draft) -> None:
             "no sample may stop before the cap, so every sample ends truncated (the toy reward scores "
             "those 0; --mask-truncated-samples would train none)"
         )
+    history_warnings(draft)
     if r["n_samples_per_prompt"] == 1:
         warn(
             "--n-samples-per-prompt=1: group-normalized (GRPO) advantages of a group of "

@@ -248,6 +248,9 @@ def _plan(config: Config) -> RolloutPlan:
         agent_max_retries=r.agent_max_retries,
         seed=r.seed,
         store_batch=r.store_batch,
+        skip_zero_std=r.skip_zero_std_prompts,
+        skip_explore_floor=r.skip_explore_floor,
+        length_aware_admission=r.length_aware_admission,
         payloads=TokenPayloads(
             routed_experts_top_k=r.moe_router_topk if r.use_rollout_routing_replay else None,
             sampler_top_k=r.score_centering_top_k if r.use_score_centering else None,
