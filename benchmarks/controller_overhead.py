@@ -166,7 +166,9 @@ async def run_one(
     dataset: list[PromptTask],
     profile: tuple[cProfile.Profile, cProfile.Profile] | None = None,
 ) -> dict[str, float]:
-    await fleet.update_weight_version("0")  # each run starts its own clock at version 0
+    # Each run starts its own clock at version 0. The instant engine holds no weights, so its label
+    # is all there is to reset; a real engine is never relabelled (pipeline/run/engines.py).
+    await fleet.update_weight_version("0")
     folder = Path(tempfile.mkdtemp(prefix=f"overhead-{store_kind}-", dir=args.work))
     raw = open_store(store_kind, folder)
     group_commit = commit == "group"

@@ -287,6 +287,8 @@ async def run_one(
                 garbage_collector(store, args.gc_keep_steps, on_step) as step_done,
                 EngineFleet(urls, router_url=router_url, concurrency=args.slots, routed_experts=r3) as fleet,
             ):
+                # The instant engine holds no weights: resetting its label loses nothing (a real
+                # engine is never relabelled: pipeline/run/engines.py).
                 await fleet.update_weight_version("0")
                 await run_pipeline(
                     plan,

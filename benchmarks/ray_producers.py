@@ -79,7 +79,9 @@ def open_store(kind: str, folder: Path) -> Any:
 async def run_one(
     producers: int, store_kind: str, batch: str, args: argparse.Namespace, fleet: EngineFleet, work: Path
 ) -> dict[str, float]:
-    await fleet.update_weight_version("0")  # each run starts its own clock at version 0
+    # Each run starts its own clock at version 0. The instant engine holds no weights, so its label
+    # is all there is to reset; a real engine is never relabelled (pipeline/run/engines.py).
+    await fleet.update_weight_version("0")
     plan = RolloutPlan(
         mode=args.mode,
         batch_size=args.batch,

@@ -2,15 +2,17 @@
 resume and `replay verify` on it.
 
     python -m benchmarks.store_at_size [--size-gb 100] [--shape 48x8/128] [--group 16]
-        [--tokens 8192] [--batch 64] [--after-checkpoint 2] [--dir /the/disk/to/test] [--keep]
+        [--length-limit 28672] [--lengths lognormal:-1.9,0.8] [--batch 64] [--after-checkpoint 2]
+        [--dir /the/disk/to/test] [--keep]
 
 `--steady-steps N` runs N steps with collection keeping `--gc-keep-steps` (as
 `--rollout-gc-keep-steps`) instead, and prints the store's size step by step: what it holds, the
 file's high-water mark (LMDB reuses freed pages; it never shrinks the file), and their growth.
 
-1. Build: steps of `--batch` groups of `--group` samples, long-tailed response lengths around
-   `--tokens` (the simulated engine's length model), per-token log-probs, version spans and R3
-   routes at `--shape` packed as the client packs them (SC heads with `--sc-top-k`), through
+1. Build: steps of `--batch` groups of `--group` samples, long-tailed response lengths
+   (`--lengths`: fractions of `--length-limit`, the simulated engine's length model), per-token
+   log-probs, version spans and R3 routes at `--shape` packed as the client packs them (SC heads
+   with `--sc-top-k`), through
    `LmdbStore` as the controller uses it: `admit`, `put_ready_groups`, `take_batch`,
    `finish_batch` with its metrics record, LMDB synced unless `--no-sync`. It stops at `--size-gb`
    of records, as a crash would leave it: the last `--after-checkpoint` steps trained after the

@@ -458,6 +458,8 @@ class StepSaver:
             folder = trainer.save_weights(self.weights_dir / f"v{step + 1}")
             if coverage is not None:
                 write_coverage(folder, coverage)
+            # Every step's save is a full checkpoint here: the collector may go up to this step.
+            self.checkpoint_step = step
             return StepSave(folder, True, folder_bytes(folder))
         saved = save_step(trainer, self.policy, step, self.num_steps, distributed=self.distributed, coverage=coverage)
         if saved.checkpoint:

@@ -1,5 +1,6 @@
-"""The built-in trainer's room: the shared loss (`loss`), the torch GRPO trainer (`grpo`), and its
-checkpoint format. A Megatron backend added later lives here too and reuses `loss`."""
+"""The trainers: the shared loss (`loss`), the built-in torch GRPO trainer (`grpo`) and its
+checkpoint format, and the megatron-core backend (`megatron/`, imported only when chosen), which
+reuses `loss`."""
 
 from trainers.grpo import GRPOTrainer, group_advantages
 

@@ -13,20 +13,7 @@
     router_replay.py  R3: the rollout's routes replayed through megatron-core's RouterReplay
     cpu_patches.py the runtime patches megatron-core 0.16.1 needs on CPU, applied only there
 
-How ranks are started is `launch.megatron_ranks`. Importing this package does not import
-megatron-core (an optional dependency: `pip install 'rollout-pipeline[megatron]'`).
+How ranks are started is `launch.megatron_ranks`; import the trainer from `trainers.megatron.trainer`.
+Importing this package does not import megatron-core (an optional dependency:
+`pip install 'rollout-pipeline[megatron]'`).
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["MegatronTrainer"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MegatronTrainer":
-        from trainers.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
