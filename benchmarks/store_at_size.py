@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import orjson
 
@@ -179,14 +180,18 @@ def live_bytes(store: LmdbStore) -> int:
     """Bytes of the pages the store's trees hold now (branch, leaf and overflow pages of every
     database): what it holds, beside `bytes_used`, the file's high-water mark, which counts the
     pages LMDB freed and keeps for reuse. Reads the store's own environment (a benchmark's look
-    inside)."""
-    env = store._open_env()
-    pages = 0
-    with env.begin() as txn:
-        for db in (*store._dbs.values(), None):
-            st = txn.stat(db) if db is not None else env.stat()
-            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-    return pages * int(env.stat()["psize"])
+    inside, through its transactions object)."""
+    tx = store._tx
+
+    def count(env: lmdb.Environment) -> int:
+        pages = 0
+        with env.begin() as txn:
+            for db in (*tx.dbs.values(), None):
+                st = txn.stat(db) if db is not None else env.stat()
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return pages * int(env.stat()["psize"])
+
+    return tx.under_lock(count)
 
 
 def steady(path: Path, args: argparse.Namespace, meta: RunMeta) -> dict[str, Any]:

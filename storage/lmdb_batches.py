@@ -14,6 +14,7 @@ from core.types import Batch
 
 from . import codec, keys
 from . import transitions as tr
+from .lmdb_ready import ReadyCache
 from .lmdb_transactions import LmdbTransactions
 from .lmdb_txn import Txn
 from .protocol import GroupState, decode_step_metrics, encode_step_metrics
@@ -24,7 +25,12 @@ __all__ = ["BatchMoves"]
 _READY, _BATCHED = GroupState.READY, GroupState.BATCHED
 
 
-class BatchMoves(LmdbTransactions):
+class BatchMoves:
+    """`tx`'s batches and the trainer's commits; a batch is served from `ready` where it can be."""
+
+    def __init__(self, tx: LmdbTransactions, ready: ReadyCache) -> None:
+        self._tx, self._ready = tx, ready
+
     def take_batch(self, step: int, size: int) -> Batch | None:
         tr.check_batch_size(size)
         step_key = keys.step_key(step)
@@ -37,7 +43,7 @@ class BatchMoves(LmdbTransactions):
                 raise tr.already_trained(step, w.trained_step)
             if w.counts[_READY] < size:
                 return None
-            served = w.serve(_READY, size, self._ready_cache)
+            served = w.serve(_READY, size, self._ready)
             if len(served) < size:  # damaged records were quarantined: too few are left
                 return None
             ids, groups = [gid for gid, _, _ in served], [group for _, _, group in served]
@@ -47,9 +53,9 @@ class BatchMoves(LmdbTransactions):
             return Batch(step=step, groups=tuple(groups))
 
         def committed(batch: Batch | None) -> None:  # these groups are BATCHED now, no longer READY
-            self._ready_cache.forget(batch.groups if batch is not None else ())
+            self._ready.forget(batch.groups if batch is not None else ())
 
-        return self._write(fn, committed)
+        return self._tx.write(fn, committed)
 
     def finish_batch(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         step_key = keys.step_key(step)
@@ -75,40 +81,37 @@ class BatchMoves(LmdbTransactions):
                 w.put(keys.META, keys.step_metrics_key(step), record)
             w.trained_step = step
 
-        self._write(fn)
+        self._tx.write(fn)
 
     def step_metrics(self, first: int = 0) -> dict[int, dict[str, Any]]:
         def fn(txn: lmdb.Transaction) -> dict[int, dict[str, Any]]:
             out: dict[int, dict[str, Any]] = {}
-            cursor = txn.cursor(db=self._dbs[keys.META])
+            cursor = txn.cursor(db=self._tx.dbs[keys.META])
             if cursor.set_range(keys.step_metrics_key(first)):
                 for key, raw in cursor.iternext(keys=True, values=True):
                     if not bytes(key).startswith(keys.META_STEP_METRICS):
                         break
                     step = keys.parse_step_key(bytes(key)[len(keys.META_STEP_METRICS) :])
                     where = keys.describe(keys.META, bytes(key))
-                    payload = unseal(bytes(key), bytes(raw), where=where, sealed=self._sealed)
+                    payload = unseal(bytes(key), bytes(raw), where=where, sealed=self._tx.sealed)
                     out[step] = decode_step_metrics(payload, key=where)
             return out
 
-        return self._read(fn)
-
-    def trained_step(self) -> int:
-        return self._counters()[2]
+        return self._tx.read(fn)
 
     def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
         """With `damaged`, as in `groups`: damaged groups are listed there and left out of the batch."""
         step_key = keys.step_key(step)
 
         def fn(txn: lmdb.Transaction) -> Batch | None:
-            w = self._txn(txn)
+            w = self._tx.view(txn)
             raw = w.get(keys.BATCHES, step_key)
             if raw is None:
                 return None
             step_read, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
             return Batch(step=step_read, groups=tuple(w.readable(ids, damaged)))
 
-        return self._read(fn)
+        return self._tx.read(fn)
 
     def collect_garbage(self, up_to_step: int) -> int:
         def fn(w: Txn) -> int:
@@ -116,7 +119,7 @@ class BatchMoves(LmdbTransactions):
             done, last = w.collected
             if up_to_step <= last:
                 return 0
-            batches = self._dbs[keys.BATCHES]
+            batches = w.dbs[keys.BATCHES]
             cursor = w.txn.cursor(db=batches)
             steps = []
             if cursor.set_range(keys.step_key(last + 1)):
@@ -130,9 +133,9 @@ class BatchMoves(LmdbTransactions):
                 for gid in ids:
                     old = w.expect(gid, GroupState.TRAINED)
                     key = keys.group_key(gid)
-                    w.txn.delete(key, db=self._dbs[keys.GROUPS])
-                    w.txn.delete(key, db=self._dbs[keys.STATE])
-                    w.txn.delete(keys.by_state_key(old[0], gid), db=self._dbs[keys.BY_STATE])
+                    w.txn.delete(key, db=w.dbs[keys.GROUPS])
+                    w.txn.delete(key, db=w.dbs[keys.STATE])
+                    w.txn.delete(keys.by_state_key(old[0], gid), db=w.dbs[keys.BY_STATE])
                     w.put(keys.TOMBSTONES, key, keys.i64_value(step))
                     w.counts[GroupState.TRAINED] -= 1
                     deleted += 1
@@ -141,4 +144,4 @@ class BatchMoves(LmdbTransactions):
             w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
             return deleted
 
-        return self._write(fn)
+        return self._tx.write(fn)

@@ -1,26 +1,32 @@
 """An LMDB store's group states and their moves: `admit`, `claim_partial`, and the `put_*` moves
-out of RUNNING (`transitions.PutMoves`, through `_put`). Each is one transaction; the state table
-and every refusal's message are `storage.transitions`'."""
+out of RUNNING (`put`: the store's `put_*`). Each is one transaction; the state table and every
+refusal's message are `storage.transitions`'."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from core.types import Group
 
 from . import codec, keys
 from . import transitions as tr
+from .lmdb_ready import ReadyCache
 from .lmdb_transactions import LmdbTransactions
 from .lmdb_txn import Txn
 from .protocol import DEFAULT_LEASE_SECONDS, DEFAULT_OWNER, Cursor, GroupState
-from .transitions import PutMoves, check_lease
+from .transitions import check_lease
 
 __all__ = ["GroupMoves"]
 
 _RUNNING, _PARTIAL, _READY, _REJECTED = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY, GroupState.REJECTED
 
 
-class GroupMoves(LmdbTransactions, PutMoves):
+class GroupMoves:
+    """The moves of `tx`'s groups into and out of RUNNING; a group put in READY joins `ready`."""
+
+    def __init__(self, tx: LmdbTransactions, ready: ReadyCache, clock: Callable[[], float]) -> None:
+        self._tx, self._ready, self._clock = tx, ready, clock
+
     def admit(
         self,
         groups: Sequence[Group],
@@ -55,7 +61,7 @@ class GroupMoves(LmdbTransactions, PutMoves):
             w.put(keys.META, keys.META_CURSOR, cursor_record)
             w.cursor = cursor
 
-        self._write(fn)
+        self._tx.write(fn)
 
     def claim_partial(
         self, limit: int, *, owner: str = DEFAULT_OWNER, lease_seconds: float = DEFAULT_LEASE_SECONDS
@@ -65,14 +71,14 @@ class GroupMoves(LmdbTransactions, PutMoves):
         def fn(w: Txn) -> list[Group]:
             lease = keys.lease_value(owner, self._clock() + lease_seconds)
             claimed = []
-            for gid, old, group in w.serve(_PARTIAL, limit, self._ready_cache):
+            for gid, old, group in w.serve(_PARTIAL, limit, self._ready):
                 claimed.append(group)
                 w.move(gid, old, _RUNNING, old[1], old[2], lease)
             return claimed
 
-        return self._write(fn)
+        return self._tx.write(fn)
 
-    def _put(self, groups: Sequence[Group], to: GroupState, owner: str | None) -> None:
+    def put(self, groups: Sequence[Group], to: GroupState, owner: str | None) -> None:
         """Every group RUNNING -> `to` in one transaction: a refused one raises inside it, and the
         transaction, with whatever it wrote of the groups before, is aborted."""
         if not groups:
@@ -100,6 +106,6 @@ class GroupMoves(LmdbTransactions, PutMoves):
             if to is not _READY:
                 return
             for group in groups:
-                self._ready_cache.remember(group)
+                self._ready.remember(group)
 
-        self._write(fn, committed)
+        self._tx.write(fn, committed)

@@ -6,7 +6,7 @@ Each method is one transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import lmdb
 
@@ -15,6 +15,7 @@ from core.types import Group
 
 from . import codec, keys
 from . import transitions as tr
+from .lmdb_ready import ReadyCache
 from .lmdb_transactions import LmdbTransactions
 from .lmdb_txn import Txn
 from .protocol import DEFAULT_LEASE_SECONDS, DEFAULT_OWNER, GroupState, Lease
@@ -25,13 +26,19 @@ __all__ = ["LeaseMoves"]
 _RUNNING, _PARTIAL, _READY = GroupState.RUNNING, GroupState.PARTIAL, GroupState.READY
 
 
-class LeaseMoves(LmdbTransactions):
+class LeaseMoves:
+    """The leases of `tx`'s RUNNING groups, measured against `clock`; a result accepted as READY
+    joins `ready`."""
+
+    def __init__(self, tx: LmdbTransactions, ready: ReadyCache, clock: Callable[[], float]) -> None:
+        self._tx, self._ready, self._clock = tx, ready, clock
+
     def lease(self, group_id: str) -> Lease | None:
         def fn(txn: lmdb.Transaction) -> Lease | None:
-            found = self._txn(txn).lease_of(group_id)
+            found = self._tx.view(txn).lease_of(group_id)
             return None if found is None else Lease(*found)
 
-        return self._read(fn)
+        return self._tx.read(fn)
 
     def renew_leases(self, owner: str, lease_seconds: float) -> int:
         check_lease(owner, lease_seconds)
@@ -43,7 +50,7 @@ class LeaseMoves(LmdbTransactions):
                 w.put(keys.LEASES, keys.group_key(gid), value)
             return len(mine)
 
-        return self._write(fn)
+        return self._tx.write(fn)
 
     def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
         self.hand_over_groups([group_id], owner=owner, to=to, lease_seconds=lease_seconds)
@@ -63,7 +70,7 @@ class LeaseMoves(LmdbTransactions):
                 check_hand_over(gid, None if old is None else old[0], owner, None if held is None else held[0], to)
                 w.put(keys.LEASES, keys.group_key(gid), value)
 
-        self._write(fn)
+        self._tx.write(fn)
 
     def accept_results(
         self,
@@ -114,9 +121,9 @@ class LeaseMoves(LmdbTransactions):
         def committed(refused: dict[str, str]) -> None:
             for state, group in results:
                 if state is _READY and group.group_id not in refused:
-                    self._ready_cache.remember(group)
+                    self._ready.remember(group)
 
-        return self._write(fn, committed)
+        return self._tx.write(fn, committed)
 
     def reclaim_expired(self, now: float | None = None) -> int:
         def fn(w: Txn) -> int:
@@ -127,4 +134,4 @@ class LeaseMoves(LmdbTransactions):
                 w.move(gid, old, _PARTIAL, old[1], old[2])
             return len(expired)
 
-        return self._write(fn)
+        return self._tx.write(fn)

@@ -22,7 +22,7 @@ from core.types import Batch, Group
 from . import codec, keys
 from . import transitions as tr
 from .lmdb_pages import check_data_file, walk_pages
-from .lmdb_transactions import LmdbTransactions
+from .lmdb_transactions import LmdbTransactions, stored_counters
 from .lmdb_txn import Txn
 from .lmdb_verify import verify_records
 from .protocol import Coverage, Cursor, GroupState, RecoveryReport, VerifyReport, encode_step_metrics
@@ -33,7 +33,12 @@ _RUNNING, _PARTIAL, _READY, _BATCHED = GroupState.RUNNING, GroupState.PARTIAL, G
 _TRAINED, _QUARANTINED = GroupState.TRAINED, GroupState.QUARANTINED
 
 
-class Recovery(LmdbTransactions):
+class Recovery:
+    """Recovery and integrity of `tx`'s store."""
+
+    def __init__(self, tx: LmdbTransactions) -> None:
+        self._tx = tx
+
     def recover(self) -> RecoveryReport:
         def fn(w: Txn) -> RecoveryReport:
             running = w.ids_in_state(_RUNNING)
@@ -42,7 +47,7 @@ class Recovery(LmdbTransactions):
                 w.move(gid, old, _PARTIAL, old[1], old[2])
             # Batches after the trained step never reached a checkpoint: their groups go back to READY.
             open_batches = []
-            cursor = w.txn.cursor(db=self._dbs[keys.BATCHES])
+            cursor = w.txn.cursor(db=w.dbs[keys.BATCHES])
             if cursor.set_range(keys.step_key(w.trained_step + 1)):
                 open_batches = [(bytes(k), bytes(v)) for k, v in cursor.iternext(keys=True, values=True)]
             requeued = 0
@@ -53,10 +58,10 @@ class Recovery(LmdbTransactions):
                     old = w.expect(gid, _BATCHED)
                     w.move(gid, old, _READY, old[1], old[2])
                     requeued += 1
-                w.txn.delete(step_key, db=self._dbs[keys.BATCHES])
+                w.txn.delete(step_key, db=w.dbs[keys.BATCHES])
             return RecoveryReport(running_to_partial=len(running), batched_to_ready=requeued)
 
-        return self._write(fn)
+        return self._tx.write(fn)
 
     def seed(
         self,
@@ -81,7 +86,7 @@ class Recovery(LmdbTransactions):
         cursor_record = codec.encode_cursor(cursor)
 
         def fn(w: Txn) -> None:
-            held = sum(w.counts.values()) + w.txn.stat(self._dbs[keys.TOMBSTONES])["entries"]
+            held = sum(w.counts.values()) + w.txn.stat(w.dbs[keys.TOMBSTONES])["entries"]
             tr.check_seed(trained_step, held, w.trained_step, [batch.step for batch, _ in replay])
             for group, state, data in records:
                 gid = group.group_id
@@ -99,24 +104,24 @@ class Recovery(LmdbTransactions):
             w.put(keys.META, keys.META_COLLECTED, keys.collected_value(*w.collected))
             w.cursor, w.trained_step = cursor, trained_step
 
-        self._write(fn)
+        self._tx.write(fn)
 
     def coverage(self, step: int) -> Coverage:
         def fn(txn: lmdb.Transaction) -> Coverage:
-            w = self._txn(txn)
+            w = self._tx.view(txn)
             unsettled = [gid for state in (_RUNNING, _PARTIAL, _READY) for gid in w.ids_in_state(state)]
             # A quarantined group's prompt is settled once requeued (the new group says the rest).
             unsettled += [gid for gid in w.ids_in_state(_QUARANTINED) if w.state_of(tr.requeue_id(gid)) is None]
             # The batches of later steps (trained, or taken): BATCHED groups of `step` are settled.
-            later = w.txn.cursor(db=self._dbs[keys.BATCHES])
+            later = w.txn.cursor(db=w.dbs[keys.BATCHES])
             if later.set_range(keys.step_key(step + 1)):
                 for step_key, raw in later.iternext(keys=True, values=True):
                     payload = w.unseal(keys.BATCHES, bytes(step_key), bytes(raw))
                     unsettled += codec.decode_batch_ref(payload, key=keys.describe(keys.BATCHES, bytes(step_key)))[1]
             # The cursor of this same transaction (a writer's own copy may be a group commit ahead).
-            return Coverage(step, self._load_counters(txn)[1], tuple(unsettled))
+            return Coverage(step, stored_counters(w)[1], tuple(unsettled))
 
-        return self._read(fn)
+        return self._tx.read(fn)
 
     def quarantine_damaged(self) -> int:
         """Every group that can still be served (RUNNING, PARTIAL, READY, BATCHED) read and checked;
@@ -136,7 +141,7 @@ class Recovery(LmdbTransactions):
                         moved += 1
             return moved
 
-        return self._write(fn)
+        return self._tx.write(fn)
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         return len(self._requeue(lambda w: w.ids_in_state(_QUARANTINED), fresh))
@@ -168,18 +173,23 @@ class Recovery(LmdbTransactions):
                 requeued.append(new_id)
             return requeued
 
-        return self._write(fn)
+        return self._tx.write(fn)
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Every record read and checked, every index checked (see `storage.lmdb_verify`);
         `progress(n)` is told the bytes of each value read."""
-        data_file = os.path.join(self._path, "data.mdb")
+        data_file = os.path.join(self._tx.path, "data.mdb")
         pages = [f"{data_file}: {p}" for p in check_data_file(data_file)]
         if not pages:
             pages = [f"the {tree} tree is damaged: {why}" for tree, why in walk_pages(data_file).items()]
         if pages:  # LMDB must not walk a damaged tree (it reads past pages): report only these
             return VerifyReport(0, tuple(pages))
-        counts = self._counters()[0]
-        with self._lock:  # (a live writer may move on between the two reads: verify a stopped run)
-            report = verify_records(self._open_env(), self._dbs, sealed=self._sealed, counts=counts, progress=progress)
+        tx = self._tx
+        counts = tx.counters()[0]
+
+        def records(env: lmdb.Environment) -> VerifyReport:
+            return verify_records(env, tx.dbs, sealed=tx.sealed, counts=counts, progress=progress)
+
+        # (a live writer may move on between the two reads: verify a stopped run)
+        report = tx.under_lock(records)
         return VerifyReport(report.records, (*pages, *report.damaged))

@@ -1,14 +1,16 @@
 """`LmdbStore`: the `Store` protocol in one LMDB environment, durable across crashes and restarts.
 
-One class, each public method one transaction, built from one module per concern:
+One class, each public method one transaction, composed of one part per concern, each a plain
+object the store owns and hands the methods of its concern to:
 - `lmdb_env`: opening the environment and its settings, the writer's lock, the checks before open;
-- `lmdb_transactions`: one method, one transaction (`_write`, `_read`), and group commit
-  (`run_grouped`); `lmdb_txn`: one transaction as the store sees it (`Txn`: sealed reads and
-  writes, the indexes moved together, the counters as they will be);
+- `lmdb_transactions`: the environment, the lock and the writer's counters, one method, one
+  transaction (`write`, `read`), and group commit (`run_grouped`); every part below is given the
+  store's one `LmdbTransactions`; `lmdb_txn`: one transaction as the store sees it (`Txn`: sealed
+  reads and writes, the indexes moved together, the counters as they will be);
 - `lmdb_groups`: admit, claim and the moves out of RUNNING; `lmdb_leases`: leases and the fence
   on a producer's results; `lmdb_batches`: batches, the trainer's commits, garbage collection;
   `lmdb_recovery`: recovery, seeding, quarantine and requeue, verify;
-- here: opening and closing the store, the run record and cursor, reading groups, statistics.
+- here: opening and closing the store, the run record and cursor, reading groups.
 What does not need a transaction lives beside them: `transitions` (the rules and their messages),
 `seal` (checksums), `lmdb_pages` (LMDB's own pages), `lmdb_verify`, `migrate`, `salvage`,
 `lmdb_ready` (the ready groups a writer keeps decoded).
@@ -38,12 +40,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import lmdb
 
 from core.errors import CorruptRecordError, IncompatibleStoreError, StoreCorruptionError, StoreError
-from core.types import Group
+from core.types import Batch, Group
 
 from . import codec, keys
 from . import lmdb_env as env_
@@ -52,16 +55,31 @@ from .lmdb_batches import BatchMoves
 from .lmdb_groups import GroupMoves
 from .lmdb_leases import LeaseMoves
 from .lmdb_pages import is_damage
+from .lmdb_ready import ReadyCache
 from .lmdb_recovery import Recovery
+from .lmdb_transactions import LmdbTransactions, Outcome
 from .lmdb_txn import ORDER_DB, Txn
-from .migrate import counter_problems, layout_value, migrate_to_sealed, parse_layout
-from .protocol import Cursor, GroupState, RunMeta, StoreStatistics
+from .migrate import layout_value, migrate_to_sealed, parse_layout
+from .protocol import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_OWNER,
+    Coverage,
+    Cursor,
+    GroupState,
+    Lease,
+    RecoveryReport,
+    RunMeta,
+    StoreStatistics,
+    VerifyReport,
+)
 from .seal import LAYOUT_VERSION, LEGACY_LAYOUT
 
 __all__ = ["LmdbStore"]
 
+_PARTIAL, _READY, _REJECTED, _FAILED = GroupState.PARTIAL, GroupState.READY, GroupState.REJECTED, GroupState.FAILED
 
-class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
+
+class LmdbStore:
     """The durable store. Thread-safe: every method holds one lock for its transaction."""
 
     def __init__(
@@ -73,7 +91,16 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
         readonly: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(os.fspath(path), readonly=readonly, clock=clock)
+        self._path = os.fspath(path)
+        self._readonly = readonly
+        self._lock_fd: int | None = None
+        # The ready groups this writer keeps decoded: its puts and results fill it, its batches take from it.
+        self._ready = ReadyCache()
+        self._tx = LmdbTransactions(self._path, readonly=readonly)
+        self._groups = GroupMoves(self._tx, self._ready, clock)
+        self._leases = LeaseMoves(self._tx, self._ready, clock)
+        self._batches = BatchMoves(self._tx, self._ready)
+        self._recovery = Recovery(self._tx)
         data_file = env_.data_file(self._path)
         if readonly:
             if not os.path.exists(data_file):
@@ -90,21 +117,14 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
             self.close()
             raise
         try:
-            self._env = env_.open_env(self._path, map_size=map_size, sync=sync, readonly=readonly)
-            self._dbs = {name: self._env.open_db(name, create=not readonly) for name in keys.DATABASES}
-            self._dbs.update(env_.open_optional(self._env, readonly=readonly))
-            self._page_size = self._env.stat()["psize"]
+            self._tx.open(env_.open_env(self._path, map_size=map_size, sync=sync, readonly=readonly))
         except lmdb.Error as exc:
             self.close()
             if is_damage(exc):
                 raise StoreCorruptionError(data_file, f"LMDB cannot open it: {exc}") from exc
             raise StoreError(f"cannot open the rollout store at {self._path}: {exc}") from exc
         try:
-            self._check_layout()
-            self._counts, self._cursor, self._trained_step = self._read(self._load_counters)
-            self._collected = self._read(self._load_collected)
-            self._read(self._check_counters)
-            self._note_size()
+            self._tx.load(sealed=self._check_layout())
         except BaseException:
             self.close()
             raise
@@ -117,10 +137,10 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
 
     def read_meta(self) -> RunMeta | None:
         def fn(txn: lmdb.Transaction) -> RunMeta | None:
-            raw = self._txn(txn).get(keys.META, keys.META_RUN)
+            raw = self._tx.view(txn).get(keys.META, keys.META_RUN)
             return None if raw is None else codec.decode_meta(raw, key=keys.describe(keys.META, keys.META_RUN))
 
-        return self._read(fn)
+        return self._tx.read(fn)
 
     def write_meta(self, meta: RunMeta) -> None:
         """Records what the store is for. Refuses (IncompatibleStoreError) to change what names the run
@@ -135,30 +155,152 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
                     raise IncompatibleStoreError(*diff)
             w.put(keys.META, keys.META_RUN, data)
 
-        self._write(fn)
+        self._tx.write(fn)
 
     def cursor(self) -> Cursor:
-        return self._counters()[1]
+        return self._tx.counters()[1]
+
+    def run_grouped(self, calls: Sequence[Callable[[], Any]]) -> list[Outcome]:
+        """Run `calls` (this store's methods, bound to their arguments) in one write transaction,
+        committed once (`LmdbTransactions.run_grouped`)."""
+        return self._tx.run_grouped(calls)
+
+    # --- groups: `lmdb_groups` ------------------------------------------------------------------
+
+    def admit(
+        self,
+        groups: Sequence[Group],
+        cursor: Cursor,
+        *,
+        owner: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        skipped: Sequence[Group] = (),
+    ) -> None:
+        self._groups.admit(groups, cursor, owner=owner, lease_seconds=lease_seconds, skipped=skipped)
+
+    def claim_partial(
+        self, limit: int, *, owner: str = DEFAULT_OWNER, lease_seconds: float = DEFAULT_LEASE_SECONDS
+    ) -> list[Group]:
+        return self._groups.claim_partial(limit, owner=owner, lease_seconds=lease_seconds)
+
+    def put_partial(self, group: Group, *, owner: str | None = None) -> None:
+        self._groups.put((group,), _PARTIAL, owner)
+
+    def put_ready(self, group: Group, *, owner: str | None = None) -> None:
+        self._groups.put((group,), _READY, owner)
+
+    def put_rejected(self, group: Group, *, owner: str | None = None) -> None:
+        self._groups.put((group,), _REJECTED, owner)
+
+    def put_failed(self, group: Group, *, owner: str | None = None) -> None:
+        self._groups.put((group,), _FAILED, owner)
+
+    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._groups.put(groups, _READY, owner)
+
+    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
+        self._groups.put(groups, _REJECTED, owner)
+
+    # --- leases: `lmdb_leases` ------------------------------------------------------------------
+
+    def lease(self, group_id: str) -> Lease | None:
+        return self._leases.lease(group_id)
+
+    def renew_leases(self, owner: str, lease_seconds: float) -> int:
+        return self._leases.renew_leases(owner, lease_seconds)
+
+    def hand_over(self, group_id: str, *, owner: str, to: str, lease_seconds: float) -> None:
+        self._leases.hand_over(group_id, owner=owner, to=to, lease_seconds=lease_seconds)
+
+    def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
+        self._leases.hand_over_groups(group_ids, owner=owner, to=to, lease_seconds=lease_seconds)
+
+    def accept_results(
+        self,
+        owner: str,
+        results: Sequence[tuple[GroupState, Group]],
+        *,
+        to: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> dict[str, str]:
+        return self._leases.accept_results(owner, results, to=to, lease_seconds=lease_seconds)
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        return self._leases.reclaim_expired(now)
+
+    # --- batches and the trainer's progress: `lmdb_batches` -------------------------------------
+
+    def take_batch(self, step: int, size: int) -> Batch | None:
+        return self._batches.take_batch(step, size)
+
+    def finish_batch(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        self._batches.finish_batch(step, metrics)
+
+    def step_metrics(self, first: int = 0) -> dict[int, dict[str, Any]]:
+        return self._batches.step_metrics(first)
+
+    def trained_step(self) -> int:
+        return self._tx.counters()[2]
+
+    def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
+        return self._batches.batch(step, damaged=damaged)
+
+    def collect_garbage(self, up_to_step: int) -> int:
+        return self._batches.collect_garbage(up_to_step)
+
+    # --- recovery and integrity: `lmdb_recovery` ------------------------------------------------
+
+    def recover(self) -> RecoveryReport:
+        return self._recovery.recover()
+
+    def seed(
+        self,
+        cursor: Cursor,
+        trained_step: int,
+        *,
+        partial: Sequence[Group] = (),
+        ready: Sequence[Group] = (),
+        replay: Sequence[tuple[Batch, Mapping[str, Any] | None]] = (),
+    ) -> None:
+        self._recovery.seed(cursor, trained_step, partial=partial, ready=ready, replay=replay)
+
+    def coverage(self, step: int) -> Coverage:
+        return self._recovery.coverage(step)
+
+    def quarantine_damaged(self) -> int:
+        return self._recovery.quarantine_damaged()
+
+    def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._recovery.requeue_quarantined(fresh)
+
+    def requeue_failed(self, fresh: Callable[[str], Group | None]) -> int:
+        return self._recovery.requeue_failed(fresh)
+
+    def requeue_trained(self, group_ids: Sequence[str], fresh: Callable[[str], Group | None]) -> list[str]:
+        return self._recovery.requeue_trained(group_ids, fresh)
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        return self._recovery.verify(progress=progress)
 
     # --- reading --------------------------------------------------------------------------------
 
     def count(self, state: GroupState) -> int:
-        return self._counters()[0][state]
+        return self._tx.counters()[0][state]
 
     def prompt_history(self, indexes: Sequence[int]) -> dict[int, PromptHistory]:
         def fn(txn: lmdb.Transaction) -> dict[int, PromptHistory]:
-            w = self._txn(txn)
+            w = self._tx.view(txn)
             return {i: h for i in indexes if (h := w.history(i)) is not None}
 
-        return self._read(fn)
+        return self._tx.read(fn)
 
     def get(self, group_id: str) -> tuple[GroupState, Group] | None:
         def fn(txn: lmdb.Transaction) -> tuple[GroupState, Group] | None:
-            w = self._txn(txn)
+            w = self._tx.view(txn)
             entry = w.state_of(group_id)
             return None if entry is None else (entry[0], w.group(group_id))
 
-        return self._read(fn)
+        return self._tx.read(fn)
 
     def groups(self, state: GroupState, *, damaged: list[CorruptRecordError] | None = None) -> Iterator[Group]:
         """A snapshot, read in one transaction (no transaction stays open while the caller iterates).
@@ -167,43 +309,26 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
         reports it and goes on); without, it raises CorruptRecordError."""
 
         def fn(txn: lmdb.Transaction) -> list[Group]:
-            w = self._txn(txn)
+            w = self._tx.view(txn)
             ids = w.first_in_order(state, 1 << 62) if state in ORDER_DB else w.ids_in_state(state)
             return w.readable(ids, damaged)
 
-        return iter(self._read(fn))
+        return iter(self._tx.read(fn))
 
     def statistics(self) -> StoreStatistics:
-        """Cheap for a writer: its counters live in memory, so no transaction (and no lock wait)."""
-        if self._readonly:
-            counts, cursor, trained = self._counters()
-            collected = self._read(self._load_collected)
-            self._note_size()
-        else:
-            self._open_env()
-            counts, cursor, trained, collected = self._counts, self._cursor, self._trained_step, self._collected
-        return StoreStatistics(
-            counts=dict(counts),
-            cursor=cursor,
-            trained_step=trained,
-            transactions=self._transactions,
-            bytes_used=self._bytes_used,
-            collected=collected[0],
-            collected_step=collected[1],
-            map_size=self._map_size,
-        )
+        return self._tx.statistics()
 
     # --- opening and closing --------------------------------------------------------------------
 
     def close(self) -> None:
-        with self._lock:
-            self._ready_cache.clear()
-            env, self._env = self._env, None
-            if env is not None:
-                env.close()
-            fd, self._lock_fd = self._lock_fd, None
-            if fd is not None:
-                env_.release_writer_lock(fd)
+        self._tx.close(then=self._let_go)
+
+    def _let_go(self) -> None:
+        """What the store holds beside the environment (run under the transactions' lock)."""
+        self._ready.clear()
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            env_.release_writer_lock(fd)
 
     def __enter__(self) -> LmdbStore:
         return self
@@ -215,12 +340,12 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
         mode = "readonly" if self._readonly else "writer"
         return f"LmdbStore({self._path!r}, {mode})"
 
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> bool:
         """Stamp a new store with its layout version, migrate a layout-1 store (writer only), and
-        refuse a store of a newer layout, naming both versions."""
-        meta = self._dbs[keys.META]
+        refuse a store of a newer layout, naming both versions. Returns whether values are sealed."""
+        meta = self._tx.dbs[keys.META]
         where = keys.describe(keys.META, keys.META_LAYOUT)
-        raw = self._read(lambda txn: txn.get(keys.META_LAYOUT, db=meta))
+        raw = self._tx.read(lambda txn: txn.get(keys.META_LAYOUT, db=meta))
         stored = None if raw is None else parse_layout(bytes(raw), where=where)
         if stored is not None and stored > LAYOUT_VERSION:
             raise IncompatibleStoreError(
@@ -236,17 +361,9 @@ class LmdbStore(GroupMoves, LeaseMoves, BatchMoves, Recovery):
         if self._readonly:
             if stored is None:
                 raise StoreError(f"{self._path} holds no rollout store layout record: it was never opened by a writer")
-            self._sealed = stored == LAYOUT_VERSION
-            return
+            return stored == LAYOUT_VERSION
         if stored is None:
-            self._write(lambda w: w.txn.put(keys.META_LAYOUT, layout_value(LAYOUT_VERSION), db=meta))
+            self._tx.write(lambda w: w.txn.put(keys.META_LAYOUT, layout_value(LAYOUT_VERSION), db=meta))
         elif stored == LEGACY_LAYOUT:
-            self._write(lambda w: migrate_to_sealed(w.txn, self._dbs))
-        self._transactions = 0  # stamping the store is not the caller's transaction
-
-    def _check_counters(self, txn: lmdb.Transaction) -> None:
-        """The counters against the records, in O(1): LMDB keeps each database's entry count."""
-        entries = {name: txn.stat(self._dbs[name])["entries"] for name in keys.DATABASES}
-        counts = self._load_counters(txn)[0]  # the same snapshot: a live writer may have moved on
-        if problems := counter_problems(counts, entries):
-            raise StoreCorruptionError(keys.describe(keys.META, keys.META_COUNTS), "; ".join(problems))
+            self._tx.write(lambda w: migrate_to_sealed(w.txn, self._tx.dbs))
+        return True

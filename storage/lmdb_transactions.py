@@ -1,8 +1,8 @@
 """How an LMDB store runs its transactions: one store method, one transaction, and group commit.
 
-`LmdbTransactions` is the base every concern of `LmdbStore` builds on (`lmdb_groups`,
+`LmdbStore` owns one `LmdbTransactions` and hands it to each of its parts (`lmdb_groups`,
 `lmdb_leases`, `lmdb_batches`, `lmdb_recovery`): it holds the environment, the lock and the
-writer's in-memory counters, and gives them `_write` and `_read`. A method hands `_write` a
+writer's in-memory counters, and runs `write` and `read` over them. A method hands `write` a
 function of one `Txn`; the function's writes commit together or not at all.
 
 Where the cost hides: with `sync=True` every transaction ends in an fsync (about a millisecond on a
@@ -33,11 +33,11 @@ from core.errors import StoreCorruptionError, StoreError
 from . import codec, keys
 from . import lmdb_env as env_
 from .lmdb_pages import DAMAGE_ERRORS
-from .lmdb_ready import ReadyCache
 from .lmdb_txn import Txn
-from .protocol import Cursor, GroupState
+from .migrate import counter_problems
+from .protocol import Cursor, GroupState, StoreStatistics
 
-__all__ = ["LmdbTransactions", "Outcome"]
+__all__ = ["LmdbTransactions", "Outcome", "stored_collected", "stored_counters"]
 
 T = TypeVar("T")
 # One call's outcome in a group: (its result, None) or (None, what it raised).
@@ -59,30 +59,73 @@ class LmdbTransactions:
     """The environment, the lock, the writer's counters, and the transactions over them.
     Thread-safe: every transaction holds one lock."""
 
-    _dbs: dict[bytes, lmdb._Database]
-    _page_size: int
-
-    def __init__(self, path: str, *, readonly: bool, clock: Callable[[], float]) -> None:
+    def __init__(self, path: str, *, readonly: bool) -> None:
         self._path = path
         self._readonly = readonly
-        self._clock = clock
-        self._collected = (0, -1)
-        self._ready_cache = ReadyCache()
+        self._dbs: dict[bytes, lmdb._Database] = {}
+        self._page_size = 0
+        self._sealed = True
         # Reentrant: `run_grouped` holds it across the calls it runs, which take it again.
         self._lock = threading.RLock()
         self._group: _Group | None = None
-        self._lock_fd: int | None = None
+        self._env: lmdb.Environment | None = None
         self._transactions = 0
         self._bytes_used = 0
         self._map_size = 0
-        self._env: lmdb.Environment | None = None
-        self._sealed = True
         self._counts: dict[GroupState, int] = dict.fromkeys(GroupState, 0)
         self._cursor, self._trained_step = Cursor(), -1
+        self._collected = (0, -1)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def dbs(self) -> dict[bytes, lmdb._Database]:
+        """The databases by name (`keys.DATABASES`, and the optional ones the store has)."""
+        return self._dbs
+
+    @property
+    def sealed(self) -> bool:
+        """Whether values carry a checksum (`storage.seal`): False only for a reader of a layout-1 store."""
+        return self._sealed
+
+    # --- opening and closing --------------------------------------------------------------------
+
+    def open(self, env: lmdb.Environment) -> None:
+        """Take `env` (closed by `close` from here on, even if opening its databases fails)."""
+        self._env = env
+        self._dbs = {name: env.open_db(name, create=not self._readonly) for name in keys.DATABASES}
+        self._dbs.update(env_.open_optional(env, readonly=self._readonly))
+        self._page_size = env.stat()["psize"]
+
+    def load(self, *, sealed: bool) -> None:
+        """The counters as the store holds them, checked against its records; transactions are
+        counted from here (stamping or migrating the layout is not the caller's transaction)."""
+        self._sealed = sealed
+        self._counts, self._cursor, self._trained_step = self.read(lambda txn: stored_counters(self.view(txn)))
+        self._collected = self.read(lambda txn: stored_collected(self.view(txn)))
+        self.read(self._check_counters)
+        self._note_size()
+        self._transactions = 0
+
+    def close(self, *, then: Callable[[], None]) -> None:
+        """Close the environment, then run `then` (what the store holds beside it), both under the
+        lock: no transaction is running, and none starts after."""
+        with self._lock:
+            env, self._env = self._env, None
+            if env is not None:
+                env.close()
+            then()
+
+    def under_lock(self, fn: Callable[[lmdb.Environment], T]) -> T:
+        """`fn` of the environment, no transaction of this store running meanwhile."""
+        with self._lock:
+            return fn(self._open_env())
 
     # --- one method, one transaction ------------------------------------------------------------
 
-    def _write(self, fn: Callable[[Txn], T], committed: Callable[[T], None] | None = None) -> T:
+    def write(self, fn: Callable[[Txn], T], committed: Callable[[T], None] | None = None) -> T:
         """Run `fn` in one write transaction; on a full map, double it and run `fn` again.
 
         `committed` runs once the transaction is on disk, still under the store's lock."""
@@ -104,7 +147,7 @@ class LmdbTransactions:
             while True:
                 try:
                     with env.begin(write=True) as txn:
-                        w = self._txn(txn)
+                        w = self.view(txn)
                         result = fn(w)
                         if w.counts != self._counts:
                             w.put(keys.META, keys.META_COUNTS, keys.counts_value(w.counts))
@@ -118,7 +161,7 @@ class LmdbTransactions:
                 committed(result)
             return result
 
-    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         with self._lock:
             if self._group is not None:  # read the group's own transaction: it sees the calls before
                 try:
@@ -136,7 +179,7 @@ class LmdbTransactions:
                     raise self._translate(exc) from exc
             raise StoreError(f"rollout store {self._path}: the map keeps being resized under a reader")
 
-    def _txn(self, txn: lmdb.Transaction) -> Txn:
+    def view(self, txn: lmdb.Transaction) -> Txn:
         """`txn` seen through `Txn`, with the counters as they are now. Its read helpers work on
         any transaction; a reader never writes through it."""
         return Txn(
@@ -178,7 +221,7 @@ class LmdbTransactions:
         map was full and has grown) and must run again; `failed` then holds the calls left out."""
         outcomes: list[Outcome] = []
         txn = env.begin(write=True)
-        self._group = group = _Group(self._txn(txn))
+        self._group = group = _Group(self.view(txn))
         try:
             for i, call in enumerate(calls):
                 if i in failed:
@@ -238,35 +281,43 @@ class LmdbTransactions:
             return StoreCorruptionError(os.path.join(self._path, "data.mdb"), f"LMDB: {exc}")
         return StoreError(f"rollout store {self._path}: {exc}")
 
-    def _load_counters(self, txn: lmdb.Transaction) -> tuple[dict[GroupState, int], Cursor, int]:
-        r = self._txn(txn)
-        raw_counts = r.get(keys.META, keys.META_COUNTS)
-        counts = dict.fromkeys(GroupState, 0) if raw_counts is None else keys.parse_counts(raw_counts)
-        raw_cursor = r.get(keys.META, keys.META_CURSOR)
-        cursor = (
-            Cursor()
-            if raw_cursor is None
-            else codec.decode_cursor(raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR))
-        )
-        raw_step = r.get(keys.META, keys.META_TRAINED_STEP)
-        trained = (
-            -1 if raw_step is None else keys.parse_i64(raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP))
-        )
-        return counts, cursor, trained
+    def _check_counters(self, txn: lmdb.Transaction) -> None:
+        """The counters against the records, in O(1): LMDB keeps each database's entry count."""
+        entries = {name: txn.stat(self._dbs[name])["entries"] for name in keys.DATABASES}
+        counts = stored_counters(self.view(txn))[0]  # the same snapshot: a live writer may have moved on
+        if problems := counter_problems(counts, entries):
+            raise StoreCorruptionError(keys.describe(keys.META, keys.META_COUNTS), "; ".join(problems))
 
-    def _load_collected(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        raw = self._txn(txn).get(keys.META, keys.META_COLLECTED)
-        return (0, -1) if raw is None else keys.parse_collected(raw)
-
-    def _counters(self) -> tuple[dict[GroupState, int], Cursor, int]:
+    def counters(self) -> tuple[dict[GroupState, int], Cursor, int]:
+        """The group counts, the cursor and the trained step, as the next call will see them."""
         # The writer is the only one changing the store, so its copies are the truth. A read-only
         # store may be watching a live writer in another process: read fresh.
         if self._readonly:
-            return self._read(self._load_counters)
+            return self.read(lambda txn: stored_counters(self.view(txn)))
         self._open_env()
         if (group := self._group) is not None:
             return group.w.counts, group.w.cursor, group.w.trained_step
         return self._counts, self._cursor, self._trained_step
+
+    def statistics(self) -> StoreStatistics:
+        """Cheap for a writer: its counters live in memory, so no transaction (and no lock wait)."""
+        if self._readonly:
+            counts, cursor, trained = self.counters()
+            collected = self.read(lambda txn: stored_collected(self.view(txn)))
+            self._note_size()
+        else:
+            self._open_env()
+            counts, cursor, trained, collected = self._counts, self._cursor, self._trained_step, self._collected
+        return StoreStatistics(
+            counts=dict(counts),
+            cursor=cursor,
+            trained_step=trained,
+            transactions=self._transactions,
+            bytes_used=self._bytes_used,
+            collected=collected[0],
+            collected_step=collected[1],
+            map_size=self._map_size,
+        )
 
     def _note_size(self) -> None:
         with self._lock:
@@ -277,6 +328,27 @@ class LmdbTransactions:
         info = env.info()
         self._map_size = info["map_size"]
         return (info["last_pgno"] + 1) * self._page_size
+
+
+def stored_counters(r: Txn) -> tuple[dict[GroupState, int], Cursor, int]:
+    """The group counts, the cursor and the trained step as `r`'s transaction reads them."""
+    raw_counts = r.get(keys.META, keys.META_COUNTS)
+    counts = dict.fromkeys(GroupState, 0) if raw_counts is None else keys.parse_counts(raw_counts)
+    raw_cursor = r.get(keys.META, keys.META_CURSOR)
+    cursor = (
+        Cursor()
+        if raw_cursor is None
+        else codec.decode_cursor(raw_cursor, key=keys.describe(keys.META, keys.META_CURSOR))
+    )
+    raw_step = r.get(keys.META, keys.META_TRAINED_STEP)
+    trained = -1 if raw_step is None else keys.parse_i64(raw_step, key=keys.describe(keys.META, keys.META_TRAINED_STEP))
+    return counts, cursor, trained
+
+
+def stored_collected(r: Txn) -> tuple[int, int]:
+    """(groups collected, last step collected) as `r`'s transaction reads them."""
+    raw = r.get(keys.META, keys.META_COLLECTED)
+    return (0, -1) if raw is None else keys.parse_collected(raw)
 
 
 def _outcome(call: Callable[[], Any]) -> Outcome:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import lmdb
 import pytest
 
 from core.clock import VersionClock
@@ -204,13 +205,15 @@ def test_a_damaged_history_record_is_named_by_verify(tmp_path: Path) -> None:
     with LmdbStore(tmp_path / "s") as s:
         s.admit([fresh(0)], Cursor(0, 1, 1))
         s.put_ready(scored(fresh(0), (1.0, 1.0)))
-        env = s._env
-        assert env is not None
         key = keys.history_key(0)
-        with env.begin(write=True, db=s._dbs[keys.HISTORY]) as txn:
-            raw = bytearray(txn.get(key))
-            raw[-1] ^= 0xFF
-            txn.put(key, bytes(raw))
+
+        def damage(env: lmdb.Environment) -> None:  # under the store's own environment and lock
+            with env.begin(write=True, db=s._tx.dbs[keys.HISTORY]) as txn:
+                raw = bytearray(txn.get(key))
+                raw[-1] ^= 0xFF
+                txn.put(key, bytes(raw))
+
+        s._tx.under_lock(damage)
         assert [d for d in s.verify().damaged if "history/000000000000" in d]
         with pytest.raises(CorruptRecordError, match="history/000000000000"):
             s.prompt_history([0])
@@ -219,10 +222,12 @@ def test_a_damaged_history_record_is_named_by_verify(tmp_path: Path) -> None:
 def test_a_store_from_before_histories_reads_as_having_none(tmp_path: Path) -> None:
     with LmdbStore(tmp_path / "s") as s:
         s.admit([fresh(0)], Cursor(0, 1, 1))
-        env = s._env
-        assert env is not None
-        with env.begin(write=True) as txn:
-            txn.drop(s._dbs[keys.HISTORY], delete=True)  # as a store written before them
+
+        def drop(env: lmdb.Environment) -> None:  # as a store written before them
+            with env.begin(write=True) as txn:
+                txn.drop(s._tx.dbs[keys.HISTORY], delete=True)
+
+        s._tx.under_lock(drop)
     with LmdbStore(tmp_path / "s", readonly=True) as r:
         assert r.prompt_history([0]) == {} and r.verify().ok
     with LmdbStore(tmp_path / "s") as w:  # a writer adds the database and fills it
