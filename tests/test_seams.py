@@ -172,3 +172,15 @@ def test_the_built_in_backends_and_the_fleet_have_every_capability() -> None:
     assert not {"fault_metrics", "weight_versions", "loads"} - set(dir(EngineFleet))
     assert issubclass(BuiltInTrainer, SavesModel | ReplaysSettings | Closable)
     assert not typing.get_type_hints(Engines)  # the engine seam is its methods (test_public_api)
+
+
+def test_parts_given_both_ways_are_refused_naming_the_keywords() -> None:
+    """`Rollout` has one constructor: the parts as keywords or as one `RolloutParts`, not both."""
+    from pipeline import MemoryStore, Rollout, RolloutMode, RolloutPlan
+    from storage import AsyncStore
+
+    store = AsyncStore(MemoryStore())
+    parts = RolloutParts(engines=typing.cast(Engines, None), store=store, dataset=[], reward_fn=lambda *_: 0.0)
+    plan = RolloutPlan(RolloutMode.SYNC, batch_size=1, n_samples=1, num_steps=1)
+    with pytest.raises(TypeError, match=r"parts given twice.*\['dataset', 'store'\]"):
+        Rollout(plan, parts, store=store, dataset=[])  # type: ignore[call-overload]
