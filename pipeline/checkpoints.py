@@ -53,7 +53,7 @@ import structlog
 
 from core.clock import VersionClock
 from core.errors import ConfigError, CorruptRecordError, StoreError
-from pipeline.plan import RolloutPlan, Trainer
+from pipeline.plan import ReplaysSettings, RolloutPlan, SavesModel, Trainer
 from pipeline.settings_history import changes_after, settings_at
 from pipeline.trainer_settings import FIXED_WHEN_BUILT, replayed_settings, step_settings
 from stages.publisher import EngineMemory, WeightTarget, WeightTransfer, publish_weights
@@ -135,8 +135,8 @@ def save_step(
     target = policy.publish_dir / f"v{version}"
     if distributed:  # the weights travel over torch.distributed: nothing to write
         return StepSave(target, False, 0)
-    save_model: Callable[[Path], Path] = getattr(trainer, "save_model", None) or trainer.save_weights
-    folder = save_model(target)
+    # Weights alone where the trainer can save them so; a full checkpoint otherwise.
+    folder = trainer.save_model(target) if isinstance(trainer, SavesModel) else trainer.save_weights(target)
     return StepSave(folder, False, folder_bytes(folder))
 
 
@@ -315,7 +315,7 @@ async def replay_stored_batches(
 class _ReplaySettings:
     """The settings each replayed step first ran with, when some differ from today's: a setting a
     resume changed takes effect from the step the store records (`pipeline.settings_history`), so
-    the steps before it, trained again, run as they first ran (`Trainer.use_settings`)."""
+    the steps before it, trained again, run as they first ran (`ReplaysSettings.use_settings`)."""
 
     use_settings: Callable[[StepSettings], None]
     by_step: dict[int, StepSettings]
@@ -341,9 +341,7 @@ class _ReplaySettings:
         if all(step_settings(t) == step_settings(now) for t in then.values()):
             return None  # nothing that changed touches a training step (rollout, engines, output...)
         said = [_said(c) for c in changes if _touches_a_step(settings_at(extra, c["step"]) or {}, c)]
-        use_settings = getattr(trainer, "use_settings", None)
-        own = getattr(trainer, "step_settings", None)
-        if use_settings is None or own is None:
+        if not isinstance(trainer, ReplaysSettings):
             log.warning(
                 "settings changed since some replayed steps first ran, and this trainer has no "
                 "use_settings() to run them with those: they run with today's",
@@ -351,8 +349,9 @@ class _ReplaySettings:
                 changes=said,
             )
             return None
+        own = trainer.step_settings
         by_step = {step: replayed_settings(own, t, now) for step, t in then.items()}
-        return cls(use_settings, by_step, own, said)
+        return cls(trainer.use_settings, by_step, own, said)
 
     async def use(self, step: int) -> None:
         await self._apply(self.by_step[step])

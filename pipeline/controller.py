@@ -27,29 +27,23 @@ Components take plain parameters; only `pipeline.run` knows the config tree and 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import structlog
 
 from core.clock import VersionClock
 from core.errors import ConfigError
-from core.types import PromptTask, RolloutMode
+from core.types import RolloutMode
 from pipeline.checkpoints import CheckpointPolicy, StepSaver, replay_then_publish
-from pipeline.events import EventLog, span
+from pipeline.events import span
 from pipeline.metric_names import throughput_metrics, trainer_record
 from pipeline.metrics import MetricsSink, batch_metrics
-from pipeline.plan import Engines, RolloutParts, RolloutPlan, RunSummary, Trainer
+from pipeline.plan import ReportsFaults, RolloutFields, RolloutParts, RolloutPlan, RunSummary, Trainer
 from pipeline.session import Rollout
 from pipeline.step_record import StepTimer, StepTimes, engine_loads, rollout_record
-from stages.agent import Agent
-from stages.continuation import Detokenize
-from stages.producers import ProducersFactory
-from stages.publisher import EngineMemory, WeightTransfer
-from stages.reward import RewardFn
-from storage import AsyncStore
 
 __all__ = ["run_pipeline"]
 
@@ -59,30 +53,24 @@ log = structlog.get_logger("pipeline")
 async def run_pipeline(
     plan: RolloutPlan,
     *,
-    engines: Engines,
-    store: AsyncStore,
     trainer: Trainer,
-    dataset: Sequence[PromptTask],
-    reward_fn: RewardFn,
-    filter_fn: Callable[..., Any] | None,
     weights_dir: Path,
     metrics: MetricsSink,
     clock: VersionClock | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-    events: EventLog | None = None,
-    detokenize: Detokenize | None = None,
-    weight_transfer: WeightTransfer | None = None,
-    agent: Agent | None = None,
-    producers: ProducersFactory | None = None,
     evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
     checkpoints: CheckpointPolicy | None = None,
     resume_from: int | None = None,
-    engine_memory: EngineMemory | None = None,
+    **fields: Unpack[RolloutFields],
 ) -> RunSummary:
     """Train `plan.num_steps` steps (those the store has not trained yet), then stop cleanly.
 
     The story: build the stage graph, start it, then per step wait for a batch, train it, commit
     it, publish the weights; at the end stop generating and store whatever is unfinished.
+
+    The rollout side's parts are the keywords `Rollout` takes (`pipeline.plan.RolloutFields`:
+    `engines`, `store`, `dataset`, `reward_fn`, `filter_fn`, `events`, `detokenize`, `agent`,
+    `weight_transfer`, `producers`, `engine_memory`).
 
     `evaluate(step)` (sync mode: `pipeline.evaluation`) runs after each step's publish, when the
     engines serve that step's weights and nothing else is in flight; what it returns (nothing on
@@ -105,36 +93,25 @@ async def run_pipeline(
             ]
         )
     # The rollout side's parts, gathered once: `Rollout` and the stage graph take them whole.
-    parts = RolloutParts(
-        engines=engines,
-        store=store,
-        dataset=dataset,
-        reward_fn=reward_fn,
-        filter_fn=filter_fn,
-        events=events,
-        detokenize=detokenize,
-        agent=agent,
-        weight_transfer=weight_transfer,
-        producers=producers,
-        engine_memory=engine_memory,
-    )
+    parts = RolloutParts(**fields)
+    engines, weight_transfer = parts.engines, parts.weight_transfer
     replayed = None
     if resume_from is not None and checkpoints is not None:
         assert clock is not None, "a replay needs the clock the engines were loaded at"
         replayed = await replay_then_publish(
             plan,
             trainer,
-            store,
+            parts.store,
             engines,
             clock,
             checkpoints,
             resume_from=resume_from,
             transfer=weight_transfer,
-            memory=engine_memory,
+            memory=parts.engine_memory,
         )
     # The rollout side is the embedding object itself; this function adds the built-in trainer
     # loop and the metrics record.
-    async with Rollout.from_parts(plan, parts, clock=clock) as rollout:
+    async with Rollout(plan, parts, clock=clock) as rollout:
         timer = StepTimer(rollout.first_step, rollout.graph.producers.statistics().busy_slot_seconds)
         saving = StepSaver.starting(
             checkpoints, weights_dir, plan.num_steps, rollout.first_step, weight_transfer, replayed
@@ -145,9 +122,8 @@ async def run_pipeline(
                 record.update(await _evaluate(evaluate, step, timer))
             # Engine faults (evictions, restarts, live engines, time at reduced capacity), when
             # the engines keep such counts (an EngineFleet with --use-fault-tolerance).
-            fault_metrics = getattr(engines, "fault_metrics", None)
-            if fault_metrics is not None:
-                record.update(fault_metrics())
+            if isinstance(engines, ReportsFaults):
+                record.update(engines.fault_metrics())
             metrics.write(record)
             if on_step is not None:
                 on_step(record)

@@ -3,8 +3,13 @@ the seams it talks through. Definitions only, nothing runs here.
 
     RolloutPlan   the rollout decisions: mode, batch size, slots, bounds, retries
     RolloutParts  the rollout side's parts (engines, store, dataset, reward, ...), as one object
+    RolloutFields the same parts as keywords (`Rollout(plan, engines=..., ...)`, `run_pipeline`)
     Engines       what the pipeline needs from its engines (generate, abort, load weights)
     Trainer       what it needs from a training backend (train a batch, save the weights)
+    BuiltInTrainer  what the launcher needs of the trainers it builds (weights for the engines, close)
+    the capabilities a seam may have, declared and checked with `isinstance` (never probed by name):
+      SavesModel, ReplaysSettings, Closable        of a trainer
+      ReportsFaults, HasWeightVersions, ReportsLoads  of engines
     RunSummary    what `run_pipeline` returns
 
 Every module of the story imports these from here (`pipeline.controller`: the step loop,
@@ -14,10 +19,10 @@ none of them needs another's names and no import runs in a circle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from core.types import Batch, PauseMode, PromptTask, RolloutMode
 from pipeline.events import EventLog
@@ -29,31 +34,125 @@ from stages.publisher import EngineMemory, WeightTarget, WeightTransfer
 from stages.reward import RewardFn
 from stages.selection import LENGTH_AWARE_RULE
 from stages.sglang.payloads import TokenPayloads
+from stages.sglang.wire import EngineLoad
 from storage import AsyncStore
 
-__all__ = ["Engines", "RolloutParts", "RolloutPlan", "RunSummary", "Trainer"]
+if TYPE_CHECKING:
+    import torch
+
+    from trainers.step_settings import StepSettings
+
+__all__ = [
+    "BuiltInTrainer",
+    "Closable",
+    "Engines",
+    "HasWeightVersions",
+    "ReplaysSettings",
+    "ReportsFaults",
+    "ReportsLoads",
+    "RolloutFields",
+    "RolloutParts",
+    "RolloutPlan",
+    "RunSummary",
+    "SavesModel",
+    "Trainer",
+]
 
 
 class Trainer(Protocol):
     """A training backend. Both methods block; the controller runs them off the event loop.
 
-    A trainer that also has `step_settings` and `use_settings(settings)` (`trainers.step_settings`;
-    both built-in backends do) trains each stored step a resume replays with the settings it first
-    ran with (`pipeline.checkpoints`); without them, those steps run with today's."""
+    What else a trainer can do is a capability it may have, each its own protocol below and
+    checked with `isinstance`: `SavesModel`, `ReplaysSettings`, `Closable`. Both built-in
+    backends have them all (`BuiltInTrainer`); a trainer of the user's needs none."""
 
     def train_step(self, batch: Batch) -> Mapping[str, float]: ...
 
     def save_weights(self, path: Path) -> Path:
-        """The full checkpoint (weights, optimizer, random state, step count). A trainer that also
-        has `save_model(path)` (weights only) is given that for the folders published between
-        checkpoints (`pipeline.checkpoints`)."""
+        """The full checkpoint (weights, optimizer, random state, step count)."""
+        ...
+
+
+@runtime_checkable
+class SavesModel(Protocol):
+    """A trainer that saves the weights alone: the folders published between checkpoints are that
+    (`pipeline.checkpoints`); a trainer without it saves a full checkpoint for them too."""
+
+    def save_model(self, path: Path) -> Path: ...
+
+
+@runtime_checkable
+class ReplaysSettings(Protocol):
+    """A trainer whose per-step settings can be changed (`trainers.step_settings`): each stored step
+    a resume replays trains with the settings it first ran with (`pipeline.checkpoints`); without
+    it, those steps run with today's."""
+
+    @property
+    def step_settings(self) -> StepSettings: ...
+
+    def use_settings(self, settings: StepSettings) -> None: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A trainer with something to release at the end of a run (the megatron backend's ranks)."""
+
+    def close(self) -> None: ...
+
+
+class BuiltInTrainer(Trainer, SavesModel, ReplaysSettings, Closable, Protocol):
+    """What the launcher (`pipeline.run`) needs of the trainers it builds, `trainers.grpo.GRPOTrainer`
+    and `trainers.megatron.MegatronTrainer`: every capability above, and the weights for the engines
+    when they travel without a folder (`--colocate`, `--update-weight-transport distributed`)."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def autocast(self) -> bool:
+        """Trains under bf16 autocast: the engines are sent bf16 weights, as a saved folder holds."""
+        ...
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The whole model under Hugging Face names and shapes (what a distributed publish sends)."""
         ...
 
 
 class Engines(GenerateEngine, WeightTarget, Protocol):
     """What the pipeline needs from its engines: generate and abort (`stages.generator.GenerateEngine`)
     and pause, load weights, continue (`stages.publisher.WeightTarget`). `stages.sglang.EngineFleet`
-    is the production one; anything speaking these methods over the SGLang protocol will do."""
+    is the production one; anything speaking these methods over the SGLang protocol will do.
+
+    What else engines can report is a capability they may have, each its own protocol below and
+    checked with `isinstance`: `ReportsFaults`, `HasWeightVersions`, `ReportsLoads` (the fleet has
+    them all)."""
+
+
+@runtime_checkable
+class ReportsFaults(Protocol):
+    """Engines that count their faults (evictions, restarts, live engines, time at reduced capacity):
+    each step's record gets them (`EngineFleet`; empty without a fault policy)."""
+
+    def fault_metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class HasWeightVersions(Protocol):
+    """Engines that say which weight version each serves: a `Rollout` checks it before the first
+    request (`pipeline.session`); engines without it are trusted."""
+
+    async def weight_versions(self) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class ReportsLoads(Protocol):
+    """Engines that say each one's running and waiting requests (`GET /v1/loads`): each step's
+    record gets them (`pipeline.step_record`)."""
+
+    async def loads(self) -> dict[str, EngineLoad]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +213,30 @@ class RolloutPlan:
         return self.prefetch if self.prefetch is not None else self.batch_size
 
 
+class RolloutFields(TypedDict):
+    """The parts as keywords: what `Rollout(plan, engines=..., ...)` and `run_pipeline` take, written
+    once here and checked by mypy at every call. `RolloutParts` holds the same names, the same
+    types (`tests/test_seams.py` holds the two together)."""
+
+    engines: Engines
+    store: AsyncStore
+    dataset: Sequence[PromptTask]
+    reward_fn: RewardFn
+    filter_fn: NotRequired[Callable[..., Any] | None]
+    events: NotRequired[EventLog | None]
+    detokenize: NotRequired[Detokenize | None]
+    agent: NotRequired[Agent | None]
+    weight_transfer: NotRequired[WeightTransfer | None]
+    producers: NotRequired[ProducersFactory | None]
+    engine_memory: NotRequired[EngineMemory | None]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutParts:
     """The parts the rollout side of a run is built from, gathered once and handed down whole
     (`run_pipeline` -> `Rollout` -> `StageGraph.build`) rather than as the same keyword list at
-    every level. The version clock is not among them: a `Rollout` may own its clock.
+    every level; built from `RolloutFields` (`RolloutParts(**fields)`). The version clock is not
+    among them: a `Rollout` may own its clock.
     """
 
     engines: Engines

@@ -23,25 +23,21 @@ The stages it opens are `pipeline.graph`'s; how a batch fills in each mode is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, Unpack, overload
 
 from core.clock import VersionClock
 from core.errors import ConfigError, EngineError, PipelineError, PublishError
-from core.types import Batch, PromptTask, RolloutMode
-from pipeline.events import EventLog, span
+from core.types import Batch, RolloutMode
+from pipeline.events import span
 from pipeline.graph import StageGraph
-from pipeline.plan import Engines, RolloutParts, RolloutPlan
+from pipeline.plan import Engines, HasWeightVersions, RolloutFields, RolloutParts, RolloutPlan
 from pipeline.rollout_modes import Training, fill_batch
-from stages.agent import Agent
-from stages.continuation import Detokenize, sampling_problems
-from stages.producers import ProducersFactory
-from stages.publisher import EngineMemory, PublishReport, WeightTransfer, publish_weights
-from stages.reward import RewardFn
-from storage import AsyncStore
+from stages.continuation import sampling_problems
+from stages.publisher import PublishReport, publish_weights
 
 __all__ = ["Rollout"]
 
@@ -65,46 +61,24 @@ class Rollout:
     after the store's last trained one: the engines must already serve that step's weights.
     """
 
+    @overload
     def __init__(
-        self,
-        plan: RolloutPlan,
-        *,
-        engines: Engines,
-        store: AsyncStore,
-        dataset: Sequence[PromptTask],
-        reward_fn: RewardFn,
-        filter_fn: Callable[..., Any] | None = None,
-        clock: VersionClock | None = None,
-        events: EventLog | None = None,
-        detokenize: Detokenize | None = None,
-        agent: Agent | None = None,
-        weight_transfer: WeightTransfer | None = None,
-        producers: ProducersFactory | None = None,
-        engine_memory: EngineMemory | None = None,
+        self, plan: RolloutPlan, *, clock: VersionClock | None = None, **fields: Unpack[RolloutFields]
     ) -> None:
-        parts = RolloutParts(
-            engines=engines,
-            store=store,
-            dataset=dataset,
-            reward_fn=reward_fn,
-            filter_fn=filter_fn,
-            events=events,
-            detokenize=detokenize,
-            agent=agent,
-            weight_transfer=weight_transfer,
-            producers=producers,
-            engine_memory=engine_memory,
-        )
-        self._assemble(plan, parts, clock)
+        """The parts as keywords: `engines=`, `store=`, `dataset=`, `reward_fn=`, and the optional
+        ones of `pipeline.plan.RolloutFields`."""
 
-    @classmethod
-    def from_parts(cls, plan: RolloutPlan, parts: RolloutParts, *, clock: VersionClock | None = None) -> Self:
-        """The same object from parts already gathered in one `RolloutParts` (as `run_pipeline` has them)."""
-        rollout = cls.__new__(cls)
-        rollout._assemble(plan, parts, clock)
-        return rollout
+    @overload
+    def __init__(self, plan: RolloutPlan, parts: RolloutParts, *, clock: VersionClock | None = None) -> None:
+        """The parts gathered already in one `RolloutParts` (as `run_pipeline` has them)."""
 
-    def _assemble(self, plan: RolloutPlan, parts: RolloutParts, clock: VersionClock | None) -> None:
+    def __init__(
+        self, plan: RolloutPlan, parts: RolloutParts | None = None, *, clock: VersionClock | None = None, **fields: Any
+    ) -> None:
+        if parts is None:
+            parts = RolloutParts(**fields)
+        elif fields:
+            raise TypeError(f"Rollout: parts given twice, in a RolloutParts and as keywords {sorted(fields)}")
         # Sampling parameters that a continued request would apply wrongly are refused up front.
         continues = plan.mode is RolloutMode.ASYNC or plan.partial
         if problems := sampling_problems(
@@ -124,6 +98,11 @@ class Rollout:
         self._next_step = 0
         self.first_step = 0  # the first step this session trains: the store's trained step + 1, on entry
         self._taken: int | None = None  # the step of the batch handed out and not yet committed
+
+    @classmethod
+    def from_parts(cls, plan: RolloutPlan, parts: RolloutParts, *, clock: VersionClock | None = None) -> Self:
+        """`Rollout(plan, parts, clock=clock)`, the name code written before `parts` was positional uses."""
+        return cls(plan, parts, clock=clock)
 
     async def __aenter__(self) -> Self:
         # After an unclean stop (a kill, an error out of the block): groups left RUNNING go back to
@@ -241,18 +220,17 @@ async def _check_engine_versions(engines: Engines, version: int) -> None:
     clock did not publish is refused, so an engine that reports another one (a fresh SGLang says
     "default"; a resumed loop's engines may still serve the base model; an engine reused from
     another run says that run's last version) would have every request refused, round after round
-    through the whole dataset. Engines that cannot say (a seam of the user's own, without
-    `weight_versions`) are trusted.
+    through the whole dataset. Engines that cannot say (a seam of the user's own, not
+    `HasWeightVersions`) are trusted.
 
     The fix named is always a load of the weights this rollout starts from, never a new label
     (`update_weight_version`): a label says nothing about which weights an engine holds, and an
     engine relabelled over another run's weights would have step 0 train on samples of weights
     nobody trained from. The Rollout does not know those weights' folder, so it names the fix and
     stops; `python -m pipeline.launch` loads them itself (`pipeline.run.engines`)."""
-    weight_versions = getattr(engines, "weight_versions", None)
-    if weight_versions is None:
+    if not isinstance(engines, HasWeightVersions):
         return
-    reported: dict[str, str] = await weight_versions()
+    reported = await engines.weight_versions()
     for url, found in reported.items():
         if found == str(version):
             continue

@@ -18,6 +18,7 @@ import structlog
 from core.errors import EngineError
 from pipeline.graph import StageGraph
 from pipeline.metric_names import engine_load_metrics
+from pipeline.plan import Engines, ReportsLoads
 from storage import AsyncStore, GroupState
 
 __all__ = ["StepTimer", "StepTimes", "engine_loads", "rollout_record"]
@@ -81,16 +82,15 @@ async def rollout_record(
     }
 
 
-async def engine_loads(engines: Any) -> dict[str, float]:
+async def engine_loads(engines: Engines) -> dict[str, float]:
     """Each engine's running and waiting requests as the batch goes to training (in async mode
-    generation goes on meanwhile), for engines that answer `GET /v1/loads`; none otherwise. An
-    engine that fails to answer costs this step's load keys, never the step."""
-    loads = getattr(engines, "loads", None)
-    if loads is None:
+    generation goes on meanwhile), for engines that answer `GET /v1/loads` (`ReportsLoads`); none
+    otherwise. An engine that fails to answer costs this step's load keys, never the step."""
+    if not isinstance(engines, ReportsLoads):
         return {}
     try:
         with anyio.fail_after(5):
-            return engine_load_metrics(await loads())
+            return engine_load_metrics(await engines.loads())
     except (EngineError, TimeoutError) as exc:
         log.debug("engine loads unavailable", error=str(exc))
         return {}

@@ -31,7 +31,7 @@ import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import anyio
 import anyio.lowlevel
@@ -235,11 +235,9 @@ class AsyncStore:
         self._store = store
         self._inline = isinstance(store, MemoryStore)
         self._limiter = anyio.CapacityLimiter(1)
-        # Looked up on the class: a wrapper that forwards every attribute is not a grouping store.
-        run_grouped = getattr(type(store), "run_grouped", None)
         self._writer = (
-            _GroupWriter(functools.partial(run_grouped, store), self._limiter)
-            if group_commit and run_grouped is not None and not self._inline
+            _GroupWriter(store.run_grouped, self._limiter)
+            if group_commit and _groups_commits(store) and not self._inline
             else None
         )
 
@@ -321,28 +319,18 @@ class AsyncStore:
     async def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
         """Many groups READY in one store call (one transaction): what the collector found waiting."""
         if groups:
-            await self._call(self._many("put_ready_groups", "put_ready"), groups, **_given(owner=owner))
+            store = self._store
+            fn = store.put_ready_groups if isinstance(store, _PutsReadyGroups) else _one_by_one(store.put_ready)
+            await self._call(fn, groups, **_given(owner=owner))
 
     async def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None:
         """Many groups REJECTED in one store call (one transaction): what the filter turned down together."""
         if groups:
-            await self._call(self._many("put_rejected_groups", "put_rejected"), groups, **_given(owner=owner))
-
-    def _many(self, batched: str, single: str) -> Callable[..., None]:
-        """The store's batched move, or, for a store written before it existed, its single move
-        once per group (or group id) in one worker call: a transaction each, so a crash between
-        them leaves the rest RUNNING, which recovery or lease expiry requeues (exactly-once holds;
-        only the one-transaction batch is lost)."""
-        fn: Callable[..., None] | None = getattr(self._store, batched, None)
-        if fn is not None:
-            return fn
-        one: Callable[..., None] = getattr(self._store, single)
-
-        def each(items: Sequence[Any], **kwargs: Any) -> None:
-            for item in items:
-                one(item, **kwargs)
-
-        return each
+            store = self._store
+            fn = (
+                store.put_rejected_groups if isinstance(store, _PutsRejectedGroups) else _one_by_one(store.put_rejected)
+            )
+            await self._call(fn, groups, **_given(owner=owner))
 
     async def lease(self, group_id: str) -> Lease | None:
         return await self._call(self._store.lease, group_id)
@@ -356,7 +344,8 @@ class AsyncStore:
     async def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None:
         """Many leases moved in one store call (one transaction): the groups handed to a producer together."""
         if group_ids:
-            fn = self._many("hand_over_groups", "hand_over")
+            store = self._store
+            fn = store.hand_over_groups if isinstance(store, _HandsOverGroups) else _one_by_one(store.hand_over)
             await self._call(fn, group_ids, owner=owner, to=to, lease_seconds=lease_seconds)
 
     async def accept_results(
@@ -373,9 +362,12 @@ class AsyncStore:
         rest RUNNING under the producer's lease, which expires and requeues them)."""
         if not results:
             return {}
-        fn = getattr(self._store, "accept_results", None)
-        if fn is None:
-            fn = functools.partial(_results_one_by_one, self._store)
+        store = self._store
+        fn = (
+            store.accept_results
+            if isinstance(store, _AcceptsResults)
+            else functools.partial(_results_one_by_one, store)
+        )
         return await self._call(fn, owner, results, **_given(to=to, lease_seconds=lease_seconds))
 
     async def reclaim_expired(self, now: float | None = None) -> int:
@@ -459,18 +451,75 @@ def _results_one_by_one(
             if state is GroupState.RUNNING:
                 store.hand_over(group.group_id, owner=owner, to=to, lease_seconds=lease_seconds)
             else:
-                getattr(store, _PUT_BY_STATE[state])(group, owner=owner)
+                _PUT_BY_STATE[state](store)(group, owner=owner)
         except StoreError as exc:
             refused[group.group_id] = str(exc)
     return refused
 
 
-_PUT_BY_STATE = {
-    GroupState.PARTIAL: "put_partial",
-    GroupState.READY: "put_ready",
-    GroupState.REJECTED: "put_rejected",
-    GroupState.FAILED: "put_failed",
+_PUT_BY_STATE: dict[GroupState, Callable[[Store], Callable[..., None]]] = {
+    GroupState.PARTIAL: lambda store: store.put_partial,
+    GroupState.READY: lambda store: store.put_ready,
+    GroupState.REJECTED: lambda store: store.put_rejected,
+    GroupState.FAILED: lambda store: store.put_failed,
 }
+
+
+def _one_by_one(one: Callable[..., None]) -> Callable[..., None]:
+    """A batched move from a store's single move, once per group (or group id) in one worker call,
+    for a store written before the batched moves existed: a transaction each, so a crash between
+    them leaves the rest RUNNING, which recovery or lease expiry requeues (exactly-once holds;
+    only the one-transaction batch is lost)."""
+
+    def each(items: Sequence[Any], **kwargs: Any) -> None:
+        for item in items:
+            one(item, **kwargs)
+
+    return each
+
+
+# The `Store` protocol has all of the moves below; a store written before one existed lacks it, and
+# `AsyncStore` then falls back to the single moves. Each is its own declared capability, checked
+# with `isinstance`, never probed by name.
+
+
+@runtime_checkable
+class _GroupsCommits(Protocol):
+    """A store that runs several calls in one transaction (the LMDB store): group commit."""
+
+    def run_grouped(self, calls: Sequence[Callable[[], Any]]) -> list[tuple[Any, Exception | None]]: ...
+
+
+def _groups_commits(store: object) -> TypeGuard[_GroupsCommits]:
+    # Checked on the class: a wrapper that forwards every attribute is not a grouping store.
+    return issubclass(type(store), _GroupsCommits)
+
+
+@runtime_checkable
+class _PutsReadyGroups(Protocol):
+    def put_ready_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class _PutsRejectedGroups(Protocol):
+    def put_rejected_groups(self, groups: Sequence[Group], *, owner: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class _HandsOverGroups(Protocol):
+    def hand_over_groups(self, group_ids: Sequence[str], *, owner: str, to: str, lease_seconds: float) -> None: ...
+
+
+@runtime_checkable
+class _AcceptsResults(Protocol):
+    def accept_results(
+        self,
+        owner: str,
+        results: Sequence[tuple[GroupState, Group]],
+        *,
+        to: str = DEFAULT_OWNER,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> dict[str, str]: ...
 
 
 def _given(**kwargs: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -665,6 +665,14 @@ class GRPOTrainer:
                 (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
         return write_folder_atomically(Path(path), self._folder_files, fill)
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters, under Hugging Face names already: what a distributed publish
+        sends (`stages.sglang.publish_distributed`), read afresh at each publish."""
+        return self.model.named_parameters()
+
+    def close(self) -> None:
+        """Nothing to release: one process, no ranks (the launcher closes every trainer it built)."""
 
 
 def _with_legacy_keywords(

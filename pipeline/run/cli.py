@@ -171,8 +171,7 @@ async def _run_in(config: Config, folder: RunFolder) -> list[dict[str, Any]]:
             started_on_them=run_engines.started_here and state.weights is None,
         )
         trainer = await anyio.to_thread.run_sync(state.make_trainer)
-        if callable(close := getattr(trainer, "close", None)):
-            stack.callback(close)  # the megatron backend: releases and waits for ranks 1..N-1
+        stack.callback(trainer.close)  # the megatron backend: releases and waits for ranks 1..N-1
         transfer = await weight_transfer(config, trainer, engines, stack)
         # Start-up's heap out of the collector's scans, and a young generation large enough that
         # samples are trained and freed before a collection walks their 1k-token tuples.

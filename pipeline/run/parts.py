@@ -20,7 +20,7 @@ from core.types import RolloutMode, WeightTransport
 from pipeline.config import Config
 from pipeline.config.rules import producer_slots_problem
 from pipeline.metrics import MetricsSink
-from pipeline.plan import RolloutPlan
+from pipeline.plan import BuiltInTrainer, RolloutPlan
 from pipeline.run.eval_run import EVAL_FILE, InlineEvaluator, eval_sets, eval_settings
 from pipeline.run.state import RunState
 from stages.producers import ProducersFactory
@@ -120,7 +120,7 @@ def path_of(fn: Callable[..., Any]) -> str:
 
 
 async def weight_transfer(
-    config: Config, trainer: Any, engines: EngineFleet, stack: AsyncExitStack
+    config: Config, trainer: BuiltInTrainer, engines: EngineFleet, stack: AsyncExitStack
 ) -> DistributedWeightSender | ColocatedWeights | None:
     """With `--update-weight-transport distributed`, the trainer is rank 0 of a group with the
     engines: join it now (a failure shows at start, not at the first publish), leave it at exit.
@@ -134,16 +134,15 @@ async def weight_transfer(
             engines,
             device=trainer.device,
             # What the torch trainer saves for the engines: bf16 when it trains under bf16 autocast.
-            send_dtype=torch.bfloat16 if getattr(trainer, "autocast", False) else None,
+            send_dtype=torch.bfloat16 if trainer.autocast else None,
             bucket_bytes=config.rollout.update_weight_buffer_size,
         )
     if config.rollout.update_weight_transport != WeightTransport.DISTRIBUTED:
         return None
     # The torch trainer's parameters carry HF names already; the megatron backend gathers its
     # tensor-parallel shards and converts them (`MegatronTrainer.hf_weights`).
-    weights = getattr(trainer, "hf_weights", None) or trainer.model.named_parameters
     sender = DistributedWeightSender(
-        weights,
+        trainer.hf_weights,
         engines,
         device=trainer.device,
         bucket_bytes=config.rollout.update_weight_buffer_size,

@@ -62,7 +62,7 @@ from pipeline.checkpoints import (
 )
 from pipeline.config import Config, config_to_dict
 from pipeline.config.derived import derived
-from pipeline.plan import Trainer
+from pipeline.plan import BuiltInTrainer
 from pipeline.run.folder import RunFolder
 from pipeline.run.model_folder import StartingModel, starting_model
 from pipeline.run.reconcile import Reconciled, prompt_of, reconcile, summary_ids
@@ -94,7 +94,7 @@ class RunState:
     start_step: int
     version: int  # the version of the checkpoint loaded (engines and trainer), 0 for the base model
     weights: Path | None  # the checkpoint of `version` to load, None for the base model
-    make_trainer: Callable[[], Trainer]
+    make_trainer: Callable[[], BuiltInTrainer]
     agent: Callable[..., Any] | None = None  # the built-in task's agent (`--task tool`), if any
     checkpoints: CheckpointPolicy | None = None
     # When the checkpoint is older than the store's last trained step: the stored batches of steps
@@ -191,7 +191,7 @@ def _take_folder(
     settings = config_to_dict(config)
     t = config.trainer
 
-    def make_trainer() -> Trainer:
+    def make_trainer() -> BuiltInTrainer:
         if t.backend == "megatron":
             from launch.megatron_ranks import start_megatron_trainer
             from pipeline.trainer_settings import megatron_settings

@@ -138,6 +138,9 @@ class MegatronTrainer:
     every rank, with the same arguments.
     """
 
+    # No torch autocast: the engines are sent the weights as `hf_weights` gives them.
+    autocast = False
+
     def __init__(
         self,
         model_path: str | os.PathLike[str],
