@@ -429,3 +429,22 @@ def test_an_optimizer_shard_restores_exactly_and_refuses_another_layout(tmp_path
     del meta["ep"], meta["pp"]  # as written before pipeline and expert parallel
     (tmp_path / "rank0.json").write_bytes(orjson.dumps(meta))
     assert load_optimizer_shard(fresh, named, tmp_path, layout=two) == 7
+
+
+@pytest.mark.parametrize(
+    ("keywords", "said"),
+    [
+        ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+        ({"dtype": "float16"}, r"dtype must be one of \['bfloat16', 'float32'\], got 'float16'"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be >= 1, got 0"),
+        ({"max_tokens_per_gpu": 0}, r"max_tokens_per_gpu must be >= 1 tokens or None \(no budget\), got 0"),
+        ({"global_batch_size": 0}, "global_batch_size must be >= 1 samples or None, got 0"),
+        ({"temperature": 0.0, "dtype": "float16"}, "temperature must be"),  # the first refusal is the temperature's
+    ],
+)
+def test_bad_megatron_trainer_arguments_are_refused_by_name_before_any_model_is_read(tmp_path, keywords, said):
+    """Checked first: no torch.distributed, no parallel state and no model folder are needed to be refused."""
+    from trainers.megatron.trainer import MegatronTrainer
+
+    with pytest.raises(ValueError, match=said):
+        MegatronTrainer(tmp_path / "no-model-here", **keywords)

@@ -451,3 +451,20 @@ def test_grpo_learns_the_toy_task(model_dir):
         rewards.append(metrics["reward_mean"])
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
     assert last > first + 0.2, (first, last, rewards)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "said"),
+    [
+        ({"dtype": "float16"}, "dtype must be 'float32' or 'bfloat16', got 'float16'"),
+        ({"temperature": 0.0}, r"temperature must be > 0 \(greedy sampling has no log-probs to train on\), got 0.0"),
+        ({"global_batch_size": 0}, r"global_batch_size must be >= 1 samples or None, got 0"),
+        ({"micro_batch_size": 0}, r"micro_batch_size must be >= 1 samples or None \(the whole minibatch\), got 0"),
+        ({"max_tokens_per_gpu": 0}, r"max_tokens_per_gpu must be >= 1 positions or None \(no budget\), got 0"),
+        ({"max_step_kl": 0.0}, r"max_step_kl must be > 0 nats or None \(no bound\), got 0.0"),
+        ({"dtype": "float16", "temperature": 0.0}, "dtype must be"),  # the first refusal is the dtype's
+    ],
+)
+def test_bad_trainer_arguments_are_refused_by_name_before_any_model_is_read(tmp_path, keywords, said):
+    with pytest.raises(ValueError, match=said):
+        GRPOTrainer(tmp_path / "no-model-here", **keywords)

@@ -45,6 +45,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -72,6 +73,9 @@ from trainers.step_kl import bounded_step, mean_k3
 from trainers.step_settings import StepSettings
 from trainers.token_scores import token_scores
 from trainers.weights_file import WeightsFileWriter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = structlog.get_logger("trainer")
 
@@ -160,27 +164,16 @@ class GRPOTrainer:
         micro_batch_size: int | None = None,
         max_tokens_per_gpu: int | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-
-        if temperature <= 0:
-            raise ValueError(
-                f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}"
-            )
-        if global_batch_size is not None and global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(
-                f"micro_batch_size must be >= 1 samples or None (the whole minibatch), got {micro_batch_size}"
-            )
+        _check_arguments(
+            dtype=dtype,
+            temperature=temperature,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_gpu=max_tokens_per_gpu,
+            max_step_kl=max_step_kl,
+        )
         self.micro_batch_size = micro_batch_size
-        if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
-            raise ValueError(f"max_tokens_per_gpu must be >= 1 positions or None (no budget), got {max_tokens_per_gpu}")
         self.max_tokens_per_gpu = max_tokens_per_gpu
-        if max_step_kl is not None and max_step_kl <= 0:
-            raise ValueError(f"max_step_kl must be > 0 nats or None (no bound), got {max_step_kl}")
         self.max_step_kl = max_step_kl
         self.loss = _with_legacy_keywords(
             loss or LossSettings(), eps_clip, eps_clip_high, tis_cap, mask_offpolicy_in_partial_rollout
@@ -203,14 +196,7 @@ class GRPOTrainer:
         # bf16 computes the forward and backward under torch.autocast; the weights, their gradients
         # and AdamW's state stay fp32 (master weights), whichever dtype.
         self.autocast = dtype == "bfloat16"
-        # fp32 master weights: the tiny model trains on CPU, where bf16 buys nothing.
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        # `PreTrainedModel.to` is a `functools.wraps` wrapper that mypy cannot bind to its instance;
-        # typed as a Module the same method runs, moving the parameters in place.
-        module: torch.nn.Module = model
-        module.to(self.device)
-        self.model = model
-        self.model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
+        self.model = _load_policy(self.model_path, self.device)
         self.pad_id = self.model.config.pad_token_id or 0
         self.lr = lr
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -227,13 +213,19 @@ class GRPOTrainer:
         self._ref_source = Path(ref_path) if ref_path is not None else self.model_path
         if self.loss.needs_reference:
             self._load_reference()
-        self.steps = 0  # train_step calls, across restarts
-        if has_optimizer(self.model_path):
-            names = optimizer_param_names(self.model, self.optimizer)
-            self.steps = load_optimizer(
-                self.optimizer, names, self.model_path / OPTIMIZER_DIR, self.device, owner=self.model_path
-            )
-            load_rng_state(self.model_path / OPTIMIZER_DIR)
+        self.steps = self._resume()  # train_step calls, across restarts
+
+    def _resume(self) -> int:
+        """Load the optimizer and RNG state saved in `model_path` (a checkpoint of this trainer) and
+        return the step count it was saved at; 0 for a folder without one (a run's initial weights)."""
+        if not has_optimizer(self.model_path):
+            return 0
+        names = optimizer_param_names(self.model, self.optimizer)
+        steps = load_optimizer(
+            self.optimizer, names, self.model_path / OPTIMIZER_DIR, self.device, owner=self.model_path
+        )
+        load_rng_state(self.model_path / OPTIMIZER_DIR)
+        return steps
 
     def _load_reference(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -673,6 +665,44 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """Nothing to release: one process, no ranks (the launcher closes every trainer it built)."""
+
+
+def _check_arguments(
+    *,
+    dtype: str,
+    temperature: float,
+    global_batch_size: int | None,
+    micro_batch_size: int | None,
+    max_tokens_per_gpu: int | None,
+    max_step_kl: float | None,
+) -> None:
+    """Refuse the constructor's arguments that no model folder could make right."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
+    if global_batch_size is not None and global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 samples or None (the whole minibatch), got {micro_batch_size}")
+    if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
+        raise ValueError(f"max_tokens_per_gpu must be >= 1 positions or None (no budget), got {max_tokens_per_gpu}")
+    if max_step_kl is not None and max_step_kl <= 0:
+        raise ValueError(f"max_step_kl must be > 0 nats or None (no bound), got {max_step_kl}")
+
+
+def _load_policy(model_path: Path, device: torch.device) -> PreTrainedModel:
+    """The policy to train, from the HF folder `model_path`, on `device` in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    # fp32 master weights: the tiny model trains on CPU, where bf16 buys nothing.
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # `PreTrainedModel.to` is a `functools.wraps` wrapper that mypy cannot bind to its instance;
+    # typed as a Module the same method runs, moving the parameters in place.
+    module: torch.nn.Module = model
+    module.to(device)
+    model.train()  # no dropout in Qwen3 by default, so train/eval give the same log-probs
+    return model
 
 
 def _with_legacy_keywords(

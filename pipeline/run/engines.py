@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -17,7 +17,10 @@ from core.errors import EngineError
 from pipeline.config import Config, EngineConfig
 from pipeline.config.derived import derived
 from stages.sglang import EngineFleet
-from stages.sglang.health import FaultPolicy
+from stages.sglang.health import EngineRestarter, FaultPolicy
+
+if TYPE_CHECKING:
+    from launch.engine_restart import ManagedEngines
 
 __all__ = [
     "COLOCATED_MEM_FRACTION",
@@ -69,122 +72,118 @@ class RunEngines:
         self.started_here = False
 
     async def __aenter__(self) -> EngineFleet:
+        # What starts before a failure (engines, a router, the fleet's session) stops at once; on
+        # success the stack moves to `self._stack`, which `__aexit__` closes.
+        async with AsyncExitStack() as stack:
+            fleet = await stack.enter_async_context(await self._open_fleet(stack))
+            self._stack = stack.pop_all()
+        return fleet
+
+    async def _open_fleet(self, stack: AsyncExitStack) -> EngineFleet:
+        """The fleet for the configured engines: the user's router, the user's engines, or engines
+        this process starts; what it starts is stopped by `stack`."""
+        e = self._config.engine
+        policy = fault_policy(e)  # checked before anything starts
+        if e.router_url:
+            # The plan's slots: C x the engines behind it.
+            return self._fleet(None, router_url=e.router_url, engines=e.num_engines, policy=policy)
+        if e.urls:
+            return await self._fleet_of(list(e.urls), stack, policy=policy)
+        urls, restarter = await self._start_engines(stack)
+        self.started_here = True
+        return await self._fleet_of(urls, stack, policy=policy, restarter=restarter)
+
+    async def _start_engines(self, stack: AsyncExitStack) -> tuple[list[str], ManagedEngines | None]:
+        """Start the built-in engines (or real SGLang servers) on `model_path`; their URLs, and the
+        restarter that replaces failed ones under fault tolerance (built-in engines only)."""
         from launch.engine_process import start_engines
         from launch.engine_restart import ManagedEngines
-        from launch.router_process import start_router
 
         e = self._config.engine
         slots = e.sglang_server_concurrency
-        timeout = self._config.rollout.request_timeout
-        retries = self._config.rollout.max_retries
-        key = e.api_key or None  # sent as 'Authorization: Bearer KEY'
-        await self._stack.__aenter__()
-        faults: dict[str, Any] = {"fault_policy": fault_policy(e), "silence_warning": e.silence_warning}
-        # R3: the fleet checks on entry that the engines answer routes, and behind a router that
-        # it passes their fields on; where it does not (sglang-router 0.3.2) R3 requests go to
-        # the engines directly.
-        r3 = self._config.rollout.use_rollout_routing_replay
-        try:
-            if e.router_url:
-                fleet = EngineFleet(
-                    router_url=e.router_url,
-                    concurrency=slots * e.num_engines,  # the plan's slots: C x the engines behind it
-                    request_timeout=timeout,
-                    max_retries=retries,
-                    api_key=key,
-                    routed_experts=r3,
-                    **faults,
-                )
-            elif len(e.urls) == 1:
-                fleet = EngineFleet(
-                    list(e.urls),
-                    concurrency=slots,
-                    request_timeout=timeout,
-                    max_retries=retries,
-                    api_key=key,
-                    routed_experts=r3,
-                    **faults,
-                )
-            elif e.urls:
-                # Several engines need a router in front of them; the pipeline starts one.
-                router = await start_router(list(e.urls), host=e.host, log_path=self._router_log(), api_key=e.api_key)
-                self._stack.push_async_exit(router)
-                fleet = EngineFleet(
-                    list(e.urls),
-                    router_url=router.url,
-                    concurrency=slots * len(e.urls),
-                    request_timeout=timeout,
-                    max_retries=retries,
-                    api_key=key,
-                    routed_experts=r3,
-                    **faults,
-                )
-            else:
-                log_dir = Path(derived(self._config.output.dir, "output.dir")) / "logs"
-                if e.launcher == "sglang":
-                    from launch.sglang_server import start_sglang_servers
+        log_dir = Path(derived(self._config.output.dir, "output.dir")) / "logs"
+        if e.launcher == "sglang":
+            from launch.sglang_server import start_sglang_servers
 
-                    procs = await start_sglang_servers(
-                        self._model_path,
-                        engine=e,
-                        log_dir=log_dir,
-                        seed=self._config.rollout.seed,
-                        routed_experts=r3,
-                    )
-                else:
-                    procs = await start_engines(
-                        e.num_engines,
-                        self._model_path,
-                        host=e.host,
-                        max_running_requests=slots,
-                        log_dir=log_dir,
-                        extra_args=builtin_engine_args(e),
-                        api_key=key,
-                    )
-                if e.use_fault_tolerance and e.launcher != "sglang":
-                    # Restarted engines replace the started ones: stop whichever run at exit.
-                    managed = ManagedEngines(
-                        procs,
-                        self._model_path,
-                        host=e.host,
-                        max_running_requests=slots,
-                        extra_args=builtin_engine_args(e),
-                        api_key=key,
-                    )
-                    self._stack.push_async_callback(managed.stop)
-                    faults["restarter"] = managed
-                else:
-                    for proc in procs:
-                        self._stack.push_async_exit(proc)  # stopped on exit, whatever happens
-                urls = [p.url for p in procs]
-                self.started_here = True
-                if len(urls) > 1:
-                    router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
-                    self._stack.push_async_exit(router)
-                    fleet = EngineFleet(
-                        urls,
-                        router_url=router.url,
-                        concurrency=slots * len(urls),
-                        request_timeout=timeout,
-                        max_retries=retries,
-                        api_key=key,
-                        routed_experts=r3,
-                        **faults,
-                    )
-                else:
-                    fleet = EngineFleet(
-                        urls,
-                        concurrency=slots,
-                        request_timeout=timeout,
-                        max_retries=retries,
-                        api_key=key,
-                        routed_experts=r3,
-                        **faults,
-                    )
-            return await self._stack.enter_async_context(fleet)
-        except BaseException:
-            await self._stack.aclose()
-            raise
+            procs = await start_sglang_servers(
+                self._model_path,
+                engine=e,
+                log_dir=log_dir,
+                seed=self._config.rollout.seed,
+                routed_experts=self._config.rollout.use_rollout_routing_replay,
+            )
+        else:
+            procs = await start_engines(
+                e.num_engines,
+                self._model_path,
+                host=e.host,
+                max_running_requests=slots,
+                log_dir=log_dir,
+                extra_args=builtin_engine_args(e),
+                api_key=e.api_key or None,
+            )
+        urls = [p.url for p in procs]
+        if e.use_fault_tolerance and e.launcher != "sglang":
+            # Restarted engines replace the started ones: stop whichever run at exit.
+            managed = ManagedEngines(
+                procs,
+                self._model_path,
+                host=e.host,
+                max_running_requests=slots,
+                extra_args=builtin_engine_args(e),
+                api_key=e.api_key or None,
+            )
+            stack.push_async_callback(managed.stop)
+            return urls, managed
+        for proc in procs:
+            stack.push_async_exit(proc)  # stopped on exit, whatever happens
+        return urls, None
+
+    async def _fleet_of(
+        self,
+        urls: list[str],
+        stack: AsyncExitStack,
+        *,
+        policy: FaultPolicy | None,
+        restarter: EngineRestarter | None = None,
+    ) -> EngineFleet:
+        """A fleet of the engines at `urls`: several need a router in front of them, which this
+        process starts (and `stack` stops)."""
+        from launch.router_process import start_router
+
+        if len(urls) <= 1:
+            return self._fleet(urls, router_url=None, engines=1, policy=policy, restarter=restarter)
+        e = self._config.engine
+        router = await start_router(urls, host=e.host, log_path=self._router_log(), api_key=e.api_key)
+        stack.push_async_exit(router)
+        return self._fleet(urls, router_url=router.url, engines=len(urls), policy=policy, restarter=restarter)
+
+    def _fleet(
+        self,
+        urls: list[str] | None,
+        *,
+        router_url: str | None,
+        engines: int,
+        policy: FaultPolicy | None,
+        restarter: EngineRestarter | None = None,
+    ) -> EngineFleet:
+        """The fleet with the run's request settings and `engines` x --sglang-server-concurrency slots."""
+        e, rollout = self._config.engine, self._config.rollout
+        return EngineFleet(
+            urls,
+            router_url=router_url,
+            concurrency=e.sglang_server_concurrency * engines,
+            request_timeout=rollout.request_timeout,
+            max_retries=rollout.max_retries,
+            api_key=e.api_key or None,  # sent as 'Authorization: Bearer KEY'
+            fault_policy=policy,
+            restarter=restarter,
+            # R3: the fleet checks on entry that the engines answer routes, and behind a router
+            # that it passes their fields on; where it does not (sglang-router 0.3.2) R3 requests
+            # go to the engines directly.
+            routed_experts=rollout.use_rollout_routing_replay,
+            silence_warning=e.silence_warning,
+        )
 
     async def __aexit__(
         self,

@@ -119,9 +119,33 @@ def open_run_state(config: Config, folder: RunFolder) -> RunState:
 
 
 def _open(config: Config, folder: RunFolder, model: StartingModel) -> RunState:
+    """Check the start, open the store, then resume: the store closes if resuming refuses."""
+    start = _check_start(config, folder.path, model)
+    regenerated: list[dict[str, Any]] = []
+    store = _open_run_store(config, start, regenerated)
+    try:
+        return _resume(config, folder, model, store, start, tuple(regenerated))
+    except BaseException:
+        store.close()
+        raise
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What the checks before the store opens give the later steps (nothing is written yet)."""
+
+    dataset: list[PromptTask]
+    reward_fn: RewardFn
+    meta: RunMeta  # what the store must have been written for
+    policy: CheckpointPolicy
+    owner: Path | None  # the LMDB store `weights/owner.json` names now (`_check_weights_owner`)
+
+
+def _check_start(config: Config, out: Path, model: StartingModel) -> _Start:
+    """The model's tokenizer, the dataset, what the store must be, and whether this run may write
+    checkpoints into `out`: refused with a ConfigError or StoreError, nothing written."""
     from transformers import AutoTokenizer
 
-    out = folder.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(model.source)
     except (OSError, ValueError) as exc:
@@ -142,44 +166,43 @@ def _open(config: Config, folder: RunFolder, model: StartingModel) -> RunState:
         keep_last=config.output.save_keep_last,
     )
     owner = _check_weights_owner(out / "weights", config)
-    regenerated: list[dict[str, Any]] = []
+    return _Start(dataset, reward_fn, meta, policy, owner)
+
+
+def _open_run_store(config: Config, start: _Start, regenerated: list[dict[str, Any]]) -> Store:
+    """The run's store: LMDB opened and checked (or seeded from its salvage, the prompts generated
+    again added to `regenerated`), or a fresh memory store, which has nothing to resume from."""
     if config.storage.transport is StoreTransport.LMDB:
-        store = _open_lmdb(config, meta, policy, dataset, regenerated)
-    else:
-        store = open_store(config.storage.transport, None)
-        check_meta(store, meta)
-        if checkpoint_versions(policy.dir, policy.publish_dir):
-            log.warning(
-                "the memory store keeps nothing to resume from: this run starts at step 0 from the base "
-                "model, and its checkpoints replace those in the run folder",
-                checkpoints=str(policy.dir),
-            )
-    try:
-        return _take_folder(config, folder, model, store, policy, owner, dataset, reward_fn, tuple(regenerated))
-    except BaseException:
-        store.close()
-        raise
+        return _open_lmdb(config, start.meta, start.policy, start.dataset, regenerated)
+    store = open_store(config.storage.transport, None)
+    check_meta(store, start.meta)
+    if checkpoint_versions(start.policy.dir, start.policy.publish_dir):
+        log.warning(
+            "the memory store keeps nothing to resume from: this run starts at step 0 from the base "
+            "model, and its checkpoints replace those in the run folder",
+            checkpoints=str(start.policy.dir),
+        )
+    return store
 
 
-def _take_folder(
+def _resume(
     config: Config,
     folder: RunFolder,
     model: StartingModel,
     store: Store,
-    policy: CheckpointPolicy,
-    owner: Path | None,
-    dataset: list[PromptTask],
-    reward_fn: RewardFn,
+    start: _Start,
     regenerated: tuple[dict[str, Any], ...],
 ) -> RunState:
-    out = folder.path
+    """Where the run resumes (refused if stored batches would be lost); then take the folder and
+    tidy it. Nothing is written into the folder before this step's `folder.take`."""
+    out, policy = folder.path, start.policy
     trained = store.trained_step()
     version, weights = _resume_point(store, policy, trained)
     # The store is open (an LMDB store's writer lock is this process's) and every check passed:
     # the folder is this run's from here, and only from here is anything written into it.
     folder.take(config)
     model_path = model.install()
-    _record_weights_owner(out / "weights", config, owner)
+    _record_weights_owner(out / "weights", config, start.owner)
     for saves in (policy.publish_dir, policy.dir):
         _remove_unfinished_saves(saves)
     # What the engines loaded between checkpoints is never needed again: a resume reloads the
@@ -187,7 +210,25 @@ def _take_folder(
     # between a commit and that deletion).
     remove_publish_folders(policy)
     prune_checkpoints(policy, trained + 1)
-    start_from = weights or model_path
+    return RunState(
+        model_path,
+        start.dataset,
+        start.reward_fn,
+        store,
+        trained + 1,
+        version,
+        weights,
+        _trainer_factory(config, weights or model_path, model_path, out),
+        _agent(config),
+        checkpoints=policy,
+        replay_from=version if version <= trained else None,
+        regenerated=regenerated,
+    )
+
+
+def _trainer_factory(config: Config, start_from: Path, model_path: Path, out: Path) -> Callable[[], Trainer]:
+    """What builds the trainer on `start_from` (the checkpoint resumed, or the base model) when the
+    run asks for it."""
     settings = config_to_dict(config)
     t = config.trainer
 
@@ -201,26 +242,16 @@ def _take_folder(
             return start_megatron_trainer(start_from, log_dir=out / "logs", **megatron_settings(config))
         return build_trainer(start_from, settings, initial_model=model_path)
 
-    agent = None
+    return make_trainer
+
+
+def _agent(config: Config) -> Callable[..., Any] | None:
+    """The built-in task's agent: `--task tool` without --prompt-data; None otherwise."""
     if not config.data.prompt_data and config.data.task == "tool":
         from pipeline.tasks.tool_task import lookup_agent
 
-        agent = lookup_agent
-    replay_from = version if version <= trained else None
-    return RunState(
-        model_path,
-        dataset,
-        reward_fn,
-        store,
-        trained + 1,
-        version,
-        weights,
-        make_trainer,
-        agent,
-        checkpoints=policy,
-        replay_from=replay_from,
-        regenerated=tuple(regenerated),
-    )
+        return lookup_agent
+    return None
 
 
 def _resume_version(policy: CheckpointPolicy, trained: int) -> int:

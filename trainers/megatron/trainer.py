@@ -69,7 +69,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,86 @@ class _StepTotals:
     minibatches: int
 
 
+def _check_arguments(
+    *,
+    temperature: float,
+    dtype: str,
+    micro_batch_size: int,
+    max_tokens_per_gpu: int | None,
+    global_batch_size: int | None,
+    distributed_optimizer: bool,
+    device: str,
+) -> None:
+    """Refuse the constructor's arguments that no model folder could make right."""
+    from megatron.core import parallel_state as ps
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
+        raise ValueError(f"max_tokens_per_gpu must be >= 1 tokens or None (no budget), got {max_tokens_per_gpu}")
+    if global_batch_size is not None and global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
+    if distributed_optimizer and ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(
+            "distributed_optimizer with pipeline parallel is not supported: the pipeline runs "
+            "its own schedule, without megatron's DDP hooks across stages; use one of the two"
+        )
+    if distributed_optimizer and torch.device(device).type == "cpu":
+        raise ValueError(
+            "distributed_optimizer needs GPU ranks (device='cuda'): megatron-core allocates its "
+            f"DDP buffers on the GPU; got device={device!r}"
+        )
+
+
+def _read_shape(model_path: Path, layout: Layout, *, routing_replay: bool) -> Qwen3Shape:
+    """The model folder's shape, checked against this rank's parallel layout (and R3's routers)."""
+    from transformers import AutoConfig
+
+    shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(model_path))
+    shape.check_tensor_parallel(layout.tp)
+    if routing_replay and not shape.moe:
+        raise ValueError("--use-rollout-routing-replay: the model has no MoE layers (no routers) to replay routes in")
+    shape.check_pipeline_parallel(layout.pp)
+    shape.check_expert_parallel(layout.ep)
+    return shape
+
+
+class _BuiltOptimizer(NamedTuple):
+    """What `_build_optimizer` makes: the model to run forward and backward through, and either
+    megatron's distributed optimizer or the hand-rolled master weights with their AdamW."""
+
+    model: torch.nn.Module
+    distopt: DistributedOptimizer | None
+    master: MasterWeights | None
+    optimizer: torch.optim.AdamW | None
+
+
+def _build_optimizer(
+    model: torch.nn.Module,
+    fp32: dict[str, torch.Tensor],
+    *,
+    distributed: bool,
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+    bf16: bool,
+) -> _BuiltOptimizer:
+    """The optimizer over `model`, whose weights were just loaded; `fp32` is their fp32 copy as read."""
+    if distributed:
+        fp32.clear()  # megatron builds its fp32 masters from the model's weights: free ours first
+        distopt = DistributedOptimizer(model, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, bf16=bf16)
+        # Forward and backward through megatron's DDP wrapper.
+        return _BuiltOptimizer(distopt.module, distopt, None, None)
+    # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
+    master = MasterWeights(model, fp32)
+    optimizer = torch.optim.AdamW([p for _, p in master.named()], lr=lr, weight_decay=weight_decay)
+    return _BuiltOptimizer(model, None, master, optimizer)
+
+
 class MegatronTrainer:
     """GRPO on a megatron-core GPTModel built from the Qwen3 folder `model_path`.
 
@@ -160,29 +240,15 @@ class MegatronTrainer:
         ref_path: str | os.PathLike[str] | None = None,
         routing_replay: bool = False,
     ) -> None:
-        from megatron.core import parallel_state as ps
-        from transformers import AutoConfig
-
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
-            raise ValueError(f"max_tokens_per_gpu must be >= 1 tokens or None (no budget), got {max_tokens_per_gpu}")
-        if global_batch_size is not None and global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1 samples or None, got {global_batch_size}")
-        if distributed_optimizer and ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError(
-                "distributed_optimizer with pipeline parallel is not supported: the pipeline runs "
-                "its own schedule, without megatron's DDP hooks across stages; use one of the two"
-            )
-        if distributed_optimizer and torch.device(device).type == "cpu":
-            raise ValueError(
-                "distributed_optimizer needs GPU ranks (device='cuda'): megatron-core allocates its "
-                f"DDP buffers on the GPU; got device={device!r}"
-            )
+        _check_arguments(
+            temperature=temperature,
+            dtype=dtype,
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_gpu=max_tokens_per_gpu,
+            global_batch_size=global_batch_size,
+            distributed_optimizer=distributed_optimizer,
+            device=device,
+        )
         if num_threads is not None and device == "cpu":
             torch.set_num_threads(num_threads)
         self.model_path = Path(model_path)
@@ -198,18 +264,11 @@ class MegatronTrainer:
         self.device = torch.device(device)
         self.layout = Layout.current()
         self.stage = Stage.current()
-        self.shape = Qwen3Shape.from_hf(AutoConfig.from_pretrained(self.model_path))
-        self.shape.check_tensor_parallel(self.layout.tp)
+        self.shape = _read_shape(self.model_path, self.layout, routing_replay=routing_replay)
         # megatron-core's MoE layers need sequence parallel under TP (qwen3.sequence_parallel).
         self._sequence_parallel = sequence_parallel(self.shape, self.layout.tp)
-        if routing_replay and not self.shape.moe:
-            raise ValueError(
-                "--use-rollout-routing-replay: the model has no MoE layers (no routers) to replay routes in"
-            )
         # R3: (layers, top k) of the routes rows carry; None when routes are not replayed.
         self._route_shape = (self.shape.num_layers, self.shape.moe_top_k) if routing_replay else None
-        self.shape.check_pipeline_parallel(self.layout.pp)
-        self.shape.check_expert_parallel(self.layout.ep)
         self.dtype = _DTYPES[dtype]
         self.model = self._build_model()
         # This stage's parameter names -> the full model's; the last stage's copy of a tied
@@ -226,28 +285,40 @@ class MegatronTrainer:
         self._ref_source = Path(ref_path) if ref_path is not None else self.model_path
         if self.loss.needs_reference:
             self._load_reference()
-        self.steps = 0
-        resume = self.model_path / OPTIMIZER_DIR
-        self.distopt: DistributedOptimizer | None = None
-        if distributed_optimizer:
-            del fp32  # megatron builds its fp32 masters from the model's weights
-            self.distopt = DistributedOptimizer(
-                self.model,
-                lr=lr,
-                weight_decay=weight_decay,
-                max_grad_norm=max_grad_norm,
-                bf16=self.dtype != torch.float32,
-            )
-            self.model = self.distopt.module  # forward and backward through megatron's DDP wrapper
-            if resume.is_dir():
-                self.steps = self.distopt.load(resume, layout=self.layout.as_dict())
-            return
-        # What the optimizer steps: the parameters themselves in fp32, their fp32 masters in bf16.
-        self.master = MasterWeights(self.model, fp32)
+        # Exactly one optimizer: megatron's distributed one (`distopt`, the model then being its
+        # DDP wrapper), or the hand-rolled fp32 `master` weights and the AdamW (`optimizer`) over them.
+        built = _build_optimizer(
+            self.model,
+            fp32,
+            distributed=distributed_optimizer,
+            lr=lr,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            bf16=self.dtype != torch.float32,
+        )
         del fp32
-        self.optimizer = torch.optim.AdamW([p for _, p in self.master.named()], lr=lr, weight_decay=weight_decay)
-        if resume.is_dir():
-            self.steps = load_optimizer_shard(self.optimizer, self.master.named(), resume, layout=self.layout.as_dict())
+        self.model = built.model
+        self.distopt: DistributedOptimizer | None = built.distopt
+        self.master: MasterWeights | None = built.master
+        self.optimizer: torch.optim.AdamW | None = built.optimizer
+        self.steps = self._resume()
+
+    def _resume(self) -> int:
+        """Load the optimizer state saved in `model_path` (a checkpoint of this trainer) and return
+        the step count it was saved at; 0 for a folder without one (a run's initial weights)."""
+        resume = self.model_path / OPTIMIZER_DIR
+        if not resume.is_dir():
+            return 0
+        if self.distopt is not None:
+            return self.distopt.load(resume, layout=self.layout.as_dict())
+        master, optimizer = self._hand_rolled()
+        return load_optimizer_shard(optimizer, master.named(), resume, layout=self.layout.as_dict())
+
+    def _hand_rolled(self) -> tuple[MasterWeights, torch.optim.AdamW]:
+        """The fp32 master weights and the AdamW over them: set whenever `distopt` is None."""
+        if self.master is None or self.optimizer is None:
+            raise RuntimeError("this trainer steps with megatron's distributed optimizer: it has no master weights")
+        return self.master, self.optimizer
 
     def _build_model(self) -> torch.nn.Module:
         lay = self.layout
@@ -290,7 +361,7 @@ class MegatronTrainer:
         if self.distopt is not None:
             self.distopt.use(lr=settings.lr, max_grad_norm=settings.max_grad_norm)
         else:
-            for group in self.optimizer.param_groups:
+            for group in self._hand_rolled()[1].param_groups:
                 group["lr"] = settings.lr
         self.loss = settings.loss
         self.temperature = settings.temperature
@@ -462,7 +533,7 @@ class MegatronTrainer:
         if self.distopt is not None:
             self.distopt.zero_grad()
         else:
-            self.optimizer.zero_grad(set_to_none=False)
+            self._hand_rolled()[1].zero_grad(set_to_none=False)
         totals: defaultdict[str, float] = defaultdict(float)
         pending: list[InFlight] = []
         for j, chunk in enumerate(chunks):
@@ -503,7 +574,8 @@ class MegatronTrainer:
             return totals, self.distopt.step(), True
         from megatron.core import parallel_state as ps
 
-        tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, self.master.named()
+        master, optimizer = self._hand_rolled()
+        tp_group, lay, named = ps.get_tensor_model_parallel_group(), self.layout, master.named()
         # A tied embedding under PP: its two copies, on the first and the last stage.
         tied = self.shape.tied and lay.pp > 1 and (self.stage.first or self.stage.last)
         reduce_gradients(
@@ -530,8 +602,8 @@ class MegatronTrainer:
             ep_group=ps.get_expert_model_parallel_group() if lay.ep > 1 else None,
             not_counted=self._tied_copy,
         )
-        self.optimizer.step()
-        self.master.copy_to_model()
+        optimizer.step()
+        master.copy_to_model()
         return totals, grad_norm, True
 
     def _forward(
@@ -609,13 +681,13 @@ class MegatronTrainer:
     def _accumulate_grads(self) -> None:
         """bf16, hand-rolled path: into the fp32 masters after every micro-batch (megatron's DDP
         accumulates into its fp32 buffer in its own backward hooks)."""
-        if self.distopt is None:
+        if self.master is not None:
             self.master.accumulate_grads()
 
     def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The weights a publish or a saved folder reads, by megatron name (fp32 masters, or the
         distributed optimizer's model weights)."""
-        return self.distopt.named() if self.distopt is not None else self.master.named()
+        return self.distopt.named() if self.distopt is not None else self._hand_rolled()[0].named()
 
     def _batch_tokens(self, rows: list[Row], chunks: list[list[Row]], proximal: list[torch.Tensor] | None) -> float:
         """The token-mean denominator: the minibatch's trainable tokens, after log-prob-dependent drops."""
@@ -691,9 +763,10 @@ class MegatronTrainer:
         if self.distopt is not None:
             self.distopt.save(folder / OPTIMIZER_DIR, layout=self.layout.as_dict(), steps=self.steps)
         else:
+            master, optimizer = self._hand_rolled()
             save_optimizer_shard(
-                self.optimizer,
-                self.master.named(),
+                optimizer,
+                master.named(),
                 folder / OPTIMIZER_DIR,
                 layout=self.layout.as_dict(),
                 steps=self.steps,
