@@ -226,7 +226,7 @@ def _resume(
     )
 
 
-def _trainer_factory(config: Config, start_from: Path, model_path: Path, out: Path) -> Callable[[], Trainer]:
+def _trainer_factory(config: Config, start_from: Path, model_path: Path, out: Path) -> Callable[[], BuiltInTrainer]:
     """What builds the trainer on `start_from` (the checkpoint resumed, or the base model) when the
     run asks for it."""
     settings = config_to_dict(config)
