@@ -99,11 +99,6 @@ class Rollout:
         self.first_step = 0  # the first step this session trains: the store's trained step + 1, on entry
         self._taken: int | None = None  # the step of the batch handed out and not yet committed
 
-    @classmethod
-    def from_parts(cls, plan: RolloutPlan, parts: RolloutParts, *, clock: VersionClock | None = None) -> Self:
-        """`Rollout(plan, parts, clock=clock)`, the name code written before `parts` was positional uses."""
-        return cls(plan, parts, clock=clock)
-
     async def __aenter__(self) -> Self:
         # After an unclean stop (a kill, an error out of the block): groups left RUNNING go back to
         # PARTIAL with their prefixes, and a batch taken but never committed back to READY. Nothing
