@@ -259,5 +259,5 @@ def test_the_eval_progress_bar_draws_on_a_terminal_only(capsys):
     tick = _bar(load_config([]), 3)  # --progress is on by default; stderr here is no terminal
     for _ in range(3):
         tick()
-    getattr(tick, "close", lambda: None)()
+    tick.close()
     assert "\r" not in capsys.readouterr().err

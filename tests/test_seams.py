@@ -57,7 +57,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # Left for their own change (not the trainer, engines or store): a user filter's verdict may
     # carry a `reason`; the eval progress bar may have a `close`.
     ("stages/filter.py", "reason"): "a user filter's verdict object (keep, optional reason)",
-    ("pipeline/run/eval_run.py", "close"): "the eval progress bar (tqdm on a terminal, none in a log)",
 }
 
 

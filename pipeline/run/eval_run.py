@@ -258,9 +258,7 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
                 )
     finally:
         sink.close()
-        close = getattr(bar, "close", None)
-        if callable(close):
-            close()
+        bar.close()
     return 0
 
 
@@ -274,24 +272,30 @@ def _metrics_sink(config: Config, out: Path) -> MetricsSink:
 
 
 class _NoBar:
+    """No bar: in a log file the line printed per version says it."""
+
     def __call__(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
 
-def _bar(config: Config, total: int) -> Callable[[], None]:
-    """A progress bar over the samples, on a terminal only (as the run's: `draws_a_bar`); in a log
-    file the line printed per version says it."""
-    if not draws_a_bar(config):
-        return _NoBar()
-    from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="sample", desc="eval", dynamic_ncols=True)
+class _Tick(_NoBar):
+    """A tqdm bar, one tick a sample."""
 
-    class _Tick:
-        def __call__(self) -> None:
-            bar.update(1)
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
 
-        def close(self) -> None:
-            bar.close()
+        self._bar = tqdm(total=total, unit="sample", desc="eval", dynamic_ncols=True)
 
-    return _Tick()
+    def __call__(self) -> None:
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _bar(config: Config, total: int) -> _NoBar:
+    """A progress bar over the samples, on a terminal only (as the run's: `draws_a_bar`)."""
+    return _Tick(total) if draws_a_bar(config) else _NoBar()
