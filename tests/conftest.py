@@ -1,9 +1,19 @@
 """What several test files set up alike, one section each: the session's environment and markers;
-the torch trainer's tiny model. The project's modules (and torch) are imported inside the helpers
-that use them, so a test module loads only what its own tests need."""
+child processes of this checkout; the torch trainer's tiny model; HTTP to an engine; the real
+router. The project's modules (and torch) are imported inside the helpers that use them, so a test
+module loads only what its own tests need."""
 
 import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
+import aiohttp
+import anyio
+import orjson
 import pytest
 
 # ---- the session: no model hub, asyncio for anyio tests, GPU tests opt-in ------------------------
@@ -29,6 +39,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# ---- child processes of this checkout ------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_env() -> dict[str, str]:
+    """This process's environment with the repository root first on PYTHONPATH: a child process
+    imports this checkout's modules whatever its working directory."""
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def run_python_module(
+    module: str, *args: str, cwd: Path = REPO_ROOT, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m module args` in a child process as a user would (in `cwd`, with `repo_env()`
+    unless `env` is given) and wait for it: its exit code and its captured text output."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=repo_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+
+
 # ---- the torch trainer on the tiny model ---------------------------------------------------------
 
 
@@ -49,3 +87,62 @@ def tiny_model_dir(tmp_path_factory):
     from pipeline.tasks.tiny_model import make_model_folder
 
     return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+# ---- HTTP to an engine (built-in, simulated or fake) ---------------------------------------------
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session for a test's own requests to an engine, each bounded at 60 s."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+async def post_generate(http: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, Any]:
+    """POST `body` to the engine's /generate: the status and the JSON answer (the raw bytes where
+    the answer is not JSON)."""
+    async with http.post(url + "/generate", json=body) as resp:
+        raw = await resp.read()
+        return resp.status, (orjson.loads(raw) if resp.content_type == "application/json" else raw)
+
+
+async def post_raw(http: aiohttp.ClientSession, url: str, json: Any = None) -> tuple[int, bytes]:
+    """POST `json` to `url`: the status and the answer's bytes."""
+    async with http.post(url, json=json) as resp:
+        return resp.status, await resp.read()
+
+
+async def sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    """Parse a streamed (SSE) /generate body into JSON chunks; the literal `[DONE]` is yielded as a
+    string. Every event must be a `data: ` line."""
+    buffer = b""
+    async for data in resp.content.iter_any():
+        buffer += data
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            assert event.startswith(b"data: "), event
+            payload = event[len(b"data: ") :]
+            yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
+
+
+async def get_ok_json(http: aiohttp.ClientSession, url: str) -> Any:
+    """GET `url`, which must answer 200: its JSON."""
+    async with http.get(url) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+# ---- the real router -----------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def router_in_front_of(engines: Iterable[Any]) -> AsyncIterator[Any]:
+    """The real sglang-router (a subprocess, up within 30 s) in front of `engines` (each with a
+    `url`), stopped on leaving the block."""
+    from launch.router_process import start_router
+
+    with anyio.fail_after(30):
+        router = await start_router([e.url for e in engines])
+    async with router:
+        yield router
