@@ -1,9 +1,12 @@
 """What several test files set up alike, one section each: the session's environment and markers;
 child processes of this checkout; the torch trainer's tiny model; HTTP to an engine; the real
-router. The project's modules (and torch) are imported inside the helpers that use them, so a test
-module loads only what its own tests need."""
+router; small runs of the whole pipeline into LMDB, and their damage. The project's modules (and
+torch, lmdb) are imported inside the helpers that use them, so a test module loads only what its
+own tests need."""
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable
@@ -146,3 +149,59 @@ async def router_in_front_of(engines: Iterable[Any]) -> AsyncIterator[Any]:
         router = await start_router([e.url for e in engines])
     async with router:
         yield router
+
+
+# ---- small runs of the whole pipeline into LMDB, and their damage --------------------------------
+
+# Small enough for seconds on a shared CPU: 2 prompts of 4 samples a step, 32 tokens at most.
+SMALL_LMDB_RUN = (
+    "--rollout-data-transport",
+    "lmdb",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-max-response-len",
+    "32",
+    "--no-progress",
+)
+
+
+def small_lmdb_run(out: Path, *flags: str, steps: int = 3, level: str = "warning") -> int:
+    """Run the pipeline in process (the `launch` CLI, toy task, built-in trainer) for `steps` steps
+    into the output folder `out`, with `SMALL_LMDB_RUN` and then `flags`; its exit code."""
+    from pipeline.run.cli import main as launch
+
+    return launch(
+        ["--output-dir", str(out), "--num-rollout", str(steps), "--log-level", level, *SMALL_LMDB_RUN, *flags]
+    )
+
+
+def copy_of_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of the output folder `run` at `tmp_path / "run"`: a module's one run, for a test to
+    damage or resume without touching the other tests' copies."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes: that a file is left as it was."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def flip_a_stored_group_bit(store_dir: Path, group_id: str) -> None:
+    """Flip one bit inside the sealed record of group `group_id` in the LMDB store at `store_dir`,
+    as a disk would: the record's seal no longer matches."""
+    import lmdb
+
+    from storage import keys
+    from storage.seal import OVERHEAD
+
+    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES))
+    with env.begin(write=True) as txn:
+        db = env.open_db(keys.GROUPS, txn=txn)
+        value = bytearray(txn.get(group_id.encode(), db=db))
+        value[OVERHEAD + 5] ^= 0x01  # one bit, as a disk would flip it
+        txn.put(group_id.encode(), bytes(value), db=db)
+    env.close()
