@@ -1,10 +1,11 @@
 """What several test files set up alike, one section each: the session's environment and markers;
 child processes of this checkout; the torch trainer's tiny model; HTTP to an engine; the real
-router; small runs of the whole pipeline into LMDB, and their damage. The project's modules (and
-torch, lmdb) are imported inside the helpers that use them, so a test module loads only what its
-own tests need."""
+router; the producer side of the pipeline over HTTP; small runs of the whole pipeline into LMDB,
+and their damage. The project's modules (and torch, lmdb) are imported inside the helpers that use
+them, so a test module loads only what its own tests need."""
 
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -149,6 +150,91 @@ async def router_in_front_of(engines: Iterable[Any]) -> AsyncIterator[Any]:
         router = await start_router([e.url for e in engines])
     async with router:
         yield router
+
+
+# ---- the producer side over HTTP -----------------------------------------------------------------
+
+
+class PoolRig:
+    """Dispenser -> generator pool -> collector on one clock and one store: the producer side of
+    the pipeline without reward and filter, so a test decides when groups are admitted (by
+    `admission.grant`). Each test file fixes its tasks, sample count, slots and payloads.
+    `engine` is what the pool sends requests to: an `EngineFleet`, or a wrapper around one."""
+
+    def __init__(
+        self,
+        engine,
+        store,
+        clock,
+        *,
+        tasks,
+        n_samples,
+        max_len,
+        slots,
+        payloads=None,
+        sampling_params=None,
+        detokenize=None,
+        collect_buffer=4,
+    ):
+        from stages.admission import Admission
+        from stages.collector import Collector
+        from stages.dispenser import Dispenser
+        from stages.generator import GeneratorPool
+        from storage import AsyncStore
+
+        self.store, self.clock, self.admission, self.n_samples = store, clock, Admission(), n_samples
+        astore = AsyncStore(store)
+        self.dispenser = Dispenser(astore, tasks, n_samples=n_samples, clock=clock, admission=self.admission)
+        self.pool = GeneratorPool(
+            engine,
+            slots=slots,
+            sampling_params={} if sampling_params is None else sampling_params,
+            max_response_len=max_len,
+            clock=clock,
+            store=astore,
+            admission=self.admission,
+            payloads=payloads,
+            detokenize=detokenize,
+        )
+        self._collect_buffer = collect_buffer
+        self.collector = Collector(store=astore, admission=self.admission, capacity=math.inf)
+
+    async def start(self, tg) -> None:
+        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
+        to_collect_send, to_collect = anyio.create_memory_object_stream(self._collect_buffer)
+        await tg.start(self.dispenser.run, to_pool_send)
+        await tg.start(self.pool.run, to_pool, to_collect_send)
+        await tg.start(self.collector.run, to_collect)
+
+    @property
+    def admitted(self):
+        return self.store.statistics().cursor.index
+
+    def ready_groups(self):
+        from storage import GroupState
+
+        return list(self.store.groups(GroupState.READY))
+
+    async def park_granted(self, fake, *, groups: int = 1, tokens: int = 2) -> None:
+        """Grant `groups` groups and return once each of their requests is parked at the protocol
+        fake `fake` (its hold gate) after `tokens` tokens; `fake.release()` lets them go on."""
+        fake.hold(tokens)
+        self.admission.grant(groups)
+        await fake.wait_until(lambda: fake.held == groups * self.n_samples)
+
+    async def publish_with_one_group_held(self, fake, fleet, folder, mode) -> None:
+        """Grant one group, park its requests at `fake` after 2 tokens, publish `folder` in pause
+        `mode` while they are parked (with "abort", wait until the continuations park again),
+        release them and wait until the group settles."""
+        from stages.publisher import publish_weights
+
+        with anyio.fail_after(10):
+            await self.park_granted(fake)
+            await publish_weights(self.clock, fleet, folder, pause_mode=mode)
+            if mode == "abort":
+                await fake.wait_until(lambda: fake.held == self.n_samples)  # the continuations, on v1
+            fake.release()
+            await self.admission.wait_settled()
 
 
 # ---- small runs of the whole pipeline into LMDB, and their damage --------------------------------

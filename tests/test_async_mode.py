@@ -8,7 +8,6 @@ the wire; nothing sleeps.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import anyio
@@ -19,13 +18,10 @@ from core.errors import EngineUnavailableError, PublishError, StoreError
 from core.types import PromptTask, SampleStatus, VersionSpan
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
+from tests.conftest import PoolRig
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_sglang import default_token_fn
 from tests.test_controller import EOS, drive_long_tail, lengths_by_prompt
@@ -66,38 +62,11 @@ def leaves(exc):
     return [exc]
 
 
-class Rig:
-    """Dispenser -> generator pool -> collector on one clock and one store: the producer side of
-    the pipeline without reward and filter, so a test decides when groups are admitted."""
+class Rig(PoolRig):
+    """`PoolRig` on this file's tasks: 16 slots, no token payloads."""
 
     def __init__(self, fleet, store: MemoryStore, clock: VersionClock):
-        self.store, self.clock, self.admission = store, clock, Admission()
-        astore = AsyncStore(store)
-        self.dispenser = Dispenser(astore, dataset(), n_samples=N_SAMPLES, clock=clock, admission=self.admission)
-        self.pool = GeneratorPool(
-            fleet,
-            slots=16,
-            sampling_params={},
-            max_response_len=MAX_LEN,
-            clock=clock,
-            store=astore,
-            admission=self.admission,
-        )
-        self.collector = Collector(store=astore, admission=self.admission, capacity=math.inf)
-
-    async def start(self, tg):
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(4)
-        await tg.start(self.dispenser.run, to_pool_send)
-        await tg.start(self.pool.run, to_pool, to_collect_send)
-        await tg.start(self.collector.run, to_collect)
-
-    @property
-    def admitted(self):
-        return self.store.statistics().cursor.index
-
-    def ready_groups(self):
-        return list(self.store.groups(GroupState.READY))
+        super().__init__(fleet, store, clock, tasks=dataset(), n_samples=N_SAMPLES, max_len=MAX_LEN, slots=16)
 
 
 # -- 1. publish under load --------------------------------------------------------------------
@@ -110,10 +79,9 @@ async def test_publish_under_load_loses_nothing_and_stamps_engine_versions(mode,
         async with anyio.create_task_group() as tg:
             rig = Rig(fleet, store, clock)
             await rig.start(tg)
-            fake.hold(2)  # every request parks after 2 tokens: all 4 are mid-generation at the publish
-            rig.admission.grant(2)
             with anyio.fail_after(10):
-                await fake.wait_until(lambda: fake.held == 2 * N_SAMPLES)
+                # Every request parks after 2 tokens: all 4 are mid-generation at the publish.
+                await rig.park_granted(fake, groups=2)
                 report = await publish_weights(clock, fleet, tmp_path / "v1", pause_mode=mode)
                 if mode == "abort":
                     # The aborted prefixes resumed on the new weights (and park again at the hold).
@@ -215,10 +183,8 @@ async def test_a_failed_publish_keeps_the_old_version_serving_and_continues_the_
         async with anyio.create_task_group() as tg:
             rig = Rig(fleet, store, clock)
             await rig.start(tg)
-            fake.hold(2)
-            rig.admission.grant(1)
             with anyio.fail_after(10):
-                await fake.wait_until(lambda: fake.held == N_SAMPLES)
+                await rig.park_granted(fake)
                 fake.weight_update_error = "disk full writing /ckpt/v1"
                 with pytest.raises(PublishError, match="disk full writing /ckpt/v1") as info:
                     await publish_weights(clock, fleet, tmp_path / "v1", pause_mode="abort")
