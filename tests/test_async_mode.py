@@ -62,6 +62,25 @@ def leaves(exc):
     return [exc]
 
 
+async def run_rewarding_all(
+    plan, fleet, store, trainer, tmp_path, *, tasks=None, filter_fn=None, metrics=None, clock=None
+):
+    """`run_pipeline` on `fleet` and `store` with every sample rewarded 1.0 and no filter unless
+    one is given: what these tests vary is the plan, the trainer and the engine."""
+    return await run_pipeline(
+        plan,
+        engines=fleet,
+        store=AsyncStore(store),
+        trainer=trainer,
+        dataset=dataset() if tasks is None else tasks,
+        reward_fn=lambda task, sample: 1.0,
+        filter_fn=filter_fn,
+        weights_dir=tmp_path / "w",
+        metrics=metrics or MetricsSink(None),
+        clock=clock,
+    )
+
+
 class Rig(PoolRig):
     """`PoolRig` on this file's tasks: 16 slots, no token payloads."""
 
@@ -298,18 +317,7 @@ async def run_gated(plan, tmp_path, metrics=None):
                         await trainer.go.send(None)
 
                 tg.start_soon(drive)
-                summary = await run_pipeline(
-                    plan,
-                    engines=fleet,
-                    store=AsyncStore(store),
-                    trainer=trainer,
-                    dataset=dataset(),
-                    reward_fn=lambda task, sample: 1.0,
-                    filter_fn=None,
-                    weights_dir=tmp_path / "w",
-                    metrics=metrics or MetricsSink(None),
-                    clock=clock,
-                )
+                summary = await run_rewarding_all(plan, fleet, store, trainer, tmp_path, metrics=metrics, clock=clock)
     trainer.close()
     return summary, store, trainer, ahead_while_training
 
@@ -397,16 +405,8 @@ async def test_a_crashed_stage_surfaces_from_run_pipeline(mode, broken, tmp_path
     plan = RolloutPlan(mode=mode, batch_size=2, n_samples=N_SAMPLES, num_steps=3, slots=8, max_response_len=MAX_LEN)
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
-            await run_pipeline(
-                plan,
-                engines=fleet,
-                store=AsyncStore(store),
-                trainer=QuickTrainer(),
-                dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0,
-                filter_fn=broken_filter if broken == "filter" else None,
-                weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None),
+            await run_rewarding_all(
+                plan, fleet, store, QuickTrainer(), tmp_path, filter_fn=broken_filter if broken == "filter" else None
             )
     causes = leaves(info.value)
     expected = (StoreError, "disk is read-only") if broken == "store" else (RuntimeError, "filter bug")
@@ -428,17 +428,7 @@ async def test_a_dead_engine_fails_the_run_instead_of_hanging(mode, tmp_path):
 
                 tg.start_soon(kill)
                 with anyio.fail_after(15), pytest.raises(BaseExceptionGroup) as info:
-                    await run_pipeline(
-                        plan,
-                        engines=fleet,
-                        store=AsyncStore(MemoryStore()),
-                        trainer=QuickTrainer(),
-                        dataset=dataset(),
-                        reward_fn=lambda task, sample: 1.0,
-                        filter_fn=None,
-                        weights_dir=tmp_path / "w",
-                        metrics=MetricsSink(None),
-                    )
+                    await run_rewarding_all(plan, fleet, MemoryStore(), QuickTrainer(), tmp_path)
     causes = leaves(info.value)
     assert any(isinstance(e, EngineUnavailableError) and url in str(e) for e in causes), causes
 
@@ -474,18 +464,7 @@ async def test_async_run_in_each_pause_mode_accounts_for_every_group(mode, tmp_p
     fake_engine = FakeSGLang(weight_version="0", token_fn=token_fn)
     async with fake_engine as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         with anyio.fail_after(20):
-            summary = await run_pipeline(
-                plan,
-                engines=fleet,
-                store=AsyncStore(store),
-                trainer=Trainer(),
-                dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0,
-                filter_fn=None,
-                weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None),
-                clock=clock,
-            )
+            summary = await run_rewarding_all(plan, fleet, store, Trainer(), tmp_path, clock=clock)
         assert fake.calls["/flush_cache"] == (4 if mode == "abort" else 0)
     assert summary.final_version == 4 == clock.statistics().publishes
     admitted = store.statistics().cursor.index
@@ -517,16 +496,8 @@ async def test_async_run_ends_with_the_long_tail_stored_as_partial(tmp_path):
         async with EngineFleet([fake.url], concurrency=16) as fleet, anyio.create_task_group() as tg:
             tg.start_soon(drive_long_tail, fake)
             with anyio.fail_after(15):
-                summary = await run_pipeline(
-                    plan,
-                    engines=fleet,
-                    store=AsyncStore(store),
-                    trainer=QuickTrainer(),
-                    dataset=long_tail_dataset(64),
-                    reward_fn=lambda task, sample: 1.0,
-                    filter_fn=None,
-                    weights_dir=tmp_path / "w",
-                    metrics=MetricsSink(None),
+                summary = await run_rewarding_all(
+                    plan, fleet, store, QuickTrainer(), tmp_path, tasks=long_tail_dataset(64)
                 )
             tg.cancel_scope.cancel()
     assert summary.final_version == 3
@@ -553,17 +524,7 @@ async def test_async_run_ends_with_a_full_collector(tmp_path):
     )
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=16) as fleet:
         with anyio.fail_after(10):
-            await run_pipeline(
-                plan,
-                engines=fleet,
-                store=AsyncStore(store),
-                trainer=QuickTrainer(),
-                dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0,
-                filter_fn=None,
-                weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None),
-            )
+            await run_rewarding_all(plan, fleet, store, QuickTrainer(), tmp_path)
     counts = {s: store.count(s) for s in GroupState}
     assert counts[GroupState.RUNNING] == 0 and sum(counts.values()) == store.statistics().cursor.index
     assert counts[GroupState.TRAINED] == 4 and counts[GroupState.READY] > 2  # past the bound, kept
