@@ -9,7 +9,6 @@ granted at once and the round ends when the admission has settled (all groups st
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,10 @@ from core.clock import VersionClock
 from core.types import Group, PromptTask
 from engines.builtin import EngineServer, open_server
 from pipeline.tasks.toy import toy_reward
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
 from stages.sglang import EngineFleet
 from stages.sglang.payloads import TokenPayloads
-from storage import AsyncStore, GroupState, MemoryStore
+from storage import GroupState, MemoryStore
+from tests.conftest import PoolRig
 
 __all__ = ["engine_rollout", "toy_rewarded"]
 
@@ -49,35 +45,30 @@ async def engine_rollout(
 ) -> list[Group]:
     """The READY groups of one round over `tasks` (`n_samples` each); `during`, if given, runs
     once the tasks are granted, before the round is waited for (a publish mid-request, say)."""
-    store, clock, admission = MemoryStore(), VersionClock(), Admission()
-    astore = AsyncStore(store)
+    store, clock = MemoryStore(), VersionClock()
     async with (
         open_server(model, port=0, dtype=dtype, weight_version="0", health_check_timeout=0.5) as server,
         EngineFleet([server.url], concurrency=slots) as fleet,
         anyio.create_task_group() as tg,
     ):
-        dispenser = Dispenser(astore, list(tasks), n_samples=n_samples, clock=clock, admission=admission)
-        pool = GeneratorPool(
+        rig = PoolRig(
             fleet,
+            store,
+            clock,
+            tasks=list(tasks),
+            n_samples=n_samples,
+            max_len=max_response_len,
             slots=slots,
-            sampling_params=dict(sampling_params or {}),
-            max_response_len=max_response_len,
-            clock=clock,
-            store=astore,
-            admission=admission,
             payloads=payloads,
+            sampling_params=dict(sampling_params or {}),
+            collect_buffer=len(tasks),
         )
-        collector = Collector(store=astore, admission=admission, capacity=math.inf)
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(len(tasks))
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_collect_send)
-        await tg.start(collector.run, to_collect)
+        await rig.start(tg)
         with anyio.fail_after(deadline):
-            admission.grant(len(tasks))
+            rig.admission.grant(len(tasks))
             if during is not None:
                 await during(server, fleet, clock)
-            await admission.wait_settled()
+            await rig.admission.wait_settled()
         tg.cancel_scope.cancel()
     groups = list(store.groups(GroupState.READY))
     assert len(groups) == len(tasks), f"{len(groups)} of {len(tasks)} groups ready"

@@ -8,7 +8,6 @@ the wire; nothing sleeps.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import anyio
@@ -19,13 +18,10 @@ from core.errors import EngineUnavailableError, PublishError, StoreError
 from core.types import PromptTask, SampleStatus, VersionSpan
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
+from tests.conftest import PoolRig
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_sglang import default_token_fn
 from tests.test_controller import EOS, drive_long_tail, lengths_by_prompt
@@ -66,38 +62,30 @@ def leaves(exc):
     return [exc]
 
 
-class Rig:
-    """Dispenser -> generator pool -> collector on one clock and one store: the producer side of
-    the pipeline without reward and filter, so a test decides when groups are admitted."""
+async def run_rewarding_all(
+    plan, fleet, store, trainer, tmp_path, *, tasks=None, filter_fn=None, metrics=None, clock=None
+):
+    """`run_pipeline` on `fleet` and `store` with every sample rewarded 1.0 and no filter unless
+    one is given: what these tests vary is the plan, the trainer and the engine."""
+    return await run_pipeline(
+        plan,
+        engines=fleet,
+        store=AsyncStore(store),
+        trainer=trainer,
+        dataset=dataset() if tasks is None else tasks,
+        reward_fn=lambda task, sample: 1.0,
+        filter_fn=filter_fn,
+        weights_dir=tmp_path / "w",
+        metrics=metrics or MetricsSink(None),
+        clock=clock,
+    )
+
+
+class Rig(PoolRig):
+    """`PoolRig` on this file's tasks: 16 slots, no token payloads."""
 
     def __init__(self, fleet, store: MemoryStore, clock: VersionClock):
-        self.store, self.clock, self.admission = store, clock, Admission()
-        astore = AsyncStore(store)
-        self.dispenser = Dispenser(astore, dataset(), n_samples=N_SAMPLES, clock=clock, admission=self.admission)
-        self.pool = GeneratorPool(
-            fleet,
-            slots=16,
-            sampling_params={},
-            max_response_len=MAX_LEN,
-            clock=clock,
-            store=astore,
-            admission=self.admission,
-        )
-        self.collector = Collector(store=astore, admission=self.admission, capacity=math.inf)
-
-    async def start(self, tg):
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(4)
-        await tg.start(self.dispenser.run, to_pool_send)
-        await tg.start(self.pool.run, to_pool, to_collect_send)
-        await tg.start(self.collector.run, to_collect)
-
-    @property
-    def admitted(self):
-        return self.store.statistics().cursor.index
-
-    def ready_groups(self):
-        return list(self.store.groups(GroupState.READY))
+        super().__init__(fleet, store, clock, tasks=dataset(), n_samples=N_SAMPLES, max_len=MAX_LEN, slots=16)
 
 
 # -- 1. publish under load --------------------------------------------------------------------
@@ -110,10 +98,9 @@ async def test_publish_under_load_loses_nothing_and_stamps_engine_versions(mode,
         async with anyio.create_task_group() as tg:
             rig = Rig(fleet, store, clock)
             await rig.start(tg)
-            fake.hold(2)  # every request parks after 2 tokens: all 4 are mid-generation at the publish
-            rig.admission.grant(2)
             with anyio.fail_after(10):
-                await fake.wait_until(lambda: fake.held == 2 * N_SAMPLES)
+                # Every request parks after 2 tokens: all 4 are mid-generation at the publish.
+                await rig.park_granted(fake, groups=2)
                 report = await publish_weights(clock, fleet, tmp_path / "v1", pause_mode=mode)
                 if mode == "abort":
                     # The aborted prefixes resumed on the new weights (and park again at the hold).
@@ -215,10 +202,8 @@ async def test_a_failed_publish_keeps_the_old_version_serving_and_continues_the_
         async with anyio.create_task_group() as tg:
             rig = Rig(fleet, store, clock)
             await rig.start(tg)
-            fake.hold(2)
-            rig.admission.grant(1)
             with anyio.fail_after(10):
-                await fake.wait_until(lambda: fake.held == N_SAMPLES)
+                await rig.park_granted(fake)
                 fake.weight_update_error = "disk full writing /ckpt/v1"
                 with pytest.raises(PublishError, match="disk full writing /ckpt/v1") as info:
                     await publish_weights(clock, fleet, tmp_path / "v1", pause_mode="abort")
@@ -332,18 +317,7 @@ async def run_gated(plan, tmp_path, metrics=None):
                         await trainer.go.send(None)
 
                 tg.start_soon(drive)
-                summary = await run_pipeline(
-                    plan,
-                    engines=fleet,
-                    store=AsyncStore(store),
-                    trainer=trainer,
-                    dataset=dataset(),
-                    reward_fn=lambda task, sample: 1.0,
-                    filter_fn=None,
-                    weights_dir=tmp_path / "w",
-                    metrics=metrics or MetricsSink(None),
-                    clock=clock,
-                )
+                summary = await run_rewarding_all(plan, fleet, store, trainer, tmp_path, metrics=metrics, clock=clock)
     trainer.close()
     return summary, store, trainer, ahead_while_training
 
@@ -431,16 +405,8 @@ async def test_a_crashed_stage_surfaces_from_run_pipeline(mode, broken, tmp_path
     plan = RolloutPlan(mode=mode, batch_size=2, n_samples=N_SAMPLES, num_steps=3, slots=8, max_response_len=MAX_LEN)
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
-            await run_pipeline(
-                plan,
-                engines=fleet,
-                store=AsyncStore(store),
-                trainer=QuickTrainer(),
-                dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0,
-                filter_fn=broken_filter if broken == "filter" else None,
-                weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None),
+            await run_rewarding_all(
+                plan, fleet, store, QuickTrainer(), tmp_path, filter_fn=broken_filter if broken == "filter" else None
             )
     causes = leaves(info.value)
     expected = (StoreError, "disk is read-only") if broken == "store" else (RuntimeError, "filter bug")
@@ -462,17 +428,7 @@ async def test_a_dead_engine_fails_the_run_instead_of_hanging(mode, tmp_path):
 
                 tg.start_soon(kill)
                 with anyio.fail_after(15), pytest.raises(BaseExceptionGroup) as info:
-                    await run_pipeline(
-                        plan,
-                        engines=fleet,
-                        store=AsyncStore(MemoryStore()),
-                        trainer=QuickTrainer(),
-                        dataset=dataset(),
-                        reward_fn=lambda task, sample: 1.0,
-                        filter_fn=None,
-                        weights_dir=tmp_path / "w",
-                        metrics=MetricsSink(None),
-                    )
+                    await run_rewarding_all(plan, fleet, MemoryStore(), QuickTrainer(), tmp_path)
     causes = leaves(info.value)
     assert any(isinstance(e, EngineUnavailableError) and url in str(e) for e in causes), causes
 
@@ -508,18 +464,7 @@ async def test_async_run_in_each_pause_mode_accounts_for_every_group(mode, tmp_p
     fake_engine = FakeSGLang(weight_version="0", token_fn=token_fn)
     async with fake_engine as fake, EngineFleet([fake.url], concurrency=8) as fleet:
         with anyio.fail_after(20):
-            summary = await run_pipeline(
-                plan,
-                engines=fleet,
-                store=AsyncStore(store),
-                trainer=Trainer(),
-                dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0,
-                filter_fn=None,
-                weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None),
-                clock=clock,
-            )
+            summary = await run_rewarding_all(plan, fleet, store, Trainer(), tmp_path, clock=clock)
         assert fake.calls["/flush_cache"] == (4 if mode == "abort" else 0)
     assert summary.final_version == 4 == clock.statistics().publishes
     admitted = store.statistics().cursor.index
@@ -551,16 +496,8 @@ async def test_async_run_ends_with_the_long_tail_stored_as_partial(tmp_path):
         async with EngineFleet([fake.url], concurrency=16) as fleet, anyio.create_task_group() as tg:
             tg.start_soon(drive_long_tail, fake)
             with anyio.fail_after(15):
-                summary = await run_pipeline(
-                    plan,
-                    engines=fleet,
-                    store=AsyncStore(store),
-                    trainer=QuickTrainer(),
-                    dataset=long_tail_dataset(64),
-                    reward_fn=lambda task, sample: 1.0,
-                    filter_fn=None,
-                    weights_dir=tmp_path / "w",
-                    metrics=MetricsSink(None),
+                summary = await run_rewarding_all(
+                    plan, fleet, store, QuickTrainer(), tmp_path, tasks=long_tail_dataset(64)
                 )
             tg.cancel_scope.cancel()
     assert summary.final_version == 3
@@ -587,17 +524,7 @@ async def test_async_run_ends_with_a_full_collector(tmp_path):
     )
     async with FakeSGLang(weight_version="0") as fake, EngineFleet([fake.url], concurrency=16) as fleet:
         with anyio.fail_after(10):
-            await run_pipeline(
-                plan,
-                engines=fleet,
-                store=AsyncStore(store),
-                trainer=QuickTrainer(),
-                dataset=dataset(),
-                reward_fn=lambda task, sample: 1.0,
-                filter_fn=None,
-                weights_dir=tmp_path / "w",
-                metrics=MetricsSink(None),
-            )
+            await run_rewarding_all(plan, fleet, store, QuickTrainer(), tmp_path)
     counts = {s: store.count(s) for s in GroupState}
     assert counts[GroupState.RUNNING] == 0 and sum(counts.values()) == store.statistics().cursor.index
     assert counts[GroupState.TRAINED] == 4 and counts[GroupState.READY] > 2  # past the bound, kept

@@ -37,11 +37,7 @@ KEEP = 2
 CKPT = ("--num-rollout", str(STEPS), "--save-interval", "2", "--save-keep-last", str(KEEP))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 def _trained_at_least(w: Watch, step: int):

@@ -34,11 +34,7 @@ STEPS = 6
 GROUPS = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 def _group(index: int, step: int) -> Group:

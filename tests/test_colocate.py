@@ -368,12 +368,6 @@ async def cpu_engine(engine_model: Path) -> AsyncIterator[EngineServer]:
         yield server
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
 async def _post(http: aiohttp.ClientSession, url: str, body: Any = None) -> tuple[int, Any]:
     async with http.post(url, json=body) as resp:
         raw = await resp.read()

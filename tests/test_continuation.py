@@ -4,8 +4,6 @@ would have ended the uninterrupted request, and penalties are refused for modes 
 
 from __future__ import annotations
 
-import math
-
 import anyio
 import pytest
 
@@ -21,8 +19,6 @@ from core.types import (
 )
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.config import load_config
-from stages.admission import Admission
-from stages.collector import Collector
 from stages.continuation import (
     N_RULE,
     PENALTY_RULE,
@@ -31,10 +27,9 @@ from stages.continuation import (
     sampling_problems,
     stop_across_boundary,
 )
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
 from stages.sglang import EngineFleet
-from storage import AsyncStore, GroupState, MemoryStore
+from storage import GroupState, MemoryStore
+from tests.conftest import PoolRig
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_sglang import detokenize
 
@@ -157,35 +152,29 @@ def _scripted(script):
 
 async def _continue_one_prefix(fake: FakeSGLang, prefix: tuple[int, ...], params: dict, detok=None) -> Group:
     """Store one partial group whose samples hold `prefix`, and let the pool continue it."""
-    store, clock, admission = MemoryStore(), VersionClock(), Admission()
+    store, clock = MemoryStore(), VersionClock()
     task = PromptTask(index=0, prompt_ids=PROMPT)
     group = Group.fresh(task, epoch=0, n_samples=1, version=0, seq=0)
     seg = Segment(prefix, (-1.0,) * len(prefix), FinishReason.ABORT, 0)
     group = group.with_samples([s.extended(seg, max_response_len=MAX_LEN) for s in group.samples])
     store.admit([group], store.cursor())
     store.put_partial(group)
-    astore = AsyncStore(store)
     async with EngineFleet([fake.url], concurrency=4) as fleet, anyio.create_task_group() as tg:
-        dispenser = Dispenser(astore, [task], n_samples=1, clock=clock, admission=admission)
-        pool = GeneratorPool(
+        rig = PoolRig(
             fleet,
+            store,
+            clock,
+            tasks=[task],
+            n_samples=1,
+            max_len=MAX_LEN,
             slots=4,
             sampling_params=params,
-            max_response_len=MAX_LEN,
-            clock=clock,
-            store=astore,
-            admission=admission,
             detokenize=detok,
         )
-        collector = Collector(store=astore, admission=admission, capacity=math.inf)
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(4)
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_collect_send)
-        await tg.start(collector.run, to_collect)
+        await rig.start(tg)
         with anyio.fail_after(10):
-            admission.grant(1)
-            await admission.wait_settled()
+            rig.admission.grant(1)
+            await rig.admission.wait_settled()
         tg.cancel_scope.cancel()
     [ready] = store.groups(GroupState.READY)
     return ready

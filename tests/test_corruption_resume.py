@@ -9,7 +9,6 @@ prompt again, so every prompt whose data is readable is trained exactly once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -20,45 +19,22 @@ import pytest
 
 from core.types import FinishReason, Group, PromptTask, Segment
 from pipeline.replay import main as replay
-from pipeline.run.cli import main as launch
 from pipeline.run.reconcile import prompt_of
 from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
 from storage.migrate import layout_value
-from storage.seal import OVERHEAD
-
-FLAGS = (
-    "--rollout-data-transport",
-    "lmdb",
-    "--rollout-batch-size",
-    "2",
-    "--n-samples-per-prompt",
-    "4",
-    "--rollout-max-response-len",
-    "32",
-    "--no-progress",
-)
-
-
-def run(out: Path, *, steps: int, extra: tuple[str, ...] = ()) -> int:
-    return launch(["--output-dir", str(out), "--num-rollout", str(steps), "--log-level", "warning", *FLAGS, *extra])
+from tests.conftest import copy_of_run, file_digest, flip_a_stored_group_bit, small_lmdb_run
 
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("corrupt") / "run"
-    assert run(out, steps=3) == 0
+    assert small_lmdb_run(out, steps=3) == 0
     return out
 
 
 @pytest.fixture
 def run_copy(base_run, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(base_run, out)
-    return out
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return copy_of_run(base_run, tmp_path)
 
 
 def _steps(out: Path) -> list[int]:
@@ -68,13 +44,13 @@ def _steps(out: Path) -> list[int]:
 def _resume_moved_aside(out: Path, capsys, *, reason: str) -> str:
     """Resume for 5 steps; the damaged store must be moved aside untouched and named with the fresh one."""
     store_dir = out / "rollout_data"
-    before = _digest(store_dir / "data.mdb")
+    before = file_digest(store_dir / "data.mdb")
     capsys.readouterr()
-    assert run(out, steps=5) == 0
+    assert small_lmdb_run(out, steps=5) == 0
     text = "".join(capsys.readouterr())
     [aside] = [p for p in out.iterdir() if p.name.startswith("rollout_data.unreadable-")]
     assert str(aside) in text and str(store_dir) in text and reason in text, text
-    assert _digest(aside / "data.mdb") == before, "the damaged store was changed"
+    assert file_digest(aside / "data.mdb") == before, "the damaged store was changed"
     assert _steps(out)[-1] == 4
     with LmdbStore(store_dir, readonly=True) as store:
         assert store.trained_step() == 4 and store.verify().ok
@@ -121,15 +97,9 @@ def test_a_damaged_group_is_quarantined_and_its_prompt_trained_once(run_copy, ca
         assert cursor.index == 6
         stand_in = Group.fresh(PromptTask(index=6, prompt_ids=(1, 2, 3)), epoch=0, n_samples=4, version=3, seq=6)
         store.admit([stand_in], Cursor(cursor.epoch, 7, 7))
-    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES))
-    with env.begin(write=True) as txn:
-        db = env.open_db(keys.GROUPS, txn=txn)
-        value = bytearray(txn.get(stand_in.group_id.encode(), db=db))
-        value[OVERHEAD + 5] ^= 0x01  # one bit, as a disk would flip it
-        txn.put(stand_in.group_id.encode(), bytes(value), db=db)
-    env.close()
+    flip_a_stored_group_bit(store_dir, stand_in.group_id)
     capsys.readouterr()
-    assert run(run_copy, steps=5) == 0
+    assert small_lmdb_run(run_copy, steps=5) == 0
     text = "".join(capsys.readouterr())
     assert "quarantined" in text and not [p for p in run_copy.iterdir() if ".unreadable-" in p.name]
     with LmdbStore(store_dir, readonly=True) as store:
@@ -159,7 +129,7 @@ def test_with_the_groups_unreadable_the_prompts_no_trained_batch_names_are_gener
     aside (not that they were garbage collected)."""
     out = tmp_path / "run"
     over = ("--partial-rollout", "--over-sampling-batch-size", "4")  # leaves partial and ready groups
-    assert run(out, steps=3, extra=over) == 0
+    assert small_lmdb_run(out, *over, steps=3) == 0
     store_dir = out / "rollout_data"
     with LmdbStore(store_dir, readonly=True) as store:
         cursor = store.cursor()
@@ -170,7 +140,7 @@ def test_with_the_groups_unreadable_the_prompts_no_trained_batch_names_are_gener
     _scribble_tree_roots(store_dir, keys.GROUPS, keys.STATE)
 
     capsys.readouterr()
-    assert run(out, steps=5, extra=over) == 0
+    assert small_lmdb_run(out, *over, steps=5) == 0
     text = "".join(capsys.readouterr())
     said = [line for line in text.splitlines() if "prompts generated again" in line]
     assert len(said) == 1 and f"count={len(unaccounted)}" in said[0], text
@@ -204,7 +174,7 @@ def test_a_damaged_newest_meta_page_right_after_the_final_checkpoint_resumes_fro
         fh.write(b"\xa5" * 200)
     assert salvage_store(run_copy / "rollout_data").trained_step == 1  # the commit before the last
     capsys.readouterr()
-    assert run(run_copy, steps=4) == 0
+    assert small_lmdb_run(run_copy, steps=4) == 0
     text = "".join(capsys.readouterr())
     assert "base model" not in text and "resuming from the newest checkpoint, checkpoint v3" in text, text
     with LmdbStore(run_copy / "rollout_data", readonly=True) as store:
@@ -221,15 +191,9 @@ def test_a_damaged_record_of_a_group_trained_before_the_checkpoint_is_left_to_ve
     store_dir = run_copy / "rollout_data"
     with LmdbStore(store_dir, readonly=True) as store:
         victim = store.batch(1).groups[0].group_id
-    env = lmdb.open(str(store_dir), max_dbs=len(keys.DATABASES))
-    with env.begin(write=True) as txn:
-        db = env.open_db(keys.GROUPS, txn=txn)
-        value = bytearray(txn.get(victim.encode(), db=db))
-        value[OVERHEAD + 5] ^= 0x01  # one bit, as a disk would flip it
-        txn.put(victim.encode(), bytes(value), db=db)
-    env.close()
+    flip_a_stored_group_bit(store_dir, victim)
     capsys.readouterr()
-    assert run(run_copy, steps=4) == 0  # checkpoint v3: nothing trained again, nothing trained read
+    assert small_lmdb_run(run_copy, steps=4) == 0  # checkpoint v3: nothing trained again, nothing trained read
     assert "already trained" not in "".join(capsys.readouterr())
     assert replay([str(run_copy), "verify"]) == 1
     assert victim in capsys.readouterr().out
@@ -252,16 +216,14 @@ AFTER = ("--save-interval", "2", "--partial-rollout", "--over-sampling-batch-siz
 @pytest.fixture(scope="module")
 def after_checkpoint_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("after") / "run"
-    assert run(out, steps=4, extra=AFTER) == 0
+    assert small_lmdb_run(out, *AFTER, steps=4) == 0
     shutil.rmtree(out / "checkpoints" / "v4")
     return out
 
 
 @pytest.fixture
 def after_copy(after_checkpoint_run, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(after_checkpoint_run, out)
-    return out
+    return copy_of_run(after_checkpoint_run, tmp_path)
 
 
 def _prompts(gids) -> set[str]:
@@ -284,7 +246,7 @@ def _regenerated_events(out: Path) -> list[dict]:
 def _resume_after_damage(out: Path, capsys, covered: set[str], open_: set[str]) -> tuple[str, set[str]]:
     """Resume to step 3 and check the promises; returns the log and the prompts generated again."""
     capsys.readouterr()
-    assert run(out, steps=4, extra=AFTER) == 0
+    assert small_lmdb_run(out, *AFTER, steps=4) == 0
     text = "".join(capsys.readouterr())
     said = [line for line in text.splitlines() if "prompts generated again" in line]
     events = _regenerated_events(out)
@@ -325,15 +287,9 @@ def test_a_damaged_group_in_a_batch_to_train_again_is_left_out_and_its_prompt_ge
     covered, open_ = _before_damage(after_copy)
     with LmdbStore(after_copy / "rollout_data", readonly=True) as store:
         victim = store.batch(2).groups[0].group_id
-    env = lmdb.open(str(after_copy / "rollout_data"), max_dbs=len(keys.DATABASES))
-    with env.begin(write=True) as txn:
-        db = env.open_db(keys.GROUPS, txn=txn)
-        value = bytearray(txn.get(victim.encode(), db=db))
-        value[OVERHEAD + 5] ^= 0x01
-        txn.put(victim.encode(), bytes(value), db=db)
-    env.close()
+    flip_a_stored_group_bit(after_copy / "rollout_data", victim)
     capsys.readouterr()
-    assert run(after_copy, steps=5, extra=AFTER) == 0
+    assert small_lmdb_run(after_copy, *AFTER, steps=5) == 0
     text = "".join(capsys.readouterr())
     assert not [p for p in after_copy.iterdir() if ".unreadable-" in p.name]  # it opens: not moved aside
     said = [line for line in text.splitlines() if "prompts generated again" in line]

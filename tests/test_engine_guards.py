@@ -49,12 +49,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_model_folder(root / "v0", seed=0), make_model_folder(root / "v1", seed=1)
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
 def engine_routes() -> list[tuple[str, str]]:
     """Every (method, path) of the HTTP surface all aiohttp engines share, read from the app itself,
     so an endpoint added later is covered too."""

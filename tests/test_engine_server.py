@@ -24,6 +24,7 @@ from core.errors import EngineUnavailableError
 from engines.builtin import EngineServer, open_server
 from launch.engine_process import EngineProcess, free_port, start_engine
 from pipeline.tasks.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
+from tests.conftest import get_ok_json, post_generate, post_raw, sse_chunks
 
 pytestmark = pytest.mark.anyio
 
@@ -64,40 +65,17 @@ async def server(model_dir: Path) -> AsyncIterator[EngineServer]:
         yield s
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
 # ---- helpers ----------------------------------------------------------------------------------------------
 
 
-async def generate(http: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, Any]:
-    async with http.post(url + "/generate", json=body) as resp:
-        raw = await resp.read()
-        return resp.status, (orjson.loads(raw) if resp.content_type == "application/json" else raw)
-
-
 async def ok(http: aiohttp.ClientSession, url: str, **body: Any) -> dict[str, Any]:
-    status, out = await generate(http, url, **body)
+    status, out = await post_generate(http, url, **body)
     assert status == 200, out
     return out
 
 
-async def post(http: aiohttp.ClientSession, url: str, json: Any = None) -> tuple[int, bytes]:
-    async with http.post(url, json=json) as resp:
-        return resp.status, await resp.read()
-
-
-async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
-        assert resp.status == 200
-        return await resp.json()
-
-
 async def loads(http: aiohttp.ClientSession, url: str) -> tuple[int, int]:
-    body = await get_json(http, url + "/v1/loads?include=core")
+    body = await get_ok_json(http, url + "/v1/loads?include=core")
     (load,) = body["loads"]
     assert load["dp_rank"] == 0
     return load["num_running_reqs"], load["num_waiting_reqs"]
@@ -115,18 +93,6 @@ async def wait_loads(http: aiohttp.ClientSession, url: str, running: int, waitin
         return await loads(http, url) == (running, waiting)
 
     await wait_until(check)
-
-
-async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
-    """Parse an SSE body into JSON chunks; the literal `[DONE]` is yielded as a string."""
-    buffer = b""
-    async for data in resp.content.iter_any():
-        buffer += data
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            assert event.startswith(b"data: "), event
-            payload = event[len(b"data: ") :]
-            yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
 
 
 def long_request(rid: str, **params: Any) -> dict[str, Any]:
@@ -287,7 +253,7 @@ async def test_logprobs_are_under_the_distribution_sampled_from(
 async def test_invalid_requests_are_400(
     server: EngineServer, http: aiohttp.ClientSession, body: dict[str, Any], needle: str
 ) -> None:
-    status, out = await generate(http, server.url, **body)
+    status, out = await post_generate(http, server.url, **body)
     assert status == 400
     assert needle in out["error"]["message"]
 
@@ -295,7 +261,7 @@ async def test_invalid_requests_are_400(
 async def test_invalid_streaming_request_reports_in_stream(server: EngineServer, http: aiohttp.ClientSession) -> None:
     async with http.post(server.url + "/generate", json={"input_ids": [], "stream": True}) as resp:
         assert resp.status == 200
-        chunks = [c async for c in stream_chunks(resp)]
+        chunks = [c async for c in sse_chunks(resp)]
     assert chunks[-1] == "[DONE]"
     assert "input_ids cannot be empty" in chunks[0]["error"]["message"]
 
@@ -311,7 +277,7 @@ async def test_streaming_is_cumulative_and_matches_non_streaming(
     whole = await ok(http, server.url, **body)
     async with http.post(server.url + "/generate", json={**body, "stream": True}) as resp:
         assert resp.status == 200 and resp.content_type == "text/event-stream"
-        chunks = [c async for c in stream_chunks(resp)]
+        chunks = [c async for c in sse_chunks(resp)]
     assert chunks[-1] == "[DONE]"
     outs = chunks[:-1]
     for prev, nxt in itertools.pairwise(outs):
@@ -337,7 +303,7 @@ async def test_abort_in_flight_returns_partial_tokens(server: EngineServer, http
         tg.start_soon(run)
         await wait_loads(http, server.url, running=1)
         await server.core.wait_step()  # at least one token exists
-        status, body = await post(http, server.url + "/abort_request", {"rid": "job-1"})
+        status, body = await post_raw(http, server.url + "/abort_request", {"rid": "job-1"})
         assert (status, body) == (200, b"")
     assert result["meta_info"]["finish_reason"] == ABORTED
     assert 1 <= len(result["output_ids"]) < LONG
@@ -355,7 +321,7 @@ async def test_abort_matches_rid_prefix(server: EngineServer, http: aiohttp.Clie
 
             tg.start_soon(run)
         await wait_loads(http, server.url, running=3)
-        await post(http, server.url + "/abort_request", {"rid": "grp-a"})
+        await post_raw(http, server.url + "/abort_request", {"rid": "grp-a"})
         await wait_loads(http, server.url, running=1)
 
         async def both_answered() -> bool:
@@ -363,9 +329,9 @@ async def test_abort_matches_rid_prefix(server: EngineServer, http: aiohttp.Clie
 
         await wait_until(both_answered)
         assert {"grp-a-0", "grp-a-1"} == set(results)
-        await post(http, server.url + "/abort_request", {"rid": ""})  # an empty rid matches nothing
+        await post_raw(http, server.url + "/abort_request", {"rid": ""})  # an empty rid matches nothing
         assert await loads(http, server.url) == (1, 0)
-        await post(http, server.url + "/abort_request", {"rid": "grp-b-0"})
+        await post_raw(http, server.url + "/abort_request", {"rid": "grp-b-0"})
     assert all(r["meta_info"]["finish_reason"] == ABORTED for r in results.values())
 
 
@@ -381,7 +347,7 @@ async def test_abort_all_covers_running_and_waiting(model_dir: Path, http: aioht
                 tg.start_soon(run)
             await wait_loads(http, server.url, running=1, waiting=1)
             await server.core.wait_step()
-            status, body = await post(http, server.url + "/abort_request", {"abort_all": True})
+            status, body = await post_raw(http, server.url + "/abort_request", {"abort_all": True})
             assert (status, body) == (200, b"")
         running = next(r for r in results.values() if r["output_ids"])
         waiting = next(r for r in results.values() if not r["output_ids"])
@@ -396,7 +362,7 @@ async def test_abort_all_covers_running_and_waiting(model_dir: Path, http: aioht
 
 async def test_client_disconnect_frees_the_slot(server: EngineServer, http: aiohttp.ClientSession) -> None:
     async with http.post(server.url + "/generate", json={**long_request("gone"), "stream": True}) as resp:
-        async for chunk in stream_chunks(resp):
+        async for chunk in sse_chunks(resp):
             assert chunk["meta_info"]["finish_reason"] is None
             break
     # Leaving the block closes the connection mid-stream; the engine must notice and drop the request.
@@ -414,20 +380,22 @@ async def test_abort_then_continue_is_token_exact(
     # Interrupted run: stream, abort once some tokens arrived, while other requests share the batch.
     async with anyio.create_task_group() as tg:
         for i in range(2):
-            tg.start_soon(functools.partial(generate, http, server.url, **long_request(f"noise-{i}", sampling_seed=i)))
+            tg.start_soon(
+                functools.partial(post_generate, http, server.url, **long_request(f"noise-{i}", sampling_seed=i))
+            )
         await wait_loads(http, server.url, running=2)
         async with http.post(
             server.url + "/generate",
             json={"rid": "cut", "input_ids": PROMPT, "return_logprob": True, "sampling_params": params, "stream": True},
         ) as resp:
             last: dict[str, Any] = {}
-            async for chunk in stream_chunks(resp):
+            async for chunk in sse_chunks(resp):
                 if chunk == "[DONE]":
                     break
                 last = chunk
                 if 3 <= len(chunk["output_ids"]) and last["meta_info"]["finish_reason"] is None:
-                    await post(http, server.url + "/abort_request", {"rid": "cut"})
-        await post(http, server.url + "/abort_request", {"rid": "noise"})
+                    await post_raw(http, server.url + "/abort_request", {"rid": "cut"})
+        await post_raw(http, server.url + "/abort_request", {"rid": "noise"})
     assert last["meta_info"]["finish_reason"] == ABORTED
     partial = last["output_ids"]
     k = len(partial)
@@ -436,7 +404,7 @@ async def test_abort_then_continue_is_token_exact(
 
     # Continuation: prompt + partial, the rest of the budget, same params, batched with others again.
     async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(generate, http, server.url, **long_request("noise2", sampling_seed=10)))
+        tg.start_soon(functools.partial(post_generate, http, server.url, **long_request("noise2", sampling_seed=10)))
         await wait_loads(http, server.url, running=1)
         rest = await ok(
             http,
@@ -445,7 +413,7 @@ async def test_abort_then_continue_is_token_exact(
             return_logprob=True,
             sampling_params={**params, "max_new_tokens": n - k},
         )
-        await post(http, server.url + "/abort_request", {"rid": "noise2"})
+        await post_raw(http, server.url + "/abort_request", {"rid": "noise2"})
     assert partial + rest["output_ids"] == reference["output_ids"]
     got = last["meta_info"]["output_token_logprobs"] + rest["meta_info"]["output_token_logprobs"]
     for (lp, tid, _), (ref_lp, ref_tid, _) in zip(got, reference["meta_info"]["output_token_logprobs"], strict=True):
@@ -465,7 +433,7 @@ async def test_pause_abort_aborts_and_holds_new_requests(server: EngineServer, h
         tg.start_soon(run, "inflight", long_request("inflight"))
         await wait_loads(http, server.url, running=1)
         await server.core.wait_step()
-        status, body = await post(http, server.url + "/pause_generation", {"mode": "abort"})
+        status, body = await post_raw(http, server.url + "/pause_generation", {"mode": "abort"})
         assert status == 200 and orjson.loads(body) == {"message": "Generation paused successfully.", "status": "ok"}
 
         async def answered() -> bool:
@@ -484,7 +452,7 @@ async def test_pause_abort_aborts_and_holds_new_requests(server: EngineServer, h
         async with http.get(server.url + "/health_generate") as resp:
             assert resp.status == 503  # no decode step can happen while paused
         assert "held" not in results
-        status, body = await post(http, server.url + "/continue_generation", {})
+        status, body = await post_raw(http, server.url + "/continue_generation", {})
         assert orjson.loads(body) == {"message": "Generation continued successfully.", "status": "ok"}
     assert results["held"]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
@@ -503,11 +471,11 @@ async def paused_request(
         tg.start_soon(run)
         await wait_loads(http, server.url, running=1)
         await server.core.wait_step()
-        status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
+        status, _ = await post_raw(http, server.url + "/pause_generation", {"mode": mode})
         assert status == 200
         await while_paused()
         assert not result
-        await post(http, server.url + "/continue_generation", {})
+        await post_raw(http, server.url + "/continue_generation", {})
     return result
 
 
@@ -543,11 +511,11 @@ async def test_flush_cache_busy_vs_idle(server: EngineServer, http: aiohttp.Clie
             assert resp.status == 200 and resp.content_type == "text/plain"
             assert (await resp.text()).startswith("Cache flushed.")
     async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(generate, http, server.url, **long_request("busy")))
+        tg.start_soon(functools.partial(post_generate, http, server.url, **long_request("busy")))
         await wait_loads(http, server.url, running=1)
         async with http.get(server.url + "/flush_cache") as resp:
             assert resp.status == 400 and resp.content_type == "text/plain"
-        await post(http, server.url + "/abort_request", {"abort_all": True})
+        await post_raw(http, server.url + "/abort_request", {"abort_all": True})
     async with http.get(server.url + "/flush_cache") as resp:
         assert resp.status == 200
 
@@ -565,14 +533,14 @@ async def test_update_weights_from_disk(
     body = {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
     before = await ok(http, server.url, **body)
 
-    status, raw = await post(
+    status, raw = await post_raw(
         http, server.url + "/update_weights_from_disk", {"model_path": str(model_dir_v1), "weight_version": "1"}
     )
     reply = orjson.loads(raw)
     assert status == 200 and reply["success"] is True, reply
     assert "Weight version updated to 1" in reply["message"] and reply["num_paused_requests"] == 0
-    assert await get_json(http, server.url + "/get_weight_version") == {"weight_version": "1"}
-    info = await get_json(http, server.url + "/model_info")
+    assert await get_ok_json(http, server.url + "/get_weight_version") == {"weight_version": "1"}
+    info = await get_ok_json(http, server.url + "/model_info")
     assert info["weight_version"] == "1" and info["model_path"] == str(model_dir_v1)
     after = await ok(http, server.url, **body)
     assert after["meta_info"]["weight_version"] == "1"
@@ -583,12 +551,12 @@ async def test_update_weights_from_disk(
         (tmp_path, "no model.safetensors"),
         (model_dir_wrong_shape, "shape"),
     ]:
-        status, raw = await post(
+        status, raw = await post_raw(
             http, server.url + "/update_weights_from_disk", {"model_path": str(bad), "weight_version": "2"}
         )
         reply = orjson.loads(raw)
         assert status == 400 and reply["success"] is False and needle in reply["message"], reply
-    assert await get_json(http, server.url + "/get_weight_version") == {"weight_version": "1"}
+    assert await get_ok_json(http, server.url + "/get_weight_version") == {"weight_version": "1"}
     still = await ok(http, server.url, **body)
     assert still["output_ids"] == after["output_ids"]
     assert still["meta_info"]["output_token_logprobs"] == after["meta_info"]["output_token_logprobs"]
@@ -605,13 +573,13 @@ async def test_update_weights_between_decode_steps_stamps_the_new_version(
 
         tg.start_soon(run)
         await wait_loads(http, server.url, running=1)
-        status, raw = await post(
+        status, raw = await post_raw(
             http, server.url + "/update_weights_from_disk", {"model_path": str(model_dir_v1), "weight_version": "7"}
         )
         assert status == 200 and orjson.loads(raw)["success"] is True
         assert await loads(http, server.url) == (1, 0)  # the request kept decoding across the update
         await server.core.wait_step()
-        await post(http, server.url + "/abort_request", {"rid": "spanning"})
+        await post_raw(http, server.url + "/abort_request", {"rid": "spanning"})
     assert result["meta_info"]["finish_reason"] == ABORTED
     assert result["meta_info"]["weight_version"] == "7"  # the version of its last tokens
     first, second = result["meta_info"]["weight_versions"]  # published without a pause: one swap
@@ -630,12 +598,12 @@ async def test_publish_during_a_pause_splits_the_version_spans(
         nonlocal held
         held = server.core.statistics().generated_tokens  # tokens decoded under version 0
         assert 0 < held < 30
-        status, raw = await post(
+        status, raw = await post_raw(
             http, server.url + "/update_weights_from_disk", {"model_path": str(model_dir_v1), "weight_version": "1"}
         )
         assert status == 200 and orjson.loads(raw)["success"] is True
         body = {"new_version": "1", "abort_all_requests": False}
-        status, _ = await post(http, server.url + "/update_weight_version", body)
+        status, _ = await post_raw(http, server.url + "/update_weight_version", body)
         assert status == 200  # the same version again: no empty span
 
     result = await paused_request(server, http, params, mode, publish)
@@ -650,7 +618,7 @@ async def test_publish_during_a_pause_splits_the_version_spans(
 async def test_version_spans_of_whole_and_unstarted_requests(server: EngineServer, http: aiohttp.ClientSession) -> None:
     out = await ok(http, server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 4}]
-    await post(http, server.url + "/update_weight_version", {"new_version": "5"})
+    await post_raw(http, server.url + "/update_weight_version", {"new_version": "5"})
     out = await ok(http, server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 0})
     assert out["meta_info"]["weight_versions"] == [{"version": "5", "start": 0, "end": 0}]
     assert out["meta_info"]["weight_version"] == "5"
@@ -659,13 +627,13 @@ async def test_version_spans_of_whole_and_unstarted_requests(server: EngineServe
 async def test_update_weight_version_and_unsupported_weight_paths(
     server: EngineServer, http: aiohttp.ClientSession
 ) -> None:
-    status, raw = await post(http, server.url + "/update_weight_version", {"new_version": "42"})
+    status, raw = await post_raw(http, server.url + "/update_weight_version", {"new_version": "42"})
     assert status == 200 and orjson.loads(raw)["success"] is True
-    assert (await get_json(http, server.url + "/model_info"))["weight_version"] == "42"
-    status, raw = await post(http, server.url + "/update_weights_from_distributed", {"names": []})
+    assert (await get_ok_json(http, server.url + "/model_info"))["weight_version"] == "42"
+    status, raw = await post_raw(http, server.url + "/update_weights_from_distributed", {"names": []})
     assert status == 400 and orjson.loads(raw)["success"] is False
     # A CPU engine cannot give memory back, nor take CUDA IPC handles: both say why (test_colocate.py).
-    status, raw = await post(http, server.url + "/release_memory_occupation", {})
+    status, raw = await post_raw(http, server.url + "/release_memory_occupation", {})
     assert status == 400 and "runs on cpu" in orjson.loads(raw)["error"]["message"]
 
 
@@ -687,7 +655,7 @@ async def test_concurrent_requests_share_forward_passes(model_dir: Path, http: a
         stats = server.core.statistics()
         assert stats.max_batch_size == 4  # batched, and never beyond --max-running-requests
         assert stats.steps < 10 * 8
-        info = await get_json(http, server.url + "/get_server_info")
+        info = await get_ok_json(http, server.url + "/get_server_info")
         assert info["internal_states"][0]["max_batch_size"] == 4
         assert info["max_running_requests"] == 4
 
@@ -697,14 +665,14 @@ async def test_info_endpoints(server: EngineServer, http: aiohttp.ClientSession,
         async with http.get(server.url + path) as resp:
             assert resp.status == 200 and await resp.read() == b""
     for path in ("/model_info", "/get_model_info"):
-        info = await get_json(http, server.url + path)
+        info = await get_ok_json(http, server.url + path)
         assert info["model_path"] == str(model_dir) and info["is_generation"] is True
         assert info["weight_version"] == "0" and "preferred_sampling_params" in info
     for path in ("/server_info", "/get_server_info"):
-        info = await get_json(http, server.url + path)
+        info = await get_ok_json(http, server.url + path)
         assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 1, 1)
         assert info["disaggregation_mode"] == "null" and info["max_running_requests"] == 64
-    models = await get_json(http, server.url + "/v1/models")
+    models = await get_ok_json(http, server.url + "/v1/models")
     assert models["object"] == "list" and models["data"][0]["id"] == str(model_dir)
     assert await loads(http, server.url) == (0, 0)
 

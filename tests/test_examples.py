@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from examples.custom_agent import FEEDBACK
 from storage import LmdbStore
+from tests.conftest import run_python_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_example(name: str, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run(
-        [sys.executable, "-m", f"examples.{name}", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
+    done = run_python_module(f"examples.{name}", *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 

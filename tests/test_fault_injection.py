@@ -35,17 +35,11 @@ from storage import GroupState, LmdbStore
 from trainers import GRPOTrainer
 from trainers.checkpoint import OPTIMIZER_DIR
 
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # ---- 1. the trainer's checkpoint is model + optimizer ----------------------------------------
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    """The trainer sets torch's process-wide thread count; give later test modules theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 PROMPT = encode("say a x2:")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +129,6 @@ def test_cache_memory_is_slots_times_context(model_dir: Path) -> None:
     per_layer = 2 * (3 + 1) * text.num_key_value_heads * 48 * head_dim * 4  # K and V, fp32, and the spare slot
     assert kv.context_length == 48
     assert kv.statistics().cache_bytes == text.num_hidden_layers * per_layer
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
 
 
 async def _generate(http: aiohttp.ClientSession, server: EngineServer, **body: Any) -> tuple[int, Any]:

@@ -7,7 +7,6 @@ process-wide, and a TP=2 run needs rank 0 in a process of its own anyway.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from tests.conftest import repo_env, run_python_module
 from tests.megatron_check import VARIANTS
 from trainers.megatron.qwen3 import Qwen3Shape, hf_to_megatron, megatron_to_hf, shard, unshard
 
@@ -92,7 +92,7 @@ def _check(
     dtype: str = "float32",
     switched: bool = False,
 ) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env = repo_env()
     done = subprocess.run(
         [
             sys.executable,
@@ -235,7 +235,7 @@ def test_a_distributed_publish_from_tp2_ranks_gives_the_engine_the_saved_weights
     """--update-weight-transport distributed with the megatron backend: rank 0 gathers the TP
     shards, converts them to HF names and shapes, and broadcasts them in buckets over a gloo group
     to a built-in engine process; afterwards every tensor of the engine equals the saved folder's."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env = repo_env()
     script = str(ROOT / "tests" / "megatron_publish_check.py")
     done = subprocess.run(
         [sys.executable, script, str(tmp_path), "2", "2"], env=env, capture_output=True, text=True, timeout=300
@@ -253,7 +253,7 @@ def test_a_distributed_publish_from_tp2_ranks_gives_the_engine_the_saved_weights
 
 
 def test_a_bf16_run_resumes_from_its_fp32_master_weights_and_adam_state(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env = repo_env()
     script = str(ROOT / "tests" / "megatron_resume_check.py")
     for mode in ("train", "resume"):
         done = subprocess.run(
@@ -322,29 +322,8 @@ def test_parallel_flags_are_checked_at_config_load():
 
 def _launch(tmp_path: Path, *flags: str) -> list[dict]:
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "--output-dir",
-            str(out),
-            "--no-progress",
-            "--log-level",
-            "warning",
-            "--num-rollout",
-            "12",
-            "--train-backend",
-            "megatron",
-            *flags,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = ["--output-dir", str(out), "--no-progress", "--log-level", "warning", "--num-rollout", "12"]
+    done = run_python_module("pipeline.launch", *argv, "--train-backend", "megatron", *flags, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
 

@@ -5,10 +5,8 @@ and that file runs, with relative paths, against an engine the user started in a
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from pipeline.tasks.tiny_model import make_model_folder
 from stages.sglang.engine import folder_for_engine
 from stages.sglang.wire import error_text
 from storage import LmdbStore
+from tests.conftest import run_python_module
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio
@@ -59,16 +58,7 @@ async def engine_elsewhere(
 
 
 def run_example(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    return subprocess.run(
-        [sys.executable, "-m", "examples.embedding", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
+    return run_python_module("examples.embedding", *args, cwd=cwd)
 
 
 async def test_the_example_runs_with_relative_paths_against_an_engine_started_elsewhere_and_resumes(

@@ -25,16 +25,7 @@ PROMPT = encode("say a x2:")
 TASK = PromptTask(index=0, prompt_ids=PROMPT, label={"char": "a", "count": 2})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 # ---- the estimators ------------------------------------------------------------------------------
@@ -158,8 +149,8 @@ def _batch(rewards: list[float], step: int = 0) -> Batch:
 KL = LossSettings(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type=KLType.K3)
 
 
-def test_the_reference_is_the_starting_weights_and_the_kl_grows_as_the_policy_moves(model_dir):
-    trainer = GRPOTrainer(model_dir, loss=KL, lr=0.05)
+def test_the_reference_is_the_starting_weights_and_the_kl_grows_as_the_policy_moves(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir, loss=KL, lr=0.05)
     first = trainer.train_step(_batch([1.0, 0.0, 1.0, 0.0]))
     assert first["kl_loss"] == 0.0  # the same weights score the same tokens the same
     assert first["ref_log_probs_time"] > 0
@@ -168,24 +159,24 @@ def test_the_reference_is_the_starting_weights_and_the_kl_grows_as_the_policy_mo
     assert second["loss"] == pytest.approx(second["pg_loss"] + second["kl_loss"], rel=1e-5)
 
 
-def test_a_resumed_trainer_rebuilds_the_reference_from_the_initial_weights(model_dir, tmp_path):
-    trainer = GRPOTrainer(model_dir, loss=KL, lr=0.05)
+def test_a_resumed_trainer_rebuilds_the_reference_from_the_initial_weights(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(tiny_model_dir, loss=KL, lr=0.05)
     trainer.train_step(_batch([1.0, 0.0, 1.0, 0.0]))
     checkpoint = trainer.save_weights(tmp_path / "v1")
     assert not any(p.name.startswith("ref") for p in checkpoint.iterdir())  # the reference is not saved
     # The launcher's path: the checkpoint to resume from, the run's initial weights as the reference.
     config = {"trainer": {"use_kl_loss": True, "kl_loss_coef": 1.0, "kl_loss_type": "k3"}, "rollout": {}}
-    resumed = build_trainer(checkpoint, config, initial_model=model_dir)
-    assert resumed.ref_path == model_dir
+    resumed = build_trainer(checkpoint, config, initial_model=tiny_model_dir)
+    assert resumed.ref_path == tiny_model_dir
     assert resumed.train_step(_batch([1.0, 0.0, 1.0, 0.0]))["kl_loss"] > 1e-4
     # Without it the checkpoint would be its own reference: the KL would restart at 0.
     assert build_trainer(checkpoint, config).train_step(_batch([1.0, 0.0, 1.0, 0.0]))["kl_loss"] == 0.0
 
 
-def test_ref_load_names_another_reference(model_dir, tmp_path):
+def test_ref_load_names_another_reference(tiny_model_dir, tmp_path):
     other = make_model_folder(tmp_path / "other", seed=5)
     config = {"trainer": {"use_kl_loss": True, "kl_loss_coef": 1.0, "ref_load": str(other)}, "rollout": {}}
-    trainer = build_trainer(model_dir, config, initial_model=model_dir)
+    trainer = build_trainer(tiny_model_dir, config, initial_model=tiny_model_dir)
     assert trainer.ref_path == other
     assert trainer.train_step(_batch([1.0, 0.0, 1.0, 0.0]))["kl_loss"] != 0.0
 
@@ -195,26 +186,26 @@ def _drift(trainer: GRPOTrainer, start: list[list[float]], batch: Batch) -> floa
     return sum(abs(a - b) for p, q in zip(now, start, strict=True) for a, b in zip(p, q, strict=True))
 
 
-def test_the_kl_term_holds_the_policy_closer_to_the_reference(model_dir):
+def test_the_kl_term_holds_the_policy_closer_to_the_reference(tiny_model_dir):
     batch = _batch([1.0, 0.0, 1.0, 0.0])
-    start = GRPOTrainer(model_dir).logprobs(batch.samples)
+    start = GRPOTrainer(tiny_model_dir).logprobs(batch.samples)
     drifts = {}
     for coef in (0.0, 5.0):
         s = LossSettings(use_kl_loss=True, kl_loss_coef=coef, kl_loss_type=KLType.K3)
-        trainer = GRPOTrainer(model_dir, loss=s, lr=0.02)
+        trainer = GRPOTrainer(tiny_model_dir, loss=s, lr=0.02)
         for step in range(6):
             trainer.train_step(dataclasses.replace(batch, step=step))
         drifts[coef] = _drift(trainer, start, batch)
     assert drifts[5.0] < 0.7 * drifts[0.0]
 
 
-def test_an_entropy_bonus_trains_a_zero_advantage_batch_and_raises_entropy(model_dir):
+def test_an_entropy_bonus_trains_a_zero_advantage_batch_and_raises_entropy(tiny_model_dir):
     batch = _batch([0.5, 0.5, 0.5, 0.5])  # every advantage 0: no policy-gradient signal
-    plain = GRPOTrainer(model_dir).train_step(batch)
+    plain = GRPOTrainer(tiny_model_dir).train_step(batch)
     assert plain["optimizer_steps"] == 0
     entropies = {}
     for coef in (1.0, -1.0):  # a bonus, and a penalty (entropy minimisation)
-        trainer = GRPOTrainer(model_dir, loss=LossSettings(entropy_coef=coef), lr=0.005)
+        trainer = GRPOTrainer(tiny_model_dir, loss=LossSettings(entropy_coef=coef), lr=0.005)
         steps = [trainer.train_step(dataclasses.replace(batch, step=step)) for step in range(4)]
         assert all(m["optimizer_steps"] == 1 for m in steps)
         entropies[coef] = [m["entropy"] for m in steps]  # measured before each step's update

@@ -20,41 +20,17 @@ from core.errors import IncompatibleStoreError, PipelineError
 from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus, VersionSpan
 from pipeline.replay import main, parse_steps
 from pipeline.replay_report import summarize
-from pipeline.run.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore
+from tests.conftest import small_lmdb_run
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("replay") / "run"
-    code = launch(
-        [
-            "--rollout-data-transport",
-            "lmdb",
-            "--partial-rollout",
-            "--num-rollout",
-            "3",
-            "--save-interval",  # a checkpoint per step, every one kept: `train --weights` starts from any
-            "1",
-            "--save-keep-last",
-            "0",
-            # small enough for seconds on a shared CPU; over-sampling leaves partial groups to resume
-            "--rollout-batch-size",
-            "2",
-            "--n-samples-per-prompt",
-            "4",
-            "--over-sampling-batch-size",
-            "4",
-            "--rollout-max-response-len",
-            "32",
-            "--output-dir",
-            str(out),
-            "--no-progress",
-            "--log-level",
-            "warning",
-        ]
-    )
-    assert code == 0
+    # A checkpoint per step, every one kept: `train --weights` starts from any. Over-sampling
+    # leaves partial groups to resume.
+    flags = ("--partial-rollout", "--save-interval", "1", "--save-keep-last", "0", "--over-sampling-batch-size", "4")
+    assert small_lmdb_run(out, *flags, steps=3) == 0
     return out
 
 
@@ -389,32 +365,8 @@ def test_timeline_without_an_event_log_is_named(tmp_path, capsys):
 
 def test_gc_keeps_the_last_steps_and_replay_still_reads_the_rest(tmp_path, capsys):
     out = tmp_path / "run"
-    code = launch(
-        [
-            "--rollout-data-transport",
-            "lmdb",
-            "--num-rollout",
-            "6",
-            "--save-interval",
-            "1",
-            "--save-keep-last",
-            "0",
-            "--rollout-gc-keep-steps",
-            "2",
-            "--rollout-batch-size",
-            "2",
-            "--n-samples-per-prompt",
-            "4",
-            "--rollout-max-response-len",
-            "32",
-            "--output-dir",
-            str(out),
-            "--no-progress",
-            "--log-level",
-            "warning",
-        ]
-    )
-    assert code == 0
+    gc = ("--save-interval", "1", "--save-keep-last", "0", "--rollout-gc-keep-steps", "2")
+    assert small_lmdb_run(out, *gc, steps=6) == 0
     with LmdbStore(out / "rollout_data", readonly=True) as store:
         stats = store.statistics()
         assert stats.trained_step == 5

@@ -7,7 +7,6 @@ still stops the run. One 3-step run is made once for the module; each test damag
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -19,42 +18,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.run.cli import main as launch
 from storage import Cursor, GroupState, LmdbStore, keys, salvage_store
-
-FLAGS = (
-    "--rollout-data-transport",
-    "lmdb",
-    "--rollout-batch-size",
-    "2",
-    "--n-samples-per-prompt",
-    "4",
-    "--rollout-max-response-len",
-    "32",
-    "--no-progress",
-)
-
-
-def run(out: Path, *flags: str, steps: int = 3, level: str = "warning") -> int:
-    return launch(["--output-dir", str(out), "--num-rollout", str(steps), "--log-level", level, *FLAGS, *flags])
+from tests.conftest import copy_of_run, file_digest, small_lmdb_run
 
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("resume") / "run"
-    assert run(out) == 0
+    assert small_lmdb_run(out) == 0
     return out
 
 
 @pytest.fixture
 def run_copy(base_run, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(base_run, out)
-    return out
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return copy_of_run(base_run, tmp_path)
 
 
 def _put_raw(store_dir: Path, key: bytes, value: bytes) -> None:
@@ -79,13 +56,13 @@ def _metrics(out: Path) -> list[dict]:
 def _resume_and_check(out: Path, capsys, *, reason: str) -> tuple[Path, str]:
     """Runs 2 more steps after damage; checks the warning, the aside store, and the resumed steps."""
     store_dir = out / "rollout_data"
-    damaged = {name: _digest(store_dir / name) for name in ("data.mdb",)}
+    damaged = {name: file_digest(store_dir / name) for name in ("data.mdb",)}
     capsys.readouterr()
-    assert run(out, steps=5) == 0
+    assert small_lmdb_run(out, steps=5) == 0
     text = "".join(capsys.readouterr())
     aside = _aside(out)
     assert str(aside) in text and "unreadable" in text and reason in text
-    assert {name: _digest(aside / name) for name in damaged} == damaged, "the damaged store was changed"
+    assert {name: file_digest(aside / name) for name in damaged} == damaged, "the damaged store was changed"
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert [r["version"] for r in records[3:]] == [3, 4]  # resumed from the saved weights of version 3
@@ -158,7 +135,7 @@ def _changed(out: Path, before: dict[str, bytes]) -> list[str]:
 
 def test_a_store_of_another_run_is_refused_and_left_in_place(run_copy, capsys):
     before = _files(run_copy)
-    assert run(run_copy, "--rollout-queue-run-id", "other", "--rollout-temperature", "0.5") == 1
+    assert small_lmdb_run(run_copy, "--rollout-queue-run-id", "other", "--rollout-temperature", "0.5") == 1
     err = capsys.readouterr().err
     assert "run_id='default'" in err and "run_id='other'" in err
     # The folder as it was, its config.json included (the refused run used to write its own there).
@@ -189,7 +166,7 @@ def test_a_store_held_by_a_live_controller_is_refused_and_left_in_place(run_copy
     )
     try:
         assert holder.stdout.readline().strip() == "open"
-        assert run(run_copy, "--rollout-temperature", "0.5", steps=7) == 1
+        assert small_lmdb_run(run_copy, "--rollout-temperature", "0.5", steps=7) == 1
     finally:
         holder.communicate(timeout=30)
     assert f"the rollout store {store_dir} is held by pid {holder.pid}" in capsys.readouterr().err
@@ -200,7 +177,7 @@ def test_a_resume_without_the_newest_checkpoint_trains_the_stored_batches_again(
     """The base run checkpointed only its last step (v3, --save-interval 10): without it the resume
     starts from the base model and trains the three stored batches again before new work."""
     shutil.rmtree(run_copy / "checkpoints" / "v3")
-    assert run(run_copy, steps=5) == 0
+    assert small_lmdb_run(run_copy, steps=5) == 0
     assert "replaying stored batches" in capsys.readouterr().out
     assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["v5"]
     meta = json.loads((run_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())
@@ -220,7 +197,7 @@ def test_stored_steps_trained_again_run_with_the_settings_they_first_ran_with(ru
     killed = tmp_path / "v3-of-the-killed-run"
     (run_copy / "checkpoints" / "v3").rename(killed)
     changed = ("--lr", "1e-3", "--eps-clip", "0.05", "--tis-clip", "0.5", "--use-opsm")
-    assert run(run_copy, "--save-interval", "3", *changed, steps=4) == 0  # v3 is saved again, by the replay
+    assert small_lmdb_run(run_copy, "--save-interval", "3", *changed, steps=4) == 0  # v3 is saved again, by the replay
     assert "replaying stored batches" in capsys.readouterr().out
     theirs, replayed = (load_file(str(d / "model.safetensors")) for d in (killed, run_copy / "checkpoints" / "v3"))
     assert set(theirs) == set(replayed)
@@ -244,7 +221,7 @@ def test_a_resume_whose_batches_to_train_again_were_collected_names_the_folder(r
     shutil.rmtree(run_copy / "checkpoints" / "v3")
     with LmdbStore(run_copy / "rollout_data") as store:
         store.collect_garbage(1)
-    assert run(run_copy, steps=5) == 1
+    assert small_lmdb_run(run_copy, steps=5) == 1
     err = capsys.readouterr().err
     assert "batches of steps 0..1 to train again were collected" in err and str(run_copy / "checkpoints") in err
 
@@ -261,7 +238,7 @@ def test_salvage_of_a_store_that_never_admitted_anything(tmp_path):
 
 
 def test_a_profile_that_disagrees_with_the_local_disk_names_both(tmp_path, capsys):
-    assert run(tmp_path / "run", "--rollout-storage-profile", "nfs", steps=1) == 2  # a config error
+    assert small_lmdb_run(tmp_path / "run", "--rollout-storage-profile", "nfs", steps=1) == 2  # a config error
     err = capsys.readouterr().err
     assert "--rollout-storage-profile='nfs' covers nfs, nfs4" in err
     assert str((tmp_path / "run" / "rollout_data").resolve()) in err and " is on " in err
@@ -282,7 +259,7 @@ def nfs_mount(tmp_path, monkeypatch) -> Path:
 
 
 def test_an_undeclared_network_filesystem_stops_the_run(nfs_mount, capsys):
-    assert run(nfs_mount / "run", steps=1) == 1
+    assert small_lmdb_run(nfs_mount / "run", steps=1) == 1
     err = capsys.readouterr().err
     assert "network filesystem" in err and "nfs4" in err and "--rollout-storage-declaration" in err
 
@@ -295,7 +272,9 @@ def test_a_declared_network_filesystem_runs_and_says_what_declared_it(nfs_mount,
         )
     )
     capsys.readouterr()
-    assert run(nfs_mount / "run", "--rollout-storage-declaration", str(declaration), steps=1, level="info") == 0
+    assert (
+        small_lmdb_run(nfs_mount / "run", "--rollout-storage-declaration", str(declaration), steps=1, level="info") == 0
+    )
     text = "".join(capsys.readouterr())
     assert f"declaration {declaration}" in text and "nfs4" in text
     assert "synced_commits=False" in text
@@ -308,7 +287,7 @@ def test_a_run_folder_of_the_older_layout_resumes_from_its_last_step_without_a_r
     (run_copy / "weights").mkdir()
     (run_copy / "checkpoints" / "v3").rename(run_copy / "weights" / "v3")
     (run_copy / "checkpoints").rmdir()
-    assert run(run_copy, steps=5) == 0
+    assert small_lmdb_run(run_copy, steps=5) == 0
     assert "replaying stored batches" not in capsys.readouterr().out
     assert (run_copy / "weights" / "v3" / "optimizer").is_dir()
     meta = json.loads((run_copy / "checkpoints" / "v5" / "optimizer" / "state.json").read_text())

@@ -12,6 +12,7 @@ from core.errors import EngineError, EngineUnavailableError
 from core.types import FinishReason
 from launch.router_process import RouterProcess, start_router
 from stages.sglang import EngineFleet, GenerateResult
+from tests.conftest import router_in_front_of
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio
@@ -27,9 +28,7 @@ async def engines() -> AsyncIterator[tuple[FakeSGLang, FakeSGLang]]:
 
 @pytest.fixture
 async def router(engines) -> AsyncIterator[RouterProcess]:
-    with anyio.fail_after(30):
-        router = await start_router([e.url for e in engines])
-    async with router:
+    async with router_in_front_of(engines) as router:
         yield router
     assert not router.running
 

@@ -24,6 +24,7 @@ from launch.router_process import RouterProcess, start_router
 from pipeline.run.cli import main
 from stages.sglang import EngineFleet
 from stages.sglang.dispatch import EnginePicker
+from tests.conftest import router_in_front_of
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_moe import MoeShape
 
@@ -56,9 +57,7 @@ async def moe_engines() -> AsyncIterator[tuple[FakeSGLang, FakeSGLang]]:
 
 @pytest.fixture
 async def router(moe_engines) -> AsyncIterator[RouterProcess]:
-    with anyio.fail_after(30):
-        router = await start_router([e.url for e in moe_engines])
-    async with router:
+    async with router_in_front_of(moe_engines) as router:
         yield router
 
 

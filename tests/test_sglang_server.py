@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +20,7 @@ from pipeline.config import EngineConfig, load_config
 from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import encode
 from stages.sglang import EngineFleet
+from tests.conftest import run_python_module
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "tests" / "fakes" / "sglang_standin"
@@ -105,39 +104,31 @@ async def test_started_servers_get_their_devices_and_require_the_api_key(tmp_pat
 def test_a_run_starts_two_sglang_servers_behind_the_router_with_the_key(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)])}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "--output-dir",
-            str(out),
-            "--no-progress",
-            "--log-level",
-            "warning",
-            "--num-rollout",
-            "2",
-            "--rollout-batch-size",
-            "4",
-            "--rollout-engine",
-            "sglang",
-            "--sglang-devices",
-            "0,1",
-            "--api-key",
-            "s3cret",
-            # R3 on the MoE toy: the servers are started with SGLang's flag for it, and since the
-            # router (0.3.2) drops the routes' fields, R3 requests go to them directly, key and all.
-            "--num-experts",
-            "8",
-            "--moe-router-topk",
-            "2",
-            "--use-rollout-routing-replay",
-        ],
-        cwd=ROOT,
+    done = run_python_module(
+        "pipeline.launch",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--log-level",
+        "warning",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--rollout-engine",
+        "sglang",
+        "--sglang-devices",
+        "0,1",
+        "--api-key",
+        "s3cret",
+        # R3 on the MoE toy: the servers are started with SGLang's flag for it, and since the
+        # router (0.3.2) drops the routes' fields, R3 requests go to them directly, key and all.
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "2",
+        "--use-rollout-routing-replay",
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ import math
 import statistics
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from core.types import FinishReason
 from engines.sim import SimServer, _parse_args, open_sim_server, options_from_args
 from engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
 from stages.sglang import EngineFleet
+from tests.conftest import get_ok_json, post_generate, post_raw, sse_chunks
 
 PROMPT = [11, 12, 13, 14, 15]
 LIMIT = 400
@@ -34,41 +35,8 @@ HALF = LengthModel("fixed", 0.5, 0.0, truncate_frac=0.0)
 SCALE = 0.05
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
-async def generate(http: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, Any]:
-    async with http.post(url + "/generate", json=body) as resp:
-        raw = await resp.read()
-        return resp.status, (orjson.loads(raw) if resp.content_type == "application/json" else raw)
-
-
-async def post(http: aiohttp.ClientSession, url: str, json: Any = None) -> tuple[int, bytes]:
-    async with http.post(url, json=json) as resp:
-        return resp.status, await resp.read()
-
-
-async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
-        assert resp.status == 200, await resp.text()
-        return await resp.json()
-
-
 async def stats(http: aiohttp.ClientSession, server: SimServer) -> dict[str, Any]:
-    return await get_json(http, server.url + "/sim/stats")
-
-
-async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
-    buffer = b""
-    async for data in resp.content.iter_any():
-        buffer += data
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            payload = event.removeprefix(b"data: ")
-            yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
+    return await get_ok_json(http, server.url + "/sim/stats")
 
 
 def body(seed: int, prompt: list[int] = PROMPT, max_new_tokens: int = LIMIT, **extra: Any) -> dict[str, Any]:
@@ -92,7 +60,7 @@ async def interrupted(
     last: Any = None
     async with http.post(server.url + "/generate", json={**body(seed), "rid": rid, "stream": True}) as resp:
         acted = False
-        async for chunk in stream_chunks(resp):
+        async for chunk in sse_chunks(resp):
             if chunk == "[DONE]":
                 break
             last = chunk
@@ -108,7 +76,7 @@ async def interrupted(
 @pytest.mark.anyio
 async def test_outputs_have_sglang_shapes(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=1e-4, lengths=HALF, weight_version="3") as server:
-        status, out = await generate(http, server.url, **body(seed=1, max_new_tokens=40), rid="r1")
+        status, out = await post_generate(http, server.url, **body(seed=1, max_new_tokens=40), rid="r1")
         assert status == 200
         meta = out["meta_info"]
         assert meta["id"] == "r1" and meta["weight_version"] == "3"
@@ -121,7 +89,7 @@ async def test_outputs_have_sglang_shapes(http: aiohttp.ClientSession) -> None:
         assert len(out["text"]) == 19  # one character per token, the stop token trimmed
 
         # A batch and n > 1 answer with lists; ignore_eos runs to the limit.
-        status, outs = await generate(
+        status, outs = await post_generate(
             http,
             server.url,
             input_ids=[PROMPT, PROMPT[:2]],
@@ -129,16 +97,18 @@ async def test_outputs_have_sglang_shapes(http: aiohttp.ClientSession) -> None:
         )
         assert status == 200
         assert [o["meta_info"]["finish_reason"] for o in outs] == [{"type": "length", "length": 8}] * 2
-        status, outs = await generate(http, server.url, input_ids=PROMPT, sampling_params={"n": 3, "max_new_tokens": 4})
+        status, outs = await post_generate(
+            http, server.url, input_ids=PROMPT, sampling_params={"n": 3, "max_new_tokens": 4}
+        )
         assert status == 200 and len(outs) == 3
-        status, err = await generate(http, server.url, input_ids=[], sampling_params={})
+        status, err = await post_generate(http, server.url, input_ids=[], sampling_params={})
         assert status == 400 and "input_ids cannot be empty" in err["error"]["message"]
 
-        info = await get_json(http, server.url + "/model_info")
+        info = await get_ok_json(http, server.url + "/model_info")
         assert info["weight_version"] == "3" and info["is_generation"] is True
-        sinfo = await get_json(http, server.url + "/server_info")
+        sinfo = await get_ok_json(http, server.url + "/server_info")
         assert sinfo["max_running_requests"] == 128 and sinfo["sim"]["length_model"]["mu"] == 0.5
-        load = (await get_json(http, server.url + "/v1/loads?include=core"))["loads"][0]
+        load = (await get_ok_json(http, server.url + "/v1/loads?include=core"))["loads"][0]
         assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
         for path in ("/health", "/health_generate", "/v1/models", "/get_weight_version"):
             async with http.get(server.url + path) as resp:
@@ -202,7 +172,7 @@ async def test_response_lengths_over_200_requests(http: aiohttp.ClientSession) -
             "sampling_params": [{"max_new_tokens": limit, "sampling_seed": 1000 + i} for i in range(n)],
             "return_logprob": True,
         }
-        status, outs = await generate(http, server.url, **request)
+        status, outs = await post_generate(http, server.url, **request)
         assert status == 200 and len(outs) == n
         reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
         lengths = [len(o["output_ids"]) for o in outs]
@@ -212,7 +182,7 @@ async def test_response_lengths_over_200_requests(http: aiohttp.ClientSession) -
         assert 6 <= statistics.median(lengths) <= 16  # most responses are short
         assert set(reasons) == {"stop", "length"}
         # The same samples give the same answers.
-        status, again = await generate(http, server.url, **request)
+        status, again = await post_generate(http, server.url, **request)
         assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
         s = await stats(http, server)
         assert s["generated_tokens"] == 2 * sum(lengths) and s["max_batch_size"] == n
@@ -224,13 +194,13 @@ async def test_response_lengths_over_200_requests(http: aiohttp.ClientSession) -
 @pytest.mark.anyio
 async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=SCALE, lengths=HALF) as server:
-        status, full = await generate(http, server.url, **body(seed=42))
+        status, full = await post_generate(http, server.url, **body(seed=42))
         assert status == 200 and full["meta_info"]["finish_reason"]["type"] == "stop"
         full_ids, full_lps = ids_and_logprobs(full)
         assert len(full_ids) == LIMIT // 2
 
         last = await interrupted(
-            http, server, "cut", 42, lambda: post(http, server.url + "/abort_request", {"rid": "cut"})
+            http, server, "cut", 42, lambda: post_raw(http, server.url + "/abort_request", {"rid": "cut"})
         )
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         part_ids, part_lps = ids_and_logprobs(last)
@@ -242,7 +212,7 @@ async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohtt
         # No publish in between: the aborted sequence is still cached, only its last token is computed.
         before = await stats(http, server)
         resume = body(seed=42, prompt=PROMPT + part_ids, max_new_tokens=LIMIT - k)
-        status, rest = await generate(http, server.url, **resume)
+        status, rest = await post_generate(http, server.url, **resume)
         after = await stats(http, server)
         assert status == 200 and rest["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
         assert ids_and_logprobs(rest) == (full_ids[k:], full_lps[k:])
@@ -250,10 +220,10 @@ async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohtt
         assert after["cached_prefill_tokens"] - before["cached_prefill_tokens"] == len(PROMPT) + k - 1
 
         # After a flush (what a weight publish does) the same resumption pays the whole prefix.
-        status, _ = await post(http, server.url + "/flush_cache")
+        status, _ = await post_raw(http, server.url + "/flush_cache")
         assert status == 200
         before = await stats(http, server)
-        status, again = await generate(http, server.url, **resume)
+        status, again = await post_generate(http, server.url, **resume)
         after = await stats(http, server)
         assert ids_and_logprobs(again) == (full_ids[k:], full_lps[k:])
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT) + k
@@ -266,11 +236,13 @@ async def test_abort_then_resume_reaches_the_same_target_and_tokens(http: aiohtt
 async def test_resumed_truncated_sample_still_ends_at_its_limit(http: aiohttp.ClientSession) -> None:
     always = LengthModel("lognormal", -1.9, 0.8, truncate_frac=1.0)
     async with open_sim_server(time_scale=1e-4, lengths=always) as server:
-        _status, first = await generate(http, server.url, **body(seed=9, max_new_tokens=30))
+        _status, first = await post_generate(http, server.url, **body(seed=9, max_new_tokens=30))
         ids = first["output_ids"]
         assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 30} and len(ids) == 30
         assert ids == [sim_token(9, len(PROMPT) + i, 151936) for i in range(30)]
-        _status, rest = await generate(http, server.url, **body(seed=9, prompt=PROMPT + ids[:12], max_new_tokens=18))
+        _status, rest = await post_generate(
+            http, server.url, **body(seed=9, prompt=PROMPT + ids[:12], max_new_tokens=18)
+        )
         assert rest["output_ids"] == ids[12:] and rest["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -285,7 +257,7 @@ async def test_decode_time_grows_with_batch_size_as_configured(http: aiohttp.Cli
     async with open_sim_server(time_scale=1e-4, timing=timing, lengths=HALF, prefix_cache_entries=0) as server:
         for batch in (1, 8):
             before = await stats(http, server)
-            status, outs = await generate(
+            status, outs = await post_generate(
                 http,
                 server.url,
                 input_ids=[PROMPT] * batch,
@@ -315,10 +287,10 @@ async def test_a_slowdown_stretches_every_forward_until_set_back(http: aiohttp.C
     async with open_sim_server(time_scale=1e-4, timing=timing, lengths=HALF, prefix_cache_entries=0) as server:
         per_run = []
         for factor in (1.0, 3.0, 1.0):
-            status, raw = await post(http, server.url + "/sim/slowdown", {"factor": factor})
+            status, raw = await post_raw(http, server.url + "/sim/slowdown", {"factor": factor})
             assert status == 200 and orjson.loads(raw)["factor"] == factor
             before = await stats(http, server)
-            status, out = await generate(http, server.url, **body(1, max_new_tokens=20))
+            status, out = await post_generate(http, server.url, **body(1, max_new_tokens=20))
             after = await stats(http, server)
             assert status == 200 and len(out["output_ids"]) == 10
             per_run.append(
@@ -328,7 +300,7 @@ async def test_a_slowdown_stretches_every_forward_until_set_back(http: aiohttp.C
         assert per_run[1] == pytest.approx((3 * 9 * 0.02, 3 * 0.01))
         assert per_run[2] == pytest.approx(per_run[0])
         for bad in (0, -1.5, "2", True, None):
-            status, raw = await post(http, server.url + "/sim/slowdown", {"factor": bad})
+            status, raw = await post_raw(http, server.url + "/sim/slowdown", {"factor": bad})
             assert status == 400 and repr(bad).encode() in raw
         assert server.core.model.slowdown == 1.0
 
@@ -339,7 +311,7 @@ async def test_decode_time_grows_with_context(http: aiohttp.ClientSession) -> No
         step_base=0.02, step_per_request=0.0, step_per_context_token=0.001, prefill_base=0.005, prefill_per_token=0.0
     )
     async with open_sim_server(time_scale=1e-4, timing=timing, lengths=HALF) as server:
-        _status, out = await generate(http, server.url, **body(seed=3, max_new_tokens=20))
+        _status, out = await post_generate(http, server.url, **body(seed=3, max_new_tokens=20))
         assert len(out["output_ids"]) == 10
         s = await stats(http, server)
         contexts = [len(PROMPT) + j for j in range(1, 10)]  # the KV each decode step reads
@@ -352,7 +324,7 @@ async def test_decode_time_grows_with_context(http: aiohttp.ClientSession) -> No
 @pytest.mark.anyio
 async def test_concurrency_limit_queues_the_rest(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=1e-4, lengths=HALF, max_running_requests=3) as server:
-        status, outs = await generate(
+        status, outs = await post_generate(
             http,
             server.url,
             input_ids=[[40 + i] for i in range(7)],
@@ -369,17 +341,17 @@ async def test_concurrency_limit_queues_the_rest(http: aiohttp.ClientSession) ->
 @pytest.mark.anyio
 async def test_pause_in_place_keeps_kv_and_continue_finishes(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=SCALE, lengths=HALF) as server:
-        _status, full = await generate(http, server.url, **body(seed=7))
+        _status, full = await post_generate(http, server.url, **body(seed=7))
         frozen: dict[str, Any] = {}
 
         async def pause_and_check() -> None:
-            status, _ = await post(http, server.url + "/pause_generation", {"mode": "in_place"})
+            status, _ = await post_raw(http, server.url + "/pause_generation", {"mode": "in_place"})
             assert status == 200
             frozen["stats"] = await stats(http, server)
-            status, _ = await post(http, server.url + "/flush_cache")
+            status, _ = await post_raw(http, server.url + "/flush_cache")
             assert status == 400  # in_place keeps the request running: it holds cache
             assert (await stats(http, server))["decode_steps"] == frozen["stats"]["decode_steps"]
-            status, _ = await post(http, server.url + "/continue_generation")
+            status, _ = await post_raw(http, server.url + "/continue_generation")
             assert status == 200
 
         before = await stats(http, server)
@@ -396,12 +368,12 @@ async def test_pause_retract_then_flush_charges_a_new_prefill(http: aiohttp.Clie
         seen: dict[str, Any] = {}
 
         async def retract_flush_continue() -> None:
-            status, _ = await post(http, server.url + "/pause_generation", {"mode": "retract"})
+            status, _ = await post_raw(http, server.url + "/pause_generation", {"mode": "retract"})
             assert status == 200
             seen["stats"] = await stats(http, server)
-            status, _ = await post(http, server.url + "/flush_cache")
+            status, _ = await post_raw(http, server.url + "/flush_cache")
             assert status == 200  # retracted requests hold no cache
-            await post(http, server.url + "/continue_generation")
+            await post_raw(http, server.url + "/continue_generation")
 
         last = await interrupted(http, server, "r", 11, retract_flush_continue)
         k = seen["stats"]["generated_tokens"]
@@ -415,11 +387,11 @@ async def test_pause_retract_then_flush_charges_a_new_prefill(http: aiohttp.Clie
 async def test_pause_abort_returns_partial_output(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=SCALE, lengths=HALF) as server:
         last = await interrupted(
-            http, server, "a", 5, lambda: post(http, server.url + "/pause_generation", {"mode": "abort"})
+            http, server, "a", 5, lambda: post_raw(http, server.url + "/pause_generation", {"mode": "abort"})
         )
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert 1 <= len(last["output_ids"]) < LIMIT // 2
-        status, _ = await post(http, server.url + "/flush_cache")
+        status, _ = await post_raw(http, server.url + "/flush_cache")
         assert status == 200
         s = await stats(http, server)
         assert s["paused"] == "abort" and s["aborted_requests"] == 1
@@ -429,24 +401,24 @@ async def test_pause_abort_returns_partial_output(http: aiohttp.ClientSession) -
 async def test_update_weights_sets_version_and_takes_its_time(http: aiohttp.ClientSession, tmp_path: Path) -> None:
     timing = DecodeTimeModel(weight_update=3.0)
     async with open_sim_server(time_scale=1e-4, timing=timing, lengths=HALF) as server:
-        status, raw = await post(
+        status, raw = await post_raw(
             http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "7"}
         )
         doc = orjson.loads(raw)
         assert status == 200 and doc["success"] is True and "Weight version updated to 7" in doc["message"]
-        assert (await get_json(http, server.url + "/model_info"))["weight_version"] == "7"
-        status, out = await generate(http, server.url, **body(seed=1, max_new_tokens=4))
+        assert (await get_ok_json(http, server.url + "/model_info"))["weight_version"] == "7"
+        status, out = await post_generate(http, server.url, **body(seed=1, max_new_tokens=4))
         assert out["meta_info"]["weight_version"] == "7"
         s = await stats(http, server)
         assert s["weight_updates"] == 1 and s["weight_update_time"] == 3.0
 
-        status, raw = await post(
+        status, raw = await post_raw(
             http,
             server.url + "/update_weights_from_disk",
             {"model_path": str(tmp_path / "nope"), "weight_version": "8"},
         )
         assert status == 400 and orjson.loads(raw)["success"] is False
-        assert (await get_json(http, server.url + "/model_info"))["weight_version"] == "7"
+        assert (await get_ok_json(http, server.url + "/model_info"))["weight_version"] == "7"
 
 
 @pytest.mark.anyio
@@ -458,14 +430,14 @@ async def test_version_spans_mark_a_publish_during_a_pause(
         seen: dict[str, Any] = {}
 
         async def publish_while_held() -> None:
-            status, _ = await post(http, server.url + "/pause_generation", {"mode": mode})
+            status, _ = await post_raw(http, server.url + "/pause_generation", {"mode": mode})
             assert status == 200
             seen["k"] = (await stats(http, server))["generated_tokens"]
-            status, _ = await post(
+            status, _ = await post_raw(
                 http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "2"}
             )
             assert status == 200
-            await post(http, server.url + "/continue_generation")
+            await post_raw(http, server.url + "/continue_generation")
 
         last = await interrupted(http, server, "v", 5, publish_while_held)
         k, n = seen["k"], LIMIT // 2
@@ -487,7 +459,7 @@ async def test_staged_weight_update_keeps_decoding_and_marks_the_swap(
 
         async def publish_while_running() -> None:
             before = await stats(http, server)
-            status, _ = await post(
+            status, _ = await post_raw(
                 http, server.url + "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "3"}
             )
             assert status == 200
@@ -549,7 +521,7 @@ async def test_pipeline_client_drives_a_publish(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_siblings_share_the_cached_prompt(http: aiohttp.ClientSession) -> None:
     async with open_sim_server(time_scale=1e-4, lengths=HALF) as server:
-        status, outs = await generate(
+        status, outs = await post_generate(
             http, server.url, input_ids=PROMPT, sampling_params={"n": 4, "max_new_tokens": 8}, return_logprob=True
         )
         assert status == 200 and len(outs) == 4
@@ -606,4 +578,4 @@ async def test_command_line_engine_behind_the_real_router(tmp_path: Path) -> Non
 
 async def stats_of(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-        return await get_json(http, url + "/sim/stats")
+        return await get_ok_json(http, url + "/sim/stats")

@@ -13,7 +13,6 @@ from core.errors import ConfigError
 from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.config import load_config
 from pipeline.config.rules import DEFAULT_MAX_STEP_KL
-from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import encode
 from pipeline.trainer_settings import build_trainer
 from trainers import GRPOTrainer
@@ -23,16 +22,7 @@ PROMPT = encode("say a x2:")
 TASK = PromptTask(index=0, prompt_ids=PROMPT, label={"char": "a", "count": 2})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 # ---- the backtracking ------------------------------------------------------------------------------
@@ -87,49 +77,49 @@ def _batch(step: int = 0) -> Batch:
     return Batch(step, (group,))
 
 
-def _moved(model_dir, max_step_kl: float | None) -> tuple[float, dict[str, float]]:
+def _moved(tiny_model_dir, max_step_kl: float | None) -> tuple[float, dict[str, float]]:
     """The KL per token one train_step moved the policy on its own batch, measured afresh, and the metrics."""
     batch = _batch()
-    trainer = GRPOTrainer(model_dir, lr=0.1, max_step_kl=max_step_kl)  # lr 0.1: a step far too large
+    trainer = GRPOTrainer(tiny_model_dir, lr=0.1, max_step_kl=max_step_kl)  # lr 0.1: a step far too large
     before = torch.tensor([x for row in trainer.logprobs(batch.samples) for x in row])
     metrics = trainer.train_step(batch)
     after = torch.tensor([x for row in trainer.logprobs(batch.samples) for x in row])
     return mean_k3(before, after, torch.ones_like(before, dtype=torch.bool)), metrics
 
 
-def test_the_trainer_keeps_each_step_under_the_bound_where_an_unchecked_step_leaves_it(model_dir):
-    unchecked, plain = _moved(model_dir, None)
+def test_the_trainer_keeps_each_step_under_the_bound_where_an_unchecked_step_leaves_it(tiny_model_dir):
+    unchecked, plain = _moved(tiny_model_dir, None)
     assert unchecked > 1.0  # the step the optimizer proposes moves the policy by nats per token
     assert "step_kl_max" not in plain
-    bounded, metrics = _moved(model_dir, 0.2)
+    bounded, metrics = _moved(tiny_model_dir, 0.2)
     assert bounded <= 0.2 + 1e-6
     assert metrics["step_kl_halvings"] >= 1 and metrics["step_kl_proposed_max"] > 1.0
     assert metrics["step_kl_max"] <= 0.2 and metrics["optimizer_steps"] == 1
     with pytest.raises(ValueError, match="max_step_kl"):
-        GRPOTrainer(model_dir, max_step_kl=0.0)
+        GRPOTrainer(tiny_model_dir, max_step_kl=0.0)
 
 
 # ---- the flag -----------------------------------------------------------------------------------------
 
 
-def test_the_bound_is_on_by_default_with_torch_and_off_with_megatron(model_dir):
+def test_the_bound_is_on_by_default_with_torch_and_off_with_megatron(tiny_model_dir):
     assert load_config([]).trainer.max_step_kl == DEFAULT_MAX_STEP_KL
     assert load_config(["--max-step-kl", "0"]).trainer.max_step_kl == 0.0
     assert load_config(["--train-backend", "megatron"]).trainer.max_step_kl == 0.0
     with pytest.raises(ConfigError, match="max-step-kl"):
         load_config(["--train-backend", "megatron", "--max-step-kl", "0.3"])
-    assert build_trainer(model_dir, {"trainer": {"max_step_kl": 0.3}, "rollout": {}}).max_step_kl == 0.3
-    assert build_trainer(model_dir, {"trainer": {"max_step_kl": 0.0}, "rollout": {}}).max_step_kl is None
+    assert build_trainer(tiny_model_dir, {"trainer": {"max_step_kl": 0.3}, "rollout": {}}).max_step_kl == 0.3
+    assert build_trainer(tiny_model_dir, {"trainer": {"max_step_kl": 0.0}, "rollout": {}}).max_step_kl is None
 
 
-def test_a_step_no_halving_brings_under_the_bound_is_undone_counted_and_said(model_dir):
+def test_a_step_no_halving_brings_under_the_bound_is_undone_counted_and_said(tiny_model_dir):
     """A bound below what 6 halvings of an lr-0.1 step reach: the weights stay as they were, the
     metrics count the undone step, and the log says so with the learning rate (a run whose every
     step is undone trains nothing while its rewards still move)."""
     from structlog.testing import capture_logs
 
     batch = _batch()
-    trainer = GRPOTrainer(model_dir, lr=0.1, max_step_kl=1e-9)
+    trainer = GRPOTrainer(tiny_model_dir, lr=0.1, max_step_kl=1e-9)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with capture_logs() as logs:
         metrics = trainer.train_step(batch)
@@ -137,18 +127,18 @@ def test_a_step_no_halving_brings_under_the_bound_is_undone_counted_and_said(mod
     assert metrics["step_kl_undone"] == 1 and metrics["step_kl_max"] == 0.0
     said = [e for e in logs if e["log_level"] == "warning" and "undone" in e["event"]]
     assert len(said) == 1 and said[0]["lr"] == 0.1 and said[0]["undone"] == 1
-    quiet = GRPOTrainer(model_dir, lr=0.1, max_step_kl=0.2)
+    quiet = GRPOTrainer(tiny_model_dir, lr=0.1, max_step_kl=0.2)
     with capture_logs() as logs:
         assert quiet.train_step(batch)["step_kl_undone"] == 0
     assert not [e for e in logs if "undone" in e["event"]]
 
 
-def test_a_step_without_an_optimizer_step_reports_the_same_step_kl_keys(model_dir):
+def test_a_step_without_an_optimizer_step_reports_the_same_step_kl_keys(tiny_model_dir):
     # Before: the keys were written only when an optimizer step was checked, so a batch with no
     # signal (every reward equal: advantages 0, no step) left them out of its record, and the
     # record's key set changed from step to step. A step that takes no optimizer step moves the
     # policy by exactly 0: that is what the keys say, with train/optimizer_steps 0 saying why.
-    trainer = GRPOTrainer(model_dir, lr=0.1, max_step_kl=0.2)
+    trainer = GRPOTrainer(tiny_model_dir, lr=0.1, max_step_kl=0.2)
     flat = _batch()
     flat = Batch(0, (flat.groups[0].with_samples([dataclasses.replace(s, reward=1.0) for s in flat.samples]),))
     still = trainer.train_step(flat)

@@ -16,8 +16,8 @@ from pipeline.checkpoints import CheckpointPolicy
 from pipeline.replay import main as replay
 from pipeline.replay import verify_progress
 from pipeline.run.state import open_for_resume
-from storage import GroupState, LmdbStore, RunMeta, codec, keys
-from storage.seal import OVERHEAD
+from storage import GroupState, LmdbStore, RunMeta, codec
+from tests.conftest import flip_a_stored_group_bit
 
 BATCH = 3
 
@@ -51,18 +51,6 @@ def _checkpoint(tmp_path, version: int) -> CheckpointPolicy:
     return CheckpointPolicy(tmp_path / "checkpoints", tmp_path / "publish")
 
 
-def _flip_a_bit(path, group_id: str) -> None:
-    import lmdb
-
-    env = lmdb.open(str(path), max_dbs=len(keys.DATABASES))
-    with env.begin(write=True) as txn:
-        db = env.open_db(keys.GROUPS, txn=txn)
-        value = bytearray(txn.get(group_id.encode(), db=db))
-        value[OVERHEAD + 5] ^= 0x01  # one bit, as a disk would flip it
-        txn.put(group_id.encode(), bytes(value), db=db)
-    env.close()
-
-
 def _fresh(group_id: str) -> Group:
     """A group as the launcher's dataset would make it again for `group_id` (e0000-pNNN...)."""
     index = int(group_id.split("-p")[1].split(".")[0])
@@ -74,8 +62,8 @@ def test_a_resume_decodes_the_groups_it_trains_again_not_the_store(built, tmp_pa
     with LmdbStore(path, readonly=True) as store:
         old = store.batch(1).groups[0].group_id  # trained before the checkpoint
         recent = store.batch(trained).groups[0].group_id  # trained after it: trained again
-    _flip_a_bit(path, old)
-    _flip_a_bit(path, recent)
+    flip_a_stored_group_bit(path, old)
+    flip_a_stored_group_bit(path, recent)
     decoded: list[int] = []
     real = codec.decode_group
 
@@ -114,7 +102,7 @@ def test_replay_verify_streams_with_its_progress_said_and_names_every_damaged_re
     assert "nothing damaged" in out
     [line] = [x for x in err.splitlines() if x.startswith("verify:")]  # not a terminal: one plain line at the end
     assert "MB read (done) in" in line and "MB/s" in line, line
-    _flip_a_bit(path, victim)
+    flip_a_stored_group_bit(path, victim)
     assert replay([str(path.parent), "verify"]) == 1
     assert victim in capsys.readouterr().out
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import signal
 import struct
@@ -28,15 +27,11 @@ from core.columns import NO_ROUTE, SamplerHeads, TokenRoutes
 from core.errors import ConfigError, CorruptRecordError, EngineError
 from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
 from pipeline.config import load_config
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
-from stages.publisher import publish_weights
 from stages.sglang import EngineFleet, GenerateResult
 from stages.sglang.payloads import TokenPayloads, parse_top_logprobs, routes_for_new_tokens
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 from storage.codec import decode_group, encode_group
+from tests.conftest import PoolRig
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_moe import MoeShape, _route_row, sampler_head
 
@@ -215,31 +210,13 @@ def test_lmdb_keeps_payloads_sealed_and_byte_exact(tmp_path):
 # -- the pool over HTTP ----------------------------------------------------------------------------
 
 
-class Rig:
-    """Dispenser -> generator pool (asking for R3 and SC) -> collector, on one clock and store."""
+class Rig(PoolRig):
+    """`PoolRig` on this file's tasks, asking for R3 and SC: 8 slots."""
 
     def __init__(self, fleet, store, clock: VersionClock, *, max_len: int = MAX_LEN):
-        self.store, self.clock, self.admission = store, clock, Admission()
-        astore = AsyncStore(store)
-        self.dispenser = Dispenser(astore, dataset(), n_samples=N_SAMPLES, clock=clock, admission=self.admission)
-        self.pool = GeneratorPool(
-            fleet,
-            slots=8,
-            sampling_params={},
-            max_response_len=max_len,
-            clock=clock,
-            store=astore,
-            admission=self.admission,
-            payloads=PAYLOADS,
+        super().__init__(
+            fleet, store, clock, tasks=dataset(), n_samples=N_SAMPLES, max_len=max_len, slots=8, payloads=PAYLOADS
         )
-        self.collector = Collector(store=astore, admission=self.admission, capacity=math.inf)
-
-    async def start(self, tg) -> None:
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(4)
-        await tg.start(self.dispenser.run, to_pool_send)
-        await tg.start(self.pool.run, to_pool, to_collect_send)
-        await tg.start(self.collector.run, to_collect)
 
 
 def assert_payloads_from_the_sampling_forwards(group: Group, seeds: dict[tuple[str, int], int]) -> None:
@@ -288,15 +265,7 @@ async def test_a_publish_mid_request_keeps_each_tokens_route_from_the_forward_th
     ):
         rig = Rig(fleet, store, clock)
         await rig.start(tg)
-        fake.hold(2)
-        rig.admission.grant(1)
-        with anyio.fail_after(10):
-            await fake.wait_until(lambda: fake.held == N_SAMPLES)
-            await publish_weights(clock, fleet, tmp_path / "v1", pause_mode=mode)
-            if mode == "abort":
-                await fake.wait_until(lambda: fake.held == N_SAMPLES)  # the continuations, on v1
-            fake.release()
-            await rig.admission.wait_settled()
+        await rig.publish_with_one_group_held(fake, fleet, tmp_path / "v1", mode)
         tg.cancel_scope.cancel()
     [group] = store.groups(GroupState.READY)
     assert all(s.token_versions() == [0, 0, 1, 1, 1, 1] for s in group.samples)

@@ -17,18 +17,12 @@ from pipeline.tasks.jsonl import load_jsonl_prompts
 from pipeline.tasks.tiny_model import EOS_ID, build_tokenizer, make_model_folder
 from pipeline.tasks.toy import TOY_CHARS, TOY_MAX_COUNT, decode, encode, toy_dataset, toy_prompt, toy_reward
 
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    """The trainer sets torch's process-wide thread count; give later test modules theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _answer(task: PromptTask, text: str, reason: FinishReason = FinishReason.STOP, *, eos: bool = True) -> Sample:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.types import Batch, FinishReason, Group, PromptTask, Sample, SampleStatus, Segment, VersionSpan
-from pipeline.tasks.tiny_model import EOS_ID, make_model_folder
+from pipeline.tasks.tiny_model import EOS_ID
 from pipeline.tasks.toy import encode, toy_dataset, toy_reward
 from tests.adam_bound import adam_tolerance, gradient_excess, moments_apart, record_gradients, weight_excess
 from trainers import GRPOTrainer, group_advantages
@@ -21,17 +21,7 @@ from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings
 MAX_LEN = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads():
-    """The trainer sets torch's process-wide thread count; give later test modules theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 def _sample(index: int, prompt: tuple[int, ...], *segments: Segment) -> Sample:
@@ -75,8 +65,8 @@ def test_group_advantages_normalise_within_the_group():
     assert group_advantages([1.0, None]) == [0.0, 0.0]
 
 
-def test_train_step_normalises_each_group_separately_and_skips_failed_samples(model_dir):
-    trainer = GRPOTrainer(model_dir)
+def test_train_step_normalises_each_group_separately_and_skips_failed_samples(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir)
     ok = [_sample(i, PROMPT, _seg("ab", -1.0, FinishReason.STOP, 0)) for i in range(3)]
     failed = _sample(3, PROMPT, _seg("abc", -1.0, FinishReason.ERROR, 0))
     assert failed.status is SampleStatus.FAILED
@@ -91,8 +81,8 @@ def test_train_step_normalises_each_group_separately_and_skips_failed_samples(mo
     assert metrics["mask_ratio"] == pytest.approx(12 / 15)
 
 
-def test_train_step_refuses_an_unfinished_sample(model_dir):
-    trainer = GRPOTrainer(model_dir)
+def test_train_step_refuses_an_unfinished_sample(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir)
     partial = _sample(0, PROMPT, _seg("ab", -1.0, FinishReason.ABORT, 0))
     done = _sample(1, PROMPT, _seg("ab", -1.0, FinishReason.STOP, 0))
     with pytest.raises(ValueError, match="partial"):
@@ -102,8 +92,8 @@ def test_train_step_refuses_an_unfinished_sample(model_dir):
 # ---- truncated importance sampling, token by token --------------------------------------------
 
 
-def test_tis_weight_uses_each_tokens_own_behaviour_logprob(model_dir):
-    trainer = GRPOTrainer(model_dir, tis_cap=2.0)
+def test_tis_weight_uses_each_tokens_own_behaviour_logprob(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir, tis_cap=2.0)
     # A response of 5 tokens: 3 made by version 0 (then aborted), 2 by version 1 after the resume.
     head, tail = encode("aaa"), (*encode("a"), EOS_ID)
     probe = _sample(0, PROMPT, Segment(head + tail, (-1.0,) * 5, FinishReason.STOP, 0))
@@ -129,9 +119,9 @@ def test_tis_weight_uses_each_tokens_own_behaviour_logprob(model_dir):
     assert metrics["pg_clipfrac"] == 0.0  # one step per batch: the PPO ratio is exactly 1
 
 
-def test_no_tis_means_weight_one_and_no_nan_at_masked_positions(model_dir):
+def test_no_tis_means_weight_one_and_no_nan_at_masked_positions(tiny_model_dir):
     """Issue 8 defect 4: `tis_cap=None` (--no-use-tis) used to give uncapped weights e^2."""
-    trainer = GRPOTrainer(model_dir, tis_cap=None)
+    trainer = GRPOTrainer(tiny_model_dir, tis_cap=None)
     probe = _sample(0, PROMPT, _seg("aa", -1.0, FinishReason.STOP, 0))
     behaviour = [lp - 2.0 for lp in trainer.logprobs([probe])[0]]
     sample = _sample(0, PROMPT, _seg("aa", behaviour, FinishReason.STOP, 0))
@@ -141,7 +131,7 @@ def test_no_tis_means_weight_one_and_no_nan_at_masked_positions(model_dir):
     odd = dataclasses.replace(
         _sample(1, PROMPT, _seg("ab", [-float("inf"), -1.0], FinishReason.STOP, 0)), loss_mask=(0, 1)
     )
-    for t in (trainer, GRPOTrainer(model_dir)):
+    for t in (trainer, GRPOTrainer(tiny_model_dir)):
         metrics = t.train_step(Batch(0, (_group(TASK, [sample, odd], [1.0, 0.0]),)))
         assert all(math.isfinite(v) for v in metrics.values()), metrics
         assert all(torch.isfinite(p).all() for p in t.model.parameters())
@@ -170,16 +160,16 @@ A, S = FinishReason.ABORT, FinishReason.STOP
         ([("aa", 1, A), ("a", 1, A), ("a", 2, S)], [0, 0, 0, 1]),
     ],
 )
-def test_offpolicy_mask_follows_the_version_spans(model_dir, parts, expected):
+def test_offpolicy_mask_follows_the_version_spans(tiny_model_dir, parts, expected):
     """Issue 8 defect 3: the mask comes from the spans, not from `resumed_at[0]`."""
-    trainer = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=True)
+    trainer = GRPOTrainer(tiny_model_dir, mask_offpolicy_in_partial_rollout=True)
     assert trainer.loss_mask(_versions_sample(*parts)) == expected
-    assert GRPOTrainer(model_dir).loss_mask(_versions_sample(*parts)) == [1] * len(expected)
+    assert GRPOTrainer(tiny_model_dir).loss_mask(_versions_sample(*parts)) == [1] * len(expected)
 
 
-def test_offpolicy_mask_covers_a_request_that_crossed_a_publish(model_dir):
+def test_offpolicy_mask_covers_a_request_that_crossed_a_publish(tiny_model_dir):
     """retract / in_place: one request, two spans, never resumed; the old span is masked."""
-    trainer = GRPOTrainer(model_dir, mask_offpolicy_in_partial_rollout=True)
+    trainer = GRPOTrainer(tiny_model_dir, mask_offpolicy_in_partial_rollout=True)
     crossed = dataclasses.replace(
         _sample(0, PROMPT, _seg("aaaaa", -1.0, FinishReason.STOP, 1)),
         spans=(VersionSpan(0, 2, 0), VersionSpan(2, 5, 1)),
@@ -195,8 +185,8 @@ def test_offpolicy_mask_covers_a_request_that_crossed_a_publish(model_dir):
     assert (metrics["versions/oldest"], metrics["versions/newest"], metrics["versions/distinct"]) == (1, 1, 1)
 
 
-def test_stale_tokens_are_masked_against_the_trained_version(model_dir):
-    trainer = GRPOTrainer(model_dir, loss=LossSettings(mask_stale_tokens=1))
+def test_stale_tokens_are_masked_against_the_trained_version(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir, loss=LossSettings(mask_stale_tokens=1))
     mixed = _versions_sample(("aa", 3, A), ("aa", 4, A), ("a", 5, S))
     fresh = _sample(1, PROMPT, _seg("aa", -1.0, FinishReason.STOP, 5))
     batch = Batch(0, (_group(TASK, [mixed, fresh], [1.0, 0.0]),), train_version=5)
@@ -209,8 +199,8 @@ def test_stale_tokens_are_masked_against_the_trained_version(model_dir):
     assert trainer.loss_mask(mixed) == [0, 0, 1, 1, 1]
 
 
-def test_truncated_samples_can_be_masked_but_keep_their_reward(model_dir):
-    trainer = GRPOTrainer(model_dir, loss=LossSettings(mask_truncated_samples=True))
+def test_truncated_samples_can_be_masked_but_keep_their_reward(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir, loss=LossSettings(mask_truncated_samples=True))
     cut = _sample(0, PROMPT, _seg("aaaa", -1.0, FinishReason.LENGTH, 0))
     done = [_sample(i, PROMPT, _seg("a", -1.0, FinishReason.STOP, 0)) for i in (1, 2)]
     metrics = trainer.train_step(Batch(0, (_group(TASK, [cut, *done], [0.0, 1.0, 0.5]),)))
@@ -227,14 +217,14 @@ def _batch_of(n: int, rewards: list[float]) -> Batch:
     return Batch(0, (_group(TASK, samples, rewards),))
 
 
-def test_one_step_per_batch_never_clips_but_minibatches_do(model_dir):
+def test_one_step_per_batch_never_clips_but_minibatches_do(tiny_model_dir):
     """Issue 8 defect 5: with one step per batch the ratio is 1; with --global-batch-size the later
     minibatches see a ratio against the proximal policy, and a big step is clipped."""
     rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
-    one = GRPOTrainer(model_dir, lr=0.5)
+    one = GRPOTrainer(tiny_model_dir, lr=0.5)
     metrics = one.train_step(_batch_of(8, rewards))
     assert metrics["optimizer_steps"] == 1 and metrics["pg_clipfrac"] == 0.0
-    mini = GRPOTrainer(model_dir, lr=0.5, global_batch_size=2)
+    mini = GRPOTrainer(tiny_model_dir, lr=0.5, global_batch_size=2)
     metrics = mini.train_step(_batch_of(8, rewards))
     assert metrics["optimizer_steps"] == 4
     assert metrics["pg_clipfrac"] > 0.0
@@ -248,7 +238,7 @@ def test_one_step_per_batch_never_clips_but_minibatches_do(model_dir):
     ],
     ids=["token-mean-opsm", "seq-mean-icepop"],
 )
-def test_micro_batches_take_the_same_step_as_the_whole_minibatch(model_dir, loss):
+def test_micro_batches_take_the_same_step_as_the_whole_minibatch(tiny_model_dir, loss):
     """--micro-batch-size splits the forward and backward, not the step: each micro-batch's loss
     carries its share of the minibatch's trained tokens (token-mean) or samples, so the weights
     after two optimizer steps equal the unsplit trainer's. Uneven splits (4 = 3 + 1) of samples of
@@ -259,12 +249,12 @@ def test_micro_batches_take_the_same_step_as_the_whole_minibatch(model_dir, loss
     results = []
     # The whole minibatch; 3 samples a forward; a token budget of two of the longest (--max-tokens-per-gpu).
     for split in ({}, {"micro_batch_size": 3}, {"max_tokens_per_gpu": 2 * longest}):
-        trainer = GRPOTrainer(model_dir, lr=0.05, global_batch_size=4, max_step_kl=0.2, loss=loss, **split)
+        trainer = GRPOTrainer(tiny_model_dir, lr=0.05, global_batch_size=4, max_step_kl=0.2, loss=loss, **split)
         grads = record_gradients(trainer.optimizer, trainer.model.named_parameters())
         metrics = trainer.train_step(batch)
         results.append((metrics, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, grads))
     (whole, w_whole, g_whole), *splits = results
-    moved = max(float((w_whole[k] - model_dir_weights(model_dir)[k]).abs().max()) for k in w_whole)
+    moved = max(float((w_whole[k] - model_dir_weights(tiny_model_dir)[k]).abs().max()) for k in w_whole)
     assert moved > 1e-4  # the step did move the weights
     # The first minibatch's positions: the length of the sums its gradients add up.
     positions = sum(len(s.prompt_ids) + s.response_len for s in batch.samples[:4])
@@ -283,28 +273,28 @@ def test_micro_batches_take_the_same_step_as_the_whole_minibatch(model_dir, loss
         assert weight_excess(w_split, w_whole, tolerance) <= 1.0
 
 
-def model_dir_weights(model_dir):
-    return GRPOTrainer(model_dir).model.state_dict()
+def model_dir_weights(tiny_model_dir):
+    return GRPOTrainer(tiny_model_dir).model.state_dict()
 
 
-def test_a_micro_batch_of_no_samples_is_refused_by_name(model_dir):
+def test_a_micro_batch_of_no_samples_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
-        GRPOTrainer(model_dir, micro_batch_size=0)
+        GRPOTrainer(tiny_model_dir, micro_batch_size=0)
     with pytest.raises(ValueError, match=r"max_tokens_per_gpu must be >= 1 positions or None \(no budget\), got 0"):
-        GRPOTrainer(model_dir, max_tokens_per_gpu=0)
+        GRPOTrainer(tiny_model_dir, max_tokens_per_gpu=0)
 
 
 # ---- no signal, no change -------------------------------------------------------------------
 
 
-def test_a_step_without_signal_leaves_the_weights_bitwise_equal_after_real_steps(model_dir):
+def test_a_step_without_signal_leaves_the_weights_bitwise_equal_after_real_steps(tiny_model_dir):
     """Issue 8 defect 6: after a real step AdamW's momentum moved the weights on a no-signal step."""
-    trainer = GRPOTrainer(model_dir)
+    trainer = GRPOTrainer(tiny_model_dir)
     trainer.train_step(_batch_of(2, [0.0, 1.0]))  # builds momentum
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     metrics = trainer.train_step(_batch_of(2, [0.5, 0.5]))  # every advantage 0
     assert metrics["optimizer_steps"] == 0
-    masked = GRPOTrainer(model_dir, loss=LossSettings(mask_stale_tokens=0))
+    masked = GRPOTrainer(tiny_model_dir, loss=LossSettings(mask_stale_tokens=0))
     masked.train_step(_batch_of(2, [0.0, 1.0]))
     stale = Batch(1, _batch_of(2, [0.0, 1.0]).groups, train_version=5)  # every token too old
     masked_before = {k: v.clone() for k, v in masked.model.state_dict().items()}
@@ -317,8 +307,8 @@ def test_a_step_without_signal_leaves_the_weights_bitwise_equal_after_real_steps
 # ---- no signal, no change -------------------------------------------------------------------
 
 
-def test_zero_advantage_batch_gives_zero_loss_and_leaves_weights(model_dir):
-    trainer = GRPOTrainer(model_dir)
+def test_zero_advantage_batch_gives_zero_loss_and_leaves_weights(tiny_model_dir):
+    trainer = GRPOTrainer(tiny_model_dir)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     samples = [_sample(i, PROMPT, _seg("ab"[: i + 1], -2.0, FinishReason.STOP, 0)) for i in range(2)]
     metrics = trainer.train_step(Batch(0, (_group(TASK, samples, [0.7, 0.7]),)))
@@ -332,10 +322,10 @@ def test_zero_advantage_batch_gives_zero_loss_and_leaves_weights(model_dir):
 # ---- publishing weights -----------------------------------------------------------------------
 
 
-def test_save_weights_round_trips_through_from_pretrained(model_dir, tmp_path):
+def test_save_weights_round_trips_through_from_pretrained(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trainer = GRPOTrainer(model_dir)
+    trainer = GRPOTrainer(tiny_model_dir)
     samples = [_sample(i, PROMPT, _seg("ab"[: i + 1], -2.0, FinishReason.STOP, 0)) for i in range(2)]
     trainer.train_step(Batch(0, (_group(TASK, samples, [0.0, 1.0]),)))  # weights now differ from the folder
 
@@ -345,7 +335,7 @@ def test_save_weights_round_trips_through_from_pretrained(model_dir, tmp_path):
 
     ids = torch.tensor([PROMPT + encode("abc")])
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    original = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
         mine = trainer.model(input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids).logits, mine)
@@ -361,7 +351,7 @@ def test_save_weights_round_trips_through_from_pretrained(model_dir, tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["v1"]
 
 
-def test_a_bf16_trainer_publishes_bf16_weights_and_checkpoints_its_fp32_masters(model_dir, tmp_path):
+def test_a_bf16_trainer_publishes_bf16_weights_and_checkpoints_its_fp32_masters(tiny_model_dir, tmp_path):
     """`save_model` (the publish between checkpoints) writes what the bf16 trainer's matmuls see:
     the masters rounded to bf16, half the bytes, config saying so, tied weights one tensor; the
     full checkpoint (`save_weights`) keeps fp32."""
@@ -370,7 +360,7 @@ def test_a_bf16_trainer_publishes_bf16_weights_and_checkpoints_its_fp32_masters(
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    trainer = GRPOTrainer(model_dir, dtype="bfloat16")
+    trainer = GRPOTrainer(tiny_model_dir, dtype="bfloat16")
     samples = [_sample(i, PROMPT, _seg("ab"[: i + 1], -2.0, FinishReason.STOP, 0)) for i in range(2)]
     trainer.train_step(Batch(0, (_group(TASK, samples, [0.0, 1.0]),)))
     published = trainer.save_model(tmp_path / "pub")
@@ -419,7 +409,7 @@ def _generate(
     return list(zip(tokens, logprobs, strict=True))
 
 
-def test_grpo_learns_the_toy_task(model_dir):
+def test_grpo_learns_the_toy_task(tiny_model_dir):
     """8 prompts x 8 samples per step, 60 steps, sampling with the model being trained.
 
     Measured: this setup (model seed 0, sampler seed 0) goes from a first-5-step mean reward of
@@ -427,7 +417,7 @@ def test_grpo_learns_the_toy_task(model_dir):
     About 4 s with one torch thread on the 2-core box.
     """
     n_prompts, n_samples, steps = 8, 8, 60
-    trainer = GRPOTrainer(model_dir)
+    trainer = GRPOTrainer(tiny_model_dir)
     gen = torch.Generator().manual_seed(0)
     tasks = toy_dataset(n_prompts * steps, seed=0)
     rewards = []

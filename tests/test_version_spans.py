@@ -175,15 +175,7 @@ async def _one_group_across_a_publish(fake, clock, store, tmp_path, mode):
     async with EngineFleet([fake.url], concurrency=16) as fleet, anyio.create_task_group() as tg:
         rig = Rig(fleet, store, clock)
         await rig.start(tg)
-        fake.hold(2)
-        rig.admission.grant(1)
-        with anyio.fail_after(10):
-            await fake.wait_until(lambda: fake.held == N_SAMPLES)
-            await publish_weights(clock, fleet, tmp_path / "v1", pause_mode=mode)
-            if mode == "abort":
-                await fake.wait_until(lambda: fake.held == N_SAMPLES)
-            fake.release()
-            await rig.admission.wait_settled()
+        await rig.publish_with_one_group_held(fake, fleet, tmp_path / "v1", mode)
         tg.cancel_scope.cancel()
     return rig
 
@@ -225,10 +217,8 @@ async def test_an_answer_processed_after_the_clock_moved_on_is_kept():
     ):
         rig = Rig(fleet, store, clock)
         await rig.start(tg)
-        fake.hold(3)
-        rig.admission.grant(1)
         with anyio.fail_after(10):
-            await fake.wait_until(lambda: fake.held == N_SAMPLES)
+            await rig.park_granted(fake, tokens=3)
             with clock.publish():  # the clock moves on; this engine is not told (yet)
                 pass
             fake.release()
@@ -248,10 +238,8 @@ async def test_a_version_from_the_future_fails_that_request_not_the_run():
     ):
         rig = Rig(fleet, store, clock)
         await rig.start(tg)
-        fake.hold(2)
-        rig.admission.grant(1)
         with anyio.fail_after(10):
-            await fake.wait_until(lambda: fake.held == N_SAMPLES)
+            await rig.park_granted(fake)
             fake.weight_version = "7"  # a version the clock never published
             fake.release()
             await rig.admission.wait_settled()

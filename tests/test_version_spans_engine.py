@@ -8,7 +8,6 @@ Ordering comes from the engine's own state (running requests, decode steps), nev
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,10 @@ from core.clock import VersionClock
 from core.types import PromptTask, SampleStatus, VersionSpan
 from engines.builtin import open_server
 from pipeline.tasks.tiny_model import CHARS, make_model_folder
-from stages.admission import Admission
-from stages.collector import Collector
-from stages.dispenser import Dispenser
-from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
 from stages.sglang import EngineFleet, GenerateResult
-from storage import AsyncStore, GroupState, MemoryStore
+from storage import GroupState, MemoryStore
+from tests.conftest import PoolRig
 
 pytestmark = pytest.mark.anyio
 
@@ -63,8 +59,7 @@ class Recording:
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 async def test_spans_follow_the_engine_across_a_publish(mode: str, model_dirs: tuple[Path, Path]) -> None:
     v0, v1 = model_dirs
-    store, clock, admission = MemoryStore(), VersionClock(), Admission()
-    astore = AsyncStore(store)
+    store, clock = MemoryStore(), VersionClock()
     prompt = tuple(3 + CHARS.index(c) for c in "1+2=")
     async with (
         open_server(v0, port=0, weight_version="0", health_check_timeout=0.5) as server,
@@ -72,26 +67,19 @@ async def test_spans_follow_the_engine_across_a_publish(mode: str, model_dirs: t
         anyio.create_task_group() as tg,
     ):
         engine = Recording(fleet)
-        dispenser = Dispenser(
-            astore, [PromptTask(index=0, prompt_ids=prompt)], n_samples=N_SAMPLES, clock=clock, admission=admission
-        )
-        pool = GeneratorPool(
+        rig = PoolRig(
             engine,
+            store,
+            clock,
+            tasks=[PromptTask(index=0, prompt_ids=prompt)],
+            n_samples=N_SAMPLES,
+            max_len=LONG,
             slots=8,
             sampling_params={"ignore_eos": True},
-            max_response_len=LONG,
-            clock=clock,
-            store=astore,
-            admission=admission,
         )
-        collector = Collector(store=astore, admission=admission, capacity=math.inf)
-        to_pool_send, to_pool = anyio.create_memory_object_stream(0)
-        to_collect_send, to_collect = anyio.create_memory_object_stream(4)
-        await tg.start(dispenser.run, to_pool_send)
-        await tg.start(pool.run, to_pool, to_collect_send)
-        await tg.start(collector.run, to_collect)
+        await rig.start(tg)
         with anyio.fail_after(120):  # a shared CPU decodes this tiny model at a few steps a second
-            admission.grant(1)
+            rig.admission.grant(1)
             while server.core.statistics().num_running < N_SAMPLES:
                 await server.core.wait_step()
             await server.core.wait_step()  # both have decoded at least one token under v0
@@ -99,7 +87,7 @@ async def test_spans_follow_the_engine_across_a_publish(mode: str, model_dirs: t
             # the publish pauses again (same mode), loads v1 and continues.
             await fleet.pause(mode)
             await publish_weights(clock, fleet, v1, pause_mode=mode)
-            await admission.wait_settled()
+            await rig.admission.wait_settled()
         tg.cancel_scope.cancel()
 
     [group] = store.groups(GroupState.READY)
