@@ -133,10 +133,10 @@ def _tensor_bytes(tensors: Any) -> int:
 async def probe(shape: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     from core.clock import VersionClock
     from core.types import Batch, PauseMode
-    from launch.engine_process import start_engine
+    from launch.builtin_engine import start_engine
     from stages.publisher import publish_weights
-    from stages.sglang import EngineFleet
-    from stages.sglang.publish_tensor import ColocatedWeights
+    from stages.sglang_client import EngineFleet
+    from stages.sglang_client.publish_tensor import ColocatedWeights
     from trainers import GRPOTrainer
 
     row: dict[str, Any] = {"shape": shape, "fits": False}

@@ -22,7 +22,7 @@ Figures, per (mode, store), over the steps after the first (start-up excluded):
   core; on an otherwise idle core the two agree.
 
 Old and new paths side by side, in one run: `--clients` picks how `/generate` goes out (`aiohttp`,
-today's client before issue 13, or `lean`, `stages.sglang.http1`), `--commits` how the LMDB store
+today's client before issue 13, or `lean`, `stages.sglang_client.http1`), `--commits` how the LMDB store
 commits (`single`: one transaction per store call, as before; `group`: group commit, see
 `storage.async_store`), `--batches` how many groups one store call carries (`single`: one group
 per `admit` and per `put_ready`, `RolloutPlan.store_batch=1`, as before; `batch`: the dispenser
@@ -62,11 +62,11 @@ import anyio
 import structlog
 
 from core.types import FinishReason, Group, PromptTask, Segment
-from launch.engine_process import start_engine
+from launch.builtin_engine import start_engine
 from launch.gc_settings import settle_gc
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, Cursor, LmdbStore, MemoryStore
 
 STORES = ("memory", "lmdb-sync", "lmdb-nosync")
@@ -167,7 +167,7 @@ async def run_one(
     profile: tuple[cProfile.Profile, cProfile.Profile] | None = None,
 ) -> dict[str, float]:
     # Each run starts its own clock at version 0. The instant engine holds no weights, so its label
-    # is all there is to reset; a real engine is never relabelled (pipeline/run/engines.py).
+    # is all there is to reset; a real engine is never relabelled (pipeline/run/run_engines.py).
     await fleet.update_weight_version("0")
     folder = Path(tempfile.mkdtemp(prefix=f"overhead-{store_kind}-", dir=args.work))
     raw = open_store(store_kind, folder)

@@ -45,13 +45,13 @@ import structlog
 
 from benchmarks.modes_sim import SimulatedTrainer, sim_stats, workload
 from core.types import PromptTask, Sample
-from launch.engine_process import start_engine
+from launch.builtin_engine import start_engine
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
 from pipeline.timeline import slot_busy_fraction
 from stages.filter import reward_std_nonzero
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, MemoryStore
 
 SETTINGS = ("sync", "length", "partial", "partial-length", "dapo", "dapo-skip")

@@ -335,7 +335,7 @@ def _prefill_fit(fs: list[dict[str, Any]], a: float, b: float, c: float = 0.0) -
 
 def _start_tail_engine(args: argparse.Namespace, model: Path, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     """The built-in engine with the length tail, as the launcher would start it; (process, url)."""
-    from launch.engine_process import free_port
+    from launch.builtin_engine import free_port
 
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)

@@ -18,12 +18,12 @@ import anyio
 import orjson
 
 from core.types import PromptTask
-from launch.engine_process import start_engine
+from launch.builtin_engine import start_engine
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.events import EventLog
 from pipeline.metrics import MetricsSink
 from pipeline.timeline import render_timeline, slot_busy_fraction, work_span
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
 
 __all__ = ["SimulatedTrainer", "main", "plans", "reward", "run_mode", "workload"]

@@ -61,15 +61,15 @@ from benchmarks.controller_overhead import reward, stat_cpu_seconds, workload
 from benchmarks.ray_producers import actor_cpu, pin_process, thread_cpu
 from benchmarks.store_at_size import live_bytes
 from engines.production_payloads import RouteShape
-from launch.engine_process import EngineProcess, free_port, start_engine
+from launch.builtin_engine import EngineProcess, free_port, start_engine
 from launch.gc_settings import settle_gc
 from launch.router_process import start_router
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.checkpoints import CheckpointPolicy, checkpoint_versions
 from pipeline.metrics import MetricsSink
 from pipeline.run.parts import garbage_collector
-from stages.sglang import EngineFleet
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.payloads import TokenPayloads
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 
 GOAL_TOKENS_S = 1_000_000  # the goal: twice the 128-GPU run
@@ -288,7 +288,7 @@ async def run_one(
                 EngineFleet(urls, router_url=router_url, concurrency=args.slots, routed_experts=r3) as fleet,
             ):
                 # The instant engine holds no weights: resetting its label loses nothing (a real
-                # engine is never relabelled: pipeline/run/engines.py).
+                # engine is never relabelled: pipeline/run/run_engines.py).
                 await fleet.update_weight_version("0")
                 await run_pipeline(
                     plan,

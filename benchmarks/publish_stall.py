@@ -35,10 +35,10 @@ import anyio
 import structlog
 
 from benchmarks.modes_sim import SimulatedTrainer, reward, workload
-from launch.engine_process import start_engine
+from launch.builtin_engine import start_engine
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.sglang import PAUSE_MODES, EngineFleet
+from stages.sglang_client import PAUSE_MODES, EngineFleet
 from storage import AsyncStore, MemoryStore
 
 CALLS = ("pause", "flush_cache", "update_weights_from_disk", "continue_generation")

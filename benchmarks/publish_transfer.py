@@ -9,7 +9,7 @@ side (this process) holds the same model and publishes it `--publishes` times pe
 - disk: `save_pretrained` into a fresh folder, then `/update_weights_from_disk` (save time shown apart);
 - distributed: broadcast over the weight-update group (gloo on CPU, NCCL on a GPU);
 - ipc (GPU): `/update_weights_from_tensor`, the trainer's tensors handed over as CUDA IPC handles in
-  flattened buckets of `--bucket-mb` (what `--colocate` sends; `stages/sglang/publish_tensor.py`);
+  flattened buckets of `--bucket-mb` (what `--colocate` sends; `stages/sglang_client/publish_tensor.py`);
 - each paused (`in_place`: the engine stops for the whole update) and overlapped (the engine keeps
   decoding into a staging copy and swaps between two steps); ipc is paused only (the rules refuse
   overlap with it: each bucket goes into the live weights);
@@ -41,12 +41,12 @@ import torch
 
 from core.clock import VersionClock
 from core.types import PauseMode
-from launch.engine_process import start_engine
+from launch.builtin_engine import start_engine
 from pipeline.tasks.tiny_model import make_model_folder
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet
-from stages.sglang.publish_distributed import DistributedWeightSender
-from stages.sglang.publish_tensor import ColocatedWeights
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.publish_distributed import DistributedWeightSender
+from stages.sglang_client.publish_tensor import ColocatedWeights
 
 
 class _Stream:

@@ -48,14 +48,14 @@ from typing import Any
 import anyio
 
 from benchmarks.controller_overhead import NullTrainer, reward, stat_cpu_seconds, workload
-from launch.engine_process import start_engine
+from launch.builtin_engine import start_engine
 from launch.gc_settings import settle_gc
 from launch.ray_cluster import RaySettings, group_slots, open_ray_producers
 from launch.ray_producer import ProducerSpec
 from launch.ray_producers import DEFAULT_TAKES_PER_SECOND
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, LmdbStore, MemoryStore
 
 # (RolloutPlan.store_batch, RayProducers takes_per_second, through the mailbox): `mailbox` is the default path.
@@ -80,7 +80,7 @@ async def run_one(
     producers: int, store_kind: str, batch: str, args: argparse.Namespace, fleet: EngineFleet, work: Path
 ) -> dict[str, float]:
     # Each run starts its own clock at version 0. The instant engine holds no weights, so its label
-    # is all there is to reset; a real engine is never relabelled (pipeline/run/engines.py).
+    # is all there is to reset; a real engine is never relabelled (pipeline/run/run_engines.py).
     await fleet.update_weight_version("0")
     plan = RolloutPlan(
         mode=args.mode,

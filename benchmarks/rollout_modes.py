@@ -22,12 +22,12 @@ from pathlib import Path
 import anyio
 import structlog
 
-from launch.engine_process import start_engines
+from launch.builtin_engine import start_engines
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import toy_dataset, toy_reward
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, MemoryStore
 
 

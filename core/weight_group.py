@@ -1,5 +1,5 @@
 """The process group a distributed weight publish runs over, shared by both of its ends: the
-trainer side (`stages/sglang/publish_distributed.py`, the megatron trainer) and the built-in
+trainer side (`stages/sglang_client/publish_distributed.py`, the megatron trainer) and the built-in
 engine's side (`engines/weight_group.py`). One definition, so both join the same way.
 
 The group is built from torch's public process-group classes on its own store rather than

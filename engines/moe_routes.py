@@ -14,7 +14,7 @@ that first read each position (the prefill for the prompt, then one decode step 
 re-prefill after a retract adds only the rows it had not (the routes of a token are those of the
 forward that sampled it, never a recomputation's). A request resent as `prompt + prefix` after an
 abort is a new request: its prefill's rows for the prefix positions are that re-prefill's, which
-is why the client keeps its own rows for the prefix (stages/sglang/payloads.py).
+is why the client keeps its own rows for the prefix (stages/sglang_client/payloads.py).
 
 The hook costs nothing when no request asks (it returns at once), and on a dense model there is
 no recorder at all.
@@ -30,21 +30,10 @@ from typing import Any
 
 import torch
 
+from core.moe_layout import router_modules
 from engines.seam import Draw, Row
 
-__all__ = ["RouteRecorder", "fuse_expert_tensors", "router_modules", "rows_bytes", "wants_routes", "with_routes"]
-
-
-def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k router of every sparse MoE layer of `model`, in layer order (empty for a dense model).
-
-    A router is a module named `gate` with `top_k` and `num_experts` attributes (transformers 5's
-    `*TopKRouter`); a dense layer's `mlp.gate_proj` is a Linear, not one of them."""
-    found = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "gate" and hasattr(module, "top_k") and hasattr(module, "num_experts"):
-            found.append(module)
-    return found
+__all__ = ["RouteRecorder", "fuse_expert_tensors", "rows_bytes", "wants_routes", "with_routes"]
 
 
 class RouteRecorder:

@@ -9,7 +9,7 @@ decoding (the receive runs on a worker thread). Buckets accumulate until every w
 arrived; only then are they copied into the live parameters between two decode steps and the
 `weight_version` of that last call set, so a publish broken mid-transfer (a lost peer, a timeout,
 a tensor that does not fit) leaves the old weights and the old version serving, and drops what was
-staged. The group itself comes from `stages.sglang.publish_distributed.open_group`, the trainer's code.
+staged. The group itself comes from `stages.sglang_client.publish_distributed.open_group`, the trainer's code.
 """
 
 from __future__ import annotations

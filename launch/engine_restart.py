@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from launch.engine_process import EngineProcess, start_engine
+from launch.builtin_engine import EngineProcess, start_engine
 
 __all__ = ["ManagedEngines"]
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from core.errors import ConfigError, PipelineError
-from launch.engine_process import free_port
+from launch.builtin_engine import free_port
 from launch.orphan_guard import guarded
 from launch.trainer_group import host_group, join_group
 

@@ -44,8 +44,8 @@ from stages.generator import GeneratorPool
 from stages.plugins import resolve_function
 from stages.producers import LocalProducers
 from stages.reward import RewardStage
-from stages.sglang import EngineFleet
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.payloads import TokenPayloads
 from stages.store_ports import ProducerStore
 from storage.codec import decode_group, encode_group
 
@@ -83,7 +83,7 @@ class ProducerSpec:
     request_timeout: float = 600.0
     max_retries: int = 3
     api_key: str | None = None
-    # R3 / SC payloads asked with every request (`stages.sglang.payloads.TokenPayloads`); they come
+    # R3 / SC payloads asked with every request (`stages.sglang_client.payloads.TokenPayloads`); they come
     # back inside the groups' codec records.
     routed_experts_top_k: int | None = None
     sampler_top_k: int | None = None

@@ -34,7 +34,7 @@ import anyio.abc
 import orjson
 
 from core.errors import EngineError, EngineUnavailableError
-from launch.engine_process import free_port
+from launch.builtin_engine import free_port
 from launch.orphan_guard import guarded
 
 __all__ = ["RouterProcess", "free_port", "start_router"]

@@ -12,7 +12,7 @@ given (with `--colocate`: `--enable-memory-saver`, on the trainer's GPU), and wa
 there are several, as it does for built-in engines, and stops them on exit (SIGTERM, then SIGKILL;
 guarded, so they die with the controller too).
 
-Process handling is `launch.engine_process.start_engine`'s: the same command-line shape is what
+Process handling is `launch.builtin_engine.start_engine`'s: the same command-line shape is what
 the built-in engine accepts, which is how the CPU tests stand a fake `sglang` package in for SGLang.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 from core.errors import ConfigError
-from launch.engine_process import EngineProcess, start_engine
+from launch.builtin_engine import EngineProcess, start_engine
 
 __all__ = ["engine_devices", "sglang_command_args", "start_sglang_servers", "torch_device_index"]
 

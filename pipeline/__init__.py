@@ -44,7 +44,7 @@ from pipeline.session import Rollout
 from stages.agent import Agent, AgentContext, Turn
 from stages.generator import GenerateEngine
 from stages.publisher import PublishReport, WeightTarget
-from stages.sglang import EngineFleet, GenerateResult
+from stages.sglang_client import EngineFleet, GenerateResult
 from storage import AsyncStore, LmdbStore, MemoryStore
 
 __all__ = [

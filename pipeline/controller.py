@@ -77,7 +77,7 @@ async def run_pipeline(
     a step that is not due) joins the step's record after the commit, as the publish times do.
 
     `engine_memory` (colocated, sync): the engines release their GPU memory after each round and
-    the publish (`weight_transfer`) takes it back (`stages.sglang.publish_tensor`).
+    the publish (`weight_transfer`) takes it back (`stages.sglang_client.publish_tensor`).
 
     `checkpoints`: the cadence, retention and folders of `pipeline.checkpoints`; None saves a full
     checkpoint at every step to `weights_dir/vN` (the older layout). `resume_from`: the version of

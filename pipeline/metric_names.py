@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stages.sglang.wire import EngineLoad
+from stages.sglang_client.wire import EngineLoad
 
 __all__ = ["RENAMED", "engine_load_metrics", "throughput_metrics", "trainer_record"]
 

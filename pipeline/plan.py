@@ -33,8 +33,8 @@ from stages.producers import ProducersFactory
 from stages.publisher import EngineMemory, WeightTarget, WeightTransfer
 from stages.reward import RewardFn
 from stages.selection import LENGTH_AWARE_RULE
-from stages.sglang.payloads import TokenPayloads
-from stages.sglang.wire import EngineLoad
+from stages.sglang_client.payloads import TokenPayloads
+from stages.sglang_client.wire import EngineLoad
 from storage import AsyncStore
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class BuiltInTrainer(Trainer, SavesModel, ReplaysSettings, Closable, Protocol):
 
 class Engines(GenerateEngine, WeightTarget, Protocol):
     """What the pipeline needs from its engines: generate and abort (`stages.generator.GenerateEngine`)
-    and pause, load weights, continue (`stages.publisher.WeightTarget`). `stages.sglang.EngineFleet`
+    and pause, load weights, continue (`stages.publisher.WeightTarget`). `stages.sglang_client.EngineFleet`
     is the production one; anything speaking these methods over the SGLang protocol will do.
 
     What else engines can report is a capability they may have, each its own protocol below and

@@ -222,7 +222,7 @@ async def _check_engine_versions(engines: Engines, version: int) -> None:
     (`update_weight_version`): a label says nothing about which weights an engine holds, and an
     engine relabelled over another run's weights would have step 0 train on samples of weights
     nobody trained from. The Rollout does not know those weights' folder, so it names the fix and
-    stops; `python -m pipeline.launch` loads them itself (`pipeline.run.engines`)."""
+    stops; `python -m pipeline.launch` loads them itself (`pipeline.run.run_engines`)."""
     if not isinstance(engines, HasWeightVersions):
         return
     reported = await engines.weight_versions()

@@ -51,8 +51,8 @@ from stages.continuation import (
     stop_strings,
 )
 from stages.failures import FailureLog
-from stages.sglang.payloads import TokenPayloads, routes_for_new_tokens
-from stages.sglang.wire import GenerateResult
+from stages.sglang_client.payloads import TokenPayloads, routes_for_new_tokens
+from stages.sglang_client.wire import GenerateResult
 from stages.store_ports import PoolStore
 
 __all__ = ["GenerateEngine", "GeneratorPool", "GeneratorStatistics", "RequestLog"]
@@ -145,7 +145,7 @@ class GeneratorPool:
         self._engine = engine
         # An agent that raised runs again from where its sample stood, up to this many times.
         self._agent_retries = agent_max_retries
-        # R3 routes and SC sampler heads asked for with every request (`stages.sglang.payloads`).
+        # R3 routes and SC sampler heads asked for with every request (`stages.sglang_client.payloads`).
         self._payloads = payloads if payloads is not None else TokenPayloads()
         self._route_layers: int | None = None  # the model's MoE layers, learned from the first answer
         # A multi-turn agent drives each sample through `stages.agent.AgentContext` instead of

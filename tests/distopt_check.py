@@ -19,7 +19,7 @@ import orjson
 def main(out: Path, dtype: str) -> None:
     from safetensors.torch import load_file
 
-    from launch.engine_process import free_port
+    from launch.builtin_engine import free_port
     from launch.megatron_ranks import init_rank
     from pipeline.tasks.tiny_model import make_model_folder
     from tests.megatron_check import fixed_batch

@@ -19,8 +19,8 @@ from core.clock import VersionClock
 from core.types import Group, PromptTask
 from engines.builtin import EngineServer, open_server
 from pipeline.tasks.toy import toy_reward
-from stages.sglang import EngineFleet
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.payloads import TokenPayloads
 from storage import GroupState, MemoryStore
 from tests.conftest import PoolRig
 

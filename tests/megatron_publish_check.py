@@ -32,9 +32,9 @@ async def _live(http: aiohttp.ClientSession, url: str, name: str) -> torch.Tenso
 async def _publish(out: Path, model: Path, trainer: MegatronTrainer) -> dict[str, object]:
     from safetensors.torch import load_file
 
-    from launch.engine_process import start_engines
-    from stages.sglang.fleet import EngineFleet
-    from stages.sglang.publish_distributed import DistributedWeightSender
+    from launch.builtin_engine import start_engines
+    from stages.sglang_client.fleet import EngineFleet
+    from stages.sglang_client.publish_distributed import DistributedWeightSender
     from tests.megatron_check import fixed_batch
 
     (engine,) = await start_engines(1, model, log_dir=out / "logs", startup_timeout=120)

@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 
 from core.clock import VersionClock
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import LmdbStore
 from tests.fakes import FakeSGLang
 from tests.test_token_payloads import N_SAMPLES, SHAPE, Rig, _run_one_round

@@ -27,7 +27,7 @@ from stages.agent import AGENT_KEY, Agent, AgentContext
 from stages.collector import Collector
 from stages.dispenser import Dispenser
 from stages.generator import GeneratorPool
-from stages.sglang import EngineFleet, GenerateResult
+from stages.sglang_client import EngineFleet, GenerateResult
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 
 pytestmark = pytest.mark.anyio

@@ -19,7 +19,7 @@ from core.types import PromptTask, SampleStatus, VersionSpan
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, GroupState, MemoryStore
 from tests.conftest import PoolRig
 from tests.fakes import FakeSGLang

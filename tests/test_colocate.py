@@ -33,9 +33,9 @@ from engines.tensor_wire import Bucket, BucketEntry, WireError, load_bucket, unf
 from launch.sglang_server import sglang_command_args
 from pipeline import AsyncStore, EngineFleet, MemoryStore, Rollout, RolloutPlan
 from pipeline.config import load_config
-from pipeline.run.engines import builtin_engine_args
+from pipeline.run.run_engines import builtin_engine_args
 from stages.publisher import publish_weights
-from stages.sglang.publish_tensor import ColocatedWeights, FlatBucket, flatten_bucket, plan_buckets
+from stages.sglang_client.publish_tensor import ColocatedWeights, FlatBucket, flatten_bucket, plan_buckets
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio

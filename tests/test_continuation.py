@@ -27,7 +27,7 @@ from stages.continuation import (
     sampling_problems,
     stop_across_boundary,
 )
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import GroupState, MemoryStore
 from tests.conftest import PoolRig
 from tests.fakes import FakeSGLang

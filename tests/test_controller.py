@@ -17,7 +17,7 @@ import pytest
 from core.types import Batch, PromptTask, SampleStatus
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 from tests.fakes import FakeSGLang
 

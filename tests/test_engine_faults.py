@@ -21,15 +21,15 @@ from structlog.testing import capture_logs
 from core.clock import VersionClock
 from core.errors import EngineError, EngineLostError, EngineUnavailableError
 from core.types import FinishReason, Group, PauseMode, PromptTask, SampleStatus
-from launch.engine_process import start_engines
+from launch.builtin_engine import start_engines
 from launch.engine_restart import ManagedEngines
 from launch.router_process import RouterProcess, start_router
 from pipeline.tasks.tiny_model import make_model_folder
 from stages.admission import Admission
 from stages.generator import GeneratorPool
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet, GenerateResult
-from stages.sglang.health import FaultPolicy
+from stages.sglang_client import EngineFleet, GenerateResult
+from stages.sglang_client.health import FaultPolicy
 from storage import AsyncStore, Cursor, GroupState, MemoryStore
 
 pytestmark = pytest.mark.anyio

@@ -27,13 +27,13 @@ from engines.guards import guard_options
 from engines.http import EngineServer
 from engines.scheduler import EngineCore
 from engines.sim import SimModel, open_sim_server
-from launch.engine_process import start_engine, start_engines
+from launch.builtin_engine import start_engine, start_engines
 from launch.engine_restart import ManagedEngines
 from pipeline.config import load_config
-from pipeline.run.engines import RunEngines
+from pipeline.run.run_engines import RunEngines
 from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import encode
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ import pytest
 
 from core.errors import EngineUnavailableError
 from engines.builtin import EngineServer, open_server
-from launch.engine_process import EngineProcess, free_port, start_engine
+from launch.builtin_engine import EngineProcess, free_port, start_engine
 from pipeline.tasks.tiny_model import CHARS, EOS_ID, build_tokenizer, make_model_folder
 from tests.conftest import get_ok_json, post_generate, post_raw, sse_chunks
 

@@ -20,7 +20,7 @@ from pipeline.metrics import MetricsSink, is_eval_record
 from pipeline.run.cli import main
 from pipeline.run.eval_run import InlineEvaluator, _bar
 from pipeline.run.eval_run import main as eval_main
-from stages.sglang.wire import GenerateResult
+from stages.sglang_client.wire import GenerateResult
 from storage import LmdbStore
 
 ROOT = Path(__file__).resolve().parent.parent

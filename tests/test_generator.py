@@ -10,7 +10,7 @@ from core.errors import EngineError
 from core.types import Group, PromptTask, SampleStatus
 from stages.admission import Admission, Outcome
 from stages.generator import SAMPLE_ATTEMPTS, GeneratorPool
-from stages.sglang import GenerateResult
+from stages.sglang_client import GenerateResult
 from storage import AsyncStore, Cursor, GroupState, MemoryStore
 
 pytestmark = pytest.mark.anyio

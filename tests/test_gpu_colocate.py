@@ -62,7 +62,7 @@ def _used() -> int:
 
 @asynccontextmanager
 async def _engine(folder: Path, *extra: str) -> AsyncIterator[Any]:
-    from launch.engine_process import start_engine
+    from launch.builtin_engine import start_engine
 
     args = ["--device", "cuda", "--dtype", "bfloat16", "--enable-memory-saver", "--max-running-requests", "8", *extra]
     async with await start_engine(folder, startup_timeout=300, extra_args=args) as engine:
@@ -100,7 +100,7 @@ def _trainer_model(folder: Path, seed: int) -> Any:
 def _colocated(fleet: Any, model: Any, **kw: Any) -> Any:
     import torch
 
-    from stages.sglang.publish_tensor import ColocatedWeights
+    from stages.sglang_client.publish_tensor import ColocatedWeights
 
     return ColocatedWeights(model.named_parameters, fleet, device="cuda", send_dtype=torch.bfloat16, **kw)
 
@@ -117,7 +117,7 @@ async def _bit_exact(folder: Path) -> None:
     from core.clock import VersionClock
     from core.types import PauseMode
     from stages.publisher import publish_weights
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
 
     model = _trainer_model(folder, seed=1)
     async with _engine(folder) as engine, EngineFleet([engine.url]) as fleet, aiohttp.ClientSession() as http:
@@ -153,7 +153,7 @@ async def _release_resume(folder: Path) -> None:
     from core.clock import VersionClock
     from core.types import PauseMode
     from stages.publisher import publish_weights
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
 
     async with (
         _engine(folder, "--mem-fraction-static", "0.2", "--max-running-requests", "64") as engine,
@@ -205,7 +205,7 @@ async def _refusals(folder: Path, tmp_path: Path) -> None:
     from core.errors import PublishError
     from core.types import PauseMode
     from stages.publisher import publish_weights
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
 
     model = _trainer_model(folder, seed=2)
     async with _engine(folder) as engine, EngineFleet([engine.url]) as fleet, aiohttp.ClientSession() as http:
@@ -234,7 +234,7 @@ async def _refusals(folder: Path, tmp_path: Path) -> None:
 _DYING_TRAINER = textwrap.dedent(
     """
     import sys, torch
-    from stages.sglang.publish_tensor import flatten_bucket, serialize_bucket
+    from stages.sglang_client.publish_tensor import flatten_bucket, serialize_bucket
     names = sys.argv[2].split(",")
     shapes = [tuple(int(d) for d in s.split("x")) for s in sys.argv[3].split(",")]
     named = [(n, torch.zeros(s, device="cuda")) for n, s in zip(names, shapes)]
@@ -274,7 +274,7 @@ async def _dead_trainer(folder: Path, model: Any, entry: str) -> None:
     from core.clock import VersionClock
     from core.types import PauseMode
     from stages.publisher import publish_weights
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
 
     async with _engine(folder) as engine, EngineFleet([engine.url]) as fleet, aiohttp.ClientSession() as http:
         status, before = await _greedy(http, engine.url)
@@ -299,7 +299,7 @@ async def _dies_released(folder: Path) -> None:
     from core.errors import PublishError
     from core.types import PauseMode
     from stages.publisher import publish_weights
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
 
     model = _trainer_model(folder, seed=4)
     async with _engine(folder) as engine, EngineFleet([engine.url], control_timeout=5) as fleet:

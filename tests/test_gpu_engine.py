@@ -165,9 +165,9 @@ async def _nccl_publish(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from launch.engine_process import start_engine
-    from stages.sglang.fleet import EngineFleet
-    from stages.sglang.publish_distributed import DistributedWeightSender
+    from launch.builtin_engine import start_engine
+    from stages.sglang_client.fleet import EngineFleet
+    from stages.sglang_client.publish_distributed import DistributedWeightSender
 
     old = make_model_folder(tmp_path / "v0", hidden_size=64, num_layers=2, seed=0)
     new = make_model_folder(tmp_path / "v1", hidden_size=64, num_layers=2, seed=1)

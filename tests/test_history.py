@@ -35,7 +35,7 @@ from stages.selection import (
     skip_probability,
     skips,
 )
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, Cursor, GroupState, LmdbStore, MemoryStore, PromptHistory, Store, keys
 from storage.history import (
     HISTORY_DEPTH,

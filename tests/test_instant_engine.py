@@ -3,8 +3,8 @@
 import pytest
 
 from core.types import FinishReason
-from launch.engine_process import start_engine
-from stages.sglang import EngineFleet
+from launch.builtin_engine import start_engine
+from stages.sglang_client import EngineFleet
 
 pytestmark = pytest.mark.anyio
 

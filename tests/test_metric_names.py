@@ -12,7 +12,7 @@ import pytest
 from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.metric_names import RENAMED, engine_load_metrics, throughput_metrics, trainer_record
 from pipeline.metrics import MetricsSink, batch_metrics
-from stages.sglang.wire import EngineLoad
+from stages.sglang_client.wire import EngineLoad
 from storage import MemoryStore
 from tests.fakes import FakeSGLang
 from tests.test_controller import EOS, lengths_by_prompt, plan, run

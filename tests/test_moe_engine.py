@@ -26,8 +26,8 @@ from engines.builtin import EngineServer, open_server
 from engines.moe_routes import RouteRecorder
 from pipeline.tasks.tiny_model import CHARS, make_model_folder
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.payloads import TokenPayloads
 from tests.engine_rollout import engine_rollout
 
 pytestmark = pytest.mark.anyio

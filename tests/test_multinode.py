@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from core.errors import ConfigError, PipelineError
-from launch.engine_process import free_port
+from launch.builtin_engine import free_port
 from launch.trainer_group import host_group, join_group, model_fingerprint
 from pipeline.config import load_config
 

@@ -20,7 +20,7 @@ from core.columns import NO_ROUTE, TokenRoutes, route_code
 from core.errors import EngineError
 from core.types import FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.replay import main as replay_main
-from stages.sglang.payloads import routes_for_new_tokens
+from stages.sglang_client.payloads import routes_for_new_tokens
 from storage import GroupState, LmdbStore, codec
 from trainers.routing_replay import replay_plan
 

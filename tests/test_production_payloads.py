@@ -20,8 +20,8 @@ from core.types import FinishReason
 from engines.production_payloads import JsonPrefix, RoutesBase64, RouteShape
 from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
-from stages.sglang import EngineFleet
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.payloads import TokenPayloads
 from storage import AsyncStore, GroupState, LmdbStore
 
 pytestmark = pytest.mark.anyio

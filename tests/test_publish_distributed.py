@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from core.errors import EngineError
-from launch.engine_process import EngineProcess, free_port, start_engines
+from launch.builtin_engine import EngineProcess, free_port, start_engines
 from pipeline.tasks.tiny_model import make_model_folder
-from stages.sglang.fleet import EngineFleet
-from stages.sglang.publish_distributed import DistributedWeightSender, TensorSpec
+from stages.sglang_client.fleet import EngineFleet
+from stages.sglang_client.publish_distributed import DistributedWeightSender, TensorSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,7 +35,7 @@ from pipeline import RolloutPlan, run_pipeline
 from pipeline.metrics import MetricsSink
 from stages.admission import Admission
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from storage import AsyncStore, Cursor, GroupState, LmdbStore
 from tests.fakes import FakeSGLang
 from tests.test_async_mode import leaves

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.engine_process import EngineProcess, start_engine
+from launch.builtin_engine import EngineProcess, start_engine
 from pipeline.tasks.tiny_model import make_model_folder
-from stages.sglang.engine import folder_for_engine
-from stages.sglang.wire import error_text
+from stages.sglang_client.engine_client import folder_for_engine
+from stages.sglang_client.wire import error_text
 from storage import LmdbStore
 from tests.conftest import run_python_module
 from tests.fakes import FakeSGLang
@@ -84,7 +84,7 @@ async def test_the_example_runs_with_relative_paths_against_an_engine_started_el
 async def test_a_relative_weights_folder_reaches_the_engine_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "weights" / "v1").mkdir(parents=True)

@@ -11,7 +11,7 @@ import pytest
 from core.errors import EngineError, EngineUnavailableError
 from core.types import FinishReason
 from launch.router_process import RouterProcess, start_router
-from stages.sglang import EngineFleet, GenerateResult
+from stages.sglang_client import EngineFleet, GenerateResult
 from tests.conftest import router_in_front_of
 from tests.fakes import FakeSGLang
 
@@ -142,7 +142,7 @@ class LegacyRouter:
 async def test_eviction_and_readmission_speak_the_legacy_router_api(engines):
     """The fleet finds its workers on a router up to 0.2.1 (`/list_workers`); evicting and
     re-admitting an engine must take it out of and put it back into that router too."""
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     a, b = engines
     policy = FaultPolicy(interval=60.0, timeout=5.0)
@@ -159,7 +159,7 @@ async def test_eviction_and_readmission_speak_the_legacy_router_api(engines):
 
 async def test_eviction_and_readmission_reach_the_real_router(engines, router):
     """sglang-router 0.3.2: `DELETE /workers/{id}` (it refuses a URL there) and `POST /workers`."""
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     a, b = engines
     fleet = EngineFleet(router_url=router.url, control_timeout=5, fault_policy=FaultPolicy(interval=60.0))

@@ -19,11 +19,11 @@ import pytest
 from aiohttp import web
 
 from core.errors import EngineError, EngineUnavailableError
-from launch.engine_process import free_port
+from launch.builtin_engine import free_port
 from launch.router_process import RouterProcess, start_router
 from pipeline.run.cli import main
-from stages.sglang import EngineFleet
-from stages.sglang.dispatch import EnginePicker
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.dispatch import EnginePicker
 from tests.conftest import router_in_front_of
 from tests.fakes import FakeSGLang
 from tests.fakes.fake_moe import MoeShape
@@ -96,7 +96,7 @@ async def test_an_engines_eviction_ends_its_direct_r3_requests_and_the_next_go_e
     """Through the router, a request on an engine that hangs waits for its timeout; sent directly,
     the engine's eviction ends it at once (the sample goes back to be continued), and later
     requests go to the engines left."""
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     a, b = moe_engines
     fleet = EngineFleet(

@@ -29,7 +29,7 @@ from core.types import Batch, Group, Sample
 from engines.moe_routes import RouteRecorder
 from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import toy_dataset
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client.payloads import TokenPayloads
 from tests.engine_rollout import engine_rollout, toy_rewarded
 from trainers.grpo import GRPOTrainer
 from trainers.routing_replay import RoutingReplay

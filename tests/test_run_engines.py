@@ -19,7 +19,7 @@ import pytest
 from core.errors import EngineError
 from launch.router_process import start_router
 from pipeline.config import load_config
-from pipeline.run.engines import RunEngines
+from pipeline.run.run_engines import RunEngines
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio

@@ -165,7 +165,7 @@ def test_the_trainer_scores_the_heads_and_the_term_moves_the_weights(tmp_path):
 
 async def _heads_rollout(model, k: int) -> list[Group]:
     from pipeline.tasks.toy import toy_dataset
-    from stages.sglang.payloads import TokenPayloads
+    from stages.sglang_client.payloads import TokenPayloads
     from tests.engine_rollout import engine_rollout, toy_rewarded
 
     payloads = TokenPayloads(sampler_top_k=k)

@@ -38,8 +38,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("pipeline/plan.py", "name"): "RolloutPlan's enum fields, converted in __post_init__",
     ("pipeline/trainer_settings.py", "f.name"): "StepSettings' fields",
     ("pipeline/run/resume_settings.py", "name"): "RunMeta's fields",
-    ("stages/sglang/payloads.py", "name"): "TokenPayloads' fields",
-    ("stages/sglang/health.py", "name"): "HealthCheck's fields",
+    ("stages/sglang_client/payloads.py", "name"): "TokenPayloads' fields",
+    ("stages/sglang_client/health.py", "name"): "HealthCheck's fields",
     ("storage/codec.py", "name"): "the codec header's fields",
     # Third-party objects, whose attributes vary by version.
     ("pipeline/tasks/jsonl.py", "chat_template"): "a transformers tokenizer",
@@ -162,7 +162,7 @@ def test_the_built_in_backends_and_the_fleet_have_every_capability() -> None:
     """What the launcher and the step record rely on. mypy checks both backends against
     `BuiltInTrainer` where the launcher builds them; the engines' capabilities are optional to
     mypy, so a renamed one would silently drop a step record's keys: named here."""
-    from stages.sglang import EngineFleet
+    from stages.sglang_client import EngineFleet
     from trainers.grpo import GRPOTrainer
 
     # (MegatronTrainer too, by mypy: importing megatron here would cost the suite seconds.)

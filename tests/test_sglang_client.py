@@ -12,8 +12,8 @@ import pytest
 
 from core.errors import EngineError, EngineUnavailableError
 from core.types import FinishReason
-from stages.sglang import EngineClient, EngineFleet, EngineLoad, GenerateResult
-from stages.sglang.http1 import GeneratePool
+from stages.sglang_client import EngineClient, EngineFleet, EngineLoad, GenerateResult
+from stages.sglang_client.http1 import GeneratePool
 from tests.fakes import FakeSGLang
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +37,7 @@ async def fake() -> AsyncIterator[FakeSGLang]:
 
 
 # Every test here runs twice: `/generate` over aiohttp, and over the fleet's lean connections
-# (`stages.sglang.http1`); control calls take aiohttp either way.
+# (`stages.sglang_client.http1`); control calls take aiohttp either way.
 _LEAN: list[GeneratePool] = []
 _TRANSPORT = ["aiohttp"]
 
@@ -540,7 +540,7 @@ async def test_fleet_control_calls_fan_out_to_all_engines():
 async def test_a_heartbeat_that_hangs_during_a_pause_does_not_evict_the_engine():
     # SGLang ~0.5.x answers /health like /health_generate, which waits (20 s) for a decode step
     # that a pause withholds: a liveness probe then times out on a healthy engine.
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     policy = FaultPolicy(interval=0.05, timeout=0.1)
     async with FakeSGLang(health_waits_while_paused=True) as fake:
@@ -561,7 +561,7 @@ async def test_an_engine_that_hangs_during_a_pause_is_evicted_once_it_outlasts_s
     # SGLang's health wait, nothing evicted it, and the publish's weight update to it waited for its
     # request timeout (an hour by default), seen in a run. The second probe outwaits that wait; the
     # only engine gone, the fleet ends with the error naming why instead of waiting forever.
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     policy = FaultPolicy(interval=0.05, timeout=0.1, quiet_wait=0.5)
     with anyio.fail_after(10), pytest.raises(BaseException) as raised:
@@ -579,7 +579,7 @@ async def test_a_pause_that_begins_while_a_health_probe_waits_does_not_evict_the
     # A /health_generate sent before a publish's pause waits for a decode step; the pause aborts or
     # withholds it, and the probe answers 503. That 503 is the pause's: before, the heartbeat judged
     # it by the fleet's state when the probe went out, and evicted a healthy engine (seen in a run).
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     policy = FaultPolicy(interval=0.05, timeout=5.0)
     async with FakeSGLang() as fake:
@@ -599,7 +599,7 @@ async def test_a_pause_that_begins_while_a_health_probe_waits_does_not_evict_the
 async def test_a_heartbeat_during_a_long_weight_load_does_not_evict_the_engine(tmp_path):
     # An overlapped publish does not pause; while SGLang loads a checkpoint it holds the model
     # update lock, no output arrives, and /health_generate answers 503 after 20 s.
-    from stages.sglang.health import FaultPolicy
+    from stages.sglang_client.health import FaultPolicy
 
     policy = FaultPolicy(interval=0.05, timeout=1.0)
     async with FakeSGLang() as fake:

@@ -1,4 +1,4 @@
-"""The lean `/generate` connections (`stages.sglang.http1`) against a raw scripted HTTP/1.1 server.
+"""The lean `/generate` connections (`stages.sglang_client.http1`) against a raw scripted HTTP/1.1 server.
 
 The fake SGLang server (aiohttp) covers what SGLang and the router send (see test_sglang_client.py,
 which runs every client test over both transports); this covers the rest of HTTP/1.1 a proxy
@@ -16,8 +16,8 @@ import anyio
 import pytest
 
 from core.errors import EngineUnavailableError
-from stages.sglang.engine import EngineClient
-from stages.sglang.http1 import GeneratePool, HttpProtocolError
+from stages.sglang_client.engine_client import EngineClient
+from stages.sglang_client.http1 import GeneratePool, HttpProtocolError
 
 pytestmark = pytest.mark.anyio
 

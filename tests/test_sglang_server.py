@@ -19,7 +19,7 @@ from launch.sglang_server import engine_devices, sglang_command_args, start_sgla
 from pipeline.config import EngineConfig, load_config
 from pipeline.tasks.tiny_model import make_model_folder
 from pipeline.tasks.toy import encode
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from tests.conftest import run_python_module
 
 ROOT = Path(__file__).resolve().parent.parent

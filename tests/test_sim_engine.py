@@ -24,7 +24,7 @@ from core.errors import ConfigError
 from core.types import FinishReason
 from engines.sim import SimServer, _parse_args, open_sim_server, options_from_args
 from engines.sim_model import EOS_ID, DecodeTimeModel, LengthModel, sim_token, strip_generated
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from tests.conftest import get_ok_json, post_generate, post_raw, sse_chunks
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -532,7 +532,7 @@ async def test_siblings_share_the_cached_prompt(http: aiohttp.ClientSession) -> 
 
 @pytest.mark.anyio
 async def test_command_line_engine_behind_the_real_router(tmp_path: Path) -> None:
-    from launch.engine_process import free_port
+    from launch.builtin_engine import free_port
     from launch.router_process import start_router
 
     port = free_port()

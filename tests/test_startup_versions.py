@@ -11,9 +11,9 @@ from anyio.from_thread import start_blocking_portal
 from core.errors import EngineError
 from engines.builtin import open_server
 from pipeline.run.cli import main
-from pipeline.run.engines import load_starting_weights
+from pipeline.run.run_engines import load_starting_weights
 from pipeline.tasks.tiny_model import make_model_folder
-from stages.sglang import EngineFleet
+from stages.sglang_client import EngineFleet
 from tests.fakes import FakeSGLang
 
 SMALL = ("--no-progress", "--log-level", "warning", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4")

@@ -27,8 +27,8 @@ from core.columns import NO_ROUTE, SamplerHeads, TokenRoutes
 from core.errors import ConfigError, CorruptRecordError, EngineError
 from core.types import FinishReason, Group, PromptTask, Sample, SampleStatus, Segment
 from pipeline.config import load_config
-from stages.sglang import EngineFleet, GenerateResult
-from stages.sglang.payloads import TokenPayloads, parse_top_logprobs, routes_for_new_tokens
+from stages.sglang_client import EngineFleet, GenerateResult
+from stages.sglang_client.payloads import TokenPayloads, parse_top_logprobs, routes_for_new_tokens
 from storage import AsyncStore, GroupState, LmdbStore, MemoryStore
 from storage.codec import decode_group, encode_group
 from tests.conftest import PoolRig

@@ -27,7 +27,7 @@ from core.types import (
 )
 from pipeline.metrics import batch_metrics
 from stages.publisher import publish_weights
-from stages.sglang import EngineClient, EngineFleet, EngineSpan, GenerateResult
+from stages.sglang_client import EngineClient, EngineFleet, EngineSpan, GenerateResult
 from storage import GroupState, MemoryStore
 from tests.fakes import FakeSGLang
 from tests.test_async_mode import MAX_LEN, N_SAMPLES, Rig

@@ -20,7 +20,7 @@ from core.types import PromptTask, SampleStatus, VersionSpan
 from engines.builtin import open_server
 from pipeline.tasks.tiny_model import CHARS, make_model_folder
 from stages.publisher import publish_weights
-from stages.sglang import EngineFleet, GenerateResult
+from stages.sglang_client import EngineFleet, GenerateResult
 from storage import GroupState, MemoryStore
 from tests.conftest import PoolRig
 

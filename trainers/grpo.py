@@ -660,7 +660,7 @@ class GRPOTrainer:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The model's parameters, under Hugging Face names already: what a distributed publish
-        sends (`stages.sglang.publish_distributed`), read afresh at each publish."""
+        sends (`stages.sglang_client.publish_distributed`), read afresh at each publish."""
         return self.model.named_parameters()
 
     def close(self) -> None:

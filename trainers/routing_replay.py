@@ -14,7 +14,7 @@ log-prob then belongs to another function altogether; replaying the routes leave
 weights' change in the ratio.
 
 What falls through to the router's own top-k: positions without a stored route. Those are the
-prompt positions (the store keeps rows of response tokens only: stages/sglang/payloads.py says
+prompt positions (the store keeps rows of response tokens only: stages/sglang_client/payloads.py says
 why), environment tokens and tokens generated before routes were asked for (`NO_ROUTE` rows), and
 the last response token's position (never read to sample anything, so it affects no trained
 log-prob). The prompt's rows matter to a response token only through attention; under the
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from core.moe_layout import router_modules
 from core.types import Sample
-from engines.moe_routes import router_modules
 
 __all__ = ["RoutingReplay", "replay_plan"]
 

@@ -289,7 +289,7 @@ class RolloutConfig:
         "(--no-producer-mailbox: calls to each producer, cheaper for one or two)",
     )
     # Per-token payloads (R3, SC), asked of the engine with every request and kept token-aligned
-    # through continuations and publishes (`stages.sglang.payloads`; the rules: `config/payloads.py`).
+    # through continuations and publishes (`stages.sglang_client.payloads`; the rules: `config/payloads.py`).
     use_rollout_routing_replay: bool = opt(
         False,
         "--use-rollout-routing-replay",

@@ -37,14 +37,14 @@ from pipeline.controller import run_pipeline
 from pipeline.events import EventLog
 from pipeline.plan import RolloutPlan
 from pipeline.run.end import RunPaths, StopOnSigterm, error_leaves, report_failure, sigint_ignored
-from pipeline.run.engines import RunEngines, load_starting_weights
 from pipeline.run.folder import RunFolder, cannot_create, check_run_folder, resume_hint, run_line
 from pipeline.run.node import node_main
 from pipeline.run.parts import engine_memory, garbage_collector, inline_evaluator, ray_producers, weight_transfer
 from pipeline.run.records import Progress, metrics_sink, print_summary, records_written_back_on_error, restore_metrics
+from pipeline.run.run_engines import RunEngines, load_starting_weights
 from pipeline.run.state import open_run_state
 from stages.continuation import penalties_in
-from stages.sglang.payloads import TokenPayloads
+from stages.sglang_client.payloads import TokenPayloads
 from storage import AsyncStore
 
 __all__ = ["main"]
@@ -163,7 +163,7 @@ async def _run_in(config: Config, folder: RunFolder) -> list[dict[str, Any]]:
         clock = VersionClock(state.version)
         # An engine's weights are what the run says they are: the engines this process started
         # hold the base model; any other engine (the user's, a reused one) is loaded with the
-        # run's starting weights, never relabelled (`pipeline.run.engines.load_starting_weights`).
+        # run's starting weights, never relabelled (`pipeline.run.run_engines.load_starting_weights`).
         await load_starting_weights(
             engines,
             version=clock.version,

@@ -40,8 +40,8 @@ from pipeline.config.derived import derived
 from pipeline.evaluation import EvalLog, EvalSet, EvalSettings, eval_due, evaluate
 from pipeline.metric_sinks import open_step_sinks
 from pipeline.metrics import MetricsSink, eval_record
-from pipeline.run.engines import RunEngines  # the run's engines: its own URLs, or built-in ones
 from pipeline.run.records import dashboard_settings, draws_a_bar
+from pipeline.run.run_engines import RunEngines  # the run's engines: its own URLs, or built-in ones
 from stages.generator import GenerateEngine
 
 __all__ = ["InlineEvaluator", "eval_sets", "eval_settings", "main"]

@@ -24,9 +24,9 @@ from pipeline.plan import BuiltInTrainer, RolloutPlan
 from pipeline.run.eval_run import EVAL_FILE, InlineEvaluator, eval_sets, eval_settings
 from pipeline.run.state import RunState
 from stages.producers import ProducersFactory
-from stages.sglang import EngineFleet
-from stages.sglang.publish_distributed import DistributedWeightSender
-from stages.sglang.publish_tensor import ColocatedWeights
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.publish_distributed import DistributedWeightSender
+from stages.sglang_client.publish_tensor import ColocatedWeights
 from storage import AsyncStore
 
 __all__ = ["engine_memory", "garbage_collector", "inline_evaluator", "path_of", "ray_producers", "weight_transfer"]

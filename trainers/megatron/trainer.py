@@ -420,7 +420,7 @@ class MegatronTrainer:
     def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The whole model under Hugging Face names and shapes, fp32, on CPU (rank 0; all ranks take part).
 
-        What the distributed publish sends (`stages.sglang.publish_distributed`, `--update-weight-transport
+        What the distributed publish sends (`stages.sglang_client.publish_distributed`, `--update-weight-transport
         distributed`): the TP shards of the master weights gathered to rank 0 and converted exactly
         as for a saved folder, so an engine holds the same tensors either way.
         """

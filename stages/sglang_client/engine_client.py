@@ -23,8 +23,8 @@ import orjson
 
 from core.errors import EngineError, EngineUnavailableError
 from core.types import FinishReason, PauseMode
-from stages.sglang.http1 import GeneratePool
-from stages.sglang.wire import (
+from stages.sglang_client.http1 import GeneratePool
+from stages.sglang_client.wire import (
     PAUSE_MODES,
     EngineLoad,
     GenerateResult,
@@ -133,7 +133,7 @@ class EngineClient:
         """Generate from `input_ids` (token-in, token-out). An abort comes back as a result.
 
         `fields` are further top-level request fields (`return_routed_experts`,
-        `routed_experts_start_len`, `top_logprobs_num`: `stages.sglang.payloads`).
+        `routed_experts_start_len`, `top_logprobs_num`: `stages.sglang_client.payloads`).
 
         Connection failures and overload answers (408, 429, 500, 502, 503, 504) are retried
         `max_retries` times with exponential backoff; any other status, or a timed-out attempt,
@@ -314,7 +314,7 @@ class EngineClient:
         load_format: str = "flattened_bucket",
     ) -> None:
         """Hand over one bucket of tensors by CUDA IPC (SGLang 3.3): one serialized entry per TP rank
-        of the engine (`stages.sglang.publish_tensor`). Returns once the engine has copied them, so
+        of the engine (`stages.sglang_client.publish_tensor`). Returns once the engine has copied them, so
         the caller may free what the handles point to. Bounded by `request_timeout`."""
         body = {
             "serialized_named_tensors": list(serialized_named_tensors),

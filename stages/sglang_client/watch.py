@@ -28,7 +28,7 @@ import anyio.abc
 import structlog
 
 from core.errors import EngineLostError, EngineUnavailableError
-from stages.sglang.engine import EngineClient
+from stages.sglang_client.engine_client import EngineClient
 
 __all__ = ["LivenessWatch", "request_timed_out"]
 

@@ -70,7 +70,7 @@ class GenerateResult:
     # `weight_version` (then the version of tokens before a publish is unknown).
     weight_versions: tuple[EngineSpan, ...] | None = None
     # R3: `meta_info.routed_experts` decoded to its int32 bytes (rows of every forward position the
-    # answer covers, from `routed_experts_start_len`); `stages.sglang.payloads` cuts the new tokens'.
+    # answer covers, from `routed_experts_start_len`); `stages.sglang_client.payloads` cuts the new tokens'.
     routed_experts: bytes | None = None
     routed_experts_start_len: int | None = None
     # SC: `meta_info.output_top_logprobs`, one row per output token.

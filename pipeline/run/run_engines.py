@@ -16,8 +16,8 @@ import structlog
 from core.errors import EngineError
 from pipeline.config import Config, EngineConfig
 from pipeline.config.derived import derived
-from stages.sglang import EngineFleet
-from stages.sglang.health import EngineRestarter, FaultPolicy
+from stages.sglang_client import EngineFleet
+from stages.sglang_client.health import EngineRestarter, FaultPolicy
 
 if TYPE_CHECKING:
     from launch.engine_restart import ManagedEngines
@@ -96,7 +96,7 @@ class RunEngines:
     async def _start_engines(self, stack: AsyncExitStack) -> tuple[list[str], ManagedEngines | None]:
         """Start the built-in engines (or real SGLang servers) on `model_path`; their URLs, and the
         restarter that replaces failed ones under fault tolerance (built-in engines only)."""
-        from launch.engine_process import start_engines
+        from launch.builtin_engine import start_engines
         from launch.engine_restart import ManagedEngines
 
         e = self._config.engine

@@ -25,8 +25,8 @@ import anyio.abc
 import structlog
 
 from core.errors import EngineError, EngineLostError, EngineUnavailableError
-from stages.sglang.engine import EngineClient
-from stages.sglang.health import (
+from stages.sglang_client.engine_client import EngineClient
+from stages.sglang_client.health import (
     EngineRestarter,
     FaultCounters,
     FaultPolicy,

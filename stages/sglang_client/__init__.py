@@ -10,9 +10,9 @@ Three rooms, each importing only the one before it:
   themselves, placed by `dispatch.EnginePicker`.
 """
 
-from stages.sglang.engine import EngineClient, EngineStatistics
-from stages.sglang.fleet import CONTROL_HEADROOM, EngineFleet
-from stages.sglang.wire import PAUSE_MODES, EngineLoad, EngineSpan, GenerateResult
+from stages.sglang_client.engine_client import EngineClient, EngineStatistics
+from stages.sglang_client.fleet import CONTROL_HEADROOM, EngineFleet
+from stages.sglang_client.wire import PAUSE_MODES, EngineLoad, EngineSpan, GenerateResult
 
 __all__ = [
     "CONTROL_HEADROOM",

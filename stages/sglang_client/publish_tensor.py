@@ -40,7 +40,7 @@ import structlog
 import torch
 
 from core.errors import EngineError
-from stages.sglang.publish_distributed import DEFAULT_BUCKET_BYTES
+from stages.sglang_client.publish_distributed import DEFAULT_BUCKET_BYTES
 
 __all__ = [
     "ALL_TAGS",

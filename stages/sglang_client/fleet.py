@@ -30,13 +30,13 @@ import structlog
 
 from core.errors import EngineError, EngineLostError, EngineUnavailableError
 from core.types import PauseMode
-from stages.sglang.dispatch import EnginePicker, PickerStatistics
-from stages.sglang.engine import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
-from stages.sglang.faults import FleetFaults
-from stages.sglang.health import EngineRestarter, FaultPolicy, FaultStatistics
-from stages.sglang.http1 import GeneratePool
-from stages.sglang.watch import LivenessWatch, request_timed_out
-from stages.sglang.wire import PAUSE_MODES, EngineLoad, GenerateResult
+from stages.sglang_client.dispatch import EnginePicker, PickerStatistics
+from stages.sglang_client.engine_client import EngineClient, EngineStatistics, RequestCounters, folder_for_engine
+from stages.sglang_client.faults import FleetFaults
+from stages.sglang_client.health import EngineRestarter, FaultPolicy, FaultStatistics
+from stages.sglang_client.http1 import GeneratePool
+from stages.sglang_client.watch import LivenessWatch, request_timed_out
+from stages.sglang_client.wire import PAUSE_MODES, EngineLoad, GenerateResult
 
 __all__ = ["CONTROL_HEADROOM", "EngineFleet"]
 
@@ -579,7 +579,7 @@ class EngineFleet:
         self, entry: str, *, tp_sizes: Mapping[str, int], weight_version: str | None, flush_cache: bool
     ) -> None:
         """One bucket to every engine by CUDA IPC: `entry` (a serialized bucket) once per TP rank of
-        each engine, as SGLang reads it (`stages.sglang.publish_tensor`)."""
+        each engine, as SGLang reads it (`stages.sglang_client.publish_tensor`)."""
         await self._fan_out(
             "update_weights_from_tensor",
             lambda w: w.update_weights_from_tensor(
