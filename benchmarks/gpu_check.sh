@@ -39,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }   # STEPS="engine modes-builtin": a subset
 named() { [[ " ${STEPS:-} " == *" $1 "* ]]; }   # a step that runs only when STEPS names it
-want pytest-gpu && step pytest-gpu 170 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py
+want pytest-gpu && step pytest-gpu 170 python3 -m pytest -n 0 -m gpu -x -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py
 want engine && step engine 240 python3 -m benchmarks.engine --device cuda --dtype bfloat16 --qwen3-06b --batches 1,16,128 \
   --contexts 256 --sweep-contexts "" --steps 10 --skip-old --fuse-ops --reference-batches 128
 want publish-transfer && step publish-transfer 100 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
@@ -56,7 +56,7 @@ want modes-builtin && step modes-builtin 560 python3 -m benchmarks.modes --engin
 # bit-exact, release measured from outside, refusals, a dead trainer, a dead engine, a --colocate run), the publish
 # benchmark's rows (disk, CUDA IPC, the colocated sequence with its resumes; 0.6B, bf16) and the
 # largest Qwen3 shape that trains and generates colocated, with its memory split.
-want colocate && step colocate-tests 150 python3 -m pytest -m gpu -x -q -p no:cacheprovider -s tests/test_gpu_colocate.py
+want colocate && step colocate-tests 150 python3 -m pytest -n 0 -m gpu -x -q -p no:cacheprovider -s tests/test_gpu_colocate.py
 want colocate && step colocate-publish 100 python3 -m benchmarks.publish_transfer --device cuda --dtype bfloat16 \
   --model-size 0.6b --publishes 3
 want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --shapes 4b,8b --smaller 1.7b,0.6b \

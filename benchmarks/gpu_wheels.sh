@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_wheels.sh .wheels-gpu
 # then on the device (carry [".wheels-gpu"]):
 #   pip install -q --no-index --no-deps --target /tmp/site .wheels-gpu/*.whl && \
-#   PYTHONPATH=/tmp/site:. python -m pytest -q -p no:cacheprovider -m gpu tests/test_megatron_gpu.py tests/test_gpu.py -s
+#   PYTHONPATH=/tmp/site:. python -m pytest -n 0 -q -p no:cacheprovider -m gpu tests/test_megatron_gpu.py tests/test_gpu.py -s
 set -euo pipefail
 dir=${1:-.wheels-gpu}
 mkdir -p "$dir"
@@ -16,5 +16,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$dir" anyio aiohttp aiohappyeyeballs aiosignal attrs frozenlist \
   multidict propcache yarl idna sniffio orjson msgpack lmdb structlog hypothesis sortedcontainers pytest \
-  pluggy iniconfig typing_extensions megatron-core==0.19.2 torch-memory-saver==0.0.10
+  pluggy iniconfig pytest-timeout pytest-xdist execnet typing_extensions megatron-core==0.19.2 \
+  torch-memory-saver==0.0.10
 ls "$dir" | wc -l

@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   > "$out/install.log" 2>&1 || { echo "wheel install failed: see $out/install.log"; exit 2; }
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
-timeout 110 python3 -m pytest -m gpu -x -q -s -p no:cacheprovider tests/test_megatron_gpu.py -k "learns and bfloat16" \
+timeout 110 python3 -m pytest -n 0 -m gpu -x -q -s -p no:cacheprovider tests/test_megatron_gpu.py -k "learns and bfloat16" \
   > "$out/megatron-e2e-bf16.log" 2>&1
 echo "== e2e bf16 rc=$?"; grep -E "megatron on GPU|passed|failed|Error" "$out/megatron-e2e-bf16.log" | tail -8
 timeout 120 python3 -m benchmarks.trainer_backends --device cuda --dtype bfloat16,float32 --steps 3 \
