@@ -359,9 +359,12 @@ def _damage(store_dir: Path, where: str) -> None:
         branches = _tree_pages(store_dir, keys.GROUPS)[0]
         assert branches, "the groups tree has no branch page"
         start, size = branches[0] * 4096 + 16, 4096 - 16
-    else:  # truncated: the second half of the file is gone
+    else:  # truncated: the second half of the file is gone, and the meta tree (cursor, trained step) with it
+        # Where LMDB put the meta tree's pages depends on the run's timing: a cut at half the file
+        # kept them in some runs. The cut goes below them, so the cursor is always lost.
+        branches, leaves = _tree_pages(store_dir, keys.META)
         with data.open("r+b") as fh:
-            fh.truncate(data.stat().st_size // 2)
+            fh.truncate(min(data.stat().st_size // 2, min(branches + leaves) * 4096))
         return
     with data.open("r+b") as fh:
         fh.seek(start)
