@@ -301,23 +301,35 @@ class EngineFleet:
             return await self._generate_direct(
                 state, state.picker, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
             )
-        generator = state.generator
         if self._faults is not None:
             return await self._generate_tolerant(
                 self._faults, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
             )
+        return await self._generate_watched(
+            state.generator, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+        )
+
+    async def _generate_watched(
+        self,
+        client: EngineClient,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        return_logprob: bool,
+        **fields: Any,
+    ) -> GenerateResult:
+        """Without a fault policy, through the router or straight to an engine: the watch counts the
+        request while it waits, and a request past its deadline ends the run instead of going back
+        to the pool, which would send it to the same engine, to wait as long again."""
         watch = self._watch
         if watch is not None:
             watch.request_started()
         try:
-            return await generator.generate(
-                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
-            )
+            return await client.generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields)
         except EngineUnavailableError as exc:
-            # No fault policy: a request past its deadline ends the run instead of going back to the
-            # pool, which would send it to the same engine, to wait as long again.
             if exc.timed_out:
-                raise self._timed_out(generator.url) from exc
+                raise self._timed_out(client.url) from exc
             raise
         finally:
             if watch is not None:
@@ -394,24 +406,12 @@ class EngineFleet:
         if not urls:
             raise EngineUnavailableError(state.generator.url, f"request {rid}: no live engine to send it to")
         url = picker.pick(urls, input_ids)
-        watch = self._watch
         try:
             client = self._engine_generator(url)
             if self._faults is None:
-                if watch is not None:
-                    watch.request_started()
-                try:
-                    return await client.generate(
-                        input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
-                    )
-                except EngineUnavailableError as exc:
-                    # As through the router: a request past its deadline never goes back to this engine.
-                    if exc.timed_out:
-                        raise self._timed_out(url) from exc
-                    raise
-                finally:
-                    if watch is not None:
-                        watch.request_ended()
+                return await self._generate_watched(
+                    client, input_ids, sampling_params, rid=rid, return_logprob=return_logprob, **fields
+                )
             # Through the router a request to an engine that hangs would wait for its timeout; here
             # the engine's eviction ends it, and the sample goes back to be continued elsewhere.
             with self._faults.cancelled_on_eviction(url):
