@@ -174,6 +174,7 @@ async def probe(shape: str, root: Path, args: argparse.Namespace) -> dict[str, A
                     folder, device="cuda", dtype="bfloat16", lr=1e-6, micro_batch_size=4, num_threads=None
                 )
             )
+            made.append(trainer)  # the publish reads its parameters
             model = trainer.model
             row["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
             row["engine_weights_gib"] = row["params_b"] * 1e9 * 2 / GIB  # bf16, tied counted once
@@ -203,7 +204,7 @@ async def probe(shape: str, root: Path, args: argparse.Namespace) -> dict[str, A
             row["fits"] = True
     except Exception as exc:  # torch.OutOfMemoryError here; an engine that ran out says so over HTTP
         row["failed_at"] = where
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        row["error"] = _leaf_errors(exc)
     finally:
         made.clear()
         trainer = model = None
@@ -212,6 +213,13 @@ async def probe(shape: str, root: Path, args: argparse.Namespace) -> dict[str, A
         shutil.rmtree(root / shape, ignore_errors=True)
     row["seconds"] = time.perf_counter() - started
     return row
+
+
+def _leaf_errors(exc: BaseException) -> str:
+    """What failed, with a task group's wrapper taken off: its own message says only how many."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_leaf_errors(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 async def main(args: argparse.Namespace) -> None:

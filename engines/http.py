@@ -527,6 +527,7 @@ class EngineServer:
                 "internal_states": [asdict(c.statistics())],
                 "enable_memory_saver": self.occupation is not None and self.occupation.enabled,
                 "memory_occupation": None if self.occupation is None else asdict(self.occupation.statistics()),
+                "last_tensor_update_seconds": None if self.weight_tensors is None else self.weight_tensors.last_timings,
                 "version": model.engine_version,
                 **model.server_details(),
             }

@@ -24,6 +24,7 @@ payload. While the weights' memory is released the call is refused with the resu
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -54,6 +55,9 @@ class TensorWeightReceiver:
         self._occupation = occupation
         self._lock = anyio.Lock()
         self.updates = 0
+        # The last update's parts, in seconds (in /server_info): opening the handles and reading the
+        # bucket, the copies into the weights (synchronized), closing the handles.
+        self.last_timings: dict[str, float] = {}
 
     async def update(self, body: dict[str, Any]) -> str:
         device = self._runner.device
@@ -70,16 +74,20 @@ class TensorWeightReceiver:
         entry = _parse(body)
         version = body.get("weight_version")
         async with self._lock:
+            t0 = time.perf_counter()
             try:
                 named = await anyio.to_thread.run_sync(_open_bucket, entry, device)
+                t1 = time.perf_counter()
                 self._check_fit(named)
                 await self._core.apply_staged(dict(named), weight_version=None if version is None else str(version))
                 # The sender frees the bucket once it has the answer: the copies must be done by then.
                 await anyio.to_thread.run_sync(torch.cuda.synchronize, device)
             except (WireError, RuntimeError) as exc:
                 raise TensorUpdateError(f"update_weights_from_tensor failed: {exc}") from exc
+            t2 = time.perf_counter()
             names = [n for n, _ in named]
             del named  # the IPC views: their handles close with them
+            self.last_timings = {"open": t1 - t0, "copy": t2 - t1, "close": time.perf_counter() - t2}
             if self._occupation is not None:
                 self._occupation.written(names)
             self.updates += 1

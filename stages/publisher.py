@@ -46,7 +46,16 @@ class WeightTarget(Protocol):
 
 
 class WeightTransfer(Protocol):
-    """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`)."""
+    """Another way to move the weights than a saved folder (`publish_distributed.DistributedWeightSender`,
+    `publish_tensor.ColocatedWeights`)."""
+
+    async def prepare(self) -> None:
+        """Before the admission gate closes, while the engines still generate: whatever can be
+        readied without them (reading the weights into buckets), so that the stall is the move
+        alone. The next `send` takes it; may do nothing."""
+
+    def discard(self) -> None:
+        """Drop what `prepare` readied when no `send` followed (the publish failed before it)."""
 
     async def send(self, weight_version: str, *, flush_cache: bool) -> None:
         """Move the weights and stamp `weight_version`; `flush_cache` only while the engines hold
@@ -102,6 +111,8 @@ async def publish_weights(
 
     `gates`: producers with clocks of their own close their admission after the clock's gate
     closes and before the engines pause, and learn the serving version once the publish ends."""
+    if transfer is not None:  # before the gate: the engines keep generating meanwhile
+        await transfer.prepare()
     started = time.perf_counter()
     update_seconds = 0.0
     try:
@@ -118,6 +129,8 @@ async def publish_weights(
                 overlap=overlap,
             )
     finally:
+        if transfer is not None:
+            transfer.discard()
         if gates is not None:
             with anyio.move_on_after(CONTINUE_DEADLINE, shield=True):
                 await gates.open(clock.version)

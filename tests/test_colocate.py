@@ -298,6 +298,38 @@ async def test_a_publish_without_a_release_resumes_nothing(tmp_path: Path) -> No
         assert fake.calls["/update_weights_from_tensor"] == 1
 
 
+async def test_engines_holding_their_memory_get_buckets_built_before_the_gate_closes(tmp_path: Path) -> None:
+    """Async on one GPU the engines keep generating until the publish pauses them: every bucket is
+    built and serialized before the admission gate closes, so the stall is the engines' copies. A
+    publish that fails after that keeps nothing built; the next one builds the new weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    clock = VersionClock()
+    built_while: list[bool] = []  # whether the gate was open when each bucket was serialized
+
+    def serialize(bucket: FlatBucket) -> str:
+        built_while.append(not clock.publishing)
+        return _cpu_entry(bucket)
+
+    async with FakeSGLang() as fake, EngineFleet([fake.url], concurrency=4) as fleet:
+        colocated = ColocatedWeights(
+            model.named_parameters, fleet, device="cpu", send_dtype=torch.bfloat16, bucket_bytes=8 * 1024,
+            serialize=serialize,
+        )  # fmt: skip
+        await publish_weights(clock, fleet, tmp_path, pause_mode=PauseMode.IN_PLACE, transfer=colocated)
+        assert built_while == [True, True] and clock.version == 1 and fake.weight_version == "1"
+        assert set(colocated.timings) >= {"prepare", "engines", "buckets"} and colocated.timings["build"] == 0.0
+        updates = [orjson.loads(base64.b64decode(b["serialized_named_tensors"][0])) for p, b in fake.memory_log
+                   if p == "/update_weights_from_tensor"]  # fmt: skip
+        assert updates == [["0.weight"], ["0.bias", "1.weight", "1.bias"]]
+        assert "/resume_memory_occupation" not in fake.control_log  # nothing was released
+
+        fake.drop("/pause_generation")  # the next publish fails after its buckets were built
+        with pytest.raises(PublishError):
+            await publish_weights(clock, fleet, tmp_path, pause_mode=PauseMode.IN_PLACE, transfer=colocated)
+        assert len(built_while) == 4 and colocated._prepared is None and clock.version == 1
+        assert fake.calls["/update_weights_from_tensor"] == 2  # nothing of the failed publish was sent
+
+
 async def test_an_engine_that_died_after_the_release_stops_the_publish_naming_it(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 4)
     async with FakeSGLang() as fake, EngineFleet([fake.url], concurrency=4, control_timeout=2) as fleet:

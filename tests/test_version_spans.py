@@ -329,6 +329,12 @@ class RecordingTransfer:
     def __init__(self, fleet: EngineFleet) -> None:
         self.fleet, self.flushes = fleet, []
 
+    async def prepare(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
     async def send(self, weight_version: str, *, flush_cache: bool) -> None:
         self.flushes.append(flush_cache)
         await self.fleet.update_weights_from_distributed(

@@ -100,6 +100,7 @@ class DistributedWeightSender:
         self.timeout = timeout
         self._group: Group | None = None
         self._store: Store | None = None
+        self._prepared: list[list[tuple[str, torch.Tensor]]] | None = None  # built by `prepare`
 
     @property
     def connected(self) -> bool:
@@ -165,6 +166,14 @@ class DistributedWeightSender:
             size += nbytes
         return [b for b in out if b]
 
+    async def prepare(self) -> None:
+        """Before the gate closes: read the weights into their buckets while the engines still
+        generate (the same memory `send` would take: it holds every bucket at once too)."""
+        self._prepared = await anyio.to_thread.run_sync(self.buckets)
+
+    def discard(self) -> None:
+        self._prepared = None
+
     async def send(self, weight_version: str, *, flush_cache: bool = True) -> None:
         """Publish every parameter (joining the group first if not in it); each engine swaps to
         `weight_version` once the last bucket arrived.
@@ -181,8 +190,10 @@ class DistributedWeightSender:
         group = self._group
         assert group is not None
         # Off the event loop: reading the weights copies them, and a megatron trainer gathers its
-        # tensor-parallel shards from the other ranks first.
-        buckets = await anyio.to_thread.run_sync(self.buckets)
+        # tensor-parallel shards from the other ranks first. `prepare` did it before the gate.
+        buckets, self._prepared = self._prepared, None
+        if buckets is None:
+            buckets = await anyio.to_thread.run_sync(self.buckets)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
             specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in bucket]

@@ -186,7 +186,9 @@ class ColocatedWeights:
         self.released: set[str] = set()  # what this object released and has not resumed
         self._tp_sizes: dict[str, int] | None = None
         self.buckets_sent = 0
-        # The last send's parts, in seconds: resuming the weights, the buckets, resuming the rest.
+        self._prepared: list[tuple[FlatBucket, str]] | None = None  # built by `prepare`, sent by `send`
+        # The last publish's parts, in seconds: building ahead (prepare), resuming the weights, the
+        # buckets (of which: building them, the engines' answers), resuming the rest.
         self.timings: dict[str, float] = {}
 
     async def release(self) -> None:
@@ -197,8 +199,36 @@ class ColocatedWeights:
         await self._engines.release_memory_occupation(None)
         self.released.update(ALL_TAGS)
 
+    async def prepare(self) -> None:
+        """Before the gate closes: build and serialize every bucket while the engines still generate,
+        so that the publish's stall is the engines' copies alone. Only while the engines hold their
+        memory (async on one GPU): the trainer then holds one more copy of the weights in the send
+        dtype until the buckets are answered. After a release (sync, colocated) nothing is built
+        ahead: the engines are idle, and the memory is the trainer's step's and then theirs."""
+        self.discard()
+        if self.released:
+            return
+        t0 = time.perf_counter()
+        self._prepared = await anyio.to_thread.run_sync(self._build_all)
+        self.timings = {"prepare": time.perf_counter() - t0}
+
+    def discard(self) -> None:
+        """Drop buckets a `prepare` built and no `send` took (a publish that failed before it)."""
+        held, self._prepared = self._prepared, None
+        if held is not None:
+            del held
+            _collect_ipc(self.device)
+
+    def _build_all(self) -> list[tuple[FlatBucket, str]]:
+        built = []
+        for named in self._plan():
+            bucket = flatten_bucket(named, dtype=self.send_dtype, device=self.device)
+            built.append((bucket, self._serialize(bucket)))
+        return built
+
     async def send(self, weight_version: str, *, flush_cache: bool = True) -> None:
-        """Resume the weights' memory, hand every tensor over bucket by bucket, resume the rest.
+        """Resume the weights' memory, hand every tensor over bucket by bucket (those `prepare`
+        built, or each built in turn), resume the rest.
 
         Only the last bucket carries `weight_version` and `flush_cache` (the engines are paused
         throughout: nothing decodes between buckets). Raises EngineError naming the engine."""
@@ -206,20 +236,28 @@ class ColocatedWeights:
             self._tp_sizes = await self._engines.tp_sizes()
         if self.released:  # what training left cached goes back first: the engines map theirs again
             await anyio.to_thread.run_sync(_give_back_cache, self.device)
+        prepared, self._prepared = self._prepared, None
         failed = True
-        self.timings = {}
+        self.timings = {k: v for k, v in self.timings.items() if k == "prepare" and prepared is not None}
+        self.timings.update(build=0.0, engines=0.0)
         try:
             t0 = time.perf_counter()
             await self._resume([WEIGHTS])
             t1 = time.perf_counter()
-            plan = await anyio.to_thread.run_sync(self._plan)
-            for i, named in enumerate(plan):
-                last = i == len(plan) - 1
-                await self._send_bucket(named, weight_version if last else None, flush_cache and last)
+            if prepared is not None:
+                while prepared:  # popped as sent: nothing here holds a bucket the engines answered for
+                    last = len(prepared) == 1
+                    await self._send_entry(*prepared.pop(0), weight_version if last else None, flush_cache and last)
+            else:
+                plan = await anyio.to_thread.run_sync(self._plan)
+                for i, named in enumerate(plan):
+                    last = i == len(plan) - 1
+                    await self._send_bucket(named, weight_version if last else None, flush_cache and last)
             self.timings.update(resume_weights=t1 - t0, buckets=time.perf_counter() - t1)
             failed = False
         finally:
             with anyio.CancelScope(shield=True):
+                prepared = None
                 if self.released:  # the buckets' blocks go back before the KV cache is mapped again
                     await anyio.to_thread.run_sync(_give_back_cache, self.device)
                 t2 = time.perf_counter()
@@ -232,22 +270,30 @@ class ColocatedWeights:
     async def _send_bucket(
         self, named: list[tuple[str, torch.Tensor]], weight_version: str | None, flush_cache: bool
     ) -> None:
-        assert self._tp_sizes is not None
         held: list[FlatBucket] = []
 
         def build() -> str:  # one worker-thread hop: the copies, then the handle to them
             held.append(flatten_bucket(named, dtype=self.send_dtype, device=self.device))
             return self._serialize(held[0])
 
+        t0 = time.perf_counter()
+        entry = await anyio.to_thread.run_sync(build)
+        self.timings["build"] += time.perf_counter() - t0
+        await self._send_entry(held.pop(), entry, weight_version, flush_cache)
+
+    async def _send_entry(self, bucket: FlatBucket, entry: str, weight_version: str | None, flush_cache: bool) -> None:
+        """Post one bucket's entry; `bucket` (its buffer) stays alive until every engine answered,
+        each having copied it by then."""
+        assert self._tp_sizes is not None
+        t0 = time.perf_counter()
         try:
-            entry = await anyio.to_thread.run_sync(build)
-            # The buffer stays alive until every engine answered: each copied it by then.
             await self._engines.update_weights_from_tensor(
                 entry, tp_sizes=self._tp_sizes, weight_version=weight_version, flush_cache=flush_cache
             )
             self.buckets_sent += 1
         finally:
-            held.clear()
+            del bucket
+            self.timings["engines"] += time.perf_counter() - t0
             # The engines closed their handles before answering: the block is free for the next
             # bucket (kept cached: the next one reuses it rather than allocating anew).
             await anyio.to_thread.run_sync(_collect_ipc, self.device)
