@@ -154,7 +154,8 @@ class RolloutConfig:
         "--update-weight-buffer-size",
         "int",
         ge=1,
-        help="bytes of weights per /update_weights_from_distributed call (distributed transport)",
+        help="bytes of weights per /update_weights_from_distributed call (distributed transport), and per "
+        "/update_weights_from_tensor call of a colocated publish after a release (async colocated: one bucket a dtype)",
     )
     seed: int = opt(42, "--rollout-seed", "int", ge=0, help="sampling and data-order seed")
     request_timeout: float = opt(600.0, "--rollout-request-timeout", "float", gt=0, help="seconds per engine request")

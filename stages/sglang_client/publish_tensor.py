@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -200,11 +201,14 @@ class ColocatedWeights:
         self.released.update(ALL_TAGS)
 
     async def prepare(self) -> None:
-        """Before the gate closes: build and serialize every bucket while the engines still generate,
+        """Before the gate closes: build and serialize the buckets while the engines still generate,
         so that the publish's stall is the engines' copies alone. Only while the engines hold their
         memory (async on one GPU): the trainer then holds one more copy of the weights in the send
-        dtype until the buckets are answered. After a release (sync, colocated) nothing is built
-        ahead: the engines are idle, and the memory is the trainer's step's and then theirs."""
+        dtype until the engines answered. Built ahead, a bucket takes every tensor of its dtype
+        (`bucket_bytes` would save no memory: all are held at once), so the stall has one round
+        trip a dtype; on the H200, 0.6B in bf16: 17.6 ms, against 25.5 in 512 MiB buckets. After a
+        release (sync, colocated) nothing is built ahead: the engines are idle, and the memory
+        goes to the trainer's step and then back to them, one `bucket_bytes` bucket at a time."""
         self.discard()
         if self.released:
             return
@@ -221,7 +225,8 @@ class ColocatedWeights:
 
     def _build_all(self) -> list[tuple[FlatBucket, str]]:
         built = []
-        for named in self._plan():
+        every = plan_buckets(self._parameters(), bucket_bytes=sys.maxsize, dtype=self.send_dtype)
+        for named in every:
             bucket = flatten_bucket(named, dtype=self.send_dtype, device=self.device)
             built.append((bucket, self._serialize(bucket)))
         return built
