@@ -85,9 +85,11 @@ def build_base_model(
     device: str,
     seed: int = 0,
     check: int = 32,
+    save_dtype: str = "float32",
 ) -> dict[str, Any]:
     """Build the model folder at `out` and train it `steps` supervised steps; returns the figures
-    that go in `base.json`."""
+    that go in `base.json`. `save_dtype` bfloat16 halves the folder (a GPU run's engines serve
+    bf16, and the trainer's fp32 masters start from the same values)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -154,8 +156,8 @@ def build_base_model(
                 )
             step += 1
         epoch += 1
-    model.save_pretrained(out)
     corr, share = _check(model, max_count=max_count, device=device, prompts=check, max_new=max_positions - 16)
+    model.to(getattr(torch, save_dtype)).save_pretrained(out)
     print(f"base model check: asked count against written length r = {corr:.3f}, asked letter {share:.2f}", flush=True)
     return {
         "shape": {"hidden": hidden, "layers": layers, "heads": heads, "max_positions": max_positions},
@@ -165,6 +167,7 @@ def build_base_model(
         "lr": lr,
         "seed": seed,
         "device": device,
+        "save_dtype": save_dtype,
         "loss_first": losses[0] if losses else math.nan,
         "loss_last": losses[-1] if losses else math.nan,
         "seconds": time.perf_counter() - started,
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", type=int, default=32, help="prompts sampled after training, for base.json's figures")
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
     figures = build_base_model(
         args.out,
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         seed=args.seed,
         check=args.check,
+        save_dtype=args.save_dtype,
     )
     (args.out / "base.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures), flush=True)

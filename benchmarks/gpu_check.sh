@@ -64,13 +64,18 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
 # Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
 # task, each a real launcher run, one at a time, appended to $TTT_DIR/runs.jsonl as it ends. A call
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again
-# continues. runs.jsonl and state.json come back in $OUT/ttt/; put them in build/ttt-state/ and
-# carry that folder to the next call (a warm machine keeps $TTT_DIR, base model included; a cold
-# one builds the base model again, about 1.5 minutes). TTT_FLAGS adds flags (--steps 20 --lr 1e-3).
+# continues: runs.jsonl, state.json and the base model (bf16, in parts base.tar.part-NN of at most
+# 15 MiB, the first time) come back in $OUT/ttt/; put them all in build/ttt-state/ and carry that
+# folder to the next call, which then skips the base model's 4.4 minutes on the H200. TTT_FLAGS
+# adds flags.
 ttt_dir=${TTT_DIR:-build/ttt}
 ttt_state=${TTT_STATE:-build/ttt-state}
 if named ttt && [ -f "$ttt_state/state.json" ]; then
   mkdir -p "$ttt_dir" && cp "$ttt_state/state.json" "$ttt_state/runs.jsonl" "$ttt_dir/" 2>/dev/null
+fi
+if named ttt && [ ! -f "$ttt_dir/work/base/base.json" ] && [ -f "$ttt_state/base.tar.part-00" ]; then
+  mkdir -p "$ttt_dir/work" && cat "$ttt_state"/base.tar.part-* | tar -C "$ttt_dir/work" -xf - \
+    || echo "the carried base model did not unpack: it is built again"
 fi
 # shellcheck disable=SC2086  # TTT_FLAGS: more flags, word by word
 named ttt && step ttt 570 python3 -m benchmarks.time_to_target --preset h200 --out "$ttt_dir" \
@@ -80,6 +85,10 @@ if named ttt; then
   for f in runs.jsonl state.json summary.md time_to_target.png; do
     [ -f "$ttt_dir/$f" ] && cp "$ttt_dir/$f" "$out/ttt/$f"
   done
+  # At most 8 files come back from a device call: the four above and three parts of 38 MB.
+  if [ -f "$ttt_dir/work/base/base.json" ] && [ ! -f "$ttt_state/base.tar.part-00" ]; then
+    tar -C "$ttt_dir/work" -cf - base | split -b 15m -d - "$out/ttt/base.tar.part-"
+  fi
 fi
 want modes-sim && step modes-sim 150 python3 -m benchmarks.modes --seeds 1 --steps 4 --max-len 1024 --slots 64 --train-time 3.5 --time-scale 0.1 \
   --only sync --only sync+partial --only async --only "async, overlap" --timeline-dir "$out/timelines"

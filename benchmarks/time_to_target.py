@@ -70,13 +70,13 @@ by seed, then the colocated ones, so a cut set has whole seeds of the first four
   trains at lr 3e-4, for a rise over about 20-30 steps: the target (0.8x sync's plateau) near step
   15-25, sync there in about 1.5-2 minutes, the low end of the issue's 2-4. 40 steps a run: sync
   about 3.3 minutes with its start, partial about 2.5, async and async-overlap about 1.7 each.
-- Device time. The non-colocated set (4 modes x 3 seeds) is about 28 minutes, the colocated one
-  (3 x 3) about 22, and each call that finds the machine cold builds the base model again (about
-  1.5 minutes): the whole set is under the issue's hour, but not the 30 minutes of one session;
-  the state carried from call to call (runs.jsonl, state.json) lets later sessions continue it.
-  `--steps 20 --lr 1e-3` (the CPU's rate) makes every run half as long and puts the target
-  about step 5: the non-colocated set in about three calls, sync at the target in well under a
-  minute, where the first step's warm-up weighs much more.
+- Device time. Measured on the H200 (2026-12-05): the base model takes 4.4 minutes to build (it
+  comes back from the call in bf16 and `benchmarks/gpu_check.sh` carries it to the next), and a
+  sync step 1.5-5.8 s while lengths follow the prompts. A 570 s call holds two or three runs; the
+  21 runs of the set (4 modes x 3 seeds, then 3 colocated x 3) are about 60-75 minutes of device
+  time: more than one session's 30, so `runs.jsonl` and `state.json` carry it from call to call.
+  Not a shortcut: `--steps 20 --lr 1e-3` (the CPU's rate) made sync rise for four steps on the
+  H200 and then collapse into answers that ran to the cap (BENCHMARKS.md 16).
 - A larger shape (the 0.6B's 28 layers: about 15 s a sync step, 2.5-5 minutes to the target)
   makes the trainer and the engine compete for the GPU much more (BENCHMARKS.md 10b: decode 1.64x
   slower beside a training step), but its base model takes about 10 minutes of supervised steps
@@ -297,6 +297,9 @@ def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> tuple[Path, Path,
             "--hidden", str(plan.hidden), "--layers", str(plan.layers), "--heads", str(plan.heads),
             "--max-count", str(plan.max_count), "--max-positions", str(plan.max_len + 64),
             "--steps", str(plan.base_steps), "--batch", str(plan.base_batch), "--lr", str(plan.base_lr),
+            # bf16 on a GPU: 38 MB for the h200 preset, small enough to come back from a device call
+            # and be carried to the next (benchmarks/gpu_check.sh), which then skips the rebuild.
+            "--save-dtype", "bfloat16" if plan.device.startswith("cuda") else "float32",
         ]  # fmt: skip
         print(f"building the base model ({plan.base_steps} supervised steps on {plan.device})", flush=True)
         done = subprocess.run(cmd, cwd=REPO, env=_env(), check=False)
