@@ -359,6 +359,8 @@ sys.exit(code)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.dir is not None:  # the disk to test: its folder is made, as a run's would be
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="store-at-size-", dir=args.dir))
     path = root / "rollout_data"
     meta = RunMeta(

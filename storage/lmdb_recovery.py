@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lmdb
@@ -26,6 +27,7 @@ from .lmdb_transactions import LmdbTransactions, stored_counters
 from .lmdb_txn import Txn
 from .lmdb_verify import verify_records
 from .protocol import Coverage, Cursor, GroupState, RecoveryReport, VerifyReport, encode_step_metrics
+from .seal import sealed_payload
 
 __all__ = ["Recovery"]
 
@@ -127,21 +129,44 @@ class Recovery:
         """Every group that can still be served (RUNNING, PARTIAL, READY, BATCHED) read and checked;
         those whose records are damaged move to QUARANTINED. Returns how many moved. A launcher
         runs it on open, so a damaged prompt is requeued before the run, not found mid-run."""
+        # The checksum only (decoding every group would cost 10x more), read where LMDB keeps the
+        # record (`buffers`: no copy first), in a read transaction: the work in flight is the
+        # bulk of a resume's reading, gigabytes with long answers and R3 routes.
+        damaged = self._tx.read_views(self._damaged_servable)
+        if not damaged:
+            return 0
 
         def fn(w: Txn) -> int:
-            moved = 0
-            for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
-                for gid in w.ids_in_state(state):
-                    try:  # the checksum only: decoding every group would cost 10x more
-                        if w.get(keys.GROUPS, keys.group_key(gid)) is None:
-                            raise CorruptRecordError(keys.describe(keys.GROUPS, gid.encode()), "missing")
-                    except CorruptRecordError:
-                        old = w.expect(gid, state)
-                        w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
-                        moved += 1
-            return moved
+            for gid, state in damaged:
+                old = w.expect(gid, state)  # nothing else runs on open: as the read found it
+                w.move(gid, old, GroupState.QUARANTINED, old[1], old[2])
+            return len(damaged)
 
         return self._tx.write(fn)
+
+    def _damaged_servable(self, txn: lmdb.Transaction) -> list[tuple[str, GroupState]]:
+        w = self._tx.view(txn)
+        db = self._tx.dbs[keys.GROUPS]
+
+        def damaged(gid: str, value: bytes | memoryview | None) -> bool:
+            key = keys.group_key(gid)
+            try:
+                if value is None:
+                    raise CorruptRecordError(keys.describe(keys.GROUPS, key), "missing")
+                sealed_payload(key, value, where=keys.describe(keys.GROUPS, key), sealed=w.sealed)
+            except CorruptRecordError:
+                return True
+            return False
+
+        # The checksums on worker threads (zlib lets go of the GIL) while this one goes on reading
+        # from LMDB, the disk's part; the views stay valid: the transaction is open until all end.
+        checks = []
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
+                for gid in w.ids_in_state(state):
+                    value = txn.get(keys.group_key(gid), db=db)
+                    checks.append((gid, state, pool.submit(damaged, gid, value)))
+            return [(gid, state) for gid, state, check in checks if check.result()]
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         return len(self._requeue(lambda w: w.ids_in_state(_QUARANTINED), fresh))

@@ -162,6 +162,16 @@ class LmdbTransactions:
             return result
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        return self._read(fn, buffers=False)
+
+    def read_views(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """`read`, with the transaction's values views of the map, not copies (`buffers`): for a
+        reader that checks records where LMDB keeps them. A view is valid until the transaction
+        ends or its cursor moves, so `fn` must return none. Inside a group commit, a separate
+        read transaction would not see the group's writes: then the group's own (copies)."""
+        return self._read(fn, buffers=True)
+
+    def _read(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool) -> T:
         with self._lock:
             if self._group is not None:  # read the group's own transaction: it sees the calls before
                 try:
@@ -171,7 +181,7 @@ class LmdbTransactions:
             env = self._open_env()
             for _ in range(3):
                 try:
-                    with env.begin() as txn:
+                    with env.begin(buffers=True) if buffers else env.begin() as txn:
                         return fn(txn)
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)  # the writer (another process) grew the map: adopt its size

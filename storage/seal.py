@@ -24,7 +24,7 @@ import zlib
 
 from core.errors import CorruptRecordError
 
-__all__ = ["LAYOUT_VERSION", "LEGACY_LAYOUT", "OVERHEAD", "seal", "unseal"]
+__all__ = ["LAYOUT_VERSION", "LEGACY_LAYOUT", "OVERHEAD", "seal", "sealed_payload", "unseal"]
 
 LAYOUT_VERSION = 2  # the on-disk layout this code writes: sealed values
 LEGACY_LAYOUT = 1  # raw values, no checksums: read as they are, migrated by a writer
@@ -45,15 +45,28 @@ def unseal(key: bytes | memoryview, value: bytes | memoryview, *, where: str, se
     """
     if not sealed:
         return bytes(value)
-    if len(value) < _HEAD.size:
+    return bytes(sealed_payload(key, value, where=where, sealed=sealed))
+
+
+def sealed_payload(
+    key: bytes | memoryview, value: bytes | memoryview, *, where: str, sealed: bool = True
+) -> memoryview:
+    """`unseal` without the copy: a view of the payload inside `value`, checked. For a reader of
+    a transaction opened with `buffers=True`, whose values are views of the map: the checksum then
+    reads the record where LMDB keeps it, once (`replay verify`, the resume's check of what can be
+    served). The view is valid only while that transaction is open and the value unchanged."""
+    view = memoryview(value)
+    if not sealed:
+        return view
+    if len(view) < _HEAD.size:
         raise CorruptRecordError(
-            where, f"a sealed value of {len(value)} bytes is shorter than its {_HEAD.size}-byte head"
+            where, f"a sealed value of {len(view)} bytes is shorter than its {_HEAD.size}-byte head"
         )
-    version, stored = _HEAD.unpack_from(value)
-    payload = bytes(value[_HEAD.size :])
+    version, stored = _HEAD.unpack_from(view)
     if version != LAYOUT_VERSION:
         raise CorruptRecordError(where, f"layout version byte {version}, expected {LAYOUT_VERSION}")
-    computed = zlib.crc32(payload, zlib.crc32(bytes(key)))
+    payload = view[_HEAD.size :]
+    computed = zlib.crc32(payload, zlib.crc32(key))
     if computed != stored:
         raise CorruptRecordError(where, f"checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")
     return payload
