@@ -298,13 +298,17 @@ def resume(path: Path, args: argparse.Namespace, meta: RunMeta, trained: int) ->
         start = time.perf_counter()
         store = open_for_resume(path, {"sync": args.sync}, meta, policy, lambda gid: None)
         opened = time.perf_counter() - start
+        after = rss_kb()  # the resume's own: the replay's batches below are the trainer's memory
         try:
             start = time.perf_counter()
-            replayed = sum(len(b.groups) for s in range(version, store.trained_step() + 1) if (b := store.batch(s)))
+            replayed = 0
+            for step in range(version, store.trained_step() + 1):
+                batch = store.batch(step)
+                replayed += len(batch.groups) if batch is not None else 0
+                del batch  # one batch at a time, as the replay trains them
             replay_read = time.perf_counter() - start
         finally:
             store.close()
-        after = rss_kb()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {

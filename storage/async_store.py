@@ -404,6 +404,9 @@ class AsyncStore:
     async def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
         return await self._call(self._store.batch, step, damaged=damaged)
 
+    async def damaged_in_batch(self, step: int) -> list[tuple[str, CorruptRecordError]] | None:
+        return await self._call(self._store.damaged_in_batch, step)
+
     async def coverage(self, step: int) -> Coverage:
         return await self._call(self._store.coverage, step)
 

@@ -14,6 +14,7 @@ from core.types import Batch
 
 from . import codec, keys
 from . import transitions as tr
+from .lmdb_checksums import damaged_groups
 from .lmdb_ready import ReadyCache
 from .lmdb_transactions import LmdbTransactions
 from .lmdb_txn import Txn
@@ -112,6 +113,19 @@ class BatchMoves:
             return Batch(step=step_read, groups=tuple(w.readable(ids, damaged)))
 
         return self._tx.read(fn)
+
+    def damaged_in_batch(self, step: int) -> list[tuple[str, CorruptRecordError]] | None:
+        step_key = keys.step_key(step)
+
+        def fn(txn: lmdb.Transaction) -> list[tuple[str, CorruptRecordError]] | None:
+            w = self._tx.view(txn)
+            raw = w.get(keys.BATCHES, step_key)
+            if raw is None:
+                return None
+            _, ids = codec.decode_batch_ref(raw, key=keys.describe(keys.BATCHES, step_key))
+            return damaged_groups(txn, w.dbs[keys.GROUPS], ids, sealed=w.sealed)
+
+        return self._tx.read_views(fn)
 
     def collect_garbage(self, up_to_step: int) -> int:
         def fn(w: Txn) -> int:

@@ -154,6 +154,10 @@ def walk_pages(path: str, *, main_keys: list[str] | None = None) -> dict[str, st
         # Mapped, not read: only the branch and leaf pages are touched, never the records'
         # overflow pages. Every offset is checked against the file's size first (no SIGBUS).
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mmap, "MADV_RANDOM"):  # Linux: a fault reads its page, not megabytes around it
+                # (the kernel's read-around, 8 MB on the development VM, pulled in the records
+                # beside each tree page: 4 s of a 45 GB store's resume, before this)
+                mapped.madvise(mmap.MADV_RANDOM)
             view = memoryview(mapped)
             try:
                 return _walk(view, main_keys)

@@ -12,22 +12,20 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lmdb
 
-from core.errors import CorruptRecordError
 from core.types import Batch, Group
 
 from . import codec, keys
 from . import transitions as tr
+from .lmdb_checksums import damaged_groups
 from .lmdb_pages import check_data_file, walk_pages
 from .lmdb_transactions import LmdbTransactions, stored_counters
 from .lmdb_txn import Txn
 from .lmdb_verify import verify_records
 from .protocol import Coverage, Cursor, GroupState, RecoveryReport, VerifyReport, encode_step_metrics
-from .seal import sealed_payload
 
 __all__ = ["Recovery"]
 
@@ -146,27 +144,10 @@ class Recovery:
 
     def _damaged_servable(self, txn: lmdb.Transaction) -> list[tuple[str, GroupState]]:
         w = self._tx.view(txn)
-        db = self._tx.dbs[keys.GROUPS]
-
-        def damaged(gid: str, value: bytes | memoryview | None) -> bool:
-            key = keys.group_key(gid)
-            try:
-                if value is None:
-                    raise CorruptRecordError(keys.describe(keys.GROUPS, key), "missing")
-                sealed_payload(key, value, where=keys.describe(keys.GROUPS, key), sealed=w.sealed)
-            except CorruptRecordError:
-                return True
-            return False
-
-        # The checksums on worker threads (zlib lets go of the GIL) while this one goes on reading
-        # from LMDB, the disk's part; the views stay valid: the transaction is open until all end.
-        checks = []
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            for state in (_RUNNING, _PARTIAL, _READY, _BATCHED):
-                for gid in w.ids_in_state(state):
-                    value = txn.get(keys.group_key(gid), db=db)
-                    checks.append((gid, state, pool.submit(damaged, gid, value)))
-            return [(gid, state) for gid, state, check in checks if check.result()]
+        servable = [(gid, state) for state in (_RUNNING, _PARTIAL, _READY, _BATCHED) for gid in w.ids_in_state(state)]
+        state_of = dict(servable)
+        damaged = damaged_groups(txn, self._tx.dbs[keys.GROUPS], state_of, sealed=w.sealed)
+        return [(gid, state_of[gid]) for gid, _ in damaged]
 
     def requeue_quarantined(self, fresh: Callable[[str], Group | None]) -> int:
         return len(self._requeue(lambda w: w.ids_in_state(_QUARANTINED), fresh))

@@ -245,6 +245,9 @@ class LmdbStore:
     def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None:
         return self._batches.batch(step, damaged=damaged)
 
+    def damaged_in_batch(self, step: int) -> list[tuple[str, CorruptRecordError]] | None:
+        return self._batches.damaged_in_batch(step)
+
     def collect_garbage(self, up_to_step: int) -> int:
         return self._batches.collect_garbage(up_to_step)
 

@@ -417,6 +417,10 @@ class MemoryStore(PutMoves):
         self._check_open()
         return self._batch_of(step) if step in self._batches else None
 
+    def damaged_in_batch(self, step: int) -> list[tuple[str, CorruptRecordError]] | None:
+        self._check_open()
+        return [] if step in self._batches else None  # nothing in memory is ever damaged
+
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
             counts={s: len(m) for s, m in self._members.items()},

@@ -382,6 +382,12 @@ class Store(Protocol):
 
     def batch(self, step: int, *, damaged: list[CorruptRecordError] | None = None) -> Batch | None: ...
 
+    def damaged_in_batch(self, step: int) -> list[tuple[str, CorruptRecordError]] | None:
+        """(group id, error) for each group of step `step`'s batch whose record is missing or
+        damaged, found by checksums without decoding (a resume checks what it trains again so);
+        None when the step has no batch record. A damaged batch record raises CorruptRecordError."""
+        ...
+
     def verify(self) -> VerifyReport:
         """Every record read and checked, every index checked against the group states."""
         ...

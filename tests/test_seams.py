@@ -32,6 +32,8 @@ SCANNED = ("pipeline", "stages", "storage", "launch")
 # (file, attribute): the attribute is the string probed, or the expression naming it when it is not
 # a literal. None of these reaches a trainer, an engine or a store.
 ALLOWED: dict[tuple[str, str], str] = {
+    # The standard library's platform constants (mmap.MADV_RANDOM exists on Linux and macOS only).
+    ("storage/lmdb_pages.py", "MADV_RANDOM"): "mmap's madvise constant, absent where the platform lacks it",
     # A frozen dataclass's own fields, walked by name.
     ("pipeline/config/schema.py", "section"): "the config tree's sections",
     ("pipeline/config/schema.py", "f.name"): "a config section's fields",

@@ -16,7 +16,7 @@ from pipeline.checkpoints import CheckpointPolicy
 from pipeline.replay import main as replay
 from pipeline.replay import verify_progress
 from pipeline.run.state import open_for_resume
-from storage import GroupState, LmdbStore, RunMeta, codec
+from storage import GroupState, LmdbStore, RunMeta, codec, lmdb_checksums
 from tests.conftest import flip_a_stored_group_bit
 
 BATCH = 3
@@ -57,29 +57,41 @@ def _fresh(group_id: str) -> Group:
     return Group.fresh(PromptTask(index=index, prompt_ids=(1, 2, 3)), epoch=0, n_samples=2, version=0, seq=index)
 
 
-def test_a_resume_decodes_the_groups_it_trains_again_not_the_store(built, tmp_path, monkeypatch):
+def test_a_resume_checks_the_groups_it_trains_again_not_the_store(built, tmp_path, monkeypatch):
     path, args, trained = built
     with LmdbStore(path, readonly=True) as store:
         old = store.batch(1).groups[0].group_id  # trained before the checkpoint
-        recent = store.batch(trained).groups[0].group_id  # trained after it: trained again
+        again = [g.group_id for g in store.batch(trained).groups]  # trained after it: trained again
+        servable = {
+            g.group_id for s in (GroupState.RUNNING, GroupState.READY, GroupState.BATCHED) for g in store.groups(s)
+        }
+    recent = again[0]
     flip_a_stored_group_bit(path, old)
     flip_a_stored_group_bit(path, recent)
     decoded: list[int] = []
-    real = codec.decode_group
+    checked: list[str] = []
+    real_decode, real_check = codec.decode_group, lmdb_checksums.sealed_payload
 
     def counting(data, **kw):
         decoded.append(1)
-        return real(data, **kw)
+        return real_decode(data, **kw)
+
+    def checking(key, value, **kw):
+        checked.append(bytes(key).decode())
+        return real_check(key, value, **kw)
 
     monkeypatch.setattr(codec, "decode_group", counting)
+    monkeypatch.setattr(lmdb_checksums, "sealed_payload", checking)
     policy = _checkpoint(tmp_path, trained)  # v{trained}: step `trained` is trained again
     regenerated = "prompts generated again after damage"
     with capture_logs() as logs:
         store = open_for_resume(path, {"sync": False}, _meta(args), policy, _fresh)
     try:
-        # The one step since the checkpoint, its batch's groups (one damaged: not decoded), and
-        # nothing of the steps before it: a resume's reads do not grow with the store.
-        assert len(decoded) == BATCH - 1
+        # The groups of the one step since the checkpoint and the work in flight, by their
+        # checksums, none decoded; nothing of the steps before: a resume's reads do not grow
+        # with the store.
+        assert not decoded and set(again) <= set(checked) and set(checked) <= set(again) | servable
+        assert old not in checked
         said = [e for e in logs if regenerated in e["event"]]
         named = " ".join(said[0]["ids"]) if len(said) == 1 else ""
         assert recent in named and old not in named, said  # named as the id it is generated again under
@@ -87,10 +99,11 @@ def test_a_resume_decodes_the_groups_it_trains_again_not_the_store(built, tmp_pa
         assert store.count(GroupState.PARTIAL) == BATCH + 1  # the running ones, and the one generated again
     finally:
         store.close()
-    decoded.clear()
+    checked.clear()
     with capture_logs() as logs:  # said once; the next resume reads the same step again, nothing older
         open_for_resume(path, {"sync": False}, _meta(args), policy, _fresh).close()
-    assert len(decoded) == BATCH - 1 and not [e for e in logs if regenerated in e["event"]]
+    assert set(again) <= set(checked) and old not in checked and not decoded
+    assert not [e for e in logs if regenerated in e["event"]]
 
 
 def test_replay_verify_streams_with_its_progress_said_and_names_every_damaged_record(built, capsys):

@@ -255,3 +255,36 @@ def test_seed_with_batches_to_train_again_in_both_stores(tmp_path: Path) -> None
             assert store.batch(3).groups == step_3 and store.batch(4).groups == step_4
             assert store.step_metrics() == {3: {"version": 3}} and store.batch(2) is None
             assert store.coverage(2).unsettled == (fresh(7).group_id, *(g.group_id for g in (*step_3, *step_4)))
+
+
+def test_damaged_in_batch_names_a_damaged_group_of_a_trained_batch_by_its_checksum(tmp_path: Path) -> None:
+    """What a resume checks in the batches it trains again: the checksums alone, each record read
+    where LMDB keeps it (no decoding), in both stores; a step without a batch record is None."""
+    path = tmp_path / "s"
+    _fill(path)
+    with LmdbStore(path, readonly=True) as store:
+        ids = [g.group_id for g in store.batch(0).groups]
+        assert store.damaged_in_batch(0) == [] and store.damaged_in_batch(1) is None
+    victim = ids[2]
+    env = lmdb.open(str(path), max_dbs=len(keys.DATABASES), readonly=True, lock=False)
+    with env.begin() as txn:
+        value = bytes(txn.get(victim.encode(), db=env.open_db(keys.GROUPS, txn=txn, create=False)))
+    env.close()
+    data = bytearray((path / "data.mdb").read_bytes())
+    at = data.find(value)
+    while at >= 0:
+        data[at + OVERHEAD + 20] ^= 0x40
+        at = data.find(value, at + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    with LmdbStore(path, readonly=True) as store:
+        [(gid, error)] = store.damaged_in_batch(0)
+        assert gid == victim and "checksum mismatch" in str(error) and f"groups/{victim}" in str(error)
+        errors: list = []
+        assert victim not in {g.group_id for g in store.batch(0, damaged=errors).groups} and len(errors) == 1
+
+    memory = MemoryStore()
+    memory.admit([fresh(i) for i in range(4)], cursor_after(4))
+    for i in range(4):
+        memory.put_ready(finished(fresh(i), 0))
+    memory.take_batch(0, 4)
+    assert memory.damaged_in_batch(0) == [] and memory.damaged_in_batch(1) is None

@@ -493,12 +493,11 @@ def _unreplayable(store: Store, first: int) -> tuple[dict[str, int], str | None]
     salvage), else None. Reads only."""
     damaged: dict[str, int] = {}
     for step in range(first, store.trained_step() + 1):
-        errors: list[CorruptRecordError] = []
-        try:
-            store.batch(step, damaged=errors)  # None for a collected step: `_resume_point` says so
+        try:  # checksums, no decoding: None for a collected step (`_resume_point` says so)
+            errors = store.damaged_in_batch(step) or []
         except StoreError as exc:
             return {}, f"the batch record of step {step}, to be trained again, is damaged: {exc}"
-        damaged |= dict.fromkeys((_damaged_group(e) for e in errors), step)
+        damaged |= dict.fromkeys((gid for gid, _ in errors), step)
     return damaged, None
 
 
@@ -516,12 +515,6 @@ def _requeue_unreplayable(
 
 
 _REPLAY_DAMAGED = "its group's record is damaged, in a batch trained after the newest checkpoint"
-
-
-def _damaged_group(error: CorruptRecordError) -> str:
-    """The group id of a damaged group record (`groups/<id>` as the store names its key)."""
-    key = error.key if isinstance(error.key, str) else error.key.decode(errors="replace")
-    return key.split("/", 1)[1]
 
 
 def _say_regenerated(why: dict[str, Sequence[str]], events: list[dict[str, Any]], **context: Any) -> None:
