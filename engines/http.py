@@ -1,5 +1,8 @@
 """The engines' HTTP surface: SGLang's API over one `EngineCore`, whatever model it schedules.
 
+One module, over 600 lines: it is one route table and its handlers, each a few lines over the
+core, read side by side against reference/sglang-protocol.md; the work is in the modules it calls.
+
 It answers the subset of SGLang's HTTP API that RL rollout clients use, with SGLang's shapes
 (reference/sglang-protocol.md sections 1-4 and 7), so the project's SGLang client and the real
 sglang-router cannot tell an engine of this package from SGLang. Where it differs, on purpose:

@@ -20,7 +20,10 @@ from core.errors import CorruptRecordError
 from . import keys
 from .seal import sealed_payload
 
-__all__ = ["damaged_groups"]
+__all__ = ["CHECK_THREADS", "damaged_groups"]
+
+# Threads that checksum (and, in `verify`, decode) records while the caller reads on.
+CHECK_THREADS = min(8, os.cpu_count() or 1)
 
 
 def damaged_groups(
@@ -40,6 +43,6 @@ def damaged_groups(
             return exc
         return None
 
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=CHECK_THREADS) as pool:
         checks = [(gid, pool.submit(check, gid, txn.get(keys.group_key(gid), db=db))) for gid in ids]
         return [(gid, error) for gid, c in checks if (error := c.result()) is not None]

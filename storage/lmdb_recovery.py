@@ -144,8 +144,7 @@ class Recovery:
 
     def _damaged_servable(self, txn: lmdb.Transaction) -> list[tuple[str, GroupState]]:
         w = self._tx.view(txn)
-        servable = [(gid, state) for state in (_RUNNING, _PARTIAL, _READY, _BATCHED) for gid in w.ids_in_state(state)]
-        state_of = dict(servable)
+        state_of = {gid: state for state in (_RUNNING, _PARTIAL, _READY, _BATCHED) for gid in w.ids_in_state(state)}
         damaged = damaged_groups(txn, self._tx.dbs[keys.GROUPS], state_of, sealed=w.sealed)
         return [(gid, state_of[gid]) for gid, _ in damaged]
 

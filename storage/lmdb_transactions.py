@@ -166,9 +166,10 @@ class LmdbTransactions:
 
     def read_views(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """`read`, with the transaction's values views of the map, not copies (`buffers`): for a
-        reader that checks records where LMDB keeps them. A view is valid until the transaction
-        ends or its cursor moves, so `fn` must return none. Inside a group commit, a separate
-        read transaction would not see the group's writes: then the group's own (copies)."""
+        reader that checks records where LMDB keeps them. A reader's view stays valid until its
+        transaction ends (nothing writes under it), so `fn` must return none. Inside a group
+        commit, a separate read transaction would not see the group's writes: then the group's
+        own (copies)."""
         return self._read(fn, buffers=True)
 
     def _read(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool) -> T:

@@ -15,7 +15,6 @@ the pages read count in the process's RSS as page cache the kernel takes back, n
 
 from __future__ import annotations
 
-import os
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +26,7 @@ from core.errors import StoreError
 
 from . import codec, keys
 from .history import decode_history
+from .lmdb_checksums import CHECK_THREADS
 from .migrate import SEALED_DATABASES, Databases, counter_problems
 from .protocol import GroupState, VerifyReport
 from .seal import sealed_payload, unseal
@@ -35,8 +35,7 @@ __all__ = ["verify_records"]
 
 _ORDER_DB = {GroupState.PARTIAL: keys.PARTIAL_ORDER, GroupState.READY: keys.READY_ORDER}
 _VIEW_DECODED = (keys.GROUPS, keys.BATCHES)
-_WORKERS = min(4, os.cpu_count() or 1)
-_AHEAD = 2 * _WORKERS  # records checked ahead of the one reported: bounded memory (views, one decode each)
+_AHEAD = 2 * CHECK_THREADS  # records checked ahead of the one reported: bounded memory (views, one decode each)
 
 
 def _checker(db: bytes, key: bytes) -> Callable[[Any, str], object]:
@@ -114,7 +113,7 @@ def _walk_values(
             if (problem := pending.popleft().result()) is not None:
                 damaged.append(problem)
 
-    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+    with ThreadPoolExecutor(max_workers=CHECK_THREADS) as pool:
         try:
             for raw_key, value in txn.cursor(db=dbs[db]).iternext(keys=True, values=True):
                 if progress is not None:

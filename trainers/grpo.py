@@ -1,5 +1,8 @@
 """The built-in GRPO trainer: decoupled PPO on a Hugging Face causal LM, in torch.
 
+One module, over 600 lines: `train_step` is meant to read top to bottom in one place; the loss, the
+step-KL bound, token scores and checkpoints already live in modules of their own.
+
 It is the trainer for laptops, CI and the quick start (the tiny model on CPU); on GPU clusters the
 Megatron trainer takes its place behind the same bridge. The math lives in `trainers.loss`
 (shared by every backend); this module feeds it tensors. One `train_step` reads top to bottom:

@@ -1,5 +1,9 @@
 """Everything a run needs before its first step: model folder, dataset, store, and where to resume.
 
+One module, over 600 lines: the start is one ordered sequence (check, open, take the folder,
+resume) whose order is the promise that a refused start writes nothing; its natural split is by
+those steps, not done yet.
+
 A store remembers what it was written for (run id, dataset and tokenizer fingerprints, group size);
 reopening it for anything else is refused with the difference named, before any state is touched.
 

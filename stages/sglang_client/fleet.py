@@ -1,5 +1,8 @@
 """`EngineFleet`: every engine the pipeline uses, behind one aiohttp session.
 
+One module, over 600 lines: one class whose methods share the fleet's state (live engines, the
+watch, the fault policy); dispatch, faults, the watch and the publishes live beside it already.
+
 `/generate` goes to one URL (the router, or the only engine), and every control call fans out to
 every engine concurrently, because the router does not forward `/abort_request`,
 `/pause_generation` or the weight endpoints. The one exception: R3 requests behind a router that

@@ -15,7 +15,8 @@ A bucket is SGLang's `FlattenedTensorBucket` layout, built here without SGLang: 
 (the engine's, with `send_dtype`), up to `bucket_bytes`, copied into one flat buffer of that dtype on
 the trainer's GPU, offsets in elements, and `{"flattened_tensor": buffer, "metadata": [...]}`
 pickled the way `MultiprocessingSerializer` does (torch's CUDA reduction: the buffer travels as an
-IPC handle, its device as the GPU's UUID, as SGLang's patched reduction sends it). One dtype per
+IPC handle, its device as the GPU's UUID, as SGLang's patched reduction sends it): SGLang's wire
+format for this endpoint, a message between two live processes, never stored. One dtype per
 bucket is the layout every SGLang reads: the older one slices elements, the newer one (bytes, any
 dtype) views a slice in the entry's dtype, which for a buffer of that dtype is the same slice.
 The metadata entries are plain `types.SimpleNamespace`s with SGLang's field names: SGLang reads
@@ -243,7 +244,8 @@ class ColocatedWeights:
             await anyio.to_thread.run_sync(_give_back_cache, self.device)
         prepared, self._prepared = self._prepared, None
         failed = True
-        self.timings = {k: v for k, v in self.timings.items() if k == "prepare" and prepared is not None}
+        if prepared is None:  # else the timings `prepare` started
+            self.timings = {}
         self.timings.update(build=0.0, engines=0.0)
         try:
             t0 = time.perf_counter()
@@ -262,7 +264,6 @@ class ColocatedWeights:
             failed = False
         finally:
             with anyio.CancelScope(shield=True):
-                prepared = None
                 if self.released:  # the buckets' blocks go back before the KV cache is mapped again
                     await anyio.to_thread.run_sync(_give_back_cache, self.device)
                 t2 = time.perf_counter()

@@ -1,5 +1,9 @@
 """The megatron-core GRPO trainer: the torch trainer's step, on megatron ranks.
 
+One module, over 600 lines: every rank runs the same code in the same order so that collectives
+meet, and keeping that code in one file keeps the order visible; commands, checkpoints, the
+layout and the fp32 masters are modules beside it.
+
 Same protocol as `trainers.GRPOTrainer` (`train_step(batch) -> metrics`,
 `save_weights(path) -> path`, `logprobs(samples)`), same loss, same checkpoint promise: a folder
 that engines load with `update_weights_from_disk`, written whole or not at all, plus the
