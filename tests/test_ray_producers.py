@@ -542,7 +542,10 @@ async def test_a_publish_with_a_frozen_producer_ends_within_its_deadline(cluster
     assert report.version == 1 and clock.version == 1 and fake.loaded_paths == [str(tmp_path / "v1")]
     # Given up on at the deadline (the close), not waited on: one deadline, plus a margin.
     assert took < DEADLINE + 2.0, took
-    assert rp.producers[1].lost is not None and "begin_publish" in rp.producers[1].lost
+    # Given up on by the publish's own call, or by a heartbeat that went out just before it and
+    # missed the same deadline first (a loaded CI machine saw that): either way within the deadline.
+    lost = rp.producers[1].lost
+    assert lost is not None and ("begin_publish" in lost or "no heartbeat answer" in lost), lost
     assert [p.lost for p in rp.producers if p is not rp.producers[1]] == [None] * (NODES - 1)
 
 
