@@ -1,9 +1,9 @@
 """The torch trainer's step on a long-tailed batch, its ways of shaping the forward side by side.
 
-    python -m benchmarks.trainer_step [--device cuda] [--dtype bfloat16] [--model-size 0.6b|tiny]
+    python -m benchmarks.trainer_step [--device cuda] [--dtype bfloat16] [--model-size 0.6b|tiny] [--layers 28]
                                       [--groups 16 --group 8 --prompt 128 --max-len 256]
                                       [--length-tail lognormal:-1.9,0.8] [--budget 16384] [--steps 3]
-                                      [--profile]
+                                      [--variants 'all rows,padded,packed,+ budget,no step-KL'] [--profile]
 
 One batch as the modes benchmark trains it (`--groups` x `--group` samples, `--prompt` prompt
 tokens, response lengths drawn from the simulated engine's long tail up to `--max-len`, two
@@ -12,16 +12,18 @@ the variants taking turns step by step so that drift of the machine hits each al
 
     all rows      the LM head at every position of the padded batch, the response rows gathered
                   after it (the trainer before `trainers.response_rows`)
-    response rows the LM head at the response rows only (the default)
+    padded        the LM head at the response rows only, the batch right-padded (the trainer
+                  before `trainers.packed_attention`)
+    packed        and the samples end to end without padding (the default)
     + budget      and micro-batches of like length within `--budget` padded positions
                   (`--max-tokens-per-gpu`)
-    no step-KL    response rows without the step-KL check (`--max-step-kl 0`): what the check costs
+    no step-KL    packed without the step-KL check (`--max-step-kl 0`): what the check costs
 
-It prints each variant's median step time, its ratio to `all rows`, and the peak device memory of
-a step; then the seconds of writing the publish folder (`save_model`, where disk publishes spend
-them): fp32 and bf16 through `save_pretrained` (what a bf16 trainer wrote before) against bf16
-through one reused page-locked buffer (now). `--profile` adds the top device
-kernels of one `response rows` step (torch.profiler). The first step of each variant is a warm-up
+It prints each variant's median step time (`--variants` picks some), its ratio to the first, and
+the peak device memory of a step; then the seconds of writing the publish folder (`save_model`,
+where disk publishes spend them): fp32 and bf16 through `save_pretrained` (what a bf16 trainer
+wrote before) against bf16 through one reused page-locked buffer (now). `--profile` adds the top
+device kernels of one `packed` step (torch.profiler). The first step of each variant is a warm-up
 and is not counted. Then the step against its arithmetic (`step_flops`: real tokens, no padding, at
 `--peak-tflops`), and issue 48's target: within 2x of it.
 """
@@ -70,7 +72,7 @@ def _all_rows() -> Iterator[None]:
     """The LM head at every position, then the response rows picked: the trainer before the hook."""
     from trainers import grpo
 
-    def every_row(net: Any, ids: Any, attention: Any, positions: Any) -> Any:
+    def every_row(net: Any, ids: Any, attention: Any, positions: Any, layout: Any = None) -> Any:
         logits = net(input_ids=ids, attention_mask=attention).logits
         return logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
 
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--model-size", default="0.6b", choices=["0.6b", "tiny"])
+    p.add_argument("--layers", type=int, default=28, help="the 0.6B shape's layers (fewer: a CPU's scale)")
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
@@ -117,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length-tail", default="lognormal:-1.9,0.8")
     p.add_argument("--budget", type=int, default=16384, help="the + budget variant's --max-tokens-per-gpu")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--variants",
+        default="all rows,padded,packed,+ budget,no step-KL",
+        help="which variants to time, comma-separated; the ratios are to the first",
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument(
         "--peak-tflops", type=float, default=790.0, help="the device's bf16 matrix rate (an H200 measured 790)"
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_size == "0.6b":
             from benchmarks.engine import qwen3_06b_folder
 
-            folder = qwen3_06b_folder(Path(tmp) / "qwen3-0.6b")
+            folder = qwen3_06b_folder(Path(tmp) / "qwen3-0.6b", layers=args.layers)
         else:
             folder = make_model_folder(Path(tmp) / "tiny", seed=0)
         vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
@@ -140,12 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         samples = [s for g in batch.groups for s in g.samples]
         kw: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "lr": 1e-5, "num_threads": None}
         kw["global_batch_size"] = len(samples) // 2
-        variants = {
-            "all rows": GRPOTrainer(folder, max_step_kl=0.2, **kw),
-            "response rows": GRPOTrainer(folder, max_step_kl=0.2, **kw),
-            f"+ budget {args.budget}": GRPOTrainer(folder, max_step_kl=0.2, max_tokens_per_gpu=args.budget, **kw),
-            "no step-KL": GRPOTrainer(folder, max_step_kl=None, **kw),
+        settings: dict[str, dict[str, Any]] = {
+            "all rows": {"max_step_kl": 0.2, "pack": False},
+            "padded": {"max_step_kl": 0.2, "pack": False},
+            "packed": {"max_step_kl": 0.2},
+            "+ budget": {"max_step_kl": 0.2, "max_tokens_per_gpu": args.budget},
+            "no step-KL": {"max_step_kl": None},
         }
+        chosen = [name.strip() for name in args.variants.split(",")]
+        unknown = [name for name in chosen if name not in settings]
+        if unknown:
+            p.error(f"--variants: {unknown} are not among {list(settings)}")
+        variants = {name: GRPOTrainer(folder, **settings[name], **kw) for name in chosen}
         times: dict[str, list[float]] = {name: [] for name in variants}
         peak: dict[str, float] = dict.fromkeys(variants, 0.0)
         for step in range(args.steps + 1):
@@ -168,14 +182,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.device} {args.dtype}, {args.model_size}: {len(samples)} samples, {response} response tokens "
             f"({real} with prompts; padded to the longest, {len(samples) * longest}), two optimizer steps"
         )
-        base = statistics.median(times["all rows"])
+        first = chosen[0]
+        base = statistics.median(times[first])
         for name, ts in times.items():
             t = statistics.median(ts)
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
-            print(f"step {name:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than all rows{memory}")
-        for checked in (True, False):
-            flops = step_flops(variants["response rows"].model, samples, step_kl=checked, minibatches=2)
-            name = "response rows" if checked else "no step-KL"
+            label = f"{name} {args.budget}" if name == "+ budget" else name
+            print(f"step {label:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than {first}{memory}")
+        for name in ("packed", "no step-KL"):
+            if name not in variants:
+                continue
+            flops = step_flops(variants[name].model, samples, step_kl=name == "packed", minibatches=2)
             floor = flops / (args.peak_tflops * 1e12)
             ratio = statistics.median(times[name]) / floor
             print(
@@ -189,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from trainers.checkpoint import write_folder_atomically
 
-        trainer = variants["response rows"]
+        trainer = variants.get("packed", variants[first])
 
         def bf16_save_pretrained(out: Path) -> None:
             rounded: dict[int, torch.Tensor] = {}

@@ -69,6 +69,7 @@ from trainers.checkpoint import (
 from trainers.columns import column_tensor
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
+from trainers.packed_attention import packs
 from trainers.response_rows import ResponseBatch, micro_batches, response_logits
 from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.sampler_heads import sampler_heads
@@ -135,6 +136,9 @@ class GRPOTrainer:
     the minibatch's tokens or samples). Micro-batches are cut from the minibatch sorted by length,
     so each pads to a length near its own (`trainers.response_rows`). `max_step_kl` bounds
     each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
+    `pack` lays each micro-batch's samples end to end without padding where the model allows it
+    (`trainers.packed_attention`): the same log-probs, the real tokens' cost; False keeps every
+    forward right-padded.
 
     CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
     leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
@@ -166,6 +170,7 @@ class GRPOTrainer:
         routing_replay: bool = False,
         micro_batch_size: int | None = None,
         max_tokens_per_gpu: int | None = None,
+        pack: bool = True,
     ) -> None:
         _check_arguments(
             dtype=dtype,
@@ -177,6 +182,7 @@ class GRPOTrainer:
         )
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.pack = pack
         self.max_step_kl = max_step_kl
         self.loss = _with_legacy_keywords(
             loss or LossSettings(), eps_clip, eps_clip_high, tis_cap, mask_offpolicy_in_partial_rollout
@@ -570,7 +576,8 @@ class GRPOTrainer:
     ) -> _Scored:
         """[B, R] log-probs of each response token and the entropy at each position; 0 past the end.
 
-        One right-padded forward over prompt+response. Causal attention means right padding never
+        One forward over prompt+response: packed without padding where the model allows it
+        (`trainers.packed_attention`), else right-padded, where causal attention means padding never
         changes a real token's logits. Only the rows that predict response tokens reach the LM head
         and the softmax (`trainers.response_rows`): with a real vocabulary (150k), logits at every
         position of a padded batch are where time and memory go.
@@ -580,14 +587,17 @@ class GRPOTrainer:
         log-probs at those ids too, with gradient.
         """
         n_resp = max(s.response_len for s in samples) if width is None else width
-        b = ResponseBatch.of(samples, self.pad_id).to(self.device)
+        net = model or self.model
+        laid = ResponseBatch.of(samples, self.pad_id, packed=self.pack and packs(net))
+        b = laid.to(self.device)
         at = (b.sample, b.position)  # where each scored token goes in the [B, R] results
 
-        net = model or self.model
         replay = self.routing_replay.get(id(net))
         plan = None
-        if replay is not None:
-            plan = replay_plan(samples, b.ids.shape[1], layers=replay.layers, top_k=replay.top_k).to(self.device)
+        if replay is not None:  # the routes of the padded layout, picked at the packed tokens' places
+            columns = b.ids.shape[1] if laid.layout is None else max(laid.layout.lengths)
+            plan = replay_plan(samples, columns, layers=replay.layers, top_k=replay.top_k)
+            plan = (plan if laid.layout is None else plan.index_select(0, laid.layout.padded_rows())).to(self.device)
         with (
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
             replay.replaying(plan) if replay is not None else contextlib.nullcontext(),
@@ -598,7 +608,7 @@ class GRPOTrainer:
             # flash kernel, K and V copied for every query head (GQA's `repeat_kv`), and, on an H100 or
             # H200, cuDNN's attention, which builds a graph for each new length (a long-tailed batch's
             # micro-batches each have one).
-            logits = response_logits(net, b.ids, None, b.rows)
+            logits = response_logits(net, b.ids, None, b.rows, b.layout)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
         picked = None if head_ids is None else head_ids[at]
         logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked)

@@ -12,7 +12,8 @@ gathered from them: the same values, the old cost.
 
 Micro-batches: sorted by length before they are cut, so each pads to a length near its own, and
 cut where a token budget (rows x longest, the padded positions the forward computes) would be
-exceeded, slime's `--max-tokens-per-gpu`.
+exceeded, slime's `--max-tokens-per-gpu`. Packed (`trainers.packed_attention`), only attention
+still works at the padded layout, so the budget keeps counting it: it bounds attention's memory.
 """
 
 from __future__ import annotations
@@ -26,44 +27,55 @@ import torch
 
 from core.types import Sample
 from trainers.columns import column_tensor
+from trainers.packed_attention import PackedLayout, packed
 
 
 @dataclass(frozen=True)
 class ResponseBatch:
-    """Samples laid out for one forward: right-padded [B, L] ids and attention mask, and for each of
-    the N response tokens (row-major), its sample, its position in the response, the flat [B * L]
-    row whose logits predict it, and its id."""
+    """Samples laid out for one forward, and for each of the N response tokens (row-major), its
+    sample, its position in the response, the flat row of `ids` whose logits predict it, and its id.
 
-    ids: torch.Tensor  # [B, L]
-    attention: torch.Tensor  # [B, L]
+    Right-padded: `ids` and `attention` [B, L], `layout` None. Packed (`trainers.packed_attention`):
+    `ids` [1, T] with the samples end to end, `attention` all ones, `layout` saying where each
+    token sits in the padded layout and its position within its sample."""
+
+    ids: torch.Tensor  # [B, L] or [1, T]
+    attention: torch.Tensor  # like ids
     sample: torch.Tensor  # [N]
     position: torch.Tensor  # [N]
     rows: torch.Tensor  # [N]
     targets: torch.Tensor  # [N]
+    layout: PackedLayout | None = None
 
     @classmethod
-    def of(cls, samples: Sequence[Sample], pad_id: int) -> ResponseBatch:
+    def of(cls, samples: Sequence[Sample], pad_id: int, *, packed: bool = False) -> ResponseBatch:
         """Built on the CPU (the device never waits on a nonzero); `.to(device)` moves it."""
-        n_seq = max(map(sample_tokens, samples))
-        ids = torch.full((len(samples), n_seq), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(samples), n_seq), dtype=torch.long)
+        lengths = [sample_tokens(s) for s in samples]
+        n_seq = sum(lengths) if packed else max(lengths)
+        ids = torch.full((1 if packed else len(samples), n_seq), pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
         sample, position, rows, targets = [], [], [], []
+        start = 0  # where sample i's first token sits in the flat [B * L] or [T]
         for i, s in enumerate(samples):
             if not s.prompt_ids:
                 raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
             p, r = len(s.prompt_ids), s.response_len
             response = column_tensor(s.response_ids, torch.long)
-            ids[i, :p] = torch.tensor(s.prompt_ids)
-            ids[i, p : p + r] = response
-            attention[i, : p + r] = 1
+            flat = ids.view(-1)
+            flat[start : start + p] = torch.tensor(s.prompt_ids)
+            flat[start + p : start + p + r] = response
+            attention.view(-1)[start : start + p + r] = 1
             sample.append(torch.full((r,), i, dtype=torch.long))
             position.append(torch.arange(r))
-            rows.append(i * n_seq + torch.arange(p - 1, p - 1 + r))  # position p - 1 predicts token 0
+            rows.append(start + torch.arange(p - 1, p - 1 + r))  # position p - 1 predicts token 0
             targets.append(response)
-        return cls(ids, attention, torch.cat(sample), torch.cat(position), torch.cat(rows), torch.cat(targets))
+            start += p + r if packed else n_seq
+        layout = PackedLayout.of(lengths) if packed else None
+        return cls(ids, attention, torch.cat(sample), torch.cat(position), torch.cat(rows), torch.cat(targets), layout)
 
     def to(self, device: torch.device) -> ResponseBatch:
-        return ResponseBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "layout"}
+        return ResponseBatch(**moved, layout=None if self.layout is None else self.layout.to(device))
 
 
 def sample_tokens(sample: Sample) -> int:
@@ -109,15 +121,24 @@ def _head_rows(head: torch.nn.Module, positions: torch.Tensor, fired: list[bool]
 
 
 def response_logits(
-    net: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor | None, positions: torch.Tensor
+    net: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor | None,
+    positions: torch.Tensor,
+    layout: PackedLayout | None = None,
 ) -> torch.Tensor:
-    """[N, V] logits of `net` over `ids` [B, L] at the flat positions `positions` (b * L + l);
-    `attention` None for a right-padded batch, where the causal mask alone keeps pads unseen."""
+    """[N, V] logits of `net` over `ids` at the flat positions `positions` (b * L + l, or t when
+    packed); `attention` None for a right-padded batch, where the causal mask alone keeps pads
+    unseen. With `layout`, `ids` is [1, T] packed as it says (`trainers.packed_attention`)."""
     find = getattr(net, "get_output_embeddings", None)
     head = find() if callable(find) else None
     fired: list[bool] = []
-    with _head_rows(head, positions, fired) if isinstance(head, torch.nn.Module) else contextlib.nullcontext():
-        logits: torch.Tensor = net(input_ids=ids, attention_mask=attention).logits
+    with (
+        _head_rows(head, positions, fired) if isinstance(head, torch.nn.Module) else contextlib.nullcontext(),
+        packed(net, layout) if layout is not None else contextlib.nullcontext(),
+    ):
+        extra = {} if layout is None else {"position_ids": layout.position_ids}
+        logits: torch.Tensor = net(input_ids=ids, attention_mask=attention, **extra).logits
     if len(fired) == 1 and logits.shape[:-1] == (1, positions.numel()):
         return logits[0]
     if fired:

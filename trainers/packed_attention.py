@@ -1,0 +1,198 @@
+"""The trainer's forward without padding: a batch's samples laid end to end in one row.
+
+Why: a right-padded [B, L] batch of long-tailed samples is mostly padding (on the H200 the 0.6B
+step computed 49,152 positions for 26,321 real tokens), and everything a transformer does outside
+attention (the projections, the MLP, RMSNorm, rotary, autocast's casts) costs in proportion to the
+positions it is given: padding multiplied all of it (docs/benchmarks/16-time-to-target.md). Packed,
+the model sees [1, T] with T the real tokens and position ids that restart at 0 for each sample
+(rotary encodes each sample's own positions), and only attention, the one place where samples
+must not see each other, is laid out per sample: its q, k and v are scattered into right-padded
+[B, L] blocks, attended with SDPA's causal kernel, and gathered back. The samples go into blocks
+of like length (`PackedLayout.of`: a block's attention at most twice its samples' own), so
+attention pads less than one [B, L] block would, and the rest costs only the real tokens. The
+log-probs are the padded forward's (tests/test_packed_attention.py).
+
+How: transformers' models call attention through a registry keyed by
+`config._attn_implementation`. `packed(net, layout)` switches the model to this module's entry for
+one forward and restores it after; outside a packed forward the entry is SDPA's, unchanged. A model
+that does not call attention through the registry would attend across samples without a word, so
+the forward counts the calls and refuses one that made none. Models with sliding-window layers
+or soft-capped attention logits are left padded (`packs`): the causal kernel alone is not their
+attention; so is a model under gradient checkpointing, whose backward would run attention again
+outside the packed forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PACKED_ATTENTION", "PackedLayout", "packed", "packs"]
+
+PACKED_ATTENTION = "rl_packed"
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """A packed row of T tokens, samples of `lengths` end to end: each token's position within its
+    sample (`position_ids`, [1, T]) and its place in attention's padded blocks (`scatter`, [T],
+    flat over the blocks one after another). `blocks` holds each block's (samples, width)."""
+
+    lengths: tuple[int, ...]
+    scatter: torch.Tensor  # [T] long
+    position_ids: torch.Tensor  # [1, T] long
+    blocks: tuple[tuple[int, int], ...]
+
+    SLACK = 2  # a block's attention (samples x width^2) at most this many times its samples' own
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> PackedLayout:
+        """The layout of samples of `lengths` tokens each, in that order. Blocks are runs of
+        consecutive samples (sorted samples make the fewest), each cut before a sample that would
+        take its causal attention's work (samples x width^2, what the kernel computes on the padded
+        block) past `SLACK` x its samples' own (the sum of their lengths squared). Sorted lengths
+        then span about a factor 2.7 a block: 1 to 1,280 tokens in 7 or 8 blocks."""
+        blocks: list[list[int]] = []
+        for n in lengths:
+            if blocks:
+                last = blocks[-1]
+                own = sum(m * m for m in last) + n * n
+                if (len(last) + 1) * max(*last, n) ** 2 <= cls.SLACK * own:
+                    last.append(n)
+                    continue
+            blocks.append([n])
+        scatter: list[torch.Tensor] = []
+        offset = 0
+        for block in blocks:
+            width = max(block)
+            scatter.extend(offset + b * width + torch.arange(n) for b, n in enumerate(block))
+            offset += len(block) * width
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        shape = tuple((len(block), max(block)) for block in blocks)
+        return cls(tuple(lengths), torch.cat(scatter), position_ids, shape)
+
+    def padded_rows(self) -> torch.Tensor:
+        """[T]: each token's flat place b * L + l in one right-padded [B, L] batch of these samples."""
+        width = max(self.lengths)
+        return torch.cat([b * width + torch.arange(n) for b, n in enumerate(self.lengths)])
+
+    def to(self, device: torch.device) -> PackedLayout:
+        return dataclasses.replace(self, scatter=self.scatter.to(device), position_ids=self.position_ids.to(device))
+
+
+@dataclass
+class _Active:
+    layout: PackedLayout
+    calls: int = 0
+
+
+_active: ContextVar[_Active | None] = ContextVar("packed_layout", default=None)
+
+
+def packs(net: torch.nn.Module) -> bool:
+    """Whether `net`'s forward can run packed: its attention goes through transformers' registry,
+    every layer's attention is plain causal (no sliding window, no soft cap), and no layer runs its
+    forward again in the backward (gradient checkpointing would, after `packed` has closed)."""
+    config = getattr(net, "config", None)
+    if config is None or not getattr(net, "_supports_attention_backend", False):
+        return False
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in net.modules()):
+        return False  # transformers' own test, in every 5.x (its property's name changed)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return False
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return False
+    return getattr(config, "attn_logit_softcapping", None) is None
+
+
+@contextlib.contextmanager
+def packed(net: torch.nn.Module, layout: PackedLayout) -> Iterator[None]:
+    """While open, `net`'s attention treats its [1, T] input as the samples of `layout`."""
+    _register()
+    config: Any = getattr(net, "config")  # noqa: B009 (a Module attribute mypy cannot see)
+    before = config._attn_implementation
+    state = _Active(layout)
+    token = _active.set(state)
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _active.reset(token)
+    if state.calls == 0:
+        raise RuntimeError(
+            f"{type(net).__name__} ran a packed forward without calling attention through transformers' "
+            "registry: its samples could have attended to each other (pass packed=False to the trainer)"
+        )
+
+
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: q [1, Hq, T, D], k and v [1, Hkv, T, D]; returns
+    [1, T, Hq, D]. The mask is ignored when packed: the causal kernel over the padded layout is
+    the whole of the mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    state = _active.get()
+    if state is None:  # a forward outside `packed` (none should reach here, but SDPA is the default)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
+        raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
+    state.calls += 1
+    layout = state.layout
+    blocks = _unpack(query, layout), _unpack(key, layout), _unpack(value, layout)
+    outs = []
+    for q, k, v in zip(*blocks, strict=True):
+        out, _ = sdpa_attention_forward(
+            module, q, k, v, None, dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"), is_causal=True
+        )  # [B, L, Hq, D]
+        outs.append(out.reshape(-1, *out.shape[2:]))
+    return torch.cat(outs).index_select(0, layout.scatter)[None], None
+
+
+def _unpack(x: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
+    """[1, H, T, D] packed -> one [B, H, L, D] right-padded block per `layout.blocks`, zeros at the
+    pads (they sit after each sample's last token, where the causal mask keeps real queries away)."""
+    tokens = x[0].transpose(0, 1)  # [T, H, D]
+    area = sum(b * w for b, w in layout.blocks)
+    padded = tokens.new_zeros(area, *tokens.shape[1:]).index_copy(0, layout.scatter, tokens)
+    parts = padded.split([b * w for b, w in layout.blocks])
+    return [
+        part.view(b, w, *tokens.shape[1:]).transpose(1, 2) for part, (b, w) in zip(parts, layout.blocks, strict=True)
+    ]
+
+
+def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No mask when packed (the attention above needs none); SDPA's otherwise."""
+    if _active.get() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+_registered: list[bool] = []
+
+
+def _register() -> None:
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _mask)
+    _registered.append(True)
