@@ -6,7 +6,7 @@
 #   STEPS="engine" bash benchmarks/gpu_check.sh DIR                  # a subset: one step per call where
 #   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
 #   STEPS="colocate" bash benchmarks/gpu_check.sh DIR                # colocated on one GPU: 520 s of limits
-#   STEPS="trainer-step" bash benchmarks/gpu_check.sh DIR            # the torch trainer's step: 240 s
+#   STEPS="trainer-step" bash benchmarks/gpu_check.sh DIR            # the torch trainer's step: 300 s
 #   STEPS="ttt" bash benchmarks/gpu_check.sh DIR                     # time to target: 570 s a call, the
 #                                                                    # same command again continues (below;
 #                                                                    # carry build/ttt-state from the last)
@@ -63,9 +63,10 @@ want colocate && step colocate-publish 100 python3 -m benchmarks.publish_transfe
 want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --shapes 4b,8b --smaller 1.7b,0.6b \
   --budget 235 --min-left 130
 # The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): the
-# 0.6B shape's long-tailed batch, padded against packed (trainers/packed_attention.py).
-named trainer-step && step trainer-step 240 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
-  --variants "padded,packed,+ budget,no step-KL"
+# 0.6B shape's long-tailed batch, padded against packed (trainers/packed_attention.py) and packed
+# with compiled layers (--trainer-compile; its warm-up step compiles).
+named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
+  --variants "padded,packed,compiled,no step-KL"
 # Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
 # task, each a real launcher run, one at a time, appended to $TTT_DIR/runs.jsonl as it ends. A call
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again

@@ -3,7 +3,8 @@
     python -m benchmarks.trainer_step [--device cuda] [--dtype bfloat16] [--model-size 0.6b|tiny] [--layers 28]
                                       [--groups 16 --group 8 --prompt 128 --max-len 256]
                                       [--length-tail lognormal:-1.9,0.8] [--budget 16384] [--steps 3]
-                                      [--variants 'all rows,padded,packed,+ budget,no step-KL'] [--profile]
+                                      [--variants 'all rows,padded,packed,compiled,+ budget,no step-KL']
+                                      [--profile]
 
 One batch as the modes benchmark trains it (`--groups` x `--group` samples, `--prompt` prompt
 tokens, response lengths drawn from the simulated engine's long tail up to `--max-len`, two
@@ -15,6 +16,7 @@ the variants taking turns step by step so that drift of the machine hits each al
     padded        the LM head at the response rows only, the batch right-padded (the trainer
                   before `trainers.packed_attention`)
     packed        and the samples end to end without padding (the default)
+    compiled      packed, the decoder layers compiled (`--trainer-compile`; its warm-up step compiles)
     + budget      and micro-batches of like length within `--budget` padded positions
                   (`--max-tokens-per-gpu`)
     no step-KL    packed without the step-KL check (`--max-step-kl 0`): what the check costs
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument(
         "--variants",
-        default="all rows,padded,packed,+ budget,no step-KL",
+        default="all rows,padded,packed,compiled,+ budget,no step-KL",
         help="which variants to time, comma-separated; the ratios are to the first",
     )
     p.add_argument("--profile", action="store_true")
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "all rows": {"max_step_kl": 0.2, "pack": False},
             "padded": {"max_step_kl": 0.2, "pack": False},
             "packed": {"max_step_kl": 0.2},
+            "compiled": {"max_step_kl": 0.2, "compile_layers": True},
             "+ budget": {"max_step_kl": 0.2, "max_tokens_per_gpu": args.budget},
             "no step-KL": {"max_step_kl": None},
         }
@@ -189,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
             label = f"{name} {args.budget}" if name == "+ budget" else name
             print(f"step {label:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than {first}{memory}")
-        for name in ("packed", "no step-KL"):
+        for name in ("packed", "compiled", "no step-KL"):
             if name not in variants:
                 continue
-            flops = step_flops(variants[name].model, samples, step_kl=name == "packed", minibatches=2)
+            flops = step_flops(variants[name].model, samples, step_kl=name != "no step-KL", minibatches=2)
             floor = flops / (args.peak_tflops * 1e12)
             ratio = statistics.median(times[name]) / floor
             print(

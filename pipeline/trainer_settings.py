@@ -151,6 +151,7 @@ def build_trainer(
         routing_replay=bool(r.use_rollout_routing_replay),
         micro_batch_size=t.micro_batch_size,
         max_tokens_per_gpu=t.max_tokens_per_gpu,
+        compile_layers=t.trainer_compile,
     )
 
 

@@ -67,6 +67,7 @@ from trainers.checkpoint import (
     write_folder_atomically,
 )
 from trainers.columns import column_tensor
+from trainers.layer_compile import compile_decoder_layers
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
 from trainers.packed_attention import packs
@@ -138,7 +139,8 @@ class GRPOTrainer:
     each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
     `pack` lays each micro-batch's samples end to end without padding where the model allows it
     (`trainers.packed_attention`): the same log-probs, the real tokens' cost; False keeps every
-    forward right-padded.
+    forward right-padded. `compile_layers` compiles the policy's decoder layers with `torch.compile`
+    (`trainers.layer_compile`: the elementwise work fused; the first steps pay the compile).
 
     CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
     leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
@@ -171,6 +173,7 @@ class GRPOTrainer:
         micro_batch_size: int | None = None,
         max_tokens_per_gpu: int | None = None,
         pack: bool = True,
+        compile_layers: bool = False,
     ) -> None:
         _check_arguments(
             dtype=dtype,
@@ -206,6 +209,8 @@ class GRPOTrainer:
         # and AdamW's state stay fp32 (master weights), whichever dtype.
         self.autocast = dtype == "bfloat16"
         self.model = _load_policy(self.model_path, self.device)
+        if compile_layers:
+            compile_decoder_layers(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
         self.lr = lr
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)

@@ -193,6 +193,9 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PACKED_ATTENTION, _attention)
+    # A compiled layer (`trainers.layer_compile`) runs it eagerly between its graphs: it reads a
+    # context variable and loops over the blocks.
+    eager = torch.compiler.disable(_attention)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    AttentionInterface.register(PACKED_ATTENTION, eager)
     AttentionMaskInterface.register(PACKED_ATTENTION, _mask)
     _registered.append(True)

@@ -212,6 +212,11 @@ def _megatron_rules(draft: Draft) -> None:
                 "distributed optimizer is the megatron backend's; add --train-backend megatron"
             )
         return
+    if get("trainer", "trainer_compile"):
+        problem(
+            f"{show('trainer', 'trainer_compile')} with --train-backend=megatron: it compiles the torch "
+            "trainer's layers; megatron-core has its own fusions"
+        )
     per_node, nodes = get("trainer", "num_ranks"), get("trainer", "num_nodes")
     tp, pp = get("trainer", "tensor_model_parallel_size"), get("trainer", "pipeline_model_parallel_size")
     ranks = per_node * nodes if per_node and nodes else None
