@@ -6,7 +6,7 @@
 #   STEPS="engine" bash benchmarks/gpu_check.sh DIR                  # a subset: one step per call where
 #   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
 #   STEPS="colocate" bash benchmarks/gpu_check.sh DIR                # colocated on one GPU: 520 s of limits
-#   STEPS="trainer-step" bash benchmarks/gpu_check.sh DIR            # the torch trainer's step: 300 s
+#   STEPS="trainer-step" bash benchmarks/gpu_check.sh DIR            # the torch trainer's step: 420 s
 #   STEPS="ttt" bash benchmarks/gpu_check.sh DIR                     # time to target: 570 s a call, the
 #                                                                    # same command again continues (below;
 #                                                                    # carry build/ttt-state from the last)
@@ -62,9 +62,12 @@ want colocate && step colocate-publish 100 python3 -m benchmarks.publish_transfe
   --model-size 0.6b --publishes 3
 want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --shapes 4b,8b --smaller 1.7b,0.6b \
   --budget 235 --min-left 130
-# The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): the
-# 0.6B shape's long-tailed batch, padded against packed (trainers/packed_attention.py) and packed
-# with compiled layers (--trainer-compile; its warm-up step compiles).
+# The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): first
+# the GPU checks of packing and compiled layers (the same log-probs on the device), then the 0.6B
+# shape's long-tailed batch, padded against packed (trainers/packed_attention.py) and packed with
+# compiled layers (--trainer-compile; its warm-up step compiles).
+named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
+  tests/test_packed_attention.py tests/test_layer_compile.py
 named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
   --variants "padded,packed,compiled,no step-KL"
 # Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
@@ -111,6 +114,7 @@ printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
   grep -h -E '^engine resident|Error|error:' "$out/colocate-tests.log" 2>/dev/null | head -n 5
   awk '/^colocated on one GPU/{b=""} {b=b $0 "\n"} /^largest/{last=b} END{printf "%s", last}' \
     "$out/colocate-probe.log" 2>/dev/null   # the last table: printed after each shape
+  grep -h -E 'passed|failed' "$out/trainer-step-tests.log" 2>/dev/null | tail -n 1
   grep -h -E '^step |^flops estimate' "$out/trainer-step.log" 2>/dev/null
   # Time to target: the base model's check, each run's line, the table, the verdicts, what is left.
   grep -h -E '^base model check|^run |^target fixed' "$out/ttt.log" 2>/dev/null
