@@ -116,8 +116,8 @@ def test_an_unreadable_optimizer_checkpoint_is_refused_with_its_path(tmp_path):
 # Training steps of the run: enough that the last kill points still find steps to train. Three of
 # them are spent by the lives killed after a commit; a life whose kill point was missed (its window
 # is milliseconds: the first ready group to the batch taken) may train a step more. With 4, one
-# such miss under load left nothing for the last kill point.
-K = 5
+# such miss under load left nothing for the last kill point; 7 leaves room for three.
+K = 7
 BATCH = 8  # the default --rollout-batch-size
 FLAGS = (
     "--rollout-data-transport", "lmdb", "--partial-rollout", "--over-sampling-batch-size", "16",
@@ -552,8 +552,11 @@ def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tm
     watch = Watch(out)
     launcher = None
     point = next(p for p in KILL_POINTS if p.loses_last_record)
+    caught: list[int] = []  # the step each kill lost the record of
     try:
-        for life in range(2):  # twice: once at step 0, once at step 1 (after a restore)
+        # Twice: at step 0 and at step 1 (after a restore), or a step later where a loaded machine
+        # let the millisecond window of the one before pass.
+        for life in range(2):
             watch.close()
             launcher = Launcher(out, life, *SMALL)
             launcher.wait_until("the engine", lambda launcher=launcher: launcher.serving() and watch.store is not None)
@@ -561,7 +564,9 @@ def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tm
             launcher.wait_until(point.name, point.arm(watch, launcher))
             launcher.kill()
             _check_metrics_after_kill(watch, point)
-            assert watch.store.trained_step() == life and _metric_steps(out) == list(range(life))
+            trained = watch.store.trained_step()
+            assert trained > max(caught, default=-1) and _metric_steps(out) == list(range(trained))
+            caught.append(trained)
         watch.close()
         launcher = Launcher(out, 2, *SMALL)
         assert launcher.finish(300) == 0, launcher.log_tail()
@@ -573,9 +578,9 @@ def test_a_kill_between_the_commit_and_the_metrics_line_is_repaired_on_resume(tm
     assert [r["step"] for r in records] == list(range(K))
     with LmdbStore(out / "rollout_data", readonly=True) as store:
         stored = store.step_metrics()
-    # Steps 0 and 1 were written back from the store (no publish timings); the later ones appended.
-    assert [r == stored[r["step"]] for r in records] == [True, True] + [False] * (K - 2)
-    assert "time/publish_update" in records[2] and not (out / "metrics.jsonl.dropped").exists()
+    # The caught steps were written back from the store (no publish timings); the others appended.
+    assert [r == stored[r["step"]] for r in records] == [r["step"] in caught for r in records], caught
+    assert "time/publish_update" in records[caught[-1] + 1] and not (out / "metrics.jsonl.dropped").exists()
 
 
 # ---- 3. an engine dies mid-run -------------------------------------------------------------------
