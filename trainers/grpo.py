@@ -71,7 +71,7 @@ from trainers.layer_compile import compile_decoder_layers
 from trainers.loss import ImportanceCorrection, LossAggregation, LossSettings, group_advantages
 from trainers.metrics import step_metrics, tally_minibatch
 from trainers.packed_attention import packs
-from trainers.response_rows import ResponseBatch, micro_batches, response_logits
+from trainers.response_rows import ResponseBatch, micro_batches, response_logits, sample_tokens
 from trainers.routing_replay import RoutingReplay, replay_plan
 from trainers.sampler_heads import sampler_heads
 from trainers.step_kl import bounded_step, mean_k3
@@ -600,9 +600,10 @@ class GRPOTrainer:
         replay = self.routing_replay.get(id(net))
         plan = None
         if replay is not None:  # the routes of the padded layout, picked at the packed tokens' places
-            columns = b.ids.shape[1] if laid.layout is None else max(laid.layout.lengths)
-            plan = replay_plan(samples, columns, layers=replay.layers, top_k=replay.top_k)
-            plan = (plan if laid.layout is None else plan.index_select(0, laid.layout.padded_rows())).to(self.device)
+            plan = replay_plan(samples, max(map(sample_tokens, samples)), layers=replay.layers, top_k=replay.top_k)
+            if laid.layout is not None:
+                plan = plan.index_select(0, laid.layout.padded_rows())
+            plan = plan.to(self.device)
         with (
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
             replay.replaying(plan) if replay is not None else contextlib.nullcontext(),

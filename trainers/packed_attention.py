@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ def packed(net: torch.nn.Module, layout: PackedLayout) -> Iterator[None]:
     if state.calls == 0:
         raise RuntimeError(
             f"{type(net).__name__} ran a packed forward without calling attention through transformers' "
-            "registry: its samples could have attended to each other (pass packed=False to the trainer)"
+            "registry: its samples could have attended to each other (pass pack=False to the trainer)"
         )
 
 
@@ -184,12 +185,8 @@ def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(*args, **kwargs)
 
 
-_registered: list[bool] = []
-
-
+@functools.cache  # once a process
 def _register() -> None:
-    if _registered:
-        return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -198,4 +195,3 @@ def _register() -> None:
     eager = torch.compiler.disable(_attention)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     AttentionInterface.register(PACKED_ATTENTION, eager)
     AttentionMaskInterface.register(PACKED_ATTENTION, _mask)
-    _registered.append(True)

@@ -55,13 +55,12 @@ class ResponseBatch:
         ids = torch.full((1 if packed else len(samples), n_seq), pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
         sample, position, rows, targets = [], [], [], []
-        start = 0  # where sample i's first token sits in the flat [B * L] or [T]
+        flat, start = ids.view(-1), 0  # where sample i's first token sits in the flat [B * L] or [T]
         for i, s in enumerate(samples):
             if not s.prompt_ids:
                 raise ValueError(f"sample {s.index} has an empty prompt: nothing predicts its first token")
             p, r = len(s.prompt_ids), s.response_len
             response = column_tensor(s.response_ids, torch.long)
-            flat = ids.view(-1)
             flat[start : start + p] = torch.tensor(s.prompt_ids)
             flat[start + p : start + p + r] = response
             attention.view(-1)[start : start + p + r] = 1
