@@ -172,7 +172,7 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
     with the batch shape; the stored prefix's log-probs are checked byte for byte against what the
     kill left). `--lr 1e-30` keeps each published version's weights those of the base (checked
     below), so "the same weights" holds across the step the continuation waits for."""
-    out = tmp_path / "run"
+    out, steps = tmp_path / "run", 8
     model = make_model_folder(out / "model", seed=42, arch="moe", num_experts=8, moe_router_topk=2)
     watch = Watch(out)
     launcher = None
@@ -182,9 +182,11 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
             open_server(model, port=0, weight_version="0", health_check_timeout=0.5)
         ) as server,
     ):
-        # Three steps: a group that finished during step 0's drain may fill step 1 as well, and the
-        # stored prefixes are then continued in step 2's round.
-        argv = (*SMALL_RUN, *MOE, "--num-rollout", "3", "--lr", "1e-30", "--sglang-url", server.url)
+        # At least three steps: a group that finished during step 0's drain may fill step 1 as well,
+        # and the stored prefixes are then continued in step 2's round. Eight, so that a loaded
+        # machine's poll still finds the run alive when a prefix is stored (three once ran to the end
+        # between two looks).
+        argv = (*SMALL_RUN, *MOE, "--num-rollout", str(steps), "--lr", "1e-30", "--sglang-url", server.url)
         try:
             launcher = Launcher(out, 0, *argv)
             launcher.wait_until("a stored partial prefix", lambda: bool(watch.stored_with_tokens(GroupState.PARTIAL)))
@@ -219,7 +221,10 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
 
     # Adam's steps of 1e-30 are below every weight's last bit; only exact zeros (the pad token's
     # embedding, never read) move, by ~3e-30.
-    base, last = load_file(model / "model.safetensors"), load_file(out / "checkpoints" / "v3" / "model.safetensors")
+    base, last = (
+        load_file(model / "model.safetensors"),
+        load_file(out / "checkpoints" / f"v{steps}" / "model.safetensors"),
+    )
     assert base.keys() == last.keys() and max((base[k] - last[k]).abs().max().item() for k in base) < 1e-25
     for key, answer in zip(keys, answers, strict=True):
         s, (tokens, logprobs, routes) = now[key], prefixes[key]
