@@ -8,9 +8,12 @@ Two measured inputs, one simulated:
 
 - **Learning per step** (`--learning`): the runs of `benchmarks/time_to_target.py` (their
   `runs.jsonl`, the target from its `state.json`) or of `benchmarks/learning.py` (`--task`, and
-  `--target` as a reward or a share of sync's last-quarter reward). Per mode, the steps to the
-  target: the first step at which the trailing mean (`--smooth` steps) of the seed-mean reward
-  reaches it. learning.py has no overlapped-publish mode: async's steps stand in for it.
+  `--target` as a reward, or a share of sync's last-quarter reward or of its rise). Per mode, the
+  steps to the target: the first step at which the trailing mean (`--smooth` steps) of the
+  seed-mean reward reaches it; for runs with a held-out evaluation (time_to_target's, since it has
+  one), the first evaluated version at which the trailing mean (`--smooth-eval` versions) of the
+  seed-mean evaluated reward does, its steps being its version. learning.py has no
+  overlapped-publish mode: async's steps stand in for it.
 - **Seconds per step at cluster scale**: the mode on the simulated engine (`engines/sim.py`,
   through the real pipeline, `benchmarks/modes_sim.py`) as ONE engine's share of the cluster:
   `--groups` groups of `--group` samples on `--slots` slots, responses up to `--max-len` (16,384)
@@ -55,7 +58,7 @@ from typing import Any
 
 import structlog
 
-from benchmarks.target_summary import TargetSpec, last_quarter, read_runs, trailing_mean
+from benchmarks.target_summary import Curve, TargetSpec, calibration_points, judged_curve, read_runs, trailing_mean
 
 # The published ratios the prediction stands beside: (sync hours, async hours, what was reached).
 PUBLISHED = {
@@ -68,25 +71,35 @@ SIM_PLANS = {"sync": "sync", "partial": "sync+partial", "async": "async", "async
 LEARNS_AS = {"async-overlap": "async"}
 
 
-def steps_to_target(runs: list[dict[str, Any]], target: float, smooth: int) -> dict[str, tuple[int | None, int]]:
-    """Per mode (calibration runs left out): the first step (1-based) at which the trailing mean of
-    the seed-mean reward reaches `target`, or None; and the number of seeds averaged."""
-    curves: dict[str, list[list[float]]] = {}
+def steps_to_target(
+    runs: list[dict[str, Any]], target: float, smooth: int, smooth_eval: int = 1
+) -> dict[str, tuple[int | None, int]]:
+    """Per mode (calibration runs left out): the first step (1-based; an evaluated version's steps)
+    at which the trailing mean of the seed-mean reward (the held-out evaluation's where the runs
+    have one) reaches `target`, or None; and the number of seeds averaged."""
+    curves: dict[str, list[Curve]] = {}
     for run in runs:
         if not run.get("calibration"):
-            curves.setdefault(run["mode"], []).append(run["reward"])
+            curves.setdefault(run["mode"], []).append(judged_curve(run, smooth, smooth_eval))
     out: dict[str, tuple[int | None, int]] = {}
-    for mode, rewards in curves.items():
-        length = min(map(len, rewards))
-        mean = [statistics.fmean(r[i] for r in rewards) for i in range(length)]
-        hit = next((i + 1 for i, v in enumerate(trailing_mean(mean, smooth)) if v >= target), None)
-        out[mode] = (hit, len(rewards))
+    for mode, seeds in curves.items():
+        length = min(len(c.reward) for c in seeds)
+        steps = seeds[0].steps[:length]
+        if any(c.steps[:length] != steps or c.measure != seeds[0].measure for c in seeds):
+            raise ValueError(
+                f"mode {mode}: its seeds' rewards are at different steps or of different measures "
+                f"({sorted({(c.measure, tuple(c.steps[:length])) for c in seeds})}); a seed mean needs the same"
+            )
+        mean = [statistics.fmean(c.reward[i] for c in seeds) for i in range(length)]
+        hit = next((steps[i] for i, v in enumerate(trailing_mean(mean, seeds[0].smooth)) if v >= target), None)
+        out[mode] = (hit, len(seeds))
     return out
 
 
 def predict(first: float, steady: float, steps: int) -> float:
-    """Seconds to the end of step `steps`: the first step, then the steady one."""
-    return first + (steps - 1) * steady
+    """Seconds to the end of step `steps`: the first step, then the steady one (none for 0 steps:
+    the base weights already reach the target)."""
+    return 0.0 if steps <= 0 else first + (steps - 1) * steady
 
 
 def _learning_runs(path: Path, task: str | None) -> list[dict[str, Any]]:
@@ -105,13 +118,14 @@ def _target(args: argparse.Namespace, runs: list[dict[str, Any]]) -> tuple[float
         state = json.loads(args.state.read_text())
         return float(state["target"]["value"]), f"{state['target']['spec']} (from {args.state})"
     spec = TargetSpec.parse(args.target)
-    plateau = None
+    plateau = start = None
     if spec.relative:
-        sync = [r["reward"] for r in runs if r["mode"] == "sync" and not r.get("calibration")]
+        sync = [r for r in runs if r["mode"] == "sync" and not r.get("calibration")]
         if not sync:
-            raise SystemExit("--target as a share of sync's plateau needs sync runs in --learning")
-        plateau = statistics.fmean(last_quarter(r) for r in sync)
-    return spec.resolve(plateau), str(spec)
+            raise SystemExit(f"--target {spec}: a share of sync's plateau or rise needs sync runs in --learning")
+        points = [calibration_points(r, args.smooth, args.smooth_eval) for r in sync]
+        start, plateau = statistics.fmean(p[0] for p in points), statistics.fmean(p[1] for p in points)
+    return spec.resolve(plateau, start), str(spec)
 
 
 def _simulate(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -157,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learning", type=Path, required=True, help="runs.jsonl of time_to_target or learning.py")
     p.add_argument("--state", type=Path, default=None, help="time_to_target's state.json: its target")
     p.add_argument("--task", default=None, help="learning.py's runs: the task (default: the first)")
-    p.add_argument("--target", default="0.8x", help="without --state: a reward, or a share of sync's plateau")
-    p.add_argument("--smooth", type=int, default=3)
+    p.add_argument(
+        "--target", default="0.8x", help="without --state: a reward, or a share of sync's plateau (0.8x) or rise (0.8r)"
+    )
+    p.add_argument("--smooth", type=int, default=3, help="trailing mean over steps (the trained batch's reward)")
+    p.add_argument("--smooth-eval", type=int, default=1, help="trailing mean over evaluations (held-out reward)")
     p.add_argument("--engines", type=int, default=64)
     p.add_argument("--groups", type=int, default=16, help="groups per step per engine")
     p.add_argument("--group", type=int, default=8)
@@ -185,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         raise SystemExit(f"--learning {args.learning}: no runs")
     target, spec = _target(args, runs)
-    learned = steps_to_target(runs, target, args.smooth)
-    print(f"learning per step from {args.learning} (target {target:.3f}, {spec}, trailing mean {args.smooth}):")
+    learned = steps_to_target(runs, target, args.smooth, args.smooth_eval)
+    measure = "held-out evaluation" if all(r.get("eval") for r in runs) else "trained-batch reward"
+    window = args.smooth_eval if measure == "held-out evaluation" else args.smooth
+    print(f"learning per step from {args.learning} (target {target:.3f}, {spec}; {measure}, trailing mean {window}):")
     for mode, (k, seeds) in learned.items():
         print(f"  {mode}: {'never' if k is None else f'step {k}'} (mean of {seeds} seeds)")
 

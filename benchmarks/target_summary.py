@@ -7,9 +7,16 @@ commit to commit, so the steps add up to the run's time from the controller's st
 busy share (`engine/busy_frac`: slot-seconds in flight over slots x seconds) and the publish's
 stall (`time/publish_gate_closed`: seconds the admission gate stayed closed for the publish).
 
-Time to target: the wall seconds, summed over the steps, to the end of the first step at which the
-trailing mean reward over `smooth` steps (fewer at the start) reaches the target. One step's reward
-is the mean over one batch, noisy; the trailing mean is what "reached" means for every mode alike.
+A run is judged by its held-out evaluation when its record has one (`eval`: the evaluated weight
+versions, their reward on the held-out prompts, and the run's wall seconds when each was made): the
+same prompts for every mode, where the trained batch's reward is biased in partial and async runs
+(they train first on the samples that finish first, the short answers). A record without `eval`
+(written before the evaluation existed) is judged by its trained batches' reward.
+
+Time to target: the wall seconds to the first evaluated version (or step) at which the trailing
+mean reward over `smooth_eval` versions (`smooth` steps for the batch reward, fewer at the start)
+reaches the target. One batch's reward is noisy; the trailing mean is what "reached" means for
+every mode alike.
 """
 
 from __future__ import annotations
@@ -24,9 +31,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "Curve",
     "RunFigures",
     "TargetSpec",
+    "calibration_points",
     "figures",
+    "first_reach",
+    "judged_curve",
     "ratios",
     "read_runs",
     "summarize",
@@ -50,36 +61,59 @@ TIME_TARGETS = {
 }
 
 
+# A target's forms, by the letter that ends it: none, a reward; `x`, a share of the calibration
+# run's plateau; `r`, a share of its rise from its start to its plateau.
+_FORMS = {"x": "plateau", "r": "rise"}
+_FORMS_SAID = "a reward (0.55), a share of sync's plateau (0.8x) or of its rise from its start (0.8r)"
+
+
 @dataclass(frozen=True)
 class TargetSpec:
-    """The reward target: an absolute reward (`0.55`), or a share of a calibration run's plateau
-    (`0.8x`: 0.8 x sync's mean reward over the last quarter of its steps)."""
+    """The reward target: an absolute reward (`0.55`), a share of a calibration run's plateau
+    (`0.8x`: 0.8 x sync's mean reward over the last quarter of its evaluations or steps), or a share
+    of its rise (`0.8r`: start + 0.8 x (plateau - start), start being its reward at its start). A
+    share of the plateau can sit below where the runs start; a share of the rise cannot."""
 
     value: float
-    relative: bool
+    form: str = "reward"  # "reward", "plateau" or "rise"
+
+    def __post_init__(self) -> None:
+        if self.form not in ("reward", *_FORMS.values()):
+            raise ValueError(f"TargetSpec form {self.form!r}: must be 'reward', 'plateau' or 'rise'")
 
     @classmethod
     def parse(cls, text: str) -> TargetSpec:
         raw = text.strip()
-        relative = raw.endswith("x")
+        form = _FORMS.get(raw[-1:], "reward")
         try:
-            value = float(raw[:-1] if relative else raw)
+            value = float(raw if form == "reward" else raw[:-1])
         except ValueError:
-            raise ValueError(f"--target {text!r}: not a reward (0.55) nor a share of sync's plateau (0.8x)") from None
+            raise ValueError(f"--target {text!r}: not {_FORMS_SAID}") from None
         if not (0 < value <= 1) or not math.isfinite(value):
-            raise ValueError(f"--target {text!r}: must be in (0, 1] (a reward, or a share of sync's plateau)")
-        return cls(value, relative)
+            raise ValueError(f"--target {text!r}: must be in (0, 1] ({_FORMS_SAID})")
+        return cls(value, form)
 
-    def resolve(self, plateau: float | None) -> float:
-        """The reward the runs must reach; `plateau` is the calibration run's last-quarter reward."""
-        if not self.relative:
+    @property
+    def relative(self) -> bool:
+        """Whether a calibration run fixes the reward (its plateau, and for a rise its start)."""
+        return self.form != "reward"
+
+    def resolve(self, plateau: float | None, start: float | None = None) -> float:
+        """The reward the runs must reach; `plateau` is the calibration run's last-quarter reward,
+        `start` its reward at its start (a rise's only)."""
+        if self.form == "reward":
             return self.value
         if plateau is None:
-            raise ValueError("a relative target needs the calibration run's plateau")
-        return self.value * plateau
+            raise ValueError(f"--target {self}: a share of the plateau or the rise needs the calibration run's plateau")
+        if self.form == "plateau":
+            return self.value * plateau
+        if start is None:
+            raise ValueError(f"--target {self}: a share of the rise needs the calibration run's start")
+        return start + self.value * (plateau - start)
 
     def __str__(self) -> str:
-        return f"{self.value:g}x" if self.relative else f"{self.value:g}"
+        suffix = {v: k for k, v in _FORMS.items()}.get(self.form, "")
+        return f"{self.value:g}{suffix}"
 
 
 def read_runs(path: Path) -> list[dict[str, Any]]:
@@ -98,21 +132,60 @@ def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def first_reach(reward: Sequence[float], target: float, smooth: int) -> int | None:
+    """The index of the first value whose trailing mean over `smooth` reaches `target`; None when none does."""
+    return next((i for i, v in enumerate(trailing_mean(reward, max(1, smooth))) if v >= target), None)
+
+
 def time_to_target(reward: Sequence[float], seconds: Sequence[float], target: float, smooth: int) -> float | None:
     """Wall seconds to the end of the first step whose trailing mean reward reaches `target`; None
     when no step does."""
     if len(reward) != len(seconds):
         raise ValueError(f"{len(reward)} rewards against {len(seconds)} step times: one of each per step")
-    clock = list(itertools.accumulate(seconds))
-    for i, value in enumerate(trailing_mean(reward, max(1, smooth))):
-        if value >= target:
-            return clock[i]
-    return None
+    i = first_reach(reward, target, smooth)
+    return None if i is None else sum(seconds[: i + 1])
 
 
 def last_quarter(values: Sequence[float]) -> float:
     quarter = max(1, len(values) // 4)
     return statistics.fmean(values[-quarter:])
+
+
+@dataclass(frozen=True)
+class Curve:
+    """What a run is judged by: its rewards, the run's wall seconds at each, the training steps
+    each stands for, and the trailing-mean window that reads them."""
+
+    measure: str  # "eval" (held-out evaluation) or "batch" (the trained batch's reward)
+    reward: list[float]
+    seconds: list[float]  # cumulative
+    steps: list[int]
+    smooth: int
+
+
+def judged_curve(run: dict[str, Any], smooth: int, smooth_eval: int = 1) -> Curve:
+    """The run's held-out evaluation when its record has one (version v: v steps trained), else its
+    trained batches' reward (step i: i + 1 steps trained)."""
+    ev = run.get("eval")
+    if ev:
+        n = len(ev["version"])
+        if not (len(ev["reward"]) == len(ev["seconds"]) == n > 0):
+            raise ValueError(
+                f"run {run['mode']} seed {run['seed']}: eval has {n} versions, {len(ev['reward'])} rewards and "
+                f"{len(ev['seconds'])} times: one of each per evaluated version, at least one"
+            )
+        return Curve("eval", list(ev["reward"]), list(ev["seconds"]), list(ev["version"]), max(1, smooth_eval))
+    reward = list(run["reward"])
+    clock = list(itertools.accumulate(run["step_seconds"]))
+    return Curve("batch", reward, clock, list(range(1, len(reward) + 1)), max(1, smooth))
+
+
+def calibration_points(run: dict[str, Any], smooth: int, smooth_eval: int = 1) -> tuple[float, float]:
+    """(start, plateau) of a calibration run: its first evaluation's reward (version 0, the base
+    weights), or its first `smooth` steps' mean batch reward; and its last-quarter reward."""
+    curve = judged_curve(run, smooth, smooth_eval)
+    first = curve.reward[:1] if curve.measure == "eval" else curve.reward[: curve.smooth]
+    return statistics.fmean(first), last_quarter(curve.reward)
 
 
 @dataclass(frozen=True)
@@ -125,30 +198,35 @@ class RunFigures:
     seconds: float  # the steps' wall seconds, summed
     time_to_target: float | None
     steps_to_target: int | None
-    final_reward: float  # mean over the last quarter of the steps
+    final_reward: float  # mean over the last quarter of the evaluations (or of the steps, batch-judged)
+    batch_final_reward: float  # the trained batch's reward, mean over the last quarter of the steps
+    measure: str  # what it is judged by: "eval" or "batch"
     groups_per_second: float
     busy: float  # engine slot-seconds in flight over slots x seconds, over the whole run
     publish_stall: float  # mean seconds a step's publish kept the admission gate closed
 
 
-def figures(run: dict[str, Any], target: float, smooth: int) -> RunFigures:
-    reward, seconds = run["reward"], run["step_seconds"]
+def figures(run: dict[str, Any], target: float, smooth: int, smooth_eval: int = 1) -> RunFigures:
+    seconds = run["step_seconds"]
     total = sum(seconds)
-    reached = time_to_target(reward, seconds, target, smooth)
-    steps_to = None
-    if reached is not None:
-        steps_to = next(i + 1 for i, t in enumerate(itertools.accumulate(seconds)) if t >= reached)
+    if len(run["reward"]) != len(seconds):
+        raise ValueError(f"{len(run['reward'])} rewards against {len(seconds)} step times: one of each per step")
+    curve = judged_curve(run, smooth, smooth_eval)
+    hit = first_reach(curve.reward, target, curve.smooth)
     busy = run.get("busy") or [0.0] * len(seconds)
     stall = run.get("publish_stall") or [0.0]
+    steps = len(run["reward"])
     return RunFigures(
         mode=run["mode"],
         seed=int(run["seed"]),
-        steps=len(reward),
+        steps=steps,
         seconds=total,
-        time_to_target=reached,
-        steps_to_target=steps_to,
-        final_reward=last_quarter(reward),
-        groups_per_second=len(reward) * int(run["batch"]) / total if total > 0 else 0.0,
+        time_to_target=None if hit is None else curve.seconds[hit],
+        steps_to_target=None if hit is None else curve.steps[hit],
+        final_reward=last_quarter(curve.reward),
+        batch_final_reward=last_quarter(run["reward"]),
+        measure=curve.measure,
+        groups_per_second=steps * int(run["batch"]) / total if total > 0 else 0.0,
         busy=sum(b * s for b, s in zip(busy, seconds, strict=True)) / total if total > 0 else 0.0,
         publish_stall=statistics.fmean(stall),
     )
@@ -164,14 +242,14 @@ def _std(values: Iterable[float]) -> float:
     return statistics.stdev(kept) if len(kept) > 1 else 0.0
 
 
-def summarize(runs: Sequence[dict[str, Any]], target: float, smooth: int) -> list[dict[str, Any]]:
+def summarize(runs: Sequence[dict[str, Any]], target: float, smooth: int, smooth_eval: int = 1) -> list[dict[str, Any]]:
     """One row per mode (calibration runs left out), in the order the modes first appear. Time to
     target is the mean over the seeds that reached it; `reached` says how many did."""
     per_mode: dict[str, list[RunFigures]] = {}
     for run in runs:
         if run.get("calibration"):
             continue
-        per_mode.setdefault(run["mode"], []).append(figures(run, target, smooth))
+        per_mode.setdefault(run["mode"], []).append(figures(run, target, smooth, smooth_eval))
     rows = []
     for mode, figs in per_mode.items():
         times = [f.time_to_target for f in figs if f.time_to_target is not None]
@@ -185,6 +263,8 @@ def summarize(runs: Sequence[dict[str, Any]], target: float, smooth: int) -> lis
                 "steps_to_target": _mean(f.steps_to_target for f in figs if f.steps_to_target is not None),
                 "final_reward": _mean(f.final_reward for f in figs),
                 "final_reward_std": _std(f.final_reward for f in figs),
+                "batch_final_reward": _mean(f.batch_final_reward for f in figs),
+                "measure": "/".join(sorted({f.measure for f in figs})),
                 "steps": _mean(f.steps for f in figs),
                 "seconds": _mean(f.seconds for f in figs),
                 "groups_per_second": _mean(f.groups_per_second for f in figs),
@@ -198,14 +278,22 @@ def summarize(runs: Sequence[dict[str, Any]], target: float, smooth: int) -> lis
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row's time to target and final reward over its baseline's: a colocated mode's is
     colocated sync where it ran, every other mode's (colocated sync's too) sync's; None where
-    there is no baseline, or a seed of either never reached the target."""
+    there is no baseline, a seed of either never reached the target, or the baseline reached it at
+    0 s (at its base weights: the target measures no learning). `time_ratio_why` says which."""
     by_mode = {r["mode"]: r for r in rows}
     for row in rows:
         colocated = row["mode"].endswith("-colocated") and row["mode"] != "sync-colocated"
         base = (by_mode.get("sync-colocated") if colocated else None) or by_mode.get("sync")
         row["baseline"] = base["mode"] if base else None
-        usable = base is not None and base["reached"] == base["seeds"] and row["reached"] == row["seeds"]
-        row["time_ratio"] = row["time_to_target"] / base["time_to_target"] if usable and base else None
+        row["time_ratio"], row["time_ratio_why"] = None, None
+        if base is None:
+            row["time_ratio_why"] = "no sync ran"
+        elif base["reached"] < base["seeds"] or row["reached"] < row["seeds"]:
+            row["time_ratio_why"] = "a seed of it or of its baseline never reached the target"
+        elif base["time_to_target"] <= 0:
+            row["time_ratio_why"] = "its baseline reached the target at its start, with no training"
+        else:
+            row["time_ratio"] = row["time_to_target"] / base["time_to_target"]
         row["reward_ratio"] = row["final_reward"] / base["final_reward"] if base and base["final_reward"] else None
     return rows
 
@@ -220,7 +308,7 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
         goal = TIME_TARGETS.get(mode)
         if goal is not None:
             if row["time_ratio"] is None:
-                why = "a seed of it or of its baseline never reached the target" if row["baseline"] else "no sync ran"
+                why = row.get("time_ratio_why") or "no sync ran"
                 lines.append(f"target {mode} time <= {goal}x {row['baseline'] or 'sync'}: not measured ({why})")
             else:
                 met = "MET" if row["time_ratio"] <= goal else "MISSED"
@@ -238,11 +326,14 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def table(rows: Sequence[dict[str, Any]], target: float) -> str:
-    """The table the README and BENCHMARKS carry, as markdown."""
+    """The table the README and BENCHMARKS carry, as markdown. The last-quarter reward is the one the
+    runs are judged by (held-out evaluation, or the trained batch's for an old record); the trained
+    batch's stands beside it, biased in partial and async runs toward the answers that finish first."""
     lines = [
         f"| mode | seeds reaching {target:.3f} | time to target s (± std) | vs sync | steps to target "
-        "| last-quarter reward (± std) | vs sync | steps | groups/s | engine busy | publish stall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| last-quarter reward (± std) | vs sync | trained-batch last-quarter reward | steps | groups/s "
+        "| engine busy | publish stall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = "never" if not r["reached"] else f"{r['time_to_target']:.1f} ± {r['time_to_target_std']:.1f}"
@@ -251,16 +342,19 @@ def table(rows: Sequence[dict[str, Any]], target: float) -> str:
         steps_to = "-" if math.isnan(r["steps_to_target"]) else f"{r['steps_to_target']:.1f}"
         lines.append(
             f"| {r['mode']} | {r['reached']}/{r['seeds']} | {t} | {vs_t} | {steps_to} "
-            f"| {r['final_reward']:.3f} ± {r['final_reward_std']:.3f} | {vs_r} | {r['steps']:.0f} "
-            f"| {r['groups_per_second']:.3f} | {r['busy']:.3f} | {r['publish_stall']:.3f} |"
+            f"| {r['final_reward']:.3f} ± {r['final_reward_std']:.3f} | {vs_r} | {r['batch_final_reward']:.3f} "
+            f"| {r['steps']:.0f} | {r['groups_per_second']:.3f} | {r['busy']:.3f} | {r['publish_stall']:.3f} |"
         )
     return "\n".join(lines)
 
 
-def plot(runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: str, smooth: int = 1) -> None:
-    """Reward against wall-clock seconds, one line per mode and seed (a colour per mode; colocated
-    modes dashed), the reward as its trailing mean over `smooth` steps (what reaching the target
-    reads), the target dotted."""
+def plot(
+    runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: str, smooth: int = 1, smooth_eval: int = 1
+) -> None:
+    """Reward against wall-clock seconds, one line per run (a colour per mode; colocated modes
+    dashed): the held-out evaluation where the run has one (a marker at each evaluated version),
+    else the trained batch's reward; each as its trailing mean (what reaching the target reads),
+    the target dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,20 +363,27 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: st
     fig, ax = plt.subplots(figsize=(9, 5.5))
     modes = list(dict.fromkeys(r["mode"] for r in runs if not r.get("calibration")))
     colours = plt.get_cmap("tab10")
+    measures: set[str] = set()
     for i, mode in enumerate(modes):
         first = True
         for run in runs:
             if run["mode"] != mode or run.get("calibration"):
                 continue
-            clock = list(itertools.accumulate(run["step_seconds"]))
-            style = "--" if mode.endswith("-colocated") else "-"
-            reward = trailing_mean(run["reward"], smooth)
-            ax.plot(clock, reward, style, color=colours(i % 10), alpha=0.75, linewidth=1.2,
-                    label=mode if first else None)  # fmt: skip
+            curve = judged_curve(run, smooth, smooth_eval)
+            measures.add(curve.measure)
+            style = ("--" if mode.endswith("-colocated") else "-") + ("o" if curve.measure == "eval" else "")
+            ax.plot(curve.seconds, trailing_mean(curve.reward, curve.smooth), style, color=colours(i % 10),
+                    alpha=0.75, linewidth=1.2, markersize=4, label=mode if first else None)  # fmt: skip
             first = False
     ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.3f}")
-    ax.set_xlabel("wall-clock seconds (the run's steps, from its controller's start)")
-    ax.set_ylabel("reward (rollout/raw_reward)" + (f", trailing mean over {smooth} steps" if smooth > 1 else ""))
+    ax.set_xlabel(
+        "wall-clock seconds of the run's steps from its controller's start (an evaluated run's checkpoints left out)"
+    )
+    said = {
+        "eval": "held-out reward" + (f", trailing mean over {smooth_eval} evaluations" if smooth_eval > 1 else ""),
+        "batch": "trained-batch reward" + (f", trailing mean over {smooth} steps" if smooth > 1 else ""),
+    }
+    ax.set_ylabel("; ".join(said[m] for m in sorted(measures)) or "reward")
     ax.set_title(title)
     ax.legend(loc="lower right")
     fig.tight_layout()

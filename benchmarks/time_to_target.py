@@ -8,7 +8,7 @@ AReaL's and verl's headline figures are wall time to a reward at equal accuracy;
 were throughput on a model that learns nothing, and learning per step on a CPU. This joins them:
 each mode is a real `python -m pipeline.launch` run (the built-in engine over real HTTP and the real
 trainer on the same device, the real publish), and the measure is the run's own wall clock to a
-reward target fixed before the runs.
+reward target fixed before the runs, the reward of a held-out evaluation of its weights.
 
 **The task** (`pipeline/tasks/long_answer.py`): "say b x517:" -> 517 b's then the end token,
 the asked count drawn with P(N) ~ 1/N up to `max_count` (1,024 on the H200: median 24, mean 136, one prompt
@@ -25,23 +25,41 @@ the trainer's GPU, weights by CUDA IPC; sync releases the engine's memory while 
 keeps it; an overlapped publish is refused with --colocate). The others run the engine on the same
 GPU beside the trainer, weights from disk. Each mode runs `--seeds` (0,1,2) at equal steps.
 
-**The target** is fixed before the runs it judges: `--target 0.8x` takes 0.8 x the mean reward
-over the last quarter of one sync run's steps, the run of `--calibration-seed`: by default seed 0's
-sync run, which goes first, fixes the target before any other run starts and counts as seed 0's
-(one run less of device time); a seed outside `--seeds` makes a calibration run of its own, left out
-of the table. `--target 0.62` takes that reward. It is written in `state.json` and
-every later call keeps it. A run reaches it at the first step whose trailing mean reward over
-`--smooth` steps does (`benchmarks/target_summary.py`); its time is the sum of the steps'
-`perf/step_time` to there: from the controller's start (engine start and model load left out, the
-trainer's first-step warm-up counted), as AReaL and verl count training time.
+**The evaluation**: the trained batch's mean reward is no fair measure across modes: partial and
+async runs train first on the samples that finish first, the short answers (on the H200, partial's
+and async's first batches averaged about 20 tokens against sync's 206), so their batch reward rose
+early on a biased sample. Each run saves a checkpoint every `eval_every` steps and at its last
+(all kept); after it ends, `python -m pipeline.eval` (not timed with it: `eval_seconds`) evaluates
+the base weights (version 0) and each checkpoint on `eval_prompts` held-out prompts
+(`work/eval.jsonl`, drawn like the training prompts from another seed), one response each, the
+same prompts and sampling seeds for every mode (as AReaL measures AIME accuracy at checkpoints). It
+runs a built-in engine of its own with the sync flags of the same plan and seed. Version v's time
+is the run's first v steps' `perf/step_time`, less what its checkpoints took beyond a weights-only
+save (`perf/save_model_time`: the checkpoints are the measurement's, not the mode's).
+
+**The target** is fixed before the runs it judges: `--target 0.8r` (the default) takes the start
+plus 0.8 x the rise from the start to the plateau of one sync run, the run of
+`--calibration-seed`: its start, the held-out reward of the base weights; its plateau, the mean
+over the last quarter of its evaluations. By default seed 0's sync run, which goes first, fixes the
+target before any other run starts and counts as seed 0's (one run less of device time); a seed
+outside `--seeds` makes a calibration run of its own, left out of the table. `--target 0.8x`
+takes 0.8 x the plateau (on the H200, with sync starting at 0.57 and plateauing at 0.87, it sat
+at 0.695: reached in 3-5 steps, it said little), `--target 0.62` that reward. It is written in
+`state.json` and every later call keeps it. A run reaches it at the first evaluated version whose
+trailing mean over `smooth_eval` versions does (`benchmarks/target_summary.py`; a record written
+before the evaluation is judged by its batch reward, over `--smooth` steps); its time is that
+version's: from the controller's start (engine start and model load left out, the trainer's
+first-step warm-up counted), as AReaL and verl count training time.
 
 **Per mode** (`summary.md`): time to target (mean over seeds, and how many reached it), its ratio
-to sync's (a colocated mode's to colocated sync's), steps to target, reward over the last quarter,
-steps, groups/s, engine busy (`engine/busy_frac` over the run), publish stall (mean
+to sync's (a colocated mode's to colocated sync's), steps to target, the held-out reward over the
+last quarter of the evaluations (the trained batch's over the last quarter of the steps beside
+it), steps, groups/s, engine busy (`engine/busy_frac` over the run), publish stall (mean
 `time/publish_gate_closed`), the verdicts against the issue's targets (async <= 0.6x sync's time,
-partial <= 0.8x, final reward within 5%), and `time_to_target.png`: reward against wall-clock
-seconds, a line per mode and seed. Each run's record also has the correlation between the asked
-count and the written length (`length_corr`): whether lengths still follow the prompts.
+partial <= 0.8x, final reward within 5%, both held-out), and `time_to_target.png`: the held-out
+reward against wall-clock seconds, a marker at each evaluation, a line per run. Each run's record
+also has the correlation between the asked count and the written length (`length_corr`): whether
+lengths still follow the prompts.
 
 **Calls of a few minutes**: runs go one at a time (they share the device), each appended to
 `runs.jsonl` as it ends. `--budget-s` is this call's allowance: a run whose mode's past runs took
@@ -66,15 +84,17 @@ by seed, then the colocated ones, so a cut set has whole seeds of the first four
   step-KL check's forward). Publish from disk: 38 MB, about 0.1 s.
 - So a sync step is about 4-5 s, nearly all generation, as in a reasoning run.
 - Steps to the target. On the CPU (`--preset cpu`: hidden 128 x 4 layers, counts up to 48, 8
-  groups a step, lr 1e-3) the reward rose from about 0.55 to about 0.85 in 6-8 steps. The preset
-  trains at lr 3e-4, for a rise over about 20-30 steps: the target (0.8x sync's plateau) near step
-  15-25, sync there in about 1.5-2 minutes, the low end of the issue's 2-4. 40 steps a run: sync
-  about 3.3 minutes with its start, partial about 2.5, async and async-overlap about 1.7 each.
+  groups a step, lr 1e-3) the reward rose from about 0.55 to about 0.85 in 6-8 steps. On the H200
+  at lr 3e-4 the sync run rose from 0.57 to 0.95 in five steps, then decayed from about 0.97 to
+  about 0.85; at 1e-3 it collapsed. The preset trains at lr 1e-4, for a slower rise (not measured
+  yet). 40 steps a run: sync about 3.3 minutes with its start, partial about 2.5, async and
+  async-overlap about 1.7 each; then its evaluation, 11 versions of 128 prompts.
 - Device time. Measured on the H200 (2026-12-05): the base model takes 4.4 minutes to build (it
   comes back from the call in bf16 and `benchmarks/gpu_check.sh` carries it to the next), and a
-  sync step 1.5-5.8 s while lengths follow the prompts. A 570 s call holds two or three runs; the
-  21 runs of the set (4 modes x 3 seeds, then 3 colocated x 3) are about 60-75 minutes of device
-  time: more than one session's 30, so `runs.jsonl` and `state.json` carry it from call to call.
+  sync step 1.5-5.8 s while lengths follow the prompts. Before the runs had their evaluations, a
+  570 s call held two or three runs, and the 21 runs of the set (4 modes x 3 seeds, then 3
+  colocated x 3) were about 60-75 minutes of device time: more than one session's 30, so
+  `runs.jsonl` and `state.json` carry it from call to call.
   Not a shortcut: `--steps 20 --lr 1e-3` (the CPU's rate) made sync rise for four steps on the
   H200 and then collapse into answers that ran to the cap (BENCHMARKS.md 16).
 - A larger shape (the 0.6B's 28 layers: about 15 s a sync step, 2.5-5 minutes to the target)
@@ -87,9 +107,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -101,13 +123,12 @@ from typing import Any
 
 from benchmarks.target_summary import (
     TargetSpec,
+    calibration_points,
     figures,
-    last_quarter,
     plot,
     read_runs,
     summarize,
     table,
-    trailing_mean,
     verdicts,
 )
 
@@ -124,6 +145,9 @@ MODES: dict[str, tuple[str, ...]] = {
 }
 COLOCATED = tuple(m for m in MODES if m.endswith("-colocated"))
 STATE, RUNS, SUMMARY, PICTURE = "state.json", "runs.jsonl", "summary.md", "time_to_target.png"
+# The held-out set: drawn like the training prompts (seed 7) from another seed, the same for every run.
+HELDOUT, HELDOUT_SEED = "heldout", 1009
+EVAL_KEY = f"eval/{HELDOUT}"  # its mean reward in the run's eval.jsonl (pipeline/evaluation.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,25 +167,28 @@ class Plan:
     base_steps: int
     base_batch: int
     base_lr: float
-    smooth: int
+    smooth: int  # trailing mean over steps, for a run judged by its trained batches' reward
+    eval_prompts: int  # the held-out set's prompts, one response each
+    eval_every: int  # a checkpoint (and so an evaluation) every N steps, and at the last
+    smooth_eval: int = 1  # trailing mean over evaluated versions
 
 
 PRESETS: dict[str, Plan] = {
     # The issue's design on one H200 (the module docstring says why this shape).
     "h200": Plan(
         device="cuda", hidden=512, layers=8, heads=8, max_count=1024, max_len=1280, batch=16, group=8,
-        steps=40, lr=3e-4, base_steps=2000, base_batch=32, base_lr=1e-3, smooth=3,
+        steps=40, lr=1e-4, base_steps=2000, base_batch=32, base_lr=1e-3, smooth=3, eval_prompts=128, eval_every=4,
     ),
     # The same at a small shape and answers up to 48 tokens, on a CPU: learning per step that the
     # cluster twin can take as a stand-in (benchmarks/cluster_twin.py), a minute or two a run.
     "cpu": Plan(
         device="cpu", hidden=128, layers=4, heads=4, max_count=48, max_len=64, batch=8, group=8,
-        steps=24, lr=1e-3, base_steps=600, base_batch=32, base_lr=3e-3, smooth=3,
+        steps=24, lr=1e-3, base_steps=600, base_batch=32, base_lr=3e-3, smooth=3, eval_prompts=64, eval_every=4,
     ),
     # The smoke test (`--quick`): the mechanics end to end in a few minutes on a CPU, nothing learned.
     "quick": Plan(
         device="cpu", hidden=64, layers=2, heads=4, max_count=24, max_len=32, batch=4, group=4,
-        steps=6, lr=1e-3, base_steps=60, base_batch=32, base_lr=3e-3, smooth=3,
+        steps=6, lr=1e-3, base_steps=60, base_batch=32, base_lr=3e-3, smooth=3, eval_prompts=8, eval_every=2,
     ),
 }  # fmt: skip
 
@@ -170,7 +197,19 @@ PRESETS: dict[str, Plan] = {
 OVERRIDES: dict[str, type] = {
     "device": str, "hidden": int, "layers": int, "heads": int, "max_count": int, "max_len": int, "batch": int,
     "group": int, "steps": int, "lr": float, "base_steps": int, "base_batch": int, "base_lr": float, "smooth": int,
+    "eval_prompts": int, "eval_every": int, "smooth_eval": int,
 }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What every run of a folder reads: the base model, the training prompts (and the count each
+    asks for), the held-out prompts."""
+
+    base: Path
+    prompts: Path
+    heldout: Path
+    counts: list[int]
 
 
 def run_name(mode: str, seed: int, calibration: bool = False) -> str:
@@ -186,12 +225,17 @@ def planned_runs(modes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
 
 
 def estimate(mode: str, done: list[dict[str, Any]]) -> float | None:
-    """Seconds a run of `mode` is expected to take (start to end, as `wall` records): its mode's
-    past runs' mean, else the longest past run, else None (nothing has run)."""
-    own = [r["wall"] for r in done if r["mode"] == mode]
+    """Seconds a run of `mode` is expected to take (start to end, as `wall` records, and its
+    evaluation's `eval_seconds`): its mode's past runs' mean, else the longest past run, else None
+    (nothing has run)."""
+    own = [_seconds(r) for r in done if r["mode"] == mode]
     if own:
         return statistics.fmean(own)
-    return max((r["wall"] for r in done), default=None)
+    return max((_seconds(r) for r in done), default=None)
+
+
+def _seconds(run: dict[str, Any]) -> float:
+    return float(run["wall"]) + float(run.get("eval_seconds", 0.0))
 
 
 def fits(expected: float | None, left: float) -> bool:
@@ -200,8 +244,11 @@ def fits(expected: float | None, left: float) -> bool:
     return expected is None or expected * 1.1 <= left
 
 
-def launch_flags(plan: Plan, mode: str, seed: int, *, base: Path, prompts: Path, out: Path) -> list[str]:
-    """The `python -m pipeline.launch` flags of one run."""
+def launch_flags(plan: Plan, mode: str, seed: int, *, base: Path, prompts: Path, heldout: Path, out: Path) -> list[str]:
+    """The `python -m pipeline.launch` flags of one run. Its checkpoints, every `eval_every` steps
+    and at the last (the launcher's rule), all kept, are what `python -m pipeline.eval` evaluates
+    after it (`evaluate_run`): the held-out set is named here, with no `--eval-interval`, so nothing
+    is evaluated inside the timed run (and async mode, which refuses inline evaluation, takes it)."""
     flags = [
         "--output-dir", str(out), "--no-progress", "--log-level", "warning",
         "--hf-checkpoint", str(base),
@@ -211,6 +258,8 @@ def launch_flags(plan: Plan, mode: str, seed: int, *, base: Path, prompts: Path,
         "--rollout-max-response-len", str(plan.max_len),
         "--rollout-seed", str(seed),
         "--lr", str(plan.lr),
+        "--save-interval", str(plan.eval_every), "--save-keep-last", "0",
+        "--eval-prompt-data", HELDOUT, str(heldout), "--n-samples-per-eval-prompt", "1",
     ]  # fmt: skip
     if plan.device.startswith("cuda"):
         flags += ["--trainer-device", plan.device, "--trainer-dtype", "bfloat16"]
@@ -241,6 +290,10 @@ def record(
         "busy": [r.get("engine/busy_frac", 0.0) for r in steps],
         "publish_stall": [r.get("time/publish_gate_closed", 0.0) for r in steps],
         "train_seconds": [r.get("perf/train_time", 0.0) for r in steps],
+        # The step's save (`perf/save_model_time`, slime's name for time/save) and whether it was a
+        # checkpoint: the evaluation's clock leaves the checkpoints' extra seconds out (`eval_clock`).
+        "save_seconds": [r.get("perf/save_model_time", 0.0) for r in steps],
+        "checkpoint": [r.get("checkpoint/step") == r["step"] for r in steps],
         "length": [r.get("rollout/response_len/mean", 0.0) for r in steps],
         "length_max": [r.get("rollout/response_len/max", 0) for r in steps],
         "truncated": [r.get("rollout/truncated_ratio", 0.0) for r in steps],
@@ -274,13 +327,83 @@ def length_correlation(events: Path, counts: list[int]) -> float:
         return math.nan
 
 
+def checkpoint_overhead(save_seconds: list[float], checkpoint: list[bool]) -> list[float]:
+    """Per step, the seconds its save took for the evaluation's checkpoints: at a checkpoint step,
+    its save less the median of the run's other steps' saves (the weights-only folder the engines
+    load, which the step writes anyway when it publishes from disk; nothing where it does not), 0
+    at every other step. With no step but checkpoints, each checkpoint's whole save."""
+    plain = [s for s, c in zip(save_seconds, checkpoint, strict=True) if not c]
+    usual = statistics.median(plain) if plain else 0.0
+    return [max(0.0, s - usual) if c else 0.0 for s, c in zip(save_seconds, checkpoint, strict=True)]
+
+
+def eval_clock(
+    step_seconds: list[float], save_seconds: list[float], checkpoint: list[bool], versions: list[int]
+) -> list[float]:
+    """The run's wall seconds at which each version's weights were made: version v after step v-1,
+    so its first v steps' seconds less the checkpoints' extra seconds in them (the checkpoints are
+    the measurement's, not the mode's: `checkpoint_overhead`). Version 0, the base weights, at 0."""
+    extra = checkpoint_overhead(save_seconds, checkpoint)
+    clock = [0.0, *itertools.accumulate(s - e for s, e in zip(step_seconds, extra, strict=True))]
+    if bad := [v for v in versions if not 0 <= v < len(clock)]:
+        raise ValueError(f"versions {bad}: a run of {len(step_seconds)} steps makes versions 0..{len(step_seconds)}")
+    return [clock[v] for v in versions]
+
+
+def saved_versions(out: Path) -> list[int]:
+    """The versions the run's checkpoints hold (`checkpoints/vN`, written whole: with config.json)."""
+    folder = out / "checkpoints"
+    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    found = [int(n[1:]) for n in names if re.fullmatch(r"v\d+", n)]
+    return sorted(v for v in found if (folder / f"v{v}" / "config.json").exists())
+
+
+def evaluate_run(plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str]) -> tuple[list[int], float]:
+    """Evaluate a finished run's base weights (version 0) and every checkpoint on the held-out set
+    with `python -m pipeline.eval`; (the versions, its wall seconds). It starts a built-in engine of
+    its own on the plan's device, so it gets the sync flags of the same plan and seed: a mode's flags
+    (`--colocate`, `--rollout-mode async`, `--overlap-weight-transfer`) are about sharing a trainer's
+    GPU and publishing while generating, and the evaluation has neither. The flags after `--` go to
+    it as they went to the run (they name what both load: engines, dtypes). RuntimeError when it fails."""
+    versions = [0, *saved_versions(out)]
+    if versions[-1] != plan.steps:
+        raise RuntimeError(
+            f"{out}: checkpoints of versions {versions[1:]}, not the last step's (v{plan.steps}): "
+            f"--save-interval {plan.eval_every} saves every {plan.eval_every} steps and the last"
+        )
+    flags = launch_flags(plan, "sync", seed, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
+    cmd = [sys.executable, "-m", "pipeline.eval", *flags, *extra]
+    for v in versions:
+        cmd += ["--eval-version", str(v)]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return versions, seconds
+
+
+def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int]) -> dict[str, list[Any]]:
+    """The run record's `eval`: each version's held-out reward (`eval/heldout` in the run's
+    eval.jsonl) and the run's seconds when it was made (`eval_clock`). RuntimeError when a version
+    has no reward (not evaluated, or every sample of it failed)."""
+    from pipeline.evaluation import EvalLog
+
+    done = EvalLog(out / "eval.jsonl").evaluated()
+    reward = [float(done.get(v, {}).get(EVAL_KEY, math.nan)) for v in versions]
+    if missing := [v for v, r in zip(versions, reward, strict=True) if not math.isfinite(r)]:
+        raise RuntimeError(f"{out / 'eval.jsonl'}: no {EVAL_KEY} for versions {missing} (evaluated: {sorted(done)})")
+    seconds = eval_clock(rec["step_seconds"], rec["save_seconds"], rec["checkpoint"], versions)
+    return {"version": versions, "reward": reward, "seconds": seconds}
+
+
 def _env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> tuple[Path, Path, list[int]]:
-    """The prompts file and the base model (built when missing); (base folder, prompts, counts)."""
+def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> Inputs:
+    """The prompts files and the base model (built when missing)."""
     from pipeline.tasks.long_answer import long_answer_rows
 
     work.mkdir(parents=True, exist_ok=True)
@@ -289,6 +412,13 @@ def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> tuple[Path, Path,
     if not prompts.exists():
         prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     counts = [int(r["label"]["count"]) for r in rows]  # type: ignore[index]
+    # The held-out set, in the training prompts' format (so --input-key/--label-key's defaults read it).
+    heldout = work / "eval.jsonl"
+    held = "".join(
+        json.dumps(r) + "\n" for r in long_answer_rows(plan.eval_prompts, seed=HELDOUT_SEED, max_count=plan.max_count)
+    )
+    if not heldout.exists() or heldout.read_text() != held:  # a --work shared with another plan's folder
+        heldout.write_text(held)
     base = work / "base"
     if not (base / "base.json").exists():
         shutil.rmtree(base, ignore_errors=True)
@@ -314,70 +444,100 @@ def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> tuple[Path, Path,
             flush=True,
         )
     state.setdefault("base", built)
-    return base, prompts, counts
+    return Inputs(base, prompts, heldout, counts)
 
 
 def _run(
-    plan: Plan,
-    mode: str,
-    seed: int,
-    work: Path,
-    base: Path,
-    prompts: Path,
-    counts: list[int],
-    extra: list[str],
-    *,
-    calibration: bool = False,
+    plan: Plan, mode: str, seed: int, work: Path, inputs: Inputs, extra: list[str], *, calibration: bool = False
 ) -> dict[str, Any] | None:
-    """One launcher run; its record, or None (said why) when it failed."""
-    out = work / "runs" / run_name(mode, seed, calibration)
+    """One launcher run, then the evaluation of its weights; its record, or None (said why) when
+    either failed (the next call runs it again)."""
+    name = run_name(mode, seed, calibration)
+    out = work / "runs" / name
     shutil.rmtree(out, ignore_errors=True)  # a run cut short by an earlier call starts over
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.launch",
-        *launch_flags(plan, mode, seed, base=base, prompts=prompts, out=out),
-    ]
+    flags = launch_flags(plan, mode, seed, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
     started = time.perf_counter()
-    done = subprocess.run([*cmd, *extra], cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.launch", *flags, *extra],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - started
-    if done.returncode != 0:
-        print(f"run {run_name(mode, seed, calibration)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        return None
-    rec = record(out, mode, seed, plan, counts, wall=wall, calibration=calibration)
-    rec["base"] = json.loads((base / "base.json").read_text())["fingerprint"][:12]
-    for heavy in ("weights", "checkpoints", "model"):  # what a run leaves beyond its figures
-        shutil.rmtree(out / heavy, ignore_errors=True)
-    return rec
+    try:
+        if done.returncode != 0:
+            print(f"run {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            return None
+        rec = record(out, mode, seed, plan, inputs.counts, wall=wall, calibration=calibration)
+        rec["base"] = json.loads((inputs.base / "base.json").read_text())["fingerprint"][:12]
+        try:
+            versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra)
+            rec["eval"] = read_evaluation(out, rec, versions)
+        except RuntimeError as exc:
+            print(f"run {name}: its evaluation failed: {exc}")
+            return None
+        return rec
+    finally:
+        for heavy in ("weights", "checkpoints", "model"):  # what a run leaves beyond its figures
+            shutil.rmtree(out / heavy, ignore_errors=True)
+
+
+def target_said(target: dict[str, Any]) -> str:
+    """How the target was fixed, for the summary's head: its reward, its form, and the calibration
+    run's start and plateau it came from."""
+    spec = TargetSpec.parse(target["spec"])
+    plateau, start, source = target.get("plateau"), target.get("start"), target.get("from") or "sync"
+    said = f"{target['value']:.3f} ({spec}"
+    if spec.form == "rise" and plateau is not None and start is not None:
+        said += f": {start:.3f} + {spec.value:g} x ({plateau:.3f} - {start:.3f}), the start and plateau of {source}"
+    elif spec.form == "plateau" and plateau is not None:
+        said += f" of the plateau {plateau:.3f} of {source}"
+    return said + ")"
+
+
+def judged_said(runs: list[dict[str, Any]], plan: dict[str, Any]) -> str:
+    """What the runs are judged by, for the summary's head (an old record has no evaluation)."""
+    smooth, smooth_eval = plan["smooth"], plan.get("smooth_eval", 1)
+    held = (
+        f"held-out reward ({plan.get('eval_prompts')} prompts, one response each, at the base weights, every "
+        f"{plan.get('eval_every')} steps and the last)"
+        + (f", trailing mean over {smooth_eval} evaluations" if smooth_eval > 1 else "")
+    )
+    batch = "trained-batch reward" + (f", trailing mean over {smooth} steps" if smooth > 1 else "")
+    evaluated = sum(1 for r in runs if r.get("eval"))
+    if evaluated and evaluated == len(runs):
+        return f"judged by the {held}"
+    return f"judged by the {held} where a run has one, else the {batch}" if evaluated else f"judged by the {batch}"
 
 
 def _report(runs: list[dict[str, Any]], out: Path, state: dict[str, Any], left: int) -> None:
     target = state["target"]["value"]
-    smooth = state["plan"]["smooth"]
-    rows = summarize(runs, target, smooth)
     plan = state["plan"]
+    smooth, smooth_eval = plan["smooth"], plan.get("smooth_eval", 1)
+    rows = summarize(runs, target, smooth, smooth_eval)
     head = (
         f"time to target on {plan['device']}: long-answer task (counts up to {plan['max_count']}, cap "
         f"{plan['max_len']}), base model hidden {plan['hidden']} x {plan['layers']} layers, {plan['steps']} steps "
-        f"of {plan['batch']} groups x {plan['group']}; target {target:.3f} ({state['target']['spec']}"
-        + (
-            f" of the plateau {state['target']['plateau']:.3f} of {state['target'].get('from') or 'sync'}"
-            if state["target"].get("plateau")
-            else ""
-        )
-        + f"), trailing mean over {smooth} steps"
+        f"of {plan['batch']} groups x {plan['group']} at lr {plan['lr']:g}; target {target_said(state['target'])}; "
+        + judged_said(runs, plan)
     )
     lines = [head, "", table(rows, target), "", *verdicts(rows)]
     corr = [r["length_corr"] for r in runs if not math.isnan(r.get("length_corr", math.nan))]
     if corr:
         lines.append(f"asked count against written length: r = {min(corr):.3f} .. {max(corr):.3f} over the runs")
+    spent = [r["eval_seconds"] for r in runs if "eval_seconds" in r]
+    if spent:
+        lines.append(f"evaluation, after each run and not timed with it: {statistics.fmean(spent):.0f} s a run")
     if left:
         lines.append(f"{left} run(s) left: the same command again continues")
     text = "\n".join(lines)
     print("\n" + text, flush=True)
     (out / SUMMARY).write_text(text + "\n")
     try:
-        plot(runs, out / PICTURE, target, title=f"reward against wall-clock seconds ({plan['device']})", smooth=smooth)
+        title = f"reward against wall-clock seconds ({plan['device']})"
+        plot(runs, out / PICTURE, target, title=title, smooth=smooth, smooth_eval=smooth_eval)
         print(f"picture: {out / PICTURE}")
     except ImportError:
         print("matplotlib is not installed (pip install -e .[bench]): no picture")
@@ -401,12 +561,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="base model and run folders (default: OUT/work)")
     p.add_argument("--modes", default=None, help=f"of {', '.join(MODES)} (default: all the device allows)")
     p.add_argument("--seeds", default=None, help="compared seeds (default 0,1,2; --quick: 0)")
-    p.add_argument("--target", default="0.8x", help="a reward (0.62) or a share of sync's plateau (0.8x)")
+    p.add_argument(
+        "--target",
+        default="0.8r",
+        help="a reward (0.62), a share of sync's plateau (0.8x), or a share of its rise from its start (0.8r)",
+    )
     p.add_argument(
         "--calibration-seed",
         type=int,
         default=0,
-        help="the sync run whose plateau fixes a relative target: a compared seed's (default 0), or a run of its own",
+        help="the sync run whose start and plateau fix a relative target: a compared seed's (default 0), or a run "
+        "of its own",
     )
     p.add_argument("--budget-s", type=float, default=math.inf, help="this call's seconds; the rest waits")
     p.add_argument("--summarize", type=Path, default=None, metavar="DIR", help="report DIR's runs, run nothing")
@@ -449,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({state['target']['value']:.3f}); keep it, or give another --out"
         )
     work = args.work or out / "work"
-    base, prompts, counts = _prepare(plan, work, state)
+    inputs = _prepare(plan, work, state)
     state_path.write_text(json.dumps(state, indent=1))
 
     runs_path = out / RUNS
@@ -466,17 +631,20 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(rec) + "\n")
         reached = "-"
         if "target" in state:
-            fig = figures(rec, state["target"]["value"], plan.smooth)
+            fig = figures(rec, state["target"]["value"], plan.smooth, plan.smooth_eval)
             reached = "never" if fig.time_to_target is None else f"{fig.time_to_target:.1f} s"
+        ev = rec["eval"]
         print(
             f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: {len(rec['reward'])} steps in "
-            f"{sum(rec['step_seconds']):.1f} s ({rec['wall']:.0f} s with its start), reward {rec['reward'][0]:.3f} -> "
-            f"{rec['reward'][-1]:.3f}, to target {reached}, length r {rec['length_corr']:.2f}",
+            f"{sum(rec['step_seconds']):.1f} s ({rec['wall']:.0f} s with its start), batch reward "
+            f"{rec['reward'][0]:.3f} -> {rec['reward'][-1]:.3f}, held-out reward {ev['reward'][0]:.3f} (v0) -> "
+            f"{ev['reward'][-1]:.3f} (v{ev['version'][-1]}; evaluated in {rec['eval_seconds']:.0f} s), to target "
+            f"{reached}, length r {rec['length_corr']:.2f}",
             flush=True,
         )
 
     if "target" not in state:
-        plateau, source = None, None
+        plateau, start, source = None, None, None
         if spec.relative:
             # A compared seed's sync run fixes the target before any other run starts, and counts
             # as that seed's sync run; another seed makes a run of its own, left out of the table.
@@ -489,27 +657,37 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if not found:
                 print(f"{source} fixes the target", flush=True)
-                rec = _run(
-                    plan, "sync", args.calibration_seed, work, base, prompts, counts, extra, calibration=not compared
-                )
+                rec = _run(plan, "sync", args.calibration_seed, work, inputs, extra, calibration=not compared)
                 if rec is None:
                     raise SystemExit("the run that fixes the target failed: no target, no other runs")
                 keep(rec)
                 found = [rec]
-            plateau = last_quarter(found[0]["reward"])
-            start = trailing_mean(found[0]["reward"], plan.smooth)[min(plan.smooth, len(found[0]["reward"])) - 1]
-            if start >= spec.resolve(plateau):
+            # Its start: the held-out reward of the base weights (or, in an old record without an
+            # evaluation, its first steps' batch reward); its plateau: its last quarter's.
+            start, plateau = calibration_points(found[0], plan.smooth, plan.smooth_eval)
+            if start >= spec.resolve(plateau, start):
+                at = (
+                    "its held-out reward at version 0"
+                    if found[0].get("eval")
+                    else f"over its first {plan.smooth} steps"
+                )
                 print(
-                    f"note: the target ({spec.resolve(plateau):.3f}) is at or below where {source} started "
-                    f"({start:.3f} over its first {plan.smooth} steps): every run reaches it at once; a higher "
-                    "--target (in another --out) measures the rise",
+                    f"note: the target ({spec.resolve(plateau, start):.3f}) is at or below where {source} started "
+                    f"({start:.3f}, {at}): every run reaches it at once; a higher --target (in another --out) "
+                    "measures the rise",
                     flush=True,
                 )
-        state["target"] = {"spec": str(spec), "value": spec.resolve(plateau), "plateau": plateau, "from": source}
+        state["target"] = {
+            "spec": str(spec),
+            "value": spec.resolve(plateau, start),
+            "plateau": plateau,
+            "start": start,
+            "from": source,
+        }
         state_path.write_text(json.dumps(state, indent=1))
         print(f"target fixed: {state['target']['value']:.3f} ({spec})", flush=True)
         for rec in runs:  # the run that fixed it, now that there is a target to reach
-            reached = figures(rec, state["target"]["value"], plan.smooth).time_to_target
+            reached = figures(rec, state["target"]["value"], plan.smooth, plan.smooth_eval).time_to_target
             print(f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: to target "
                   + ("never" if reached is None else f"{reached:.1f} s"), flush=True)  # fmt: skip
 
@@ -522,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         if not fits(expected, budget_left()):
             skipped[mode] += 1
             continue
-        rec = _run(plan, mode, seed, work, base, prompts, counts, extra)
+        rec = _run(plan, mode, seed, work, inputs, extra)
         if rec is None:
             failed.append(run_name(mode, seed))
             continue

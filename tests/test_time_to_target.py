@@ -1,5 +1,6 @@
-"""The time-to-target benchmark's logic on synthetic runs (no launcher runs: those are the benchmark's),
-the long-answer task's reward and prompts, and the base model's supervised data.
+"""The time-to-target benchmark's logic on synthetic runs, the long-answer task's reward and prompts,
+the base model's supervised data, and one end-to-end `--quick` call (real launcher runs and their
+evaluations, on the CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from benchmarks.base_model import RIGHT_LETTER_SHARE, _batches, base_answer
 from benchmarks.target_summary import (
     TargetSpec,
+    calibration_points,
     figures,
     summarize,
     table,
@@ -24,13 +26,16 @@ from benchmarks.target_summary import (
 )
 from benchmarks.time_to_target import (
     COLOCATED,
+    EVAL_KEY,
     MODES,
     PRESETS,
     estimate,
+    eval_clock,
     fits,
     launch_flags,
     length_correlation,
     planned_runs,
+    read_evaluation,
     record,
 )
 from core.types import FinishReason, PromptTask, Sample, Segment
@@ -52,9 +57,26 @@ def test_target_spec_reads_a_reward_or_a_share_of_the_plateau() -> None:
     assert str(TargetSpec.parse(" 0.8x ")) == "0.8x"
     with pytest.raises(ValueError, match="needs the calibration run's plateau"):
         TargetSpec.parse("0.8x").resolve(None)
-    for bad in ("abc", "1.5", "0", "-0.2x", "nanx"):
+    for bad in ("abc", "1.5", "0", "-0.2x", "nanx", "1.2r", "0r", "r", "0.8y"):
         with pytest.raises(ValueError, match=f"--target '{bad}'"):
             TargetSpec.parse(bad)
+
+
+def test_target_spec_reads_a_share_of_the_rise() -> None:
+    spec = TargetSpec.parse(" 0.8r")
+    assert spec.relative and spec.form == "rise" and str(spec) == "0.8r"
+    # The H200's first sync run: from 0.57 to 0.87. 0.8x sat at 0.696, reached in a few steps;
+    # 0.8r sits at 0.81, four fifths of the way up.
+    assert spec.resolve(0.87, 0.57) == pytest.approx(0.81)
+    assert TargetSpec.parse("0.8x").resolve(0.87, 0.57) == pytest.approx(0.696)
+    assert TargetSpec.parse("1r").resolve(0.87, 0.57) == pytest.approx(0.87)
+    assert TargetSpec.parse("0.62").resolve(None, None) == 0.62
+    with pytest.raises(ValueError, match=r"--target 0.8r: .* needs the calibration run's plateau"):
+        spec.resolve(None, 0.57)
+    with pytest.raises(ValueError, match=r"--target 0.8r: a share of the rise needs the calibration run's start"):
+        spec.resolve(0.87)
+    with pytest.raises(ValueError, match="form 'share'"):
+        TargetSpec(0.8, "share")
 
 
 def test_time_to_target_is_the_steps_seconds_to_the_first_smoothed_reach() -> None:
@@ -84,6 +106,54 @@ def test_a_runs_figures_weight_busy_by_step_time() -> None:
     assert fig.groups_per_second == pytest.approx(4 * 16 / 8.0)
     assert fig.busy == pytest.approx((0.5 + 3.0 + 2.0 + 1.0) / 8.0)
     assert fig.publish_stall == pytest.approx(0.2)
+
+
+def _evaluated(
+    mode: str, seed: int, reward: list[float], seconds: list[float], ev: dict[str, list[float]]
+) -> dict[str, object]:
+    return _run(mode, seed, reward, seconds, eval={"version": [0, 2, 4], **ev})
+
+
+def test_a_run_with_an_evaluation_is_judged_by_it() -> None:
+    # The batch reward is biased high early (short answers train first); the held-out one is not.
+    run = _evaluated(
+        "partial", 0, [0.9, 0.9, 0.6, 0.6], [2.0] * 4, {"reward": [0.3, 0.6, 0.8], "seconds": [0, 3.5, 7.0]}
+    )
+    fig = figures(run, target=0.7, smooth=1)
+    assert fig.measure == "eval"
+    assert fig.time_to_target == pytest.approx(7.0) and fig.steps_to_target == 4  # version 4: after 4 steps
+    assert fig.final_reward == pytest.approx(0.8)  # the last quarter of 3 evaluations: the last
+    assert fig.batch_final_reward == pytest.approx(0.6)
+    assert fig.steps == 4 and fig.seconds == pytest.approx(8.0)
+    # A trailing mean over two evaluations: (0.6 + 0.8) / 2 = 0.7 at version 4 still; 0.75 never.
+    assert figures(run, target=0.7, smooth=1, smooth_eval=2).time_to_target == pytest.approx(7.0)
+    assert figures(run, target=0.75, smooth=1, smooth_eval=2).time_to_target is None
+    # Without the evaluation (an old record) the same run is judged by its batches: at step 1.
+    old = {k: v for k, v in run.items() if k != "eval"}
+    assert figures(old, target=0.7, smooth=1).time_to_target == pytest.approx(2.0)
+    assert figures(old, target=0.7, smooth=1).measure == "batch"
+    bad = _evaluated("sync", 0, [0.5] * 4, [1.0] * 4, {"reward": [0.3, 0.6], "seconds": [0, 2, 4]})
+    with pytest.raises(ValueError, match="3 versions, 2 rewards and 3 times"):
+        figures(bad, target=0.7, smooth=1)
+
+
+def test_the_calibration_run_fixes_start_and_plateau_by_its_measure() -> None:
+    run = _evaluated("sync", 0, [0.5, 0.6, 0.7, 0.9], [1.0] * 4, {"reward": [0.4, 0.7, 0.9], "seconds": [0, 2, 4]})
+    assert calibration_points(run, smooth=3) == pytest.approx((0.4, 0.9))  # version 0; the last evaluation
+    old = {k: v for k, v in run.items() if k != "eval"}
+    assert calibration_points(old, smooth=3) == pytest.approx((0.6, 0.9))  # the first 3 steps' mean; the last step
+
+
+def test_the_evaluations_clock_leaves_the_checkpoints_extra_seconds_out() -> None:
+    steps = [2.0, 2.0, 2.0, 2.0]
+    saves = [0.1, 0.5, 0.1, 0.7]  # a weights-only folder at steps 0 and 2, a checkpoint at 1 and 3
+    checkpoint = [False, True, False, True]
+    # Version 2 after steps 0-1: 4 s less the checkpoint's 0.4 s beyond a weights-only save.
+    assert eval_clock(steps, saves, checkpoint, [0, 2, 4]) == pytest.approx([0.0, 3.6, 7.0])
+    # No step without a checkpoint (nothing to compare with): each checkpoint's whole save.
+    assert eval_clock(steps[:2], [0.3, 0.3], [True, True], [1, 2]) == pytest.approx([1.7, 3.4])
+    with pytest.raises(ValueError, match=r"versions \[5\]: a run of 4 steps makes versions 0..4"):
+        eval_clock(steps, saves, checkpoint, [0, 5])
 
 
 # ---- per mode: ratios and verdicts ---------------------------------------------------------------
@@ -119,6 +189,22 @@ def test_summarize_holds_each_mode_against_sync() -> None:
     assert "target async-overlap final reward within 5% of sync: 0.562: MISSED" in lines
     text = table(list(rows.values()), 0.7)
     assert "| async | 2/2 | 20.0 ± 0.0 | 0.50 |" in text and "| async-overlap | 1/2 |" in text
+    assert "trained-batch last-quarter reward" in text
+
+
+def test_a_baseline_at_the_target_from_its_start_gives_no_ratio() -> None:
+    at_start = {"reward": [0.8, 0.8, 0.8], "seconds": [0.0, 4.0, 8.0]}
+    runs = [
+        _evaluated("sync", 0, [0.5] * 4, [2.0] * 4, at_start),
+        _evaluated("async", 0, [0.5] * 4, [1.0] * 4, {**at_start, "seconds": [0.0, 2.0, 4.0]}),
+    ]
+    rows = {r["mode"]: r for r in summarize(runs, target=0.7, smooth=1)}
+    assert rows["sync"]["time_to_target"] == 0.0 and rows["async"]["time_ratio"] is None
+    assert rows["async"]["steps_to_target"] == 0.0 and rows["async"]["measure"] == "eval"
+    assert (
+        "not measured (its baseline reached the target at its start, with no training)"
+        in verdicts(list(rows.values()))[0]
+    )
 
 
 def test_colocated_modes_are_held_against_colocated_sync() -> None:
@@ -139,7 +225,8 @@ def test_the_picture_is_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from benchmarks.target_summary import plot
 
-    plot(_set(), tmp_path / "t.png", 0.7, title="synthetic")
+    evaluated = _evaluated("sync", 7, [0.5] * 4, [1.0] * 4, {"reward": [0.4, 0.7, 0.9], "seconds": [0, 2, 4]})
+    plot([*_set(), evaluated], tmp_path / "t.png", 0.7, title="synthetic")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -174,7 +261,11 @@ def test_every_modes_flags_pass_the_launchers_rules(tmp_path: Path) -> None:
     for device, modes in (("cpu", [m for m in MODES if not m.endswith("-colocated")]), ("cuda", ["sync", *COLOCATED])):
         plan = dataclasses.replace(PRESETS["h200"], device=device)
         for mode in modes:
-            flags = launch_flags(plan, mode, 0, base=tiny_model, prompts=prompts, out=tmp_path / f"{device}-{mode}")
+            out = tmp_path / f"{device}-{mode}"
+            flags = launch_flags(plan, mode, 0, base=tiny_model, prompts=prompts, heldout=prompts, out=out)
+            # Checkpoints to evaluate after the run, every one kept, and no evaluation inside it.
+            assert flags[flags.index("--save-interval") + 1] == str(plan.eval_every)
+            assert flags[flags.index("--save-keep-last") + 1] == "0" and "--eval-interval" not in flags
             if "partial" in mode:
                 assert flags[flags.index("--over-sampling-batch-size") + 1] == str(2 * plan.batch)
             assert ("--rollout-device" in flags) == (device == "cuda" and not mode.endswith("-colocated"))
@@ -186,6 +277,8 @@ def test_every_modes_flags_pass_the_launchers_rules(tmp_path: Path) -> None:
                 continue
             assert config.engine.colocate == mode.endswith("-colocated")
             assert config.rollout.mode == ("async" if mode.startswith("async") else "sync")
+            assert config.rollout.eval_prompt_data == ("heldout", str(prompts))
+            assert config.rollout.eval_interval is None and config.output.save_keep_last == 0
 
 
 # ---- reading a run ---------------------------------------------------------------------------------
@@ -200,6 +293,8 @@ def test_a_run_record_reads_the_kept_metric_names_and_skips_evaluations(tmp_path
             "engine/busy_frac": 0.5,
             "time/publish_gate_closed": 0.25,
             "perf/train_time": 0.5,
+            "perf/save_model_time": 0.1 if i != 1 else 0.3,
+            "checkpoint/step": -1 if i == 0 else 1,  # the newest checkpoint: step 1's
             "rollout/response_len/mean": 40.0,
             "rollout/response_len/max": 90,
             "rollout/truncated_ratio": 0.0,
@@ -225,9 +320,29 @@ def test_a_run_record_reads_the_kept_metric_names_and_skips_evaluations(tmp_path
     rec = record(tmp_path, "partial", 1, plan, [3, 12, 29], wall=10.0, calibration=False)
     assert rec["reward"] == pytest.approx([0.0, 0.1, 0.2]) and rec["step_seconds"] == [2.0] * 3
     assert rec["busy"] == [0.5] * 3 and rec["publish_stall"] == [0.25] * 3 and rec["staleness_max"] == 2
+    assert rec["save_seconds"] == [0.1, 0.3, 0.1] and rec["checkpoint"] == [False, True, False]
     # The resumed sample's length is its last request's prefix plus tokens: 12 for the count 12.
     assert rec["length_corr"] == pytest.approx(1.0)
     assert math.isnan(length_correlation(tmp_path / "absent.jsonl", [1]))
+
+
+def test_a_runs_evaluation_is_read_from_its_eval_log(tmp_path: Path) -> None:
+    # pipeline.eval's lines (pipeline/evaluation.py), one an evaluation of weights not asked for.
+    lines = [
+        {"step": 0, "version": 0, EVAL_KEY: 0.25, f"{EVAL_KEY}/samples": 8.0},
+        {"step": 1, "version": 2, EVAL_KEY: 0.5},
+        {"step": 2, "version": 3, EVAL_KEY: 0.9},
+        {"step": 3, "version": 4, EVAL_KEY: 0.75},
+    ]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rec = {"step_seconds": [2.0] * 4, "save_seconds": [0.1, 0.5, 0.1, 0.7], "checkpoint": [False, True, False, True]}
+    ev = read_evaluation(tmp_path, rec, [0, 2, 4])
+    assert ev == {"version": [0, 2, 4], "reward": [0.25, 0.5, 0.75], "seconds": pytest.approx([0.0, 3.6, 7.0])}
+    with pytest.raises(RuntimeError, match=r"no eval/heldout for versions \[1\] \(evaluated: \[0, 2, 3, 4\]\)"):
+        read_evaluation(tmp_path, rec, [0, 1])
+    # Time to target at version 4's seconds, the checkpoints' extra seconds left out: 7.0, not 8.0.
+    fig = figures({**_run("sync", 0, [0.1] * 4, rec["step_seconds"]), "eval": ev}, target=0.7, smooth=1)
+    assert fig.time_to_target == pytest.approx(7.0) and fig.steps_to_target == 4
 
 
 # ---- the long-answer task and its base model's data -----------------------------------------------
@@ -294,6 +409,16 @@ def test_the_cluster_twin_takes_steps_to_target_from_the_seed_mean_curve(tmp_pat
     assert steps_to_target(runs, 0.6, smooth=1) == {"sync": (3, 2), "async": (None, 1)}
     assert steps_to_target(runs, 0.6, smooth=2) == {"sync": (4, 2), "async": (None, 1)}
     assert predict(100.0, 20.0, 1) == 100.0 and predict(100.0, 20.0, 4) == 160.0
+    assert predict(100.0, 20.0, 0) == 0.0  # the base weights reach it
+    # Runs with an evaluation: the steps are the first evaluated version whose seed mean reaches it.
+    evaluated = [
+        _evaluated("sync", 0, [0.9] * 4, [1.0] * 4, {"reward": [0.2, 0.5, 0.8], "seconds": [0, 2, 4]}),
+        _evaluated("sync", 1, [0.9] * 4, [1.0] * 4, {"reward": [0.2, 0.7, 0.8], "seconds": [0, 2, 4]}),
+    ]
+    assert steps_to_target(evaluated, 0.6, smooth=1) == {"sync": (2, 2)}
+    assert steps_to_target(evaluated, 0.6, smooth=1, smooth_eval=2) == {"sync": (4, 2)}
+    with pytest.raises(ValueError, match="mode sync: its seeds' rewards are at different steps or of different"):
+        steps_to_target([*evaluated, _run("sync", 2, [0.9] * 4, [1.0] * 4)], 0.6, smooth=1)
     # learning.py's runs.jsonl: one task's runs, by --task.
     path = tmp_path / "runs.jsonl"
     lines = [{**_run("sync", 0, [0.1], [1.0]), "task": t} for t in ("toy", "long-tail")]
@@ -302,3 +427,33 @@ def test_the_cluster_twin_takes_steps_to_target_from_the_seed_mean_curve(tmp_pat
     assert [r["task"] for r in _learning_runs(path, None)] == ["long-tail"]  # the first, sorted
     with pytest.raises(SystemExit, match="--task 'math'"):
         _learning_runs(path, "math")
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--quick`: every CPU mode's launcher run, then `python -m pipeline.eval` of its checkpoints."""
+    from benchmarks.time_to_target import main
+
+    plan = PRESETS["quick"]
+    assert main(["--quick", "--out", str(tmp_path)]) == 0, capsys.readouterr().out[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in runs] == [m for m in MODES if m not in COLOCATED]
+    last = list(range(0, plan.steps + 1, plan.eval_every))
+    for run in runs:
+        ev = run["eval"]
+        assert ev["version"] == last and ev["version"][-1] == plan.steps  # the base weights, then each checkpoint
+        assert all(0.0 <= r <= 1.0 for r in ev["reward"]) and run["eval_seconds"] > 0
+        # At the steps' wall seconds, less the checkpoints' extra ones: no more than the steps took.
+        assert ev["seconds"][0] == 0.0 and ev["seconds"] == sorted(ev["seconds"])
+        assert ev["seconds"][-1] <= sum(run["step_seconds"]) and sum(run["checkpoint"]) == len(last) - 1
+    # The evaluation set is the same for every run: the base weights score alike everywhere.
+    assert len({r["eval"]["reward"][0] for r in runs}) == 1
+    state = json.loads((tmp_path / "state.json").read_text())
+    sync = runs[0]["eval"]["reward"]
+    assert state["target"]["spec"] == "0.8r" and state["target"]["start"] == pytest.approx(sync[0])
+    assert state["target"]["value"] == pytest.approx(sync[0] + 0.8 * (sync[-1] - sync[0]))  # one version a quarter
+    summary = (tmp_path / "summary.md").read_text()
+    assert "judged by the held-out reward (8 prompts" in summary and "trained-batch last-quarter reward" in summary
