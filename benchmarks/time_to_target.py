@@ -613,12 +613,18 @@ def main(argv: list[str] | None = None) -> int:
             f"--target {spec}: {out} fixed its target before its runs as {state['target']['spec']} "
             f"({state['target']['value']:.3f}); keep it, or give another --out"
         )
+    runs_path = out / RUNS
+    runs = read_runs(runs_path)
+    # A runs.jsonl carried without its state.json passes the plan check above; runs made before the
+    # evaluation (another plan: lr 3e-4 on the H200) would count as done and one could fix the target.
+    if old := [run_name(r["mode"], r["seed"], bool(r.get("calibration"))) for r in runs if not r.get("eval")]:
+        raise SystemExit(
+            f"{runs_path}: runs {old} have no held-out evaluation: made before it, with another plan; "
+            "give another --out (--summarize still reports them)"
+        )
     work = args.work or out / "work"
     inputs = _prepare(plan, work, state)
     state_path.write_text(json.dumps(state, indent=1))
-
-    runs_path = out / RUNS
-    runs = read_runs(runs_path)
 
     budget: float = args.budget_s
 

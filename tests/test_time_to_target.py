@@ -345,6 +345,26 @@ def test_a_runs_evaluation_is_read_from_its_eval_log(tmp_path: Path) -> None:
     assert fig.time_to_target == pytest.approx(7.0) and fig.steps_to_target == 4
 
 
+def test_a_folder_of_runs_without_an_evaluation_is_refused_but_still_summarized(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.time_to_target import main
+
+    # An H200 folder of the first runs: runs.jsonl carried without its state.json (gpu_check.sh).
+    old = [_run("sync", 0, [0.57, 0.8, 0.87, 0.87], [4.0] * 4), _run("async", 0, [0.9, 0.9, 0.87, 0.87], [2.0] * 4)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    with pytest.raises(SystemExit, match=r"runs \['sync-s0', 'async-s0'\] have no held-out evaluation"):
+        main(["--quick", "--out", str(tmp_path)])
+    assert not (tmp_path / "work").exists()  # refused before anything was built
+    state = {"plan": dataclasses.asdict(PRESETS["h200"]), "target": {"spec": "0.8x", "value": 0.696, "plateau": 0.87}}
+    del state["plan"]["smooth_eval"]  # a state.json of before the evaluation
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert main(["--summarize", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    # Judged by the batch reward, as before: async reaches 0.696 at its first step, 2 s against 12 s.
+    assert "judged by the trained-batch reward" in out and "| async | 1/1 | 2.0 ± 0.0 | 0.17 | 1.0 |" in out
+
+
 # ---- the long-answer task and its base model's data -----------------------------------------------
 
 
