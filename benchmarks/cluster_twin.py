@@ -58,7 +58,7 @@ from typing import Any
 
 import structlog
 
-from benchmarks.target_summary import Curve, TargetSpec, calibration_points, judged_curve, read_runs, trailing_mean
+from benchmarks.target_summary import Curve, TargetSpec, calibration_points, first_reach, judged_curve, read_runs
 
 # The published ratios the prediction stands beside: (sync hours, async hours, what was reached).
 PUBLISHED = {
@@ -91,8 +91,8 @@ def steps_to_target(
                 f"({sorted({(c.measure, tuple(c.steps[:length])) for c in seeds})}); a seed mean needs the same"
             )
         mean = [statistics.fmean(c.reward[i] for c in seeds) for i in range(length)]
-        hit = next((steps[i] for i, v in enumerate(trailing_mean(mean, seeds[0].smooth)) if v >= target), None)
-        out[mode] = (hit, len(seeds))
+        hit = first_reach(mean, target, seeds[0].smooth)
+        out[mode] = (None if hit is None else steps[hit], len(seeds))
     return out
 
 

@@ -111,7 +111,6 @@ import itertools
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -351,11 +350,12 @@ def eval_clock(
 
 
 def saved_versions(out: Path) -> list[int]:
-    """The versions the run's checkpoints hold (`checkpoints/vN`, written whole: with config.json)."""
-    folder = out / "checkpoints"
-    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
-    found = [int(n[1:]) for n in names if re.fullmatch(r"v\d+", n)]
-    return sorted(v for v in found if (folder / f"v{v}" / "config.json").exists())
+    """The versions the run's checkpoints hold (`checkpoints/vN`, written whole), as `python -m
+    pipeline.eval` finds them; a weights-only publish folder left at the end is not one."""
+    from pipeline.checkpoints import CHECKPOINTS_DIR
+    from pipeline.run.eval_run import saved_weights
+
+    return [v for v, folder in saved_weights(out).items() if folder.parent.name == CHECKPOINTS_DIR]
 
 
 def evaluate_run(plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str]) -> tuple[list[int], float]:

@@ -44,7 +44,7 @@ from pipeline.run.records import dashboard_settings, draws_a_bar
 from pipeline.run.run_engines import RunEngines  # the run's engines: its own URLs, or built-in ones
 from stages.generator import GenerateEngine
 
-__all__ = ["InlineEvaluator", "eval_sets", "eval_settings", "main"]
+__all__ = ["InlineEvaluator", "eval_sets", "eval_settings", "main", "saved_weights"]
 
 log = structlog.get_logger("eval")
 
@@ -167,7 +167,7 @@ class InlineEvaluator:
 # ---- python -m pipeline.eval --------------------------------------------------------------------
 
 
-def _saved_weights(out: Path) -> dict[int, Path]:
+def saved_weights(out: Path) -> dict[int, Path]:
     """Every complete `vN` folder of the run, by version: the full checkpoints (`checkpoints/vN`,
     kept by `--save-keep-last`) and the weights-only folders the engines load between them
     (`weights/vN`, deleted once served past; a run of the older layout keeps every step there).
@@ -220,7 +220,7 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     if not (model_path / "config.json").exists() and not config.engine.hf_checkpoint:
         raise ConfigError([f"--output-dir={out}: no model folder {model_path} (is this a run folder?)"])
     eval_log = EvalLog(out / EVAL_FILE)
-    folders = _saved_weights(out)
+    folders = saved_weights(out)
     saved = list(folders)
     if versions is None:
         done = set(eval_log.evaluated())
