@@ -472,6 +472,7 @@ def _run(
             return None
         rec = record(out, mode, seed, plan, inputs.counts, wall=wall, calibration=calibration)
         rec["base"] = json.loads((inputs.base / "base.json").read_text())["fingerprint"][:12]
+        rec["card"] = card_name(plan.device)
         try:
             versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra)
             rec["eval"] = read_evaluation(out, rec, versions)
@@ -517,8 +518,9 @@ def _report(runs: list[dict[str, Any]], out: Path, state: dict[str, Any], left: 
     plan = state["plan"]
     smooth, smooth_eval = plan["smooth"], plan.get("smooth_eval", 1)
     rows = summarize(runs, target, smooth, smooth_eval)
+    card = state.get("card", plan["device"])  # a folder of before the card was kept: its device
     head = (
-        f"time to target on {plan['device']}: long-answer task (counts up to {plan['max_count']}, cap "
+        f"time to target on {card}: long-answer task (counts up to {plan['max_count']}, cap "
         f"{plan['max_len']}), base model hidden {plan['hidden']} x {plan['layers']} layers, {plan['steps']} steps "
         f"of {plan['batch']} groups x {plan['group']} at lr {plan['lr']:g}; target {target_said(state['target'])}; "
         + judged_said(runs, plan)
@@ -536,11 +538,34 @@ def _report(runs: list[dict[str, Any]], out: Path, state: dict[str, Any], left: 
     print("\n" + text, flush=True)
     (out / SUMMARY).write_text(text + "\n")
     try:
-        title = f"reward against wall-clock seconds ({plan['device']})"
+        title = f"reward against wall-clock seconds ({card})"
         plot(runs, out / PICTURE, target, title=title, smooth=smooth, smooth_eval=smooth_eval)
         print(f"picture: {out / PICTURE}")
     except ImportError:
         print("matplotlib is not installed (pip install -e .[bench]): no picture")
+
+
+def card_name(device: str) -> str:
+    """The card a run's seconds were measured on (`torch.cuda.get_device_name`, ROCm's too), or the
+    device's own name off a GPU: a set's times compare only on one kind of card."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+def mixed_cards(card: str, state: dict[str, Any], runs: list[dict[str, Any]]) -> str | None:
+    """Why this call may not add runs to the folder's set, or None: its runs were timed on another
+    card (the folder's state.json names it, and so does each run's record)."""
+    seen = {state["card"]} if "card" in state else set()
+    seen |= {r["card"] for r in runs if "card" in r}
+    if seen - {card}:
+        return (
+            f"its runs were timed on {', '.join(sorted(seen))} and this call runs on {card}: times on two "
+            "cards do not compare; continue on that card, or give another --out"
+        )
+    return None
 
 
 def _plan(args: argparse.Namespace) -> Plan:
@@ -622,6 +647,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{runs_path}: runs {old} have no held-out evaluation: made before it, with another plan; "
             "give another --out (--summarize still reports them)"
         )
+    card = card_name(plan.device)
+    if why := mixed_cards(card, state, runs):
+        raise SystemExit(f"{out}: {why}")
+    state["card"] = card
     work = args.work or out / "work"
     inputs = _prepare(plan, work, state)
     state_path.write_text(json.dumps(state, indent=1))

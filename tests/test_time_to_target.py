@@ -365,6 +365,22 @@ def test_a_folder_of_runs_without_an_evaluation_is_refused_but_still_summarized(
     assert "judged by the trained-batch reward" in out and "| async | 1/1 | 2.0 ± 0.0 | 0.17 | 1.0 |" in out
 
 
+def test_a_folder_timed_on_one_card_refuses_runs_on_another(tmp_path: Path) -> None:
+    from benchmarks.time_to_target import main, mixed_cards
+
+    # A set carried from call to call may find the next call on another kind of card (the device
+    # tool lends an H100 or an H200): its times would not compare, so nothing is added.
+    h200 = [_run("sync", 0, [0.5, 0.7], [4.0] * 2, card="NVIDIA H200", eval={"version": [0], "reward": [0.5]})]
+    assert mixed_cards("NVIDIA H200", {"card": "NVIDIA H200"}, h200) is None
+    assert mixed_cards("cpu", {}, []) is None
+    why = mixed_cards("NVIDIA H100 80GB HBM3", {}, h200)  # runs.jsonl carried without state.json
+    assert why is not None and "NVIDIA H200" in why and "NVIDIA H100 80GB HBM3" in why
+    (tmp_path / "runs.jsonl").write_text(json.dumps(h200[0]) + "\n")
+    with pytest.raises(SystemExit, match=r"timed on NVIDIA H200 and this call runs on cpu"):
+        main(["--quick", "--out", str(tmp_path)])
+    assert not (tmp_path / "work").exists()  # refused before anything was built
+
+
 # ---- the long-answer task and its base model's data -----------------------------------------------
 
 
