@@ -294,8 +294,38 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["time_ratio_why"] = "its baseline reached the target at its start, with no training"
         else:
             row["time_ratio"] = row["time_to_target"] / base["time_to_target"]
+            row["time_ratio_noise"] = ratio_noise(
+                (row["time_to_target"], row["time_to_target_std"], row["reached"]),
+                (base["time_to_target"], base["time_to_target_std"], base["reached"]),
+            )
         row["reward_ratio"] = row["final_reward"] / base["final_reward"] if base and base["final_reward"] else None
+        if row["reward_ratio"] is not None and base is not None:
+            row["reward_ratio_noise"] = ratio_noise(
+                (row["final_reward"], row["final_reward_std"], row["seeds"]),
+                (base["final_reward"], base["final_reward_std"], base["seeds"]),
+            )
     return rows
+
+
+def ratio_noise(mode: tuple[float, float, int], base: tuple[float, float, int]) -> float | None:
+    """Two standard errors of mean(mode) / mean(base), each (mean, std over seeds, seeds), by the
+    first-order rule for a ratio of independent means; None with one seed on either side (no
+    spread to go by). On the CPU preset the held-out reward's seed spread alone moved a mode's
+    final-reward ratio from 0.996 to 0.922 between 3 and 6 seeds (BENCHMARKS.md 16), across the
+    issue's 5% line: a verdict says when its line lies inside this noise."""
+    (m, m_std, m_n), (b, b_std, b_n) = mode, base
+    if m_n < 2 or b_n < 2 or m <= 0 or b <= 0:
+        return None
+    return 2 * (m / b) * math.sqrt((m_std / m) ** 2 / m_n + (b_std / b) ** 2 / b_n)
+
+
+def _judged(value: float, goal: float, noise: float | None, *, at_most: bool) -> str:
+    """MET or MISSED by the mean; where the mean +- its noise spans the goal, it says so."""
+    met = value <= goal if at_most else value >= goal
+    said = "MET" if met else "MISSED"
+    if noise and value - noise <= goal <= value + noise:
+        said += f" (within the seeds' noise: ±{noise:.2f}, two standard errors; more seeds would tell)"
+    return said
 
 
 def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -311,13 +341,14 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
                 why = row.get("time_ratio_why") or "no sync ran"
                 lines.append(f"target {mode} time <= {goal}x {row['baseline'] or 'sync'}: not measured ({why})")
             else:
-                met = "MET" if row["time_ratio"] <= goal else "MISSED"
+                met = _judged(row["time_ratio"], goal, row.get("time_ratio_noise"), at_most=True)
                 lines.append(
                     f"target {mode} time <= {goal}x {row['baseline']}: {row['time_ratio']:.2f}x "
                     f"({row['time_to_target']:.1f} s against {row['time_to_target'] / row['time_ratio']:.1f} s): {met}"
                 )
         if row["reward_ratio"] is not None:
-            met = "MET" if row["reward_ratio"] >= 1 - FINAL_REWARD_TOLERANCE else "MISSED"
+            goal = 1 - FINAL_REWARD_TOLERANCE
+            met = _judged(row["reward_ratio"], goal, row.get("reward_ratio_noise"), at_most=False)
             lines.append(
                 f"target {mode} final reward within {FINAL_REWARD_TOLERANCE:.0%} of {row['baseline']}: "
                 f"{row['reward_ratio']:.3f}: {met}"

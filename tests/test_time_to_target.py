@@ -18,6 +18,7 @@ from benchmarks.target_summary import (
     TargetSpec,
     calibration_points,
     figures,
+    ratio_noise,
     summarize,
     table,
     time_to_target,
@@ -186,10 +187,41 @@ def test_summarize_holds_each_mode_against_sync() -> None:
     assert "target async time <= 0.6x sync: 0.50x (20.0 s against 40.0 s): MET" in lines
     assert "target async final reward within 5% of sync: 1.000: MET" in lines
     assert any(line.startswith("target async-overlap time") and "not measured" in line for line in lines)
-    assert "target async-overlap final reward within 5% of sync: 0.562: MISSED" in lines
+    # Its seeds end at 0.1 and 0.8: missed by the mean, and the spread says two seeds cannot tell.
+    assert "target async-overlap final reward within 5% of sync: 0.562: MISSED (within the seeds' noise: ±0.87" in (
+        " ".join(lines)
+    )
     text = table(list(rows.values()), 0.7)
     assert "| async | 2/2 | 20.0 ± 0.0 | 0.50 |" in text and "| async-overlap | 1/2 |" in text
     assert "trained-batch last-quarter reward" in text
+
+
+def test_a_verdict_says_when_its_line_lies_inside_the_seeds_noise() -> None:
+    def at(final: float) -> list[float]:
+        return [0.1, 0.9, final, final, final, final, final, final]
+
+    # Sync's seeds end at 0.80 and 0.84; async's at 0.70 and 0.82: 0.952 of sync by the mean, and
+    # its spread over two seeds is wide enough to put 0.95 inside two standard errors.
+    runs = [
+        _run("sync", 0, at(0.80), [10.0] * 8),
+        _run("sync", 1, at(0.84), [10.0] * 8),
+        _run("async", 0, at(0.70), [5.0] * 8),
+        _run("async", 1, at(0.82), [5.0] * 8),
+        _run("partial", 0, at(0.40), [9.0] * 8),
+        _run("partial", 1, at(0.41), [9.0] * 8),
+    ]
+    rows = {r["mode"]: r for r in summarize(runs, target=0.5, smooth=1)}
+    noise = rows["async"]["reward_ratio_noise"]
+    assert 0.95 - rows["async"]["reward_ratio"] < noise < 0.2
+    lines = verdicts(list(rows.values()))
+    said = next(line for line in lines if line.startswith("target async final reward"))
+    assert said.startswith("target async final reward within 5% of sync: 0.927: MISSED (within the seeds' noise: ±")
+    # Partial's seeds agree and sit far below: missed beyond the noise, said plainly.
+    assert "target partial final reward within 5% of sync: 0.494: MISSED" in lines
+    # Equal times in every seed: no spread, the time verdicts stand alone.
+    assert "target async time <= 0.6x sync: 0.50x (10.0 s against 20.0 s): MET" in lines
+    # One seed a side has no spread to go by.
+    assert ratio_noise((0.8, 0.0, 1), (0.8, 0.1, 3)) is None
 
 
 def test_a_baseline_at_the_target_from_its_start_gives_no_ratio() -> None:
