@@ -285,7 +285,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         colocated = row["mode"].endswith("-colocated") and row["mode"] != "sync-colocated"
         base = (by_mode.get("sync-colocated") if colocated else None) or by_mode.get("sync")
         row["baseline"] = base["mode"] if base else None
-        row["time_ratio"], row["time_ratio_why"] = None, None
+        row["time_ratio"] = row["time_ratio_why"] = row["time_ratio_noise"] = row["reward_ratio_noise"] = None
         if base is None:
             row["time_ratio_why"] = "no sync ran"
         elif base["reached"] < base["seeds"] or row["reached"] < row["seeds"]:
@@ -341,14 +341,14 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
                 why = row.get("time_ratio_why") or "no sync ran"
                 lines.append(f"target {mode} time <= {goal}x {row['baseline'] or 'sync'}: not measured ({why})")
             else:
-                met = _judged(row["time_ratio"], goal, row.get("time_ratio_noise"), at_most=True)
+                met = _judged(row["time_ratio"], goal, row["time_ratio_noise"], at_most=True)
                 lines.append(
                     f"target {mode} time <= {goal}x {row['baseline']}: {row['time_ratio']:.2f}x "
                     f"({row['time_to_target']:.1f} s against {row['time_to_target'] / row['time_ratio']:.1f} s): {met}"
                 )
         if row["reward_ratio"] is not None:
             goal = 1 - FINAL_REWARD_TOLERANCE
-            met = _judged(row["reward_ratio"], goal, row.get("reward_ratio_noise"), at_most=False)
+            met = _judged(row["reward_ratio"], goal, row["reward_ratio_noise"], at_most=False)
             lines.append(
                 f"target {mode} final reward within {FINAL_REWARD_TOLERANCE:.0%} of {row['baseline']}: "
                 f"{row['reward_ratio']:.3f}: {met}"

@@ -448,7 +448,15 @@ def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> Inputs:
 
 
 def _run(
-    plan: Plan, mode: str, seed: int, work: Path, inputs: Inputs, extra: list[str], *, calibration: bool = False
+    plan: Plan,
+    mode: str,
+    seed: int,
+    work: Path,
+    inputs: Inputs,
+    extra: list[str],
+    *,
+    card: str,
+    calibration: bool = False,
 ) -> dict[str, Any] | None:
     """One launcher run, then the evaluation of its weights; its record, or None (said why) when
     either failed (the next call runs it again)."""
@@ -472,7 +480,7 @@ def _run(
             return None
         rec = record(out, mode, seed, plan, inputs.counts, wall=wall, calibration=calibration)
         rec["base"] = json.loads((inputs.base / "base.json").read_text())["fingerprint"][:12]
-        rec["card"] = card_name(plan.device)
+        rec["card"] = card
         try:
             versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra)
             rec["eval"] = read_evaluation(out, rec, versions)
@@ -692,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if not found:
                 print(f"{source} fixes the target", flush=True)
-                rec = _run(plan, "sync", args.calibration_seed, work, inputs, extra, calibration=not compared)
+                rec = _run(
+                    plan, "sync", args.calibration_seed, work, inputs, extra, card=card, calibration=not compared
+                )
                 if rec is None:
                     raise SystemExit("the run that fixes the target failed: no target, no other runs")
                 keep(rec)
@@ -735,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         if not fits(expected, budget_left()):
             skipped[mode] += 1
             continue
-        rec = _run(plan, mode, seed, work, inputs, extra)
+        rec = _run(plan, mode, seed, work, inputs, extra, card=card)
         if rec is None:
             failed.append(run_name(mode, seed))
             continue
