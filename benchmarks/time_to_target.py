@@ -4,6 +4,11 @@
     python -m benchmarks.time_to_target --quick                                             # CPU smoke test
     python -m benchmarks.time_to_target --summarize DIR                                     # the table again
 
+(One module of about 760 lines, 130 of them this docstring, the plan's reasoning: the presets, a
+run's flags, its record and its evaluation are one experiment's parts and change together while
+the set is still being run on the GPU; the summary and its verdicts are `target_summary.py`'s. The
+evaluation's helpers are the piece to move out once the set is done.)
+
 AReaL's and verl's headline figures are wall time to a reward at equal accuracy; the project's own
 were throughput on a model that learns nothing, and learning per step on a CPU. This joins them:
 each mode is a real `python -m pipeline.launch` run (the built-in engine over real HTTP and the real
