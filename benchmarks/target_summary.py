@@ -197,6 +197,8 @@ class RunFigures:
     steps: int
     seconds: float  # the steps' wall seconds, summed
     time_to_target: float | None
+    time_floor: float | None  # the judged point before it, which fell short: the crossing lies between
+    time_interpolated: float | None  # where the straight line between those two points meets the target
     steps_to_target: int | None
     final_reward: float  # mean over the last quarter of the evaluations (or of the steps, batch-judged)
     batch_final_reward: float  # the trained batch's reward, mean over the last quarter of the steps
@@ -213,6 +215,7 @@ def figures(run: dict[str, Any], target: float, smooth: int, smooth_eval: int = 
         raise ValueError(f"{len(run['reward'])} rewards against {len(seconds)} step times: one of each per step")
     curve = judged_curve(run, smooth, smooth_eval)
     hit = first_reach(curve.reward, target, curve.smooth)
+    floor, crossed = _crossing(curve, target, hit)
     busy = run.get("busy") or [0.0] * len(seconds)
     stall = run.get("publish_stall") or [0.0]
     steps = len(run["reward"])
@@ -222,6 +225,8 @@ def figures(run: dict[str, Any], target: float, smooth: int, smooth_eval: int = 
         steps=steps,
         seconds=total,
         time_to_target=None if hit is None else curve.seconds[hit],
+        time_floor=floor,
+        time_interpolated=crossed,
         steps_to_target=None if hit is None else curve.steps[hit],
         final_reward=last_quarter(curve.reward),
         batch_final_reward=last_quarter(run["reward"]),
@@ -230,6 +235,18 @@ def figures(run: dict[str, Any], target: float, smooth: int, smooth_eval: int = 
         busy=sum(b * s for b, s in zip(busy, seconds, strict=True)) / total if total > 0 else 0.0,
         publish_stall=statistics.fmean(stall),
     )
+
+
+def _crossing(curve: Curve, target: float, hit: int | None) -> tuple[float | None, float | None]:
+    """(the seconds of the judged point before the first to reach `target`, where the straight line
+    between the two meets it); the hit's own seconds twice when it is the first point."""
+    if hit is None:
+        return None, None
+    if hit == 0:
+        return curve.seconds[0], curve.seconds[0]
+    smoothed = trailing_mean(curve.reward, curve.smooth)
+    (t0, t1), (r0, r1) = curve.seconds[hit - 1 : hit + 1], smoothed[hit - 1 : hit + 1]
+    return t0, t0 + (t1 - t0) * (target - r0) / (r1 - r0)  # r0 < target <= r1: r1 > r0
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -260,6 +277,8 @@ def summarize(runs: Sequence[dict[str, Any]], target: float, smooth: int, smooth
                 "reached": len(times),
                 "time_to_target": _mean(times),
                 "time_to_target_std": _std(times),
+                "time_floor": _mean(f.time_floor for f in figs if f.time_floor is not None),
+                "time_interpolated": _mean(f.time_interpolated for f in figs if f.time_interpolated is not None),
                 "steps_to_target": _mean(f.steps_to_target for f in figs if f.steps_to_target is not None),
                 "final_reward": _mean(f.final_reward for f in figs),
                 "final_reward_std": _std(f.final_reward for f in figs),
@@ -279,13 +298,22 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row's time to target and final reward over its baseline's: a colocated mode's is
     colocated sync where it ran, every other mode's (colocated sync's too) sync's; None where
     there is no baseline, a seed of either never reached the target, or the baseline reached it at
-    0 s (at its base weights: the target measures no learning). `time_ratio_why` says which."""
+    0 s (at its base weights: the target measures no learning). `time_ratio_why` says which.
+
+    `time_ratio_bracket` is the range of time ratios the judged points allow: each seed crossed
+    the target somewhere after its last point short of it (`time_floor`), so with an evaluation
+    every few steps a ratio is known only between (floor / baseline's time) and (time /
+    baseline's floor); inf where the baseline's floor is its start; None unless both are judged by
+    evaluations (a batch-judged run has every step). `time_ratio_interpolated` reads
+    each crossing off the straight line between those two points: a point estimate inside the
+    bracket, exact only where the curve is straight between them."""
     by_mode = {r["mode"]: r for r in rows}
     for row in rows:
         colocated = row["mode"].endswith("-colocated") and row["mode"] != "sync-colocated"
         base = (by_mode.get("sync-colocated") if colocated else None) or by_mode.get("sync")
         row["baseline"] = base["mode"] if base else None
         row["time_ratio"] = row["time_ratio_why"] = row["time_ratio_noise"] = row["reward_ratio_noise"] = None
+        row["time_ratio_bracket"] = row["time_ratio_interpolated"] = None
         if base is None:
             row["time_ratio_why"] = "no sync ran"
         elif base["reached"] < base["seeds"] or row["reached"] < row["seeds"]:
@@ -298,6 +326,14 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 (row["time_to_target"], row["time_to_target_std"], row["reached"]),
                 (base["time_to_target"], base["time_to_target_std"], base["reached"]),
             )
+            if row["measure"] == base["measure"] == "eval":  # a step is the finest a batch-judged run has
+                row["time_ratio_bracket"] = (
+                    row["time_floor"] / base["time_to_target"],
+                    row["time_to_target"] / base["time_floor"] if base["time_floor"] > 0 else math.inf,
+                )
+                row["time_ratio_interpolated"] = (
+                    row["time_interpolated"] / base["time_interpolated"] if base["time_interpolated"] > 0 else None
+                )
         row["reward_ratio"] = row["final_reward"] / base["final_reward"] if base and base["final_reward"] else None
         if row["reward_ratio"] is not None and base is not None:
             row["reward_ratio_noise"] = ratio_noise(
@@ -342,6 +378,15 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
                 lines.append(f"target {mode} time <= {goal}x {row['baseline'] or 'sync'}: not measured ({why})")
             else:
                 met = _judged(row["time_ratio"], goal, row["time_ratio_noise"], at_most=True)
+                low, high = row["time_ratio_bracket"] or (math.nan, math.nan)
+                if low <= goal < high:
+                    inter = row["time_ratio_interpolated"]
+                    met += (
+                        f" (between evaluations: the crossings fit any ratio from {low:.2f}x to "
+                        + (f"{high:.2f}x" if math.isfinite(high) else "no bound")
+                        + ("" if inter is None else f", {inter:.2f}x on straight lines between them")
+                        + "; evaluating more often would tell)"
+                    )
                 lines.append(
                     f"target {mode} time <= {goal}x {row['baseline']}: {row['time_ratio']:.2f}x "
                     f"({row['time_to_target']:.1f} s against {row['time_to_target'] / row['time_ratio']:.1f} s): {met}"

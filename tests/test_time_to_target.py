@@ -224,6 +224,38 @@ def test_a_verdict_says_when_its_line_lies_inside_the_seeds_noise() -> None:
     assert ratio_noise((0.8, 0.0, 1), (0.8, 0.1, 3)) is None
 
 
+def test_a_crossing_between_evaluations_is_bracketed_and_read_off_a_straight_line() -> None:
+    def run(mode: str, reward: list[float], seconds: list[float]) -> dict[str, object]:
+        return _evaluated(mode, 0, [0.5] * 4, [1.0] * 4, {"reward": reward, "seconds": seconds})
+
+    runs = [
+        run("sync", [0.2, 0.6, 1.0], [0.0, 40.0, 80.0]),  # crosses 0.8 between 40 and 80 s: at 60 on the line
+        run("partial", [0.2, 0.6, 1.0], [0.0, 30.0, 60.0]),  # between 30 and 60 s: at 45
+        run("async", [0.2, 0.9, 1.0], [0.0, 20.0, 40.0]),  # between 0 and 20 s: at 20 x 0.6 / 0.7
+    ]
+    rows = {r["mode"]: r for r in summarize(runs, target=0.8, smooth=1)}
+    sync, partial, fast = rows["sync"], rows["partial"], rows["async"]
+    assert (sync["time_floor"], sync["time_to_target"], sync["time_interpolated"]) == pytest.approx((40, 80, 60))
+    assert fast["time_interpolated"] == pytest.approx(20 * 0.6 / 0.7)
+    assert partial["time_ratio"] == pytest.approx(0.75)
+    assert partial["time_ratio_bracket"] == pytest.approx((30 / 80, 60 / 40))
+    assert partial["time_ratio_interpolated"] == pytest.approx(0.75)
+    lines = verdicts(list(rows.values()))
+    # Partial's 0.8x line lies inside what its crossings allow: MET on the grid, and it says the grid cannot tell.
+    assert (
+        "target partial time <= 0.8x sync: 0.75x (60.0 s against 80.0 s): MET (between evaluations: the "
+        "crossings fit any ratio from 0.38x to 1.50x, 0.75x on straight lines between them; evaluating more "
+        "often would tell)"
+    ) in lines
+    # Async's whole bracket (0 to 0.5x) lies under 0.6x: the grid cannot change the verdict, so nothing is added.
+    assert "target async time <= 0.6x sync: 0.25x (20.0 s against 80.0 s): MET" in lines
+    # A baseline that reaches the target at its first evaluation after the start leaves no upper bound.
+    first = [run("sync", [0.2, 0.9, 1.0], [0.0, 40.0, 80.0]), run("async", [0.2, 0.6, 1.0], [0.0, 20.0, 40.0])]
+    row = summarize(first, target=0.8, smooth=1)[1]
+    assert row["time_ratio_bracket"] == (20 / 40, math.inf)
+    assert "from 0.50x to no bound" in verdicts([row])[0]
+
+
 def test_a_baseline_at_the_target_from_its_start_gives_no_ratio() -> None:
     at_start = {"reward": [0.8, 0.8, 0.8], "seconds": [0.0, 4.0, 8.0]}
     runs = [
