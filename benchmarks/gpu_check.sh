@@ -76,8 +76,9 @@ named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step -
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again
 # continues: runs.jsonl, state.json and the base model (bf16, in parts base.tar.part-NN of at most
 # 15 MiB, the first time) come back in $OUT/ttt/; put them all in build/ttt-state/ and carry that
-# folder to the next call, which then skips the base model's 4.4 minutes on the H200. TTT_FLAGS
-# adds flags.
+# folder to the next call, which then skips the base model's 4.4 minutes on the H200. Each run's
+# evaluation runs TTT_EVAL_WORKERS (3) evaluations side by side (one at a time took 72-91 s a run
+# on the H200, a third of the device time). TTT_FLAGS adds flags.
 ttt_dir=${TTT_DIR:-build/ttt}
 ttt_state=${TTT_STATE:-build/ttt-state}
 # runs.jsonl is what counts: a missing state.json is rebuilt from it (the same target, from the run that fixed it).
@@ -90,7 +91,7 @@ if named ttt && [ ! -f "$ttt_dir/work/base/base.json" ] && [ -f "$ttt_state/base
 fi
 # shellcheck disable=SC2086  # TTT_FLAGS: more flags, word by word
 named ttt && step ttt 570 python3 -m benchmarks.time_to_target --preset h200 --out "$ttt_dir" \
-  --budget-s "${TTT_BUDGET:-480}" ${TTT_FLAGS:-}
+  --budget-s "${TTT_BUDGET:-480}" --eval-workers "${TTT_EVAL_WORKERS:-3}" ${TTT_FLAGS:-}
 if named ttt; then
   mkdir -p "$out/ttt"
   # At most 8 files come back from a device call (summary.txt and ttt.log among them): the first

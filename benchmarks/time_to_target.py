@@ -68,10 +68,14 @@ lengths still follow the prompts.
 
 **Calls of a few minutes**: runs go one at a time (they share the device), each appended to
 `runs.jsonl` as it ends. `--budget-s` is this call's allowance: a run whose mode's past runs took
-longer than what is left is not started. The same command again continues: it keeps the target,
-rebuilds the base model if it is missing (deterministic: `state.json` keeps its fingerprint, and a
-rebuild that differs is named), and skips every finished run. Non-colocated modes run first, seed
-by seed, then the colocated ones, so a cut set has whole seeds of the first four.
+longer than what is left (with the last run's evaluation) is not started. `--eval-workers N` runs
+N evaluations side by side after each run, an engine each: one version's evaluation decodes its
+longest answer token after token, which leaves the GPU mostly idle (72-91 s a run on the H200 one
+at a time, a third of the device time); what is measured does not change. The same command again
+continues: it keeps the target, rebuilds the base model if it is missing (deterministic:
+`state.json` keeps its fingerprint, and a rebuild that differs is named), and skips every finished
+run. Non-colocated modes run first, seed by seed, then the colocated ones, so a cut set has whole
+seeds of the first four.
 
 **The shape, and why** (the `h200` preset: hidden 512, 8 layers, 8 heads, GQA 8/4, intermediate
 1,024: about 19M parameters, the tiny tokenizer's 64 ids), from the H200 figures in BENCHMARKS.md:
@@ -229,17 +233,15 @@ def planned_runs(modes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
 
 
 def estimate(mode: str, done: list[dict[str, Any]]) -> float | None:
-    """Seconds a run of `mode` is expected to take (start to end, as `wall` records, and its
-    evaluation's `eval_seconds`): its mode's past runs' mean, else the longest past run, else None
-    (nothing has run)."""
-    own = [_seconds(r) for r in done if r["mode"] == mode]
-    if own:
-        return statistics.fmean(own)
-    return max((_seconds(r) for r in done), default=None)
-
-
-def _seconds(run: dict[str, Any]) -> float:
-    return float(run["wall"]) + float(run.get("eval_seconds", 0.0))
+    """Seconds a run of `mode` is expected to take: its mode's past runs' mean `wall` (start to
+    end), else the longest past run's, plus the last run's `eval_seconds` (the evaluation is the
+    same for every mode, and the last one was made the way this call makes them: `--eval-workers`
+    may have changed since older ones); None when nothing has run."""
+    if not done:
+        return None
+    own = [float(r["wall"]) for r in done if r["mode"] == mode]
+    wall = statistics.fmean(own) if own else max(float(r["wall"]) for r in done)
+    return wall + float(done[-1].get("eval_seconds", 0.0))
 
 
 def fits(expected: float | None, left: float) -> bool:
@@ -363,13 +365,22 @@ def saved_versions(out: Path) -> list[int]:
     return [v for v, folder in saved_weights(out).items() if folder.parent.name == CHECKPOINTS_DIR]
 
 
-def evaluate_run(plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str]) -> tuple[list[int], float]:
+def evaluate_run(
+    plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str], workers: int = 1
+) -> tuple[list[int], float]:
     """Evaluate a finished run's base weights (version 0) and every checkpoint on the held-out set
     with `python -m pipeline.eval`; (the versions, its wall seconds). It starts a built-in engine of
     its own on the plan's device, so it gets the sync flags of the same plan and seed: a mode's flags
     (`--colocate`, `--rollout-mode async`, `--overlap-weight-transfer`) are about sharing a trainer's
     GPU and publishing while generating, and the evaluation has neither. The flags after `--` go to
-    it as they went to the run (they name what both load: engines, dtypes). RuntimeError when it fails."""
+    it as they went to the run (they name what both load: engines, dtypes). RuntimeError when it fails.
+
+    `workers` > 1 splits the versions between that many `python -m pipeline.eval` at once, each with
+    an engine of its own (`--eval-workers`): a version's evaluation is as long as its longest
+    answer's decode, token after token, which leaves a GPU mostly idle, so several side by side
+    take about the time of one. Each version gets the same prompts and sampling seeds either way,
+    and each line of `eval.jsonl` is written whole; a worker that fails (a port taken between its
+    pick and its bind) goes again alone before the evaluation counts as failed."""
     versions = [0, *saved_versions(out)]
     if versions[-1] != plan.steps:
         raise RuntimeError(
@@ -378,14 +389,33 @@ def evaluate_run(plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[s
         )
     flags = launch_flags(plan, "sync", seed, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
     cmd = [sys.executable, "-m", "pipeline.eval", *flags, *extra]
-    for v in versions:
-        cmd += ["--eval-version", str(v)]
+    groups = [versions[i::workers] for i in range(max(1, min(workers, len(versions))))]
     started = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
+    failed = _eval_side_by_side(cmd, groups, out)
+    for group, _ in failed:  # alone this time
+        done = subprocess.run(cmd + _version_flags(group), cwd=REPO, env=_env(), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
     seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
     return versions, seconds
+
+
+def _version_flags(versions: list[int]) -> list[str]:
+    return [flag for v in versions for flag in ("--eval-version", str(v))]
+
+
+def _eval_side_by_side(cmd: list[str], groups: list[list[int]], out: Path) -> list[tuple[list[int], str]]:
+    """Run `cmd` for each group of versions at once; the groups that failed, with their stderr's tail."""
+    logs = [out / f"eval-worker-{i}.log" for i in range(len(groups))]
+    procs = []
+    for group, log_path in zip(groups, logs, strict=True):
+        with log_path.open("w") as err:  # a file, not a pipe: no worker blocks on a full one
+            procs.append(subprocess.Popen(cmd + _version_flags(group), cwd=REPO, env=_env(), stdout=err, stderr=err))
+    failed = []
+    for group, proc, log_path in zip(groups, procs, logs, strict=True):
+        if proc.wait() != 0:
+            failed.append((group, log_path.read_text()[-3000:]))
+    return failed
 
 
 def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int]) -> dict[str, list[Any]]:
@@ -462,6 +492,7 @@ def _run(
     *,
     card: str,
     calibration: bool = False,
+    eval_workers: int = 1,
 ) -> dict[str, Any] | None:
     """One launcher run, then the evaluation of its weights; its record, or None (said why) when
     either failed (the next call runs it again)."""
@@ -487,7 +518,7 @@ def _run(
         rec["base"] = json.loads((inputs.base / "base.json").read_text())["fingerprint"][:12]
         rec["card"] = card
         try:
-            versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra)
+            versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra, eval_workers)
             rec["eval"] = read_evaluation(out, rec, versions)
         except RuntimeError as exc:
             print(f"run {name}: its evaluation failed: {exc}")
@@ -612,6 +643,12 @@ def main(argv: list[str] | None = None) -> int:
         "of its own",
     )
     p.add_argument("--budget-s", type=float, default=math.inf, help="this call's seconds; the rest waits")
+    p.add_argument(
+        "--eval-workers",
+        type=int,
+        default=1,
+        help="evaluations side by side after each run, an engine each (default 1); what is measured is the same",
+    )
     p.add_argument("--summarize", type=Path, default=None, metavar="DIR", help="report DIR's runs, run nothing")
     for name, kind in OVERRIDES.items():  # the preset's settings, one by one
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="the preset's, unless given")
@@ -625,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = TargetSpec.parse(args.target)
     except ValueError as exc:
         p.error(str(exc))
+    if args.eval_workers < 1:
+        p.error(f"--eval-workers {args.eval_workers}: must be at least 1 (one evaluation at a time)")
     plan = _plan(args)
     gpu = plan.device.startswith("cuda")
     modes = args.modes.split(",") if args.modes else [m for m in MODES if gpu or m not in COLOCATED]
@@ -706,8 +745,9 @@ def main(argv: list[str] | None = None) -> int:
             if not found:
                 print(f"{source} fixes the target", flush=True)
                 rec = _run(
-                    plan, "sync", args.calibration_seed, work, inputs, extra, card=card, calibration=not compared
-                )
+                    plan, "sync", args.calibration_seed, work, inputs, extra, card=card, calibration=not compared,
+                    eval_workers=args.eval_workers,
+                )  # fmt: skip
                 if rec is None:
                     raise SystemExit("the run that fixes the target failed: no target, no other runs")
                 keep(rec)
@@ -750,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         if not fits(expected, budget_left()):
             skipped[mode] += 1
             continue
-        rec = _run(plan, mode, seed, work, inputs, extra, card=card)
+        rec = _run(plan, mode, seed, work, inputs, extra, card=card, eval_workers=args.eval_workers)
         if rec is None:
             failed.append(run_name(mode, seed))
             continue

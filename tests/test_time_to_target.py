@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,14 @@ def test_a_run_starts_only_where_its_estimate_fits() -> None:
     assert estimate("sync", done) == pytest.approx(110.0)
     assert estimate("partial", done) == pytest.approx(120.0)  # never ran: the longest past run
     assert estimate("sync", []) is None
+    # The evaluation's seconds are the last run's, whatever its mode: older ones may have been made
+    # one version at a time, the last the way this call makes them.
+    done += [
+        {"mode": "async", "wall": 70.0, "eval_seconds": 80.0},
+        {"mode": "sync", "wall": 140.0, "eval_seconds": 30.0},
+    ]
+    assert estimate("sync", done) == pytest.approx(120.0 + 30.0)
+    assert estimate("partial", done) == pytest.approx(140.0 + 30.0)
     assert fits(None, 0.0)  # the first run of a folder starts
     assert fits(110.0, 122.0) and not fits(110.0, 120.0)
 
@@ -533,12 +542,24 @@ def test_the_cluster_twin_takes_steps_to_target_from_the_seed_mean_curve(tmp_pat
 
 
 @pytest.mark.slow
+def test_evaluations_side_by_side_report_the_groups_that_failed(tmp_path: Path) -> None:
+    from benchmarks.time_to_target import _eval_side_by_side
+
+    # A stand-in for `python -m pipeline.eval`: fails when asked for version 3.
+    cmd = [sys.executable, "-c", "import sys; print('to stderr', file=sys.stderr); sys.exit('3' in sys.argv)"]
+    failed = _eval_side_by_side(cmd, [[0, 2], [1, 3]], tmp_path)
+    assert [group for group, _ in failed] == [[1, 3]]
+    assert "to stderr" in failed[0][1]
+    assert _eval_side_by_side(cmd, [[0], [1]], tmp_path) == []
+
+
 def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`--quick`: every CPU mode's launcher run, then `python -m pipeline.eval` of its checkpoints."""
+    """`--quick`: every CPU mode's launcher run, then `python -m pipeline.eval` of its checkpoints,
+    two side by side (each version still scored once, on the same prompts)."""
     from benchmarks.time_to_target import main
 
     plan = PRESETS["quick"]
-    assert main(["--quick", "--out", str(tmp_path)]) == 0, capsys.readouterr().out[-3000:]
+    assert main(["--quick", "--out", str(tmp_path), "--eval-workers", "2"]) == 0, capsys.readouterr().out[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in runs] == [m for m in MODES if m not in COLOCATED]
     last = list(range(0, plan.steps + 1, plan.eval_every))
@@ -555,5 +576,8 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
     sync = runs[0]["eval"]["reward"]
     assert state["target"]["spec"] == "0.8r" and state["target"]["start"] == pytest.approx(sync[0])
     assert state["target"]["value"] == pytest.approx(sync[0] + 0.8 * (sync[-1] - sync[0]))  # one version a quarter
+    for run_dir in (tmp_path / "work" / "runs").iterdir():  # one line per version, none twice
+        evaluated = [json.loads(line)["version"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+        assert sorted(evaluated) == last
     summary = (tmp_path / "summary.md").read_text()
     assert "judged by the held-out reward (8 prompts" in summary and "trained-batch last-quarter reward" in summary
