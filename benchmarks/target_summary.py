@@ -180,6 +180,23 @@ def judged_curve(run: dict[str, Any], smooth: int, smooth_eval: int = 1) -> Curv
     return Curve("batch", reward, clock, list(range(1, len(reward) + 1)), max(1, smooth))
 
 
+def crossing_curve(run: dict[str, Any], curve: Curve) -> Curve:
+    """The curve the target's crossing is read off: the judged one with the run's refinement
+    (`eval_refined`: versions between the grid's evaluations around its crossing, from the weights
+    the run kept) merged in by version. Only for evaluations read one at a time (a trailing mean
+    over denser points would be another measure); the last quarter and the picture keep the grid."""
+    finer = run.get("eval_refined")
+    if curve.measure != "eval" or curve.smooth != 1 or not finer or not finer["version"]:
+        return curve
+    points = sorted(
+        {
+            **dict(zip(curve.steps, zip(curve.reward, curve.seconds, strict=True), strict=True)),
+            **dict(zip(finer["version"], zip(finer["reward"], finer["seconds"], strict=True), strict=True)),
+        }.items()
+    )
+    return Curve("eval", [r for _, (r, _) in points], [t for _, (_, t) in points], [v for v, _ in points], 1)
+
+
 def calibration_points(run: dict[str, Any], smooth: int, smooth_eval: int = 1) -> tuple[float, float]:
     """(start, plateau) of a calibration run: its first evaluation's reward (version 0, the base
     weights), or its first `smooth` steps' mean batch reward; and its last-quarter reward."""
@@ -214,8 +231,9 @@ def figures(run: dict[str, Any], target: float, smooth: int, smooth_eval: int = 
     if len(run["reward"]) != len(seconds):
         raise ValueError(f"{len(run['reward'])} rewards against {len(seconds)} step times: one of each per step")
     curve = judged_curve(run, smooth, smooth_eval)
-    hit = first_reach(curve.reward, target, curve.smooth)
-    floor, crossed = _crossing(curve, target, hit)
+    crossing = crossing_curve(run, curve)
+    hit = first_reach(crossing.reward, target, crossing.smooth)
+    floor, crossed = _crossing(crossing, target, hit)
     busy = run.get("busy") or [0.0] * len(seconds)
     stall = run.get("publish_stall") or [0.0]
     steps = len(run["reward"])
@@ -224,10 +242,10 @@ def figures(run: dict[str, Any], target: float, smooth: int, smooth_eval: int = 
         seed=int(run["seed"]),
         steps=steps,
         seconds=total,
-        time_to_target=None if hit is None else curve.seconds[hit],
+        time_to_target=None if hit is None else crossing.seconds[hit],
         time_floor=floor,
         time_interpolated=crossed,
-        steps_to_target=None if hit is None else curve.steps[hit],
+        steps_to_target=None if hit is None else crossing.steps[hit],
         final_reward=last_quarter(curve.reward),
         batch_final_reward=last_quarter(run["reward"]),
         measure=curve.measure,
@@ -303,9 +321,10 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     `time_ratio_bracket` is the range of time ratios the judged points allow: each seed crossed
     the target somewhere after its last point short of it (`time_floor`), so with an evaluation
     every few steps a ratio is known only between (floor / baseline's time) and (time /
-    baseline's floor); inf where the baseline's floor is its start; None unless both are judged by
-    evaluations (a batch-judged run has every step). `time_ratio_interpolated` reads
-    each crossing off the straight line between those two points: a point estimate inside the
+    baseline's floor), the points a step apart where runs refined their crossing
+    (`crossing_curve`); inf where the baseline's floor is its start; None unless both are judged
+    by evaluations (a batch-judged run has every step). `time_ratio_interpolated` reads each
+    crossing off the straight line between those two points: a point estimate inside the
     bracket, exact only where the curve is straight between them."""
     by_mode = {r["mode"]: r for r in rows}
     for row in rows:

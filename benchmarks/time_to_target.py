@@ -4,10 +4,10 @@
     python -m benchmarks.time_to_target --quick                                             # CPU smoke test
     python -m benchmarks.time_to_target --summarize DIR                                     # the table again
 
-(One module of about 760 lines, 130 of them this docstring, the plan's reasoning: the presets, a
-run's flags, its record and its evaluation are one experiment's parts and change together while
-the set is still being run on the GPU; the summary and its verdicts are `target_summary.py`'s. The
-evaluation's helpers are the piece to move out once the set is done.)
+(One module of about 800 lines, 150 of them this docstring, the plan's reasoning: the presets, a
+run's flags and its record are one experiment's parts and change together while the set is still
+being run on the GPU. The summary and its verdicts are `target_summary.py`'s; which versions a run
+is evaluated at, the evaluations side by side and the run's clock at each are `target_eval.py`'s.)
 
 AReaL's and verl's headline figures are wall time to a reward at equal accuracy; the project's own
 were throughput on a model that learns nothing, and learning per step on a CPU. This joins them:
@@ -42,6 +42,16 @@ runs a built-in engine of its own with the sync flags of the same plan and seed.
 is the run's first v steps' `perf/step_time`, less what its checkpoints took beyond a weights-only
 save (`perf/save_model_time`: the checkpoints are the measurement's, not the mode's).
 
+**The crossing, to the step**: a grid of 4 steps is coarse where the target is crossed in about
+ten (on the H200's first runs, any async time ratio from 0.16x to 0.81x of sync's fitted it). So a
+run keeps the weights-only folders its engines loaded (`--save-keep-weights`: written every step
+anyway, only not deleted) and, once the grid is evaluated, the kept versions between the grid's
+last evaluation short of the target and its first to reach it are evaluated too
+(`eval_refined`); the crossing is read off both (`target_summary.crossing_curve`), the last
+quarter and the picture off the grid. A colocated run publishes by CUDA IPC and has no folders to
+keep: its crossing stays on the grid, and the summary says what the grid allows
+(`time_ratio_bracket`). A folder of runs made before the refinement takes no new ones.
+
 **The target** is fixed before the runs it judges: `--target 0.8r` (the default) takes the start
 plus 0.8 x the rise from the start to the plateau of one sync run, the run of
 `--calibration-seed`: its start, the held-out reward of the base weights; its plateau, the mean
@@ -50,11 +60,12 @@ target before any other run starts and counts as seed 0's (one run less of devic
 outside `--seeds` makes a calibration run of its own, left out of the table. `--target 0.8x`
 takes 0.8 x the plateau (on the H200, with sync starting at 0.57 and plateauing at 0.87, it sat
 at 0.695: reached in 3-5 steps, it said little), `--target 0.62` that reward. It is written in
-`state.json` and every later call keeps it. A run reaches it at the first evaluated version whose
-trailing mean over `smooth_eval` versions does (`benchmarks/target_summary.py`; a record written
-before the evaluation is judged by its batch reward, over `--smooth` steps); its time is that
-version's: from the controller's start (engine start and model load left out, the trainer's
-first-step warm-up counted), as AReaL and verl count training time.
+`state.json` and every later call keeps it. A run reaches it at the first evaluated version
+(grid or refinement) whose trailing mean over `smooth_eval` versions does
+(`benchmarks/target_summary.py`; a record written before the evaluation is judged by its batch
+reward, over `--smooth` steps); its time is that version's: from the controller's start (engine
+start and model load left out, the trainer's first-step warm-up counted), as AReaL and verl count
+training time.
 
 **Per mode** (`summary.md`): time to target (mean over seeds, and how many reached it), its ratio
 to sync's (a colocated mode's to colocated sync's), steps to target, the held-out reward over the
@@ -116,7 +127,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -126,9 +136,17 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.target_eval import (
+    evaluate_versions,
+    grid_versions,
+    kept_versions,
+    read_evaluation,
+    refine_versions,
+)
 from benchmarks.target_summary import (
     TargetSpec,
     calibration_points,
@@ -273,6 +291,8 @@ def launch_flags(plan: Plan, mode: str, seed: int, *, base: Path, prompts: Path,
         flags += ["--max-tokens-per-gpu", "32768"]
         if mode not in COLOCATED:  # a colocated engine follows --trainer-device
             flags += ["--rollout-device", plan.device]
+    if mode not in COLOCATED:  # a colocated publish goes by CUDA IPC: no folders to keep
+        flags += ["--save-keep-weights"]
     flags += [f.format(double=2 * plan.batch) for f in MODES[mode]]
     return flags
 
@@ -333,40 +353,14 @@ def length_correlation(events: Path, counts: list[int]) -> float:
         return math.nan
 
 
-def checkpoint_overhead(save_seconds: list[float], checkpoint: list[bool]) -> list[float]:
-    """Per step, the seconds its save took for the evaluation's checkpoints: at a checkpoint step,
-    its save less the median of the run's other steps' saves (the weights-only folder the engines
-    load, which the step writes anyway when it publishes from disk; nothing where it does not), 0
-    at every other step. With no step but checkpoints, each checkpoint's whole save."""
-    plain = [s for s, c in zip(save_seconds, checkpoint, strict=True) if not c]
-    usual = statistics.median(plain) if plain else 0.0
-    return [max(0.0, s - usual) if c else 0.0 for s, c in zip(save_seconds, checkpoint, strict=True)]
-
-
-def eval_clock(
-    step_seconds: list[float], save_seconds: list[float], checkpoint: list[bool], versions: list[int]
-) -> list[float]:
-    """The run's wall seconds at which each version's weights were made: version v after step v-1,
-    so its first v steps' seconds less the checkpoints' extra seconds in them (the checkpoints are
-    the measurement's, not the mode's: `checkpoint_overhead`). Version 0, the base weights, at 0."""
-    extra = checkpoint_overhead(save_seconds, checkpoint)
-    clock = [0.0, *itertools.accumulate(s - e for s, e in zip(step_seconds, extra, strict=True))]
-    if bad := [v for v in versions if not 0 <= v < len(clock)]:
-        raise ValueError(f"versions {bad}: a run of {len(step_seconds)} steps makes versions 0..{len(step_seconds)}")
-    return [clock[v] for v in versions]
-
-
-def saved_versions(out: Path) -> list[int]:
-    """The versions the run's checkpoints hold (`checkpoints/vN`, written whole), as `python -m
-    pipeline.eval` finds them; a weights-only publish folder left at the end is not one."""
-    from pipeline.checkpoints import CHECKPOINTS_DIR
-    from pipeline.run.eval_run import saved_weights
-
-    return [v for v, folder in saved_weights(out).items() if folder.parent.name == CHECKPOINTS_DIR]
-
-
 def evaluate_run(
-    plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str], workers: int = 1
+    plan: Plan,
+    seed: int,
+    inputs: Inputs,
+    out: Path,
+    extra: list[str],
+    workers: int = 1,
+    versions: list[int] | None = None,
 ) -> tuple[list[int], float]:
     """Evaluate a finished run's base weights (version 0) and every checkpoint on the held-out set
     with `python -m pipeline.eval`; (the versions, its wall seconds). It starts a built-in engine of
@@ -380,56 +374,22 @@ def evaluate_run(
     answer's decode, token after token, which leaves a GPU mostly idle, so several side by side
     take about the time of one. Each version gets the same prompts and sampling seeds either way,
     and each line of `eval.jsonl` is written whole; a worker that fails (a port taken between its
-    pick and its bind) goes again alone before the evaluation counts as failed."""
-    versions = [0, *saved_versions(out)]
-    if versions[-1] != plan.steps:
-        raise RuntimeError(
-            f"{out}: checkpoints of versions {versions[1:]}, not the last step's (v{plan.steps}): "
-            f"--save-interval {plan.eval_every} saves every {plan.eval_every} steps and the last"
-        )
+    pick and its bind) goes again alone before the evaluation counts as failed
+    (`target_eval.evaluate_versions`).
+
+    `versions` names others than the grid (the refinement's: `refine_versions`)."""
+    if versions is None:
+        versions = grid_versions(out)
+        if versions[-1] != plan.steps:
+            raise RuntimeError(
+                f"{out}: checkpoints of versions {versions[1:]}, not the last step's (v{plan.steps}): "
+                f"--save-interval {plan.eval_every} saves every {plan.eval_every} steps and the last"
+            )
+    if not versions:
+        return [], 0.0
     flags = launch_flags(plan, "sync", seed, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
     cmd = [sys.executable, "-m", "pipeline.eval", *flags, *extra]
-    groups = [versions[i::workers] for i in range(max(1, min(workers, len(versions))))]
-    started = time.perf_counter()
-    failed = _eval_side_by_side(cmd, groups, out)
-    for group, _ in failed:  # alone this time
-        done = subprocess.run(cmd + _version_flags(group), cwd=REPO, env=_env(), capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
-    seconds = time.perf_counter() - started
-    return versions, seconds
-
-
-def _version_flags(versions: list[int]) -> list[str]:
-    return [flag for v in versions for flag in ("--eval-version", str(v))]
-
-
-def _eval_side_by_side(cmd: list[str], groups: list[list[int]], out: Path) -> list[tuple[list[int], str]]:
-    """Run `cmd` for each group of versions at once; the groups that failed, with their stderr's tail."""
-    logs = [out / f"eval-worker-{i}.log" for i in range(len(groups))]
-    procs = []
-    for group, log_path in zip(groups, logs, strict=True):
-        with log_path.open("w") as err:  # a file, not a pipe: no worker blocks on a full one
-            procs.append(subprocess.Popen(cmd + _version_flags(group), cwd=REPO, env=_env(), stdout=err, stderr=err))
-    failed = []
-    for group, proc, log_path in zip(groups, procs, logs, strict=True):
-        if proc.wait() != 0:
-            failed.append((group, log_path.read_text()[-3000:]))
-    return failed
-
-
-def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int]) -> dict[str, list[Any]]:
-    """The run record's `eval`: each version's held-out reward (`eval/heldout` in the run's
-    eval.jsonl) and the run's seconds when it was made (`eval_clock`). RuntimeError when a version
-    has no reward (not evaluated, or every sample of it failed)."""
-    from pipeline.evaluation import EvalLog
-
-    done = EvalLog(out / "eval.jsonl").evaluated()
-    reward = [float(done.get(v, {}).get(EVAL_KEY, math.nan)) for v in versions]
-    if missing := [v for v, r in zip(versions, reward, strict=True) if not math.isfinite(r)]:
-        raise RuntimeError(f"{out / 'eval.jsonl'}: no {EVAL_KEY} for versions {missing} (evaluated: {sorted(done)})")
-    seconds = eval_clock(rec["step_seconds"], rec["save_seconds"], rec["checkpoint"], versions)
-    return {"version": versions, "reward": reward, "seconds": seconds}
+    return versions, evaluate_versions(cmd, versions, out, workers, cwd=REPO, env=_env())
 
 
 def _env() -> dict[str, str]:
@@ -491,11 +451,14 @@ def _run(
     extra: list[str],
     *,
     card: str,
+    target_of: Callable[[dict[str, Any]], float],
     calibration: bool = False,
     eval_workers: int = 1,
 ) -> dict[str, Any] | None:
     """One launcher run, then the evaluation of its weights; its record, or None (said why) when
-    either failed (the next call runs it again)."""
+    either failed (the next call runs it again). `target_of` gives the set's target from the run's
+    record with its grid evaluation (the run that fixes it computes it from its own): where the
+    grid crosses it, the kept versions between are evaluated too (`eval_refined`)."""
     name = run_name(mode, seed, calibration)
     out = work / "runs" / name
     shutil.rmtree(out, ignore_errors=True)  # a run cut short by an earlier call starts over
@@ -519,7 +482,12 @@ def _run(
         rec["card"] = card
         try:
             versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra, eval_workers)
-            rec["eval"] = read_evaluation(out, rec, versions)
+            rec["eval"] = read_evaluation(out, rec, versions, EVAL_KEY)
+            if plan.smooth_eval == 1:  # a trailing mean over evaluations would change with denser ones
+                finer = refine_versions(rec["eval"], kept_versions(out), target_of(rec))
+                finer, seconds = evaluate_run(plan, seed, inputs, out, extra, eval_workers, finer)
+                rec["eval_refined"] = read_evaluation(out, rec, finer, EVAL_KEY)
+                rec["eval_seconds"] += seconds
         except RuntimeError as exc:
             print(f"run {name}: its evaluation failed: {exc}")
             return None
@@ -699,6 +667,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{runs_path}: runs {old} have no held-out evaluation: made before it, with another plan; "
             "give another --out (--summarize still reports them)"
         )
+    # Runs made before the refinement crossed the target on the grid alone: a mode whose seeds mix
+    # the two would mix two measures.
+    coarse = [run_name(r["mode"], r["seed"], bool(r.get("calibration"))) for r in runs if "eval_refined" not in r]
+    if coarse and plan.smooth_eval == 1:
+        raise SystemExit(
+            f"{runs_path}: runs {coarse} read their crossing off the evaluation grid alone (made before runs "
+            "kept their weights to refine it); give another --out (--summarize still reports them)"
+        )
     card = card_name(plan.device)
     if why := mixed_cards(card, state, runs):
         raise SystemExit(f"{out}: {why}")
@@ -744,9 +720,14 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if not found:
                 print(f"{source} fixes the target", flush=True)
+
+                def own_target(rec: dict[str, Any]) -> float:
+                    start, plateau = calibration_points(rec, plan.smooth, plan.smooth_eval)
+                    return spec.resolve(plateau, start)
+
                 rec = _run(
                     plan, "sync", args.calibration_seed, work, inputs, extra, card=card, calibration=not compared,
-                    eval_workers=args.eval_workers,
+                    target_of=own_target, eval_workers=args.eval_workers,
                 )  # fmt: skip
                 if rec is None:
                     raise SystemExit("the run that fixes the target failed: no target, no other runs")
@@ -781,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: to target "
                   + ("never" if reached is None else f"{reached:.1f} s"), flush=True)  # fmt: skip
 
+    target = state["target"]["value"]
     finished = {(r["mode"], r["seed"]) for r in runs if not r.get("calibration")}
     todo = [(m, s) for m, s in planned_runs(modes, seeds) if (m, s) not in finished]
     failed: list[str] = []
@@ -790,7 +772,9 @@ def main(argv: list[str] | None = None) -> int:
         if not fits(expected, budget_left()):
             skipped[mode] += 1
             continue
-        rec = _run(plan, mode, seed, work, inputs, extra, card=card, eval_workers=args.eval_workers)
+        rec = _run(
+            plan, mode, seed, work, inputs, extra, card=card, target_of=lambda _: target, eval_workers=args.eval_workers
+        )
         if rec is None:
             failed.append(run_name(mode, seed))
             continue

@@ -9,7 +9,9 @@ Two kinds of folder, two purposes:
 - A publish folder, `weights/vN`, is what the engines load between checkpoints: weights only
   (`save_model`, when the trainer has it), written only where the transport needs a disk (none with
   `--update-weight-transport distributed`), and deleted once every live engine serves a later
-  version (the next publish succeeded). At a checkpoint step the checkpoint itself is published.
+  version (the next publish succeeded), unless `--save-keep-weights` keeps every one (to evaluate
+  each version afterwards: `python -m pipeline.eval`). At a checkpoint step the checkpoint itself
+  is published.
 
 A checkpoint also records what it covers (`covers.json`: its step, the dataset cursor, and the
 groups below the cursor its steps did not settle; `Store.coverage`), so that a resume whose store
@@ -94,6 +96,7 @@ class CheckpointPolicy:
     publish_dir: Path  # weights-only folders the engines load between checkpoints
     interval: int = 1  # a checkpoint every N steps (and at the run's last step)
     keep_last: int = 0  # checkpoints kept; 0 keeps every one
+    keep_published: bool = False  # weights-only folders stay once served past: every version evaluable
 
     def __post_init__(self) -> None:
         if not isinstance(self.interval, int) or self.interval < 1:
@@ -471,7 +474,8 @@ class StepSaver:
         if self.policy is None:
             return
         previous, self.served = self.served, saved
-        if previous is not None and not previous.checkpoint and previous.folder != saved.folder:
+        kept = self.policy.keep_published
+        if previous is not None and not previous.checkpoint and previous.folder != saved.folder and not kept:
             remove_folder(previous.folder)
         if saved.checkpoint:
             prune_checkpoints(self.policy, step + 1)

@@ -19,6 +19,7 @@ from core.errors import ConfigError, StoreError
 from core.types import Batch, FinishReason, Group, PromptTask, Sample, Segment
 from pipeline.checkpoints import (
     CheckpointPolicy,
+    StepSaver,
     checkpoint_versions,
     prune_checkpoints,
     remove_publish_folders,
@@ -156,6 +157,19 @@ def test_retention_keeps_the_newest_counted_checkpoints_and_publish_folders_go(t
     assert remove_publish_folders(policy) == 1
     assert sorted(p.name for p in policy.publish_dir.iterdir()) == ["v9"]
     assert sorted(checkpoint_versions(policy.dir, policy.publish_dir)) == [5, 6, 9]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_publish_folder_goes_once_served_past_unless_kept(tmp_path, keep):
+    trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
+    policy = dataclasses.replace(_policy(tmp_path, interval=3), keep_published=keep)
+    saver = StepSaver.starting(policy, tmp_path / "weights", num_steps=6, first_step=0, transfer=None)
+    for step in range(4):  # weights-only v1, v2; the checkpoint v3; weights-only v4
+        saver.published(saver.save(trainer, step), step)
+    left = sorted(p.name for p in policy.publish_dir.iterdir())
+    # The engines serve v4; v1 and v2 were served past (v3, a checkpoint, is never a publish folder).
+    assert left == (["v1", "v2", "v4"] if keep else ["v4"])
+    assert sorted(checkpoint_versions(policy.dir, policy.publish_dir)) == [3]  # kept ones are not checkpoints
 
 
 def test_save_step_writes_a_checkpoint_on_cadence_weights_only_between_and_nothing_for_distributed(tmp_path):

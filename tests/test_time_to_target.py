@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.base_model import RIGHT_LETTER_SHARE, _batches, base_answer
+from benchmarks.target_eval import eval_clock, read_evaluation, refine_versions
 from benchmarks.target_summary import (
     TargetSpec,
     calibration_points,
@@ -32,12 +34,10 @@ from benchmarks.time_to_target import (
     MODES,
     PRESETS,
     estimate,
-    eval_clock,
     fits,
     launch_flags,
     length_correlation,
     planned_runs,
-    read_evaluation,
     record,
 )
 from core.types import FinishReason, PromptTask, Sample, Segment
@@ -257,6 +257,33 @@ def test_a_crossing_between_evaluations_is_bracketed_and_read_off_a_straight_lin
     assert "from 0.50x to no bound" in verdicts([row])[0]
 
 
+def test_a_runs_refinement_puts_the_crossing_at_its_step_and_leaves_the_rest_to_the_grid() -> None:
+    grid = {
+        "version": [0, 2, 4, 6, 8, 10, 12],
+        "reward": [0.2, 0.6, 1.0, 0.9, 0.9, 0.9, 0.7],
+        "seconds": [0.0, 40.0, 80.0, 120.0, 160.0, 200.0, 240.0],
+    }
+    run = _run("sync", 0, [0.5] * 12, [20.0] * 12, eval=grid)
+    coarse = figures(run, target=0.8, smooth=1)
+    assert (coarse.time_to_target, coarse.steps_to_target, coarse.time_floor) == (80.0, 4, 40.0)
+    run["eval_refined"] = {"version": [3], "reward": [0.85], "seconds": [60.0]}
+    fine = figures(run, target=0.8, smooth=1)
+    assert (fine.time_to_target, fine.steps_to_target, fine.time_floor) == (60.0, 3, 40.0)
+    assert fine.time_interpolated == pytest.approx(40.0 + 20.0 * 0.2 / 0.25)
+    # The last quarter is the grid's (its last of 7 evaluations), as in a run without refinement.
+    assert fine.final_reward == coarse.final_reward == pytest.approx(0.7)
+    # A refined version short of the target moves only the floor.
+    run["eval_refined"] = {"version": [3], "reward": [0.7], "seconds": [60.0]}
+    short = figures(run, target=0.8, smooth=1)
+    assert (short.time_to_target, short.time_floor) == (80.0, 60.0)
+    # Read through a trailing mean over evaluations, denser points would be another measure: the grid alone.
+    assert figures(run, target=0.8, smooth=1, smooth_eval=2).time_floor == coarse.time_floor
+    # Which versions a run evaluates again: the kept ones strictly between the grid's points around its crossing.
+    assert refine_versions(grid, [1, 2, 3, 5], target=0.8) == [3]
+    assert refine_versions(grid, [1, 3], target=1.1) == []  # never reached
+    assert refine_versions({**grid, "reward": [0.9] * 7}, [1, 3], target=0.8) == []  # reached at the start
+
+
 def test_a_baseline_at_the_target_from_its_start_gives_no_ratio() -> None:
     at_start = {"reward": [0.8, 0.8, 0.8], "seconds": [0.0, 4.0, 8.0]}
     runs = [
@@ -409,10 +436,10 @@ def test_a_runs_evaluation_is_read_from_its_eval_log(tmp_path: Path) -> None:
     ]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     rec = {"step_seconds": [2.0] * 4, "save_seconds": [0.1, 0.5, 0.1, 0.7], "checkpoint": [False, True, False, True]}
-    ev = read_evaluation(tmp_path, rec, [0, 2, 4])
+    ev = read_evaluation(tmp_path, rec, [0, 2, 4], EVAL_KEY)
     assert ev == {"version": [0, 2, 4], "reward": [0.25, 0.5, 0.75], "seconds": pytest.approx([0.0, 3.6, 7.0])}
     with pytest.raises(RuntimeError, match=r"no eval/heldout for versions \[1\] \(evaluated: \[0, 2, 3, 4\]\)"):
-        read_evaluation(tmp_path, rec, [0, 1])
+        read_evaluation(tmp_path, rec, [0, 1], EVAL_KEY)
     # Time to target at version 4's seconds, the checkpoints' extra seconds left out: 7.0, not 8.0.
     fig = figures({**_run("sync", 0, [0.1] * 4, rec["step_seconds"]), "eval": ev}, target=0.7, smooth=1)
     assert fig.time_to_target == pytest.approx(7.0) and fig.steps_to_target == 4
@@ -438,12 +465,25 @@ def test_a_folder_of_runs_without_an_evaluation_is_refused_but_still_summarized(
     assert "judged by the trained-batch reward" in out and "| async | 1/1 | 2.0 ± 0.0 | 0.17 | 1.0 |" in out
 
 
+def test_a_folder_of_runs_judged_on_the_grid_alone_is_refused(tmp_path: Path) -> None:
+    from benchmarks.time_to_target import main
+
+    # The H200's first seven runs of lr 1e-4: evaluated, but made before the runs kept their
+    # weights, so their crossings are the grid's; new runs would read theirs to the step.
+    ev = {"version": [0, 2], "reward": [0.5, 0.9], "seconds": [0.0, 8.0]}
+    (tmp_path / "runs.jsonl").write_text(json.dumps(_run("sync", 0, [0.5, 0.7], [4.0] * 2, eval=ev)) + "\n")
+    with pytest.raises(SystemExit, match=r"runs \['sync-s0'\] read their crossing off the evaluation grid alone"):
+        main(["--quick", "--out", str(tmp_path)])
+    assert not (tmp_path / "work").exists()
+
+
 def test_a_folder_timed_on_one_card_refuses_runs_on_another(tmp_path: Path) -> None:
     from benchmarks.time_to_target import main, mixed_cards
 
     # A set carried from call to call may find the next call on another kind of card (the device
     # tool lends an H100 or an H200): its times would not compare, so nothing is added.
-    h200 = [_run("sync", 0, [0.5, 0.7], [4.0] * 2, card="NVIDIA H200", eval={"version": [0], "reward": [0.5]})]
+    ev, refined = {"version": [0], "reward": [0.5]}, {"version": [], "reward": [], "seconds": []}
+    h200 = [_run("sync", 0, [0.5, 0.7], [4.0] * 2, card="NVIDIA H200", eval=ev, eval_refined=refined)]
     assert mixed_cards("NVIDIA H200", {"card": "NVIDIA H200"}, h200) is None
     assert mixed_cards("cpu", {}, []) is None
     why = mixed_cards("NVIDIA H100 80GB HBM3", {}, h200)  # runs.jsonl carried without state.json
@@ -541,18 +581,46 @@ def test_the_cluster_twin_takes_steps_to_target_from_the_seed_mean_curve(tmp_pat
 # ---- end to end ------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_evaluations_side_by_side_report_the_groups_that_failed(tmp_path: Path) -> None:
-    from benchmarks.time_to_target import _eval_side_by_side
+    from benchmarks.target_eval import _eval_side_by_side
 
     # A stand-in for `python -m pipeline.eval`: fails when asked for version 3.
     cmd = [sys.executable, "-c", "import sys; print('to stderr', file=sys.stderr); sys.exit('3' in sys.argv)"]
-    failed = _eval_side_by_side(cmd, [[0, 2], [1, 3]], tmp_path)
+    failed = _eval_side_by_side(cmd, [[0, 2], [1, 3]], tmp_path, cwd=tmp_path, env=dict(os.environ))
     assert [group for group, _ in failed] == [[1, 3]]
     assert "to stderr" in failed[0][1]
-    assert _eval_side_by_side(cmd, [[0], [1]], tmp_path) == []
+    assert _eval_side_by_side(cmd, [[0], [1]], tmp_path, cwd=tmp_path, env=dict(os.environ)) == []
 
 
+@pytest.mark.slow
+def test_a_run_keeps_its_weights_folders_and_any_kept_version_is_evaluated(tmp_path: Path) -> None:
+    """`--save-keep-weights` in a real launcher run: every weights-only folder between the
+    checkpoints stays, and the evaluation reads any of them (what a refinement asks for)."""
+    import subprocess
+
+    from benchmarks.target_eval import grid_versions, kept_versions, read_evaluation
+    from benchmarks.time_to_target import REPO, _env, _prepare, evaluate_run
+
+    plan = PRESETS["quick"]
+    inputs = _prepare(plan, tmp_path / "work", {})
+    out = tmp_path / "run"
+    flags = launch_flags(plan, "sync", 0, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.launch", *flags], cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    grid = list(range(0, plan.steps + 1, plan.eval_every))
+    assert grid_versions(out) == grid
+    assert kept_versions(out) == [v for v in range(1, plan.steps + 1) if v not in grid]  # v1, v3, v5
+    rec = record(out, "sync", 0, plan, inputs.counts, wall=0.0, calibration=False)
+    versions, seconds = evaluate_run(plan, 0, inputs, out, [], workers=2, versions=[1, 3])
+    ev = read_evaluation(out, rec, versions, EVAL_KEY)
+    assert ev["version"] == [1, 3] and all(0.0 <= r <= 1.0 for r in ev["reward"]) and seconds > 0
+    assert 0.0 < ev["seconds"][0] < ev["seconds"][1]
+    assert evaluate_run(plan, 0, inputs, out, [], versions=[]) == ([], 0.0)  # nothing to refine
+
+
+@pytest.mark.slow
 def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--quick`: every CPU mode's launcher run, then `python -m pipeline.eval` of its checkpoints,
     two side by side (each version still scored once, on the same prompts)."""
@@ -576,8 +644,15 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
     sync = runs[0]["eval"]["reward"]
     assert state["target"]["spec"] == "0.8r" and state["target"]["start"] == pytest.approx(sync[0])
     assert state["target"]["value"] == pytest.approx(sync[0] + 0.8 * (sync[-1] - sync[0]))  # one version a quarter
-    for run_dir in (tmp_path / "work" / "runs").iterdir():  # one line per version, none twice
+    target = state["target"]["value"]
+    for run in runs:
+        # Where the grid crossed the target after its start, the kept step between went too (6 steps,
+        # a checkpoint every 2: one step between two evaluations).
+        hit = next(i for i, r in enumerate(run["eval"]["reward"] + [math.inf]) if r >= target)
+        between = [v for v in range(1, plan.steps) if 0 < hit < len(last) and last[hit - 1] < v < last[hit]]
+        assert run["eval_refined"]["version"] == between
+        run_dir = tmp_path / "work" / "runs" / f"{run['mode']}-s{run['seed']}"
         evaluated = [json.loads(line)["version"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-        assert sorted(evaluated) == last
+        assert sorted(evaluated) == sorted(last + between)  # one line per version, none twice
     summary = (tmp_path / "summary.md").read_text()
     assert "judged by the held-out reward (8 prompts" in summary and "trained-batch last-quarter reward" in summary

@@ -164,6 +164,14 @@ class OutputConfig:
     save_keep_last: int = opt(
         3, "--save-keep-last", "int", ge=0, help="checkpoints kept, the newest; 0 keeps every one"
     )
+    save_keep_weights: bool = opt(
+        False,
+        "--save-keep-weights",
+        "bool",
+        help="keep every weights-only folder the engines loaded between checkpoints (weights/vN, one model a "
+        "step), for python -m pipeline.eval of every version afterwards; by default each goes once a later "
+        "one is served",
+    )
     progress: bool = opt(True, "--progress", "bool", help="progress bar")
     log_level: str = opt(
         "info", "--log-level", "choice", choices=("debug", "info", "warning", "error"), help="log level"

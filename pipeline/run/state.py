@@ -168,6 +168,7 @@ def _check_start(config: Config, out: Path, model: StartingModel) -> _Start:
         out / PUBLISH_DIR,
         interval=config.output.save_interval,
         keep_last=config.output.save_keep_last,
+        keep_published=config.output.save_keep_weights,
     )
     owner = _check_weights_owner(out / "weights", config)
     return _Start(dataset, reward_fn, meta, policy, owner)
@@ -209,10 +210,12 @@ def _resume(
     _record_weights_owner(out / "weights", config, start.owner)
     for saves in (policy.publish_dir, policy.dir):
         _remove_unfinished_saves(saves)
-    # What the engines loaded between checkpoints is never needed again: a resume reloads the
-    # checkpoint. Checkpoints beyond the newest --save-keep-last go too (a kill may have come
-    # between a commit and that deletion).
-    remove_publish_folders(policy)
+    # What the engines loaded between checkpoints is never needed again by the run (a resume
+    # reloads the checkpoint), unless --save-keep-weights keeps it for evaluation. Checkpoints
+    # beyond the newest --save-keep-last go too (a kill may have come between a commit and that
+    # deletion).
+    if not policy.keep_published:
+        remove_publish_folders(policy)
     prune_checkpoints(policy, trained + 1)
     return RunState(
         model_path,

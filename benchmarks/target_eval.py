@@ -1,0 +1,136 @@
+"""A time-to-target run's evaluation (`benchmarks/time_to_target.py`): which versions it is
+evaluated at (the grid of its checkpoints, and the weights it kept between the grid's evaluations
+around its crossing of the target), `python -m pipeline.eval` for them side by side, and the run's
+clock at each version, less what the evaluation's own checkpoints cost it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.target_summary import first_reach
+
+__all__ = [
+    "checkpoint_overhead",
+    "eval_clock",
+    "evaluate_versions",
+    "grid_versions",
+    "kept_versions",
+    "read_evaluation",
+    "refine_versions",
+    "saved_versions",
+]
+
+
+def checkpoint_overhead(save_seconds: list[float], checkpoint: list[bool]) -> list[float]:
+    """Per step, the seconds its save took for the evaluation's checkpoints: at a checkpoint step,
+    its save less the median of the run's other steps' saves (the weights-only folder the engines
+    load, which the step writes anyway when it publishes from disk; nothing where it does not), 0
+    at every other step. With no step but checkpoints, each checkpoint's whole save."""
+    plain = [s for s, c in zip(save_seconds, checkpoint, strict=True) if not c]
+    usual = statistics.median(plain) if plain else 0.0
+    return [max(0.0, s - usual) if c else 0.0 for s, c in zip(save_seconds, checkpoint, strict=True)]
+
+
+def eval_clock(
+    step_seconds: list[float], save_seconds: list[float], checkpoint: list[bool], versions: list[int]
+) -> list[float]:
+    """The run's wall seconds at which each version's weights were made: version v after step v-1,
+    so its first v steps' seconds less the checkpoints' extra seconds in them (the checkpoints are
+    the measurement's, not the mode's: `checkpoint_overhead`). Version 0, the base weights, at 0."""
+    extra = checkpoint_overhead(save_seconds, checkpoint)
+    clock = [0.0, *itertools.accumulate(s - e for s, e in zip(step_seconds, extra, strict=True))]
+    if bad := [v for v in versions if not 0 <= v < len(clock)]:
+        raise ValueError(f"versions {bad}: a run of {len(step_seconds)} steps makes versions 0..{len(step_seconds)}")
+    return [clock[v] for v in versions]
+
+
+def saved_versions(out: Path) -> list[int]:
+    """The versions the run's checkpoints hold (`checkpoints/vN`, written whole), as `python -m
+    pipeline.eval` finds them; a weights-only publish folder (kept by `--save-keep-weights`) is not one."""
+    from pipeline.checkpoints import CHECKPOINTS_DIR
+    from pipeline.run.eval_run import saved_weights
+
+    return [v for v, folder in saved_weights(out).items() if folder.parent.name == CHECKPOINTS_DIR]
+
+
+def grid_versions(out: Path) -> list[int]:
+    """What every run is evaluated at: the base weights and each checkpoint."""
+    return [0, *saved_versions(out)]
+
+
+def kept_versions(out: Path) -> list[int]:
+    """The versions whose weights-only folders the run kept (`weights/vN`, `--save-keep-weights`)."""
+    from pipeline.checkpoints import PUBLISH_DIR
+    from pipeline.run.eval_run import saved_weights
+
+    return [v for v, folder in saved_weights(out).items() if folder.parent.name == PUBLISH_DIR]
+
+
+def refine_versions(grid: dict[str, list[Any]], kept: list[int], target: float) -> list[int]:
+    """The kept versions between the grid's last evaluation short of `target` and its first to
+    reach it: evaluated too, they put the crossing at the step it happened, not at the next
+    evaluation of the grid (`benchmarks/target_summary.figures` reads both). None when the grid
+    never reaches it, or reaches it at its first version."""
+    hit = first_reach(grid["reward"], target, 1)
+    if not hit:
+        return []
+    low, high = grid["version"][hit - 1], grid["version"][hit]
+    return [v for v in kept if low < v < high]
+
+
+def _version_flags(versions: list[int]) -> list[str]:
+    return [flag for v in versions for flag in ("--eval-version", str(v))]
+
+
+def evaluate_versions(
+    cmd: list[str], versions: list[int], out: Path, workers: int, *, cwd: Path, env: dict[str, str]
+) -> float:
+    """`cmd` (a `python -m pipeline.eval` of the run in `out`) for `versions`, split between
+    `workers` side by side, each with an engine of its own; its wall seconds. A version's
+    evaluation is as long as its longest answer's decode, token after token, which leaves a GPU
+    mostly idle: several side by side take about the time of one. Each gets the same prompts and
+    sampling seeds either way, and each line of `eval.jsonl` is written whole. A worker that fails
+    (a port taken between its pick and its bind) goes again alone; RuntimeError when that fails."""
+    groups = [versions[i::workers] for i in range(max(1, min(workers, len(versions))))]
+    started = time.perf_counter()
+    for group, _ in _eval_side_by_side(cmd, groups, out, cwd=cwd, env=env):  # alone this time
+        done = subprocess.run(cmd + _version_flags(group), cwd=cwd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def _eval_side_by_side(
+    cmd: list[str], groups: list[list[int]], out: Path, *, cwd: Path, env: dict[str, str]
+) -> list[tuple[list[int], str]]:
+    """Run `cmd` for each group of versions at once; the groups that failed, with their stderr's tail."""
+    logs = [out / f"eval-worker-{i}.log" for i in range(len(groups))]
+    procs = []
+    for group, log_path in zip(groups, logs, strict=True):
+        with log_path.open("w") as err:  # a file, not a pipe: no worker blocks on a full one
+            procs.append(subprocess.Popen(cmd + _version_flags(group), cwd=cwd, env=env, stdout=err, stderr=err))
+    failed = []
+    for group, proc, log_path in zip(groups, procs, logs, strict=True):
+        if proc.wait() != 0:
+            failed.append((group, log_path.read_text()[-3000:]))
+    return failed
+
+
+def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: str) -> dict[str, list[Any]]:
+    """The run record's `eval`: each version's held-out reward (`key`, `eval/<set>`, in the run's
+    eval.jsonl) and the run's seconds when it was made (`eval_clock`). RuntimeError when a version
+    has no reward (not evaluated, or every sample of it failed)."""
+    from pipeline.evaluation import EvalLog
+
+    done = EvalLog(out / "eval.jsonl").evaluated()
+    reward = [float(done.get(v, {}).get(key, math.nan)) for v in versions]
+    if missing := [v for v, r in zip(versions, reward, strict=True) if not math.isfinite(r)]:
+        raise RuntimeError(f"{out / 'eval.jsonl'}: no {key} for versions {missing} (evaluated: {sorted(done)})")
+    seconds = eval_clock(rec["step_seconds"], rec["save_seconds"], rec["checkpoint"], versions)
+    return {"version": versions, "reward": reward, "seconds": seconds}
