@@ -4,7 +4,7 @@
     python -m benchmarks.time_to_target --quick                                             # CPU smoke test
     python -m benchmarks.time_to_target --summarize DIR                                     # the table again
 
-(One module of about 800 lines, 150 of them this docstring, the plan's reasoning: the presets, a
+(One module of about 790 lines, 125 of them this docstring, the plan's reasoning: the presets, a
 run's flags and its record are one experiment's parts and change together while the set is still
 being run on the GPU. The summary and its verdicts are `target_summary.py`'s; which versions a run
 is evaluated at, the evaluations side by side and the run's clock at each are `target_eval.py`'s.)
