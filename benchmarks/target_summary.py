@@ -404,7 +404,7 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
                         f" (between evaluations: the crossings fit any ratio from {low:.2f}x to "
                         + (f"{high:.2f}x" if math.isfinite(high) else "no bound")
                         + ("" if inter is None else f", {inter:.2f}x on straight lines between them")
-                        + "; evaluating more often would tell)"
+                        + ")"
                     )
                 lines.append(
                     f"target {mode} time <= {goal}x {row['baseline']}: {row['time_ratio']:.2f}x "
