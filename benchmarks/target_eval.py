@@ -23,7 +23,6 @@ __all__ = [
     "kept_versions",
     "read_evaluation",
     "refine_versions",
-    "saved_versions",
 ]
 
 
@@ -50,26 +49,26 @@ def eval_clock(
     return [clock[v] for v in versions]
 
 
-def saved_versions(out: Path) -> list[int]:
-    """The versions the run's checkpoints hold (`checkpoints/vN`, written whole), as `python -m
-    pipeline.eval` finds them; a weights-only publish folder (kept by `--save-keep-weights`) is not one."""
-    from pipeline.checkpoints import CHECKPOINTS_DIR
+def _versions_in(out: Path, folder: str) -> list[int]:
+    """The versions of the run's complete `vN` folders under `out/folder`, as `python -m
+    pipeline.eval` finds them (`saved_weights`: a checkpoint wins over a weights-only copy)."""
     from pipeline.run.eval_run import saved_weights
 
-    return [v for v, folder in saved_weights(out).items() if folder.parent.name == CHECKPOINTS_DIR]
+    return [v for v, path in saved_weights(out).items() if path.parent.name == folder]
 
 
 def grid_versions(out: Path) -> list[int]:
-    """What every run is evaluated at: the base weights and each checkpoint."""
-    return [0, *saved_versions(out)]
+    """What every run is evaluated at: the base weights and each checkpoint (`checkpoints/vN`)."""
+    from pipeline.checkpoints import CHECKPOINTS_DIR
+
+    return [0, *_versions_in(out, CHECKPOINTS_DIR)]
 
 
 def kept_versions(out: Path) -> list[int]:
     """The versions whose weights-only folders the run kept (`weights/vN`, `--save-keep-weights`)."""
     from pipeline.checkpoints import PUBLISH_DIR
-    from pipeline.run.eval_run import saved_weights
 
-    return [v for v, folder in saved_weights(out).items() if folder.parent.name == PUBLISH_DIR]
+    return _versions_in(out, PUBLISH_DIR)
 
 
 def refine_versions(grid: dict[str, list[Any]], kept: list[int], target: float) -> list[int]:
@@ -127,10 +126,11 @@ def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: st
     eval.jsonl) and the run's seconds when it was made (`eval_clock`). RuntimeError when a version
     has no reward (not evaluated, or every sample of it failed)."""
     from pipeline.evaluation import EvalLog
+    from pipeline.run.eval_run import EVAL_FILE
 
-    done = EvalLog(out / "eval.jsonl").evaluated()
+    done = EvalLog(out / EVAL_FILE).evaluated()
     reward = [float(done.get(v, {}).get(key, math.nan)) for v in versions]
     if missing := [v for v, r in zip(versions, reward, strict=True) if not math.isfinite(r)]:
-        raise RuntimeError(f"{out / 'eval.jsonl'}: no {key} for versions {missing} (evaluated: {sorted(done)})")
+        raise RuntimeError(f"{out / EVAL_FILE}: no {key} for versions {missing} (evaluated: {sorted(done)})")
     seconds = eval_clock(rec["step_seconds"], rec["save_seconds"], rec["checkpoint"], versions)
     return {"version": versions, "reward": reward, "seconds": seconds}
