@@ -9,11 +9,13 @@ Two measured inputs, one simulated:
 - **Learning per step** (`--learning`): the runs of `benchmarks/time_to_target.py` (their
   `runs.jsonl`, the target from its `state.json`) or of `benchmarks/learning.py` (`--task`, and
   `--target` as a reward, or a share of sync's last-quarter reward or of its rise). Per mode, the
-  steps to the target: the first step at which the trailing mean (`--smooth` steps) of the
-  seed-mean reward reaches it; for runs with a held-out evaluation (time_to_target's, since it has
-  one), the first evaluated version at which the trailing mean (`--smooth-eval` versions) of the
-  seed-mean evaluated reward does, its steps being its version. learning.py has no
-  overlapped-publish mode: async's steps stand in for it.
+  steps to the target as time_to_target's table reports them: each seed's first step at which the
+  trailing mean (`--smooth` steps) of its reward reaches it; for runs with a held-out evaluation
+  (time_to_target's, since it has one), its first evaluated version whose reward (a trailing mean
+  over `--smooth-eval` versions) does, its steps being its version, read between the evaluation
+  grid's points where the run kept its weights (`eval_refined`); then the mean over the seeds that
+  reach it (how many do is printed). learning.py has no overlapped-publish mode: async's steps
+  stand in for it.
 - **Seconds per step at cluster scale**: the mode on the simulated engine (`engines/sim.py`,
   through the real pipeline, `benchmarks/modes_sim.py`) as ONE engine's share of the cluster:
   `--groups` groups of `--group` samples on `--slots` slots, responses up to `--max-len` (16,384)
@@ -58,7 +60,7 @@ from typing import Any
 
 import structlog
 
-from benchmarks.target_summary import Curve, TargetSpec, calibration_points, first_reach, judged_curve, read_runs
+from benchmarks.target_summary import TargetSpec, calibration_points, figures, read_runs
 
 # The published ratios the prediction stands beside: (sync hours, async hours, what was reached).
 PUBLISHED = {
@@ -73,30 +75,24 @@ LEARNS_AS = {"async-overlap": "async"}
 
 def steps_to_target(
     runs: list[dict[str, Any]], target: float, smooth: int, smooth_eval: int = 1
-) -> dict[str, tuple[int | None, int]]:
-    """Per mode (calibration runs left out): the first step (1-based; an evaluated version's steps)
-    at which the trailing mean of the seed-mean reward (the held-out evaluation's where the runs
-    have one) reaches `target`, or None; and the number of seeds averaged."""
-    curves: dict[str, list[Curve]] = {}
+) -> dict[str, tuple[float | None, int, int]]:
+    """Per mode (calibration runs left out), what time_to_target's table reports as its steps to
+    target: the mean over the seeds that reach `target` of each seed's first step (1-based; an
+    evaluated version's steps, read between the grid's points where the run kept its weights) at
+    which the trailing mean of its reward (the held-out evaluation's where it has one) reaches it,
+    or None when none does; then how many seeds reach it, and how many there are."""
+    seeds: dict[str, list[int | None]] = {}
     for run in runs:
         if not run.get("calibration"):
-            curves.setdefault(run["mode"], []).append(judged_curve(run, smooth, smooth_eval))
-    out: dict[str, tuple[int | None, int]] = {}
-    for mode, seeds in curves.items():
-        length = min(len(c.reward) for c in seeds)
-        steps = seeds[0].steps[:length]
-        if any(c.steps[:length] != steps or c.measure != seeds[0].measure for c in seeds):
-            raise ValueError(
-                f"mode {mode}: its seeds' rewards are at different steps or of different measures "
-                f"({sorted({(c.measure, tuple(c.steps[:length])) for c in seeds})}); a seed mean needs the same"
-            )
-        mean = [statistics.fmean(c.reward[i] for c in seeds) for i in range(length)]
-        hit = first_reach(mean, target, seeds[0].smooth)
-        out[mode] = (None if hit is None else steps[hit], len(seeds))
+            seeds.setdefault(run["mode"], []).append(figures(run, target, smooth, smooth_eval).steps_to_target)
+    out: dict[str, tuple[float | None, int, int]] = {}
+    for mode, hits in seeds.items():
+        reached = [k for k in hits if k is not None]
+        out[mode] = (statistics.fmean(reached) if reached else None, len(reached), len(hits))
     return out
 
 
-def predict(first: float, steady: float, steps: int) -> float:
+def predict(first: float, steady: float, steps: float) -> float:
     """Seconds to the end of step `steps`: the first step, then the steady one (none for 0 steps:
     the base weights already reach the target)."""
     return 0.0 if steps <= 0 else first + (steps - 1) * steady
@@ -206,13 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     measure = "held-out evaluation" if all(r.get("eval") for r in runs) else "trained-batch reward"
     window = args.smooth_eval if measure == "held-out evaluation" else args.smooth
     print(f"learning per step from {args.learning} (target {target:.3f}, {spec}; {measure}, trailing mean {window}):")
-    for mode, (k, seeds) in learned.items():
-        print(f"  {mode}: {'never' if k is None else f'step {k}'} (mean of {seeds} seeds)")
+    for mode, (k, reached, seeds) in learned.items():
+        at = "never" if k is None else f"step {k:.1f}"
+        print(f"  {mode}: {at} ({reached} of {seeds} seeds reach it; their mean)")
 
     twin = _simulate(args)
     rows = []
     for mode, r in twin.items():
-        k, _ = learned.get(mode) or learned.get(LEARNS_AS.get(mode, mode)) or (None, 0)
+        k, *_ = learned.get(mode) or learned.get(LEARNS_AS.get(mode, mode)) or (None, 0, 0)
         total = args.groups * args.sim_steps / r["groups/s"]  # engine seconds of the simulated steps
         first = r["first step s"]
         steady = (total - first) / (args.sim_steps - 1)
@@ -232,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         long = "-" if k is None or sync_long is None else f"{sync_long / (k * steady):.2f}x"
         hours = "never" if t is None else f"{t / 3600:.2f}"
         print(
-            f"{mode:16}{'never' if k is None else k:>16}{first:>14.0f}{steady:>15.0f}{hours:>18}{speed:>10}{long:>10}"
+            f"{mode:16}{'never' if k is None else f'{k:.1f}':>16}{first:>14.0f}{steady:>15.0f}{hours:>18}"
+            f"{speed:>10}{long:>10}"
         )
     for name, (sync_h, async_h, what) in PUBLISHED.items():
         print(f"published, {name}: sync {sync_h} h, async {async_h} h: {sync_h / async_h:.2f}x ({what})")

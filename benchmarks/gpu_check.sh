@@ -81,9 +81,13 @@ named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step -
 # on the H200, a third of the device time). TTT_FLAGS adds flags.
 ttt_dir=${TTT_DIR:-build/ttt}
 ttt_state=${TTT_STATE:-build/ttt-state}
-# runs.jsonl is what counts: a missing state.json is rebuilt from it (the same target, from the run that fixed it).
-if named ttt && [ -f "$ttt_state/runs.jsonl" ]; then
-  mkdir -p "$ttt_dir" && cp "$ttt_state/runs.jsonl" "$ttt_dir/" && { cp "$ttt_state/state.json" "$ttt_dir/" 2>/dev/null || true; }
+# runs.jsonl is what counts: a missing state.json is rebuilt from it (the same target, from the run
+# that fixed it). A state.json alone travels too: it names the card a set's runs must be timed on
+# before the first run, so a call that finds another card refuses instead of starting the set there.
+if named ttt; then
+  for f in runs.jsonl state.json; do
+    [ -f "$ttt_state/$f" ] && mkdir -p "$ttt_dir" && cp "$ttt_state/$f" "$ttt_dir/"
+  done
 fi
 if named ttt && [ ! -f "$ttt_dir/work/base/base.json" ] && [ -f "$ttt_state/base.tar.part-00" ]; then
   mkdir -p "$ttt_dir/work" && cat "$ttt_state"/base.tar.part-* | tar -C "$ttt_dir/work" -xf - \

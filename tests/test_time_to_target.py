@@ -545,28 +545,32 @@ def test_base_model_batches_mix_lengths_and_take_every_row_once() -> None:
 # ---- the cluster twin's arithmetic ------------------------------------------------------------------
 
 
-def test_the_cluster_twin_takes_steps_to_target_from_the_seed_mean_curve(tmp_path: Path) -> None:
+def test_the_cluster_twin_takes_the_tables_steps_to_target(tmp_path: Path) -> None:
     from benchmarks.cluster_twin import _learning_runs, predict, steps_to_target
 
     runs = [
-        _run("sync", 0, [0.1, 0.5, 0.7, 0.9], [1.0] * 4),
-        _run("sync", 1, [0.1, 0.3, 0.5, 0.7], [1.0] * 4),  # seed mean 0.1, 0.4, 0.6, 0.8
+        _run("sync", 0, [0.1, 0.5, 0.7, 0.9], [1.0] * 4),  # reaches 0.6 at step 3
+        _run("sync", 1, [0.1, 0.3, 0.5, 0.7], [1.0] * 4),  # at step 4
         _run("async", 0, [0.2, 0.2, 0.2, 0.2], [1.0] * 4),
         _run("sync", 100, [0.9] * 4, [1.0] * 4, calibration=True),  # not a compared seed
     ]
-    assert steps_to_target(runs, 0.6, smooth=1) == {"sync": (3, 2), "async": (None, 1)}
-    assert steps_to_target(runs, 0.6, smooth=2) == {"sync": (4, 2), "async": (None, 1)}
+    assert steps_to_target(runs, 0.6, smooth=1) == {"sync": (3.5, 2, 2), "async": (None, 0, 1)}
+    # Trailing means over 2 steps: seed 0's 0.1, 0.3, 0.6, 0.8; seed 1's 0.1, 0.2, 0.4, 0.6 never reach 0.65.
+    assert steps_to_target(runs, 0.65, smooth=2) == {"sync": (4.0, 1, 2), "async": (None, 0, 1)}
+    rows = summarize(runs, 0.6, smooth=1)
+    assert next(r for r in rows if r["mode"] == "sync")["steps_to_target"] == 3.5  # the table's figure
     assert predict(100.0, 20.0, 1) == 100.0 and predict(100.0, 20.0, 4) == 160.0
     assert predict(100.0, 20.0, 0) == 0.0  # the base weights reach it
-    # Runs with an evaluation: the steps are the first evaluated version whose seed mean reaches it.
+    # Runs with an evaluation: each seed's first evaluated version to reach it, refined between the
+    # grid's points where the run kept its weights.
     evaluated = [
         _evaluated("sync", 0, [0.9] * 4, [1.0] * 4, {"reward": [0.2, 0.5, 0.8], "seconds": [0, 2, 4]}),
         _evaluated("sync", 1, [0.9] * 4, [1.0] * 4, {"reward": [0.2, 0.7, 0.8], "seconds": [0, 2, 4]}),
     ]
-    assert steps_to_target(evaluated, 0.6, smooth=1) == {"sync": (2, 2)}
-    assert steps_to_target(evaluated, 0.6, smooth=1, smooth_eval=2) == {"sync": (4, 2)}
-    with pytest.raises(ValueError, match="mode sync: its seeds' rewards are at different steps or of different"):
-        steps_to_target([*evaluated, _run("sync", 2, [0.9] * 4, [1.0] * 4)], 0.6, smooth=1)
+    assert steps_to_target(evaluated, 0.6, smooth=1) == {"sync": (3.0, 2, 2)}  # versions 4 and 2
+    assert steps_to_target(evaluated, 0.6, smooth=1, smooth_eval=2) == {"sync": (4.0, 2, 2)}
+    evaluated[0]["eval_refined"] = {"version": [3], "reward": [0.65], "seconds": [3.0]}
+    assert steps_to_target(evaluated, 0.6, smooth=1) == {"sync": (2.5, 2, 2)}  # versions 3 and 2
     # learning.py's runs.jsonl: one task's runs, by --task.
     path = tmp_path / "runs.jsonl"
     lines = [{**_run("sync", 0, [0.1], [1.0]), "task": t} for t in ("toy", "long-tail")]
