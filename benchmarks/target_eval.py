@@ -26,23 +26,32 @@ __all__ = [
 ]
 
 
-def checkpoint_overhead(save_seconds: list[float], checkpoint: list[bool]) -> list[float]:
-    """Per step, the seconds its save took for the evaluation's checkpoints: at a checkpoint step,
-    its save less the median of the run's other steps' saves (the weights-only folder the engines
-    load, which the step writes anyway when it publishes from disk; nothing where it does not), 0
-    at every other step. With no step but checkpoints, each checkpoint's whole save."""
+def checkpoint_overhead(save_seconds: list[float], checkpoint: list[bool], *, all_saves: bool = False) -> list[float]:
+    """Per step, the seconds its save took for the evaluation: at a checkpoint step, its save less
+    the median of the run's other steps' saves (the weights-only folder the engines load, which the
+    step writes anyway when it publishes from disk), 0 at every other step. With no step but
+    checkpoints, each checkpoint's whole save. `all_saves`: the mode publishes without a folder
+    (CUDA IPC) and wrote every one for the evaluation alone (`--save-keep-weights`): every save,
+    whole."""
+    if all_saves:
+        return list(save_seconds)
     plain = [s for s, c in zip(save_seconds, checkpoint, strict=True) if not c]
     usual = statistics.median(plain) if plain else 0.0
     return [max(0.0, s - usual) if c else 0.0 for s, c in zip(save_seconds, checkpoint, strict=True)]
 
 
 def eval_clock(
-    step_seconds: list[float], save_seconds: list[float], checkpoint: list[bool], versions: list[int]
+    step_seconds: list[float],
+    save_seconds: list[float],
+    checkpoint: list[bool],
+    versions: list[int],
+    *,
+    all_saves: bool = False,
 ) -> list[float]:
     """The run's wall seconds at which each version's weights were made: version v after step v-1,
-    so its first v steps' seconds less the checkpoints' extra seconds in them (the checkpoints are
-    the measurement's, not the mode's: `checkpoint_overhead`). Version 0, the base weights, at 0."""
-    extra = checkpoint_overhead(save_seconds, checkpoint)
+    so its first v steps' seconds less what the evaluation's saves added to them (they are the
+    measurement's, not the mode's: `checkpoint_overhead`). Version 0, the base weights, at 0."""
+    extra = checkpoint_overhead(save_seconds, checkpoint, all_saves=all_saves)
     clock = [0.0, *itertools.accumulate(s - e for s, e in zip(step_seconds, extra, strict=True))]
     if bad := [v for v in versions if not 0 <= v < len(clock)]:
         raise ValueError(f"versions {bad}: a run of {len(step_seconds)} steps makes versions 0..{len(step_seconds)}")
@@ -123,7 +132,8 @@ def _eval_side_by_side(
 
 def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: str) -> dict[str, list[Any]]:
     """The run record's `eval`: each version's held-out reward (`key`, `eval/<set>`, in the run's
-    eval.jsonl) and the run's seconds when it was made (`eval_clock`). RuntimeError when a version
+    eval.jsonl) and the run's seconds when it was made (`eval_clock`; every save left out where the
+    record says its mode wrote them for the evaluation alone, `saves_for_eval`). RuntimeError when a version
     has no reward (not evaluated, or every sample of it failed)."""
     from pipeline.evaluation import EvalLog
     from pipeline.run.eval_run import EVAL_FILE
@@ -132,5 +142,11 @@ def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: st
     reward = [float(done.get(v, {}).get(key, math.nan)) for v in versions]
     if missing := [v for v, r in zip(versions, reward, strict=True) if not math.isfinite(r)]:
         raise RuntimeError(f"{out / EVAL_FILE}: no {key} for versions {missing} (evaluated: {sorted(done)})")
-    seconds = eval_clock(rec["step_seconds"], rec["save_seconds"], rec["checkpoint"], versions)
+    seconds = eval_clock(
+        rec["step_seconds"],
+        rec["save_seconds"],
+        rec["checkpoint"],
+        versions,
+        all_saves=rec.get("saves_for_eval", False),
+    )
     return {"version": versions, "reward": reward, "seconds": seconds}

@@ -40,7 +40,8 @@ the base weights (version 0) and each checkpoint on `eval_prompts` held-out prom
 same prompts and sampling seeds for every mode (as AReaL measures AIME accuracy at checkpoints). It
 runs a built-in engine of its own with the sync flags of the same plan and seed. Version v's time
 is the run's first v steps' `perf/step_time`, less what its checkpoints took beyond a weights-only
-save (`perf/save_model_time`: the checkpoints are the measurement's, not the mode's).
+save (`perf/save_model_time`: the checkpoints are the measurement's, not the mode's; a colocated
+run's every save, below).
 
 **The crossing, to the step**: a grid of 4 steps is coarse where the target is crossed in about
 ten (on the H200's first runs, any async time ratio from 0.16x to 0.81x of sync's fitted it). So a
@@ -48,9 +49,10 @@ run keeps the weights-only folders its engines loaded (`--save-keep-weights`: wr
 anyway, only not deleted) and, once the grid is evaluated, the kept versions between the grid's
 last evaluation short of the target and its first to reach it are evaluated too
 (`eval_refined`); the crossing is read off both (`target_summary.crossing_curve`), the last
-quarter and the picture off the grid. A colocated run publishes by CUDA IPC and has no folders to
-keep: its crossing stays on the grid, and the summary says what the grid allows
-(`time_ratio_bracket`). A folder of runs made before the refinement takes no new ones.
+quarter and the picture off the grid. A colocated run publishes by CUDA IPC, so with the flag its
+folders are written for the evaluation alone (about 20 ms a step here) and its clock leaves every
+save out, not only the checkpoints' extra (`saves_for_eval`). A folder of runs made before the
+refinement takes no new ones.
 
 **The target** is fixed before the runs it judges: `--target 0.8r` (the default) takes the start
 plus 0.8 x the rise from the start to the plateau of one sync run, the run of
@@ -291,8 +293,10 @@ def launch_flags(plan: Plan, mode: str, seed: int, *, base: Path, prompts: Path,
         flags += ["--max-tokens-per-gpu", "32768"]
         if mode not in COLOCATED:  # a colocated engine follows --trainer-device
             flags += ["--rollout-device", plan.device]
-    if mode not in COLOCATED:  # a colocated publish goes by CUDA IPC: no folders to keep
-        flags += ["--save-keep-weights"]
+    # Every step's weights kept, so the crossing is read between the grid's checkpoints. A colocated
+    # publish goes by CUDA IPC, so its folders are written for the evaluation alone (about 20 ms a
+    # step for the h200 preset), and its clock leaves those saves out (`saves_for_eval`).
+    flags += ["--save-keep-weights"]
     flags += [f.format(double=2 * plan.batch) for f in MODES[mode]]
     return flags
 
@@ -480,6 +484,7 @@ def _run(
         rec = record(out, mode, seed, plan, inputs.counts, wall=wall, calibration=calibration)
         rec["base"] = json.loads((inputs.base / "base.json").read_text())["fingerprint"][:12]
         rec["card"] = card
+        rec["saves_for_eval"] = mode in COLOCATED  # before read_evaluation: its clock leaves them out
         try:
             versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra, eval_workers)
             rec["eval"] = read_evaluation(out, rec, versions, EVAL_KEY)

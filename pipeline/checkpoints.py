@@ -96,7 +96,9 @@ class CheckpointPolicy:
     publish_dir: Path  # weights-only folders the engines load between checkpoints
     interval: int = 1  # a checkpoint every N steps (and at the run's last step)
     keep_last: int = 0  # checkpoints kept; 0 keeps every one
-    keep_published: bool = False  # weights-only folders stay once served past: every version evaluable
+    # Weights-only folders stay once served past: every version evaluable (written for it where the
+    # publish sends the weights another way).
+    keep_published: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.interval, int) or self.interval < 1:
@@ -136,7 +138,9 @@ def save_step(
             write_coverage(folder, coverage)
         return StepSave(folder, True, folder_bytes(folder))
     target = policy.publish_dir / f"v{version}"
-    if distributed:  # the weights travel over torch.distributed: nothing to write
+    # The weights travel over torch.distributed or CUDA IPC: nothing to write, unless every version
+    # is to be kept for evaluation (`keep_published`), which then writes the folder the engines skip.
+    if distributed and not policy.keep_published:
         return StepSave(target, False, 0)
     # Weights alone where the trainer can save them so; a full checkpoint otherwise.
     folder = trainer.save_model(target) if isinstance(trainer, SavesModel) else trainer.save_weights(target)

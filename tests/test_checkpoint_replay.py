@@ -172,7 +172,7 @@ def test_a_publish_folder_goes_once_served_past_unless_kept(tmp_path, keep):
     assert sorted(checkpoint_versions(policy.dir, policy.publish_dir)) == [3]  # kept ones are not checkpoints
 
 
-def test_save_step_writes_a_checkpoint_on_cadence_weights_only_between_and_nothing_for_distributed(tmp_path):
+def test_save_step_writes_checkpoints_on_cadence_weights_only_between_and_none_for_distributed_unless_kept(tmp_path):
     trainer = GRPOTrainer(make_model_folder(tmp_path / "model", seed=0))
     trainer.train_step(Batch(0, (_group(0, 0), _group(1, 0))))  # AdamW's moments exist after a step
     policy = _policy(tmp_path, interval=3)
@@ -184,6 +184,12 @@ def test_save_step_writes_a_checkpoint_on_cadence_weights_only_between_and_nothi
     assert sent.bytes_written == 0 and not sent.folder.exists()
     # AdamW keeps two moments per weight: a checkpoint is about three times a publish folder.
     assert 2.5 < due.bytes_written / between.bytes_written < 3.5
+    # Kept for evaluation (--save-keep-weights): written even where the weights go another way,
+    # the same weights-only folder the engines would load from disk.
+    kept = dataclasses.replace(policy, keep_published=True)
+    written = save_step(trainer, kept, 4, 10, distributed=True)
+    assert not written.checkpoint and written.folder == policy.publish_dir / "v5"
+    assert written.bytes_written == between.bytes_written and (written.folder / "config.json").is_file()
     with pytest.raises(ConfigError, match="--save-interval=0"):
         _policy(tmp_path, interval=0)
 

@@ -154,6 +154,8 @@ def test_the_evaluations_clock_leaves_the_checkpoints_extra_seconds_out() -> Non
     assert eval_clock(steps, saves, checkpoint, [0, 2, 4]) == pytest.approx([0.0, 3.6, 7.0])
     # No step without a checkpoint (nothing to compare with): each checkpoint's whole save.
     assert eval_clock(steps[:2], [0.3, 0.3], [True, True], [1, 2]) == pytest.approx([1.7, 3.4])
+    # A colocated run wrote every folder for the evaluation alone: every save is left out, whole.
+    assert eval_clock(steps, saves, checkpoint, [0, 2, 4], all_saves=True) == pytest.approx([0.0, 3.4, 6.6])
     with pytest.raises(ValueError, match=r"versions \[5\]: a run of 4 steps makes versions 0..4"):
         eval_clock(steps, saves, checkpoint, [0, 5])
 
@@ -365,6 +367,9 @@ def test_every_modes_flags_pass_the_launchers_rules(tmp_path: Path) -> None:
             # Checkpoints to evaluate after the run, every one kept, and no evaluation inside it.
             assert flags[flags.index("--save-interval") + 1] == str(plan.eval_every)
             assert flags[flags.index("--save-keep-last") + 1] == "0" and "--eval-interval" not in flags
+            # Every version kept for the refinement, colocated ones too (their folders written for it);
+            # a rule refusing it beside --colocate would be a second problem below.
+            assert "--save-keep-weights" in flags
             if "partial" in mode:
                 assert flags[flags.index("--over-sampling-batch-size") + 1] == str(2 * plan.batch)
             assert ("--rollout-device" in flags) == (device == "cuda" and not mode.endswith("-colocated"))
@@ -437,6 +442,9 @@ def test_a_runs_evaluation_is_read_from_its_eval_log(tmp_path: Path) -> None:
     rec = {"step_seconds": [2.0] * 4, "save_seconds": [0.1, 0.5, 0.1, 0.7], "checkpoint": [False, True, False, True]}
     ev = read_evaluation(tmp_path, rec, [0, 2, 4], EVAL_KEY)
     assert ev == {"version": [0, 2, 4], "reward": [0.25, 0.5, 0.75], "seconds": pytest.approx([0.0, 3.6, 7.0])}
+    # A colocated run's record: its folders were written for the evaluation alone, every save left out.
+    colocated = read_evaluation(tmp_path, {**rec, "saves_for_eval": True}, [0, 2, 4], EVAL_KEY)
+    assert colocated["seconds"] == pytest.approx([0.0, 3.4, 6.6])
     with pytest.raises(RuntimeError, match=r"no eval/heldout for versions \[1\] \(evaluated: \[0, 2, 3, 4\]\)"):
         read_evaluation(tmp_path, rec, [0, 1], EVAL_KEY)
     # Time to target at version 4's seconds, the checkpoints' extra seconds left out: 7.0, not 8.0.

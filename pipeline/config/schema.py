@@ -170,7 +170,7 @@ class OutputConfig:
         "bool",
         help="keep every weights-only folder the engines loaded between checkpoints (weights/vN, one model a "
         "step), for python -m pipeline.eval of every version afterwards; by default each goes once a later "
-        "one is served",
+        "one is served. Where the weights go by NCCL or CUDA IPC (--colocate), the folders are written for this",
     )
     progress: bool = opt(True, "--progress", "bool", help="progress bar")
     log_level: str = opt(
