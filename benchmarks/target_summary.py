@@ -184,7 +184,7 @@ def crossing_curve(run: dict[str, Any], curve: Curve) -> Curve:
     """The curve the target's crossing is read off: the judged one with the run's refinement
     (`eval_refined`: versions between the grid's evaluations around its crossing, from the weights
     the run kept) merged in by version. Only for evaluations read one at a time (a trailing mean
-    over denser points would be another measure); the last quarter and the picture keep the grid."""
+    over denser points would be another measure); the last quarter keeps the grid."""
     finer = run.get("eval_refined")
     if curve.measure != "eval" or curve.smooth != 1 or not finer or not finer["version"]:
         return curve
@@ -447,8 +447,8 @@ def plot(
     runs: Sequence[dict[str, Any]], path: Path, target: float, *, title: str, smooth: int = 1, smooth_eval: int = 1
 ) -> None:
     """Reward against wall-clock seconds, one line per run (a colour per mode; colocated modes
-    dashed): the held-out evaluation where the run has one (a marker at each evaluated version),
-    else the trained batch's reward; each as its trailing mean (what reaching the target reads),
+    dashed): the held-out evaluation where the run has one (a marker at each evaluated version, the
+    refinement's around the crossing among them), else the trained batch's reward; each as its trailing mean (what reaching the target reads),
     the target dotted."""
     import matplotlib
 
@@ -464,7 +464,8 @@ def plot(
         for run in runs:
             if run["mode"] != mode or run.get("calibration"):
                 continue
-            curve = judged_curve(run, smooth, smooth_eval)
+            # The refinement's versions too: the line crosses the target where the table reads it.
+            curve = crossing_curve(run, judged_curve(run, smooth, smooth_eval))
             measures.add(curve.measure)
             style = ("--" if mode.endswith("-colocated") else "-") + ("o" if curve.measure == "eval" else "")
             ax.plot(curve.seconds, trailing_mean(curve.reward, curve.smooth), style, color=colours(i % 10),

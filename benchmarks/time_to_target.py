@@ -48,8 +48,8 @@ ten (on the H200's first runs, any async time ratio from 0.16x to 0.81x of sync'
 run keeps the weights-only folders its engines loaded (`--save-keep-weights`: written every step
 anyway, only not deleted) and, once the grid is evaluated, the kept versions between the grid's
 last evaluation short of the target and its first to reach it are evaluated too
-(`eval_refined`); the crossing is read off both (`target_summary.crossing_curve`), the last
-quarter and the picture off the grid. A colocated run publishes by CUDA IPC, so with the flag its
+(`eval_refined`); the crossing is read off both (`target_summary.crossing_curve`), and the
+picture draws both, the last quarter off the grid. A colocated run publishes by CUDA IPC, so with the flag its
 folders are written for the evaluation alone (about 20 ms a step here) and its clock leaves every
 save out, not only the checkpoints' extra (`saves_for_eval`). A folder of runs made before the
 refinement takes no new ones.
