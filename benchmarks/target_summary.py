@@ -448,8 +448,8 @@ def plot(
 ) -> None:
     """Reward against wall-clock seconds, one line per run (a colour per mode; colocated modes
     dashed): the held-out evaluation where the run has one (a marker at each evaluated version, the
-    refinement's around the crossing among them), else the trained batch's reward; each as its trailing mean (what reaching the target reads),
-    the target dotted."""
+    refinement's around the crossing among them), else the trained batch's reward; each as its
+    trailing mean (what reaching the target reads), the target dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
