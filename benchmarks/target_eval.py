@@ -6,6 +6,7 @@ clock at each version, less what the evaluation's own checkpoints cost it."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 import subprocess
@@ -23,6 +24,7 @@ __all__ = [
     "kept_versions",
     "read_evaluation",
     "refine_versions",
+    "version_seconds",
 ]
 
 
@@ -150,3 +152,18 @@ def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: st
         all_saves=rec.get("saves_for_eval", False),
     )
     return {"version": versions, "reward": reward, "seconds": seconds}
+
+
+def version_seconds(out: Path, versions: list[int]) -> list[float]:
+    """Each version's own evaluation seconds: `time/eval` of its line in the run's metrics.jsonl
+    (the held-out set's decode once its weights are loaded; the last line of a version evaluated
+    twice), NaN where it has none. An evaluation's wall seconds less these, per engine, are its
+    start and the weights' loads."""
+    from pipeline.metrics import is_eval_record
+
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    seconds = {
+        int(r["version"]): float(r.get("time/eval", math.nan)) for r in map(json.loads, lines) if is_eval_record(r)
+    }
+    return [seconds.get(v, math.nan) for v in versions]

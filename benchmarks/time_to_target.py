@@ -84,7 +84,10 @@ lengths still follow the prompts.
 longer than what is left (with the last run's evaluation) is not started. `--eval-workers N` runs
 N evaluations side by side after each run, an engine each: one version's evaluation decodes its
 longest answer token after token, which leaves the GPU mostly idle (72-91 s a run on the H200 one
-at a time, a third of the device time); what is measured does not change. The same command again
+at a time, a third of the device time); what is measured does not change. On an H100 with the
+refinement it gained little (97-128 s for 14 versions, 1 to 3 side by side): each record's
+`eval_phases` say where the seconds go (per round, each version's decode; the rest is engine
+starts and weight loads), and each run's line prints them. The same command again
 continues: it keeps the target, rebuilds the base model if it is missing (deterministic:
 `state.json` keeps its fingerprint, and a rebuild that differs is named), and skips every finished
 run. Non-colocated modes run first, seed by seed, then the colocated ones, so a cut set has whole
@@ -148,6 +151,7 @@ from benchmarks.target_eval import (
     kept_versions,
     read_evaluation,
     refine_versions,
+    version_seconds,
 )
 from benchmarks.target_summary import (
     TargetSpec,
@@ -488,11 +492,15 @@ def _run(
         try:
             versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra, eval_workers)
             rec["eval"] = read_evaluation(out, rec, versions, EVAL_KEY)
+            # Where an evaluation's seconds go: each version's decode, and (the rest) engine starts and loads.
+            rec["eval_phases"] = [eval_phase(out, versions, rec["eval_seconds"], eval_workers)]
             if plan.smooth_eval == 1:  # a trailing mean over evaluations would change with denser ones
                 finer = refine_versions(rec["eval"], kept_versions(out), target_of(rec))
                 finer, seconds = evaluate_run(plan, seed, inputs, out, extra, eval_workers, finer)
                 rec["eval_refined"] = read_evaluation(out, rec, finer, EVAL_KEY)
                 rec["eval_seconds"] += seconds
+                if finer:
+                    rec["eval_phases"].append(eval_phase(out, finer, seconds, eval_workers))
         except RuntimeError as exc:
             print(f"run {name}: its evaluation failed: {exc}")
             return None
@@ -500,6 +508,23 @@ def _run(
     finally:
         for heavy in ("weights", "checkpoints", "model"):  # what a run leaves beyond its figures
             shutil.rmtree(out / heavy, ignore_errors=True)
+
+
+def eval_phase(out: Path, versions: list[int], seconds: float, workers: int) -> dict[str, Any]:
+    """One `python -m pipeline.eval` round of a run (the grid, or the refinement): how many
+    versions, its wall seconds, side by side in how many, and its versions' decode seconds."""
+    decode = version_seconds(out, versions)
+    return {"versions": len(versions), "seconds": seconds, "workers": min(workers, len(versions)), "decode": decode}
+
+
+def eval_said(phases: list[dict[str, Any]]) -> str:
+    """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each`."""
+    said = []
+    for p in phases:
+        decode = [d for d in p["decode"] if math.isfinite(d)]
+        each = f", decoding {statistics.fmean(decode):.1f} s each" if decode else ""
+        said.append(f"{p['versions']} versions in {p['seconds']:.0f} s, {p['workers']} side by side{each}")
+    return "; ".join(said)
 
 
 def target_said(target: dict[str, Any]) -> str:
@@ -702,12 +727,13 @@ def main(argv: list[str] | None = None) -> int:
             fig = figures(rec, state["target"]["value"], plan.smooth, plan.smooth_eval)
             reached = "never" if fig.time_to_target is None else f"{fig.time_to_target:.1f} s"
         ev = rec["eval"]
+        rounds = f": {said}" if (said := eval_said(rec.get("eval_phases", []))) else ""
         print(
             f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: {len(rec['reward'])} steps in "
             f"{sum(rec['step_seconds']):.1f} s ({rec['wall']:.0f} s with its start), batch reward "
             f"{rec['reward'][0]:.3f} -> {rec['reward'][-1]:.3f}, held-out reward {ev['reward'][0]:.3f} (v0) -> "
-            f"{ev['reward'][-1]:.3f} (v{ev['version'][-1]}; evaluated in {rec['eval_seconds']:.0f} s), to target "
-            f"{reached}, length r {rec['length_corr']:.2f}",
+            f"{ev['reward'][-1]:.3f} (v{ev['version'][-1]}; evaluated in {rec['eval_seconds']:.0f} s{rounds}), "
+            f"to target {reached}, length r {rec['length_corr']:.2f}",
             flush=True,
         )
 

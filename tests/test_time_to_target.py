@@ -603,13 +603,25 @@ def test_evaluations_side_by_side_report_the_groups_that_failed(tmp_path: Path) 
     assert _eval_side_by_side(cmd, [[0], [1]], tmp_path, cwd=tmp_path, env=dict(os.environ)) == []
 
 
+def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
+    from benchmarks.time_to_target import eval_said
+
+    grid = {"versions": 11, "seconds": 61.6, "workers": 3, "decode": [4.0, 4.2, math.nan]}
+    refined = {"versions": 3, "seconds": 35.2, "workers": 3, "decode": [math.nan] * 3}
+    assert (
+        eval_said([grid, refined])
+        == "11 versions in 62 s, 3 side by side, decoding 4.1 s each; 3 versions in 35 s, 3 side by side"
+    )
+    assert eval_said([]) == ""  # a record made before the rounds were kept
+
+
 @pytest.mark.slow
 def test_a_run_keeps_its_weights_folders_and_any_kept_version_is_evaluated(tmp_path: Path) -> None:
     """`--save-keep-weights` in a real launcher run: every weights-only folder between the
     checkpoints stays, and the evaluation reads any of them (what a refinement asks for)."""
     import subprocess
 
-    from benchmarks.target_eval import grid_versions, kept_versions, read_evaluation
+    from benchmarks.target_eval import grid_versions, kept_versions, read_evaluation, version_seconds
     from benchmarks.time_to_target import REPO, _env, _prepare, evaluate_run
 
     plan = PRESETS["quick"]
@@ -628,6 +640,9 @@ def test_a_run_keeps_its_weights_folders_and_any_kept_version_is_evaluated(tmp_p
     ev = read_evaluation(out, rec, versions, EVAL_KEY)
     assert ev["version"] == [1, 3] and all(0.0 <= r <= 1.0 for r in ev["reward"]) and seconds > 0
     assert 0.0 < ev["seconds"][0] < ev["seconds"][1]
+    # Each version's own decode, from the evaluation's lines in the run's metrics.jsonl.
+    decode = version_seconds(out, [1, 3, 2])
+    assert all(0.0 < d < seconds for d in decode[:2]) and math.isnan(decode[2])  # v2 was not evaluated
     assert evaluate_run(plan, 0, inputs, out, [], versions=[]) == ([], 0.0)  # nothing to refine
 
 
@@ -649,6 +664,14 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         # At the steps' wall seconds, less the checkpoints' extra ones: no more than the steps took.
         assert ev["seconds"][0] == 0.0 and ev["seconds"] == sorted(ev["seconds"])
         assert ev["seconds"][-1] <= sum(run["step_seconds"]) and sum(run["checkpoint"]) == len(last) - 1
+        # Where the evaluation's seconds went: the grid's round, the refinement's where it had one.
+        grid_round, *refined_round = run["eval_phases"]
+        assert (grid_round["versions"], grid_round["workers"]) == (len(last), 2)
+        assert all(0.0 < d < grid_round["seconds"] for d in grid_round["decode"])
+        assert [r["versions"] for r in refined_round] == (
+            [len(run["eval_refined"]["version"])] if run["eval_refined"]["version"] else []
+        )
+        assert sum(r["seconds"] for r in run["eval_phases"]) == pytest.approx(run["eval_seconds"])
     # The evaluation set is the same for every run: the base weights score alike everywhere.
     assert len({r["eval"]["reward"][0] for r in runs}) == 1
     state = json.loads((tmp_path / "state.json").read_text())
