@@ -49,10 +49,10 @@ run keeps the weights-only folders its engines loaded (`--save-keep-weights`: wr
 anyway, only not deleted) and, once the grid is evaluated, the kept versions between the grid's
 last evaluation short of the target and its first to reach it are evaluated too
 (`eval_refined`); the crossing is read off both (`target_summary.crossing_curve`), and the
-picture draws both, the last quarter off the grid. A colocated run publishes by CUDA IPC, so with the flag its
-folders are written for the evaluation alone (about 20 ms a step here) and its clock leaves every
-save out, not only the checkpoints' extra (`saves_for_eval`). A folder of runs made before the
-refinement takes no new ones.
+picture draws both, the last quarter off the grid. A colocated run publishes by CUDA IPC, so with
+the flag its folders are written for the evaluation alone (about 20 ms a step here) and its clock
+leaves every save out, not only the checkpoints' extra (`saves_for_eval`). A folder of runs made
+before the refinement takes no new ones.
 
 **The target** is fixed before the runs it judges: `--target 0.8r` (the default) takes the start
 plus 0.8 x the rise from the start to the plateau of one sync run, the run of
@@ -512,8 +512,9 @@ def _run(
 
 def eval_phase(out: Path, versions: list[int], seconds: float, workers: int) -> dict[str, Any]:
     """One `python -m pipeline.eval` round of a run (the grid, or the refinement): how many
-    versions, its wall seconds, side by side in how many, and its versions' decode seconds."""
-    decode = version_seconds(out, versions)
+    versions, its wall seconds, side by side in how many, and its versions' decode seconds (None
+    where a version's line has none: runs.jsonl stays strict JSON)."""
+    decode = [d if math.isfinite(d) else None for d in version_seconds(out, versions)]
     return {"versions": len(versions), "seconds": seconds, "workers": min(workers, len(versions)), "decode": decode}
 
 
@@ -521,7 +522,7 @@ def eval_said(phases: list[dict[str, Any]]) -> str:
     """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each`."""
     said = []
     for p in phases:
-        decode = [d for d in p["decode"] if math.isfinite(d)]
+        decode = [d for d in p["decode"] if d is not None and math.isfinite(d)]
         each = f", decoding {statistics.fmean(decode):.1f} s each" if decode else ""
         said.append(f"{p['versions']} versions in {p['seconds']:.0f} s, {p['workers']} side by side{each}")
     return "; ".join(said)

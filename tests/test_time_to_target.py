@@ -606,8 +606,8 @@ def test_evaluations_side_by_side_report_the_groups_that_failed(tmp_path: Path) 
 def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
     from benchmarks.time_to_target import eval_said
 
-    grid = {"versions": 11, "seconds": 61.6, "workers": 3, "decode": [4.0, 4.2, math.nan]}
-    refined = {"versions": 3, "seconds": 35.2, "workers": 3, "decode": [math.nan] * 3}
+    grid = {"versions": 11, "seconds": 61.6, "workers": 3, "decode": [4.0, 4.2, None]}
+    refined = {"versions": 3, "seconds": 35.2, "workers": 3, "decode": [None] * 3}
     assert (
         eval_said([grid, refined])
         == "11 versions in 62 s, 3 side by side, decoding 4.1 s each; 3 versions in 35 s, 3 side by side"
