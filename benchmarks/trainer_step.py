@@ -4,7 +4,7 @@
                                       [--groups 16 --group 8 --prompt 128 --max-len 256]
                                       [--length-tail lognormal:-1.9,0.8] [--budget 16384] [--steps 3]
                                       [--variants 'all rows,padded,packed,compiled,+ budget,no step-KL']
-                                      [--profile]
+                                      [--profile [--profile-variant compiled]]
 
 One batch as the modes benchmark trains it (`--groups` x `--group` samples, `--prompt` prompt
 tokens, response lengths drawn from the simulated engine's long tail up to `--max-len`, two
@@ -25,9 +25,9 @@ It prints each variant's median step time (`--variants` picks some), its ratio t
 the peak device memory of a step; then the seconds of writing the publish folder (`save_model`,
 where disk publishes spend them): fp32 and bf16 through `save_pretrained` (what a bf16 trainer
 wrote before) against bf16 through one reused page-locked buffer (now). `--profile` adds the top
-device kernels of one `packed` step (torch.profiler). The first step of each variant is a warm-up
-and is not counted. Then the step against its arithmetic (`step_flops`: real tokens, no padding, at
-`--peak-tflops`), and issue 48's target: within 2x of it.
+device kernels of one step of `--profile-variant` (`packed` unless named; torch.profiler). The
+first step of each variant is a warm-up and is not counted. Then the step against its arithmetic
+(`step_flops`: real tokens, no padding, at `--peak-tflops`), and issue 48's target: within 2x of it.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         default="all rows,padded,packed,compiled,+ budget,no step-KL",
         help="which variants to time, comma-separated; the ratios are to the first",
     )
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="the top device kernels of one step of --profile-variant")
+    p.add_argument("--profile-variant", default="packed", help="the variant --profile profiles (one of --variants)")
     p.add_argument(
         "--peak-tflops", type=float, default=790.0, help="the device's bf16 matrix rate (an H200 measured 790)"
     )
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in chosen if name not in settings]
         if unknown:
             p.error(f"--variants: {unknown} are not among {list(settings)}")
+        if args.profile and args.profile_variant not in chosen:
+            p.error(f"--profile-variant {args.profile_variant!r}: not among --variants {chosen}")
         variants = {name: GRPOTrainer(folder, **settings[name], **kw) for name in chosen}
         times: dict[str, list[float]] = {name: [] for name in variants}
         peak: dict[str, float] = dict.fromkeys(variants, 0.0)
@@ -238,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            profiled = variants[args.profile_variant]
+            print(f"profile of one {args.profile_variant} step:")
             with profile(activities=activities) as prof:
-                trainer.train_step(dataclasses.replace(batch, step=args.steps + 1))
+                profiled.train_step(dataclasses.replace(batch, step=args.steps + 1))
                 sync()
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
