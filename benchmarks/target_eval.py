@@ -135,8 +135,8 @@ def _eval_side_by_side(
 def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: str) -> dict[str, list[Any]]:
     """The run record's `eval`: each version's held-out reward (`key`, `eval/<set>`, in the run's
     eval.jsonl) and the run's seconds when it was made (`eval_clock`; every save left out where the
-    record says its mode wrote them for the evaluation alone, `saves_for_eval`). RuntimeError when a version
-    has no reward (not evaluated, or every sample of it failed)."""
+    record says its mode wrote them for the evaluation alone, `saves_for_eval`). RuntimeError when
+    a version has no reward (not evaluated, or every sample of it failed)."""
     from pipeline.evaluation import EvalLog
     from pipeline.run.eval_run import EVAL_FILE
 
