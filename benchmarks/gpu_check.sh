@@ -65,13 +65,14 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
   --budget 235 --min-left 130
 # The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): first
 # the GPU checks of packing and compiled layers (the same log-probs on the device), then the 0.6B
-# shape's long-tailed batch, padded against packed (trainers/packed_attention.py) and packed with
-# compiled layers (--trainer-compile; its warm-up step compiles), and the profile of one compiled step
-# (what the second session left unprofiled: where the 6.3x of its arithmetic goes).
+# shape's long-tailed batch, packed (trainers/packed_attention.py) and packed with compiled layers
+# (--trainer-compile; its warm-up step compiles), each with and without the KV cache the trainer's
+# forward built until 2026-12-05 (the H100's profile found it: each layer compiled anew, 20 of 28
+# run eagerly), and the profile of one compiled step. Padded is left out: its 87.5 GiB exceed an H100.
 named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
   tests/test_packed_attention.py tests/test_layer_compile.py
 named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
-  --variants "padded,packed,compiled,no step-KL" --profile --profile-variant compiled
+  --variants "packed,with cache,compiled,compiled with cache,no step-KL" --profile --profile-variant compiled
 # Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
 # task, each a real launcher run, one at a time, appended to $TTT_DIR/runs.jsonl as it ends. A call
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again

@@ -17,6 +17,10 @@ the variants taking turns step by step so that drift of the machine hits each al
                   before `trainers.packed_attention`)
     packed        and the samples end to end without padding (the default)
     compiled      packed, the decoder layers compiled (`--trainer-compile`; its warm-up step compiles)
+    with cache    packed, a KV cache built in each forward as transformers does unless told not to
+                  (the trainer before 2026-12-05: every layer's K and V copied into it)
+    compiled with cache  both: the cache's per-layer slots made each layer compile anew, and past
+                  torch's recompile limit (8) the rest of the layers ran eagerly
     + budget      and micro-batches of like length within `--budget` padded positions
                   (`--max-tokens-per-gpu`)
     no step-KL    packed without the step-KL check (`--max-step-kl 0`): what the check costs
@@ -70,12 +74,28 @@ def _batch(args: argparse.Namespace, vocab: int) -> Any:
 
 
 @contextlib.contextmanager
+def _kv_cache(net: Any) -> Iterator[None]:
+    """The model's forward with transformers' own `use_cache` (True in train mode too): the
+    trainer's forward before it said False (`trainers.response_rows.response_logits`)."""
+    bound = net.forward
+
+    def forward(*args: Any, use_cache: bool | None = None, **kwargs: Any) -> Any:
+        return bound(*args, **kwargs)
+
+    net.forward = forward
+    try:
+        yield
+    finally:
+        del net.forward
+
+
+@contextlib.contextmanager
 def _all_rows() -> Iterator[None]:
     """The LM head at every position, then the response rows picked: the trainer before the hook."""
     from trainers import grpo
 
     def every_row(net: Any, ids: Any, attention: Any, positions: Any, layout: Any = None) -> Any:
-        logits = net(input_ids=ids, attention_mask=attention).logits
+        logits = net(input_ids=ids, attention_mask=attention, use_cache=False).logits
         return logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
 
     kept = grpo.response_logits
@@ -156,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             "padded": {"max_step_kl": 0.2, "pack": False},
             "packed": {"max_step_kl": 0.2},
             "compiled": {"max_step_kl": 0.2, "compile_layers": True},
+            "with cache": {"max_step_kl": 0.2},
+            "compiled with cache": {"max_step_kl": 0.2, "compile_layers": True},
             "+ budget": {"max_step_kl": 0.2, "max_tokens_per_gpu": args.budget},
             "no step-KL": {"max_step_kl": None},
         }
@@ -174,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 started = time.perf_counter()
-                with _all_rows() if name == "all rows" else contextlib.nullcontext():
+                with (
+                    _all_rows() if name == "all rows" else contextlib.nullcontext(),
+                    _kv_cache(trainer.model) if name.endswith("with cache") else contextlib.nullcontext(),
+                ):
                     trainer.train_step(dataclasses.replace(batch, step=step))
                 sync()
                 if step:  # the first is a warm-up
@@ -195,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
             label = f"{name} {args.budget}" if name == "+ budget" else name
             print(f"step {label:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than {first}{memory}")
-        for name in ("packed", "compiled", "no step-KL"):
+        for name in ("packed", "compiled", "with cache", "compiled with cache", "no step-KL"):
             if name not in variants:
                 continue
             flops = step_flops(variants[name].model, samples, step_kl=name != "no step-KL", minibatches=2)

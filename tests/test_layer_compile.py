@@ -36,6 +36,27 @@ def test_compiled_layers_score_and_step_as_the_eager_ones(tiny_model_dir):
         assert m_compiled[key] == pytest.approx(m_eager[key], rel=1e-4, abs=1e-6), key
 
 
+def test_one_set_of_graphs_serves_every_decoder_layer(tmp_path):
+    """The layers share one code object, so their graphs are shared too, unless a guard tells the
+    layers apart: a KV cache's per-layer slot did (each layer compiled anew, and past torch's
+    recompile limit of 8 the rest ran eagerly: 20 of a 28-layer model's). As many graphs for four
+    layers as for two."""
+    from torch._dynamo.utils import counters
+
+    from pipeline.tasks.tiny_model import make_model_folder
+
+    samples = list(_long_tailed_batch().samples)
+    graphs = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        trainer = GRPOTrainer(make_model_folder(tmp_path / f"m{layers}", num_layers=layers), compile_layers=True)
+        trainer.logprobs(samples)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0
+    assert graphs[1] == graphs[0], f"graphs compiled for 2 and 4 layers: {graphs}"
+
+
 def test_a_model_that_names_no_decoder_layers_is_refused():
     with pytest.raises(ValueError, match="--trainer-compile: Sequential names no decoder layer class"):
         compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))

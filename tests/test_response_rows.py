@@ -67,6 +67,28 @@ def test_response_logits_equal_the_full_logits_at_those_rows_with_and_without_th
     torch.testing.assert_close(response_logits(_HeadHidden(model), ids, attention, positions), full[positions])
 
 
+def test_the_trainers_forward_builds_no_kv_cache(model, monkeypatch):
+    """transformers builds a KV cache in train mode too unless told not to: every layer's K and V
+    copied into it, and under `--trainer-compile` a graph per layer (tests/test_layer_compile.py)."""
+    from transformers import cache_utils
+
+    updates: list[int] = []
+    real = cache_utils.DynamicLayer.update
+
+    def counted(self, *args, **kwargs):
+        updates.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", counted)
+    model.train()
+    ids = torch.randint(3, 30, (2, 9))
+    model(input_ids=ids)  # the check can fail: a plain train-mode forward does build one
+    assert updates, "transformers no longer builds a cache in train mode: this test checks nothing"
+    updates.clear()
+    response_logits(model, ids, None, torch.tensor([3, 8, 9 + 4])).sum().backward()
+    assert updates == []
+
+
 def test_gradients_reach_the_weights_only_through_the_picked_rows(model):
     ids = torch.randint(3, 30, (2, 9))
     attention = torch.ones_like(ids)

@@ -136,7 +136,13 @@ def response_logits(
         _head_rows(head, positions, fired) if isinstance(head, torch.nn.Module) else contextlib.nullcontext(),
         packed(net, layout) if layout is not None else contextlib.nullcontext(),
     ):
-        extra = {} if layout is None else {"position_ids": layout.position_ids}
+        extra: dict[str, Any] = {} if layout is None else {"position_ids": layout.position_ids}
+        # No KV cache: a transformers model in train mode still builds one unless told not to, and
+        # copies every layer's K and V into it (a `cat` each, in the forward and the backward). Its
+        # per-layer slots also made `--trainer-compile` compile each decoder layer anew, so past
+        # torch's recompile limit (8) the rest ran eagerly (a 28-layer model: 20 of its layers).
+        if getattr(getattr(net, "config", None), "use_cache", None) is not None:
+            extra["use_cache"] = False
         logits: torch.Tensor = net(input_ids=ids, attention_mask=attention, **extra).logits
     if len(fired) == 1 and logits.shape[:-1] == (1, positions.numel()):
         return logits[0]
