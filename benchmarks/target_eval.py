@@ -154,16 +154,14 @@ def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: st
     return {"version": versions, "reward": reward, "seconds": seconds}
 
 
-def version_seconds(out: Path, versions: list[int]) -> list[float]:
-    """Each version's own evaluation seconds: `time/eval` of its line in the run's metrics.jsonl
-    (the held-out set's decode once its weights are loaded; the last line of a version evaluated
-    twice), NaN where it has none. An evaluation's wall seconds less these, per engine, are its
-    start and the weights' loads."""
+def version_seconds(out: Path, versions: list[int], key: str = "time/eval") -> list[float]:
+    """Each version's `key` in its line of the run's metrics.jsonl (the last line of a version
+    evaluated twice), NaN where it has none: `time/eval` the held-out set's decode once its
+    weights are loaded, `time/eval_load` their load, `time/eval_engine_start` the engines' start
+    (on each `python -m pipeline.eval`'s first line only)."""
     from pipeline.metrics import is_eval_record
 
     path = out / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    seconds = {
-        int(r["version"]): float(r.get("time/eval", math.nan)) for r in map(json.loads, lines) if is_eval_record(r)
-    }
+    seconds = {int(r["version"]): float(r.get(key, math.nan)) for r in map(json.loads, lines) if is_eval_record(r)}
     return [seconds.get(v, math.nan) for v in versions]

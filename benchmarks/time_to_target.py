@@ -512,19 +512,40 @@ def _run(
 
 def eval_phase(out: Path, versions: list[int], seconds: float, workers: int) -> dict[str, Any]:
     """One `python -m pipeline.eval` round of a run (the grid, or the refinement): how many
-    versions, its wall seconds, side by side in how many, and its versions' decode seconds (None
-    where a version's line has none: runs.jsonl stays strict JSON)."""
-    decode = [d if math.isfinite(d) else None for d in version_seconds(out, versions)]
-    return {"versions": len(versions), "seconds": seconds, "workers": min(workers, len(versions)), "decode": decode}
+    versions, its wall seconds, side by side in how many, its versions' decode and load seconds
+    (None where a version's line has none: runs.jsonl stays strict JSON), and each worker's engine
+    start (the lines that carry one)."""
+
+    def per_version(key: str) -> list[float | None]:
+        return [d if math.isfinite(d) else None for d in version_seconds(out, versions, key)]
+
+    return {
+        "versions": len(versions),
+        "seconds": seconds,
+        "workers": min(workers, len(versions)),
+        "decode": per_version("time/eval"),
+        "load": per_version("time/eval_load"),
+        "starts": [d for d in per_version("time/eval_engine_start") if d is not None],
+    }
 
 
 def eval_said(phases: list[dict[str, Any]]) -> str:
-    """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each`."""
+    """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each, loading
+    0.1 s each, engines up in 12-14 s` (a record from before a figure was kept leaves it out)."""
     said = []
     for p in phases:
-        decode = [d for d in p["decode"] if d is not None]  # eval_phase keeps a missing one as None
-        each = f", decoding {statistics.fmean(decode):.1f} s each" if decode else ""
-        said.append(f"{p['versions']} versions in {p['seconds']:.0f} s, {p['workers']} side by side{each}")
+        text = f"{p['versions']} versions in {p['seconds']:.0f} s, {p['workers']} side by side"
+        for word, key in (("decoding", "decode"), ("loading", "load")):
+            known = [d for d in p.get(key, []) if d is not None]  # eval_phase keeps a missing one as None
+            text += f", {word} {statistics.fmean(known):.1f} s each" if known else ""
+        if starts := p.get("starts"):
+            low, high = min(starts), max(starts)
+            text += (
+                f", engines up in {low:.0f} s"
+                if round(low) == round(high)
+                else f", engines up in {low:.0f}-{high:.0f} s"
+            )
+        said.append(text)
     return "; ".join(said)
 
 

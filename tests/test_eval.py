@@ -149,6 +149,15 @@ def test_inline_evaluation_at_the_interval_resumes_without_repeating_a_step(tmp_
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert (last["step"], last["version"]) == (0, 0)
     assert [(r["step"], r["version"]) for r in _evaluations(out)] == [(0, 0), (5, 6), (6, 7), (0, 0)]  # appended
+    # Where its seconds go: each version's load, the engines' start on a call's first line only.
+    assert (
+        eval_main(["--output-dir", str(out), "--no-progress", *flags, "--eval-version", "4", "--eval-version", "7"])
+        == 0
+    )
+    first, second = _evaluations(out)[-2:]
+    assert (first["version"], second["version"]) == (4, 7)
+    assert first["time/eval_load"] > 0 and second["time/eval_load"] > 0
+    assert first["time/eval_engine_start"] > 0 and "time/eval_engine_start" not in second
 
 
 def test_pipeline_eval_is_a_module_with_help():

@@ -611,8 +611,14 @@ def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
     assert (
         eval_said([grid, refined])
         == "11 versions in 62 s, 3 side by side, decoding 4.1 s each; 3 versions in 35 s, 3 side by side"
-    )
+    )  # records from before the loads and starts were kept
     assert eval_said([]) == ""  # a record made before the rounds were kept
+    grid |= {"load": [0.2, 0.4, None], "starts": [12.2, 14.4, 13.0]}
+    refined |= {"load": [None] * 3, "starts": [11.9, 12.1]}
+    assert eval_said([grid, refined]) == (
+        "11 versions in 62 s, 3 side by side, decoding 4.1 s each, loading 0.3 s each, engines up in 12-14 s; "
+        "3 versions in 35 s, 3 side by side, engines up in 12 s"
+    )
 
 
 @pytest.mark.slow
@@ -668,6 +674,8 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         grid_round, *refined_round = run["eval_phases"]
         assert (grid_round["versions"], grid_round["workers"]) == (len(last), 2)
         assert all(0.0 < d < grid_round["seconds"] for d in grid_round["decode"])
+        assert all(0.0 < d < grid_round["seconds"] for d in grid_round["load"])
+        assert len(grid_round["starts"]) == 2 and all(0.0 < d < grid_round["seconds"] for d in grid_round["starts"])
         assert [r["versions"] for r in refined_round] == (
             [len(run["eval_refined"]["version"])] if run["eval_refined"]["version"] else []
         )

@@ -243,15 +243,22 @@ async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
     total = len(versions) * sum(len(s.tasks) for s in sets) * settings.n_samples
     bar = _bar(config, total)
     try:
+        starting = time.perf_counter()
         async with RunEngines(config, model_path) as fleet:
+            # Where an evaluation's seconds go beside the decode: the engines' start (the first
+            # line's), each version's weights load.
+            start = {"time/eval_engine_start": time.perf_counter() - starting}
             for version in versions:
                 folder = model_path if version == 0 else folders[version]
+                loading = time.perf_counter()
                 await fleet.update_weights_from_disk(str(folder), weight_version=str(version))
                 started = time.perf_counter()
                 record = eval_record(version, {})
                 metrics = await evaluate(fleet, sets, settings, step=record["step"], on_sample=bar)
                 eval_log.append({"step": record["step"], "version": version, **metrics})
-                sink.write_eval({**record, **metrics, "time/eval": time.perf_counter() - started})
+                seconds = {"time/eval": time.perf_counter() - started, "time/eval_load": started - loading}
+                sink.write_eval({**record, **metrics, **seconds, **start})
+                start = {}
                 print(
                     f"v{version} (step {record['step']}): "
                     + "  ".join(f"{s.name} {metrics[f'eval/{s.name}']:.4f}" for s in sets)
