@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from benchmarks.target_summary import (
     TargetSpec,
     calibration_points,
     figures,
+    paired_ratio,
     ratio_noise,
     summarize,
     table,
@@ -186,8 +188,9 @@ def test_summarize_holds_each_mode_against_sync() -> None:
     assert rows["async-overlap"]["reached"] == 1 and rows["async-overlap"]["time_ratio"] is None
     assert rows["async-overlap"]["reward_ratio"] == pytest.approx(0.45 / 0.8)
     lines = verdicts(list(rows.values()))
-    assert "target partial time <= 0.8x sync: 0.90x (36.0 s against 40.0 s): MISSED" in lines
-    assert "target async time <= 0.6x sync: 0.50x (20.0 s against 40.0 s): MET" in lines
+    paired = " (paired by seed, 2 seeds: {}x ± 0.00, two standard errors)"  # every seed alike
+    assert "target partial time <= 0.8x sync: 0.90x (36.0 s against 40.0 s): MISSED" + paired.format("0.90") in lines
+    assert "target async time <= 0.6x sync: 0.50x (20.0 s against 40.0 s): MET" + paired.format("0.50") in lines
     assert "target async final reward within 5% of sync: 1.000: MET" in lines
     assert any(line.startswith("target async-overlap time") and "not measured" in line for line in lines)
     # Its seeds end at 0.1 and 0.8: missed by the mean, and the spread says two seeds cannot tell.
@@ -221,10 +224,43 @@ def test_a_verdict_says_when_its_line_lies_inside_the_seeds_noise() -> None:
     assert said.startswith("target async final reward within 5% of sync: 0.927: MISSED (within the seeds' noise: ±")
     # Partial's seeds agree and sit far below: missed beyond the noise, said plainly.
     assert "target partial final reward within 5% of sync: 0.494: MISSED" in lines
-    # Equal times in every seed: no spread, the time verdicts stand alone.
-    assert "target async time <= 0.6x sync: 0.50x (10.0 s against 20.0 s): MET" in lines
+    # Equal times in every seed: no spread, paired or not.
+    assert "target async time <= 0.6x sync: 0.50x (10.0 s against 20.0 s): MET (paired by seed, 2 seeds: 0.50x" in (
+        " ".join(lines)
+    )
     # One seed a side has no spread to go by.
     assert ratio_noise((0.8, 0.0, 1), (0.8, 0.1, 3)) is None
+
+
+def test_the_time_ratio_is_also_read_seed_by_seed() -> None:
+    """A seed fixes the prompts' order and the rollouts' seeds in every mode, so a seed slow in one
+    mode is slow in all: the per-seed ratios spread far less than the times. Here sync takes 40
+    and 20 s, async 22 and 10 s: by the means 0.53x with a noise (seeds taken as independent)
+    that spans 0.6x; seed by seed 0.55x and 0.50x, clear of it."""
+    rise = [0.1, 0.3, 0.5, 0.7, 0.8, 0.8, 0.8, 0.8]
+    runs = [
+        _run("sync", 0, rise, [10.0] * 8),
+        _run("sync", 1, rise, [5.0] * 8),
+        _run("async", 0, rise, [5.5] * 8),
+        _run("async", 1, rise, [2.5] * 8),
+        _run("partial", 0, rise, [9.0] * 8),  # one seed: nothing to spread
+    ]
+    rows = {r["mode"]: r for r in summarize(runs, target=0.7, smooth=1)}
+    value, noise, seeds = rows["async"]["time_ratio_paired"]
+    assert seeds == 2 and value == pytest.approx(0.525)
+    assert noise == pytest.approx(2 * statistics.stdev([0.55, 0.5]) / math.sqrt(2))
+    assert rows["async"]["time_ratio_noise"] > 0.6 - rows["async"]["time_ratio"]  # unpaired: spans the goal
+    assert rows["partial"]["time_ratio_paired"] == (pytest.approx(0.9), None, 1)
+    lines = verdicts(list(rows.values()))
+    assert (
+        "target async time <= 0.6x sync: 0.53x (16.0 s against 30.0 s): MET (paired by seed, 2 seeds: 0.53x ± 0.05"
+        in (" ".join(lines))
+    )
+    assert not any("spanning the goal" in line for line in lines)
+    # One seed paired: the unpaired rule speaks (and has no spread either).
+    assert "target partial time <= 0.8x sync: 1.20x (36.0 s against 30.0 s): MISSED" in lines
+    assert paired_ratio({0: 1.0}, {1: 2.0}) is None and paired_ratio({0: 1.0}, {0: 0.0}) is None
+    assert paired_ratio({0: 1.0, 1: 1.0, 2: 9.0}, {0: 2.0, 1: 4.0}) == (0.375, pytest.approx(0.25), 2)  # seed 2 alone
 
 
 def test_a_crossing_between_evaluations_is_bracketed_and_read_off_a_straight_line() -> None:
