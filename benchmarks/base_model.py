@@ -142,8 +142,9 @@ def build_base_model(
                 ids[j, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
                 labels[j, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cuda):
-                # Right padding behind a causal mask: no real token sees a pad, so no mask is passed.
-                loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
+                # Right padding behind a causal mask: no real token sees a pad, so no mask is passed;
+                # no KV cache either (transformers builds one in train mode too: copies, no use).
+                loss = model(input_ids=ids.to(device), labels=labels.to(device), use_cache=False).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

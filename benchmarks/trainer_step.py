@@ -20,7 +20,8 @@ the variants taking turns step by step so that drift of the machine hits each al
     with cache    packed, a KV cache built in each forward as transformers does unless told not to
                   (the trainer before 2026-12-05: every layer's K and V copied into it)
     compiled with cache  both: the cache's per-layer slots made each layer compile anew, and past
-                  torch's recompile limit (8) the rest of the layers ran eagerly
+                  torch's recompile limit (8) the rest of the layers ran eagerly (the layer class's
+                  graphs are one process's: `compiled`'s already count against that limit here)
     + budget      and micro-batches of like length within `--budget` padded positions
                   (`--max-tokens-per-gpu`)
     no step-KL    packed without the step-KL check (`--max-step-kl 0`): what the check costs

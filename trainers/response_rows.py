@@ -138,9 +138,9 @@ def response_logits(
     ):
         extra: dict[str, Any] = {} if layout is None else {"position_ids": layout.position_ids}
         # No KV cache: a transformers model in train mode still builds one unless told not to, and
-        # copies every layer's K and V into it (a `cat` each, in the forward and the backward). Its
-        # per-layer slots also made `--trainer-compile` compile each decoder layer anew, so past
-        # torch's recompile limit (8) the rest ran eagerly (a 28-layer model: 20 of its layers).
+        # copies every layer's K and V into it (a `cat` each). Its per-layer slots also made
+        # `--trainer-compile` compile each decoder layer anew, so past torch's recompile limit (8)
+        # the rest ran eagerly (a 28-layer model: 20 of its layers).
         if getattr(getattr(net, "config", None), "use_cache", None) is not None:
             extra["use_cache"] = False
         logits: torch.Tensor = net(input_ids=ids, attention_mask=attention, **extra).logits
