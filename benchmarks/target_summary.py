@@ -451,7 +451,9 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
 def table(rows: Sequence[dict[str, Any]], target: float) -> str:
     """The table the README and BENCHMARKS carry, as markdown. The last-quarter reward is the one the
     runs are judged by (held-out evaluation, or the trained batch's for an old record); the trained
-    batch's stands beside it, biased in partial and async runs toward the answers that finish first."""
+    batch's stands beside it, biased in partial and async runs toward the answers that finish first.
+    A time's "vs sync" is the ratio of the means, then in brackets the mean of the seeds' own
+    ratios (`paired_ratio`: ± two standard errors where two seeds or more pair up)."""
     lines = [
         f"| mode | seeds reaching {target:.3f} | time to target s (± std) | vs sync | steps to target "
         "| last-quarter reward (± std) | vs sync | trained-batch last-quarter reward | steps | groups/s "
@@ -461,6 +463,9 @@ def table(rows: Sequence[dict[str, Any]], target: float) -> str:
     for r in rows:
         t = "never" if not r["reached"] else f"{r['time_to_target']:.1f} ± {r['time_to_target_std']:.1f}"
         vs_t = "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}"
+        if r["time_ratio"] is not None and r["mode"] != r["baseline"] and (paired := r.get("time_ratio_paired")):
+            value, noise, _ = paired  # seed by seed: the seeds both ran, each mode / its baseline
+            vs_t += f" ({value:.2f}" + ("" if noise is None else f" ± {noise:.2f}") + " by seed)"
         vs_r = "-" if r["reward_ratio"] is None else f"{r['reward_ratio']:.3f}"
         steps_to = "-" if math.isnan(r["steps_to_target"]) else f"{r['steps_to_target']:.1f}"
         lines.append(

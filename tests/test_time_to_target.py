@@ -198,7 +198,8 @@ def test_summarize_holds_each_mode_against_sync() -> None:
         " ".join(lines)
     )
     text = table(list(rows.values()), 0.7)
-    assert "| async | 2/2 | 20.0 ± 0.0 | 0.50 |" in text and "| async-overlap | 1/2 |" in text
+    assert "| async | 2/2 | 20.0 ± 0.0 | 0.50 (0.50 ± 0.00 by seed) |" in text and "| async-overlap | 1/2 |" in text
+    assert "| sync | 2/2 | 40.0 ± 0.0 | 1.00 |" in text  # the baseline against itself: no seed by seed
     assert "trained-batch last-quarter reward" in text
 
 
@@ -251,6 +252,7 @@ def test_the_time_ratio_is_also_read_seed_by_seed() -> None:
     assert noise == pytest.approx(2 * statistics.stdev([0.55, 0.5]) / math.sqrt(2))
     assert rows["async"]["time_ratio_noise"] > 0.6 - rows["async"]["time_ratio"]  # unpaired: spans the goal
     assert rows["partial"]["time_ratio_paired"] == (pytest.approx(0.9), None, 1)
+    assert "| partial | 1/1 | 36.0 ± 0.0 | 1.20 (0.90 by seed) |" in table(list(rows.values()), 0.7)
     lines = verdicts(list(rows.values()))
     assert (
         "target async time <= 0.6x sync: 0.53x (16.0 s against 30.0 s): MET (paired by seed, 2 seeds: 0.53x ± 0.05"
@@ -505,7 +507,9 @@ def test_a_folder_of_runs_without_an_evaluation_is_refused_but_still_summarized(
     assert main(["--summarize", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     # Judged by the batch reward, as before: async reaches 0.696 at its first step, 2 s against 12 s.
-    assert "judged by the trained-batch reward" in out and "| async | 1/1 | 2.0 ± 0.0 | 0.17 | 1.0 |" in out
+    assert (
+        "judged by the trained-batch reward" in out and "| async | 1/1 | 2.0 ± 0.0 | 0.17 (0.17 by seed) | 1.0 |" in out
+    )
 
 
 def test_a_folder_of_runs_judged_on_the_grid_alone_is_refused(tmp_path: Path) -> None:
