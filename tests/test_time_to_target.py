@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks.base_model import RIGHT_LETTER_SHARE, _batches, base_answer
 from benchmarks.target_eval import eval_clock, read_evaluation, refine_versions
+from benchmarks.target_run import COLOCATED, EVAL_KEY, MODES, launch_flags, length_correlation, record
 from benchmarks.target_summary import (
     TargetSpec,
     calibration_points,
@@ -30,18 +31,7 @@ from benchmarks.target_summary import (
     trailing_mean,
     verdicts,
 )
-from benchmarks.time_to_target import (
-    COLOCATED,
-    EVAL_KEY,
-    MODES,
-    PRESETS,
-    estimate,
-    fits,
-    launch_flags,
-    length_correlation,
-    planned_runs,
-    record,
-)
+from benchmarks.time_to_target import PRESETS, estimate, fits, planned_runs
 from core.types import FinishReason, PromptTask, Sample, Segment
 from pipeline.tasks.long_answer import long_answer_reward, long_answer_rows
 from pipeline.tasks.tiny_model import EOS_ID
@@ -644,7 +634,7 @@ def test_evaluations_side_by_side_report_the_groups_that_failed(tmp_path: Path) 
 
 
 def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
-    from benchmarks.time_to_target import eval_said
+    from benchmarks.target_run import eval_said
 
     grid = {"versions": 11, "seconds": 61.6, "workers": 3, "decode": [4.0, 4.2, None]}
     refined = {"versions": 3, "seconds": 35.2, "workers": 3, "decode": [None] * 3}
@@ -668,14 +658,15 @@ def test_a_run_keeps_its_weights_folders_and_any_kept_version_is_evaluated(tmp_p
     import subprocess
 
     from benchmarks.target_eval import grid_versions, kept_versions, read_evaluation, version_seconds
-    from benchmarks.time_to_target import REPO, _env, _prepare, evaluate_run
+    from benchmarks.target_run import REPO, evaluate_run, run_env
+    from benchmarks.time_to_target import _prepare
 
     plan = PRESETS["quick"]
     inputs = _prepare(plan, tmp_path / "work", {})
     out = tmp_path / "run"
     flags = launch_flags(plan, "sync", 0, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.launch", *flags], cwd=REPO, env=_env(), capture_output=True, text=True
+        [sys.executable, "-m", "pipeline.launch", *flags], cwd=REPO, env=run_env(), capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
     grid = list(range(0, plan.steps + 1, plan.eval_every))
