@@ -50,7 +50,8 @@ EVAL_KEY = f"eval/{HELDOUT}"  # its mean reward in the run's eval.jsonl (pipelin
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What every run of an output folder shares; a later call must ask for the same."""
+    """What every run of an output folder shares; a later call must ask for the same
+    (`time_to_target.PRESETS` names the shapes)."""
 
     device: str
     hidden: int
