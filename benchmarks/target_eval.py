@@ -19,6 +19,7 @@ from benchmarks.target_summary import first_reach
 __all__ = [
     "checkpoint_overhead",
     "eval_clock",
+    "eval_lines",
     "evaluate_versions",
     "grid_versions",
     "kept_versions",
@@ -154,14 +155,22 @@ def read_evaluation(out: Path, rec: dict[str, Any], versions: list[int], key: st
     return {"version": versions, "reward": reward, "seconds": seconds}
 
 
-def version_seconds(out: Path, versions: list[int], key: str = "time/eval") -> list[float]:
-    """Each version's `key` in its line of the run's metrics.jsonl (the last line of a version
-    evaluated twice), NaN where it has none: `time/eval` the held-out set's decode once its
-    weights are loaded, `time/eval_load` their load, `time/eval_engine_start` the engines' start
-    (on each `python -m pipeline.eval`'s first line only)."""
+def eval_lines(out: Path) -> dict[int, dict[str, Any]]:
+    """Each evaluated version's line of the run's metrics.jsonl (the last of a version evaluated
+    twice); none where the file is missing."""
     from pipeline.metrics import is_eval_record
 
     path = out / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    seconds = {int(r["version"]): float(r.get(key, math.nan)) for r in map(json.loads, lines) if is_eval_record(r)}
-    return [seconds.get(v, math.nan) for v in versions]
+    return {int(r["version"]): r for r in map(json.loads, lines) if is_eval_record(r)}
+
+
+def version_seconds(
+    out: Path, versions: list[int], key: str = "time/eval", lines: dict[int, dict[str, Any]] | None = None
+) -> list[float]:
+    """Each version's `key` in its line of the run's metrics.jsonl (`eval_lines`, read here unless
+    given), NaN where it has none: `time/eval` the held-out set's decode once its weights are
+    loaded, `time/eval_load` their load, `time/eval_engine_start` the engines' start (on each
+    `python -m pipeline.eval`'s first line only)."""
+    found = eval_lines(out) if lines is None else lines
+    return [float(found.get(v, {}).get(key, math.nan)) for v in versions]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.target_eval import (
+    eval_lines,
     evaluate_versions,
     grid_versions,
     kept_versions,
@@ -260,7 +261,7 @@ def run_one(
         try:
             versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra, eval_workers)
             rec["eval"] = read_evaluation(out, rec, versions, EVAL_KEY)
-            # Where an evaluation's seconds go: each version's decode, and (the rest) engine starts and loads.
+            # Where an evaluation's seconds go: each version's decode and load, each engine's start.
             rec["eval_phases"] = [eval_phase(out, versions, rec["eval_seconds"], eval_workers)]
             if plan.smooth_eval == 1:  # a trailing mean over evaluations would change with denser ones
                 finer = refine_versions(rec["eval"], kept_versions(out), target_of(rec))
@@ -284,8 +285,10 @@ def eval_phase(out: Path, versions: list[int], seconds: float, workers: int) -> 
     (None where a version's line has none: runs.jsonl stays strict JSON), and each worker's engine
     start (the lines that carry one)."""
 
+    lines = eval_lines(out)  # the run's metrics.jsonl, read once for the three figures
+
     def per_version(key: str) -> list[float | None]:
-        return [d if math.isfinite(d) else None for d in version_seconds(out, versions, key)]
+        return [d if math.isfinite(d) else None for d in version_seconds(out, versions, key, lines)]
 
     return {
         "versions": len(versions),
