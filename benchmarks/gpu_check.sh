@@ -65,14 +65,16 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
   --budget 235 --min-left 130
 # The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): first
 # the GPU checks of packing and compiled layers (the same log-probs on the device), then the 0.6B
-# shape's long-tailed batch, packed (trainers/packed_attention.py) and packed with compiled layers
-# (--trainer-compile; its warm-up step compiles), each with and without the KV cache the trainer's
-# forward built until 2026-12-05 (the H100's profile found it: each layer compiled anew, 20 of 28
-# run eagerly), and the profile of one compiled step. Padded is left out: its 87.5 GiB exceed an H100.
+# shape's long-tailed batch: packed with attention in padded blocks (before the variable-length
+# kernel), packed (trainers/packed_attention.py: varlen flash attention), packed with compiled
+# layers (--trainer-compile; its warm-up step compiles), and compiled with the KV cache the trainer's
+# forward built until 2026-12-05 (each layer compiled anew, 20 of 28 run eagerly); then the profile
+# of one compiled step. Four trainers (about 10 GB of fp32 weights, gradients and AdamW state each)
+# fit an H100 beside a step's activations; padded's 87.5 GiB do not.
 named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
   tests/test_packed_attention.py tests/test_layer_compile.py
 named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
-  --variants "packed,with cache,compiled,compiled with cache,no step-KL" --profile --profile-variant compiled
+  --variants "blocks,packed,compiled,compiled with cache" --profile --profile-variant compiled
 # Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
 # task, each a real launcher run, one at a time, appended to $TTT_DIR/runs.jsonl as it ends. A call
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again
@@ -83,12 +85,17 @@ named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step -
 # on the H200, a third of the device time). TTT_FLAGS adds flags.
 ttt_dir=${TTT_DIR:-build/ttt}
 ttt_state=${TTT_STATE:-build/ttt-state}
+# runs.jsonl and state.json may come from another folder than the base model's parts: a set that
+# spans sessions keeps them in the repository (TTT_RECORD=docs/benchmarks/time-to-target-set), where
+# a fresh checkout finds them; the base model's 45 MB stay out of git, built again bit-identically
+# when lost (benchmarks/base_model.py: its fingerprint is in state.json).
+ttt_record=${TTT_RECORD:-$ttt_state}
 # runs.jsonl is what counts: a missing state.json is rebuilt from it (the same target, from the run
 # that fixed it). A state.json alone travels too: it names the card a set's runs must be timed on
 # before the first run, so a call that finds another card refuses instead of starting the set there.
 if named ttt; then
   for f in runs.jsonl state.json; do
-    [ -f "$ttt_state/$f" ] && mkdir -p "$ttt_dir" && cp "$ttt_state/$f" "$ttt_dir/"
+    [ -f "$ttt_record/$f" ] && mkdir -p "$ttt_dir" && cp "$ttt_record/$f" "$ttt_dir/"
   done
 fi
 if named ttt && [ ! -f "$ttt_dir/work/base/base.json" ] && [ -f "$ttt_state/base.tar.part-00" ]; then

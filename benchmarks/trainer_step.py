@@ -15,7 +15,10 @@ the variants taking turns step by step so that drift of the machine hits each al
                   after it (the trainer before `trainers.response_rows`)
     padded        the LM head at the response rows only, the batch right-padded (the trainer
                   before `trainers.packed_attention`)
-    packed        and the samples end to end without padding (the default)
+    packed        and the samples end to end without padding (the default): attention by torch's
+                  variable-length flash kernel on a GPU in bf16, else in padded blocks
+    blocks        packed, attention always in padded blocks of like length (the packed forward
+                  before the variable-length kernel: q, k, v scattered into blocks and gathered back)
     compiled      packed, the decoder layers compiled (`--trainer-compile`; its warm-up step compiles)
     with cache    packed, a KV cache built in each forward as transformers does unless told not to
                   (the trainer before 2026-12-05: every layer's K and V copied into it)
@@ -88,6 +91,19 @@ def _kv_cache(net: Any) -> Iterator[None]:
         yield
     finally:
         del net.forward
+
+
+@contextlib.contextmanager
+def _blocks() -> Iterator[None]:
+    """Packed attention in padded blocks even where the variable-length kernel would run."""
+    from trainers import packed_attention
+
+    kept = packed_attention._varlen_kernel
+    packed_attention._varlen_kernel = lambda: None
+    try:
+        yield
+    finally:
+        packed_attention._varlen_kernel = kept
 
 
 @contextlib.contextmanager
@@ -176,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "all rows": {"max_step_kl": 0.2, "pack": False},
             "padded": {"max_step_kl": 0.2, "pack": False},
             "packed": {"max_step_kl": 0.2},
+            "blocks": {"max_step_kl": 0.2},
             "compiled": {"max_step_kl": 0.2, "compile_layers": True},
             "with cache": {"max_step_kl": 0.2},
             "compiled with cache": {"max_step_kl": 0.2, "compile_layers": True},
@@ -200,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 with (
                     _all_rows() if name == "all rows" else contextlib.nullcontext(),
                     _kv_cache(trainer.model) if name.endswith("with cache") else contextlib.nullcontext(),
+                    _blocks() if name == "blocks" else contextlib.nullcontext(),
                 ):
                     trainer.train_step(dataclasses.replace(batch, step=step))
                 sync()
@@ -221,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
             label = f"{name} {args.budget}" if name == "+ budget" else name
             print(f"step {label:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than {first}{memory}")
-        for name in ("packed", "compiled", "with cache", "compiled with cache", "no step-KL"):
+        for name in ("packed", "blocks", "compiled", "with cache", "compiled with cache", "no step-KL"):
             if name not in variants:
                 continue
             flops = step_flops(variants[name].model, samples, step_kl=name != "no step-KL", minibatches=2)

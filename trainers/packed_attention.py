@@ -6,11 +6,14 @@ attention (the projections, the MLP, RMSNorm, rotary, autocast's casts) costs in
 positions it is given: padding multiplied all of it (docs/benchmarks/16-time-to-target.md). Packed,
 the model sees [1, T] with T the real tokens and position ids that restart at 0 for each sample
 (rotary encodes each sample's own positions), and only attention, the one place where samples
-must not see each other, is laid out per sample: its q, k and v are scattered into right-padded
-[B, L] blocks, attended with SDPA's causal kernel, and gathered back. The samples go into blocks
-of like length (`PackedLayout.of`: a block's attention at most twice its samples' own), so
-attention pads less than one [B, L] block would, and the rest costs only the real tokens. The
-log-probs are the padded forward's (tests/test_packed_attention.py).
+must not see each other, is laid out per sample. On a GPU in bf16 or fp16 it is one call of
+torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`: the samples'
+boundaries as cumulative lengths, nothing padded or copied). Elsewhere (a CPU, fp32, a torch
+without it) q, k and v are scattered into right-padded [B, L] blocks, attended with SDPA's causal
+kernel, and gathered back; the samples go into blocks of like length (`PackedLayout.of`: a block's
+attention at most twice its samples' own), so attention pads less than one [B, L] block would.
+Either way the rest of the model costs only the real tokens, and the log-probs are the padded
+forward's (tests/test_packed_attention.py).
 
 How: transformers' models call attention through a registry keyed by
 `config._attn_implementation`. `packed(net, layout)` switches the model to this module's entry for
@@ -27,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -36,19 +41,25 @@ import torch
 
 __all__ = ["PACKED_ATTENTION", "PackedLayout", "packed", "packs"]
 
+log = logging.getLogger(__name__)
+_refused: list[str] = []  # why the variable-length kernel failed, once a process
+
 PACKED_ATTENTION = "rl_packed"
 
 
 @dataclass(frozen=True)
 class PackedLayout:
     """A packed row of T tokens, samples of `lengths` end to end: each token's position within its
-    sample (`position_ids`, [1, T]) and its place in attention's padded blocks (`scatter`, [T],
-    flat over the blocks one after another). `blocks` holds each block's (samples, width)."""
+    sample (`position_ids`, [1, T]), where each sample starts (`starts`, [B + 1] int32, the
+    variable-length kernel's cumulative lengths) and its place in attention's padded blocks
+    (`scatter`, [T], flat over the blocks one after another). `blocks` holds each block's
+    (samples, width)."""
 
     lengths: tuple[int, ...]
     scatter: torch.Tensor  # [T] long
     position_ids: torch.Tensor  # [1, T] long
     blocks: tuple[tuple[int, int], ...]
+    starts: torch.Tensor  # [B + 1] int32: 0, then each sample's end
 
     SLACK = 2  # a block's attention (samples x width^2) at most this many times its samples' own
 
@@ -76,7 +87,8 @@ class PackedLayout:
             offset += len(block) * width
         position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
         shape = tuple((len(block), max(block)) for block in blocks)
-        return cls(tuple(lengths), torch.cat(scatter), position_ids, shape)
+        starts = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cls(tuple(lengths), torch.cat(scatter), position_ids, shape, starts)
 
     def padded_rows(self) -> torch.Tensor:
         """[T]: each token's flat place b * L + l in one right-padded [B, L] batch of these samples."""
@@ -84,7 +96,12 @@ class PackedLayout:
         return torch.cat([b * width + torch.arange(n) for b, n in enumerate(self.lengths)])
 
     def to(self, device: torch.device) -> PackedLayout:
-        return dataclasses.replace(self, scatter=self.scatter.to(device), position_ids=self.position_ids.to(device))
+        return dataclasses.replace(
+            self,
+            scatter=self.scatter.to(device),
+            position_ids=self.position_ids.to(device),
+            starts=self.starts.to(device),
+        )
 
 
 @dataclass
@@ -143,8 +160,8 @@ def _attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: q [1, Hq, T, D], k and v [1, Hkv, T, D]; returns
-    [1, T, Hq, D]. The mask is ignored when packed: the causal kernel over the padded layout is
-    the whole of the mask."""
+    [1, T, Hq, D]. The mask is ignored when packed: the causal kernel over the samples'
+    boundaries (or over the padded blocks) is the whole of the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     state = _active.get()
@@ -154,14 +171,48 @@ def _attention(
         raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
     state.calls += 1
     layout = state.layout
+    dropout = kwargs.get("dropout", 0.0)
+    kernel = None if dropout else _varlen_kernel()
+    if kernel is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        # [T, H, D] each, the samples' boundaries in `starts`: no padding, no scatter or gather.
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        longest = max(layout.lengths)
+        try:
+            out = kernel(q, k, v, layout.starts, layout.starts, longest, longest, scale=kwargs.get("scaling"))
+            return out[None], None
+        except (RuntimeError, ValueError) as exc:  # a backend without it (torch picks cuDNN's on some cards)
+            _refused.append(f"{type(exc).__name__}: {exc}")
+            log.warning("variable-length attention refused (%s); the trainer attends in padded blocks", exc)
     blocks = _unpack(query, layout), _unpack(key, layout), _unpack(value, layout)
     outs = []
     for q, k, v in zip(*blocks, strict=True):
         out, _ = sdpa_attention_forward(
-            module, q, k, v, None, dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"), is_causal=True
+            module, q, k, v, None, dropout=dropout, scaling=kwargs.get("scaling"), is_causal=True
         )  # [B, L, Hq, D]
         outs.append(out.reshape(-1, *out.shape[2:]))
     return torch.cat(outs).index_select(0, layout.scatter)[None], None
+
+
+def _varlen_kernel() -> Callable[..., Any] | None:
+    """torch's causal variable-length flash attention with grouped-query heads, or None where this
+    torch has none, or where it failed once in this process."""
+    return None if _refused else _varlen_partial()
+
+
+@functools.cache
+def _varlen_partial() -> Callable[..., Any] | None:
+    """Its keywords moved between releases: 2.10 took `is_causal`, later ones take a window
+    (`(-1, 0)`: all earlier tokens, none later) and refuse fewer K/V heads than query heads unless
+    `enable_gqa` (the flash kernel shares each K/V head among its group either way)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    takes = inspect.signature(varlen_attn).parameters
+    fixed: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+    if "enable_gqa" in takes:
+        fixed["enable_gqa"] = True
+    return functools.partial(varlen_attn, **fixed)
 
 
 def _unpack(x: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
