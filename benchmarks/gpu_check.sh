@@ -80,7 +80,9 @@ named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step -
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again
 # continues: runs.jsonl, state.json and the base model (bf16, in parts base.tar.part-NN of at most
 # 15 MiB, the first time) come back in $OUT/ttt/; put them all in build/ttt-state/ and carry that
-# folder to the next call, which then skips the base model's 4.4 minutes on the H200. Each run's
+# folder to the next call, which then skips the base model's 4.4 minutes on the H200
+# (`TTT_FLAGS=--prepare-only`: a first call that builds it and runs nothing, so that no run is cut
+# short at the step's limit by the build's minutes). Each run's
 # evaluation runs TTT_EVAL_WORKERS (3) evaluations side by side (one at a time took 72-91 s a run
 # on the H200, a third of the device time). TTT_FLAGS adds flags.
 ttt_dir=${TTT_DIR:-build/ttt}

@@ -113,8 +113,11 @@ seeds of the first four.
   groups a step, lr 1e-3) the reward rose from about 0.55 to about 0.85 in 6-8 steps. On the H200
   at lr 3e-4 the sync run rose from 0.57 to 0.95 in five steps, then decayed from about 0.97 to
   about 0.85; at 1e-3 it collapsed. The preset trains at lr 1e-4, for a slower rise (not measured
-  yet). 40 steps a run: sync about 3.3 minutes with its start, partial about 2.5, async and
-  async-overlap about 1.7 each; then its evaluation, 11 versions of 128 prompts.
+  yet). 28 steps a run: on the H100 every run of the set's first 40-step attempt crossed the
+  target by step 11 and held its plateau from about step 15 (BENCHMARKS.md 16), so the last
+  quarter (steps 22-28) still reads the plateau, and a run costs about 30% less device time than
+  at 40 (sync about 2 minutes with its start); then its evaluation, 8 versions of 128 prompts and
+  the versions around the crossing.
 - Device time. Measured on the H200 (2026-12-05): the base model takes 4.4 minutes to build (it
   comes back from the call in bf16 and `benchmarks/gpu_check.sh` carries it to the next), and a
   sync step 1.5-5.8 s while lengths follow the prompts. Before the runs had their evaluations, a
@@ -174,7 +177,7 @@ PRESETS: dict[str, Plan] = {
     # The design on one H200 (the module docstring says why this shape).
     "h200": Plan(
         device="cuda", hidden=512, layers=8, heads=8, max_count=1024, max_len=1280, batch=16, group=8,
-        steps=40, lr=1e-4, base_steps=2000, base_batch=32, base_lr=1e-3, smooth=3, eval_prompts=128, eval_every=4,
+        steps=28, lr=1e-4, base_steps=2000, base_batch=32, base_lr=1e-3, smooth=3, eval_prompts=128, eval_every=4,
     ),
     # The same at a small shape and answers up to 48 tokens, on a CPU: learning per step that the
     # cluster twin can take as a stand-in (benchmarks/cluster_twin.py), a minute or two a run.
@@ -390,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluations side by side after each run, an engine each (default 1); what is measured is the same",
     )
     p.add_argument("--summarize", type=Path, default=None, metavar="DIR", help="report DIR's runs, run nothing")
+    p.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="build the prompts and the base model (its fingerprint into state.json), run nothing: a "
+        "device call of its own, so that no run is cut short by the build's minutes",
+    )
     for name, kind in OVERRIDES.items():  # the preset's settings, one by one
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help="the preset's, unless given")
     args = p.parse_args(argv)
@@ -454,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or out / "work"
     inputs = _prepare(plan, work, state)
     state_path.write_text(json.dumps(state, indent=1))
+    if args.prepare_only:
+        print(f"prepared: the base model {state['base']['fingerprint'][:12]} in {inputs.base}", flush=True)
+        return 0
 
     budget: float = args.budget_s
 

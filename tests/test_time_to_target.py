@@ -729,3 +729,20 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         assert sorted(evaluated) == sorted(last + between)  # one line per version, none twice
     summary = (tmp_path / "summary.md").read_text()
     assert "judged by the held-out reward (8 prompts" in summary and "trained-batch last-quarter reward" in summary
+
+
+def test_prepare_only_builds_the_base_model_and_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prepare-only`: the base model's minutes as a device call of their own; its fingerprint goes
+    into state.json (a base built again later is checked against it), and no run is made."""
+    from benchmarks.base_model import fingerprint
+    from benchmarks.time_to_target import main
+
+    assert main(["--quick", "--out", str(tmp_path), "--prepare-only"]) == 0
+    state = json.loads((tmp_path / "state.json").read_text())
+    base = tmp_path / "work" / "base"
+    assert state["base"]["fingerprint"] == fingerprint(base)
+    assert "target" not in state and not (tmp_path / "runs.jsonl").exists()
+    assert not (tmp_path / "work" / "runs").exists()
+    assert state["base"]["fingerprint"][:12] in capsys.readouterr().out
