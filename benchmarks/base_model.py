@@ -71,6 +71,24 @@ def _batches(rows: list[tuple[list[int], list[int]]], size: int, rng: random.Ran
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+def _packed_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
+    """(ids [1, T], labels [1, T], layout): the rows' prompt and answer end to end
+    (`trainers.packed_attention`), each answer token its own label, the prompts' -100. The model's
+    loss shifts labels by one along the row, so each sample's last token is scored against the
+    next sample's first, a prompt token: ignored, as a pad was."""
+    import torch
+
+    from trainers.packed_attention import PackedLayout
+
+    ids: list[int] = []
+    labels: list[int] = []
+    for prompt, answer in rows:
+        ids += prompt + answer
+        labels += [-100] * len(prompt) + answer
+    layout = PackedLayout.of([len(p) + len(a) for p, a in rows])
+    return torch.tensor([ids]), torch.tensor([labels]), layout
+
+
 def build_base_model(
     out: Path,
     *,
@@ -94,8 +112,9 @@ def build_base_model(
     from transformers import AutoModelForCausalLM
 
     from pipeline.tasks.long_answer import long_answer_rows
-    from pipeline.tasks.tiny_model import EOS_ID, PAD_ID, make_model_folder
+    from pipeline.tasks.tiny_model import EOS_ID, make_model_folder
     from pipeline.tasks.toy import encode
+    from trainers.packed_attention import packed
 
     cuda = device.startswith("cuda")
     if cuda:
@@ -134,17 +153,21 @@ def build_base_model(
         for chosen in _batches(rows, batch, rng):
             if step >= steps:
                 break
-            width = max(len(rows[i][0]) + len(rows[i][1]) for i in chosen)
-            ids = torch.full((len(chosen), width), PAD_ID, dtype=torch.long)
-            labels = torch.full((len(chosen), width), -100, dtype=torch.long)
-            for j, i in enumerate(chosen):
-                prompt, answer = rows[i]
-                ids[j, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-                labels[j, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cuda):
-                # Right padding behind a causal mask: no real token sees a pad, so no mask is passed;
-                # no KV cache either (transformers builds one in train mode too: copies, no use).
-                loss = model(input_ids=ids.to(device), labels=labels.to(device), use_cache=False).loss
+            ids, labels, layout = _packed_batch([rows[i] for i in chosen])
+            layout = layout.to(torch.device(device))
+            with (
+                torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cuda),
+                packed(model, layout),
+            ):
+                # Packed: a batch mixes answers of 1 and 1,024 tokens, and padded to its longest
+                # it was about five times its real tokens. No KV cache (transformers builds one in
+                # train mode too: copies, no use).
+                loss = model(
+                    input_ids=ids.to(device),
+                    labels=labels.to(device),
+                    position_ids=layout.position_ids,
+                    use_cache=False,
+                ).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

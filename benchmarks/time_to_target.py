@@ -227,8 +227,9 @@ def fits(expected: float | None, left: float) -> bool:
     return expected is None or expected * 1.1 <= left
 
 
-def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> Inputs:
-    """The prompts files and the base model (built when missing)."""
+def _prepare(plan: Plan, work: Path, state: dict[str, Any], *, runs: int = 0) -> Inputs:
+    """The prompts files and the base model (built when missing). A base built again must be the
+    one the folder's `runs` so far used (its fingerprint in `state`): SystemExit otherwise."""
     from pipeline.tasks.long_answer import long_answer_rows
 
     work.mkdir(parents=True, exist_ok=True)
@@ -263,11 +264,19 @@ def _prepare(plan: Plan, work: Path, state: dict[str, Any]) -> Inputs:
     built = json.loads((base / "base.json").read_text())
     known = state.get("base")
     if known and known["fingerprint"] != built["fingerprint"]:
+        if runs:  # a set's runs must share one base: their target and start were read from it
+            raise SystemExit(
+                f"the base model was built again and differs from the one this folder's {runs} run(s) used "
+                f"({built['fingerprint'][:12]} against {known['fingerprint'][:12]}): carry its parts "
+                f"(base.tar.part-*) to this call, or give another --out for a new set"
+            )
         print(
-            f"note: the base model was built again and differs from the one earlier runs used "
-            f"({built['fingerprint'][:12]} against {known['fingerprint'][:12]}); runs record which they used",
+            f"note: the base model was built again and differs from the one state.json named "
+            f"({built['fingerprint'][:12]} against {known['fingerprint'][:12]}); no run used that one, so "
+            "this one counts",
             flush=True,
         )
+        state["base"] = built
     state.setdefault("base", built)
     return Inputs(base, prompts, heldout, counts)
 
@@ -461,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{out}: {why}")
     state["card"] = card
     work = args.work or out / "work"
-    inputs = _prepare(plan, work, state)
+    inputs = _prepare(plan, work, state, runs=len(runs))
     state_path.write_text(json.dumps(state, indent=1))
     if args.prepare_only:
         print(f"prepared: the base model {state['base']['fingerprint'][:12]} in {inputs.base}", flush=True)

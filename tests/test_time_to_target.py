@@ -746,3 +746,42 @@ def test_prepare_only_builds_the_base_model_and_runs_nothing(
     assert "target" not in state and not (tmp_path / "runs.jsonl").exists()
     assert not (tmp_path / "work" / "runs").exists()
     assert state["base"]["fingerprint"][:12] in capsys.readouterr().out
+    # A base that differs from the one state.json names: taken where no run used the other,
+    # refused where runs did (their target and start were read from theirs).
+    from benchmarks.time_to_target import _prepare
+
+    other = {**state, "base": {**state["base"], "fingerprint": "f" * 64}}
+    with pytest.raises(SystemExit, match="differs from the one this folder's 2 run"):
+        _prepare(PRESETS["quick"], tmp_path / "work", dict(other), runs=2)
+    taken = dict(other)
+    _prepare(PRESETS["quick"], tmp_path / "work", taken, runs=0)
+    assert taken["base"]["fingerprint"] == fingerprint(base)
+
+
+def test_the_base_models_packed_batch_has_the_padded_batchs_loss(tmp_path: Path) -> None:
+    """The base model's supervised batch, packed end to end, scores each answer token as the
+    right-padded batch does: the same mean loss (fp32, CPU), and no prompt or next-sample token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.base_model import _packed_batch
+    from pipeline.tasks.tiny_model import PAD_ID, make_model_folder
+    from trainers.packed_attention import packed
+
+    rng = random.Random(3)
+    rows = [
+        ([rng.randrange(3, 30) for _ in range(rng.randint(3, 9))], [rng.randrange(3, 30)] * n) for n in (1, 40, 7, 13)
+    ]
+    model = AutoModelForCausalLM.from_pretrained(make_model_folder(tmp_path / "m", seed=2), dtype=torch.float32)
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for j, (prompt, answer) in enumerate(rows):
+        ids[j, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[j, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    padded = model(input_ids=ids, labels=labels, use_cache=False).loss
+    packed_ids, packed_labels, layout = _packed_batch(rows)
+    assert int((packed_labels != -100).sum()) == sum(len(a) for _, a in rows)
+    with packed(model, layout):
+        loss = model(input_ids=packed_ids, labels=packed_labels, position_ids=layout.position_ids, use_cache=False).loss
+    torch.testing.assert_close(loss, padded, rtol=1e-5, atol=1e-6)
