@@ -105,7 +105,7 @@ if named ttt && [ ! -f "$ttt_dir/work/base/base.json" ] && [ -f "$ttt_state/base
     || echo "the carried base model did not unpack: it is built again"
 fi
 # shellcheck disable=SC2086  # TTT_FLAGS: more flags, word by word
-named ttt && step ttt 570 python3 -m benchmarks.time_to_target --preset h200 --out "$ttt_dir" \
+named ttt && step ttt "${TTT_LIMIT:-570}" python3 -m benchmarks.time_to_target --preset h200 --out "$ttt_dir" \
   --budget-s "${TTT_BUDGET:-480}" --eval-workers "${TTT_EVAL_WORKERS:-3}" ${TTT_FLAGS:-}
 if named ttt; then
   mkdir -p "$out/ttt"

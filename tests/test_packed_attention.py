@@ -168,7 +168,7 @@ def test_a_model_under_gradient_checkpointing_stays_padded(tiny_model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_on_a_gpu_packed_log_probs_equal_the_padded_ones(tmp_path, dtype):
+def test_on_a_gpu_packed_log_probs_equal_the_padded_ones(tmp_path, dtype, monkeypatch):
     """The same check on the device (CUDA or ROCm), in fp32 and under bf16 autocast, where the
     padded and packed layouts run other kernels (bf16: torch's variable-length flash attention,
     grouped-query heads included, and it did run; fp32: the padded blocks): within 1e-4 in fp32,
@@ -178,9 +178,20 @@ def test_on_a_gpu_packed_log_probs_equal_the_padded_ones(tmp_path, dtype):
     model = make_model_folder(tmp_path / "gpu", seed=1)
     samples = list(_long_tailed_batch().samples)
     padded = GRPOTrainer(model, device="cuda", dtype=dtype, pack=False).logprobs(samples)
+    calls = []
+    kernel = packed_attention._varlen_kernel()
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(packed_attention, "_varlen_kernel", lambda: None if kernel is None else counted)
     packed_ = GRPOTrainer(model, device="cuda", dtype=dtype).logprobs(samples)
     atol = 1e-4 if dtype == "float32" else 0.05
     for a, b in zip(padded, packed_, strict=True):
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=0, atol=atol)
-    if dtype == "bfloat16" and packed_attention._varlen_partial() is not None:
+    if dtype == "bfloat16" and kernel is not None:  # every layer's attention by the kernel, in bf16
         assert packed_attention._refused == [], f"the variable-length kernel refused: {packed_attention._refused}"
+        assert calls and set(calls) == {torch.bfloat16}
+    else:
+        assert calls == []  # fp32: the blocks

@@ -173,9 +173,12 @@ def _attention(
     layout = state.layout
     dropout = kwargs.get("dropout", 0.0)
     kernel = None if dropout else _varlen_kernel()
-    if kernel is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    # Under autocast, q and k can come out of a model's fp32 norm weights in fp32 (Qwen3's q_norm
+    # and k_norm) while v is bf16: SDPA, on autocast's list, casts all three; so does this.
+    low = _autocast_dtype(query)
+    if kernel is not None and query.is_cuda and (low or query.dtype) in (torch.float16, torch.bfloat16):
         # [T, H, D] each, the samples' boundaries in `starts`: no padding, no scatter or gather.
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        q, k, v = (x[0].transpose(0, 1).to(low or x.dtype) for x in (query, key, value))
         longest = max(layout.lengths)
         try:
             out = kernel(q, k, v, layout.starts, layout.starts, longest, longest, scale=kwargs.get("scaling"))
@@ -191,6 +194,12 @@ def _attention(
         )  # [B, L, Hq, D]
         outs.append(out.reshape(-1, *out.shape[2:]))
     return torch.cat(outs).index_select(0, layout.scatter)[None], None
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes in on `x`'s device, or None where it is off."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def _varlen_kernel() -> Callable[..., Any] | None:
