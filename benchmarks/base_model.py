@@ -19,8 +19,9 @@ count at r = 0.99), the base model:
 - writes the asked letter about half the time: the reward (`long_answer_reward`) starts near 0.45
   and rises as RL teaches the policy to write the asked letter every time, in a few dozen steps.
 
-Deterministic for a device and seed (deterministic kernels on a GPU), so a later device call that
-builds it again builds the same weights; `base.json` holds their SHA-256 (`fingerprint`) and the
+Deterministic for a device and seed (strictly deterministic kernels on a GPU, `deterministic` in
+`base.json`; where a kernel has none, the build says so and goes on without), so a later device
+call that builds it again builds the same weights; `base.json` holds their SHA-256 (`fingerprint`) and the
 steps' figures, and a check: answers sampled to `--check` prompts after training, the correlation
 of their length with the asked count (`length_corr`) and the share in the asked letter.
 """
@@ -89,6 +90,24 @@ def _packed_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, An
     return torch.tensor([ids]), torch.tensor([labels]), layout
 
 
+def _backward(model: Any, ids: Any, labels: Any, layout: Any, device: str) -> Any:
+    """One packed supervised batch's forward and backward (bf16 autocast on a GPU); its loss."""
+    import torch
+
+    from trainers.packed_attention import packed
+
+    kind = torch.device(device).type
+    with torch.autocast(kind, dtype=torch.bfloat16, enabled=kind == "cuda"), packed(model, layout):
+        # Packed: a batch mixes answers of 1 and 1,024 tokens, and padded to its longest it was
+        # about five times its real tokens. No KV cache (transformers builds one in train mode
+        # too: copies, no use).
+        loss = model(
+            input_ids=ids.to(device), labels=labels.to(device), position_ids=layout.position_ids, use_cache=False
+        ).loss
+    loss.backward()
+    return loss
+
+
 def build_base_model(
     out: Path,
     *,
@@ -114,13 +133,15 @@ def build_base_model(
     from pipeline.tasks.long_answer import long_answer_rows
     from pipeline.tasks.tiny_model import EOS_ID, make_model_folder
     from pipeline.tasks.toy import encode
-    from trainers.packed_attention import packed
 
     cuda = device.startswith("cuda")
+    deterministic = True  # a CPU's kernels are, for a machine (the same fingerprint build after build)
     if cuda:
         # Deterministic kernels: a later device call that builds the base again gets the same weights.
+        # Strictly: with `warn_only` torch only warns where a kernel has a nondeterministic default
+        # (flash and cuDNN attention's backward among them) and runs it anyway.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)
         # cuDNN's SDPA builds a graph for every new shape, and each batch brings new ones (the
         # trainer turns it off for the same reason): with it, 1,800 steps took 546 s on an H100.
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -158,20 +179,20 @@ def build_base_model(
                 break
             ids, labels, layout = _packed_batch([rows[i] for i in chosen])
             layout = layout.to(torch.device(device))
-            with (
-                torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cuda),
-                packed(model, layout),
-            ):
-                # Packed: a batch mixes answers of 1 and 1,024 tokens, and padded to its longest
-                # it was about five times its real tokens. No KV cache (transformers builds one in
-                # train mode too: copies, no use).
-                loss = model(
-                    input_ids=ids.to(device),
-                    labels=labels.to(device),
-                    position_ids=layout.position_ids,
-                    use_cache=False,
-                ).loss
-            loss.backward()
+            try:
+                loss = _backward(model, ids, labels, layout, device)
+            except RuntimeError as exc:  # a kernel with no deterministic version on this device
+                if not (cuda and deterministic and step == 0 and "deterministic" in str(exc)):
+                    raise
+                deterministic = False
+                torch.use_deterministic_algorithms(True, warn_only=True)
+                print(
+                    f"note: {str(exc).splitlines()[0]}: the base model is built with that kernel's "
+                    "nondeterministic default, so a build again may differ (base.json says so)",
+                    flush=True,
+                )
+                optimizer.zero_grad(set_to_none=True)
+                loss = _backward(model, ids, labels, layout, device)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
@@ -183,6 +204,8 @@ def build_base_model(
                 )
             step += 1
         epoch += 1
+    if cuda:  # the check samples (cumulative sums, multinomial): it leaves the weights alone
+        torch.use_deterministic_algorithms(False)
     corr, share = _check(model, max_count=max_count, device=device, prompts=check, max_new=max_positions - 16)
     model.to(getattr(torch, save_dtype)).save_pretrained(out)
     print(f"base model check: asked count against written length r = {corr:.3f}, asked letter {share:.2f}", flush=True)
@@ -194,6 +217,7 @@ def build_base_model(
         "lr": lr,
         "seed": seed,
         "device": device,
+        "deterministic": deterministic,  # strictly deterministic kernels: a build again gives these weights
         "save_dtype": save_dtype,
         "loss_first": losses[0] if losses else math.nan,
         "loss_last": losses[-1] if losses else math.nan,
