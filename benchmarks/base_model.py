@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RIGHT_LETTER_SHARE", "base_answer", "build_base_model", "fingerprint", "main"]
+__all__ = ["RIGHT_LETTER_SHARE", "answer_loss", "base_answer", "build_base_model", "fingerprint", "main"]
 
 RIGHT_LETTER_SHARE = 0.5  # the base model writes the asked letter this often
 
@@ -101,11 +101,23 @@ def _backward(model: Any, ids: Any, labels: Any, layout: Any, device: str) -> An
         # Packed: a batch mixes answers of 1 and 1,024 tokens, and padded to its longest it was
         # about five times its real tokens. No KV cache (transformers builds one in train mode
         # too: copies, no use).
-        loss = model(
-            input_ids=ids.to(device), labels=labels.to(device), position_ids=layout.position_ids, use_cache=False
-        ).loss
+        logits = model(input_ids=ids.to(device), position_ids=layout.position_ids, use_cache=False).logits
+    loss = answer_loss(logits, labels.to(device))
     loss.backward()
     return loss
+
+
+def answer_loss(logits: Any, labels: Any) -> Any:
+    """The mean cross-entropy of the labelled tokens (-100: none), each predicted by the position
+    before it: the model's own loss, written with elementwise ops and sums only (a tiny vocabulary:
+    one-hot), whose CUDA kernels are all deterministic where `nll_loss`'s may not be."""
+    import torch
+
+    scores = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    targets = labels[0, 1:]
+    scored = targets != -100
+    picked = (scores * torch.nn.functional.one_hot(targets.clamp(min=0), scores.shape[-1])).sum(-1)
+    return -(picked * scored).sum() / scored.sum()
 
 
 def build_base_model(
