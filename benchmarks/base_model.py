@@ -74,9 +74,10 @@ def _batches(rows: list[tuple[list[int], list[int]]], size: int, rng: random.Ran
 
 def _packed_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
     """(ids [1, T], labels [1, T], layout): the rows' prompt and answer end to end
-    (`trainers.packed_attention`), each answer token its own label, the prompts' -100. The model's
-    loss shifts labels by one along the row, so each sample's last token is scored against the
-    next sample's first, a prompt token: ignored, as a pad was."""
+    (`trainers.packed_attention`), each answer token its own label, the prompts' -100. The loss
+    (`answer_loss`, as the model's own) scores each label by the position before it, so a sample's
+    last token would be scored against the next sample's first: a prompt token, ignored, as a pad
+    was."""
     import torch
 
     from trainers.packed_attention import PackedLayout
