@@ -33,7 +33,8 @@ It prints each variant's median step time (`--variants` picks some), its ratio t
 the peak device memory of a step; then the seconds of writing the publish folder (`save_model`,
 where disk publishes spend them): fp32 and bf16 through `save_pretrained` (what a bf16 trainer
 wrote before) against bf16 through one reused page-locked buffer (now). `--profile` adds the top
-device kernels of one step of `--profile-variant` (`packed` unless named; torch.profiler). The
+device kernels of one step of `--profile-variant` (`packed` unless named; torch.profiler), then
+where in the code its copies, multiplies, scatters and concatenations were called from. The
 first step of each variant is a warm-up and is not counted. Then the step against its arithmetic
 (`step_flops`: real tokens, no padding, at `--peak-tflops`), and issue 48's target: within 2x of it.
 """
@@ -121,6 +122,32 @@ def _all_rows() -> Iterator[None]:
         yield
     finally:
         grpo.response_logits = kept
+
+
+def _call_sites(prof: Any, ops: tuple[str, ...], cuda: bool, top: int = 12) -> str:
+    """Where in the Python code `ops` were called from, the costliest sites first: each site's
+    calls and device (or CPU) time, and its innermost frames of this project, transformers and
+    torch (a profile's table names kernels, not who launched them; a backward's ops sit under the
+    `backward` call)."""
+    sites: dict[tuple[str, str], list[float]] = {}
+    for event in prof.events():
+        if event.name not in ops:
+            continue
+        frames = []  # with_stack: each Python frame is an event of its own, the ops' ancestor
+        caller = event.cpu_parent
+        while caller is not None and len(frames) < 3:
+            if ".py(" in caller.name and any(k in caller.name for k in ("trainers/", "transformers/", "torch/")):
+                frames.append(caller.name.split(": ")[0])
+            caller = caller.cpu_parent
+        where = " < ".join(f.rsplit("/", 1)[-1] for f in frames) or "(no Python frame)"
+        cost = (event.device_time_total if cuda else event.cpu_time_total) / 1e3
+        entry = sites.setdefault((event.name, where), [0, 0.0])
+        entry[0] += 1
+        entry[1] += cost
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+    return "call sites:\n" + "\n".join(
+        f"  {name:<18} {int(n):>6} calls {ms:8.1f} ms  {where}" for (name, where), (n, ms) in rows
+    )
 
 
 def step_flops(model: Any, samples: list[Any], *, step_kl: bool, minibatches: int) -> float:
@@ -287,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             profiled = variants[args.profile_variant]
             print(f"profile of one {args.profile_variant} step:")
-            with profile(activities=activities) as prof:
+            with profile(activities=activities, with_stack=True) as prof:
                 profiled.train_step(dataclasses.replace(batch, step=args.steps + 1))
                 sync()
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+            print(_call_sites(prof, ("aten::copy_", "aten::mul", "aten::index_copy", "aten::cat"), cuda))
     return 0
 
 
