@@ -7,6 +7,7 @@
 #   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
 #   STEPS="colocate" bash benchmarks/gpu_check.sh DIR                # colocated on one GPU: 520 s of limits
 #   STEPS="trainer-step" bash benchmarks/gpu_check.sh DIR            # the torch trainer's step: 420 s
+#   STEPS="base-check" bash benchmarks/gpu_check.sh DIR              # time to target's base build: 240 s
 #   STEPS="ttt" bash benchmarks/gpu_check.sh DIR                     # time to target: 570 s a call, the
 #                                                                    # same command again continues (below;
 #                                                                    # carry build/ttt-state from the last)
@@ -75,6 +76,29 @@ named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu 
   tests/test_packed_attention.py tests/test_layer_compile.py
 named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
   --variants "blocks,packed,compiled,compiled with cache" --profile --profile-variant compiled
+# The base model's build on this card (issue 48; only with STEPS="base-check", about 3 minutes):
+# first the packed attention's GPU test (its variable-length kernel must run), then 200 steps of
+# the h200 preset's base build, twice: the two fingerprints must match (strictly deterministic
+# kernels, or a set's next session could not build its base again), and the seconds a step say
+# what the whole build (2,000 steps) costs before a call is spent on it.
+named base-check && step base-check-tests 60 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
+  tests/test_packed_attention.py
+for i in 1 2; do
+  named base-check && step "base-check-$i" 90 python3 -m benchmarks.base_model --out "$out/base-$i" --device cuda \
+    --hidden 512 --layers 8 --heads 8 --max-count 1024 --max-positions 1344 --steps 200 --batch 32 --lr 1e-3 \
+    --save-dtype bfloat16 --check 0
+done
+if named base-check; then
+  python3 - "$out" <<'PY' | tee "$out/base-check.txt"
+import json, sys
+from pathlib import Path
+built = [json.loads((Path(sys.argv[1]) / f"base-{i}" / "base.json").read_text()) for i in (1, 2)]
+prints = [b["fingerprint"][:12] for b in built]
+print(f"base check: {'the same weights' if prints[0] == prints[1] else 'DIFFERENT weights'} ({prints[0]}, {prints[1]}); "
+      f"deterministic {[b['deterministic'] for b in built]}; 200 steps in {[round(b['seconds']) for b in built]} s")
+PY
+  rm -rf "$out"/base-1 "$out"/base-2  # 38 MB each: the verdict is what comes back
+fi
 # Time to a reward target (issue 48; only with STEPS="ttt"): every mode x 3 seeds of the long-answer
 # task, each a real launcher run, one at a time, appended to $TTT_DIR/runs.jsonl as it ends. A call
 # runs what fits in TTT_BUDGET seconds (a run is not started past it) and the same command again
@@ -138,6 +162,9 @@ want modes-sim && step modes-sim 150 python3 -m benchmarks.modes --seeds 1 --ste
   grep -h -E '^engine resident|Error|error:' "$out/colocate-tests.log" 2>/dev/null | head -n 5
   awk '/^colocated on one GPU/{b=""} {b=b $0 "\n"} /^largest/{last=b} END{printf "%s", last}' \
     "$out/colocate-probe.log" 2>/dev/null   # the last table: printed after each shape
+  grep -h -E 'passed|failed' "$out/base-check-tests.log" 2>/dev/null | tail -n 1
+  grep -h -E '^note:' "$out"/base-check-[12].log 2>/dev/null | head -n 2   # a kernel with no deterministic version
+  cat "$out/base-check.txt" 2>/dev/null
   grep -h -E 'passed|failed' "$out/trainer-step-tests.log" 2>/dev/null | tail -n 1
   grep -h -E '^step |^flops estimate' "$out/trainer-step.log" 2>/dev/null
   # Time to target: the base model's check, each run's line, the table, the verdicts, what is left.
