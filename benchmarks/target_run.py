@@ -282,27 +282,49 @@ def run_one(
 def eval_phase(out: Path, versions: list[int], seconds: float, workers: int) -> dict[str, Any]:
     """One `python -m pipeline.eval` round of a run (the grid, or the refinement): how many
     versions, its wall seconds, side by side in how many, its versions' decode and load seconds
-    (None where a version's line has none: runs.jsonl stays strict JSON), and each worker's engine
-    start (the lines that carry one)."""
+    (None where a version's line has none: runs.jsonl stays strict JSON), each worker's engine
+    start (the lines that carry one), and the rest of its seconds (`round_rest`)."""
 
     lines = eval_lines(out)  # the run's metrics.jsonl, read once for the three figures
 
     def per_version(key: str) -> list[float | None]:
         return [d if math.isfinite(d) else None for d in version_seconds(out, versions, key, lines)]
 
+    decode, load = per_version("time/eval"), per_version("time/eval_load")
+    starts = per_version("time/eval_engine_start")
     return {
         "versions": len(versions),
         "seconds": seconds,
         "workers": min(workers, len(versions)),
-        "decode": per_version("time/eval"),
-        "load": per_version("time/eval_load"),
-        "starts": [d for d in per_version("time/eval_engine_start") if d is not None],
+        "decode": decode,
+        "load": load,
+        "starts": [d for d in starts if d is not None],
+        "rest": round_rest(seconds, min(workers, len(versions)), decode, load, starts),
     }
+
+
+def round_rest(
+    seconds: float, workers: int, decode: list[float | None], load: list[float | None], starts: list[float | None]
+) -> float | None:
+    """A round's seconds that none of its figures hold: each worker (`evaluate_versions` gives
+    worker i the versions i, i + workers, ...) starts its engine, then loads and decodes its
+    versions; the round lasts as its slowest worker, and the rest is the processes' own start
+    (Python, imports, the tokenizer) and the engines' stop. None where a figure is missing."""
+    if workers < 1 or any(d is None for d in (*decode, *load)):
+        return None
+    busy = []
+    for i in range(workers):
+        start = starts[i]
+        if start is None:
+            return None
+        busy.append(start + sum(d or 0.0 for d in decode[i::workers]) + sum(d or 0.0 for d in load[i::workers]))
+    return max(0.0, seconds - max(busy))
 
 
 def eval_said(phases: list[dict[str, Any]]) -> str:
     """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each, loading
-    0.1 s each, engines up in 12-14 s` (a record from before a figure was kept leaves it out)."""
+    0.1 s each, engines up in 12-14 s, 9 s besides (processes' start, engines' stop)` (a record
+    from before a figure was kept leaves it out)."""
     said = []
     for p in phases:
         text = f"{p['versions']} versions in {p['seconds']:.0f} s, {p['workers']} side by side"
@@ -316,5 +338,7 @@ def eval_said(phases: list[dict[str, Any]]) -> str:
                 if round(low) == round(high)
                 else f", engines up in {low:.0f}-{high:.0f} s"
             )
+        if p.get("rest") is not None:
+            text += f", {p['rest']:.0f} s besides (processes' start, engines' stop)"
         said.append(text)
     return "; ".join(said)

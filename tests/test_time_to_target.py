@@ -649,6 +649,21 @@ def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
         "11 versions in 62 s, 3 side by side, decoding 4.1 s each, loading 0.3 s each, engines up in 12-14 s; "
         "3 versions in 35 s, 3 side by side, engines up in 12 s"
     )
+    refined["rest"] = 6.4
+    assert eval_said([refined]).endswith("engines up in 12 s, 6 s besides (processes' start, engines' stop)")
+
+
+def test_a_rounds_rest_is_what_its_slowest_worker_did_not_spend_on_its_engine() -> None:
+    """Worker i gets versions i, i + workers, ...; the round lasts as its slowest worker."""
+    from benchmarks.target_run import round_rest
+
+    decode = [4.0, 5.0, 6.0, 4.0, 5.0]  # worker 0: versions 0, 2, 4; worker 1: 1, 3
+    load = [0.5] * 5
+    starts = [10.0, 12.0, None, None, None]  # on each worker's first line
+    # Worker 0: 10 + 15 + 1.5 = 26.5; worker 1: 12 + 9 + 1 = 22: the rest of 30 s is 3.5.
+    assert round_rest(30.0, 2, decode, load, starts) == pytest.approx(3.5)
+    assert round_rest(30.0, 2, [None, *decode[1:]], load, starts) is None  # a version without its figure
+    assert round_rest(30.0, 2, decode, load, [10.0, None, None, None, None]) is None
 
 
 @pytest.mark.slow
@@ -707,6 +722,7 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         assert all(0.0 < d < grid_round["seconds"] for d in grid_round["decode"])
         assert all(0.0 < d < grid_round["seconds"] for d in grid_round["load"])
         assert len(grid_round["starts"]) == 2 and all(0.0 < d < grid_round["seconds"] for d in grid_round["starts"])
+        assert 0.0 <= grid_round["rest"] < grid_round["seconds"]  # the processes' own start, the engines' stop
         assert [r["versions"] for r in refined_round] == (
             [len(run["eval_refined"]["version"])] if run["eval_refined"]["version"] else []
         )
