@@ -111,13 +111,16 @@ def _backward(model: Any, ids: Any, labels: Any, layout: Any, device: str) -> An
 def answer_loss(logits: Any, labels: Any) -> Any:
     """The mean cross-entropy of the labelled tokens (-100: none), each predicted by the position
     before it: the model's own loss, written with elementwise ops and sums only (a tiny vocabulary:
-    one-hot), whose CUDA kernels are all deterministic where `nll_loss`'s may not be."""
+    a mask over it), whose CUDA kernels are all deterministic where `nll_loss`'s may not be."""
     import torch
 
     scores = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     targets = labels[0, 1:]
     scored = targets != -100
-    picked = (scores * torch.nn.functional.one_hot(targets.clamp(min=0), scores.shape[-1])).sum(-1)
+    # A comparison, not `one_hot` (a scatter) or `gather` (a scatter-add backward): no kernel here
+    # whose determinism depends on torch's version.
+    chosen = targets[:, None] == torch.arange(scores.shape[-1], device=scores.device)[None, :]
+    picked = (scores * chosen).sum(-1)
     return -(picked * scored).sum() / scored.sum()
 
 
