@@ -118,8 +118,9 @@ seeds of the first four.
   quarter (steps 22-28) still reads the plateau, and a run costs about 30% less device time than
   at 40 (sync about 2 minutes with its start); then its evaluation, 8 versions of 128 prompts and
   the versions around the crossing.
-- Device time. Measured on the H200 (2026-12-05): the base model takes 4.4 minutes to build (it
-  comes back from the call in bf16 and `benchmarks/gpu_check.sh` carries it to the next), and a
+- Device time. Measured on the H200 (2026-12-05): the base model took 4.4 minutes to build,
+  padded (packed since, not yet timed on a GPU: `STEPS=base-check` times 200 steps; it comes back
+  from the call in bf16 and `benchmarks/gpu_check.sh` carries it to the next), and a
   sync step 1.5-5.8 s while lengths follow the prompts. Before the runs had their evaluations, a
   570 s call held two or three runs, and the 21 runs of the set (4 modes x 3 seeds, then 3
   colocated x 3) were about 60-75 minutes of device time: more than one session's 30, so
