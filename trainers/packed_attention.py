@@ -183,7 +183,9 @@ def _attention(
         try:
             out = kernel(q, k, v, layout.starts, layout.starts, longest, longest, scale=kwargs.get("scaling"))
             return out[None], None
-        except (RuntimeError, ValueError) as exc:  # a backend without it (torch picks cuDNN's on some cards)
+        # A backend without it (torch picks cuDNN's on some cards), or a torch whose signature
+        # differs from the ones `_varlen_partial` knows: the blocks, said once.
+        except (RuntimeError, ValueError, TypeError) as exc:
             _refused.append(f"{type(exc).__name__}: {exc}")
             log.warning("variable-length attention refused (%s); the trainer attends in padded blocks", exc)
     blocks = _unpack(query, layout), _unpack(key, layout), _unpack(value, layout)
