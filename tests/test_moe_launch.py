@@ -172,7 +172,7 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
     with the batch shape; the stored prefix's log-probs are checked byte for byte against what the
     kill left). `--lr 1e-30` keeps each published version's weights those of the base (checked
     below), so "the same weights" holds across the step the continuation waits for."""
-    out, steps = tmp_path / "run", 8
+    out, steps = tmp_path / "run", 24
     model = make_model_folder(out / "model", seed=42, arch="moe", num_experts=8, moe_router_topk=2)
     watch = Watch(out)
     launcher = None
@@ -183,9 +183,11 @@ def test_routes_survive_a_sigkill_of_the_controller_byte_for_byte(tmp_path):
         ) as server,
     ):
         # At least three steps: a group that finished during step 0's drain may fill step 1 as well,
-        # and the stored prefixes are then continued in step 2's round. Eight, so that a loaded
-        # machine's poll still finds the run alive when a prefix is stored (three once ran to the end
-        # between two looks).
+        # and the stored prefixes are then continued in step 2's round. Twenty-four, so that a loaded
+        # machine's poll still finds the run alive when a prefix is stored: three once ran to the end
+        # between two looks, and eight once ended (in CI, on a loaded machine) without a look finding
+        # a stored prefix with tokens. The kill comes at the first one, so more steps cost only the
+        # resumed life's.
         argv = (*SMALL_RUN, *MOE, "--num-rollout", str(steps), "--lr", "1e-30", "--sglang-url", server.url)
         try:
             launcher = Launcher(out, 0, *argv)
