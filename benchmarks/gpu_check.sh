@@ -83,16 +83,15 @@ named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step -
 # what the whole build (2,000 steps) costs before a call is spent on it.
 named base-check && step base-check-tests 60 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
   tests/test_packed_attention.py
-for i in 1 2; do
-  named base-check && step "base-check-$i" 90 python3 -m benchmarks.base_model --out "$out/base-$i" --device cuda \
-    --hidden 512 --layers 8 --heads 8 --max-count 1024 --max-positions 1344 --steps 200 --batch 32 --lr 1e-3 \
-    --save-dtype bfloat16 --check 0
+for i in 1 2; do  # the preset's own build (time_to_target._prepare), cut to 200 steps
+  named base-check && step "base-check-$i" 120 python3 -m benchmarks.time_to_target --preset h200 \
+    --out "$out/base-$i" --prepare-only --base-steps 200
 done
 if named base-check; then
   python3 - "$out" <<'PY' | tee "$out/base-check.txt"
 import json, sys
 from pathlib import Path
-built = [json.loads((Path(sys.argv[1]) / f"base-{i}" / "base.json").read_text()) for i in (1, 2)]
+built = [json.loads((Path(sys.argv[1]) / f"base-{i}" / "work" / "base" / "base.json").read_text()) for i in (1, 2)]
 prints = [b["fingerprint"][:12] for b in built]
 print(f"base check: {'the same weights' if prints[0] == prints[1] else 'DIFFERENT weights'} ({prints[0]}, {prints[1]}); "
       f"deterministic {[b['deterministic'] for b in built]}; 200 steps in {[round(b['seconds']) for b in built]} s")
@@ -112,7 +111,7 @@ fi
 ttt_dir=${TTT_DIR:-build/ttt}
 ttt_state=${TTT_STATE:-build/ttt-state}
 # runs.jsonl and state.json may come from another folder than the base model's parts: a set that
-# spans sessions keeps them in the repository (TTT_RECORD=docs/benchmarks/time-to-target-set), where
+# spans sessions keeps them in the repository (TTT_RECORD=docs/benchmarks/ttt-h100), where
 # a fresh checkout finds them; the base model's 45 MB stay out of git, built again bit-identically
 # when lost (benchmarks/base_model.py: its fingerprint is in state.json).
 ttt_record=${TTT_RECORD:-$ttt_state}

@@ -310,14 +310,11 @@ def round_rest(
     worker i the versions i, i + workers, ...) starts its engine, then loads and decodes its
     versions; the round lasts as its slowest worker, and the rest is the processes' own start
     (Python, imports, the tokenizer) and the engines' stop. None where a figure is missing."""
-    if workers < 1 or any(d is None for d in (*decode, *load)):
+    spent = [None if d is None or w is None else d + w for d, w in zip(decode, load, strict=True)]
+    firsts = starts[:workers]
+    if workers < 1 or None in spent or None in firsts:
         return None
-    busy = []
-    for i in range(workers):
-        start = starts[i]
-        if start is None:
-            return None
-        busy.append(start + sum(d or 0.0 for d in decode[i::workers]) + sum(d or 0.0 for d in load[i::workers]))
+    busy = [start + sum(spent[i::workers]) for i, start in enumerate(firsts)]  # type: ignore[arg-type,operator]
     return max(0.0, seconds - max(busy))
 
 
