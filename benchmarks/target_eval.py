@@ -1,24 +1,31 @@
 """A time-to-target run's evaluation (`benchmarks/time_to_target.py`): which versions it is
 evaluated at (the grid of its checkpoints, and the weights it kept between the grid's evaluations
-around its crossing of the target), `python -m pipeline.eval` for them side by side, and the run's
-clock at each version, less what the evaluation's own checkpoints cost it."""
+around its crossing of the target), the engines its rounds share, `python -m pipeline.eval` for them
+side by side, and the run's clock at each version, less what the evaluation's own checkpoints cost it."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import math
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio.from_thread
+
 from benchmarks.target_summary import first_reach
+from core.errors import EngineError
 
 __all__ = [
     "checkpoint_overhead",
     "eval_clock",
+    "eval_engines",
     "eval_lines",
     "evaluate_versions",
     "grid_versions",
@@ -95,37 +102,89 @@ def refine_versions(grid: dict[str, list[Any]], kept: list[int], target: float) 
     return [v for v in kept if low < v < high]
 
 
+@contextlib.contextmanager
+def eval_engines(flags: list[str], workers: int, log_dir: Path) -> Iterator[list[str]]:
+    """Built-in engines for an evaluation's rounds, one a worker, started once and stopped on exit;
+    their URLs. A round's `python -m pipeline.eval` that starts its own engines pays their start
+    each time: 11 s for each of two rounds of an H100 run, most of what is not decode. Given one of
+    these with `--sglang-url`, it loads each version's weights there (`update_weights_from_disk`),
+    as it would into its own. `flags` are the evaluation's (the run's `launch_flags` and extra
+    ones): the engines get their model, device, host and slots; flags that name the user's engines
+    or another launcher start none (an empty list: each round then starts its own, as before).
+    RuntimeError when an engine does not start."""
+    from launch.builtin_engine import start_engines
+    from pipeline.config import load_config
+    from pipeline.run.run_engines import builtin_engine_args
+
+    e = load_config(flags).engine
+    if e.urls or e.router_url or e.launcher != "builtin" or not e.hf_checkpoint or workers < 1:
+        yield []
+        return
+    start = functools.partial(
+        start_engines,
+        workers,
+        e.hf_checkpoint,
+        host=e.host,
+        max_running_requests=e.sglang_server_concurrency,
+        log_dir=log_dir,
+        extra_args=builtin_engine_args(e),
+        api_key=e.api_key or None,
+    )
+    with anyio.from_thread.start_blocking_portal() as portal:
+        try:
+            engines = portal.call(start)
+        except EngineError as exc:
+            raise RuntimeError(f"the evaluation's engines did not start: {exc}") from exc
+        try:
+            yield [engine.url for engine in engines]
+        finally:
+            for engine in engines:
+                portal.call(engine.stop)
+
+
 def _version_flags(versions: list[int]) -> list[str]:
     return [flag for v in versions for flag in ("--eval-version", str(v))]
 
 
 def evaluate_versions(
-    cmd: list[str], versions: list[int], out: Path, workers: int, *, cwd: Path, env: dict[str, str]
+    cmd: list[str],
+    versions: list[int],
+    out: Path,
+    workers: int,
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    urls: list[str] | None = None,
 ) -> float:
     """`cmd` (a `python -m pipeline.eval` of the run in `out`) for `versions`, split between
-    `workers` side by side, each with an engine of its own; its wall seconds. A version's
-    evaluation is as long as its longest answer's decode, token after token, which leaves a GPU
-    mostly idle: several side by side take about the time of one. Each gets the same prompts and
-    sampling seeds either way, and each line of `eval.jsonl` is written whole. A worker that fails
-    (a port taken between its pick and its bind) goes again alone; RuntimeError when that fails."""
-    groups = [versions[i::workers] for i in range(max(1, min(workers, len(versions))))]
+    `workers` side by side, each with an engine of its own (worker i the one at `urls[i]`, from
+    `eval_engines`; without, one it starts); its wall seconds. A version's evaluation is as long as
+    its longest answer's decode, token after token, which leaves a GPU mostly idle: several side
+    by side take about the time of one. Each gets the same prompts and sampling seeds either way,
+    and each line of `eval.jsonl` is written whole. A worker that fails (a port taken between its
+    pick and its bind) goes again alone; RuntimeError when that fails."""
+    count = max(1, min(workers, len(versions)))
+    if urls and len(urls) < count:
+        raise ValueError(f"{len(urls)} engine URLs for {count} workers: one a worker")
+    commands = [cmd + (["--sglang-url", urls[i]] if urls else []) for i in range(count)]
+    groups = [(commands[i], versions[i::workers]) for i in range(count)]
     started = time.perf_counter()
-    for group, _ in _eval_side_by_side(cmd, groups, out, cwd=cwd, env=env):  # alone this time
-        done = subprocess.run(cmd + _version_flags(group), cwd=cwd, env=env, capture_output=True, text=True)
+    for (command, group), _ in _eval_side_by_side(groups, out, cwd=cwd, env=env):  # alone this time
+        done = subprocess.run(command + _version_flags(group), cwd=cwd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
 
 
 def _eval_side_by_side(
-    cmd: list[str], groups: list[list[int]], out: Path, *, cwd: Path, env: dict[str, str]
-) -> list[tuple[list[int], str]]:
-    """Run `cmd` for each group of versions at once; the groups that failed, with their stderr's tail."""
+    groups: list[tuple[list[str], list[int]]], out: Path, *, cwd: Path, env: dict[str, str]
+) -> list[tuple[tuple[list[str], list[int]], str]]:
+    """Run each (command, versions) at once; the ones that failed, with their stderr's tail."""
     logs = [out / f"eval-worker-{i}.log" for i in range(len(groups))]
     procs = []
-    for group, log_path in zip(groups, logs, strict=True):
+    for (command, group), log_path in zip(groups, logs, strict=True):
         with log_path.open("w") as err:  # a file, not a pipe: no worker blocks on a full one
-            procs.append(subprocess.Popen(cmd + _version_flags(group), cwd=cwd, env=env, stdout=err, stderr=err))
+            procs.append(subprocess.Popen(command + _version_flags(group), cwd=cwd, env=env, stdout=err, stderr=err))
     failed = []
     for group, proc, log_path in zip(groups, procs, logs, strict=True):
         if proc.wait() != 0:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.target_eval import (
+    eval_engines,
     eval_lines,
     evaluate_versions,
     grid_versions,
@@ -183,6 +184,7 @@ def evaluate_run(
     extra: list[str],
     workers: int = 1,
     versions: list[int] | None = None,
+    urls: list[str] | None = None,
 ) -> tuple[list[int], float]:
     """Evaluate a finished run's base weights (version 0) and every checkpoint on the held-out set
     with `python -m pipeline.eval`; (the versions, its wall seconds). It starts a built-in engine of
@@ -199,7 +201,8 @@ def evaluate_run(
     pick and its bind) goes again alone before the evaluation counts as failed
     (`target_eval.evaluate_versions`).
 
-    `versions` names others than the grid (the refinement's: `refine_versions`)."""
+    `versions` names others than the grid (the refinement's: `refine_versions`); `urls`, engines
+    the workers use instead of starting their own (`eval_flags`, `target_eval.eval_engines`)."""
     if versions is None:
         versions = grid_versions(out)
         if versions[-1] != plan.steps:
@@ -209,9 +212,14 @@ def evaluate_run(
             )
     if not versions:
         return [], 0.0
+    cmd = [sys.executable, "-m", "pipeline.eval", *eval_flags(plan, seed, inputs, out, extra)]
+    return versions, evaluate_versions(cmd, versions, out, workers, cwd=REPO, env=run_env(), urls=urls)
+
+
+def eval_flags(plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str]) -> list[str]:
+    """The flags of a run's evaluation: the sync flags of its plan and seed, then the extra ones."""
     flags = launch_flags(plan, "sync", seed, base=inputs.base, prompts=inputs.prompts, heldout=inputs.heldout, out=out)
-    cmd = [sys.executable, "-m", "pipeline.eval", *flags, *extra]
-    return versions, evaluate_versions(cmd, versions, out, workers, cwd=REPO, env=run_env())
+    return [*flags, *extra]
 
 
 def run_env() -> dict[str, str]:
@@ -259,17 +267,24 @@ def run_one(
         rec["card"] = card
         rec["saves_for_eval"] = mode in COLOCATED  # before read_evaluation: its clock leaves them out
         try:
-            versions, rec["eval_seconds"] = evaluate_run(plan, seed, inputs, out, extra, eval_workers)
-            rec["eval"] = read_evaluation(out, rec, versions, EVAL_KEY)
-            # Where an evaluation's seconds go: each version's decode and load, each engine's start.
-            rec["eval_phases"] = [eval_phase(out, versions, rec["eval_seconds"], eval_workers)]
-            if plan.smooth_eval == 1:  # a trailing mean over evaluations would change with denser ones
-                finer = refine_versions(rec["eval"], kept_versions(out), target_of(rec))
-                finer, seconds = evaluate_run(plan, seed, inputs, out, extra, eval_workers, finer)
-                rec["eval_refined"] = read_evaluation(out, rec, finer, EVAL_KEY)
-                rec["eval_seconds"] += seconds
-                if finer:
-                    rec["eval_phases"].append(eval_phase(out, finer, seconds, eval_workers))
+            # Both rounds on the same engines, started once (`eval_engines`); the evaluation's
+            # seconds are all of it, the engines' start and stop included.
+            evaluating = time.perf_counter()
+            flags = eval_flags(plan, seed, inputs, out, extra)
+            with eval_engines(flags, eval_workers, out / "logs" / "eval-engines") as urls:
+                if urls:
+                    rec["eval_engines_up"] = time.perf_counter() - evaluating
+                versions, seconds = evaluate_run(plan, seed, inputs, out, extra, eval_workers, urls=urls)
+                rec["eval"] = read_evaluation(out, rec, versions, EVAL_KEY)
+                # Where an evaluation's seconds go: each version's decode and load, each engine's start.
+                rec["eval_phases"] = [eval_phase(out, versions, seconds, eval_workers)]
+                if plan.smooth_eval == 1:  # a trailing mean over evaluations would change with denser ones
+                    finer = refine_versions(rec["eval"], kept_versions(out), target_of(rec))
+                    finer, seconds = evaluate_run(plan, seed, inputs, out, extra, eval_workers, finer, urls=urls)
+                    rec["eval_refined"] = read_evaluation(out, rec, finer, EVAL_KEY)
+                    if finer:
+                        rec["eval_phases"].append(eval_phase(out, finer, seconds, eval_workers))
+            rec["eval_seconds"] = time.perf_counter() - evaluating
         except RuntimeError as exc:
             print(f"run {name}: its evaluation failed: {exc}")
             return None
@@ -309,7 +324,9 @@ def round_rest(
     """A round's seconds that none of its figures hold: each worker (`evaluate_versions` gives
     worker i the versions i, i + workers, ...) starts its engine, then loads and decodes its
     versions; the round lasts as its slowest worker, and the rest is the processes' own start
-    (Python, imports, the tokenizer) and the engines' stop. None where a figure is missing."""
+    (Python, imports, the tokenizer) and the engines' stop (with engines the rounds share,
+    `eval_engines`, a worker's start is opening them, and no round stops them). None where a
+    figure is missing."""
     spent = [None if d is None or w is None else d + w for d, w in zip(decode, load, strict=True)]
     firsts = starts[:workers]
     if workers < 1 or None in spent or None in firsts:
@@ -318,24 +335,27 @@ def round_rest(
     return max(0.0, seconds - max(busy))
 
 
-def eval_said(phases: list[dict[str, Any]]) -> str:
+def eval_said(phases: list[dict[str, Any]], engines_up: float | None = None) -> str:
     """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each, loading
     0.1 s each, engines up in 12-14 s, 9 s besides (processes' start, engines' stop)` (a record
-    from before a figure was kept leaves it out)."""
+    from before a figure was kept leaves it out); `engines_up`, the seconds of engines the rounds
+    shared (`eval_engines_up`), goes first, and then a round's own engines start in no time."""
     said = []
     for p in phases:
         text = f"{p['versions']} versions in {p['seconds']:.0f} s, {p['workers']} side by side"
         for word, key in (("decoding", "decode"), ("loading", "load")):
             known = [d for d in p.get(key, []) if d is not None]  # eval_phase keeps a missing one as None
             text += f", {word} {statistics.fmean(known):.1f} s each" if known else ""
-        if starts := p.get("starts"):
+        if (starts := p.get("starts")) and engines_up is None:
             low, high = min(starts), max(starts)
             text += (
                 f", engines up in {low:.0f} s"
                 if round(low) == round(high)
                 else f", engines up in {low:.0f}-{high:.0f} s"
             )
-        if p.get("rest") is not None:
-            text += f", {p['rest']:.0f} s besides (processes' start, engines' stop)"
+        if p.get("rest") is not None:  # with shared engines, a round stops none
+            besides = "processes' start" if engines_up is not None else "processes' start, engines' stop"
+            text += f", {p['rest']:.0f} s besides ({besides})"
         said.append(text)
-    return "; ".join(said)
+    shared = [f"engines up once in {engines_up:.0f} s"] if engines_up is not None else []
+    return "; ".join(shared + said)

@@ -38,7 +38,8 @@ early on a biased sample. Each run saves a checkpoint every `eval_every` steps a
 the base weights (version 0) and each checkpoint on `eval_prompts` held-out prompts
 (`work/eval.jsonl`, drawn like the training prompts from another seed), one response each, the
 same prompts and sampling seeds for every mode (as AReaL measures AIME accuracy at checkpoints). It
-runs a built-in engine of its own with the sync flags of the same plan and seed. Version v's time
+runs on built-in engines of its own with the sync flags of the same plan and seed, started once
+for both of a run's rounds (the grid, the refinement). Version v's time
 is the run's first v steps' `perf/step_time`, less what its checkpoints took beyond a weights-only
 save (`perf/save_model_time`: the checkpoints are the measurement's, not the mode's; a colocated
 run's every save, below).
@@ -88,7 +89,8 @@ at a time, a third of the device time); what is measured does not change. On an 
 refinement it gained little (97-128 s for 14 versions, 1 to 3 side by side): each record's
 `eval_phases` say where the seconds go (per round, each version's decode and load, each
 engine's start: `benchmarks/target_run.py`, which makes one run and its record), and each run's
-line prints them. The same command again
+line prints them: on the H100 each round's own engines took 11 s to start, so the rounds now
+share engines started once a run. The same command again
 continues: it keeps the target, rebuilds the base model if it is missing (deterministic:
 `state.json` keeps its fingerprint, and a rebuild that differs is named), and skips every finished
 run. Non-colocated modes run first, seed by seed, then the colocated ones, so a cut set has whole
@@ -491,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             fig = figures(rec, state["target"]["value"], plan.smooth, plan.smooth_eval)
             reached = "never" if fig.time_to_target is None else f"{fig.time_to_target:.1f} s"
         ev = rec["eval"]
-        rounds = f": {said}" if (said := eval_said(rec.get("eval_phases", []))) else ""
+        rounds = f": {said}" if (said := eval_said(rec.get("eval_phases", []), rec.get("eval_engines_up"))) else ""
         print(
             f"run {run_name(rec['mode'], rec['seed'], rec['calibration'])}: {len(rec['reward'])} steps in "
             f"{sum(rec['step_seconds']):.1f} s ({rec['wall']:.0f} s with its start), batch reward "

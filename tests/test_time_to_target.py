@@ -627,10 +627,10 @@ def test_evaluations_side_by_side_report_the_groups_that_failed(tmp_path: Path) 
 
     # A stand-in for `python -m pipeline.eval`: fails when asked for version 3.
     cmd = [sys.executable, "-c", "import sys; print('to stderr', file=sys.stderr); sys.exit('3' in sys.argv)"]
-    failed = _eval_side_by_side(cmd, [[0, 2], [1, 3]], tmp_path, cwd=tmp_path, env=dict(os.environ))
-    assert [group for group, _ in failed] == [[1, 3]]
+    failed = _eval_side_by_side([(cmd, [0, 2]), (cmd, [1, 3])], tmp_path, cwd=tmp_path, env=dict(os.environ))
+    assert [group for (_, group), _ in failed] == [[1, 3]]
     assert "to stderr" in failed[0][1]
-    assert _eval_side_by_side(cmd, [[0], [1]], tmp_path, cwd=tmp_path, env=dict(os.environ)) == []
+    assert _eval_side_by_side([(cmd, [0]), (cmd, [1])], tmp_path, cwd=tmp_path, env=dict(os.environ)) == []
 
 
 def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
@@ -651,6 +651,22 @@ def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
     )
     refined["rest"] = 6.4
     assert eval_said([refined]).endswith("engines up in 12 s, 6 s besides (processes' start, engines' stop)")
+    # Engines both rounds shared: said once, first; a round's own start (opening them) is not said.
+    assert eval_said([refined], engines_up=10.6) == (
+        "engines up once in 11 s; 3 versions in 35 s, 3 side by side, 6 s besides (processes' start)"
+    )
+
+
+def test_an_evaluation_starts_no_engines_of_its_own_beside_the_users(tmp_path: Path) -> None:
+    """Flags that name the user's engines (or real SGLang) leave each round to open those itself."""
+    from benchmarks.target_eval import eval_engines, evaluate_versions
+
+    flags = ["--output-dir", str(tmp_path / "run"), "--sglang-url", "http://127.0.0.1:9"]
+    with eval_engines(flags, 2, tmp_path / "logs") as urls:
+        assert urls == []
+    assert not (tmp_path / "logs").exists()
+    with pytest.raises(ValueError, match="1 engine URLs for 2 workers"):
+        evaluate_versions(["true"], [0, 1], tmp_path, 2, cwd=tmp_path, env={}, urls=["http://127.0.0.1:9"])
 
 
 def test_a_rounds_rest_is_what_its_slowest_worker_did_not_spend_on_its_engine() -> None:
@@ -721,12 +737,15 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         assert (grid_round["versions"], grid_round["workers"]) == (len(last), 2)
         assert all(0.0 < d < grid_round["seconds"] for d in grid_round["decode"])
         assert all(0.0 < d < grid_round["seconds"] for d in grid_round["load"])
-        assert len(grid_round["starts"]) == 2 and all(0.0 < d < grid_round["seconds"] for d in grid_round["starts"])
+        # Both rounds use the engines started once for the run's evaluation: opening them is quick.
+        assert 0.0 < run["eval_engines_up"] < run["eval_seconds"]
+        assert len(grid_round["starts"]) == 2 and all(0.0 < d < run["eval_engines_up"] for d in grid_round["starts"])
         assert 0.0 <= grid_round["rest"] < grid_round["seconds"]  # the processes' own start, the engines' stop
         assert [r["versions"] for r in refined_round] == (
             [len(run["eval_refined"]["version"])] if run["eval_refined"]["version"] else []
         )
-        assert sum(r["seconds"] for r in run["eval_phases"]) == pytest.approx(run["eval_seconds"])
+        rounds = sum(r["seconds"] for r in run["eval_phases"])
+        assert rounds + run["eval_engines_up"] <= run["eval_seconds"] < rounds + run["eval_engines_up"] + 30
     # The evaluation set is the same for every run: the base weights score alike everywhere.
     assert len({r["eval"]["reward"][0] for r in runs}) == 1
     state = json.loads((tmp_path / "state.json").read_text())
