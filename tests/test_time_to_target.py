@@ -732,6 +732,11 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         # At the steps' wall seconds, less the checkpoints' extra ones: no more than the steps took.
         assert ev["seconds"][0] == 0.0 and ev["seconds"] == sorted(ev["seconds"])
         assert ev["seconds"][-1] <= sum(run["step_seconds"]) and sum(run["checkpoint"]) == len(last) - 1
+        # What the corrections did, per step: OPSM is off in sync (the default) and so drops nothing.
+        assert len(run["opsm_dropped"]) == len(run["logprob_diff"]) == len(run["reward"])
+        assert all(0.0 <= d <= 1.0 for d in run["opsm_dropped"]) and all(d >= 0.0 for d in run["logprob_diff"])
+        if run["mode"] == "sync":
+            assert not any(run["opsm_dropped"])
         # Where the evaluation's seconds went: the grid's round, the refinement's where it had one.
         grid_round, *refined_round = run["eval_phases"]
         assert (grid_round["versions"], grid_round["workers"]) == (len(last), 2)
