@@ -152,6 +152,7 @@ from typing import Any
 
 from benchmarks.target_run import (
     COLOCATED,
+    DIAGNOSTIC,
     HELDOUT_SEED,
     MODES,
     REPO,
@@ -373,6 +374,12 @@ def _plan(args: argparse.Namespace) -> Plan:
     return dataclasses.replace(plan, **changes)
 
 
+def default_modes(gpu: bool) -> list[str]:
+    """The set's modes: every one the device allows (the colocated ones need a GPU), none of the
+    diagnostic ones (`target_run.DIAGNOSTIC`), which run only where `--modes` names them."""
+    return [m for m in MODES if m not in DIAGNOSTIC and (gpu or m not in COLOCATED)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -383,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the CPU smoke test: --preset quick, one seed")
     p.add_argument("--out", type=Path, default=REPO / "build" / "ttt")
     p.add_argument("--work", type=Path, default=None, help="base model and run folders (default: OUT/work)")
-    p.add_argument("--modes", default=None, help=f"of {', '.join(MODES)} (default: all the device allows)")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"of {', '.join(MODES)} (default: the set's, all the device allows; "
+        f"{', '.join(DIAGNOSTIC)} only when named)",
+    )
     p.add_argument("--seeds", default=None, help="compared seeds (default 0,1,2; --quick: 0)")
     p.add_argument(
         "--target",
@@ -427,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--eval-workers {args.eval_workers}: must be at least 1 (one evaluation at a time)")
     plan = _plan(args)
     gpu = plan.device.startswith("cuda")
-    modes = args.modes.split(",") if args.modes else [m for m in MODES if gpu or m not in COLOCATED]
+    modes = args.modes.split(",") if args.modes else default_modes(gpu)
     if unknown := [m for m in modes if m not in MODES]:
         p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     if not gpu and (cpu_colocated := [m for m in modes if m in COLOCATED]):

@@ -411,6 +411,9 @@ def test_every_modes_flags_pass_the_launchers_rules(tmp_path: Path) -> None:
             assert config.rollout.mode == ("async" if mode.startswith("async") else "sync")
             assert config.rollout.eval_prompt_data == ("heldout", str(prompts))
             assert config.rollout.eval_interval is None and config.output.save_keep_last == 0
+            # OPSM: on by default in partial and async, off in sync and in the diagnostic modes.
+            off_policy = mode.startswith("async") or "partial" in mode
+            assert config.trainer.use_opsm == (off_policy and not mode.endswith("-no-opsm"))
 
 
 # ---- reading a run ---------------------------------------------------------------------------------
@@ -718,12 +721,12 @@ def test_a_run_keeps_its_weights_folders_and_any_kept_version_is_evaluated(tmp_p
 def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--quick`: every CPU mode's launcher run, then `python -m pipeline.eval` of its checkpoints,
     two side by side (each version still scored once, on the same prompts)."""
-    from benchmarks.time_to_target import main
+    from benchmarks.time_to_target import default_modes, main
 
     plan = PRESETS["quick"]
     assert main(["--quick", "--out", str(tmp_path), "--eval-workers", "2"]) == 0, capsys.readouterr().out[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in runs] == [m for m in MODES if m not in COLOCATED]
+    assert [r["mode"] for r in runs] == default_modes(gpu=False)  # the set's, none of the diagnostic ones
     last = list(range(0, plan.steps + 1, plan.eval_every))
     for run in runs:
         ev = run["eval"]
