@@ -45,13 +45,17 @@ MODES: dict[str, tuple[str, ...]] = {
     "async-colocated": ("--colocate", "--rollout-mode", "async"),
 }
 COLOCATED = tuple(m for m in MODES if m.endswith("-colocated"))
-# Modes run only where `--modes` names them, not in the set: partial and async with OPSM off. OPSM
-# is on by default in both, and its mask reads the current policy, which the step's first optimizer
-# step has already moved, so it drops negative samples of a fully on-policy batch too (9-25% of
-# the tokens at a CPU run's first step); these read what that costs in steps to the target.
+# Modes run only where `--modes` names them, not in the set: partial and async with OPSM off, and
+# with OPSM read against the proximal policy. OPSM is on by default in both, and its mask reads the
+# current policy, which the step's first optimizer step has already moved, so it drops negative
+# samples of a fully on-policy batch too (9-25% of the tokens at a CPU run's first step); these
+# read what that costs in steps to the target, and whether OPSM against the policy before the
+# step (the rollout's staleness alone) keeps its protection without the cost.
 DIAGNOSTIC: dict[str, tuple[str, ...]] = {
     "partial-no-opsm": (*MODES["partial"], "--no-use-opsm"),
     "async-no-opsm": (*MODES["async"], "--no-use-opsm"),
+    "partial-opsm-proximal": (*MODES["partial"], "--opsm-against", "proximal"),
+    "async-opsm-proximal": (*MODES["async"], "--opsm-against", "proximal"),
 }
 MODES.update(DIAGNOSTIC)
 # The held-out set: drawn like the training prompts (seed 7) from another seed, the same for every run.

@@ -67,6 +67,7 @@ def loss_settings(config: Mapping[str, Mapping[str, Any]]) -> LossSettings:
         tis_clip_low=t.tis_clip_low,
         use_opsm=t.use_opsm is True,  # None: a config from before the derived default, which had it off
         opsm_delta=t.opsm_delta,
+        opsm_against=t.opsm_against,
         aggregation=LossAggregation(t.loss_agg_mode),
         std_normalization=not t.disable_grpo_std_normalization,
         overlong_buffer_len=t.overlong_buffer_len,

@@ -414,6 +414,7 @@ def test_every_modes_flags_pass_the_launchers_rules(tmp_path: Path) -> None:
             # OPSM: on by default in partial and async, off in sync and in the diagnostic modes.
             off_policy = mode.startswith("async") or "partial" in mode
             assert config.trainer.use_opsm == (off_policy and not mode.endswith("-no-opsm"))
+            assert config.trainer.opsm_against == ("proximal" if mode.endswith("-opsm-proximal") else "current")
 
 
 # ---- reading a run ---------------------------------------------------------------------------------

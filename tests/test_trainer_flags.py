@@ -22,6 +22,8 @@ def test_flags_reach_the_loss_settings():
             "--use-opsm",
             "--opsm-delta",
             "0.01",
+            "--opsm-against",
+            "proximal",
             "--loss-agg-mode",
             "seq-mean-token-sum-norm",
             "--disable-grpo-std-normalization",
@@ -41,6 +43,7 @@ def test_flags_reach_the_loss_settings():
     s = loss_settings(config_to_dict(config))
     assert (s.correction, s.tis_clip_low, s.tis_clip) == (ImportanceCorrection.ICEPOP, 0.5, 3.0)
     assert (s.use_opsm, s.opsm_delta, s.aggregation) == (True, 0.01, LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM)
+    assert s.opsm_against == "proximal"
     assert (s.std_normalization, s.overlong_buffer_len, s.overlong_penalty_factor) == (False, 16, 0.5)
     assert (s.mask_truncated_samples, s.mask_stale_tokens, s.max_response_len) == (True, 2, 64)
     assert (s.eps_clip, s.clip_high) == (0.2, 0.28)
@@ -55,6 +58,7 @@ def test_no_use_tis_turns_the_correction_off_whatever_the_mode():
 def test_an_old_run_without_the_new_keys_gets_todays_defaults():
     s = loss_settings({"trainer": {"use_tis": True, "tis_clip": 2.0}, "rollout": {}})
     assert s.correction is ImportanceCorrection.TRUNCATE and s.mask_stale_tokens is None
+    assert s.opsm_against == "current"  # as every run before the flag measured it
 
 
 def test_bad_trainer_flags_are_listed_together_with_flag_value_and_rule():

@@ -230,13 +230,36 @@ def test_one_step_per_batch_never_clips_but_minibatches_do(tiny_model_dir):
     assert metrics["pg_clipfrac"] > 0.0
 
 
+def test_opsm_against_the_proximal_policy_keeps_an_on_policy_batchs_negatives(tiny_model_dir):
+    """An on-policy batch (its behaviour log-probs the trainer's own) in two optimizer steps: OPSM
+    against the current policy drops the second minibatch's negative samples, whose answer the
+    first step made less likely; against the proximal policy it drops none, and trains on what
+    sync (OPSM off) trains on."""
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    answers = ["ab"[: 1 + i % 2] + "a" for i in range(8)]  # every negative sample answers "aba"
+    drafts = [_sample(i, PROMPT, _seg(a, -2.0, FinishReason.STOP, 0)) for i, a in enumerate(answers)]
+    own = GRPOTrainer(tiny_model_dir).logprobs(drafts)
+    samples = [
+        _sample(i, PROMPT, _seg(a, lps, FinishReason.STOP, 0))
+        for i, (a, lps) in enumerate(zip(answers, own, strict=True))
+    ]
+    batch = Batch(0, (_group(TASK, samples, rewards),))
+    dropped = {}
+    for against in ("current", "proximal"):
+        loss = LossSettings(use_opsm=True, opsm_against=against)
+        trainer = GRPOTrainer(tiny_model_dir, lr=0.5, global_batch_size=4, loss=loss)
+        dropped[against] = trainer.train_step(batch)["opsm_mask_frac"]
+    assert dropped["current"] > 0.0 and dropped["proximal"] == 0.0
+
+
 @pytest.mark.parametrize(
     "loss",
     [
         LossSettings(use_opsm=True, entropy_coef=0.01),  # token-mean, OPSM drops read the current log-probs
+        LossSettings(use_opsm=True, opsm_against="proximal"),  # ... or the proximal ones, with no forward more
         LossSettings(aggregation=LossAggregation.SEQ_MEAN_TOKEN_MEAN, correction=ImportanceCorrection.ICEPOP),
     ],
-    ids=["token-mean-opsm", "seq-mean-icepop"],
+    ids=["token-mean-opsm", "token-mean-opsm-proximal", "seq-mean-icepop"],
 )
 def test_micro_batches_take_the_same_step_as_the_whole_minibatch(tiny_model_dir, loss):
     """--micro-batch-size splits the forward and backward, not the step: each micro-batch's loss

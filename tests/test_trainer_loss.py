@@ -18,8 +18,10 @@ from trainers.loss import (
     newest_version_mask,
     opsm_mask,
     overlong_penalty,
+    policy_loss,
     ppo_clip_loss,
     stale_token_mask,
+    trained_mask,
 )
 
 LN = math.log
@@ -78,6 +80,40 @@ def test_opsm_drops_negative_samples_the_policy_moved_away_from():
     mask = torch.ones_like(current, dtype=torch.bool)
     keep = opsm_mask(current, behaviour, mask, torch.tensor([-1.0, 1.0, -1.0]), delta=0.5)
     assert keep.tolist() == [False, True, True]  # only A < 0 and divergence > delta
+
+
+def test_opsm_against_the_proximal_policy_reads_the_rollouts_staleness_alone():
+    """Three samples of one batch, the trainer at its second optimizer step: sample 0 on-policy
+    (behaviour = proximal) whose likelihood the first step lowered, sample 1 stale (the policy
+    had moved away before the step), sample 2 stale with a positive advantage."""
+    behaviour = torch.full((3, 2), -1.0)
+    proximal = torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [-2.0, -2.0]])
+    current = torch.full((3, 2), -2.0)
+    mask = torch.ones_like(current, dtype=torch.bool)
+    advantages = torch.tensor([-1.0, -1.0, 1.0])
+    expected = {"current": [False, False, True], "proximal": [True, False, True]}
+    for against, kept in expected.items():
+        s = LossSettings(use_opsm=True, opsm_delta=0.5, opsm_against=against)
+        train = trained_mask(
+            s, current=current, proximal=proximal, behaviour=behaviour, mask=mask, advantages=advantages
+        )
+        assert train.all(dim=1).tolist() == kept, against
+        pl = policy_loss(
+            s,
+            current=current,
+            entropy=torch.zeros_like(current),
+            proximal=proximal,
+            behaviour=behaviour,
+            mask=mask,
+            advantages=advantages,
+        )
+        assert pl.train.all(dim=1).tolist() == kept, against  # the loss and the token count agree
+    # One optimizer step a batch: no proximal log-probs, and both read the current ones.
+    s = LossSettings(use_opsm=True, opsm_delta=0.5, opsm_against="proximal")
+    train = trained_mask(s, current=current, proximal=None, behaviour=behaviour, mask=mask, advantages=advantages)
+    assert train.all(dim=1).tolist() == [False, False, True]
+    with pytest.raises(ValueError, match="opsm_against='behaviour'"):
+        LossSettings(opsm_against="behaviour")
 
 
 def test_ppo_clip_acts_on_both_sides_against_the_proximal_policy():

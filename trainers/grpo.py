@@ -421,7 +421,8 @@ class GRPOTrainer:
         index = torch.tensor(mb, device=self.device)
         drops = s.correction in (ImportanceCorrection.ICEPOP, ImportanceCorrection.SEQ_MASK)
         current = None
-        if s.use_opsm or (drops and proximal is None):
+        opsm_reads_current = s.use_opsm and (s.opsm_against == "current" or proximal is None)
+        if opsm_reads_current or (drops and proximal is None):
             current = self._logprobs_no_grad([samples[i] for i in mb], t.valid.shape[1])
         train = L.trained_mask(
             s,

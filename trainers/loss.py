@@ -32,7 +32,12 @@ later ones. The importance weight `w` (`--use-tis`, `--tis-mode`, bounds `--tis-
 
 OPSM (`--use-opsm --opsm-delta d`, slime's Off-Policy Sequence Masking) drops a sample whose
 advantage is negative and whose mean `log mu_t - log pi_t` over its trainable tokens exceeds `d`:
-negative samples the current policy has already moved away from teach nothing but noise.
+negative samples the current policy has already moved away from teach nothing but noise. `pi` is
+the current policy (slime's), or with `--opsm-against proximal` the proximal one (the log-probs
+before the rollout batch's first optimizer step): then only the rollout's staleness counts, not
+the batch's own earlier optimizer steps, which PPO's clip bounds in every mode (with the current
+policy, a second minibatch's negative samples whose likelihood the first step lowered are dropped
+in an on-policy batch too).
 
 Token masks (a token trains only if every one allows it):
     loss mask          `Sample.loss_mask` (1 = the token trains)
@@ -84,6 +89,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "OPSM_AGAINST",
     "ImportanceCorrection",
     "KLType",
     "LossAggregation",
@@ -130,6 +136,10 @@ class LossAggregation(enum.Enum):
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
+# What OPSM measures the behaviour policy against (`LossSettings.opsm_against`).
+OPSM_AGAINST = ("current", "proximal")
+
+
 @dataclass(frozen=True, slots=True)
 class LossSettings:
     """Every knob of the loss, as plain values; see the module docstring for the formulas."""
@@ -141,6 +151,7 @@ class LossSettings:
     tis_clip_low: float = 0.0  # lower bound
     use_opsm: bool = False
     opsm_delta: float = 1e-4
+    opsm_against: str = "current"  # OPSM's pi: "current" (slime's) or "proximal" (module docstring)
     aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     std_normalization: bool = True
     overlong_buffer_len: int = 0  # 0 = no overlong shaping
@@ -183,6 +194,8 @@ class LossSettings:
                 f"score_centering with correction={self.correction.value}, use_opsm={self.use_opsm}: score "
                 "centering composes with the token-level corrections none/truncate/icepop only, and not with OPSM"
             )
+        if self.opsm_against not in OPSM_AGAINST:
+            problems.append(f"opsm_against={self.opsm_against!r}: must be one of {', '.join(OPSM_AGAINST)}")
         if self.mask_stale_tokens is not None and self.mask_stale_tokens < 0:
             problems.append(f"mask_stale_tokens={self.mask_stale_tokens}: must be >= 0")
         if problems:
@@ -311,16 +324,19 @@ def trained_mask(
 
     What a micro-batched minibatch needs before its first backward: the token-mean denominator of
     the whole minibatch. The drops read the proximal log-probs (IcePop, seq-mask) and the current
-    ones (OPSM); either may be None where the settings do not read it.
+    ones (OPSM, or the proximal ones with `opsm_against="proximal"`); either may be None where the
+    settings do not read it (OPSM against a missing proximal reads the current: one optimizer step,
+    where the two are the same).
     """
     s = settings
     train = mask
     if proximal is not None:
         train = train & ~importance_weights(proximal, behaviour, mask, s).dropped
     if s.use_opsm:
-        if current is None:
-            raise ValueError("trained_mask with use_opsm needs the current log-probs, got None")
-        train = train & opsm_mask(current, behaviour, train, advantages, s.opsm_delta)[:, None]
+        against = proximal if s.opsm_against == "proximal" and proximal is not None else current
+        if against is None:
+            raise ValueError(f"trained_mask with use_opsm needs the {s.opsm_against} log-probs, got None")
+        train = train & opsm_mask(against, behaviour, train, advantages, s.opsm_delta)[:, None]
     return train
 
 
@@ -414,7 +430,8 @@ def policy_loss(
     train = mask & ~iw.dropped  # icepop / seq-mask drop tokens; truncation only bounds them
     opsm_dropped = torch.zeros_like(train)
     if s.use_opsm:
-        kept = opsm_mask(current, behaviour, train, advantages, s.opsm_delta)
+        against = proximal if s.opsm_against == "proximal" else current
+        kept = opsm_mask(against, behaviour, train, advantages, s.opsm_delta)
         opsm_dropped = train & ~kept[:, None]
         train = train & kept[:, None]
     pg, clipped = ppo_clip_loss(current, proximal, advantages[:, None], eps_clip=s.eps_clip, eps_clip_high=s.clip_high)

@@ -51,6 +51,15 @@ class TrainerConfig:
         "(what keeps unbounded async and partial rollout at sync's reward: BENCHMARKS.md section 8)",
     )
     opsm_delta: float = opt(1e-4, "--opsm-delta", "float", ge=0, help="OPSM threshold")
+    opsm_against: str = opt(
+        "current",
+        "--opsm-against",
+        "choice",
+        choices=("current", "proximal"),
+        help="OPSM's pi: current (slime's: after the batch's earlier optimizer steps, so it also drops "
+        "negative samples of an on-policy batch) or proximal (before the batch's first optimizer step: "
+        "the rollout's staleness alone)",
+    )
     loss_agg_mode: str = opt(
         "token-mean",
         "--loss-agg-mode",
