@@ -162,8 +162,9 @@ def record(
         "staleness_max": max((r.get("staleness/max", 0) for r in steps), default=0),
         # What the off-policy corrections did, step by step: the share of tokens OPSM took out (on
         # by default in partial and async modes; it drops a negative sample whose mean log mu - log
-        # pi exceeds --opsm-delta, so the engine's and the trainer's rounding alone can drop one),
-        # the engine's and the trainer's log-probs apart (mean |diff|), and their k3 KL.
+        # pi exceeds --opsm-delta, so a batch's earlier optimizer step, or the engine's and the
+        # trainer's rounding, can drop an on-policy one), the engine's and the trainer's log-probs
+        # apart (mean |diff|), and their k3 KL.
         "opsm_dropped": [r.get("train/opsm_clipfrac", 0.0) for r in steps],
         "logprob_diff": [r.get("train/train_rollout_logprob_abs_diff", 0.0) for r in steps],
         "kl_k3": [r.get("train/approx_kl_k3", 0.0) for r in steps],
