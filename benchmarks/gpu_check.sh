@@ -11,6 +11,7 @@
 #   STEPS="ttt" bash benchmarks/gpu_check.sh DIR                     # time to target: 570 s a call, the
 #                                                                    # same command again continues (below;
 #                                                                    # carry build/ttt-state from the last)
+#   STEPS="ttt" TTT_FLAGS="--modes async-opsm-proximal --seeds 0,1" ...  # a diagnostic mode beside the set
 #
 # Installs the carried wheels into a private site dir (no index, no deps: the image keeps its own
 # torch and transformers), runs the project from PYTHONPATH, then: `pytest -m gpu -x`, the engine
