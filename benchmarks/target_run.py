@@ -35,7 +35,7 @@ from benchmarks.target_eval import (
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = "pipeline.tasks.long_answer:long_answer_reward"
-MODES: dict[str, tuple[str, ...]] = {
+SET_MODES: dict[str, tuple[str, ...]] = {
     "sync": (),
     "partial": ("--partial-rollout", "--over-sampling-batch-size", "{double}"),
     "async": ("--rollout-mode", "async"),
@@ -44,7 +44,7 @@ MODES: dict[str, tuple[str, ...]] = {
     "partial-colocated": ("--colocate", "--partial-rollout", "--over-sampling-batch-size", "{double}"),
     "async-colocated": ("--colocate", "--rollout-mode", "async"),
 }
-COLOCATED = tuple(m for m in MODES if m.endswith("-colocated"))
+COLOCATED = tuple(m for m in SET_MODES if m.endswith("-colocated"))
 # Modes run only where `--modes` names them, not in the set: partial and async with OPSM off, and
 # with OPSM read against the proximal policy. OPSM is on by default in both, and its mask reads the
 # current policy, which the step's first optimizer step has already moved, so it drops negative
@@ -52,12 +52,12 @@ COLOCATED = tuple(m for m in MODES if m.endswith("-colocated"))
 # read what that costs in steps to the target, and whether OPSM against the policy before the
 # step (the rollout's staleness alone) keeps its protection without the cost.
 DIAGNOSTIC: dict[str, tuple[str, ...]] = {
-    "partial-no-opsm": (*MODES["partial"], "--no-use-opsm"),
-    "async-no-opsm": (*MODES["async"], "--no-use-opsm"),
-    "partial-opsm-proximal": (*MODES["partial"], "--opsm-against", "proximal"),
-    "async-opsm-proximal": (*MODES["async"], "--opsm-against", "proximal"),
+    "partial-no-opsm": (*SET_MODES["partial"], "--no-use-opsm"),
+    "async-no-opsm": (*SET_MODES["async"], "--no-use-opsm"),
+    "partial-opsm-proximal": (*SET_MODES["partial"], "--opsm-against", "proximal"),
+    "async-opsm-proximal": (*SET_MODES["async"], "--opsm-against", "proximal"),
 }
-MODES.update(DIAGNOSTIC)
+MODES = {**SET_MODES, **DIAGNOSTIC}  # every mode a run can have: its launcher flags
 # The held-out set: drawn like the training prompts (seed 7) from another seed, the same for every run.
 HELDOUT, HELDOUT_SEED = "heldout", 1009
 EVAL_KEY = f"eval/{HELDOUT}"  # its mean reward in the run's eval.jsonl (pipeline/evaluation.py)
