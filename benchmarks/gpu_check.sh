@@ -74,9 +74,9 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
 # against compiled's 817 on an H100: BENCHMARKS 16.) Each trainer holds about 10 GB of fp32
 # weights, gradients and AdamW state beside a step's activations; padded's 87.5 GiB exceed an H100.
 named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
-  tests/test_packed_attention.py tests/test_layer_compile.py
+  tests/test_packed_attention.py tests/test_layer_compile.py tests/test_token_scores.py
 named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
-  --variants "blocks,packed,compiled" --profile --profile-variant compiled
+  --variants "packed,compiled layers,compiled" --profile --profile-variant compiled
 # The base model's build on this card (issue 48; only with STEPS="base-check", about 3 minutes):
 # first the packed attention's GPU test (its variable-length kernel must run), then 200 steps of
 # the h200 preset's base build, twice: the two fingerprints must match (strictly deterministic

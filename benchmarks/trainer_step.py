@@ -19,7 +19,10 @@ the variants taking turns step by step so that drift of the machine hits each al
                   variable-length flash kernel on a GPU in bf16, else in padded blocks
     blocks        packed, attention always in padded blocks of like length (the packed forward
                   before the variable-length kernel: q, k, v scattered into blocks and gathered back)
-    compiled      packed, the decoder layers compiled (`--trainer-compile`; its warm-up step compiles)
+    compiled      packed, `--trainer-compile`: the decoder layers and the token scorer compiled, AdamW
+                  fused on a GPU (its warm-up step compiles)
+    compiled layers  packed, the decoder layers compiled and nothing else (`--trainer-compile` before
+                  2026-12-06: the token scorer eager, AdamW's foreach kernels)
     with cache    packed, a KV cache built in each forward as transformers does unless told not to
                   (the trainer before 2026-12-05: every layer's K and V copied into it)
     compiled with cache  both: the cache's per-layer slots made each layer compile anew, and past
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "packed": {"max_step_kl": 0.2},
             "blocks": {"max_step_kl": 0.2},
             "compiled": {"max_step_kl": 0.2, "compile_layers": True},
+            "compiled layers": {"max_step_kl": 0.2, "compile_layers": True},
             "with cache": {"max_step_kl": 0.2},
             "compiled with cache": {"max_step_kl": 0.2, "compile_layers": True},
             "+ budget": {"max_step_kl": 0.2, "max_tokens_per_gpu": args.budget},
@@ -233,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile and args.profile_variant not in chosen:
             p.error(f"--profile-variant {args.profile_variant!r}: not among --variants {chosen}")
         variants = {name: GRPOTrainer(folder, **settings[name], **kw) for name in chosen}
+        if "compiled layers" in variants:  # the flag as it was: the scorer eager, AdamW's foreach kernels
+            layers_only = variants["compiled layers"]
+            layers_only.compile_layers = False  # read by the token scorer only; the layers stay compiled
+            group = layers_only.optimizer.param_groups[0]
+            layers_only.optimizer = torch.optim.AdamW(
+                layers_only.model.parameters(), lr=group["lr"], weight_decay=group["weight_decay"], foreach=True
+            )
         times: dict[str, list[float]] = {name: [] for name in variants}
         peak: dict[str, float] = dict.fromkeys(variants, 0.0)
         for step in range(args.steps + 1):
@@ -266,7 +277,15 @@ def main(argv: list[str] | None = None) -> int:
             memory = f", peak {peak[name]:.1f} GiB" if cuda else ""
             label = f"{name} {args.budget}" if name == "+ budget" else name
             print(f"step {label:<22} {t * 1e3:8.0f} ms  {base / t:5.2f}x faster than {first}{memory}")
-        for name in ("packed", "blocks", "compiled", "with cache", "compiled with cache", "no step-KL"):
+        for name in (
+            "packed",
+            "blocks",
+            "compiled layers",
+            "compiled",
+            "with cache",
+            "compiled with cache",
+            "no step-KL",
+        ):
             if name not in variants:
                 continue
             flops = step_flops(variants[name].model, samples, step_kl=name != "no step-KL", minibatches=2)

@@ -204,6 +204,28 @@ def test_a_checkpoint_restores_the_random_state(tmp_path):
     assert torch.equal(torch.rand(4), expected)
 
 
+def test_a_checkpoint_keeps_its_optimizer_state_but_not_its_step_kernel(tmp_path):
+    """AdamW's moments and step count come from the checkpoint; how the step is computed (the fused
+    kernel under --trainer-compile on a GPU, foreach otherwise) stays the loading trainer's, so a
+    run resumed with the flag or the device changed gets the kernel it asked for."""
+    from trainers.checkpoint import load_optimizer, optimizer_param_names, save_optimizer
+
+    net = torch.nn.Linear(3, 2)
+    saved = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=True)
+    net(torch.ones(1, 3)).sum().backward()
+    saved.step()
+    names = optimizer_param_names(net, saved)
+    save_optimizer(saved, names, 7, tmp_path / "optimizer")
+    fused = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+    assert load_optimizer(fused, names, tmp_path / "optimizer", torch.device("cpu"), owner=tmp_path) == 7
+    assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["foreach"] is None
+    for p in net.parameters():
+        torch.testing.assert_close(fused.state[p]["exp_avg"], saved.state[p]["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(fused.state[p]["exp_avg_sq"], saved.state[p]["exp_avg_sq"], rtol=0, atol=0)
+    fused.step()  # the fused kernel takes the loaded state
+    assert int(fused.state[net.weight]["step"]) == 2
+
+
 def test_a_batch_from_the_store_is_the_batch_trained(tmp_path):
     """What a replay reads back is what was trained: the groups in order, every token, log-prob
     and version (the codec keeps them exactly)."""

@@ -84,6 +84,10 @@ def write_folder_atomically(path: Path, original: Path | Mapping[str, bytes], fi
     return path
 
 
+# An optimizer group's settings that choose a kernel rather than hold the state.
+_STEP_KERNEL = ("fused", "foreach", "capturable", "differentiable")
+
+
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Names of the optimizer's parameters, in its order (tied weights appear once)."""
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -158,6 +162,10 @@ def load_optimizer(
     for saved, now in zip(meta["param_groups"], current, strict=True):
         merged = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
         merged.update(lr=now["lr"], weight_decay=now["weight_decay"], params=now["params"])
+        # How the step is computed (AdamW's fused kernel under --trainer-compile on a GPU, foreach
+        # otherwise) is this trainer's choice, not the checkpoint's: a run resumed on another
+        # device or with the flag changed keeps the kernel it asked for.
+        merged.update({k: now[k] for k in _STEP_KERNEL if k in now})
         groups.append(merged)
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -139,8 +139,9 @@ class GRPOTrainer:
     each optimizer step's move (None = no bound; the launcher passes `--max-step-kl`, 0.2 by default).
     `pack` lays each micro-batch's samples end to end without padding where the model allows it
     (`trainers.packed_attention`): the same log-probs, the real tokens' cost; False keeps every
-    forward right-padded. `compile_layers` compiles the policy's decoder layers with `torch.compile`
-    (`trainers.layer_compile`: the elementwise work fused; the first steps pay the compile).
+    forward right-padded. `compile_layers` compiles the policy's decoder layers and the token scorer
+    with `torch.compile` (`trainers.layer_compile`, `trainers.token_scores`: the elementwise work
+    fused; the first steps pay the compile) and, on a GPU, takes AdamW's fused kernel.
 
     CPU threads: `num_threads` is passed to `torch.set_num_threads`, which is process-wide; None
     leaves torch's setting alone. The default is 1 on purpose: the tiny model's matmuls are too
@@ -209,11 +210,19 @@ class GRPOTrainer:
         # and AdamW's state stay fp32 (master weights), whichever dtype.
         self.autocast = dtype == "bfloat16"
         self.model = _load_policy(self.model_path, self.device)
+        # --trainer-compile: the decoder layers and the token scorer compiled (trainers.layer_compile,
+        # trainers.token_scores), and on a GPU AdamW's fused kernel (one launch for every parameter
+        # in place of a few per tensor). Under the one flag so that a GPU run's trainer changes only
+        # when asked: the fused kernel's rounding is not foreach's.
+        self.compile_layers = compile_layers
         if compile_layers:
             compile_decoder_layers(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
         self.lr = lr
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        fused = compile_layers and self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused or None
+        )
         # R3 (--use-rollout-routing-replay): the MoE layers of the policy and the reference route
         # each response token as the engine did (trainers/routing_replay.py).
         self.routing_replay: dict[int, RoutingReplay] = {}
@@ -618,7 +627,8 @@ class GRPOTrainer:
             logits = response_logits(net, b.ids, None, b.rows, b.layout)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
         picked = None if head_ids is None else head_ids[at]
-        logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked)
+        scored = token_scores(logits, b.targets, self.temperature, picked, compiled=self.compile_layers)
+        logp, entropy, head = scored
         if not entropy_grad:
             entropy = entropy.detach()
         shape = (len(samples), n_resp)
