@@ -147,32 +147,52 @@ def _version_flags(versions: list[int]) -> list[str]:
 
 
 def evaluate_versions(
-    cmd: list[str],
-    versions: list[int],
-    out: Path,
-    workers: int,
-    *,
-    cwd: Path,
-    env: dict[str, str],
-    urls: list[str] | None = None,
+    cmd: list[str], versions: list[int], out: Path, workers: int, *, cwd: Path, env: dict[str, str]
 ) -> float:
     """`cmd` (a `python -m pipeline.eval` of the run in `out`) for `versions`, split between
-    `workers` side by side, each with an engine of its own (worker i the one at `urls[i]`, from
-    `eval_engines`; without, one it starts); its wall seconds. A version's evaluation is as long as
-    its longest answer's decode, token after token, which leaves a GPU mostly idle: several side
-    by side take about the time of one. Each gets the same prompts and sampling seeds either way,
-    and each line of `eval.jsonl` is written whole. A worker that fails (a port taken between its
-    pick and its bind) goes again alone; RuntimeError when that fails."""
+    `workers` side by side, each starting an engine of its own; its wall seconds. A version's
+    evaluation is as long as its longest answer's decode, token after token, which leaves a GPU
+    mostly idle: several side by side take about the time of one. Each gets the same prompts and
+    sampling seeds either way, and each line of `eval.jsonl` is written whole. A worker that fails
+    (a port taken between its pick and its bind) goes again alone; RuntimeError when that fails."""
     count = max(1, min(workers, len(versions)))
-    if urls and len(urls) < count:
-        raise ValueError(f"{len(urls)} engine URLs for {count} workers: one a worker")
-    commands = [cmd + (["--sglang-url", urls[i]] if urls else []) for i in range(count)]
-    groups = [(commands[i], versions[i::workers]) for i in range(count)]
+    groups = [(cmd, versions[i::workers]) for i in range(count)]
     started = time.perf_counter()
     for (command, group), _ in _eval_side_by_side(groups, out, cwd=cwd, env=env):  # alone this time
         done = subprocess.run(command + _version_flags(group), cwd=cwd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"python -m pipeline.eval exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def evaluate_on_engines(flags: list[str], versions: list[int], out: Path, urls: list[str]) -> float:
+    """`pipeline.eval`'s own work (`evaluate_saved`, its flags `flags`) for `versions`, worker i on
+    the engine at `urls[i]` (from `eval_engines`) with versions i, i + len(urls), ..., all side by
+    side in this process; its wall seconds. No process starts: on an H100 host each round's
+    `python -m pipeline.eval` workers spent 11-17 s starting (importing, loading the tokenizer),
+    as long as the round's decode. The same flags, prompts and sampling seeds as a worker process
+    gets; what the workers print goes to `out/eval-workers.log`. RuntimeError when one fails."""
+    from pipeline.config import load_config
+    from pipeline.run.eval_run import evaluate_saved
+
+    if not urls:
+        raise ValueError("evaluate_on_engines: no engine URLs (eval_engines started none: use evaluate_versions)")
+    workers = len(urls)
+    configs = [load_config([*flags, "--sglang-url", url]) for url in urls[: min(workers, len(versions))]]
+
+    async def side_by_side() -> None:
+        async with anyio.create_task_group() as tg:
+            for i, config in enumerate(configs):
+                tg.start_soon(evaluate_saved, config, versions[i::workers])
+
+    started = time.perf_counter()
+    with (out / "eval-workers.log").open("a") as log, contextlib.redirect_stdout(log):
+        try:
+            anyio.run(side_by_side)
+        except Exception as exc:  # the task group's ExceptionGroup: every worker's error in it
+            raise RuntimeError(
+                f"the evaluation of {out} failed (its log: {out / 'eval-workers.log'}): {exc!r}"
+            ) from exc
     return time.perf_counter() - started
 
 

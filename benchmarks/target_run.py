@@ -25,6 +25,7 @@ from typing import Any
 from benchmarks.target_eval import (
     eval_engines,
     eval_lines,
+    evaluate_on_engines,
     evaluate_versions,
     grid_versions,
     kept_versions,
@@ -223,7 +224,9 @@ def evaluate_run(
     (`target_eval.evaluate_versions`).
 
     `versions` names others than the grid (the refinement's: `refine_versions`); `urls`, engines
-    the workers use instead of starting their own (`eval_flags`, `target_eval.eval_engines`)."""
+    the workers use instead of starting their own (`eval_flags`, `target_eval.eval_engines`): then
+    the workers are `pipeline.eval`'s code in this process, one per engine, and no process starts
+    (`target_eval.evaluate_on_engines`)."""
     if versions is None:
         versions = grid_versions(out)
         if versions[-1] != plan.steps:
@@ -233,8 +236,11 @@ def evaluate_run(
             )
     if not versions:
         return [], 0.0
-    cmd = [sys.executable, "-m", "pipeline.eval", *eval_flags(plan, seed, inputs, out, extra)]
-    return versions, evaluate_versions(cmd, versions, out, workers, cwd=REPO, env=run_env(), urls=urls)
+    flags = eval_flags(plan, seed, inputs, out, extra)
+    if urls:  # engines started once for the run's rounds: the workers run in this process
+        return versions, evaluate_on_engines(flags, versions, out, urls)
+    cmd = [sys.executable, "-m", "pipeline.eval", *flags]
+    return versions, evaluate_versions(cmd, versions, out, workers, cwd=REPO, env=run_env())
 
 
 def eval_flags(plan: Plan, seed: int, inputs: Inputs, out: Path, extra: list[str]) -> list[str]:
@@ -257,6 +263,7 @@ def run_one(
     extra: list[str],
     *,
     card: str,
+    machine: str,
     target_of: Callable[[dict[str, Any]], float],
     calibration: bool = False,
     eval_workers: int = 1,
@@ -286,6 +293,7 @@ def run_one(
         rec = record(out, mode, seed, plan, inputs.counts, wall=wall, calibration=calibration)
         rec["base"] = json.loads((inputs.base / "base.json").read_text())["fingerprint"][:12]
         rec["card"] = card
+        rec["machine"] = machine  # the host and the card's UUID: which runs shared a machine
         rec["saves_for_eval"] = mode in COLOCATED  # before read_evaluation: its clock leaves them out
         try:
             # Both rounds on the same engines, started once (`eval_engines`); the evaluation's
@@ -344,10 +352,11 @@ def round_rest(
 ) -> float | None:
     """A round's seconds that none of its figures hold: each worker (`evaluate_versions` gives
     worker i the versions i, i + workers, ...) starts its engine, then loads and decodes its
-    versions; the round lasts as its slowest worker, and the rest is the processes' own start
-    (Python, imports, the tokenizer) and the engines' stop (with engines the rounds share,
-    `eval_engines`, a worker's start is opening them, and no round stops them). None where a
-    figure is missing."""
+    versions; the round lasts as its slowest worker, and the rest is the workers' own start (a
+    process's Python, imports and tokenizer) and the engines' stop (with engines the rounds share,
+    `eval_engines`, the workers run in the benchmark's process, a worker's start is reading its
+    flags and tokenizer and opening its engine, and no round stops one). None where a figure is
+    missing."""
     spent = [None if d is None or w is None else d + w for d, w in zip(decode, load, strict=True)]
     firsts = starts[:workers]
     if workers < 1 or None in spent or None in firsts:
@@ -358,7 +367,7 @@ def round_rest(
 
 def eval_said(phases: list[dict[str, Any]], engines_up: float | None = None) -> str:
     """`eval_phase`s in words: `11 versions in 62 s, 3 side by side, decoding 4.1 s each, loading
-    0.1 s each, engines up in 12-14 s, 9 s besides (processes' start, engines' stop)` (a record
+    0.1 s each, engines up in 12-14 s, 9 s besides (the workers' start, engines' stop)` (a record
     from before a figure was kept leaves it out); `engines_up`, the seconds of engines the rounds
     shared (`eval_engines_up`), goes first, and then a round's own engines start in no time."""
     said = []
@@ -375,7 +384,7 @@ def eval_said(phases: list[dict[str, Any]], engines_up: float | None = None) -> 
                 else f", engines up in {low:.0f}-{high:.0f} s"
             )
         if p.get("rest") is not None:  # with shared engines, a round stops none
-            besides = "processes' start" if engines_up is not None else "processes' start, engines' stop"
+            besides = "the workers' start" if engines_up is not None else "the workers' start, engines' stop"
             text += f", {p['rest']:.0f} s besides ({besides})"
         said.append(text)
     shared = [f"engines up once in {engines_up:.0f} s"] if engines_up is not None else []

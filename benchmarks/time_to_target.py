@@ -142,6 +142,7 @@ import dataclasses
 import json
 import math
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -330,6 +331,8 @@ def _report(runs: list[dict[str, Any]], out: Path, state: dict[str, Any], left: 
     corr = [r["length_corr"] for r in runs if not math.isnan(r.get("length_corr", math.nan))]
     if corr:
         lines.append(f"asked count against written length: r = {min(corr):.3f} .. {max(corr):.3f} over the runs")
+    if said := machines_said(runs):
+        lines.append(said)
     spent = [r["eval_seconds"] for r in runs if "eval_seconds" in r]
     if spent:
         lines.append(f"evaluation, after each run and not timed with it: {statistics.fmean(spent):.0f} s a run")
@@ -354,6 +357,35 @@ def card_name(device: str) -> str:
     import torch
 
     return torch.cuda.get_device_name(torch.device(device))
+
+
+def machine_name(device: str) -> str:
+    """Which machine a run's seconds were measured on: the host and, on a GPU, the card's UUID.
+    Two machines with the same card differ (an H100 set's fresh machine ran every mode's steps
+    14-24% slower than the last session's): runs of one seed on one machine compare best."""
+    host = socket.gethostname()
+    if not device.startswith("cuda"):
+        return host
+    import torch
+
+    return f"{host} {torch.cuda.get_device_properties(torch.device(device)).uuid}"
+
+
+def machines_said(runs: list[dict[str, Any]]) -> str | None:
+    """A line saying which runs share a machine, when a set's runs were timed on several (a
+    record from before runs kept `machine` counts as a machine of its own, unnamed)."""
+    by: dict[str, list[str]] = {}
+    for r in runs:
+        if not r.get("calibration"):
+            by.setdefault(r.get("machine", "(not recorded)"), []).append(run_name(r["mode"], r["seed"]))
+    if len(by) < 2:
+        return None
+    parts = [f"{', '.join(names)}" for names in by.values()]
+    return (
+        f"timed on {len(by)} machines of the card (a machine's runs in brackets): "
+        + "; ".join(f"[{part}]" for part in parts)
+        + ": ratios between machines carry their difference, seed-by-seed pairs on one machine do not"
+    )
 
 
 def mixed_cards(card: str, state: dict[str, Any], runs: list[dict[str, Any]]) -> str | None:
@@ -485,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     if why := mixed_cards(card, state, runs):
         raise SystemExit(f"{out}: {why}")
     state["card"] = card
+    machine = machine_name(plan.device)
     work = args.work or out / "work"
     inputs = _prepare(plan, work, state, runs=len(runs))
     state_path.write_text(json.dumps(state, indent=1))
@@ -536,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
                     return spec.resolve(plateau, start)
 
                 rec = run_one(
-                    plan, "sync", args.calibration_seed, work, inputs, extra, card=card, calibration=not compared,
-                    target_of=own_target, eval_workers=args.eval_workers,
+                    plan, "sync", args.calibration_seed, work, inputs, extra, card=card, machine=machine,
+                    calibration=not compared, target_of=own_target, eval_workers=args.eval_workers,
                 )  # fmt: skip
                 if rec is None:
                     raise SystemExit("the run that fixes the target failed: no target, no other runs")
@@ -583,7 +616,16 @@ def main(argv: list[str] | None = None) -> int:
             skipped[mode] += 1
             continue
         rec = run_one(
-            plan, mode, seed, work, inputs, extra, card=card, target_of=lambda _: target, eval_workers=args.eval_workers
+            plan,
+            mode,
+            seed,
+            work,
+            inputs,
+            extra,
+            card=card,
+            machine=machine,
+            target_of=lambda _: target,
+            eval_workers=args.eval_workers,
         )
         if rec is None:
             failed.append(run_name(mode, seed))

@@ -535,6 +535,28 @@ def test_a_folder_timed_on_one_card_refuses_runs_on_another(tmp_path: Path) -> N
     assert not (tmp_path / "work").exists()  # refused before anything was built
 
 
+def test_a_set_timed_on_several_machines_says_which_runs_shared_one() -> None:
+    """Two machines with the same card differ by more than the modes do (an H100 set's second
+    machine ran every mode 14-24% slower): the report names each machine's runs, so a ratio read
+    across machines is known as one. One machine, or none recorded, says nothing."""
+    from benchmarks.time_to_target import machine_name, machines_said
+
+    assert machine_name("cpu") and " " not in machine_name("cpu")  # the host alone off a GPU
+    first = [_run(m, s, [0.5, 0.7], [4.0] * 2, machine="a GPU-1") for s in (0, 1) for m in ("sync", "async")]
+    assert machines_said(first) is None
+    assert machines_said([_run("sync", 0, [0.5], [4.0])]) is None
+    later = [
+        _run("sync", 2, [0.5, 0.7], [4.0] * 2, machine="b GPU-2"),
+        _run("async", 2, [0.5], [4.0], machine="b GPU-2"),
+    ]
+    said = machines_said(first + later)
+    assert said is not None and said.startswith("timed on 2 machines")
+    assert "[sync-s0, async-s0, sync-s1, async-s1]; [sync-s2, async-s2]" in said
+    # A record from before machines were kept stands apart, unnamed.
+    old = machines_said([_run("sync", 0, [0.5], [4.0]), *later])
+    assert old is not None and "[sync-s0]; [sync-s2, async-s2]" in old
+
+
 # ---- the long-answer task and its base model's data -----------------------------------------------
 
 
@@ -654,23 +676,23 @@ def test_an_evaluations_rounds_are_said_with_their_decode() -> None:
         "3 versions in 35 s, 3 side by side, engines up in 12 s"
     )
     refined["rest"] = 6.4
-    assert eval_said([refined]).endswith("engines up in 12 s, 6 s besides (processes' start, engines' stop)")
+    assert eval_said([refined]).endswith("engines up in 12 s, 6 s besides (the workers' start, engines' stop)")
     # Engines both rounds shared: said once, first; a round's own start (opening them) is not said.
     assert eval_said([refined], engines_up=10.6) == (
-        "engines up once in 11 s; 3 versions in 35 s, 3 side by side, 6 s besides (processes' start)"
+        "engines up once in 11 s; 3 versions in 35 s, 3 side by side, 6 s besides (the workers' start)"
     )
 
 
 def test_an_evaluation_starts_no_engines_of_its_own_beside_the_users(tmp_path: Path) -> None:
     """Flags that name the user's engines (or real SGLang) leave each round to open those itself."""
-    from benchmarks.target_eval import eval_engines, evaluate_versions
+    from benchmarks.target_eval import eval_engines, evaluate_on_engines
 
     flags = ["--output-dir", str(tmp_path / "run"), "--sglang-url", "http://127.0.0.1:9"]
     with eval_engines(flags, 2, tmp_path / "logs") as urls:
         assert urls == []
     assert not (tmp_path / "logs").exists()
-    with pytest.raises(ValueError, match="1 engine URLs for 2 workers"):
-        evaluate_versions(["true"], [0, 1], tmp_path, 2, cwd=tmp_path, env={}, urls=["http://127.0.0.1:9"])
+    with pytest.raises(ValueError, match="no engine URLs"):
+        evaluate_on_engines(flags, [0, 1], tmp_path, urls)
 
 
 def test_a_rounds_rest_is_what_its_slowest_worker_did_not_spend_on_its_engine() -> None:
@@ -722,6 +744,7 @@ def test_a_run_keeps_its_weights_folders_and_any_kept_version_is_evaluated(tmp_p
 def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--quick`: every CPU mode's launcher run, then `python -m pipeline.eval` of its checkpoints,
     two side by side (each version still scored once, on the same prompts)."""
+    from benchmarks.target_run import run_name
     from benchmarks.time_to_target import default_modes, main
 
     plan = PRESETS["quick"]
@@ -749,7 +772,9 @@ def test_the_quick_call_evaluates_every_run(tmp_path: Path, capsys: pytest.Captu
         # Both rounds use the engines started once for the run's evaluation: opening them is quick.
         assert 0.0 < run["eval_engines_up"] < run["eval_seconds"]
         assert len(grid_round["starts"]) == 2 and all(0.0 < d < run["eval_engines_up"] for d in grid_round["starts"])
-        assert 0.0 <= grid_round["rest"] < grid_round["seconds"]  # the processes' own start, the engines' stop
+        assert 0.0 <= grid_round["rest"] < grid_round["seconds"]  # the workers' set-up: in this process, no start
+        printed = (tmp_path / "work" / "runs" / run_name(run["mode"], run["seed"]) / "eval-workers.log").read_text()
+        assert "v0 (step 0)" in printed  # the in-process workers' lines, in the run's folder
         assert [r["versions"] for r in refined_round] == (
             [len(run["eval_refined"]["version"])] if run["eval_refined"]["version"] else []
         )

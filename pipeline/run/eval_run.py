@@ -206,13 +206,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions, rest = _parse(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(rest)
-        return anyio.run(_evaluate_run, config, versions)
+        return anyio.run(evaluate_saved, config, versions)
     except (ConfigError, PipelineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-async def _evaluate_run(config: Config, versions: list[int] | None) -> int:
+async def evaluate_saved(config: Config, versions: list[int] | None) -> int:
+    """What `python -m pipeline.eval` does once its flags are read: evaluate `versions` (None:
+    every saved one not yet in eval.jsonl) of the run in `--output-dir`; 0. Callable in a process
+    of one's own too: several at once on engines of their own, each a line of eval.jsonl written
+    whole, is how a benchmark evaluates without a process start per round."""
     from transformers import AutoTokenizer
 
     out = Path(derived(config.output.dir, "output.dir"))
