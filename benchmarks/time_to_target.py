@@ -380,10 +380,9 @@ def machines_said(runs: list[dict[str, Any]]) -> str | None:
             by.setdefault(r.get("machine", "(not recorded)"), []).append(run_name(r["mode"], r["seed"]))
     if len(by) < 2:
         return None
-    parts = [f"{', '.join(names)}" for names in by.values()]
     return (
         f"timed on {len(by)} machines of the card (a machine's runs in brackets): "
-        + "; ".join(f"[{part}]" for part in parts)
+        + "; ".join(f"[{', '.join(names)}]" for names in by.values())
         + ": ratios between machines carry their difference, seed-by-seed pairs on one machine do not"
     )
 

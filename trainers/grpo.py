@@ -627,8 +627,7 @@ class GRPOTrainer:
             logits = response_logits(net, b.ids, None, b.rows, b.layout)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
         picked = None if head_ids is None else head_ids[at]
-        scored = token_scores(logits, b.targets, self.temperature, picked, compiled=self.compile_layers)
-        logp, entropy, head = scored
+        logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked, compiled=self.compile_layers)
         if not entropy_grad:
             entropy = entropy.detach()
         shape = (len(samples), n_resp)

@@ -122,7 +122,7 @@ class _TokenScores(torch.autograd.Function):
     def backward(
         ctx: Any, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None, g_head: torch.Tensor | None
     ) -> tuple[torch.Tensor, None, None, None, None]:
-        logits, targets, heads, entropy = (t.detach() for t in ctx.saved_tensors)
+        logits, targets, heads, entropy = (t.detach() for t in ctx.saved_tensors)  # plain tensors, as above
         n, vocab = logits.shape
         _, gradient, elements = _kernels(ctx.compiled)
         grad = torch.empty_like(logits)
