@@ -695,6 +695,18 @@ def test_an_evaluation_starts_no_engines_of_its_own_beside_the_users(tmp_path: P
         evaluate_on_engines(flags, [0, 1], tmp_path, urls)
 
 
+def test_an_in_process_worker_that_fails_names_the_error_and_its_log(tmp_path: Path) -> None:
+    """The workers on shared engines run in the benchmark's process: one that fails (here, a
+    folder that is no run) fails the evaluation with its own error and where its lines went."""
+    from benchmarks.target_eval import evaluate_on_engines
+
+    flags = ["--output-dir", str(tmp_path / "no-run")]
+    with pytest.raises(
+        RuntimeError, match=r"the evaluation of .* failed \(its log: .*eval-workers.log\).*no model folder"
+    ):
+        evaluate_on_engines(flags, [0, 1], tmp_path, ["http://127.0.0.1:9", "http://127.0.0.1:10"])
+
+
 def test_a_rounds_rest_is_what_its_slowest_worker_did_not_spend_on_its_engine() -> None:
     """Worker i gets versions i, i + workers, ...; the round lasts as its slowest worker."""
     from benchmarks.target_run import round_rest
