@@ -4,7 +4,7 @@
     python -m benchmarks.time_to_target --quick                                             # CPU smoke test
     python -m benchmarks.time_to_target --summarize DIR                                     # the table again
 
-(One module of about 790 lines, 125 of them this docstring, the plan's reasoning: the presets, a
+(One module of about 650 lines, 140 of them this docstring, the plan's reasoning: the presets, a
 run's flags and its record are one experiment's parts and change together while the set is still
 being run on the GPU. The summary and its verdicts are `target_summary.py`'s; which versions a run
 is evaluated at, the evaluations side by side and the run's clock at each are `target_eval.py`'s.)
@@ -90,7 +90,10 @@ refinement it gained little (97-128 s for 14 versions, 1 to 3 side by side): eac
 `eval_phases` say where the seconds go (per round, each version's decode and load, each
 engine's start: `benchmarks/target_run.py`, which makes one run and its record), and each run's
 line prints them: on the H100 each round's own engines took 11 s to start, so the rounds now
-share engines started once a run. The same command again
+share engines started once a run, and each round's worker processes 11-17 s more, so the
+workers on those engines run in this process (`target_eval.evaluate_on_engines`). Each record
+keeps its `machine` (host and card UUID): two H100 machines ran the same modes 14-24% apart, and
+the report names each machine's runs when a set spans several. The same command again
 continues: it keeps the target, rebuilds the base model if it is missing (deterministic:
 `state.json` keeps its fingerprint, and a rebuild that differs is named), and skips every finished
 run. Non-colocated modes run first, seed by seed, then the colocated ones, so a cut set has whole
