@@ -136,6 +136,47 @@ def test_a_response_batch_names_each_response_token_and_the_row_that_predicts_it
         ResponseBatch.of([Sample(index=7, prompt_ids=())], pad_id=0)
 
 
+def _laid_out_one_by_one(samples: list[Sample], pad_id: int, packed: bool) -> dict[str, list[int]]:
+    """The layout by its definition, sample after sample: what `ResponseBatch.of` computes at once."""
+    lengths = [len(s.prompt_ids) + s.response_len for s in samples]
+    width = sum(lengths) if packed else max(lengths)
+    ids = [pad_id] * (width if packed else width * len(samples))
+    attention = [0] * len(ids)
+    out: dict[str, list[int]] = {"sample": [], "position": [], "rows": [], "targets": []}
+    start = 0
+    for i, s in enumerate(samples):
+        tokens = [*s.prompt_ids, *s.response_ids]
+        ids[start : start + len(tokens)] = tokens
+        attention[start : start + len(tokens)] = [1] * len(tokens)
+        for t in range(s.response_len):
+            out["sample"].append(i)
+            out["position"].append(t)
+            out["rows"].append(start + len(s.prompt_ids) - 1 + t)
+            out["targets"].append(s.response_ids[t])
+        start += len(tokens) if packed else width
+    return {"ids": ids, "attention": attention, **out}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_response_batch_is_laid_out_as_sample_after_sample(packed: bool) -> None:
+    """Computed for the whole batch at once, the layout is the one its definition gives sample by
+    sample, a response of no tokens and a one-token prompt included."""
+    from trainers.response_rows import ResponseBatch
+
+    def sample(index: int, prompt_len: int, response_len: int) -> Sample:  # every token its own id
+        base = 20 * index
+        seg = Segment(tuple(range(base + 10, base + 10 + response_len)), (-1.0,) * response_len, FinishReason.STOP, 0)
+        return Sample(index=index, prompt_ids=tuple(range(base, base + prompt_len))).extended(seg, max_response_len=64)
+
+    samples = [sample(0, 3, 4), sample(1, 1, 0), sample(2, 5, 1), sample(3, 2, 7), sample(4, 1, 1)]
+    for chosen in (samples, samples[1:2], samples[2:3]):
+        batch = ResponseBatch.of(chosen, pad_id=9, packed=packed)
+        expected = _laid_out_one_by_one(chosen, 9, packed)
+        got = {name: getattr(batch, name).reshape(-1).tolist() for name in expected}
+        assert got == expected
+        assert all(getattr(batch, name).dtype == torch.long for name in expected)
+
+
 def test_megatron_packs_cut_in_order_within_rows_and_tokens():
     from trainers.megatron.packing import packs
     from trainers.megatron.rows import Row
