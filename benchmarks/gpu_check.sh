@@ -70,10 +70,11 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
 # shape's long-tailed batch: packed (trainers/packed_attention.py: varlen flash attention), packed
 # with compiled layers only (--trainer-compile before 2026-12-06) and with --trainer-compile (the
 # layers and the token scorer compiled, AdamW fused; its warm-up step compiles); then the profile
-# of one compiled step and where its copies come from. (Attention in padded blocks, before the
-# variable-length kernel: 1,335 ms against packed's 1,193 on an H100, BENCHMARKS 16.) (`compiled with cache`, the forward before 2026-12-05, took 1,230 ms
-# against compiled's 817 on an H100: BENCHMARKS 16.) Each trainer holds about 10 GB of fp32
-# weights, gradients and AdamW state beside a step's activations; padded's 87.5 GiB exceed an H100.
+# of one compiled step and where its copies come from. On an H100 (BENCHMARKS 16): attention in
+# padded blocks, before the variable-length kernel, took 1,335 ms against packed's 1,193, and
+# `compiled with cache`, the forward before 2026-12-05, 1,230 ms against compiled's 817. Each
+# trainer holds about 10 GB of fp32 weights, gradients and AdamW state beside a step's
+# activations; padded's 87.5 GiB exceed an H100.
 named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
   tests/test_packed_attention.py tests/test_layer_compile.py tests/test_token_scores.py
 named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         variants = {name: GRPOTrainer(folder, **settings[name], **kw) for name in chosen}
         if "compiled layers" in variants:  # the flag as it was: the scorer eager, AdamW's foreach kernels
             layers_only = variants["compiled layers"]
-            layers_only.compile_layers = False  # read by the token scorer only; the layers stay compiled
+            layers_only.compiled_scores = False  # the layers stay compiled
             group = layers_only.optimizer.param_groups[0]
             layers_only.optimizer = torch.optim.AdamW(
                 layers_only.model.parameters(), lr=group["lr"], weight_decay=group["weight_decay"], foreach=True

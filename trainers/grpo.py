@@ -32,9 +32,9 @@ Which samples train: a FAILED sample (the engine or the reward gave up on it) ha
 learning from, so it is left out of its group's mean and std and contributes no loss. The batch
 still counts its response tokens as masked in `mask_ratio`, so failures show up in the metrics.
 
-About 600 lines: the step, the trainer's log-probs and the weight save belong together; the loss
-math lives in `loss.py`, the shape of the forward (response rows, micro-batches) in
-`response_rows.py` and the optimizer checkpoint in `checkpoint.py`.
+The step, the trainer's log-probs and the weight save belong together; the loss math lives in
+`loss.py`, the shape of the forward (response rows, micro-batches) in `response_rows.py` and the
+optimizer checkpoint in `checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class GRPOTrainer:
         # trainers.token_scores), and on a GPU AdamW's fused kernel (one launch for every parameter
         # in place of a few per tensor). Under the one flag so that a GPU run's trainer changes only
         # when asked: the fused kernel's rounding is not foreach's.
-        self.compile_layers = compile_layers
+        self.compiled_scores = compile_layers
         if compile_layers:
             compile_decoder_layers(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
@@ -627,7 +627,7 @@ class GRPOTrainer:
             logits = response_logits(net, b.ids, None, b.rows, b.layout)
         # Chunked, with the gradient in closed form: no fp32 [N, V] is kept (trainers.token_scores).
         picked = None if head_ids is None else head_ids[at]
-        logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked, compiled=self.compile_layers)
+        logp, entropy, head = token_scores(logits, b.targets, self.temperature, picked, compiled=self.compiled_scores)
         if not entropy_grad:
             entropy = entropy.detach()
         shape = (len(samples), n_resp)
