@@ -375,17 +375,28 @@ def machine_name(device: str) -> str:
 
 
 def machines_said(runs: list[dict[str, Any]]) -> str | None:
-    """A line saying which runs share a machine, when a set's runs were timed on several (a
-    record from before runs kept `machine` counts as a machine of its own, unnamed)."""
+    """A line saying which runs share a machine, when a set's runs were timed on several. Records
+    from before runs kept `machine` are named apart as not recorded: they may span machines (the
+    H100 set's first 13 runs did, two of them)."""
     by: dict[str, list[str]] = {}
+    unrecorded: list[str] = []
     for r in runs:
         if not r.get("calibration"):
-            by.setdefault(r.get("machine", "(not recorded)"), []).append(run_name(r["mode"], r["seed"]))
-    if len(by) < 2:
+            name = run_name(r["mode"], r["seed"])
+            if "machine" in r:
+                by.setdefault(r["machine"], []).append(name)
+            else:
+                unrecorded.append(name)
+    if len(by) + bool(unrecorded) < 2:
         return None
+    groups = [f"[{', '.join(names)}]" for names in by.values()]
+    if unrecorded:
+        groups.append(f"not recorded, one machine or more: [{', '.join(unrecorded)}]")
+    machines = f"{len(by)} machines" if len(by) != 1 else "1 machine"
     return (
-        f"timed on {len(by)} machines of the card (a machine's runs in brackets): "
-        + "; ".join(f"[{', '.join(names)}]" for names in by.values())
+        f"timed on {machines} of the card{' and before machines were recorded' if unrecorded else ''}"
+        " (a machine's runs in brackets): "
+        + "; ".join(groups)
         + ": ratios between machines carry their difference, seed-by-seed pairs on one machine do not"
     )
 

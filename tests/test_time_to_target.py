@@ -552,9 +552,11 @@ def test_a_set_timed_on_several_machines_says_which_runs_shared_one() -> None:
     said = machines_said(first + later)
     assert said is not None and said.startswith("timed on 2 machines")
     assert "[sync-s0, async-s0, sync-s1, async-s1]; [sync-s2, async-s2]" in said
-    # A record from before machines were kept stands apart, unnamed.
-    old = machines_said([_run("sync", 0, [0.5], [4.0]), *later])
-    assert old is not None and "[sync-s0]; [sync-s2, async-s2]" in old
+    # Records from before machines were kept stand apart, said to be not recorded: they may
+    # have spanned several machines, so they are not counted as one.
+    old = machines_said([_run("sync", 0, [0.5], [4.0]), _run("sync", 1, [0.5], [4.0]), *later])
+    assert old is not None and old.startswith("timed on 1 machine of the card and before machines were recorded")
+    assert "[sync-s2, async-s2]; not recorded, one machine or more: [sync-s0, sync-s1]" in old
 
 
 # ---- the long-answer task and its base model's data -----------------------------------------------
