@@ -98,11 +98,11 @@ def _backward(model: Any, ids: Any, labels: Any, layout: Any, device: str) -> An
     from trainers.packed_attention import packed
 
     kind = torch.device(device).type
-    with torch.autocast(kind, dtype=torch.bfloat16, enabled=kind == "cuda"), packed(model, layout):
+    with torch.autocast(kind, dtype=torch.bfloat16, enabled=kind == "cuda"), packed(model, layout) as arguments:
         # Packed: a batch mixes answers of 1 and 1,024 tokens, and padded to its longest it was
         # about five times its real tokens. No KV cache (transformers builds one in train mode
         # too: copies, no use).
-        logits = model(input_ids=ids.to(device), position_ids=layout.position_ids, use_cache=False).logits
+        logits = model(input_ids=ids.to(device), use_cache=False, **arguments).logits
     loss = answer_loss(logits, labels.to(device))
     loss.backward()
     return loss

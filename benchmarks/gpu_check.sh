@@ -77,7 +77,7 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
 # activations; padded's 87.5 GiB exceed an H100.
 named trainer-step && step trainer-step-tests 120 python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider \
   tests/test_packed_attention.py tests/test_layer_compile.py tests/test_token_scores.py
-named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 2 \
+named trainer-step && step trainer-step 300 python3 -m benchmarks.trainer_step --device cuda --steps 4 \
   --variants "packed,compiled layers,compiled" --profile --profile-variant compiled
 # The base model's build on this card (issue 48; only with STEPS="base-check", about 3 minutes):
 # first the packed attention's GPU test (its variable-length kernel must run), then 200 steps of

@@ -120,6 +120,76 @@ def test_without_the_layout_the_packed_row_would_attend_across_samples(tiny_mode
     assert net.config._attn_implementation == "sdpa"  # restored after the packed forward
 
 
+def reference_varlen(q, k, v, starts, starts_k, longest, longest_k, scale=None):
+    """The variable-length kernel's contract in plain tensor code, for a CPU: q [T, Hq, D], k and
+    v [T, Hkv, D], each sample causal over its own tokens between `starts`. Traceable by dynamo,
+    as the real kernel (a custom op) is."""
+    positions = torch.arange(q.shape[0], device=q.device, dtype=starts.dtype)
+    sample = torch.searchsorted(starts[1:], positions, right=True)
+    allowed = (sample[:, None] == sample[None, :]) & (positions[None, :] <= positions[:, None])
+    q_, k_, v_ = (x.transpose(0, 1)[None] for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def on_the_kernels_path(monkeypatch, kernel=reference_varlen):
+    """Sends every packed forward down the kernel's path with `kernel` in fp32, as a GPU's bf16
+    forward goes with the real one; the blocks refuse to run."""
+    from trainers import packed_attention
+
+    def no_blocks(*args, **kwargs):
+        raise AssertionError("the packed forward attended in blocks")
+
+    monkeypatch.setattr(
+        packed_attention, "_kernel_for", lambda net, layout: packed_attention._Kernel(kernel, torch.float32)
+    )
+    monkeypatch.setattr(packed_attention, "_outside_graphs", no_blocks)
+
+
+def test_the_kernels_path_gives_the_padded_log_probs_and_step(tmp_path, monkeypatch):
+    """The path a GPU's bf16 forward takes (the samples' boundaries handed down the model's keyword
+    arguments to its attention), run on a CPU with the kernel's contract written out: the padded
+    forward's log-probs, every layer's attention by the kernel, and a step as the padded one."""
+    model = make_model_folder(tmp_path / "m", arch="moe", seed=1)
+    samples = list(_long_tailed_batch().samples)
+    padded = GRPOTrainer(model, pack=False)
+    calls = []
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape)
+        return reference_varlen(q, *args, **kwargs)
+
+    on_the_kernels_path(monkeypatch, counted)
+    kernel = GRPOTrainer(model)
+    for a, b in zip(padded.logprobs(samples), kernel.logprobs(samples), strict=True):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=0, atol=1e-5)
+    layers = kernel.model.config.num_hidden_layers
+    assert len(calls) % layers == 0 and len(calls) >= layers
+    batch = _long_tailed_batch(seed=2)
+    m_pad, m_kernel = padded.train_step(batch), kernel.train_step(batch)
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert m_kernel[key] == pytest.approx(m_pad[key], rel=1e-4, abs=1e-7), key
+
+
+def test_a_kernel_that_fails_its_trial_leaves_the_blocks_and_says_why(monkeypatch, caplog):
+    from trainers import packed_attention
+
+    monkeypatch.setattr(packed_attention, "_refused", [])
+    monkeypatch.setattr(packed_attention, "_trials", {})
+    cpu = torch.device("cpu")
+    assert packed_attention._tried(reference_varlen, cpu, torch.float32, 4, 2, 8)
+
+    def old_keywords(*args, is_causal=True, **kwargs):
+        raise TypeError("varlen_attn() got an unexpected keyword argument 'window_size'")
+
+    assert not packed_attention._tried(old_keywords, cpu, torch.float32, 4, 2, 8)
+    assert packed_attention._refused == ["TypeError: varlen_attn() got an unexpected keyword argument 'window_size'"]
+    assert "variable-length attention refused" in caplog.text
+    # Once refused, no forward takes the kernel's path, on any device.
+    layout = PackedLayout.of([2, 3])
+    assert packed_attention._kernel_for(_NoRegistry(), layout) is None
+
+
 class _NoRegistry(torch.nn.Module):
     """Claims transformers' attention registry but attends with a layer of its own."""
 
@@ -135,11 +205,14 @@ class _NoRegistry(torch.nn.Module):
         return self.embed(input_ids)
 
 
-def test_a_model_that_never_calls_the_registry_is_refused_and_left_as_it_was():
+@pytest.mark.parametrize("path", ["blocks", "kernel"])
+def test_a_model_that_never_calls_the_registry_is_refused_and_left_as_it_was(monkeypatch, path):
+    if path == "kernel":
+        on_the_kernels_path(monkeypatch)
     net = _NoRegistry()
     with pytest.raises(RuntimeError, match="_NoRegistry ran a packed forward without calling attention"):
-        with packed(net, PackedLayout.of([2, 3])):
-            net(torch.zeros(1, 5, dtype=torch.long))
+        with packed(net, PackedLayout.of([2, 3])) as arguments:
+            net(torch.zeros(1, 5, dtype=torch.long), **arguments)
     assert net.config._attn_implementation == "sdpa"
 
 

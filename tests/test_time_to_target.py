@@ -865,8 +865,8 @@ def test_the_base_models_packed_batch_has_the_padded_batchs_loss(tmp_path: Path)
     padded = model(input_ids=ids, labels=labels, use_cache=False).loss
     packed_ids, packed_labels, layout = _packed_batch(rows)
     assert int((packed_labels != -100).sum()) == sum(len(a) for _, a in rows)
-    with packed(model, layout):
-        out = model(input_ids=packed_ids, labels=packed_labels, position_ids=layout.position_ids, use_cache=False)
+    with packed(model, layout) as arguments:
+        out = model(input_ids=packed_ids, labels=packed_labels, use_cache=False, **arguments)
     torch.testing.assert_close(out.loss, padded, rtol=1e-5, atol=1e-6)
     # The build's own loss (one-hot, for deterministic kernels) is the model's.
     torch.testing.assert_close(answer_loss(out.logits, packed_labels), padded, rtol=1e-5, atol=1e-6)

@@ -5,9 +5,14 @@ Why: on the H200 the 0.6B step spent about 65% of its GPU time in unfused elemen
 a pass over the activations (docs/benchmarks/16-time-to-target.md). Compiling a decoder layer
 fuses those passes. Each layer is compiled in place (`Module.compile`: its parameters and their
 names stay as they are, so checkpoints, publishes and the optimizer see the same model) with
-dynamic shapes, since every micro-batch brings its own length. Attention is left out of the
-graphs: the packed forward's attention (`trainers.packed_attention`) reads a context variable and
-loops over blocks, so it runs eagerly between two compiled pieces of each layer.
+dynamic shapes, since every micro-batch brings its own length. On a GPU in bf16 the packed
+forward's attention (`trainers.packed_attention`: the variable-length kernel, the samples'
+boundaries handed down as the forward's arguments) is traced into the layer's graph, so a layer is
+one graph; where attention runs in padded blocks (a CPU, fp32), the blocks read a context variable
+and loop in Python, and run eagerly between two compiled pieces of each layer. Before the
+kernel's call moved into the graph it broke each layer in two on a GPU too, and on an H100 the
+0.6B step's GPU sat idle for a quarter of the step while the host launched the pieces
+(docs/benchmarks/16-time-to-target.md).
 
 The first forwards compile (tens of seconds, once per process); the results equal the eager
 layers' within float rounding (tests/test_layer_compile.py). Off by default.

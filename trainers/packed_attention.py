@@ -17,9 +17,15 @@ forward's (tests/test_packed_attention.py).
 
 How: transformers' models call attention through a registry keyed by
 `config._attn_implementation`. `packed(net, layout)` switches the model to this module's entry for
-one forward and restores it after; outside a packed forward the entry is SDPA's, unchanged. A model
-that does not call attention through the registry would attend across samples without a word, so
-the forward counts the calls and refuses one that made none. Models with sliding-window layers
+one forward and restores it after; outside a packed forward the entry is SDPA's, unchanged. It
+yields the forward's keyword arguments: the position ids, and where the kernel serves (tried once
+per device, dtype and head shape, forward and backward, before a forward relies on it) the
+samples' boundaries as tensors and ints that the model hands down to its attention. So the
+kernel's call is plain tensor code that `--trainer-compile`'s layer graphs take in whole
+(`trainers.layer_compile`); the blocks, which read the layout from a context variable and loop in
+Python, run eagerly between two graphs of each layer. A model that does not call attention
+through the registry would attend across samples without a word, so the forward notes the calls
+and refuses one that made none. Models with sliding-window layers
 or soft-capped attention logits are left padded (`packs`): the causal kernel alone is not their
 attention; so is a model under gradient checkpointing, whose backward would run attention again
 outside the packed forward.
@@ -112,6 +118,22 @@ class _Active:
 
 _active: ContextVar[_Active | None] = ContextVar("packed_layout", default=None)
 
+_KERNEL = "rl_packed_kernel"  # the forward's keyword arguments that reach the kernel's path
+_STARTS = "rl_packed_starts"
+_LONGEST = "rl_packed_longest"
+
+
+@dataclass(eq=False)
+class _Kernel:
+    """What the kernel's path reads besides tensors: the kernel and the dtype it computes in
+    (fixed for a trainer, so a compiled graph guards on them once); `called` is set, never read,
+    by each call (a compiled graph replays the store after it runs, and does not recompile for
+    it: a count read and written would be guarded on and recompile every forward)."""
+
+    kernel: Callable[..., Any]
+    dtype: torch.dtype
+    called: bool = False
+
 
 def packs(net: torch.nn.Module) -> bool:
     """Whether `net`'s forward can run packed: its attention goes through transformers' registry,
@@ -131,20 +153,26 @@ def packs(net: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def packed(net: torch.nn.Module, layout: PackedLayout) -> Iterator[None]:
-    """While open, `net`'s attention treats its [1, T] input as the samples of `layout`."""
+def packed(net: torch.nn.Module, layout: PackedLayout) -> Iterator[dict[str, Any]]:
+    """While open, `net`'s attention treats its [1, T] input as the samples of `layout`. Yields
+    the keyword arguments to call `net` with: the position ids, and where the variable-length
+    kernel serves, the samples' boundaries for it (a forward without them attends in blocks)."""
     _register()
     config: Any = getattr(net, "config")  # noqa: B009 (a Module attribute mypy cannot see)
     before = config._attn_implementation
     state = _Active(layout)
+    arguments: dict[str, Any] = {"position_ids": layout.position_ids}
+    kernel = _kernel_for(net, layout)
+    if kernel is not None:
+        arguments |= {_KERNEL: kernel, _STARTS: layout.starts, _LONGEST: max(layout.lengths)}
     token = _active.set(state)
     config._attn_implementation = PACKED_ATTENTION
     try:
-        yield
+        yield arguments
     finally:
         config._attn_implementation = before
         _active.reset(token)
-    if state.calls == 0:
+    if state.calls == 0 and not (kernel is not None and kernel.called):
         raise RuntimeError(
             f"{type(net).__name__} ran a packed forward without calling attention through transformers' "
             "registry: its samples could have attended to each other (pass pack=False to the trainer)"
@@ -161,7 +189,34 @@ def _attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: q [1, Hq, T, D], k and v [1, Hkv, T, D]; returns
     [1, T, Hq, D]. The mask is ignored when packed: the causal kernel over the samples'
-    boundaries (or over the padded blocks) is the whole of the mask."""
+    boundaries (or over the padded blocks) is the whole of the mask. Traced whole by a compiled
+    layer where the forward brought the kernel's arguments; the rest goes to `_outside_graphs`."""
+    kernel: _Kernel | None = kwargs.get(_KERNEL)
+    if kernel is None or kwargs.get("dropout"):  # the flash kernel takes no dropout: the blocks do
+        blocks: tuple[torch.Tensor, None] = _outside_graphs(module, query, key, value, attention_mask, **kwargs)
+        return blocks
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
+        raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
+    kernel.called = True
+    # [T, H, D] each, the samples' boundaries in `starts`: no padding, no scatter or gather. Under
+    # autocast q and k can come out of a model's fp32 norm weights (Qwen3's q_norm and k_norm)
+    # while v is bf16: SDPA, on autocast's list, casts all three; so does this.
+    q, k, v = (x[0].transpose(0, 1).to(kernel.dtype) for x in (query, key, value))
+    starts, longest = kwargs[_STARTS], kwargs[_LONGEST]
+    out = kernel.kernel(q, k, v, starts, starts, longest, longest, scale=kwargs.get("scaling"))
+    return out[None], None
+
+
+def _blocks(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention in right-padded blocks of like length (`_attention`'s shapes), or SDPA's outside a
+    packed forward."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     state = _active.get()
@@ -171,37 +226,73 @@ def _attention(
         raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
     state.calls += 1
     layout = state.layout
-    dropout = kwargs.get("dropout", 0.0)
-    kernel = None if dropout else _varlen_kernel()
-    # Under autocast, q and k can come out of a model's fp32 norm weights in fp32 (Qwen3's q_norm
-    # and k_norm) while v is bf16: SDPA, on autocast's list, casts all three; so does this.
-    low = _autocast_dtype(query)
-    if kernel is not None and query.is_cuda and (low or query.dtype) in (torch.float16, torch.bfloat16):
-        # [T, H, D] each, the samples' boundaries in `starts`: no padding, no scatter or gather.
-        q, k, v = (x[0].transpose(0, 1).to(low or x.dtype) for x in (query, key, value))
-        longest = max(layout.lengths)
-        try:
-            out = kernel(q, k, v, layout.starts, layout.starts, longest, longest, scale=kwargs.get("scaling"))
-            return out[None], None
-        # A backend without it (torch picks cuDNN's on some cards), or a torch whose signature
-        # differs from the ones `_varlen_partial` knows: the blocks, said once.
-        except (RuntimeError, ValueError, TypeError) as exc:
-            _refused.append(f"{type(exc).__name__}: {exc}")
-            log.warning("variable-length attention refused (%s); the trainer attends in padded blocks", exc)
     blocks = _unpack(query, layout), _unpack(key, layout), _unpack(value, layout)
     outs = []
     for q, k, v in zip(*blocks, strict=True):
         out, _ = sdpa_attention_forward(
-            module, q, k, v, None, dropout=dropout, scaling=kwargs.get("scaling"), is_causal=True
+            module, q, k, v, None, dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"), is_causal=True
         )  # [B, L, Hq, D]
         outs.append(out.reshape(-1, *out.shape[2:]))
     return torch.cat(outs).index_select(0, layout.scatter)[None], None
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast computes in on `x`'s device, or None where it is off."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+# A compiled layer runs the blocks eagerly between its graphs: they read a context variable and
+# loop over the layout's blocks in Python.
+_outside_graphs = torch.compiler.disable(_blocks)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+
+def _kernel_for(net: torch.nn.Module, layout: PackedLayout) -> _Kernel | None:
+    """The variable-length kernel for `net`'s packed forward, or None where the blocks serve: off
+    a GPU, in fp32 (the kernel is flash attention's, half precision only), on a torch without it,
+    or where it failed its trial (once a process, said once)."""
+    if layout.starts.device.type != "cuda" or _refused:
+        return None
+    dtype = _compute_dtype(net, layout.starts.device)
+    kernel = _varlen_kernel()
+    if kernel is None or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    config: Any = getattr(net, "config")  # noqa: B009 (a Module attribute mypy cannot see)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if not _tried(kernel, layout.starts.device, dtype, heads, kv_heads, head_dim):
+        return None
+    return _Kernel(kernel, dtype)
+
+
+def _compute_dtype(net: torch.nn.Module, device: torch.device) -> torch.dtype | None:
+    """The dtype attention computes in: autocast's where it is on, else the weights'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    weight = next((p for p in net.parameters() if p.is_floating_point()), None)
+    return None if weight is None else weight.dtype
+
+
+_trials: dict[tuple[Any, ...], bool] = {}
+
+
+def _tried(
+    kernel: Callable[..., Any], device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the kernel runs forward and backward at these heads on `device`: a backend may lack
+    it (torch picks cuDNN's on some cards) or take other keywords than `_varlen_partial` knows.
+    Tried once, eagerly, since inside a compiled graph a refusal could not fall back."""
+    trial = (kernel, device, dtype, heads, kv_heads, head_dim)
+    if trial not in _trials:
+        try:
+            with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                # Ones, not random numbers: a trial must not move the device's random state (the
+                # base model's build is deterministic, and a run's sampling too).
+                q = torch.ones(7, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+                k, v = (torch.ones(7, kv_heads, head_dim, device=device, dtype=dtype) for _ in "kv")
+                starts = torch.tensor([0, 3, 7], device=device, dtype=torch.int32)
+                kernel(q, k, v, starts, starts, 4, 4, scale=None).float().sum().backward()
+            _trials[trial] = True
+        except (RuntimeError, ValueError, TypeError) as exc:
+            _refused.append(f"{type(exc).__name__}: {exc}")
+            log.warning("variable-length attention refused (%s); the trainer attends in padded blocks", exc)
+            _trials[trial] = False
+    return _trials[trial]
 
 
 def _varlen_kernel() -> Callable[..., Any] | None:
@@ -252,8 +343,5 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    # A compiled layer (`trainers.layer_compile`) runs it eagerly between its graphs: it reads a
-    # context variable and loops over the blocks.
-    eager = torch.compiler.disable(_attention)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    AttentionInterface.register(PACKED_ATTENTION, eager)
+    AttentionInterface.register(PACKED_ATTENTION, _attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, _mask)

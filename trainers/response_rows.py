@@ -149,11 +149,14 @@ def response_logits(
     find = getattr(net, "get_output_embeddings", None)
     head = find() if callable(find) else None
     fired: list[bool] = []
+    packing: contextlib.AbstractContextManager[dict[str, Any]] = (
+        packed(net, layout) if layout is not None else contextlib.nullcontext({})
+    )
     with (
         _head_rows(head, positions, fired) if isinstance(head, torch.nn.Module) else contextlib.nullcontext(),
-        packed(net, layout) if layout is not None else contextlib.nullcontext(),
+        packing as arguments,
     ):
-        extra: dict[str, Any] = {} if layout is None else {"position_ids": layout.position_ids}
+        extra: dict[str, Any] = dict(arguments)  # packed: the position ids, and the kernel's boundaries
         # No KV cache: a transformers model in train mode still builds one unless told not to, and
         # copies every layer's K and V into it (a `cat` each). Its per-layer slots also made
         # `--trainer-compile` compile each decoder layer anew, so past torch's recompile limit (8)
