@@ -7,6 +7,7 @@
 #   STEPS="modes-builtin" bash benchmarks/gpu_check.sh DIR           # a call has 10 min (limits 240 and 560 s: one call each)
 #   STEPS="colocate" bash benchmarks/gpu_check.sh DIR                # colocated on one GPU: 520 s of limits
 #   STEPS="trainer-step" bash benchmarks/gpu_check.sh DIR            # the torch trainer's step: 420 s
+#   STEPS="engine-host" bash benchmarks/gpu_check.sh DIR             # the engine's cost per request: 150 s
 #   STEPS="base-check" bash benchmarks/gpu_check.sh DIR              # time to target's base build: 240 s
 #   STEPS="ttt" bash benchmarks/gpu_check.sh DIR                     # time to target: 570 s a call, the
 #                                                                    # same command again continues (below;
@@ -65,6 +66,11 @@ want colocate && step colocate-publish 100 python3 -m benchmarks.publish_transfe
   --model-size 0.6b --publishes 3
 want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --shapes 4b,8b --smaller 1.7b,0.6b \
   --budget 235 --min-left 130
+# The built-in engine's host cost per request in flight at the time-to-target set's shape (issue
+# 48; only with STEPS="engine-host", about a minute): whether the ~90 us a request that bounded the
+# async modes' throughput on the H100 is the engine's host work (BENCHMARKS 16, the tenth session).
+named engine-host && step engine-host 150 python3 -m benchmarks.engine_host --device cuda --dtype bfloat16 \
+  --hidden 512 --layers 8 --heads 8 --requests 22,61 --tokens 300
 # The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): first
 # the GPU checks of packing and compiled layers (the same log-probs on the device), then the 0.6B
 # shape's long-tailed batch: packed (trainers/packed_attention.py: varlen flash attention), packed

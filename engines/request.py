@@ -123,15 +123,21 @@ class Request:
     # the scheduler adds a mark whenever the serving version changes while it tracks the request.
     version_marks: list[tuple[int, str]] = field(default_factory=list)
     state: RequestState = RequestState.NEW
-    _changed: anyio.Event = field(default_factory=anyio.Event)
+    # Made by whoever waits and set by `_notify`: a stream's writer waits for every change, a whole
+    # answer's handler for the finish alone. One event for both woke every non-streaming handler
+    # at every token (each decode step, once per request in flight), for it to see no finish yet.
+    _changed: anyio.Event | None = None
+    _finished: anyio.Event | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish is not None
 
     async def wait_finished(self) -> None:
-        while self.finish is None:
-            await self._changed.wait()
+        if self.finish is None:
+            if self._finished is None:
+                self._finished = anyio.Event()
+            await self._finished.wait()
 
     async def changes(self) -> AsyncIterator[Request]:
         """Yield the request each time it gained tokens or finished (coalescing bursts); end once finished."""
@@ -142,6 +148,8 @@ class Request:
                 yield self
                 if self.finish is not None:
                     return
+            if self._changed is None:
+                self._changed = anyio.Event()
             await self._changed.wait()
 
     def mark_version(self, version: str) -> None:
@@ -164,5 +172,8 @@ class Request:
 
     def _notify(self) -> None:
         self.updates += 1
-        changed, self._changed = self._changed, anyio.Event()
-        changed.set()
+        if self._changed is not None:
+            changed, self._changed = self._changed, None
+            changed.set()
+        if self.finish is not None and self._finished is not None:
+            self._finished.set()
