@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKED_ATTENTION", "PackedLayout", "packed", "packs"]
+__all__ = ["PACKED_ATTENTION", "PackedLayout", "packed", "packs", "positions_within"]
 
 log = logging.getLogger(__name__)
 _refused: list[str] = []  # why the variable-length kernel failed, once a process
@@ -77,29 +77,32 @@ class PackedLayout:
         block) past `SLACK` x its samples' own (the sum of their lengths squared). Sorted lengths
         then span about a factor 2.7 a block: 1 to 1,280 tokens in 7 or 8 blocks."""
         blocks: list[list[int]] = []
+        own = widest = 0  # the last block's sum of squared lengths, and its longest
         for n in lengths:
-            if blocks:
-                last = blocks[-1]
-                own = sum(m * m for m in last) + n * n
-                if (len(last) + 1) * max(*last, n) ** 2 <= cls.SLACK * own:
-                    last.append(n)
-                    continue
-            blocks.append([n])
-        scatter: list[torch.Tensor] = []
+            if blocks and (len(blocks[-1]) + 1) * max(widest, n) ** 2 <= cls.SLACK * (own + n * n):
+                blocks[-1].append(n)
+                own, widest = own + n * n, max(widest, n)
+            else:
+                blocks.append([n])
+                own, widest = n * n, n
+        first: list[int] = []  # each sample's first place in the blocks, flat one after another
         offset = 0
         for block in blocks:
             width = max(block)
-            scatter.extend(offset + b * width + torch.arange(n) for b, n in enumerate(block))
+            first.extend(offset + b * width for b in range(len(block)))
             offset += len(block) * width
-        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        # Whole-row tensor ops, not a few small ones per sample: each forward lays out its batch.
+        sizes = torch.tensor(lengths, dtype=torch.long)
+        within = positions_within(sizes)
+        scatter = torch.repeat_interleave(torch.tensor(first, dtype=torch.long), sizes) + within
         shape = tuple((len(block), max(block)) for block in blocks)
         starts = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return cls(tuple(lengths), torch.cat(scatter), position_ids, shape, starts)
+        return cls(tuple(lengths), scatter, within[None], shape, starts)
 
     def padded_rows(self) -> torch.Tensor:
         """[T]: each token's flat place b * L + l in one right-padded [B, L] batch of these samples."""
-        width = max(self.lengths)
-        return torch.cat([b * width + torch.arange(n) for b, n in enumerate(self.lengths)])
+        sizes = torch.tensor(self.lengths, dtype=torch.long)
+        return torch.repeat_interleave(torch.arange(len(sizes)) * int(sizes.max()), sizes) + positions_within(sizes)
 
     def to(self, device: torch.device) -> PackedLayout:
         return dataclasses.replace(
@@ -108,6 +111,12 @@ class PackedLayout:
             position_ids=self.position_ids.to(device),
             starts=self.starts.to(device),
         )
+
+
+def positions_within(lengths: torch.Tensor) -> torch.Tensor:
+    """[sum(lengths)]: each item's place within its run, for runs of `lengths` (long) end to end:
+    0, 1, ..., n0 - 1, 0, 1, ..., n1 - 1, ..."""
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
 
 
 @dataclass
@@ -245,7 +254,7 @@ def _kernel_for(net: torch.nn.Module, layout: PackedLayout) -> _Kernel | None:
     """The variable-length kernel for `net`'s packed forward, or None where the blocks serve: off
     a GPU, in fp32 (the kernel is flash attention's, half precision only), on a torch without it,
     or where it failed its trial (once a process, said once)."""
-    if layout.starts.device.type != "cuda" or _refused:
+    if layout.starts.device.type != "cuda":
         return None
     dtype = _compute_dtype(net, layout.starts.device)
     kernel = _varlen_kernel()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from core.types import Sample
-from trainers.packed_attention import PackedLayout, packed
+from trainers.packed_attention import PackedLayout, packed, positions_within
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,13 @@ class ResponseBatch:
         start = source if packed else torch.arange(len(samples)) * n_seq
         ids = torch.full((1 if packed else len(samples), n_seq), pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
-        within = torch.arange(len(flat_tokens)) - torch.repeat_interleave(source, lengths)
-        at = torch.repeat_interleave(start, lengths) + within
+        at = torch.repeat_interleave(start, lengths) + positions_within(lengths)
         ids.view(-1)[at] = flat_tokens
         attention.view(-1)[at] = 1
         # Each response token: its sample, its position in the response, the row before it
         # (position p - 1 predicts response token 0), and its id.
         sample = torch.repeat_interleave(torch.arange(len(samples)), response)
-        position = torch.arange(int(response.sum())) - torch.repeat_interleave(
-            torch.cumsum(response, 0) - response, response
-        )
+        position = positions_within(response)
         rows = torch.repeat_interleave(start + prompt - 1, response) + position
         targets = flat_tokens[torch.repeat_interleave(source + prompt, response) + position]
         layout = PackedLayout.of(lengths.tolist()) if packed else None
