@@ -68,7 +68,8 @@ want colocate && step colocate-probe 270 python3 -m benchmarks.colocate_probe --
   --budget 235 --min-left 130
 # The built-in engine's host cost per request in flight at the time-to-target set's shape (issue
 # 48; only with STEPS="engine-host", about a minute): whether the ~90 us a request that bounded the
-# async modes' throughput on the H100 is the engine's host work (BENCHMARKS 16, the tenth session).
+# async modes' throughput on the H100 is the engine's host work (BENCHMARKS 16, the tenth session),
+# then the set's load (groups of 8 coming and going, the task's lengths: the eleventh session).
 named engine-host && step engine-host 150 python3 -m benchmarks.engine_host --device cuda --dtype bfloat16 \
   --hidden 512 --layers 8 --heads 8 --requests 22,61 --tokens 300
 # The torch trainer's step against its arithmetic (issue 48; only with STEPS="trainer-step"): first

@@ -84,14 +84,32 @@ async def test_a_request_finished_before_anyone_waits_returns_at_once():
 
 def test_the_host_cost_benchmark_prints_each_case(capsys):
     """`benchmarks/engine_host.py` at a toy size: a line per request count, whole answers and
-    streams side by side, and the scheduler alone; a bad count refused by name."""
+    streams side by side, and the scheduler alone; then the turnover case, groups of two whole in
+    flight (3 requests hold one group); a bad count refused by name."""
     from benchmarks.engine_host import main
 
-    assert main(["--requests", "2,3", "--tokens", "4", "--repeats", "1"]) == 0
+    flags = ["--requests", "2,3", "--tokens", "4", "--repeats", "1", "--tail", "6", "--group", "2", "--groups", "5"]
+    assert main(flags) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    decode, turnover = out.split("turnover:")
+    rows = [line.split() for line in decode.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["2", "3"] and all(r[-1].endswith("x") for r in rows)
-    assert "the scheduler alone (an instant forward), 3 requests:" in out
+    assert "the scheduler alone (an instant forward), 3 requests:" in decode
+    rows = [line.split() for line in turnover.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[:2] for r in rows] == [["2", "2"], ["3", "2"]]
+    assert all(float(r[2]) > 0 and 0 <= float(r[-1]) <= 1 for r in rows)  # tokens/s; the prefills' share
     with pytest.raises(SystemExit):
         main(["--requests", "0"])
     assert "--requests '0' and --tokens 300: at least 1 request and 2 tokens" in capsys.readouterr().err
+
+
+def test_the_turnover_lengths_follow_the_task_tail():
+    """The turnover case's asked lengths: within 1..longest, the same for a seed, and P(n) ~ 1/n
+    (mean longest / H(longest), 136.5 at 1,024), so most answers are short."""
+    from benchmarks.engine_host import tail_lengths
+
+    lengths = tail_lengths(4000, 1024, seed=3)
+    assert lengths == tail_lengths(4000, 1024, seed=3) and 1 <= min(lengths) and max(lengths) <= 1024
+    harmonic = sum(1 / n for n in range(1, 1025))
+    assert abs(sum(lengths) / len(lengths) - 1024 / harmonic) < 0.1 * 1024 / harmonic
+    assert sum(n <= 32 for n in lengths) > len(lengths) / 2  # H(32) / H(1024) = 0.54
