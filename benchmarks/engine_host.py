@@ -9,7 +9,7 @@ Why: on the H100's time-to-target set (a 19M model) the engine decoded 6,470 tok
 22 of its 64 slots in flight (sync) and 9,020 with about 61 (async): each request in flight made a
 decode step about 90 us longer, which bounds the async modes' throughput, and with it their time to
 a target (BENCHMARKS 16, the tenth session). Was it the engine's own work per request? On the H100
-it was not: 8-13 us a request beyond 22, and under the set's load (the last case below) the engine
+it was not: 8-20 us a request beyond 22, and under the set's load (the last case below) the engine
 alone made 14,000 tokens/s with 56 requests in flight, 1.55x what the runs got (the eleventh
 session). This measures that work where it lives: `EngineCore` (the scheduler: rows, tokens, finishes, waking
 waiters) over `KVCacheForward` (the forward: slots, sampling; CUDA graphs on a GPU), N requests of
