@@ -8,11 +8,12 @@ drives them, at a few concurrencies.
 Why: on the H100's time-to-target set (a 19M model) the engine decoded 6,470 tokens/s with about
 22 of its 64 slots in flight (sync) and 9,020 with about 61 (async): each request in flight made a
 decode step about 90 us longer, which bounds the async modes' throughput, and with it their time to
-a target (BENCHMARKS 16, the tenth session). Was it the engine's own work per request? On the H100
-it was not: 8-20 us a request beyond 22, and under the set's load (the last case below) the engine
-alone made 14,000 tokens/s with 56 requests in flight, 1.55x what the runs got (the eleventh
-session). This measures that work where it lives: `EngineCore` (the scheduler: rows, tokens, finishes, waking
-waiters) over `KVCacheForward` (the forward: slots, sampling; CUDA graphs on a GPU), N requests of
+a target (BENCHMARKS 16, the tenth session). Was it the engine's own work per request? On two H100
+machines it was not: 8-20 us a request beyond 22; and under the set's load (the last case below)
+the engine alone made 14,000 tokens/s with 56 requests in flight, 1.55x what the async runs got
+from it (the eleventh session). This measures that work where it lives: `EngineCore` (the
+scheduler: rows, tokens, finishes, waking waiters) over `KVCacheForward` (the forward: slots,
+sampling; CUDA graphs on a GPU), N requests of
 `--tokens` tokens each started together, and each one awaited as the HTTP surface awaits it.
 
 For each N it prints the mean decode step and its share per request, twice side by side: with
