@@ -204,8 +204,7 @@ def _attention(
     if kernel is None or kwargs.get("dropout"):  # the flash kernel takes no dropout: the blocks do
         blocks: tuple[torch.Tensor, None] = _outside_graphs(module, query, key, value, attention_mask, **kwargs)
         return blocks
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
-        raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
+    _refuse_unpackable(module, kwargs)
     kernel.called = True
     # [T, H, D] each, the samples' boundaries in `starts`: no padding, no scatter or gather. Under
     # autocast q and k can come out of a model's fp32 norm weights (Qwen3's q_norm and k_norm)
@@ -214,6 +213,13 @@ def _attention(
     starts, longest = kwargs[_STARTS], kwargs[_LONGEST]
     out = kernel.kernel(q, k, v, starts, starts, longest, longest, scale=kwargs.get("scaling"))
     return out[None], None
+
+
+def _refuse_unpackable(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Both paths' rule: the causal kernel over the samples' boundaries is not the attention of a
+    sliding window or of soft-capped logits (`packs` keeps such models padded)."""
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
+        raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
 
 
 def _blocks(
@@ -231,8 +237,7 @@ def _blocks(
     state = _active.get()
     if state is None:  # a forward outside `packed` (none should reach here, but SDPA is the default)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
-        raise ValueError(f"{type(module).__name__}: a sliding window or soft cap cannot run packed")
+    _refuse_unpackable(module, kwargs)
     state.calls += 1
     layout = state.layout
     blocks = _unpack(query, layout), _unpack(key, layout), _unpack(value, layout)
